@@ -1,0 +1,5 @@
+"""Hand-written Pallas kernels (GPU: Triton backend; TPU: Mosaic) with plain-JAX references.
+
+Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and the dispatching public op.
+"""
+from kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
