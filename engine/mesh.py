@@ -1,0 +1,76 @@
+"""The device mesh: three named axes, `('data', 'fsdp', 'model')`.
+
+- `data`: pure data parallelism; weights replicated (ZeRO-1/2 may still split optimizer state / gradients over it).
+- `fsdp`: ZeRO-3 / fully sharded data parallelism; weights, gradients and optimizer state split.
+- `model`: tensor parallelism (Megatron layout chosen by `engine.auto_shard`).
+
+The `model` axis is innermost so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
+and only the data-parallel axes cross the slower network.
+"""
+import math
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+AXES = ("data", "fsdp", "model")
+
+
+def _resolve_sizes(sizes, n_devices):
+    named = dict(zip(AXES, sizes))
+    for name, size in named.items():
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or (size != -1 and size < 1):
+            raise ValueError(f"make_mesh: {name}={size!r}; expected a positive integer or -1 (fill)")
+    fill = [name for name, size in named.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"make_mesh: only one axis size may be -1, got {' and '.join(f'{n}=-1' for n in fill)}")
+    known = math.prod(size for size in sizes if size != -1)
+    if fill:
+        if n_devices % known:
+            raise ValueError(f"make_mesh: {n_devices} devices cannot be split into "
+                             + " x ".join(f"{n}={s}" for n, s in named.items()) + f" ({known} does not divide {n_devices})")
+        named[fill[0]] = n_devices // known
+    elif known != n_devices:
+        raise ValueError("make_mesh: " + " x ".join(f"{n}={s}" for n, s in named.items())
+                         + f" = {known} devices, but {n_devices} devices are available")
+    return tuple(named[n] for n in AXES)
+
+
+def _device_grid(shape, devices):
+    """Places devices on the grid: per-host blocks for the data axes, the model axis inside a host."""
+    n_hosts = len({d.process_index for d in devices})
+    data, fsdp, model = shape
+    if n_hosts > 1:
+        per_host = len(devices) // n_hosts
+        # Spread hosts over the outer (data, then fsdp) axes; each host keeps a whole inner block.
+        dcn_data = math.gcd(data, n_hosts)
+        dcn_fsdp = n_hosts // dcn_data
+        if fsdp % dcn_fsdp == 0 and per_host * n_hosts == len(devices):
+            ici = (data // dcn_data, fsdp // dcn_fsdp, model)
+            try:
+                return mesh_utils.create_hybrid_device_mesh(ici, (dcn_data, dcn_fsdp, 1), devices,
+                                                            process_is_granule=True, allow_split_physical_axes=True)
+            except (ValueError, AssertionError, NotImplementedError) as e:
+                logging.warning("make_mesh: hybrid mesh failed (%s); ordering devices by host instead", e)
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return np.array(ordered, dtype=object).reshape(shape)
+    try:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, AssertionError, NotImplementedError) as e:
+        logging.warning("make_mesh: topology-aware mesh failed (%s); using device order", e)
+        return np.array(devices, dtype=object).reshape(shape)
+
+
+def make_mesh(*, data=-1, fsdp=1, model=1, devices=None):
+    """Builds a `Mesh` with axes `('data', 'fsdp', 'model')`; one size may be -1 to take the remaining devices.
+
+    `devices` defaults to all devices of all processes (`jax.devices()`). Raises `ValueError` when the sizes do not
+    multiply to the device count, when more than one size is -1, or a size is 0 or negative.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh: devices is empty; expected at least one device")
+    shape = _resolve_sizes((data, fsdp, model), len(devices))
+    return Mesh(_device_grid(shape, devices), AXES)

@@ -1,0 +1,573 @@
+"""Automatic parameter sharding: RedCoast's two tensor-parallel rules, derived from the dataflow, plus ZeRO-3.
+
+Rule 1 (attention): q/k/v projections are split over `model` along their output (heads) dimension and the output
+projection along its input dimension. Rule 2 (every other linear layer): column and row splits alternate in the
+order the layers run, so each row-split layer consumes a column-split layer's output (Megatron layout: one
+all-reduce per pair).
+
+With `trace_fn`, both rules fall out of one analysis of the traced program (`jax.make_jaxpr`, nothing runs): every
+intermediate value carries "which of its dimensions is split over `model`", and every parameter carries "which of
+its dimensions it came from". At a matmul with a parameter operand, an activation split along a contracted dimension
+makes the weight row-split (and the result a partial sum, i.e. replicated after the all-reduce); otherwise the weight
+is column-split along its first splittable output dimension and the result is split there. Reshapes carry the split
+into the heads dimension, attention einsums keep it, and the output projection finds it contracted. Names play no
+part, so `Dense_0 ... Dense_7` or a fused `qkv` kernel come out right, and so does GPT-2's `c_fc` / `c_proj`.
+
+Without `trace_fn`, parameter names and the pytree's insertion order are used (Flax keeps creation order in its dicts;
+`jax.tree_util` would sort the keys, so the walk here does not use it).
+"""
+import math
+import re
+
+import jax
+import numpy as np
+from absl import logging
+from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec as P
+
+MODEL, FSDP = "model", "fsdp"
+# Parameters smaller than this (elements) stay replicated over `fsdp`: splitting norms and small biases saves
+# nothing and costs a gather each.
+FSDP_MIN_ELEMENTS = 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pytree helpers: paths in insertion order.
+
+def _key_str(k):
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _path_str(path):
+    return "/".join(_key_str(k) for k in path)
+
+
+def _leaves_in_creation_order(tree, prefix=()):
+    """[(path tuple, leaf)] walking Mappings in their own (insertion) order."""
+    if hasattr(tree, "keys") and hasattr(tree, "__getitem__") and not hasattr(tree, "shape"):
+        out = []
+        for k in tree.keys():
+            out += _leaves_in_creation_order(tree[k], prefix + (str(k),))
+        return out
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if len(flat) == 1 and flat[0][0] == ():
+        return [(prefix, flat[0][1])]
+    return [(prefix + tuple(_key_str(k) for k in p), leaf) for p, leaf in flat]
+
+
+def _shape(x):
+    return tuple(getattr(x, "shape", np.shape(x)))
+
+
+def _axis_sizes(mesh):
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dataflow analysis.
+
+class _Info:
+    """What the analysis knows about one value: which dim is split over `model` (or None), and, when the value is a
+    parameter or a pure re-shaping of one, (param index, param dim for each of its dims)."""
+    __slots__ = ("split", "origin")
+
+    def __init__(self, split=None, origin=None):
+        self.split, self.origin = split, origin
+
+
+_REPLICATED = _Info()
+_SHAPE_ONLY = {"convert_element_type", "copy", "copy_p", "reduce_precision", "optimization_barrier"}
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
+               "reduce_xor"}
+_SLICING = {"slice", "dynamic_slice", "dynamic_update_slice", "pad", "rev", "concatenate", "cumsum", "cumprod",
+            "cummax", "cumlogsumexp", "sort"}
+
+
+def _reshape_map(in_shape, out_shape, divisor):
+    """For each input dim, the output dim its split moves to (None when it is a non-leading part of a merge). A dim
+    split into factors moves to the first factor `divisor` divides: [b, t, 3*h*d] -> [b, t, 3, h, d] lands on h."""
+    mapping = [None] * len(in_shape)
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        i0, j0 = i, j
+        pi, pj = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= in_shape[i]
+                i += 1
+            else:
+                pj *= out_shape[j]
+                j += 1
+        # Group in[i0:i] == out[j0:j]: the first non-trivial input dim maps to the first non-trivial output dim.
+        lead_out = next((d for d in range(j0, j) if out_shape[d] != 1 and out_shape[d] % divisor == 0),
+                        next((d for d in range(j0, j) if out_shape[d] != 1), j0))
+        lead_in = next((d for d in range(i0, i) if in_shape[d] != 1), None)
+        if lead_in is not None:
+            mapping[lead_in] = lead_out
+        if i - i0 == 1 and j - j0 == 1:
+            mapping[i0] = j0
+    return mapping
+
+
+def _remap(info, dim_map, out_rank):
+    """Moves `info` through a dim mapping (input dim -> output dim or None)."""
+    split = dim_map[info.split] if info.split is not None else None
+    origin = None
+    if info.origin is not None:
+        pid, pdims = info.origin
+        out = [None] * out_rank
+        for d_in, d_out in enumerate(dim_map):
+            if d_out is not None:
+                out[d_out] = pdims[d_in]
+        origin = (pid, tuple(out))
+    return _Info(split, origin)
+
+
+def _inner_jaxpr(params):
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = params.get(name)
+        if j is not None:
+            return j.jaxpr if hasattr(j, "jaxpr") and not hasattr(j, "eqns") else j
+    return None
+
+
+class _Analysis:
+    def __init__(self, shapes, model_size, paths):
+        self.shapes = shapes          # param index -> shape
+        self.model_size = model_size
+        self.paths = paths
+        self.decided = {}             # param index -> param dim split over `model` (or None: replicated)
+        self.kind = {}                # param index -> 'column' | 'row' | 'embedding' | 'follow'
+        self.used = set()             # param indices the program reads
+
+    def _divisible(self, pid, pdim):
+        return pdim is not None and self.shapes[pid][pdim] % self.model_size == 0
+
+    def _decide(self, pid, pdim, kind):
+        if pid not in self.decided:
+            self.decided[pid] = pdim
+            self.kind[pid] = kind
+
+    # -- walking -----------------------------------------------------------------------------------------------
+    def walk(self, jaxpr, in_infos):
+        env = {}
+
+        def read(v):
+            if isinstance(v, jex_core.Literal):
+                return _REPLICATED
+            return env.get(v, _REPLICATED)
+
+        for v, info in zip(jaxpr.invars, in_infos):
+            env[v] = info
+        for eqn in jaxpr.eqns:
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars])
+            for v, info in zip(eqn.outvars, outs):
+                env[v] = info
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, ins):
+        name = eqn.primitive.name
+        self.used.update(info.origin[0] for info in ins if info.origin is not None)
+        p = eqn.params
+        in_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+        out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        if name == "dot_general":
+            return [self.dot(ins, in_shapes, p["dimension_numbers"])]
+        if name == "gather":
+            return [self.gather(ins[0], p["dimension_numbers"])]
+        if name in _SHAPE_ONLY:
+            return [ins[0] for _ in eqn.outvars]
+        if name == "transpose":
+            perm = p["permutation"]
+            return [_remap(ins[0], [perm.index(d) for d in range(len(perm))], len(perm))]
+        if name == "broadcast_in_dim":
+            dims = p["broadcast_dimensions"]
+            dmap = [d if in_shapes[0][i] == out_shapes[0][d] else None for i, d in enumerate(dims)]
+            return [_remap(ins[0], dmap, len(out_shapes[0]))]
+        if name == "reshape":
+            return [_remap(ins[0], _reshape_map(in_shapes[0], out_shapes[0], self.model_size), len(out_shapes[0]))]
+        if name == "squeeze":
+            gone = set(d % len(in_shapes[0]) for d in p["dimensions"])
+            kept = [d for d in range(len(in_shapes[0])) if d not in gone]
+            return [_remap(ins[0], [kept.index(d) if d in kept else None for d in range(len(in_shapes[0]))],
+                           len(kept))]
+        if name == "expand_dims":
+            new = sorted(p["dimensions"])
+            kept = [d for d in range(len(out_shapes[0])) if d not in new]
+            return [_remap(ins[0], kept, len(out_shapes[0]))]
+        if name in _REDUCTIONS:
+            axes = set(p["axes"])
+            dmap = []
+            for d in range(len(in_shapes[0])):
+                dmap.append(None if d in axes else d - sum(a < d for a in axes))
+            info = _remap(ins[0], dmap, len(out_shapes[0]))
+            return [_Info(info.split) for _ in eqn.outvars]
+        if name in _SLICING or name == "split":
+            info = ins[0]
+            if name == "concatenate":
+                info = next((i for i in ins if i.split is not None), ins[0])
+            return [_Info(info.split if len(s) == len(in_shapes[0]) else None,
+                          info.origin if name in ("slice", "dynamic_slice") else None) for s in out_shapes]
+        if name == "scan":
+            return self.scan(eqn, ins)
+        if name == "while":
+            body = p["body_jaxpr"].jaxpr
+            nc = p["body_nconsts"]
+            carry = ins[p["cond_nconsts"] + nc:]
+            return self.walk(body, ins[p["cond_nconsts"]:p["cond_nconsts"] + nc] + carry)
+        if name == "cond":
+            return self.walk(p["branches"][0].jaxpr, ins[1:])
+        inner = _inner_jaxpr(p)
+        if inner is not None and len(inner.invars) == len(ins):
+            return self.walk(inner, ins)
+        return self.elementwise_or_opaque(ins, in_shapes, out_shapes)
+
+    def elementwise_or_opaque(self, ins, in_shapes, out_shapes):
+        """Elementwise ops keep a split and make split-matching parameters (biases) follow it. Any other op (e.g. a
+        Pallas kernel) passes a split on to outputs shaped like the split input."""
+        split_in = next(((info, s) for info, s in zip(ins, in_shapes) if info.split is not None), None)
+        elementwise = len(out_shapes) == 1 and all(s == out_shapes[0] or s == () for s in in_shapes)
+        if elementwise:
+            split = split_in[0].split if split_in else None
+            if split is not None:
+                for info, s in zip(ins, in_shapes):
+                    if info.origin is not None and s:
+                        pid, pdims = info.origin
+                        if self._divisible(pid, pdims[split]):
+                            self._decide(pid, pdims[split], "follow")
+            return [_Info(split)]
+        if split_in is None:
+            return [_REPLICATED for _ in out_shapes]
+        return [_Info(split_in[0].split if s == split_in[1] else None) for s in out_shapes]
+
+    def scan(self, eqn, ins):
+        p = eqn.params
+        nc, ncarry = p["num_consts"], p["num_carry"]
+        xs = []
+        for info in ins[nc + ncarry:]:  # the body sees xs without their leading (scanned) dim
+            origin = (info.origin[0], info.origin[1][1:]) if info.origin is not None else None
+            xs.append(_Info(info.split - 1 if info.split else None, origin))
+        outs = self.walk(p["jaxpr"].jaxpr, ins[:nc + ncarry] + xs)
+        carry, ys = outs[:ncarry], outs[ncarry:]
+        return carry + [_Info(y.split + 1 if y.split is not None else None) for y in ys]
+
+    def gather(self, operand, dnums):
+        """A gather from a parameter is an embedding lookup: split its vocabulary (indexed) dim, else the hidden one."""
+        if operand.origin is not None:
+            pid, pdims = operand.origin
+            indexed = [pdims[d] for d in dnums.start_index_map]
+            vocab = indexed[0] if indexed else None
+            if self._divisible(pid, vocab):
+                self._decide(pid, vocab, "embedding")
+            else:
+                other = [d for d in range(len(self.shapes[pid])) if d != vocab and self._divisible(pid, d)]
+                self._decide(pid, other[0] if other else None, "embedding")
+        return _REPLICATED
+
+    def dot(self, ins, shapes, dnums):
+        (lc, rc), (lb, rb) = dnums
+        lhs, rhs = ins
+        l_free = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]
+        r_free = [d for d in range(len(shapes[1])) if d not in rc and d not in rb]
+
+        def out_pos(side, dim):
+            """Output position of operand dim `dim` of side 0 (lhs) or 1 (rhs); None if contracted."""
+            batch, free = (lb, l_free) if side == 0 else (rb, r_free)
+            if dim in batch:
+                return batch.index(dim)
+            if dim in free:
+                return len(lb) + (free.index(dim) if side == 0 else len(l_free) + free.index(dim))
+            return None
+
+        weight_side = None
+        if (lhs.origin is None) != (rhs.origin is None):
+            weight_side = 0 if lhs.origin is not None else 1
+        if weight_side is None:  # activation x activation (attention scores, attention x values)
+            # A split batch dim (the heads) wins over a split free dim (a head_dim split by an indivisible GQA).
+            splits = [(side, info.split) for side, info in ((0, lhs), (1, rhs)) if info.split is not None]
+            splits.sort(key=lambda s: s[1] not in (lb if s[0] == 0 else rb))
+            for side, dim in splits:
+                if out_pos(side, dim) is not None:
+                    return _Info(out_pos(side, dim))
+            return _REPLICATED
+
+        w, a = (lhs, rhs) if weight_side == 0 else (rhs, lhs)
+        a_side = 1 - weight_side
+        w_contract, a_contract = (lc, rc) if weight_side == 0 else (rc, lc)
+        w_free = l_free if weight_side == 0 else r_free
+        pid, pdims = w.origin
+        if pid not in self.decided:
+            if a.split is not None and a.split in a_contract:
+                row = pdims[w_contract[list(a_contract).index(a.split)]]
+                col = next((pdims[d] for d in w_free if self._divisible(pid, pdims[d])), None)
+                if self._divisible(pid, row):
+                    self._decide(pid, row, "row")
+                else:
+                    self._decide(pid, col, "column")
+            else:
+                col = next((pdims[d] for d in w_free if self._divisible(pid, pdims[d])), None)
+                row = next((pdims[d] for d in w_contract if self._divisible(pid, pdims[d])), None)
+                if col is not None:
+                    self._decide(pid, col, "column")
+                else:
+                    self._decide(pid, row, "row")
+        # The result's split follows from the (possibly earlier) decision for this weight.
+        pdim = self.decided[pid]
+        if pdim is not None and pdim in pdims:
+            return _Info(out_pos(weight_side, pdims.index(pdim)))
+        if a.split is not None:
+            return _Info(out_pos(a_side, a.split))
+        return _REPLICATED
+
+
+def _trace_decisions(params, trace_fn, model_size):
+    """({path: (param dim or None, kind)}, {paths the program reads}) from the traced program."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    paths = [_path_str(p) for p, _ in flat]
+    shapes = [_shape(x) for _, x in flat]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shape(x), x.dtype), params)
+    closed = jax.make_jaxpr(trace_fn)(abstract)
+    analysis = _Analysis(shapes, model_size, paths)
+    n_consts = len(closed.jaxpr.invars) - len(flat)
+    ins = [_REPLICATED] * n_consts + [_Info(None, (i, tuple(range(len(s))))) for i, s in enumerate(shapes)]
+    analysis.walk(closed.jaxpr, ins)
+    decided = {paths[pid]: (pdim, analysis.kind[pid]) for pid, pdim in analysis.decided.items()}
+    return decided, {paths[pid] for pid in analysis.used}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Name-based fallback.
+
+_LEAF_NAMES = {"kernel", "weight", "w", "bias", "b", "scale", "embedding"}
+_NORM = re.compile(r"(norm|^ln|_ln|ln_)", re.I)
+_QKV = re.compile(r"^(q|k|v|query|key|value|qkv|wq|wk|wv|wqkv|c_attn|query_key_value|in_proj|q_proj|k_proj|v_proj|"
+                  r"qkv_proj|kv_proj|to_q|to_k|to_v)$", re.I)
+_ATTN_OUT = re.compile(r"^(o|o_proj|out_proj|wo|out|c_proj|dense|proj|to_out|output)$", re.I)
+_COLUMN = re.compile(r"^(gate_proj|up_proj|wi|wi_0|wi_1|fc1|fc_in|c_fc|w1|w3|dense_h_to_4h|gate|up|intermediate|"
+                     r"lm_head|head)$", re.I)
+_ROW = re.compile(r"^(down_proj|wo|fc2|fc_out|c_proj|w2|dense_4h_to_h|down|output|out_proj)$", re.I)
+_EMBED = re.compile(r"(embed|wte|wpe|shared|tok_embeddings|word_embeddings|position_embeddings)", re.I)
+_ATTN_SCOPE = re.compile(r"(attn|attention)", re.I)
+
+
+def _layer_name(path):
+    return path[-2] if len(path) > 1 and path[-1].lower() in _LEAF_NAMES else path[-1]
+
+
+def _natural_key(text):
+    """'Dense_10' after 'Dense_2': Flax's automatic names number layers in creation order."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+def _name_decisions(leaves, model_size):
+    """{path: (param dim or None, kind)} from names and creation order. Kernels are taken as [in, out...]."""
+    kinds, generic = {}, {}
+    for path, leaf in leaves:
+        shape = _shape(leaf)
+        key, layer = "/".join(path), _layer_name(path)
+        scope = "/".join(path[:-2] if len(path) > 1 and path[-1].lower() in _LEAF_NAMES else path[:-1])
+        if _EMBED.search(layer) or path[-1] == "embedding":
+            if len(shape) == 2:
+                kinds[key] = "embedding"
+            continue
+        if len(shape) < 2 or path[-1] == "scale" or _NORM.search(layer):
+            continue
+        in_attn = bool(_ATTN_SCOPE.search(scope)) or bool(_ATTN_SCOPE.search(layer))
+        if _QKV.match(layer) and (in_attn or len(layer) > 1):
+            kinds[key] = "column"
+        elif in_attn and _ATTN_OUT.match(layer):
+            kinds[key] = "row"
+        elif _COLUMN.match(layer):
+            kinds[key] = "column"
+        elif _ROW.match(layer):
+            kinds[key] = "row"
+        else:
+            generic.setdefault(scope, []).append(key)
+    # Generically named layers alternate column / row in creation order within their scope.
+    for keys in generic.values():
+        for i, key in enumerate(sorted(keys, key=_natural_key)):
+            kinds[key] = "column" if i % 2 == 0 else "row"
+    shapes = {"/".join(p): _shape(l) for p, l in leaves}
+    out = {}
+    for key, kind in kinds.items():
+        shape = shapes[key]
+        if kind == "embedding":
+            dims = [d for d in (0, 1) if shape[d] % model_size == 0]
+            out[key] = (dims[0] if dims else None, kind)
+            continue
+        want, other = (1, 0) if kind == "column" else (0, 1)
+        if shape[want] % model_size == 0:
+            out[key] = (want, kind)
+        elif shape[other] % model_size == 0:
+            out[key] = (other, "row" if kind == "column" else "column")
+        else:
+            out[key] = (None, kind)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API.
+
+def _follow_column_kernels(leaves, decisions, model_size):
+    """1-D leaves nothing decided (biases) follow a column-split kernel of the same layer when their sizes match."""
+    shapes = {"/".join(p): _shape(l) for p, l in leaves}
+    for path, _ in leaves:
+        key, layer = "/".join(path), "/".join(path[:-1]) + "/"
+        if key in decisions or len(shapes[key]) != 1 or shapes[key][0] % model_size:
+            continue
+        for other, (dim, kind) in list(decisions.items()):
+            if other.startswith(layer) and kind == "column" and dim is not None and shapes[other][dim] == shapes[key][0]:
+                decisions[key] = (0, "follow")
+                break
+
+
+def _spec_tuple(spec, ndim):
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return entries
+
+
+def _axes_of(entry):
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _compact(entries):
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def add_axis(spec, shape, axis, axis_sizes, *, min_elements=FSDP_MIN_ELEMENTS):
+    """Adds mesh axis `axis` to `spec` on the largest dimension it does not split yet and that the axis size divides;
+    failing that, on an already-split dimension that stays divisible (e.g. `('model', 'fsdp')`). Arrays under
+    `min_elements` or indivisible keep `spec`. Used for ZeRO-3 (`fsdp`) on weights and ZeRO-1/2 (`data`) on optimizer
+    state and gradients. `axis_sizes`: {axis name: size}."""
+    size = axis_sizes.get(axis, 1)
+    entries = _spec_tuple(spec, len(shape))
+    if size <= 1 or math.prod(shape) < min_elements or any(axis in _axes_of(e) for e in entries):
+        return _compact(entries)
+    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % size == 0]
+    if free:
+        entries[max(free, key=lambda d: (shape[d], -d))] = axis
+        return _compact(entries)
+    for d, e in enumerate(entries):
+        axes = _axes_of(e)
+        if axes and shape[d] % (size * math.prod(axis_sizes[a] for a in axes)) == 0:
+            entries[d] = axes + (axis,)
+            break
+    return _compact(entries)
+
+
+def _check_rule(path, shape, spec, rule, sizes):
+    entries = list(spec)
+    if len(entries) > len(shape):
+        raise ValueError(f"sharding rule {rule!r} gives {spec} with {len(entries)} entries for parameter '{path}' "
+                         f"of shape {shape}; expected at most {len(shape)}")
+    for d, e in enumerate(entries):
+        axes = _axes_of(e)
+        for a in axes:
+            if a not in sizes:
+                raise ValueError(f"sharding rule {rule!r} names mesh axis {a!r} for parameter '{path}' of shape "
+                                 f"{shape}; the mesh has axes {tuple(sizes)}")
+        n = math.prod(sizes[a] for a in axes)
+        if shape[d] % n:
+            raise ValueError(f"sharding rule {rule!r} splits dim {d} (size {shape[d]}) of parameter '{path}' of shape "
+                             f"{shape} over {axes} = {n} devices, which does not divide it")
+
+
+def _check_rules(rules):
+    if rules is None:
+        return []
+    compiled = []
+    for item in rules:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], P)):
+            raise ValueError(f"rules: entry {item!r}; expected a (regex string, PartitionSpec) pair")
+        try:
+            compiled.append((re.compile(item[0]), item[1], item[0]))
+        except re.error as e:
+            raise ValueError(f"rules: regex {item[0]!r} does not compile: {e}") from None
+    return compiled
+
+
+def auto_shard(params, mesh, *, trace_fn=None, rules=None):
+    """A `PartitionSpec` for every parameter; the result has the structure of `params`.
+
+    Args:
+      params: any parameter pytree of arrays or `jax.ShapeDtypeStruct`s (nothing is read or moved).
+      mesh: a `Mesh`, usually from `engine.make_mesh` (axes 'data', 'fsdp', 'model').
+      trace_fn: optional `fn(params) -> anything` closed over example inputs (e.g. a loss on one batch). It is traced
+        abstractly (`jax.make_jaxpr`, never run) to find which parameter feeds which matmul; without it, names and
+        creation order decide.
+      rules: optional `[(regex, PartitionSpec)]` matched with `re.search` against the '/'-joined parameter path;
+        first match wins; unmatched parameters get the automatic rules.
+
+    A dimension is split only if the axis size divides it (else the other rule is tried, else the parameter is
+    replicated). With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
+    divisible dimension split over `fsdp`.
+    """
+    sizes = _axis_sizes(mesh)
+    compiled_rules = _check_rules(rules)
+    leaves = _leaves_in_creation_order(params)
+    model_size = sizes.get(MODEL, 1)
+    decisions = {}
+    if model_size > 1:
+        names = _name_decisions(leaves, model_size)
+        if trace_fn is None:
+            decisions = names
+        else:  # names only decide parameters the program never reads
+            traced, used = _trace_decisions(params, trace_fn, model_size)
+            decisions = {**{k: v for k, v in names.items() if k not in used}, **traced}
+        _follow_column_kernels(leaves, decisions, model_size)
+
+    specs = {}
+    for path, leaf in leaves:
+        key = "/".join(path)
+        shape = _shape(leaf)
+        rule = next(((spec, src) for rx, spec, src in compiled_rules if rx.search(key)), None)
+        if rule is not None:
+            _check_rule(key, shape, rule[0], rule[1], sizes)
+            specs[key] = rule[0]
+            continue
+        entries = [None] * len(shape)
+        dim = decisions.get(key, (None, None))[0]
+        if dim is not None:
+            entries[dim] = MODEL
+        specs[key] = add_axis(P(*entries), shape, FSDP, sizes)
+    return jax.tree_util.tree_map_with_path(lambda p, _: specs[_path_str(p)], params)
+
+
+def describe_sharding(params, specs, mesh):
+    """A table of path, shape, dtype, spec and bytes per device, with totals against full replication."""
+    sizes = _axis_sizes(mesh)
+    flat_specs = {_path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    rows, total, per_device = [], 0, 0
+    for path, leaf in _leaves_in_creation_order(params):
+        key = "/".join(path)
+        shape = _shape(leaf)
+        nbytes = math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        spec = flat_specs[key]
+        split = math.prod(sizes[a] for e in spec for a in _axes_of(e))
+        rows.append((key, "x".join(map(str, shape)) or "scalar", str(np.dtype(leaf.dtype)), str(spec),
+                     nbytes // split))
+        total += nbytes
+        per_device += nbytes // split
+    header = ("parameter", "shape", "dtype", "spec", "bytes/device")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
+    fmt = "  ".join(f"{{:{'>' if i == 4 else '<'}{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*header)] + [fmt.format(*r) for r in rows]
+    ratio = total / per_device if per_device else 1.0
+    lines.append(f"total: {total:,} bytes replicated; {per_device:,} bytes per device ({ratio:.2f}x smaller) on mesh "
+                 + " x ".join(f"{a}={n}" for a, n in sizes.items()))
+    return "\n".join(lines)
+
+
+def log_sharding(params, specs, mesh):
+    logging.info("parameter sharding:\n%s", describe_sharding(params, specs, mesh))

@@ -1,0 +1,49 @@
+"""One process of the 2-process x 4-device test: joins the runtime, builds one 8-device mesh, runs a tensor-parallel
+forward with auto_shard specs, and (process 0) saves the replicated result.
+
+usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
+"""
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import engine
+from tests import toy_models as tm
+
+IDS = (np.arange(32, dtype=np.int32).reshape(4, 8) * 7) % 64
+
+
+def forward_fn():
+    module = tm.LlamaLike()
+    params = module.init(jax.random.key(0), IDS)["params"]
+    return module, params
+
+
+def main(coordinator, num_processes, process_id, out, timeout_s=60):
+    engine.initialize_distributed(coordinator, int(num_processes), int(process_id), timeout_s=float(timeout_s))
+    assert jax.device_count() == 8 and jax.local_device_count() == 4, (jax.device_count(), jax.local_device_count())
+    mesh = engine.make_mesh(data=2, model=4)
+    # The model axis stays inside one process (host).
+    for row in mesh.devices.reshape(-1, 4):
+        assert len({d.process_index for d in row}) == 1
+    module, params = forward_fn()
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: module.apply({"params": p}, IDS))
+    place = lambda x, s: jax.make_array_from_callback(x.shape, NamedSharding(mesh, s), lambda i: x[i])  # noqa: E731
+    sharded = jax.tree.map(lambda x, s: place(np.asarray(x), s), params, specs)
+    ids = place(IDS, P("data"))
+    fwd = jax.jit(lambda p, i: module.apply({"params": p}, i), out_shardings=NamedSharding(mesh, P()))
+    logits = fwd(sharded, ids)
+    if jax.process_index() == 0:
+        np.save(out, np.asarray(logits.addressable_shards[0].data))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    # JAX creates its backends on first use, so setting these after `import jax` is early enough.
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    main(*sys.argv[1:])
