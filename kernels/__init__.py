@@ -3,3 +3,4 @@
 Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and the dispatching public op.
 """
 from kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
+from kernels.attention import flash_attention, mha_reference

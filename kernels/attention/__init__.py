@@ -1,0 +1,6 @@
+"""Attention kernel family: `flash_attention` (reference 'xla', GPU 'triton', TPU 'mosaic_tpu') and `mha_reference`.
+
+Layout [batch, len, heads, head_dim] as in `jax.nn.dot_product_attention`; see `flash_attention` for the contract.
+"""
+from kernels.attention.api import BlockSizes, flash_attention
+from kernels.attention.reference import mha_reference

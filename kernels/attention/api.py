@@ -1,0 +1,221 @@
+"""`flash_attention`: input validation, implementation choice, block sizes, padding and the `custom_vjp` glue.
+
+Every implementation module (`reference`, `triton`, `mosaic_tpu`) provides
+`forward(q, k, v, q_ids, kv_ids, plan) -> (out, lse)` and
+`backward(q, k, v, q_ids, kv_ids, out, lse, do, plan) -> (dq, dk, dv)` on inputs already padded to block multiples;
+the lse layout is private to each. This module owns everything around them.
+"""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from kernels._dispatch import resolve_implementation
+from kernels.attention import mosaic_tpu, reference, triton
+
+_IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes along the sequence axes; None fields take the heuristic default.
+
+    block_q/block_k: forward pass. block_q_bwd/block_k_bwd: both backward passes (dq, and dk/dv).
+    num_warps/num_stages: Triton only. The 'xla' implementation uses only block_k (its scan step).
+    """
+
+    block_q: int | None = None
+    block_k: int | None = None
+    block_q_bwd: int | None = None
+    block_k_bwd: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+# Heuristic defaults per implementation, keyed by the largest head_dim they apply to. Triton numbers follow the
+# FlashAttention-2 Triton tutorial's H100 configs (128x64 forward tiles; smaller tiles at head_dim 256 to fit shared
+# memory); Mosaic uses 512-wide tiles, which keep the MXU busy across TPU generations while fitting VMEM. Not yet
+# tuned on hardware: scripts/bench_kernels.py is the tool for that.
+_DEFAULT_BLOCKS = {
+    "xla": {1 << 30: BlockSizes(block_q=1, block_k=512, block_q_bwd=1, block_k_bwd=512)},
+    "triton": {
+        64: BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3),
+        128: BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3),
+        1 << 30: BlockSizes(64, 32, 32, 32, num_warps=8, num_stages=2),
+    },
+    "mosaic_tpu": {
+        128: BlockSizes(512, 512, 256, 512),
+        1 << 30: BlockSizes(256, 512, 256, 256),
+    },
+}
+# Smallest tile per implementation: Triton's tl.dot needs >= 16 rows; Mosaic's lane dim is 128 wide.
+_MIN_BLOCK = {"xla": 1, "triton": 16, "mosaic_tpu": 128}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static configuration handed to an implementation (hashable: it is a custom_vjp nondiff argument)."""
+
+    implementation: str
+    causal: bool
+    sm_scale: float
+    kv_len: int | None  # real kv length when kv was padded, else None
+    blocks: BlockSizes
+    interpret: bool
+
+
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    segment_ids=None,
+    sm_scale=None,
+    implementation=None,
+    interpret=False,
+    block_sizes=None,
+):
+    """Multi-head attention softmax(q k^T * sm_scale) v without materialising the [len, kv_len] matrix.
+
+    Args:
+      q: [batch, len, heads, head_dim]; float32, bfloat16 or float16.
+      k, v: [batch, kv_len, kv_heads, head_dim], same dtype; heads % kv_heads == 0 (grouped-query attention: query
+        head h reads kv head h // (heads // kv_heads), as in `jax.nn.dot_product_attention`).
+      causal: query i attends to keys j <= i (top-left aligned when len != kv_len).
+      segment_ids: None, int [batch, len] (self-attention, len == kv_len) or a pair (int [batch, len],
+        int [batch, kv_len]); a query attends only to keys with its id. A query that sees no key outputs zeros.
+      sm_scale: logit scale; default 1 / sqrt(head_dim).
+      implementation: None (fastest for the backend), 'xla', 'triton' or 'mosaic_tpu'.
+      interpret: run the Pallas kernel in Pallas's interpreter (for CPU tests).
+      block_sizes: a `BlockSizes` overriding the heuristic tile sizes.
+    Returns:
+      [batch, len, heads, head_dim] in q's dtype. Differentiable in q, k and v.
+    """
+    q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
+    impl = resolve_implementation(implementation, interpret=interpret)
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    blocks = _choose_blocks(impl, D, T, S, block_sizes)
+    if impl == "xla":
+        t_pad, s_pad = T, _round_up(S, blocks.block_k)
+    else:
+        t_pad = _round_up(T, math.lcm(blocks.block_q, blocks.block_q_bwd))
+        s_pad = _round_up(S, math.lcm(blocks.block_k, blocks.block_k_bwd))
+    # Triton tiles are powers of two in every dimension, so odd head dims are zero-padded (zeros change no logit).
+    d_pad = max(16, 1 << (D - 1).bit_length()) if impl == "triton" else D
+    plan = _Plan(
+        implementation=impl,
+        causal=causal,
+        sm_scale=float(D**-0.5 if sm_scale is None else sm_scale),
+        kv_len=S if s_pad != S else None,
+        blocks=blocks,
+        interpret=interpret,
+    )
+    logging.log_first_n(logging.INFO, "flash_attention: %s q%s k%s %s", 1, impl, q.shape, k.shape, blocks)
+    q, k, v = _pad(q, 1, t_pad), _pad(k, 1, s_pad), _pad(v, 1, s_pad)
+    q, k, v = _pad(q, 3, d_pad), _pad(k, 3, d_pad), _pad(v, 3, d_pad)
+    if q_ids is not None:
+        q_ids, kv_ids = _pad(q_ids.astype(jnp.int32), 1, t_pad), _pad(kv_ids.astype(jnp.int32), 1, s_pad)
+    out = _attention(q, k, v, q_ids, kv_ids, plan)
+    return out[:, :T, :, :D]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_ids, kv_ids, plan):
+    return _IMPLEMENTATIONS[plan.implementation].forward(q, k, v, q_ids, kv_ids, plan)[0]
+
+
+def _attention_fwd(q, k, v, q_ids, kv_ids, plan):
+    out, lse = _IMPLEMENTATIONS[plan.implementation].forward(q, k, v, q_ids, kv_ids, plan)
+    return out, (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _attention_bwd(plan, residuals, do):
+    dq, dk, dv = _IMPLEMENTATIONS[plan.implementation].backward(*residuals, do, plan)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _pad(x, axis, size):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def _choose_blocks(impl, head_dim, q_len, kv_len, override):
+    table = _DEFAULT_BLOCKS[impl]
+    default = table[min(d for d in table if d >= head_dim)]
+    chosen = {f.name: getattr(default, f.name) for f in dataclasses.fields(BlockSizes)}
+    if override is not None:
+        chosen.update({name: val for name, val in dataclasses.asdict(override).items() if val is not None})
+    # Never tile past the (rounded-up) sequence: a 100-token input gets one 128 tile, not four 512 ones.
+    for name, length in (("block_q", q_len), ("block_q_bwd", q_len), ("block_k", kv_len), ("block_k_bwd", kv_len)):
+        chosen[name] = min(chosen[name], _fit_length(impl, length))
+    return BlockSizes(**chosen)
+
+
+def _fit_length(impl, length):
+    if impl == "triton":
+        return max(_MIN_BLOCK[impl], 1 << (length - 1).bit_length())
+    return _round_up(length, _MIN_BLOCK[impl])
+
+
+def _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes):
+    """Raises ValueError on bad input; returns (q_ids, kv_ids), either both None or both arrays."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name}.shape={getattr(x, 'shape', None)}; expected rank 4 [batch, len, heads, head_dim]")
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype}; expected one of float32, bfloat16, float16")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}; expected all equal")
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={k.shape}, v.shape={v.shape}; expected equal shapes")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k batch={k.shape[0]}, q batch={q.shape[0]}; expected equal")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k head_dim={k.shape[3]}, q head_dim={q.shape[3]}; expected equal")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads={q.shape[2]}, kv heads={k.shape[2]}; expected heads divisible by kv_heads")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r}; expected a bool")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret={interpret!r}; expected a bool")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or sm_scale <= 0):
+        raise ValueError(f"sm_scale={sm_scale!r}; expected None or a positive Python float")
+    if block_sizes is not None:
+        if not isinstance(block_sizes, BlockSizes):
+            raise ValueError(f"block_sizes={block_sizes!r}; expected None or a kernels.attention.BlockSizes")
+        for name, val in dataclasses.asdict(block_sizes).items():
+            if val is not None and (not isinstance(val, int) or val <= 0):
+                raise ValueError(f"block_sizes.{name}={val!r}; expected None or a positive int")
+    if segment_ids is None:
+        return None, None
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(f"segment_ids has {len(segment_ids)} entries; expected a pair (q_ids, kv_ids)")
+        q_ids, kv_ids = segment_ids
+    else:
+        if T != S:
+            raise ValueError(f"segment_ids is one array but len={T} != kv_len={S}; expected a pair (q_ids, kv_ids)")
+        q_ids = kv_ids = segment_ids
+    for name, ids, want in (("q segment_ids", q_ids, (B, T)), ("kv segment_ids", kv_ids, (B, S))):
+        if tuple(getattr(ids, "shape", ())) != want:
+            raise ValueError(f"{name}.shape={getattr(ids, 'shape', None)}; expected [batch, len] = {want}")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name}.dtype={ids.dtype}; expected an integer dtype")
+    return q_ids, kv_ids

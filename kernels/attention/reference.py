@@ -1,0 +1,165 @@
+"""Plain-JAX attention: the test oracle `mha_reference` and the memory-efficient `'xla'` implementation.
+
+`mha_reference` materialises the [len, kv_len] logits and is only meant for tests and tiny shapes. The `'xla'`
+implementation (`forward` / `backward`, glued by `kernels.attention.api`) is FlashAttention written with `lax.scan`
+over kv blocks: the forward keeps a running max and sum (online softmax) and saves only the output and the
+log-sum-exp; the backward recomputes each block's probabilities from the lse. Peak memory is one
+[batch, heads, len, block_k] block instead of the full matrix, which is what lets the models train on CPU.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Logit of a masked entry: finite so that `s - max` never computes inf - inf. A row whose running max is still
+# NEG_INF has seen no visible key; the kernels test `m > NEG_INF / 2` to find fully-masked rows (output 0, lse +inf).
+NEG_INF = -0.7 * float(np.finfo(np.float32).max)
+
+
+def attention_mask(q_pos, k_pos, q_ids, kv_ids, *, causal, kv_len):
+    """Which (query, key) pairs may attend, or None when all may. Shared by every implementation.
+
+    Operands broadcast against each other, so the caller picks the orientation ([q, k] or [k, q]) and rank.
+    Causal is top-left aligned like `jax.nn.dot_product_attention`: query i sees keys j <= i. `kv_len` (or None)
+    masks keys past the real length when kv was padded to a block multiple.
+    """
+    terms = []
+    if causal:
+        terms.append(q_pos >= k_pos)
+    if kv_len is not None:
+        terms.append(k_pos < kv_len)
+    if q_ids is not None:
+        terms.append(q_ids == kv_ids)
+    if not terms:
+        return None
+    mask = terms[0]
+    for term in terms[1:]:
+        mask = jnp.logical_and(mask, term)
+    return mask
+
+
+def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
+    """Straightforward attention, q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]; materialises [B, H, T, S].
+
+    Same semantics as `kernels.flash_attention` (no input validation): `segment_ids` is [B, T] (self-attention) or a
+    pair ([B, T], [B, S]); a query row with no visible key yields zeros.
+    """
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    q_ids, kv_ids = _split_segment_ids(segment_ids)
+    qg = q.reshape(B, T, Hkv, H // Hkv, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = attention_mask(
+        jnp.arange(T)[:, None],
+        jnp.arange(S)[None, :],
+        None if q_ids is None else q_ids[:, None, None, :, None],
+        None if kv_ids is None else kv_ids[:, None, None, None, :],
+        causal=causal,
+        kv_len=None,
+    )
+    if mask is not None:
+        s = jnp.where(mask, s, NEG_INF)
+    m = s.max(axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0.0, 1.0, l)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def _split_segment_ids(segment_ids):
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        return segment_ids[0], segment_ids[1]
+    return segment_ids, segment_ids
+
+
+def _kv_blocks(x, block_k):
+    """[B, S, ...] -> [S // block_k, B, block_k, ...], the scan's leading axis."""
+    B, S = x.shape[:2]
+    return jnp.swapaxes(x.reshape(B, S // block_k, block_k, *x.shape[2:]), 0, 1)
+
+
+def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan):
+    """Scaled logits [B, Hkv, G, T, bk] of one kv block, masked entries set to NEG_INF."""
+    T, bk = qg.shape[1], k_blk.shape[1]
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k_blk, preferred_element_type=jnp.float32) * plan.sm_scale
+    mask = attention_mask(
+        jnp.arange(T)[:, None],
+        j * bk + jnp.arange(bk)[None, :],
+        None if q_ids is None else q_ids[:, None, None, :, None],
+        None if ids_blk is None else ids_blk[:, None, None, None, :],
+        causal=plan.causal,
+        kv_len=plan.kv_len,
+    )
+    return s if mask is None else jnp.where(mask, s, NEG_INF)
+
+
+def forward(q, k, v, q_ids, kv_ids, plan):
+    """Returns (out [B, T, H, D], lse [B, Hkv, G, T] float32); S must be a multiple of plan.blocks.block_k."""
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, T, Hkv, G, D)
+    block_k = plan.blocks.block_k
+    ids_blocks = None if kv_ids is None else _kv_blocks(kv_ids, block_k)
+
+    def step(carry, xs):
+        acc, m, l = carry
+        j, k_blk, v_blk, ids_blk = xs
+        s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        # Rows with no visible key so far get p = 1 on masked entries; alpha = 0 wipes that once a visible key
+        # arrives, and rows that never see one are zeroed at the end.
+        p = jnp.exp(s - m_new[..., None])
+        l = alpha * l + p.sum(axis=-1)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+        return (alpha[..., None] * acc + pv, m_new, l), None
+
+    nk = k.shape[1] // block_k
+    init = (
+        jnp.zeros((B, Hkv, G, T, D), jnp.float32),
+        jnp.full((B, Hkv, G, T), NEG_INF, jnp.float32),
+        jnp.zeros((B, Hkv, G, T), jnp.float32),
+    )
+    xs = (jnp.arange(nk), _kv_blocks(k, block_k), _kv_blocks(v, block_k), ids_blocks)
+    (acc, m, l), _ = jax.lax.scan(step, init, xs)
+    visible = m > NEG_INF / 2
+    out = jnp.where(visible[..., None], acc / jnp.where(visible, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(visible, m + jnp.log(jnp.where(visible, l, 1.0)), jnp.inf)
+    out = jnp.moveaxis(out, 3, 1).reshape(B, T, H, D).astype(q.dtype)
+    return out, lse
+
+
+def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
+    """Returns (dq, dk, dv) by recomputing each kv block's probabilities from the saved lse."""
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    block_k = plan.blocks.block_k
+    qg = q.reshape(B, T, Hkv, G, D)
+    dog = do.reshape(B, T, Hkv, G, D)
+    # delta_i = sum_j p_ij dp_ij = <out_i, do_i> (FlashAttention-2, eq. for dS).
+    delta = jnp.einsum("btkgd,btkgd->bkgt", out.reshape(qg.shape).astype(jnp.float32), dog.astype(jnp.float32))
+    ids_blocks = None if kv_ids is None else _kv_blocks(kv_ids, block_k)
+
+    def step(dq, xs):
+        j, k_blk, v_blk, ids_blk = xs
+        s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
+        p = jnp.exp(s - lse[..., None])  # masked entries and fully-masked rows (lse = +inf) give exactly 0
+        dp = jnp.einsum("btkgd,bskd->bkgts", dog, v_blk, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[..., None]) * plan.sm_scale
+        dv_blk = jnp.einsum("bkgts,btkgd->bskd", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
+        dk_blk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(q.dtype), qg, preferred_element_type=jnp.float32)
+        dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32)
+        return dq, (dk_blk.astype(k.dtype), dv_blk.astype(v.dtype))
+
+    nk = S // block_k
+    xs = (jnp.arange(nk), _kv_blocks(k, block_k), _kv_blocks(v, block_k), ids_blocks)
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), xs)
+    unblock = lambda x: jnp.swapaxes(x, 0, 1).reshape(B, S, Hkv, D)
+    return dq.reshape(B, T, H, D).astype(q.dtype), unblock(dk), unblock(dv)

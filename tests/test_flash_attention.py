@@ -1,0 +1,186 @@
+"""kernels.flash_attention: every implementation against jax.nn.dot_product_attention, forward and gradients.
+
+The Pallas kernels run in Pallas's interpreter on CPU ('triton' with interpret=True, 'mosaic_tpu' with the TPU
+interpreter), with small tiles so that every case spans several blocks and exercises block skipping and padding.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.attention import BlockSizes, flash_attention, mha_reference
+
+# Max |error| relative to max |reference|, per dtype: (forward, gradients). The reference runs in float32 on the
+# same (rounded) inputs, so bf16/f16 errors are those of the kernel's own low-precision matmul operands.
+TOLERANCE = {
+    jnp.float32: (2e-5, 1e-4),
+    jnp.bfloat16: (2e-2, 4e-2),
+    jnp.float16: (4e-3, 8e-3),
+}
+
+# Pallas variants: (implementation, interpret, block sizes small enough that the test shapes span several tiles).
+VARIANTS = {
+    "xla": dict(implementation="xla", block_sizes=BlockSizes(block_k=16)),
+}
+
+# (causal, segments, heads, kv_heads, q_len, kv_len, head_dim, dtype): a covering set of the issue's product —
+# every value of every factor, and the interactions that stress masking (causal x segments x GQA x ragged x cross).
+CASES = [
+    (False, False, 2, 2, 32, 32, 64, jnp.float32),
+    (True, False, 4, 2, 48, 48, 64, jnp.float32),
+    (True, True, 4, 1, 40, 40, 64, jnp.float32),
+    (False, True, 2, 1, 24, 56, 128, jnp.float32),
+    (True, True, 4, 4, 56, 24, 128, jnp.float32),
+    (True, False, 2, 1, 33, 50, 64, jnp.float32),
+    (False, False, 4, 1, 40, 40, 128, jnp.bfloat16),
+    (True, True, 4, 2, 45, 45, 64, jnp.bfloat16),
+    (True, False, 2, 2, 32, 64, 128, jnp.bfloat16),
+    (False, True, 4, 4, 50, 30, 64, jnp.bfloat16),
+]
+
+
+def _case_id(case):
+    causal, segments, h, hkv, t, s, d, dtype = case
+    return f"{'causal' if causal else 'full'}-{'seg' if segments else 'noseg'}-h{h}kv{hkv}-t{t}s{s}-d{d}-{dtype.__name__}"
+
+
+def _inputs(case, batch=2, seed=0):
+    """q, k, v, a cotangent and segment ids, built in numpy (eager jnp ops would each compile on the shared CPU)."""
+    causal, segments, h, hkv, t, s, d, dtype = case
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, t, h, d), np.float32).astype(dtype))
+    k = jnp.asarray(rng.standard_normal((batch, s, hkv, d), np.float32).astype(dtype))
+    v = jnp.asarray(rng.standard_normal((batch, s, hkv, d), np.float32).astype(dtype))
+    ct = rng.standard_normal((batch, t, h, d), np.float32)
+    segment_ids = None
+    if segments:
+        # Packed sequences: three segments per row, with boundaries at different fractions in q and kv (and per row),
+        # so some q blocks see no key of their segment in some kv blocks (segment block skipping).
+        cuts = np.array([[0.3, 0.7], [0.5, 0.8]])[:batch]
+        q_ids = jnp.asarray((np.arange(t)[None, :, None] >= cuts[:, None, :] * t).sum(-1), jnp.int32)
+        kv_ids = jnp.asarray((np.arange(s)[None, :, None] >= cuts[:, None, :] * s).sum(-1), jnp.int32)
+        segment_ids = q_ids if t == s else (q_ids, kv_ids)
+    return q, k, v, ct, segment_ids
+
+
+def _mask(case, segment_ids, batch=2):
+    """[B, 1, T, S] numpy mask for jax.nn.dot_product_attention, and [B, T] rows that see at least one key."""
+    causal, segments, h, hkv, t, s, d, dtype = case
+    mask = np.ones((batch, 1, t, s), bool)
+    if causal:
+        mask = mask & np.tril(np.ones((t, s), bool))
+    if segments:
+        q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+        q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+        mask = mask & (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    return mask, mask.any(-1)[:, 0]
+
+
+def _relative_error(x, ref):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def _check_against_jax_nn(case, **kwargs):
+    q, k, v, ct, segment_ids = _inputs(case)
+    mask, visible = _mask(case, segment_ids)
+    # jax.nn attends uniformly on rows with no visible key where ours outputs zeros; zeroing those rows of the
+    # cotangent makes both sides' gradients agree exactly in that convention too.
+    ct = jnp.asarray((ct * visible[:, :, None, None]).astype(q.dtype))
+
+    def loss(f, q, k, v):
+        out = f(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), out
+
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=case[0], segment_ids=segment_ids, **kwargs)
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask)
+    f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))
+    (_, out), grads = jax.jit(jax.value_and_grad(lambda *a: loss(ours, *a), (0, 1, 2), has_aux=True))(q, k, v)
+    (_, ref), ref_grads = jax.jit(jax.value_and_grad(lambda *a: loss(theirs, *a), (0, 1, 2), has_aux=True))(
+        f32(q), f32(k), f32(v)
+    )
+    fwd_tol, grad_tol = TOLERANCE[case[-1]]
+    assert out.dtype == q.dtype and out.shape == q.shape
+    rows = visible[:, :, None, None]
+    assert _relative_error(np.asarray(out, np.float32) * rows, np.asarray(ref) * rows) < fwd_tol
+    assert np.all(np.asarray(out)[~np.asarray(visible)] == 0)
+    for name, g, ref_g, x in zip("qkv", grads, ref_grads, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        assert _relative_error(g, ref_g) < grad_tol, name
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_jax_nn(variant, case):
+    _check_against_jax_nn(case, **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=_case_id)
+def test_mha_reference_matches_jax_nn(case):
+    q, k, v, _, segment_ids = _inputs(case)
+    mask, visible = _mask(case, segment_ids)
+    out = mha_reference(q, k, v, causal=case[0], segment_ids=segment_ids)
+    ref = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    rows = visible[:, :, None, None]
+    assert _relative_error(np.asarray(out) * rows, np.asarray(ref) * rows) < TOLERANCE[q.dtype.type][0]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fully_masked_rows_give_zeros_and_finite_gradients(variant):
+    # Query segment 7 (padding) matches no key: those rows must be 0, not NaN or an average of v.
+    q, k, v, ct, _ = _inputs((False, False, 2, 1, 24, 40, 64, jnp.float32))
+    q_ids = jnp.asarray(np.where(np.arange(24) < 16, 0, 7)[None].repeat(2, 0), jnp.int32)
+    kv_ids = jnp.asarray(np.zeros((2, 40), np.int32))
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=(q_ids, kv_ids), **VARIANTS[variant])
+    out, grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * ct), (0, 1, 2))(*a)))(q, k, v)
+    assert np.all(np.asarray(out[:, 16:]) == 0)
+    assert np.all(np.isfinite(np.asarray(out)))
+    for g in grads:
+        assert np.all(np.isfinite(np.asarray(g)))
+    ref = jax.jit(lambda *a: mha_reference(*a, causal=True, segment_ids=(q_ids, kv_ids)))(q, k, v)
+    assert _relative_error(out, ref) < TOLERANCE[jnp.float32][0]
+
+
+def test_default_implementation_on_cpu_is_xla():
+    q, k, v, _, _ = _inputs((True, False, 2, 2, 16, 16, 64, jnp.float32))
+    np.testing.assert_allclose(
+        flash_attention(q, k, v, causal=True), flash_attention(q, k, v, causal=True, implementation="xla"), rtol=0
+    )
+
+
+def test_xla_path_never_materialises_the_full_matrix():
+    # Compiled (not run) forward+backward at len 8192: XLA's temp buffers stay far below one f32 [len, len] matrix.
+    T, H, D = 8192, 2, 64
+    q = jax.ShapeDtypeStruct((1, T, H, D), jnp.float32)
+    grad = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="xla").sum(), (0, 1, 2))
+    temp_bytes = jax.jit(grad).lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+    assert temp_bytes < H * T * T * 4 / 2, temp_bytes
+
+
+def _array(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((_array((2, 8, 4)), _array((2, 8, 4, 16)), _array((2, 8, 4, 16))), {}, r"q\.shape"),
+        ((_array((2, 8, 4, 16)), _array((3, 8, 4, 16)), _array((3, 8, 4, 16))), {}, "batch"),
+        ((_array((2, 8, 4, 16)), _array((2, 8, 4, 32)), _array((2, 8, 4, 32))), {}, "head_dim"),
+        ((_array((2, 8, 4, 16)), _array((2, 8, 3, 16)), _array((2, 8, 3, 16))), {}, "divisible"),
+        ((_array((2, 8, 4, 16)), _array((2, 8, 4, 16)), _array((2, 9, 4, 16))), {}, r"v\.shape"),
+        ((_array((2, 8, 4, 16), jnp.int32),) * 3, {}, r"q\.dtype"),
+        ((_array((2, 8, 4, 16)), _array((2, 8, 4, 16), jnp.bfloat16), _array((2, 8, 4, 16))), {}, "dtypes"),
+        ((_array((2, 8, 4, 16)),) * 3, {"segment_ids": _array((2, 9), jnp.int32)}, "segment_ids.shape"),
+        ((_array((2, 8, 4, 16)),) * 3, {"segment_ids": _array((2, 8), jnp.float32)}, "segment_ids.dtype"),
+        ((_array((2, 8, 4, 16)), _array((2, 6, 4, 16)), _array((2, 6, 4, 16))), {"segment_ids": _array((2, 8), jnp.int32)}, "pair"),
+        ((_array((2, 8, 4, 16)),) * 3, {"sm_scale": -1.0}, "sm_scale"),
+        ((_array((2, 8, 4, 16)),) * 3, {"causal": 1}, "causal"),
+        ((_array((2, 8, 4, 16)),) * 3, {"implementation": "cuda"}, "implementation"),
+        ((_array((2, 8, 4, 16)),) * 3, {"block_sizes": {"block_q": 64}}, "block_sizes"),
+        ((_array((2, 8, 4, 16)),) * 3, {"block_sizes": BlockSizes(block_q=0)}, "block_sizes.block_q"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda *a: flash_attention(*a, **kwargs), *args)
