@@ -4,3 +4,4 @@ Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and 
 """
 from kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
 from kernels.attention import flash_attention, mha_reference
+from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy

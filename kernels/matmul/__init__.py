@@ -1,0 +1,227 @@
+"""Fused matmul kernels: matmul + bias + activation, the gated MLP, and linear + cross-entropy without logits.
+
+Every op takes `implementation=None | 'xla' | 'triton' | 'mosaic_tpu'` (see `kernels._dispatch`), `interpret=True`
+to run a Pallas kernel in Pallas's interpreter on CPU, and `block_sizes=BlockSizes(...)` to override the per-backend
+table in `_blocks.py`. Inputs are checked here, before anything is traced; the backward passes (`jax.custom_vjp`)
+are written once below on top of a backend's tiled `matmul` (see `reference.py` for that interface), so the 'xla'
+path runs the same algorithm with XLA dots.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels._dispatch import resolve_implementation
+from kernels.matmul import _blocks, mosaic_tpu, reference, triton
+from kernels.matmul._blocks import BlockSizes
+
+__all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "linear_cross_entropy"]
+
+_BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_ONE = (((0, 0),),)  # One accumulator: lhs[0] @ rhs[0].
+_TWO = (((0, 0),), ((0, 1),))  # Two accumulators sharing lhs[0]: each lhs tile is read once for both.
+
+
+class _Config(NamedTuple):
+    implementation: str
+    blocks: BlockSizes
+    interpret: bool
+
+    def matmul(self, lhs, rhs, extras=(), *, extra_kinds=(), terms=_ONE, epilogue=reference.epilogue_identity,
+               out_dtypes, trans_lhs=False, trans_rhs=False):
+        return _BACKENDS[self.implementation].matmul(
+            lhs, rhs, extras, terms=terms, epilogue=epilogue, extra_kinds=extra_kinds, out_dtypes=out_dtypes,
+            trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=self.blocks, interpret=self.interpret)
+
+
+def _config(implementation, interpret, block_sizes, op):
+    implementation = resolve_implementation(implementation, interpret=interpret)
+    _blocks.validate(block_sizes, implementation)
+    blocks = block_sizes or _blocks.default_block_sizes(implementation, op)
+    return _Config(implementation, blocks, bool(interpret))
+
+
+def _check_float(name, a):
+    if jnp.dtype(a.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}.dtype={a.dtype}; expected one of float32, bfloat16, float16")
+
+
+def _check_weight(name, w, x):
+    _check_float(name, w)
+    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}.shape={tuple(w.shape)}; expected [{x.shape[-1]}, n] to match x.shape[-1]")
+    if w.dtype != x.dtype:
+        raise ValueError(f"{name}.dtype={w.dtype}; expected x.dtype={x.dtype}")
+
+
+def _check_x(x):
+    _check_float("x", x)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x.shape={tuple(x.shape)}; expected [..., k] with k > 0")
+
+
+def _check_activation(activation, allow_none):
+    allowed = ((None,) if allow_none else ()) + tuple(reference.ACTIVATIONS)
+    if activation not in allowed:
+        raise ValueError(f"activation={activation!r}; expected one of {allowed}")
+
+
+# ---- fused_matmul ----
+
+def fused_matmul(x, w, bias=None, *, activation=None, implementation=None, interpret=False, block_sizes=None):
+    """`activation(x @ w + bias)` with float32 accumulation, output in x's dtype.
+
+    x: [..., K]; w: [K, N] (same dtype as x); bias: [N] or None; activation: None, 'relu', 'gelu', 'gelu_tanh' or
+    'silu'. Returns [..., N]. The backward recomputes `x @ w + bias` fused with the activation's derivative instead
+    of saving the pre-activation.
+    """
+    _check_x(x)
+    _check_weight("w", w, x)
+    if bias is not None:
+        _check_float("bias", bias)
+        if bias.shape != (w.shape[1],):
+            raise ValueError(f"bias.shape={tuple(bias.shape)}; expected ({w.shape[1]},)")
+    _check_activation(activation, allow_none=True)
+    cfg = _config(implementation, interpret, block_sizes, "matmul")
+    out = _fused_matmul(x.reshape(-1, x.shape[-1]), w, bias, activation, cfg)
+    return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_matmul(x, w, bias, activation, cfg):
+    return _fused_matmul_fwd(x, w, bias, activation, cfg)[0]
+
+
+def _fused_matmul_fwd(x, w, bias, activation, cfg):
+    extras = () if bias is None else (bias.reshape(1, -1),)
+    (y,) = cfg.matmul((x,), (w,), extras, extra_kinds=("col",) * len(extras),
+                      epilogue=reference.epilogue_bias_act(activation, bias is not None), out_dtypes=(x.dtype,))
+    return y, (x, w, bias)
+
+
+def _fused_matmul_bwd(activation, cfg, res, dy):
+    x, w, bias = res
+    if activation is None:
+        dz = dy
+    else:
+        extras = ((bias.reshape(1, -1),) if bias is not None else ()) + (dy,)
+        kinds = ("col",) * (bias is not None) + ("tile",)
+        (dz,) = cfg.matmul((x,), (w,), extras, extra_kinds=kinds, out_dtypes=(x.dtype,),
+                           epilogue=reference.epilogue_bias_act_grad(activation, bias is not None))
+    (dx,) = cfg.matmul((dz,), (w,), out_dtypes=(x.dtype,), trans_rhs=True)
+    (dw,) = cfg.matmul((x,), (dz,), out_dtypes=(w.dtype,), trans_lhs=True)
+    dbias = None if bias is None else jnp.sum(dz, axis=0, dtype=jnp.float32).astype(bias.dtype)
+    return dx, dw, dbias
+
+
+_fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
+
+
+# ---- gated_mlp ----
+
+def gated_mlp(x, w_gate, w_up, *, activation="silu", implementation=None, interpret=False, block_sizes=None):
+    """`activation(x @ w_gate) * (x @ w_up)` in one kernel (SwiGLU with 'silu', GeGLU with 'gelu'/'gelu_tanh').
+
+    x: [..., D]; w_gate, w_up: [D, F] (same dtype as x). Returns [..., F] in x's dtype. The backward recomputes both
+    products from x rather than saving them.
+    """
+    _check_x(x)
+    _check_weight("w_gate", w_gate, x)
+    _check_weight("w_up", w_up, x)
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up.shape={tuple(w_up.shape)}; expected w_gate.shape={tuple(w_gate.shape)}")
+    _check_activation(activation, allow_none=False)
+    cfg = _config(implementation, interpret, block_sizes, "gated")
+    out = _gated_mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, activation, cfg)
+    return out.reshape(*x.shape[:-1], w_gate.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gated_mlp(x, w_gate, w_up, activation, cfg):
+    return _gated_mlp_fwd(x, w_gate, w_up, activation, cfg)[0]
+
+
+def _gated_mlp_fwd(x, w_gate, w_up, activation, cfg):
+    (h,) = cfg.matmul((x,), (w_gate, w_up), terms=_TWO, epilogue=reference.epilogue_gate(activation),
+                      out_dtypes=(x.dtype,))
+    return h, (x, w_gate, w_up)
+
+
+def _gated_mlp_bwd(activation, cfg, res, dh):
+    x, w_gate, w_up = res
+    d_gate, d_up = cfg.matmul((x,), (w_gate, w_up), (dh,), extra_kinds=("tile",), terms=_TWO,
+                              epilogue=reference.epilogue_gate_grad(activation), out_dtypes=(x.dtype, x.dtype))
+    (dx,) = cfg.matmul((d_gate, d_up), (w_gate, w_up), terms=(((0, 0), (1, 1)),), out_dtypes=(x.dtype,),
+                       trans_rhs=True)
+    dw_gate, dw_up = cfg.matmul((x,), (d_gate, d_up), terms=_TWO, out_dtypes=(w_gate.dtype,) * 2, trans_lhs=True)
+    return dx, dw_gate, dw_up
+
+
+_gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
+
+
+# ---- linear_cross_entropy ----
+
+def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None, interpret=False,
+                         block_sizes=None):
+    """Per-token softmax cross-entropy of the logits `x @ w`, without materialising them.
+
+    x: [..., D]; w: [D, V] (same dtype as x); labels: integer [...], with `ignore_index` marking tokens that get zero
+    loss and zero gradient. Returns float32 [...]. The forward sweeps the vocabulary blockwise with an online
+    log-sum-exp and keeps only the log-sum-exp per token; the backward recomputes the logits one vocabulary chunk of
+    `block_sizes.vocab_chunk` columns at a time, so no temporary is larger than [tokens, vocab_chunk].
+    """
+    _check_x(x)
+    _check_weight("w", w, x)
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(f"labels.shape={tuple(labels.shape)}; expected x.shape[:-1]={tuple(x.shape[:-1])}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels.dtype={labels.dtype}; expected an integer dtype")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index={ignore_index!r}; expected an int")
+    cfg = _config(implementation, interpret, block_sizes, "loss")
+    cfg = cfg._replace(blocks=_blocks.with_vocab_chunk(cfg.blocks, w.shape[1], cfg.implementation))
+    loss = _linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, labels.reshape(-1).astype(jnp.int32),
+                                 ignore_index, cfg)
+    return loss.reshape(labels.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _linear_cross_entropy(x, w, labels, ignore_index, cfg):
+    return _linear_cross_entropy_fwd(x, w, labels, ignore_index, cfg)[0]
+
+
+def _linear_cross_entropy_fwd(x, w, labels, ignore_index, cfg):
+    lse, label_logit = _BACKENDS[cfg.implementation].lce_forward(x, w, labels, blocks=cfg.blocks,
+                                                                 interpret=cfg.interpret)
+    loss = jnp.where(labels != ignore_index, lse - label_logit, 0.0)
+    return loss, (x, w, labels, lse)
+
+
+def _linear_cross_entropy_bwd(ignore_index, cfg, res, g):
+    x, w, labels, lse = res
+    (n, d), vocab = x.shape, w.shape[1]
+    chunk = cfg.blocks.vocab_chunk
+    num_chunks = -(-vocab // chunk)
+    # Zero cotangent for ignored tokens zeroes their whole row of d logits, hence their dx and share of dw.
+    g = jnp.where(labels != ignore_index, g, 0.0).astype(jnp.float32).reshape(n, 1)
+    w_padded = jnp.pad(w, ((0, 0), (0, num_chunks * chunk - vocab)))  # Zero columns: no dx, sliced off dw.
+
+    def step(dx, c):
+        w_c = lax.dynamic_slice_in_dim(w_padded, c * chunk, chunk, axis=1)
+        (dlogits,) = cfg.matmul((x,), (w_c,), (lse.reshape(n, 1), (labels - c * chunk).reshape(n, 1), g),
+                                extra_kinds=("row",) * 3, epilogue=reference.epilogue_dlogits,
+                                out_dtypes=(x.dtype,))
+        (dx_c,) = cfg.matmul((dlogits,), (w_c,), out_dtypes=(jnp.float32,), trans_rhs=True)
+        (dw_c,) = cfg.matmul((x,), (dlogits,), out_dtypes=(w.dtype,), trans_lhs=True)
+        return dx + dx_c, dw_c
+
+    dx, dw = lax.scan(step, jnp.zeros((n, d), jnp.float32), jnp.arange(num_chunks))
+    dw = jnp.moveaxis(dw, 0, 1).reshape(d, num_chunks * chunk)[:, :vocab]
+    return dx.astype(x.dtype), dw, None
+
+
+_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)

@@ -1,0 +1,114 @@
+"""Block sizes: one small table per backend and op, clamped to the problem, overridable per call."""
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of one op. For the loss, m runs over tokens, n over the vocabulary and k over the model dim.
+
+    block_m, block_n, block_k: output rows, output columns and contraction per tile (Triton: powers of two, at
+      least 16; Mosaic: multiples of 128, so transposed operands also meet the (8, 128) rule).
+    num_warps, num_stages: Triton CompilerParams (ignored elsewhere).
+    vocab_chunk: vocabulary columns per step of the loss's chunked backward (and of the 'xla' forward); the
+      largest temporary is [N, vocab_chunk]. None: the vocabulary split into `LOSS_VOCAB_CHUNKS` chunks.
+    """
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    vocab_chunk: int | None = None
+
+
+# 16 chunks keep the loss's largest temporary at 1/16 of the materialised logits (the issue asks for <= 1/8).
+LOSS_VOCAB_CHUNKS = 16
+
+# Starting points, not tuned measurements yet: Triton's H100 matmul tutorial tiles (128x128x64, 8 warps, 3-4 stages),
+# halved in m where the kernel holds two float32 accumulators (gated MLP) or an extra epilogue tile; Mosaic's 512
+# tiles from jax's ops/tpu/matmul.py, halved for the two-accumulator kernel to stay well inside VMEM.
+_TABLE = {
+    ("triton", "matmul"): BlockSizes(128, 128, 64, num_warps=8, num_stages=3),
+    ("triton", "gated"): BlockSizes(64, 128, 64, num_warps=4, num_stages=3),
+    ("triton", "loss"): BlockSizes(64, 128, 64, num_warps=4, num_stages=3),
+    ("mosaic_tpu", "matmul"): BlockSizes(512, 512, 512),
+    ("mosaic_tpu", "gated"): BlockSizes(256, 512, 512),
+    ("mosaic_tpu", "loss"): BlockSizes(256, 512, 512),
+    ("xla", "matmul"): BlockSizes(),
+    ("xla", "gated"): BlockSizes(),
+    ("xla", "loss"): BlockSizes(),
+}
+
+
+def default_block_sizes(implementation, op):
+    return _TABLE[(implementation, op)]
+
+
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def _next_power_of_2(n):
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def fit(block, dim, implementation):
+    """The block actually used for a dimension of size `dim`: no larger than the dimension needs, aligned."""
+    if implementation == "triton":
+        return min(block, max(16, _next_power_of_2(dim)))
+    if implementation == "mosaic_tpu":
+        return min(block, _round_up(dim, 128))
+    return block
+
+
+def with_vocab_chunk(blocks, vocab, implementation):
+    """`blocks` with `vocab_chunk` filled in for a vocabulary of `vocab` columns."""
+    if blocks.vocab_chunk is not None:
+        return blocks
+    # Chunks are a multiple of the kernel's vocabulary block, so no chunk needs padding inside the kernel.
+    chunk = _round_up(-(-vocab // LOSS_VOCAB_CHUNKS), fit(blocks.block_n, vocab, implementation))
+    return dataclasses.replace(blocks, vocab_chunk=chunk)
+
+
+def validate(block_sizes, implementation):
+    if block_sizes is None:
+        return
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r}; expected None or kernels.matmul.BlockSizes")
+    for field in dataclasses.fields(block_sizes):
+        value = getattr(block_sizes, field.name)
+        if value is None and field.name == "vocab_chunk":
+            continue
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"block_sizes.{field.name}={value!r}; expected a positive int")
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(block_sizes, name)
+        if implementation == "triton" and (value < 16 or value & (value - 1)):
+            raise ValueError(f"block_sizes.{name}={value}; the Triton backend needs a power of two >= 16")
+        if implementation == "mosaic_tpu" and value % 128:
+            raise ValueError(f"block_sizes.{name}={value}; the Mosaic TPU backend needs a multiple of 128")
+
+
+def pad_operands(lhs, rhs, extras, extra_kinds, *, trans_lhs, trans_rhs, blocks, implementation):
+    """Fits the blocks to a tiled matmul's dims and zero-pads every operand to whole blocks (zero rows/columns of K
+    add nothing; padded M/N rows and columns are sliced off the outputs).
+
+    Returns (lhs, rhs, extras, (m, n), (block_m, block_n, block_k), (padded m, n, k)).
+    """
+    m, k = lhs[0].shape[::-1] if trans_lhs else lhs[0].shape
+    n = rhs[0].shape[0] if trans_rhs else rhs[0].shape[1]
+    bm, bn, bk = (fit(b, dim, implementation)
+                  for b, dim in ((blocks.block_m, m), (blocks.block_n, n), (blocks.block_k, k)))
+    mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+
+    def pad(a, rows, cols):
+        if a.shape == (rows, cols):
+            return a
+        return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+    lhs = tuple(pad(a, kp, mp) if trans_lhs else pad(a, mp, kp) for a in lhs)
+    rhs = tuple(pad(b, np_, kp) if trans_rhs else pad(b, kp, np_) for b in rhs)
+    shapes = {"row": (mp, 1), "col": (1, np_), "tile": (mp, np_)}
+    extras = tuple(pad(e, *shapes[kind]) for e, kind in zip(extras, extra_kinds))
+    return lhs, rhs, extras, (m, n), (bm, bn, bk), (mp, np_, kp)

@@ -1,0 +1,152 @@
+"""Plain-JAX side of the fused-matmul family: the epilogue math every backend shares, the `'xla'` backend, and the
+materialising references the tests compare against.
+
+A backend is a module with two functions (see `triton.py`, `mosaic_tpu.py`):
+- `matmul(lhs, rhs, extras, *, terms, epilogue, extra_kinds, out_dtypes, trans_lhs, trans_rhs, blocks, interpret)`:
+  accumulators `acc_t = sum_{(i, j) in terms[t]} op(lhs[i]) @ op(rhs[j])` in float32 (`op` transposes when
+  `trans_lhs` / `trans_rhs`), then `epilogue(accs, cols, *extras) -> outputs`, applied per output tile before its
+  only store. `extras` are per-row `[M, 1]`, per-column `[1, N]` or per-tile `[M, N]` arrays (`extra_kinds`);
+  `cols [1, N]` are the output's column indices.
+- `lce_forward(x [N, D], w [D, V], labels [N], *, blocks, interpret) -> (lse [N], label_logit [N])`, float32, with
+  the vocabulary swept blockwise by an online log-sum-exp (`lse_update`).
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
+    "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
+    "silu": jax.nn.silu,
+}
+# A finite "minus infinity": masked logits must not turn exp(m_old - m_new) into exp(-inf - -inf) = nan.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def activate(z, activation):
+    return z if activation is None else ACTIVATIONS[activation](z)
+
+
+def activate_with_grad(z, activation):
+    """(act(z), act'(z)) elementwise, by forward-mode AD so each activation is written once."""
+    return jax.jvp(ACTIVATIONS[activation], (z,), (jnp.ones_like(z),))
+
+
+# ---- Epilogues: (accs, cols, *extras) -> outputs, all float32 tiles; the kernels cast on store. ----
+
+def epilogue_bias_act(activation, has_bias):
+    def epilogue(accs, cols, *extras):
+        z = accs[0] + extras[0] if has_bias else accs[0]
+        return (activate(z, activation),)
+    return epilogue
+
+
+def epilogue_bias_act_grad(activation, has_bias):
+    """dz = dy * act'(x @ w + b): the forward matmul recomputed, its output never stored."""
+    def epilogue(accs, cols, *extras):
+        z = accs[0] + extras[0] if has_bias else accs[0]
+        dy = extras[-1].astype(jnp.float32)
+        return (dy * activate_with_grad(z, activation)[1],)
+    return epilogue
+
+
+def epilogue_identity(accs, cols, *extras):
+    return accs
+
+
+def epilogue_gate(activation):
+    def epilogue(accs, cols, *extras):
+        gate, up = accs
+        return (activate(gate, activation) * up,)
+    return epilogue
+
+
+def epilogue_gate_grad(activation):
+    """(d_gate, d_up) of h = act(gate) * up, from the recomputed gate and up tiles and the dh tile."""
+    def epilogue(accs, cols, dh):
+        gate, up = accs
+        dh = dh.astype(jnp.float32)
+        a, da = activate_with_grad(gate, activation)
+        return dh * up * da, dh * a
+    return epilogue
+
+
+def epilogue_dlogits(accs, cols, lse, labels, g):
+    """d loss / d logits = g * (softmax - onehot(label)) for one vocabulary chunk; `labels` are chunk-relative."""
+    p = jnp.exp(accs[0] - lse)
+    return (g * (p - (cols == labels).astype(jnp.float32)),)
+
+
+def lse_update(carry, logits, cols, labels, vocab):
+    """One step of the online log-sum-exp over a vocabulary block: carry (m, l, label_logit), each [rows, 1]."""
+    m, l, label_logit = carry
+    logits = jnp.where(cols < vocab, logits, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1, keepdims=True))
+    l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new), axis=-1, keepdims=True)
+    label_logit = label_logit + jnp.sum(jnp.where(cols == labels, logits, 0.0), axis=-1, keepdims=True)
+    return m_new, l, label_logit
+
+
+def lse_init(rows):
+    return (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
+
+
+# ---- The 'xla' backend. ----
+
+def dot(a, b, trans_a=False, trans_b=False):
+    """a @ b (a.T / b.T when trans_*) with float32 accumulation; also used inside the kernels."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, trans_lhs=False, trans_rhs=False,
+           blocks=None, interpret=False):
+    del extra_kinds, blocks, interpret  # Whole arrays: XLA picks its own tiling and fuses the epilogue.
+    accs = tuple(sum(dot(lhs[i], rhs[j], trans_lhs, trans_rhs) for i, j in term) for term in terms)
+    cols = lax.broadcasted_iota(jnp.int32, (1, accs[0].shape[1]), 1)
+    outs = epilogue(accs, cols, *extras)
+    return tuple(o.astype(d) for o, d in zip(outs, out_dtypes))
+
+
+def lce_forward(x, w, labels, *, blocks, interpret=False):
+    """Scans vocabulary chunks of `blocks.vocab_chunk` columns: only one [N, chunk] float32 logits block is live."""
+    del interpret
+    n, vocab = x.shape[0], w.shape[1]
+    chunk = blocks.vocab_chunk
+    num_chunks = -(-vocab // chunk)
+    w = jnp.pad(w, ((0, 0), (0, num_chunks * chunk - vocab)))
+    labels = labels.reshape(n, 1)
+
+    def step(carry, c):
+        w_c = lax.dynamic_slice_in_dim(w, c * chunk, chunk, axis=1)
+        cols = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        return lse_update(carry, dot(x, w_c, False, False), cols, labels, vocab), None
+
+    (m, l, label_logit), _ = lax.scan(step, lse_init(n), jnp.arange(num_chunks))
+    return (m + jnp.log(l))[:, 0], label_logit[:, 0]
+
+
+# ---- Materialising references for tests (autodiff'd by JAX, nothing shared with the fused paths but the ops). ----
+
+def fused_matmul_reference(x, w, bias=None, *, activation=None):
+    z = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    return activate(z, activation).astype(x.dtype)
+
+
+def gated_mlp_reference(x, w_gate, w_up, *, activation="silu"):
+    gate = jnp.matmul(x, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.matmul(x, w_up, preferred_element_type=jnp.float32)
+    return (activate(gate, activation) * up).astype(x.dtype)
+
+
+def linear_cross_entropy_reference(x, w, labels, *, ignore_index=-100):
+    """Materialises the [..., V] float32 logits; the baseline for parity and for the memory comparison."""
+    logits = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    valid = labels != ignore_index
+    safe = jnp.where(valid, labels, 0)
+    label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - label_logit, 0.0)

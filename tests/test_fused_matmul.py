@@ -1,0 +1,155 @@
+"""Fused matmul kernel family: parity of every implementation (Pallas ones in interpret mode) with the materialising
+references, values and gradients; input validation; lowering for GPU and TPU at LLM sizes; the loss's memory."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.matmul import BlockSizes, fused_matmul, gated_mlp, linear_cross_entropy
+from kernels.matmul import reference
+
+# Largest error allowed, relative to the largest magnitude of the float32 result computed from the same inputs.
+# bf16 keeps 8 bits of mantissa and the backward stores bf16 intermediates (dz, d logits): a few ulps of 2**-8.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+
+# Small blocks so the small test shapes still span several tiles; Mosaic needs multiples of 128, so its shapes are
+# larger. "ragged" shapes are not block multiples and have two leading dims.
+IMPLEMENTATIONS = {
+    "xla": dict(blocks=BlockSizes(16, 16, 16), interpret=False,
+                shapes={"aligned": ((32,), 48, 64), "ragged": ((2, 5), 40, 70)}),
+    "triton": dict(blocks=BlockSizes(16, 16, 16, num_warps=1, num_stages=1), interpret=True,
+                   shapes={"aligned": ((32,), 48, 64), "ragged": ((2, 5), 40, 70)}),
+    "mosaic_tpu": dict(blocks=BlockSizes(128, 128, 128), interpret=True,
+                       shapes={"aligned": ((128,), 256, 256), "ragged": ((2, 70), 136, 200)}),
+}
+# The default run covers every implementation and dtype on ragged shapes and the aligned path once (Triton, fp32);
+# the remaining aligned cases run with -m slow, to keep the default suite fast on a 2-core CPU.
+CASES = [pytest.param(impl, dtype, shape, id=f"{impl}-{jnp.dtype(dtype).name}-{shape}",
+                      marks=[pytest.mark.slow] if shape == "aligned" and (impl, dtype) != ("triton", jnp.float32) else [])
+         for impl in IMPLEMENTATIONS for dtype in TOLERANCE for shape in ("aligned", "ragged")]
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _assert_close(actual, expected, dtype, what):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert actual.shape == expected.shape, what
+    error = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-6)
+    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def _check_value_and_grads(fn, ref, args, dtype, what):
+    """fn's value and its gradients under a random cotangent match ref run in float32 on the same (rounded) inputs."""
+    args32 = [a.astype(jnp.float32) for a in args]
+    out = fn(*args)
+    cotangent = _normal(jax.random.key(7), out.shape, out.dtype)
+    # One jit per side: compiling the whole forward + backward is faster on CPU than dispatching op by op.
+    value_and_vjp = jax.jit(lambda cot, *a: (lambda o, vjp: (o, vjp(cot)))(*jax.vjp(fn, *a)))
+    value_and_vjp_ref = jax.jit(lambda cot, *a: (lambda o, vjp: (o, vjp(cot)))(*jax.vjp(ref, *a)))
+    out, grads = value_and_vjp(cotangent, *args)
+    out_ref, grads_ref = value_and_vjp_ref(cotangent.astype(jnp.float32), *args32)
+    _assert_close(out, out_ref, dtype, f"{what} value")
+    for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+        assert g.dtype == args[i].dtype, f"{what} grad {i} dtype"
+        _assert_close(g, g_ref, dtype, f"{what} grad {i}")
+
+
+@pytest.mark.parametrize("impl, dtype, shape", CASES)
+def test_fused_matmul_matches_reference(impl, dtype, shape):
+    config = IMPLEMENTATIONS[impl]
+    lead, k, n = config["shapes"][shape]
+    keys = jax.random.split(jax.random.key(0), 3)
+    args = (_normal(keys[0], (*lead, k), dtype), _normal(keys[1], (k, n), dtype, k ** -0.5),
+            _normal(keys[2], (n,), dtype))
+    activation = "silu" if shape == "aligned" else "gelu_tanh"
+    fn = lambda x, w, b: fused_matmul(x, w, b, activation=activation, implementation=impl,
+                                      interpret=config["interpret"], block_sizes=config["blocks"])
+    ref = lambda x, w, b: reference.fused_matmul_reference(x, w, b, activation=activation)
+    _check_value_and_grads(fn, ref, args, dtype, f"fused_matmul[{impl}]")
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.slow)])
+def test_fused_matmul_activations_without_bias(activation, impl):
+    config = IMPLEMENTATIONS[impl]
+    keys = jax.random.split(jax.random.key(1), 2)
+    args = (_normal(keys[0], (10, 40), jnp.float32), _normal(keys[1], (40, 70), jnp.float32, 40 ** -0.5))
+    fn = lambda x, w: fused_matmul(x, w, activation=activation, implementation=impl, interpret=config["interpret"],
+                                   block_sizes=config["blocks"])
+    ref = lambda x, w: reference.fused_matmul_reference(x, w, activation=activation)
+    _check_value_and_grads(fn, ref, args, jnp.float32, f"fused_matmul[{impl}, {activation}]")
+
+
+@pytest.mark.parametrize("impl, dtype, shape", CASES)
+def test_gated_mlp_matches_reference(impl, dtype, shape):
+    config = IMPLEMENTATIONS[impl]
+    lead, d, f = config["shapes"][shape]
+    keys = jax.random.split(jax.random.key(2), 3)
+    args = (_normal(keys[0], (*lead, d), dtype), _normal(keys[1], (d, f), dtype, d ** -0.5),
+            _normal(keys[2], (d, f), dtype, d ** -0.5))
+    activation = "silu" if shape == "aligned" else "gelu"
+    fn = lambda x, wg, wu: gated_mlp(x, wg, wu, activation=activation, implementation=impl,
+                                     interpret=config["interpret"], block_sizes=config["blocks"])
+    ref = lambda x, wg, wu: reference.gated_mlp_reference(x, wg, wu, activation=activation)
+    _check_value_and_grads(fn, ref, args, dtype, f"gated_mlp[{impl}]")
+
+
+@pytest.mark.parametrize("impl, dtype, shape", CASES)
+def test_linear_cross_entropy_matches_reference(impl, dtype, shape):
+    config = IMPLEMENTATIONS[impl]
+    lead, d, vocab = config["shapes"][shape]
+    vocab = vocab + 100 if impl == "mosaic_tpu" else vocab  # Mosaic: three 128-column vocabulary chunks.
+    keys = jax.random.split(jax.random.key(3), 3)
+    x, w = _normal(keys[0], (*lead, d), dtype), _normal(keys[1], (d, vocab), dtype, 2 * d ** -0.5)
+    labels = jax.random.randint(keys[2], lead, 0, vocab).reshape(-1).at[::3].set(-100).reshape(lead)
+    fn = lambda x, w: linear_cross_entropy(x, w, labels, implementation=impl, interpret=config["interpret"],
+                                           block_sizes=config["blocks"])
+    ref = lambda x, w: reference.linear_cross_entropy_reference(x, w, labels)
+    _check_value_and_grads(fn, ref, (x, w), dtype, f"linear_cross_entropy[{impl}]")
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_ignored_tokens_have_zero_loss_and_gradient(impl):
+    config = IMPLEMENTATIONS[impl]
+    keys = jax.random.split(jax.random.key(4), 3)
+    x, w = _normal(keys[0], (6, 24), jnp.float32), _normal(keys[1], (24, 50), jnp.float32)
+    labels = jnp.array([3, -1, 7, -1, 49, 0])
+    fn = lambda x: linear_cross_entropy(x, w, labels, ignore_index=-1, implementation=impl,
+                                        interpret=config["interpret"], block_sizes=config["blocks"])
+    loss, vjp = jax.vjp(fn, x)
+    (dx,) = vjp(jnp.ones_like(loss))
+    np.testing.assert_array_equal(np.asarray(loss)[[1, 3]], 0.0)
+    np.testing.assert_array_equal(np.asarray(dx)[[1, 3]], 0.0)
+    assert np.all(np.asarray(loss)[[0, 2, 4, 5]] > 0) and np.all(np.abs(np.asarray(dx)[[0, 2, 4, 5]]).sum(-1) > 0)
+
+
+X = jnp.zeros((4, 8), jnp.float32)
+W = jnp.zeros((8, 16), jnp.float32)
+LABELS = jnp.zeros((4,), jnp.int32)
+BAD_INPUTS = [
+    (lambda: fused_matmul(X, jnp.zeros((9, 16))), "w.shape=(9, 16)"),
+    (lambda: fused_matmul(X, W.astype(jnp.bfloat16)), "w.dtype=bfloat16; expected x.dtype=float32"),
+    (lambda: fused_matmul(X.astype(jnp.int32), W), "x.dtype=int32"),
+    (lambda: fused_matmul(X, W, jnp.zeros((15,))), "bias.shape=(15,); expected (16,)"),
+    (lambda: fused_matmul(X, W, activation="tanh"), "activation='tanh'"),
+    (lambda: fused_matmul(X, W, implementation="cuda"), "implementation='cuda'"),
+    (lambda: fused_matmul(X, W, block_sizes=BlockSizes(block_m=48), implementation="triton"),
+     "block_sizes.block_m=48; the Triton backend needs a power of two"),
+    (lambda: fused_matmul(X, W, block_sizes=BlockSizes(block_k=64), implementation="mosaic_tpu"),
+     "block_sizes.block_k=64; the Mosaic TPU backend needs a multiple of 128"),
+    (lambda: fused_matmul(X, W, block_sizes={"block_m": 16}), "expected None or kernels.matmul.BlockSizes"),
+    (lambda: gated_mlp(X, W, jnp.zeros((8, 8))), "w_up.shape=(8, 8); expected w_gate.shape=(8, 16)"),
+    (lambda: gated_mlp(X, W, W, activation=None), "activation=None"),
+    (lambda: linear_cross_entropy(X, W, jnp.zeros((5,), jnp.int32)), "labels.shape=(5,); expected"),
+    (lambda: linear_cross_entropy(X, W, LABELS.astype(jnp.float32)), "labels.dtype=float32"),
+    (lambda: linear_cross_entropy(X, W, LABELS, ignore_index=-1.0), "ignore_index=-1.0"),
+]
+
+
+@pytest.mark.parametrize("call, message", BAD_INPUTS, ids=[m.split("=")[0] for _, m in BAD_INPUTS])
+def test_bad_input_raises_before_tracing(call, message):
+    with pytest.raises(ValueError) as error:
+        call()
+    assert message in str(error.value)
