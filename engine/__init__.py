@@ -1,6 +1,9 @@
-"""The engine: device mesh, automatic sharding, multi-host start-up, and (later) the Trainer and Predictor."""
+"""The engine: device mesh, automatic sharding, multi-host start-up, the Trainer and the Predictor."""
 from engine.distributed import initialize_distributed
 from engine.mesh import AXES, make_mesh
+from engine.predictor import Predictor
 from engine.sharding import add_axis, auto_shard, describe_sharding
+from engine.trainer import Trainer, global_batch_size
 
-__all__ = ["AXES", "make_mesh", "auto_shard", "describe_sharding", "add_axis", "initialize_distributed"]
+__all__ = ["AXES", "make_mesh", "auto_shard", "describe_sharding", "add_axis", "initialize_distributed", "Trainer",
+           "Predictor", "global_batch_size"]

@@ -1,7 +1,9 @@
 """One process of the 2-process x 4-device test: joins the runtime, builds one 8-device mesh, runs a tensor-parallel
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
-usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
+usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S] [forward|train]
+
+`train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses.
 """
 import os
 import sys
@@ -23,13 +25,29 @@ def forward_fn():
     return module, params
 
 
-def main(coordinator, num_processes, process_id, out, timeout_s=60):
+def train_losses(mesh, steps=4):
+    """Losses of a short Trainer run; the same call gives the single-process reference."""
+    import optax
+    from tests import trainer_task as task
+    trainer = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                             params=task.init_params(), optimizer=optax.adam(1e-2), accumulate_grad_batches=2)
+    history = trainer.fit(task.make_examples(64), per_device_batch_size=2, max_steps=steps, log_every=2)
+    return np.array([h["loss"] for h in history])
+
+
+def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forward"):
     engine.initialize_distributed(coordinator, int(num_processes), int(process_id), timeout_s=float(timeout_s))
     assert jax.device_count() == 8 and jax.local_device_count() == 4, (jax.device_count(), jax.local_device_count())
     mesh = engine.make_mesh(data=2, model=4)
     # The model axis stays inside one process (host).
     for row in mesh.devices.reshape(-1, 4):
         assert len({d.process_index for d in row}) == 1
+    if mode == "train":
+        losses = train_losses(engine.make_mesh(data=4, model=2))
+        if jax.process_index() == 0:
+            np.save(out, losses)
+        jax.distributed.shutdown()
+        return
     module, params = forward_fn()
     specs = engine.auto_shard(params, mesh, trace_fn=lambda p: module.apply({"params": p}, IDS))
     place = lambda x, s: jax.make_array_from_callback(x.shape, NamedSharding(mesh, s), lambda i: x[i])  # noqa: E731

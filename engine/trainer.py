@@ -1,0 +1,471 @@
+"""The Trainer: three user functions in, a sharded, checkpointed, exactly resumable training loop out.
+
+User functions:
+  collate_fn(examples: list) -> dict of numpy arrays, one row per example.
+  loss_fn(params, batch, rng, is_training) -> loss | (loss, metrics_dict): pure JAX, scalar mean loss.
+
+Data flow of one optimizer update: `per_device_batch_size x (data x fsdp)` examples per micro-batch (devices along
+`model` share examples), `accumulate_grad_batches` micro-batches per update. Each host collates its own rows
+(engine/data.py), a background thread places the next batch on the devices while the current step runs, and one
+compiled step scans over the micro-batches, accumulates gradients (sharded like the parameters, or further split over
+`data` with ZeRO-2), applies the optimizer and returns the donated state.
+"""
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from engine import data as data_lib
+from engine.checkpoint import Checkpointer, abstract_like
+from engine.sharding import add_axis, auto_shard, log_sharding
+
+_NAN_POLICIES = ("raise", "skip")
+
+
+def _validate(name, value, ok, expected):
+    if not ok:
+        raise ValueError(f"{name}={value!r}; expected {expected}")
+
+
+def _split_loss(out):
+    """loss_fn may return `loss` or `(loss, metrics)`."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise ValueError("loss_fn returned a tuple; expected `loss` or `(loss, metrics_dict)`")
+        return out
+    return out, {}
+
+
+def _find_learning_rate(opt_state):
+    """The learning rate of the last update, when the optimizer was built with `optax.inject_hyperparams`."""
+    found = []
+
+    def visit(x):
+        hp = getattr(x, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp:
+            found.append(hp["learning_rate"])
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+        for y in getattr(x, "_asdict", lambda: {})().values() if hasattr(x, "_asdict") else ():
+            visit(y)
+
+    visit(opt_state)
+    return found[0] if found else None
+
+
+def _cast_floating(tree, dtype):
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _place(x, sharding):
+    """Host or device array -> global array on `sharding` (every process must pass the same host values)."""
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+class Trainer:
+    """Trains `params` with `loss_fn` on a mesh; see the module docstring for the user functions.
+
+    Args:
+      mesh: from `engine.make_mesh`.
+      collate_fn, loss_fn: the user functions.
+      params: the initial parameter pytree (host or device arrays); kept as master weights in their own dtype.
+      optimizer: an `optax.GradientTransformation`; build it with `optax.inject_hyperparams` to log the learning rate.
+      workdir: where checkpoints and TensorBoard scalars go; a Trainer on a workdir that holds a checkpoint restores
+        the latest one here, in the constructor.
+      sharding_rules: `[(regex, PartitionSpec)]` overrides for `engine.auto_shard` (the rest is automatic), or a
+        full pytree of `PartitionSpec`s.
+      zero_stage: 0, 1 (optimizer state also split over `data`) or 2 (gradients too). The `fsdp` axis always splits
+        weights, gradients and optimizer state (ZeRO-3).
+      compute_dtype: e.g. `jnp.bfloat16`: forward and backward in that dtype; master weights and optimizer state stay
+        in the parameters' dtype.
+      accumulate_grad_batches: micro-batches per optimizer update (scanned inside the one compiled step).
+      remat: rematerialise `loss_fn`'s forward in the backward pass.
+      seed: fixes shuffling and the per-step rngs (`fold_in(key(seed), step)`, so a resume reproduces them).
+      nan_policy: 'raise' (stop with an error naming the step) or 'skip' (drop that update). Either way a non-finite
+        update is never applied.
+      keep_checkpoints: how many recent checkpoints to keep.
+    """
+
+    def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
+                 zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
+                 nan_policy="raise", keep_checkpoints=3):
+        _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
+        _validate("accumulate_grad_batches", accumulate_grad_batches,
+                  isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
+        _validate("nan_policy", nan_policy, nan_policy in _NAN_POLICIES, f"one of {_NAN_POLICIES}")
+        _validate("optimizer", optimizer, hasattr(optimizer, "init") and hasattr(optimizer, "update"),
+                  "an optax.GradientTransformation")
+        _validate("keep_checkpoints", keep_checkpoints, isinstance(keep_checkpoints, int) and keep_checkpoints >= 1,
+                  "an integer >= 1")
+        if compute_dtype is not None:
+            _validate("compute_dtype", compute_dtype, jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating),
+                      "a floating dtype such as jnp.bfloat16")
+        for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
+            _validate(name, fn, callable(fn), "a callable")
+        self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
+        self.zero_stage, self.accumulate = zero_stage, accumulate_grad_batches
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
+        self._sharding_rules = sharding_rules
+        self._init_params = params
+        self._state = None            # {'params', 'opt_state'} on the mesh once set up
+        self._param_specs = None
+        self._batch_spec = None       # {leaf path: (shape, dtype)} of one global micro-batch: fixes the trace
+        self._step_fn = None
+        self._eval_fn = None
+        self.compile_count = 0        # traces (= compilations) of the train step
+        self.history = []             # per-step host metrics: {'step', 'loss', 'grad_norm', 'learning_rate', ...}
+        self.stopped_by_signal = False
+        self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
+        self._key = jax.random.key(seed)
+        self.workdir = workdir
+        self._checkpointer = Checkpointer(workdir, keep=keep_checkpoints) if workdir else None
+        self._writer = None
+        if self._checkpointer is not None and self._checkpointer.latest_step() is not None:
+            self._restore(self._checkpointer.latest_step())
+
+    # ------------------------------------------------------------------------------------------------ properties
+    @property
+    def step(self):
+        """Optimizer updates so far (across `fit` calls and resumes)."""
+        return self._step
+
+    @property
+    def epoch(self):
+        return self._epoch
+
+    @property
+    def params(self):
+        """The parameters, sharded on the mesh once the first batch (or a restored checkpoint) fixed the layout."""
+        return self._state["params"] if self._state is not None else self._init_params
+
+    @property
+    def opt_state(self):
+        return self._state["opt_state"] if self._state is not None else None
+
+    @property
+    def param_specs(self):
+        return self._param_specs
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _abstract_batch(self):
+        return {k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for k, (s, d) in self._batch_spec.items()}
+
+    def _example_batch(self):
+        """Zeros shaped like one global micro-batch: the input of the abstract trace that decides the sharding."""
+        return {k: np.zeros(s, d) for k, (s, d) in self._batch_spec.items()}
+
+    def _specs(self, params):
+        rules = self._sharding_rules
+        if rules is not None and not isinstance(rules, (list, tuple)):
+            return rules  # a full pytree of PartitionSpecs
+        example = self._example_batch()
+        trace_fn = lambda p: _split_loss(self.loss_fn(p, example, self._key, True))[0]  # noqa: E731
+        return auto_shard(params, self.mesh, trace_fn=trace_fn, rules=rules)
+
+    def _setup(self, restore_step=None):
+        """Decides the layout, compiles nothing yet, and places (or restores) the state."""
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._init_params)
+        self._param_specs = self._specs(abstract_params)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        shapes = jax.tree.map(lambda x: x.shape, abstract_params)
+        data_axis = lambda spec, shape: add_axis(spec, shape, "data", sizes)  # noqa: E731
+        self._grad_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
+                            if self.zero_stage >= 2 else self._param_specs)
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt_param_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
+                           if self.zero_stage >= 1 else self._param_specs)
+        self._opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, abstract_opt, opt_param_specs,
+                                                transform_non_params=lambda _: P(), is_leaf=is_spec)
+        named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
+        self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs), named(self._grad_specs),
+                                                       named(self._opt_specs))
+        log_sharding(abstract_params, self._param_specs, self.mesh)
+        if restore_step is None:
+            params = jax.tree.map(_place, self._init_params, self._param_sh)
+            opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_sh)(params)
+            self._state = {"params": params, "opt_state": opt_state}
+        else:
+            target = {"params": abstract_like(abstract_params, self._param_sh),
+                      "opt_state": abstract_like(abstract_opt, self._opt_sh)}
+            self._state, _ = self._checkpointer.restore(restore_step, target)
+        self._init_params = None  # the master copy lives on the mesh from here on
+
+    def _restore(self, step):
+        meta = self._checkpointer.read_meta(step)
+        if meta.get("seed") != self.seed:
+            logging.warning("restoring a checkpoint made with seed=%s into a Trainer with seed=%s",
+                            meta.get("seed"), self.seed)
+        self._batch_spec = {k: (tuple(v[0]), v[1]) for k, v in meta["batch_spec"].items()}
+        self._setup(restore_step=step)
+        self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
+                     self._batch_in_epoch, self._checkpointer.directory)
+
+    def _note_batch(self, batch):
+        """Records the shapes of one global micro-batch (drops the micro-batch axis) and sets up on first sight."""
+        spec = {k: (tuple(v.shape[1:]), str(v.dtype)) for k, v in batch.items()}
+        if self._batch_spec is None:
+            self._batch_spec = spec
+        if self._state is None:
+            self._setup()
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def _micro_loss(self, params, batch, rng):
+        loss, metrics = _split_loss(self.loss_fn(_cast_floating(params, self.compute_dtype), batch, rng, True))
+        return jnp.asarray(loss, jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
+
+    def _train_step(self, params, opt_state, batch, step):
+        self.compile_count += 1  # runs only while tracing
+        rng = jax.random.fold_in(self._key, step)
+        micro_loss = jax.checkpoint(self._micro_loss) if self.remat else self._micro_loss
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+        constrain = lambda g: jax.lax.with_sharding_constraint(g, self._grad_sh)  # noqa: E731
+        if self.accumulate == 1:
+            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(rng, 0))
+            grads = constrain(grads)
+        else:
+            def body(carry, xs):
+                micro_batch, i = xs
+                (loss, metrics), g = grad_fn(params, micro_batch, jax.random.fold_in(rng, i))
+                acc_g, acc_loss, acc_m = carry
+                acc_g = constrain(jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g))
+                return (acc_g, acc_loss + loss, jax.tree.map(jnp.add, acc_m, metrics)), None
+
+            zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+            _, metric_shapes = jax.eval_shape(micro_loss, params, jax.tree.map(lambda x: x[0], batch), rng)
+            init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
+                                                                     metric_shapes))
+            (grads, loss, metrics), _ = jax.lax.scan(body, init, (batch, jnp.arange(self.accumulate)))
+            scale = 1.0 / self.accumulate
+            grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
+            loss, metrics = loss * scale, jax.tree.map(lambda m: m * scale, metrics)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **metrics}
+        lr = _find_learning_rate(new_opt_state)
+        if lr is not None:
+            out["learning_rate"] = lr
+        return new_params, new_opt_state, out
+
+    def _compiled_step(self):
+        if self._step_fn is None:
+            batch_sh = data_lib.batch_sharding(self.mesh, 2)
+            self._step_fn = jax.jit(self._train_step, in_shardings=(self._param_sh, self._opt_sh, batch_sh, None),
+                                    out_shardings=(self._param_sh, self._opt_sh, None), donate_argnums=(0, 1))
+        return self._step_fn
+
+    # ------------------------------------------------------------------------------------------------ fit
+    def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
+            eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
+            save_every=None):
+        """Trains until `n_epochs` epochs or `max_steps` optimizer updates in total (both counted over the Trainer's
+        life, resumes included: calling `fit` again continues where training stopped).
+
+        The global batch of one update is `per_device_batch_size x data x fsdp x accumulate_grad_batches` examples.
+        `train_examples`: a list (shuffled each epoch from `seed`) or any iterable (streamed in order; it is iterated
+        once per epoch). The last incomplete global batch of an epoch is dropped. Eval (after each epoch): the mean
+        `eval_loss` and, with `eval_predictor` and `eval_metric_fn(examples, predictions) -> dict`, its metrics.
+        `save_every`: checkpoint every that many updates (and always at the end) when there is a workdir.
+        """
+        _validate("per_device_batch_size", per_device_batch_size,
+                  isinstance(per_device_batch_size, int) and per_device_batch_size >= 1, "an integer >= 1")
+        _validate("n_epochs", n_epochs, isinstance(n_epochs, int) and n_epochs >= 1, "an integer >= 1")
+        _validate("max_steps", max_steps, max_steps is None or (isinstance(max_steps, int) and max_steps >= 0),
+                  "None or an integer >= 0")
+        _validate("log_every", log_every, isinstance(log_every, int) and log_every >= 1, "an integer >= 1")
+        _validate("save_every", save_every, save_every is None or (isinstance(save_every, int) and save_every >= 1),
+                  "None or an integer >= 1")
+        rows = per_device_batch_size * data_lib.data_parallel_size(self.mesh) * self.accumulate
+        if isinstance(train_examples, (list, tuple)) and len(train_examples) < rows:
+            raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
+                             f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
+                             f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
+        if (eval_predictor is None) != (eval_metric_fn is None):
+            raise ValueError("eval_predictor and eval_metric_fn go together; got only one of them")
+        stop = threading.Event()
+        previous = self._install_sigterm(stop)
+        pending, last_log = [], (time.perf_counter(), self._step)
+        try:
+            while self._epoch < n_epochs and (max_steps is None or self._step < max_steps):
+                batches = data_lib.iterate_batches(
+                    self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
+                    accumulate=self.accumulate, seed=self.seed, epoch=self._epoch, start_batch=self._batch_in_epoch)
+                prefetch = data_lib.Prefetcher(batches)
+                seen = 0
+                try:
+                    for index, _, batch in prefetch:
+                        self._note_batch(batch)
+                        params, opt_state, metrics = self._compiled_step()(
+                            self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
+                        self._state = {"params": params, "opt_state": opt_state}
+                        self._step, self._batch_in_epoch, seen = self._step + 1, index + 1, seen + 1
+                        pending.append((self._step, metrics))
+                        if len(pending) >= log_every:
+                            last_log = self._flush(pending, last_log, rows, batch)
+                        if save_every and self._step % save_every == 0:
+                            self.save_checkpoint()
+                        if stop.is_set() or (max_steps is not None and self._step >= max_steps):
+                            break
+                finally:
+                    prefetch.close()
+                if stop.is_set():
+                    break
+                if max_steps is not None and self._step >= max_steps:
+                    break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
+                if seen == 0 and self._batch_in_epoch == 0:
+                    raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
+                self._epoch, self._batch_in_epoch = self._epoch + 1, 0
+                if pending:
+                    last_log = self._flush(pending, last_log, rows, None)
+                if eval_examples is not None:
+                    self._evaluate(eval_examples, eval_per_device_batch_size or per_device_batch_size,
+                                   eval_predictor, eval_metric_fn)
+            if pending:
+                self._flush(pending, last_log, rows, None)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if stop.is_set():
+            self.stopped_by_signal = True
+            logging.warning("SIGTERM: stopping after step %d", self._step)
+        if self._checkpointer is not None and self._state is not None:
+            self.save_checkpoint()
+            self._checkpointer.wait()
+        return self.history
+
+    def _install_sigterm(self, stop):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def _flush(self, pending, last_log, rows, batch):
+        """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
+        and logs."""
+        host = jax.device_get([m for _, m in pending])
+        steps = [s for s, _ in pending]
+        pending.clear()
+        now = time.perf_counter()
+        seconds = (now - last_log[0]) / max(1, steps[-1] - last_log[1])
+        for step, metrics in zip(steps, host):
+            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            self.history.append(record)
+            if not record.pop("finite"):
+                if self.nan_policy == "raise":
+                    raise FloatingPointError(f"non-finite loss or gradient at step {step} (loss={record['loss']}); "
+                                             "the update was not applied. Pass nan_policy='skip' to skip such steps")
+                logging.warning("step %d: non-finite loss or gradient; update skipped", step)
+        last = self.history[-1]
+        throughput = rows / seconds if seconds > 0 else float("nan")
+        lr = f" | lr {last['learning_rate']:.3g}" if "learning_rate" in last else ""
+        logging.info("step %d | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s | %.3f s/step", last["step"],
+                     self._epoch, last["loss"], last["grad_norm"], lr, throughput, seconds)
+        writer = self._tensorboard()
+        if writer is not None:
+            for record in self.history[-len(steps):]:
+                for k, v in record.items():
+                    if k not in ("step", "finite"):
+                        writer.add_scalar(f"train/{k}", v, record["step"])
+            writer.add_scalar("train/examples_per_second", throughput, last["step"])
+            writer.add_scalar("train/step_time_seconds", seconds, last["step"])
+            if batch is not None and "input_ids" in batch:
+                tokens = rows * int(np.prod(batch["input_ids"].shape[2:]))
+                writer.add_scalar("train/tokens_per_second", tokens / seconds, last["step"])
+            writer.flush()
+        return now, steps[-1]
+
+    def _tensorboard(self):
+        if self.workdir is None or jax.process_index() != 0:
+            return None
+        if self._writer is None:
+            import tensorboardX  # imported lazily: only process 0 with a workdir writes
+            self._writer = tensorboardX.SummaryWriter(f"{self.workdir}/tensorboard")
+        return self._writer
+
+    # ------------------------------------------------------------------------------------------------ eval
+    def eval_loss(self, examples, *, per_device_batch_size):
+        """Mean of `loss_fn(..., is_training=False)` over `examples`, weighted by examples per batch. The last
+        incomplete batch is padded by repeating its last example; its loss counts with its real examples only."""
+        _validate("per_device_batch_size", per_device_batch_size,
+                  isinstance(per_device_batch_size, int) and per_device_batch_size >= 1, "an integer >= 1")
+        batches = data_lib.iterate_batches(self.mesh, examples, self.collate_fn,
+                                           per_device_batch_size=per_device_batch_size, shuffle=False,
+                                           drop_remainder=False)
+        total, count = 0.0, 0
+        for _, n_real, batch in batches:
+            self._note_batch(batch)
+            if self._eval_fn is None:
+                def eval_step(params, batch):
+                    loss, _ = _split_loss(self.loss_fn(_cast_floating(params, self.compute_dtype),
+                                                       jax.tree.map(lambda x: x[0], batch),
+                                                       jax.random.fold_in(self._key, 2**31 - 1), False))
+                    return jnp.asarray(loss, jnp.float32)
+                self._eval_fn = jax.jit(eval_step)
+            total += float(self._eval_fn(self._state["params"], batch)) * n_real
+            count += n_real
+        if count == 0:
+            raise ValueError("eval_loss: examples is empty; expected at least one example")
+        return total / count
+
+    def _evaluate(self, examples, per_device_batch_size, predictor, metric_fn):
+        results = {"loss": self.eval_loss(examples, per_device_batch_size=per_device_batch_size)}
+        if predictor is not None:
+            preds = predictor.predict(examples, per_device_batch_size=per_device_batch_size, params=self.params)
+            results.update({k: float(v) for k, v in metric_fn(examples, preds).items()})
+        logging.info("eval after epoch %d (step %d): %s", self._epoch, self._step,
+                     " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        self.history.append({"step": self._step, **{f"eval_{k}": v for k, v in results.items()}})
+        writer = self._tensorboard()
+        if writer is not None:
+            for k, v in results.items():
+                writer.add_scalar(f"eval/{k}", v, self._step)
+            writer.flush()
+        return results
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self):
+        """Starts an asynchronous save of parameters, optimizer state, step, rng seed and data position."""
+        if self._checkpointer is None:
+            raise ValueError("save_checkpoint: this Trainer has workdir=None; pass workdir= to save checkpoints")
+        if self._state is None:
+            raise ValueError("save_checkpoint: nothing to save before the first batch fixed the sharding")
+        if self._checkpointer.latest_step() == self._step:
+            return
+        meta = {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
+                "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
+                "rng": np.asarray(jax.random.key_data(self._key)).tolist()}
+        self._checkpointer.save(self._step, self._state, meta)
+
+    def close(self):
+        """Waits for pending checkpoint writes and closes the TensorBoard writer."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches=1):
+    """Examples per optimizer update: `per_device_batch_size x data x fsdp x accumulate_grad_batches`."""
+    return per_device_batch_size * data_lib.data_parallel_size(mesh) * accumulate_grad_batches
+

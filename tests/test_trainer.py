@@ -1,0 +1,237 @@
+"""engine.Trainer and engine.Predictor on the 8 simulated devices."""
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import engine
+from tests import trainer_task as task
+from tests.test_distributed import ROOT, _free_port, _worker
+
+EXAMPLES = task.make_examples(64)
+
+
+def _trainer(mesh=None, **kwargs):
+    kwargs.setdefault("optimizer", optax.adam(1e-2))
+    return engine.Trainer(mesh=mesh or engine.make_mesh(data=4, model=2), collate_fn=task.collate_fn,
+                          loss_fn=task.loss_fn, params=task.init_params(), **kwargs)
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(_host(a))[0], jax.tree.leaves(_host(b))):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def test_loss_decreases_and_one_compile():
+    trainer = _trainer()
+    history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=3, log_every=4,
+                          eval_examples=EXAMPLES[:10])
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert trainer.step == 3 * (64 // 8) and len(losses) == trainer.step
+    assert np.mean(losses[-4:]) < 0.75 * np.mean(losses[:4]), losses
+    assert trainer.compile_count == 1  # three epochs and evals: one train-step compilation
+    assert [h for h in history if "eval_loss" in h][-1]["eval_loss"] < losses[0]
+    spec = trainer.params["layers_0"]["down_proj"]["kernel"].sharding.spec
+    assert spec == P("model")
+
+
+def test_accumulation_equals_large_batch():
+    """4 micro-batches of 2 give the update of one batch of 8 (mesh data=2, model=4)."""
+    mesh = engine.make_mesh(data=2, model=4)
+    sgd = optax.sgd(0.5)
+    a = _trainer(mesh, optimizer=sgd, accumulate_grad_batches=4)
+    a.fit(EXAMPLES, per_device_batch_size=1, max_steps=2)
+    b = _trainer(mesh, optimizer=sgd)
+    b.fit(EXAMPLES, per_device_batch_size=4, max_steps=2)
+    _assert_trees_close(a.params, b.params)
+    np.testing.assert_allclose([h["loss"] for h in a.history], [h["loss"] for h in b.history], rtol=1e-6)
+
+
+def test_schedule_counts_updates_not_micro_batches():
+    """With accumulation 4 the schedule still reaches its end at the last update (optax.MultiSteps would be at 1/4)."""
+    schedule = optax.linear_schedule(0.1, 0.0, transition_steps=4)
+    trainer = _trainer(optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=schedule),
+                       accumulate_grad_batches=4)
+    trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=4, log_every=1)
+    lrs = [h["learning_rate"] for h in trainer.history]
+    np.testing.assert_allclose(lrs, [0.1, 0.075, 0.05, 0.025], rtol=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_stages_split_state_and_match(zero_stage):
+    mesh = engine.make_mesh(data=4, model=2)
+    ref = _trainer(mesh)
+    ref.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    z = _trainer(mesh, zero_stage=zero_stage)
+    z.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    mu = z.opt_state[0].mu["layers_0"]["gate_proj"]["kernel"]
+    assert "data" in str(mu.sharding.spec), mu.sharding.spec
+    assert z.params["layers_0"]["gate_proj"]["kernel"].sharding.spec == P(None, "model")  # weights not split
+    _assert_trees_close(z.params, ref.params)
+
+
+def test_bf16_compute_trains_with_fp32_masters():
+    trainer = _trainer(compute_dtype=jnp.bfloat16)
+    history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, log_every=8)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
+    assert history[-1]["loss"] < 0.8 * history[0]["loss"]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = _trainer(workdir=str(tmp_path / "a"))
+    full.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, max_steps=12, log_every=3, save_every=100)
+    first = _trainer(workdir=str(tmp_path / "b"))
+    first.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, max_steps=5, log_every=3)
+    first.close()
+    saved = _host(first.params)
+    resumed = _trainer(workdir=str(tmp_path / "b"))
+    assert resumed.step == 5  # restored in the constructor
+    _assert_trees_close(resumed.params, saved, rtol=0, atol=0)
+    resumed.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, max_steps=12, log_every=3)
+    want = [h["loss"] for h in full.history]
+    got = [h["loss"] for h in first.history] + [h["loss"] for h in resumed.history]
+    assert got == want  # bit for bit, across the epoch boundary at step 8
+    _assert_trees_close(resumed.params, full.params, rtol=0, atol=0)
+
+
+def test_restore_onto_another_mesh_and_zero_stage(tmp_path):
+    a = _trainer(engine.make_mesh(data=8), workdir=str(tmp_path))
+    a.fit(EXAMPLES, per_device_batch_size=1, max_steps=3)
+    a.close()
+    b = _trainer(engine.make_mesh(data=2, model=4), workdir=str(tmp_path), zero_stage=1)
+    assert b.step == 3
+    assert b.params["layers_0"]["up_proj"]["kernel"].sharding.spec == P(None, "model")
+    _assert_trees_close(b.params, a.params, rtol=0, atol=0)
+    _assert_trees_close(b.opt_state, a.opt_state, rtol=0, atol=0)
+    b.fit(EXAMPLES, per_device_batch_size=4, max_steps=4)
+    assert b.step == 4
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
+    a = _trainer(workdir=str(tmp_path))
+    a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    a.close()
+    # A save of step 7 that died mid-write: Orbax's temporary directory, never finalised.
+    broken = tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-1234567"
+    (broken / "state").mkdir(parents=True)
+    (broken / "state" / "partial").write_bytes(b"\0" * 100)
+    b = _trainer(workdir=str(tmp_path))
+    assert b.step == 2
+    _assert_trees_close(b.params, a.params, rtol=0, atol=0)
+
+
+SIGTERM_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+from absl import logging
+import optax, engine
+from tests import trainer_task as task
+
+class Examples:
+    def __iter__(self):
+        for i, e in enumerate(task.make_examples(10_000)):
+            if i == 8 * 3:
+                print("STARTED", flush=True)  # the fourth batch is being collated: training is under way
+            yield e
+
+trainer = engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                         params=task.init_params(), optimizer=optax.adam(1e-3), workdir=sys.argv[1])
+trainer.fit(Examples(), per_device_batch_size=1, log_every=1)
+print("STOPPED", trainer.stopped_by_signal, trainer.step, flush=True)
+"""
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("STARTED"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = out.split()
+    assert stopped[:2] == ["STOPPED", "True"], out
+    step = int(stopped[2])
+    assert 1 <= step < 10_000 // 8
+    resumed = _trainer(engine.make_mesh(data=8), workdir=str(tmp_path))
+    assert resumed.step == step
+
+
+def test_nan_loss_stops_naming_the_step_or_is_skipped():
+    def poisoned_loss(params, batch, rng, is_training):
+        loss, metrics = task.loss_fn(params, batch, rng, is_training)
+        return jnp.where(jnp.any(batch["labels"] < 0), jnp.nan, loss), metrics
+
+    def examples():  # in order: the third global batch (rows 16..23) holds a poisoned example
+        exs = [dict(e) for e in EXAMPLES]
+        exs[18] = {"token_ids": [-1] * (task.SEQ + 1)}
+        return exs
+
+    class Ordered:
+        def __iter__(self):
+            return iter(examples())
+
+    mesh = engine.make_mesh(data=4, model=2)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=poisoned_loss, params=task.init_params(),
+                             optimizer=optax.adam(1e-2))
+    with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
+        trainer.fit(Ordered(), per_device_batch_size=2, log_every=2)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.params))
+    skipping = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=poisoned_loss,
+                              params=task.init_params(), optimizer=optax.adam(1e-2), nan_policy="skip")
+    skipping.fit(Ordered(), per_device_batch_size=2, log_every=2)
+    assert skipping.step == 8 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(skipping.params))
+
+
+def test_predictor_keeps_order_and_drops_padding():
+    mesh = engine.make_mesh(data=4, model=2)
+    predictor = engine.Predictor(mesh=mesh, collate_fn=lambda exs: {"x": np.array([e["x"] for e in exs])},
+                                 pred_fn=lambda params, batch, rng: {"y": batch["x"] * params["scale"]})
+    examples = [{"x": np.float32(i)} for i in range(13)]  # 4 per batch: 4 batches, the last padded from 1
+    out = predictor.predict(examples, per_device_batch_size=1, params={"scale": jnp.float32(3)})
+    assert [float(o["y"]) for o in out] == [3.0 * i for i in range(13)]
+    assert predictor.compile_count == 1
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"train_examples has 5 examples, fewer than one global batch of 8"):
+        _trainer().fit(EXAMPLES[:5], per_device_batch_size=2)
+    with pytest.raises(ValueError, match=r"zero_stage=3; expected 0, 1 or 2"):
+        _trainer(zero_stage=3)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=0; expected an integer >= 1"):
+        _trainer(accumulate_grad_batches=0)
+    with pytest.raises(ValueError, match=r"nan_policy='ignore'; expected one of"):
+        _trainer(nan_policy="ignore")
+    with pytest.raises(ValueError, match=r"per_device_batch_size=0; expected an integer >= 1"):
+        _trainer().fit(EXAMPLES, per_device_batch_size=0)
+    with pytest.raises(ValueError, match=r"collate_fn returned leaf \['input_ids'\] of shape \(9, 16\); expected a "
+                                         r"leading batch dimension of 8"):
+        engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=lambda exs: task.collate_fn(exs + exs[:1]),
+                       loss_fn=task.loss_fn, params=task.init_params(),
+                       optimizer=optax.sgd(0.1)).fit(EXAMPLES, per_device_batch_size=2)
+
+
+def test_two_processes_match_single_process(tmp_path):
+    from tests import multihost_worker
+    out = tmp_path / "losses.npy"
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, out, 60, "train") for pid in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    want = multihost_worker.train_losses(engine.make_mesh(data=4, model=2))
+    np.testing.assert_allclose(np.load(out), want, rtol=1e-5)
