@@ -203,24 +203,21 @@ def _linear_cross_entropy_fwd(x, w, labels, ignore_index, cfg):
 
 def _linear_cross_entropy_bwd(ignore_index, cfg, res, g):
     x, w, labels, lse = res
-    (n, d), vocab = x.shape, w.shape[1]
-    chunk = cfg.blocks.vocab_chunk
-    num_chunks = -(-vocab // chunk)
+    n = x.shape[0]
     # Zero cotangent for ignored tokens zeroes their whole row of d logits, hence their dx and share of dw.
     g = jnp.where(labels != ignore_index, g, 0.0).astype(jnp.float32).reshape(n, 1)
-    w_padded = jnp.pad(w, ((0, 0), (0, num_chunks * chunk - vocab)))  # Zero columns: no dx, sliced off dw.
 
-    def step(dx, c):
-        w_c = lax.dynamic_slice_in_dim(w_padded, c * chunk, chunk, axis=1)
-        (dlogits,) = cfg.matmul((x,), (w_c,), (lse.reshape(n, 1), (labels - c * chunk).reshape(n, 1), g),
+    def step(carry, w_c, start):
+        dx, dw = carry
+        (dlogits,) = cfg.matmul((x,), (w_c,), (lse.reshape(n, 1), (labels - start).reshape(n, 1), g),
                                 extra_kinds=("row",) * 3, epilogue=reference.epilogue_dlogits,
                                 out_dtypes=(x.dtype,))
         (dx_c,) = cfg.matmul((dlogits,), (w_c,), out_dtypes=(jnp.float32,), trans_rhs=True)
         (dw_c,) = cfg.matmul((x,), (dlogits,), out_dtypes=(w.dtype,), trans_lhs=True)
-        return dx + dx_c, dw_c
+        return dx + dx_c, lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=1)
 
-    dx, dw = lax.scan(step, jnp.zeros((n, d), jnp.float32), jnp.arange(num_chunks))
-    dw = jnp.moveaxis(dw, 0, 1).reshape(d, num_chunks * chunk)[:, :vocab]
+    dx, dw = reference.sweep_vocab(step, (jnp.zeros(x.shape, jnp.float32), jnp.zeros_like(w)), w,
+                                   cfg.blocks.vocab_chunk)
     return dx.astype(x.dtype), dw, None
 
 

@@ -14,12 +14,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+
+
+def _erf(z):
+    """erf by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7): Pallas's Triton lowering has no erf or erfc, which
+    jax.nn.gelu(approximate=False) needs."""
+    t = 1.0 / (1.0 + 0.3275911 * jnp.abs(z))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf_abs = 1.0 - poly * jnp.exp(-z * z)
+    return jnp.where(z < 0, -erf_abs, erf_abs)  # Not jnp.sign: Mosaic lowers it per TPU generation, so not on CPU.
+
+
 ACTIVATIONS = {
     "relu": jax.nn.relu,
-    "gelu": lambda z: jax.nn.gelu(z, approximate=False),
+    "gelu": lambda z: 0.5 * z * (1.0 + _erf(z * 0.7071067811865476)),
     "gelu_tanh": lambda z: jax.nn.gelu(z, approximate=True),
     "silu": jax.nn.silu,
 }
+# What the references use: jax.nn's own definitions, independent of the kernels' ones above.
+_REFERENCE_ACTIVATIONS = {**ACTIVATIONS, "gelu": lambda z: jax.nn.gelu(z, approximate=False)}
 # A finite "minus infinity": masked logits must not turn exp(m_old - m_new) into exp(-inf - -inf) = nan.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -110,21 +123,31 @@ def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, 
     return tuple(o.astype(d) for o, d in zip(outs, out_dtypes))
 
 
+def sweep_vocab(step, carry, w, chunk):
+    """Folds `step(carry, w_c, start) -> carry` over w's columns `chunk` at a time: a scan over the whole chunks,
+    then one static step for the remainder, so w is never padded (a copy the size of w: 1 GB at 4096 x 128256)."""
+    num_full, tail = divmod(w.shape[1], chunk)
+    if num_full:
+        def body(carry, c):
+            start = c * chunk
+            return step(carry, lax.dynamic_slice_in_dim(w, start, chunk, axis=1), start), None
+        carry, _ = lax.scan(body, carry, jnp.arange(num_full))
+    if tail:
+        carry = step(carry, w[:, num_full * chunk:], num_full * chunk)
+    return carry
+
+
 def lce_forward(x, w, labels, *, blocks, interpret=False):
-    """Scans vocabulary chunks of `blocks.vocab_chunk` columns: only one [N, chunk] float32 logits block is live."""
+    """Sweeps vocabulary chunks of `blocks.vocab_chunk` columns: one [N, chunk] float32 logits block is live."""
     del interpret
     n, vocab = x.shape[0], w.shape[1]
-    chunk = blocks.vocab_chunk
-    num_chunks = -(-vocab // chunk)
-    w = jnp.pad(w, ((0, 0), (0, num_chunks * chunk - vocab)))
     labels = labels.reshape(n, 1)
 
-    def step(carry, c):
-        w_c = lax.dynamic_slice_in_dim(w, c * chunk, chunk, axis=1)
-        cols = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-        return lse_update(carry, dot(x, w_c, False, False), cols, labels, vocab), None
+    def step(carry, w_c, start):
+        cols = start + lax.broadcasted_iota(jnp.int32, (1, w_c.shape[1]), 1)
+        return lse_update(carry, dot(x, w_c), cols, labels, vocab)
 
-    (m, l, label_logit), _ = lax.scan(step, lse_init(n), jnp.arange(num_chunks))
+    m, l, label_logit = sweep_vocab(step, lse_init(n), w, blocks.vocab_chunk)
     return (m + jnp.log(l))[:, 0], label_logit[:, 0]
 
 
@@ -134,13 +157,13 @@ def fused_matmul_reference(x, w, bias=None, *, activation=None):
     z = jnp.matmul(x, w, preferred_element_type=jnp.float32)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
-    return activate(z, activation).astype(x.dtype)
+    return (z if activation is None else _REFERENCE_ACTIVATIONS[activation](z)).astype(x.dtype)
 
 
 def gated_mlp_reference(x, w_gate, w_up, *, activation="silu"):
     gate = jnp.matmul(x, w_gate, preferred_element_type=jnp.float32)
     up = jnp.matmul(x, w_up, preferred_element_type=jnp.float32)
-    return (activate(gate, activation) * up).astype(x.dtype)
+    return (_REFERENCE_ACTIVATIONS[activation](gate) * up).astype(x.dtype)
 
 
 def linear_cross_entropy_reference(x, w, labels, *, ignore_index=-100):
