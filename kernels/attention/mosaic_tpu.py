@@ -1,9 +1,291 @@
-"""Placeholder: the Pallas kernels land in a following commit."""
+"""TPU flash attention: Pallas kernels on Mosaic.
+
+Arrays are moved to [batch, heads, len, head_dim] so every block's last two dims are (seq tile, head_dim): Mosaic
+wants them to be multiples of (8, 128) or the full array dims. Each kernel walks its reduction axis as the last,
+'arbitrary', grid axes with the running state in VMEM scratch, so the Pallas pipeline overlaps the next block's DMA
+with this block's compute. Skipping: under causal masking the kv (or q) index map is clamped to the last (first)
+needed block, so skipped steps re-use the resident block and issue no DMA, and `pl.when` skips their compute;
+segment-id ranges per block are scalar-prefetched into SMEM so disjoint blocks skip compute too.
+
+Per-row statistics (lse, delta) and q segment ids are stored as columns [len, 1] for the forward and dq kernels
+and as rows [1, len] for the dk/dv kernel, which works on transposed [kv, q] blocks so that every matmul is
+A @ B or A @ B^T.
+"""
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.attention.reference import NEG_INF, attention_mask
+
+_NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
+
+
+def _dot_nt(a, b):
+    return lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _heads_major(x):
+    return jnp.swapaxes(x, 1, 2)  # [B, L, H, D] <-> [B, H, L, D]
+
+
+def _block_ranges(ids, block):
+    """Per-block (min, max) of segment ids [B, L] -> two [B, L // block] int32 arrays, for SMEM prefetch."""
+    blocks = ids.reshape(ids.shape[0], -1, block)
+    return blocks.min(axis=-1), blocks.max(axis=-1)
+
+
+def _block_needed(plan, ranges, b, q_block, kv_block, bq, bk):
+    """Scalar predicate: may q block `q_block` attend to anything in kv block `kv_block`?"""
+    needed = []
+    if plan.causal:
+        needed.append(kv_block * bk <= q_block * bq + bq - 1)
+    if ranges:
+        q_lo, q_hi, k_lo, k_hi = ranges
+        needed.append(k_lo[b, kv_block] <= q_hi[b, q_block])
+        needed.append(k_hi[b, kv_block] >= q_lo[b, q_block])
+    result = True
+    for term in needed:
+        result = jnp.logical_and(result, term)
+    return result
+
+
+def _masked_logits(q, k, plan, q_start, k_start, qid_ref, kid_ref, transposed):
+    """Scaled logits q @ k^T ([bq, bk]) or k @ q^T ([bk, bq] when transposed), masked entries set to NEG_INF.
+    The id refs (or None) hold the blocks' segment ids already shaped to broadcast in that orientation."""
+    s = (_dot_nt(k, q) if transposed else _dot_nt(q, k)) * plan.sm_scale
+    q_axis = 1 if transposed else 0
+    mask = attention_mask(
+        q_start + lax.broadcasted_iota(jnp.int32, s.shape, q_axis),
+        k_start + lax.broadcasted_iota(jnp.int32, s.shape, 1 - q_axis),
+        None if qid_ref is None else qid_ref[...],
+        None if kid_ref is None else kid_ref[...],
+        causal=plan.causal,
+        kv_len=plan.kv_len,
+    )
+    return s if mask is None else jnp.where(mask, s, NEG_INF)
+
+
+def _unpack(refs, has_ids, num_inputs, num_outputs):
+    """Splits a kernel's refs into (prefetched ranges, inputs, (q_ids, kv_ids), outputs, scratch)."""
+    refs = list(refs)
+    ranges = [refs.pop(0) for _ in range(4)] if has_ids else []
+    inputs = [refs.pop(0) for _ in range(num_inputs)]
+    ids = (refs.pop(0), refs.pop(0)) if has_ids else (None, None)
+    outputs = [refs.pop(0) for _ in range(num_outputs)]
+    return ranges, inputs, ids, outputs, refs
+
+
+def _fwd_kernel(*refs, plan, has_ids):
+    ranges, (q_ref, k_ref, v_ref), (qid_ref, kid_ref), (o_ref, lse_ref), (m_scr, l_scr, acc_scr) = _unpack(
+        refs, has_ids, 3, 2
+    )
+    bq, bk = plan.blocks.block_q, plan.blocks.block_k
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    @pl.when(_block_needed(plan, ranges, b, i, j, bq, bk))
+    def _visit():
+        s = _masked_logits(q_ref[...], k_ref[...], plan, i * bq, j * bk, qid_ref, kid_ref, transposed=False)
+        m_prev = m_scr[...]
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
+        p = jnp.exp(s - m_new)
+        l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
+        acc_scr[...] = alpha * acc_scr[...] + _dot(p.astype(v_ref.dtype), v_ref[...])
+        m_scr[...] = m_new
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        m = m_scr[...]
+        visible = m > NEG_INF / 2
+        l = jnp.where(visible, l_scr[...], 1.0)
+        o_ref[...] = jnp.where(visible, acc_scr[...] / l, 0.0).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(visible, m + jnp.log(l), jnp.inf)  # +inf: every p recomputed from it is 0
+
+
+def _dq_kernel(*refs, plan, has_ids):
+    ranges, inputs, (qid_ref, kid_ref), (dq_ref,), (dq_scr,) = _unpack(refs, has_ids, 6, 1)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    @pl.when(_block_needed(plan, ranges, b, i, j, bq, bk))
+    def _visit():
+        k = k_ref[...]
+        s = _masked_logits(q_ref[...], k, plan, i * bq, j * bk, qid_ref, kid_ref, transposed=False)
+        p = jnp.exp(s - lse_ref[...])
+        ds = p * (_dot_nt(do_ref[...], v_ref[...]) - delta_ref[...])
+        dq_scr[...] += _dot(ds.astype(k.dtype), k)
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (dq_scr[...] * plan.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, plan, has_ids):
+    ranges, inputs, (qid_ref, kid_ref), (dk_ref, dv_ref), (dk_scr, dv_scr) = _unpack(refs, has_ids, 6, 2)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
+    b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+
+    @pl.when(jnp.logical_and(g == 0, i == 0))
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    @pl.when(_block_needed(plan, ranges, b, i, j, bq, bk))
+    def _visit():
+        q, do = q_ref[...], do_ref[...]
+        s_t = _masked_logits(q, k_ref[...], plan, i * bq, j * bk, qid_ref, kid_ref, transposed=True)
+        p_t = jnp.exp(s_t - lse_ref[...])
+        dv_scr[...] += _dot(p_t.astype(do.dtype), do)
+        ds_t = p_t * (_dot_nt(v_ref[...], do) - delta_ref[...])
+        dk_scr[...] += _dot(ds_t.astype(q.dtype), q)
+
+    @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
+    def _finish():
+        dk_ref[...] = (dk_scr[...] * plan.sm_scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _call(kernel, plan, has_ids, *, grid, num_prefetch_args, in_specs, out_specs, out_shape, scratch, semantics, name):
+    return pl.pallas_call(
+        lambda *refs: kernel(*refs, plan=plan, has_ids=has_ids),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_prefetch_args,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        interpret=pltpu.InterpretParams() if plan.interpret else False,
+        name=name,
+    )
+
+
+def _prefetch(q_ids, kv_ids, bq, bk):
+    if q_ids is None:
+        return []
+    return [*_block_ranges(q_ids, bq), *_block_ranges(kv_ids, bk)]
+
+
+def _q_major_specs(plan, B, T, S, D, G, bq, bk, has_ids):
+    """BlockSpecs for grids (batch, head, q block, kv block): q-like blocks, kv blocks, row stats, ids."""
+
+    def kv_index(b, h, i, j, *_):
+        if plan.causal:  # past the diagonal, keep pointing at the last needed block: no DMA for skipped steps
+            j = jnp.minimum(j, lax.div(i * bq + bq - 1, bk))
+        return b, lax.div(h, G), j, 0
+
+    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, bk, D), kv_index)
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))
+    id_specs = []
+    if has_ids:
+        id_specs = [
+            pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0)),
+            pl.BlockSpec((None, 1, bk), lambda b, h, i, j, *_: (b, 0, kv_index(b, h, i, j)[2])),
+        ]
+    return q_spec, kv_spec, row_spec, id_specs
 
 
 def forward(q, k, v, q_ids, kv_ids, plan):
-    raise NotImplementedError("implementation='mosaic_tpu' is not written yet; use implementation='xla'")
+    """Returns (out [B, T, H, D], lse [B, H, T, 1] float32)."""
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    bq, bk = plan.blocks.block_q, plan.blocks.block_k
+    has_ids = q_ids is not None
+    q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, B, T, S, D, H // Hkv, bq, bk, has_ids)
+    prefetch = _prefetch(q_ids, kv_ids, bq, bk)
+    ids = [q_ids[:, :, None], kv_ids[:, None, :]] if has_ids else []
+    out, lse = _call(
+        _fwd_kernel,
+        plan,
+        has_ids,
+        grid=(B, H, T // bq, pl.cdiv(plan.kv_len or S, bk)),
+        num_prefetch_args=len(prefetch),
+        in_specs=[q_spec, kv_spec, kv_spec, *id_specs],
+        out_specs=[q_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, H, T, D), q.dtype), jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
+        scratch=[(bq, 1), (bq, 1), (bq, D)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        name="flash_attention_fwd",
+    )(*prefetch, _heads_major(q), _heads_major(k), _heads_major(v), *ids)
+    return _heads_major(out), lse
 
 
 def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
-    raise NotImplementedError("implementation='mosaic_tpu' is not written yet; use implementation='xla'")
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
+    has_ids = q_ids is not None
+    prefetch = _prefetch(q_ids, kv_ids, bq, bk)
+    # delta_i = <out_i, do_i> = sum_j p_ij dp_ij, one fused XLA reduction.
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))[..., None]
+    qt, kt, vt, dot_ = _heads_major(q), _heads_major(k), _heads_major(v), _heads_major(do)
+
+    q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, B, T, S, D, G, bq, bk, has_ids)
+    ids = [q_ids[:, :, None], kv_ids[:, None, :]] if has_ids else []
+    dq = _call(
+        _dq_kernel,
+        plan,
+        has_ids,
+        grid=(B, H, T // bq, pl.cdiv(plan.kv_len or S, bk)),
+        num_prefetch_args=len(prefetch),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *id_specs],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((B, H, T, D), q.dtype),
+        scratch=[(bq, D)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        name="flash_attention_dq",
+    )(*prefetch, qt, kt, vt, dot_, lse, delta, *ids)
+
+    # Grid (batch, kv head, kv block, q head in group, q block): the last two axes reduce into dk/dv scratch.
+    def q_index(b, h, j, g, i, *_):
+        if plan.causal:  # before the diagonal, keep pointing at the first needed block: no DMA for skipped steps
+            i = jnp.minimum(jnp.maximum(i, lax.div(j * bk, bq)), T // bq - 1)
+        return b, h * G + g, i
+
+    q_spec = pl.BlockSpec((None, None, bq, D), lambda *idx: (*q_index(*idx), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, D), lambda b, h, j, g, i, *_: (b, h, j, 0))
+    row_spec = pl.BlockSpec((None, None, 1, bq), lambda *idx: (*q_index(*idx)[:2], 0, q_index(*idx)[2]))
+    id_specs = []
+    if has_ids:
+        id_specs = [
+            pl.BlockSpec((None, 1, bq), lambda *idx: (idx[0], 0, q_index(*idx)[2])),
+            pl.BlockSpec((None, bk, 1), lambda b, h, j, g, i, *_: (b, j, 0)),
+        ]
+    ids = [q_ids[:, None, :], kv_ids[:, :, None]] if has_ids else []
+    as_rows = lambda x: x.reshape(B, H, 1, T)
+    dk, dv = _call(
+        _dkv_kernel,
+        plan,
+        has_ids,
+        grid=(B, Hkv, S // bk, G, T // bq),
+        num_prefetch_args=len(prefetch),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *id_specs],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(kt.shape, k.dtype), jax.ShapeDtypeStruct(vt.shape, v.dtype)],
+        scratch=[(bk, D), (bk, D)],
+        semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        name="flash_attention_dkv",
+    )(*prefetch, qt, kt, vt, dot_, as_rows(lse), as_rows(delta), *ids)
+    return _heads_major(dq), _heads_major(dk), _heads_major(dv)
