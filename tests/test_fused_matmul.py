@@ -208,3 +208,14 @@ def test_blockwise_loss_needs_a_fraction_of_the_materialised_memory():
     assert materialised >= logits_bytes  # The baseline does hold the logits.
     assert blockwise * 8 <= materialised, (blockwise, materialised)  # The issue's <= 1/8 (measured: 1/19).
     assert blockwise < logits_bytes / 8
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_runs_on_cpu():
+    from kernels.matmul import benchmark
+    rows = benchmark.run("small", iters=1)
+    assert {(r["kernel"], r["pass"]) for r in rows} == {
+        (k, p) for k in ("fused_matmul", "gated_mlp", "linear_cross_entropy") for p in ("fwd", "fwd+bwd")}
+    assert all(r["ms"] > 0 and r["xla_ms"] > 0 for r in rows)
+    loss_grad = next(r for r in rows if r["kernel"] == "linear_cross_entropy" and r["pass"] == "fwd+bwd")
+    assert loss_grad["temp_gb"] < loss_grad["xla_temp_gb"]

@@ -50,7 +50,8 @@ def _matmul_kernel(*refs, n_lhs, n_rhs, n_extras, terms, epilogue, trans_lhs, tr
 def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, trans_lhs=False, trans_rhs=False,
            blocks, interpret=False):
     lhs, rhs, extras, (m, n), (bm, bn, bk), (mp, np_, kp) = _blocks.pad_operands(
-        lhs, rhs, extras, extra_kinds, trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=blocks, implementation="mosaic_tpu")
+        lhs, rhs, extras, extra_kinds, trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=blocks,
+        implementation="mosaic_tpu")
     lhs_spec = (pl.BlockSpec((bk, bm), lambda i, j, kb: (kb, i)) if trans_lhs
                 else pl.BlockSpec((bm, bk), lambda i, j, kb: (i, kb)))
     rhs_spec = (pl.BlockSpec((bn, bk), lambda i, j, kb: (j, kb)) if trans_rhs
@@ -67,7 +68,8 @@ def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, 
         out_specs=[pl.BlockSpec((bm, bn), lambda i, j, kb: (i, j))] * len(out_dtypes),
         out_shape=[jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes],
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32) for _ in terms],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)),
         interpret=_interpret(interpret),
         name="fused_matmul",
     )(*lhs, *rhs, *extras)
@@ -116,7 +118,8 @@ def lce_forward(x, w, labels, *, blocks, interpret=False):
         out_specs=[row_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct((np_, 1), jnp.float32)] * 2,
         scratch_shapes=[pltpu.VMEM((bm, bv), jnp.float32)] + [pltpu.VMEM((bm, 1), jnp.float32)] * 3,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY)),
         interpret=_interpret(interpret),
         name="linear_cross_entropy_fwd",
     )(x, w, labels)

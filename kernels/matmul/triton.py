@@ -43,7 +43,8 @@ def _matmul_kernel(*refs, n_lhs, n_rhs, n_extras, terms, epilogue, trans_lhs, tr
 def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, trans_lhs=False, trans_rhs=False,
            blocks, interpret=False):
     lhs, rhs, extras, (m, n), (bm, bn, bk), (mp, np_, kp) = _blocks.pad_operands(
-        lhs, rhs, extras, extra_kinds, trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=blocks, implementation="triton")
+        lhs, rhs, extras, extra_kinds, trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=blocks,
+        implementation="triton")
     # Operands keep their whole contraction in the block; the kernel slices it block_k at a time.
     lhs_spec = pl.BlockSpec((kp, bm), lambda i, j: (0, i)) if trans_lhs else pl.BlockSpec((bm, kp), lambda i, j: (i, 0))
     rhs_spec = pl.BlockSpec((bn, kp), lambda i, j: (j, 0)) if trans_rhs else pl.BlockSpec((kp, bn), lambda i, j: (0, j))
