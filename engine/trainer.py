@@ -132,6 +132,7 @@ class Trainer:
         self.compile_count = 0        # traces (= compilations) of the train step
         self.history = []             # per-step host metrics: {'step', 'loss', 'grad_norm', 'learning_rate', ...}
         self.stopped_by_signal = False
+        self._timers = {"data": 0.0, "checkpoint": 0.0}  # seconds since the last log line
         self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
         self._key = jax.random.key(seed)
         self.workdir = workdir
@@ -279,7 +280,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
             eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
-            save_every=None):
+            save_every=None, profile_steps=None):
         """Trains until `n_epochs` epochs or `max_steps` optimizer updates in total (both counted over the Trainer's
         life, resumes included: calling `fit` again continues where training stopped).
 
@@ -288,6 +289,10 @@ class Trainer:
         once per epoch). The last incomplete global batch of an epoch is dropped. Eval (after each epoch): the mean
         `eval_loss` and, with `eval_predictor` and `eval_metric_fn(examples, predictions) -> dict`, its metrics.
         `save_every`: checkpoint every that many updates (and always at the end) when there is a workdir.
+        `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard` (TensorBoard's
+        profile plugin shows it). Each log line breaks the step time into waiting on data, checkpointing and the rest
+        (compute and dispatch). SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved, `fit` returns
+        with `stopped_by_signal` set.
         """
         _validate("per_device_batch_size", per_device_batch_size,
                   isinstance(per_device_batch_size, int) and per_device_batch_size >= 1, "an integer >= 1")
@@ -304,9 +309,16 @@ class Trainer:
                              f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
         if (eval_predictor is None) != (eval_metric_fn is None):
             raise ValueError("eval_predictor and eval_metric_fn go together; got only one of them")
+        if profile_steps is not None:
+            ok = (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
+                  and all(isinstance(x, int) for x in profile_steps) and 0 <= profile_steps[0] < profile_steps[1])
+            _validate("profile_steps", profile_steps, ok and self.workdir is not None,
+                      "(start, end) with 0 <= start < end, and a workdir to write the trace to")
         stop = threading.Event()
-        previous = self._install_sigterm(stop)
+        previous = self._install_signal_handlers(stop)
         pending, last_log = [], (time.perf_counter(), self._step)
+        self._timers = {"data": 0.0, "checkpoint": 0.0}
+        profiling = False
         try:
             while self._epoch < n_epochs and (max_steps is None or self._step < max_steps):
                 batches = data_lib.iterate_batches(
@@ -315,13 +327,29 @@ class Trainer:
                 prefetch = data_lib.Prefetcher(batches)
                 seen = 0
                 try:
-                    for index, _, batch in prefetch:
+                    batches_iter = iter(prefetch)
+                    while True:
+                        waited = time.perf_counter()
+                        item = next(batches_iter, None)
+                        self._timers["data"] += time.perf_counter() - waited
+                        if item is None:
+                            break
+                        index, _, batch = item
+                        if profile_steps is not None and self._step == profile_steps[0] and not profiling:
+                            jax.profiler.start_trace(f"{self.workdir}/tensorboard")
+                            profiling = True
                         self._note_batch(batch)
                         params, opt_state, metrics = self._compiled_step()(
                             self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
                         self._state = {"params": params, "opt_state": opt_state}
                         self._step, self._batch_in_epoch, seen = self._step + 1, index + 1, seen + 1
                         pending.append((self._step, metrics))
+                        if profiling and self._step >= profile_steps[1]:
+                            jax.block_until_ready(params)
+                            jax.profiler.stop_trace()
+                            profiling = False
+                            logging.info("profile of steps %d-%d written to %s/tensorboard", profile_steps[0],
+                                         profile_steps[1], self.workdir)
                         if len(pending) >= log_every:
                             last_log = self._flush(pending, last_log, rows, batch)
                         if save_every and self._step % save_every == 0:
@@ -345,20 +373,29 @@ class Trainer:
             if pending:
                 self._flush(pending, last_log, rows, None)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            if profiling:
+                jax.profiler.stop_trace()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         if stop.is_set():
             self.stopped_by_signal = True
-            logging.warning("SIGTERM: stopping after step %d", self._step)
+            logging.warning("signal received: stopping after step %d", self._step)
         if self._checkpointer is not None and self._state is not None:
             self.save_checkpoint()
             self._checkpointer.wait()
         return self.history
 
-    def _install_sigterm(self, stop):
+    def _install_signal_handlers(self, stop):
+        """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop after the current step; a second Ctrl-C interrupts."""
         if threading.current_thread() is not threading.main_thread():
-            return None
-        return signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            return {}
+
+        def handler(signum, frame):
+            if signum == signal.SIGINT and stop.is_set():
+                raise KeyboardInterrupt
+            stop.set()
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _flush(self, pending, last_log, rows, batch):
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
@@ -379,8 +416,12 @@ class Trainer:
         last = self.history[-1]
         throughput = rows / seconds if seconds > 0 else float("nan")
         lr = f" | lr {last['learning_rate']:.3g}" if "learning_rate" in last else ""
-        logging.info("step %d | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s | %.3f s/step", last["step"],
-                     self._epoch, last["loss"], last["grad_norm"], lr, throughput, seconds)
+        n = max(1, steps[-1] - last_log[1])
+        data_s, ckpt_s = self._timers["data"] / n, self._timers["checkpoint"] / n
+        self._timers = {"data": 0.0, "checkpoint": 0.0}
+        logging.info("step %d | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s | %.3f s/step "
+                     "(data %.3f, checkpoint %.3f, compute %.3f)", last["step"], self._epoch, last["loss"],
+                     last["grad_norm"], lr, throughput, seconds, data_s, ckpt_s, max(0.0, seconds - data_s - ckpt_s))
         writer = self._tensorboard()
         if writer is not None:
             for record in self.history[-len(steps):]:
@@ -389,6 +430,8 @@ class Trainer:
                         writer.add_scalar(f"train/{k}", v, record["step"])
             writer.add_scalar("train/examples_per_second", throughput, last["step"])
             writer.add_scalar("train/step_time_seconds", seconds, last["step"])
+            writer.add_scalar("train/data_wait_seconds", data_s, last["step"])
+            writer.add_scalar("train/checkpoint_seconds", ckpt_s, last["step"])
             if batch is not None and "input_ids" in batch:
                 tokens = rows * int(np.prod(batch["input_ids"].shape[2:]))
                 writer.add_scalar("train/tokens_per_second", tokens / seconds, last["step"])
@@ -452,10 +495,12 @@ class Trainer:
             raise ValueError("save_checkpoint: nothing to save before the first batch fixed the sharding")
         if self._checkpointer.latest_step() == self._step:
             return
+        started = time.perf_counter()
         meta = {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
                 "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
                 "rng": np.asarray(jax.random.key_data(self._key)).tolist()}
         self._checkpointer.save(self._step, self._state, meta)
+        self._timers["checkpoint"] += time.perf_counter() - started
 
     def close(self):
         """Waits for pending checkpoint writes and closes the TensorBoard writer."""

@@ -1,0 +1,118 @@
+"""Steady training-step time of the engine, side by side with RedCoast 0.4.23 and a framework-free jax.jit floor.
+
+All three train the same tiny LLaMA-style model on the same data and mesh (`--peers_dir/tinylm.py`): a 2-step
+warm-up, then the wall time of 20 steps. Runs are interleaved (engine, floor, RedCoast, engine, ...) in fresh
+processes, and the table reports medians and the median of the per-round ratios, because single timings on a
+2-core machine are noisy.
+
+  .venv/bin/python scripts/bench_step.py --meshes=4x1x2,8x1x1 --rounds=3 --redco_python=/tmp/redco-venv/bin/python
+"""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+flags.DEFINE_list("meshes", ["4x1x2"], "Meshes as data x fsdp x model, each multiplying to 8 devices.")
+flags.DEFINE_integer("rounds", 3, "Interleaved rounds per mesh.")
+flags.DEFINE_string("peers_dir", os.path.join(ROOT, "..", "shared", "peers"),
+                    "Directory holding tinylm.py, plain_step.py and peer_redco_step.py.")
+flags.DEFINE_string("redco_python", "/tmp/redco-venv/bin/python",
+                    "Python of an environment with redco==0.4.23 (skipped when missing).")
+flags.DEFINE_enum("step", "jit", ["jit"], "The engine's train step implementation.")
+flags.DEFINE_string("worker", None, "Internal: run one engine measurement for this mesh and print it.")
+
+GLOBAL_BATCH, STEPS, WARMUP = 16, 20, 2
+
+
+def engine_worker(mesh_text):
+    """One measurement: prints STEADY <s>, COMPILE <s>, COMPILES <n>."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.abspath(FLAGS.peers_dir))
+    import jax
+    import optax
+    from tinylm import TinyLM, collate_fn, make_examples, xent
+
+    import engine
+    data, fsdp, model = (int(x) for x in mesh_text.split("x"))
+    mesh = engine.make_mesh(data=data, fsdp=fsdp, model=model)
+    lm = TinyLM()
+    params = lm.init(jax.random.key(0), collate_fn(make_examples(1))["input_ids"])["params"]
+
+    def loss_fn(params, batch, rng, is_training):
+        return xent(lm.apply({"params": params}, batch["input_ids"]), batch["labels"])
+
+    trainer = engine.Trainer(mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, params=params,
+                             optimizer=optax.adamw(1e-3))
+    per_device = GLOBAL_BATCH // (data * fsdp)
+    start = time.perf_counter()
+    trainer.fit(make_examples(GLOBAL_BATCH * WARMUP, 1), per_device_batch_size=per_device, log_every=100)
+    jax.block_until_ready(trainer.params)
+    compile_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    trainer.fit(make_examples(GLOBAL_BATCH * STEPS, 2), per_device_batch_size=per_device, n_epochs=2,
+                log_every=100)
+    jax.block_until_ready(trainer.params)
+    print(f"STEADY {time.perf_counter() - start:.4f}")
+    print(f"COMPILE {compile_seconds:.4f}")
+    print(f"COMPILES {trainer.compile_count}")
+
+
+def _run(cmd, env):
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    values = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in ("STEADY", "COMPILE", "COMPILES"):
+            values[parts[0]] = float(parts[1])
+    if "STEADY" not in values:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return values
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker:
+        engine_worker(FLAGS.worker)
+        return
+    peers = os.path.abspath(FLAGS.peers_dir)
+    have_redco = os.path.exists(FLAGS.redco_python) and os.path.exists(os.path.join(peers, "peer_redco_step.py"))
+    rows = []
+    for mesh_text in FLAGS.meshes:
+        data, fsdp, model = (int(x) for x in mesh_text.split("x"))
+        if data * fsdp * model != 8:
+            raise app.UsageError(f"--meshes entry {mesh_text!r}: sizes must multiply to 8")
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+                   MP=str(model), PYTHONPATH=ROOT)
+        runs = {"engine": [], "floor": [], "redco": []}
+        for _ in range(FLAGS.rounds):
+            runs["engine"].append(_run([sys.executable, __file__, f"--worker={mesh_text}",
+                                        f"--peers_dir={peers}"], env))
+            if fsdp == 1:  # the peers know data x model meshes only
+                runs["floor"].append(_run([sys.executable, os.path.join(peers, "plain_step.py")], env))
+                if have_redco:
+                    runs["redco"].append(_run([FLAGS.redco_python, os.path.join(peers, "peer_redco_step.py")], env))
+        med = {k: statistics.median(r["STEADY"] for r in v) if v else float("nan") for k, v in runs.items()}
+
+        def ratio(other):
+            if not runs[other]:
+                return float("nan")
+            return statistics.median(e["STEADY"] / o["STEADY"] for e, o in zip(runs["engine"], runs[other]))
+
+        rows.append((mesh_text, med["engine"], med["floor"], med["redco"], ratio("floor"), ratio("redco"),
+                     statistics.median(r["COMPILE"] for r in runs["engine"]),
+                     int(max(r["COMPILES"] for r in runs["engine"]))))
+    header = ("mesh dxfxm", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "compile s", "compiles")
+    print(f"{STEPS} steady steps, global batch {GLOBAL_BATCH}, {FLAGS.rounds} interleaved rounds, medians")
+    print(" | ".join(f"{h:>12}" for h in header))
+    for r in rows:
+        print(" | ".join(f"{v:>12.3f}" if isinstance(v, float) else f"{v:>12}" for v in r))
+
+
+if __name__ == "__main__":
+    app.run(main)
