@@ -1,1 +1,30 @@
-"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5) with Hugging Face checkpoint import/export."""
+"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5) with Hugging Face checkpoint import/export and generation.
+
+Parameters are a plain nested dict of arrays; Dense kernels are [in, out]. Decoder-only models:
+`model.apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None) -> logits [B, T, vocab]` (float32);
+attention_mask is 0 on padding, 1 on tokens, or per-sequence ids > 0 for packed sequences. T5:
+`model.apply({'params': p}, input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None)`.
+"""
+from models.generate import generate
+from models.gptj import GPTJ, GPTJConfig
+from models.hf import FAMILIES, config_from_hf, init_params, load_pretrained, load_tokenizer, save_pretrained
+from models.layers import ModelOptions
+from models.llama import Llama, LlamaConfig
+from models.opt import OPT, OPTConfig
+from models.t5 import T5, T5Config
+
+
+def get_config(family, name="tiny", **overrides):
+    """Named config of a family ('llama', 'gptj', 'opt', 't5'), e.g. get_config('llama', 'llama3-8b',
+    scan_layers=True). `overrides` replace any config field."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is unknown; expected one of {sorted(FAMILIES)}")
+    named = FAMILIES[family].NAMED_CONFIGS
+    if name not in named:
+        raise ValueError(f"{family} has no config named {name!r}; expected one of {sorted(named)}")
+    return FAMILIES[family].Config(**{**named[name], **overrides})
+
+
+def create_model(family, name="tiny", **overrides):
+    """The model module for a named config (see get_config)."""
+    return FAMILIES[family].Model(get_config(family, name, **overrides))

@@ -1,0 +1,208 @@
+"""Hugging Face checkpoint directories: read and write config.json + safetensors (single file or sharded with
+model.safetensors.index.json), dispatching on config.json's `model_type`. Each family file supplies
+config_from_hf / config_to_hf / hf_tensor_map; everything format-related lives here, once."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models import gptj, llama, opt, t5
+
+# model_type -> family module (each has Config, Model, NAMED_CONFIGS, config_from_hf, config_to_hf, hf_tensor_map).
+FAMILIES = {"llama": llama, "gptj": gptj, "opt": opt, "t5": t5}
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+def family(model_type):
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def init_params(model, rng=None):
+    """Fresh random parameters (a nested dict) for `model`."""
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+    return jax.jit(model.init)(rng, *_example_inputs(model))["params"]
+
+
+def _example_inputs(model):
+    ids = jnp.zeros((1, 8), jnp.int32)
+    return (ids, ids) if getattr(model, "is_encoder_decoder", False) else (ids,)
+
+
+def config_from_hf(hf, **options):
+    """A transformers config dict -> our config for its family (options: ModelOptions fields such as dtype)."""
+    model_type = hf.get("model_type")
+    if model_type is None:
+        raise ValueError(f"config has no 'model_type' (keys: {sorted(hf)}); expected one of {sorted(FAMILIES)}")
+    fam = family(model_type)
+    return fam.config_from_hf(hf, hf_config=json.dumps(hf, sort_keys=True), **options)
+
+
+class _Reader:
+    """Tensors of a checkpoint directory by name, read lazily one at a time (memory-mapped by safetensors)."""
+
+    def __init__(self, path):
+        index = os.path.join(path, _INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+        elif os.path.exists(os.path.join(path, _SINGLE)):
+            file = os.path.join(path, _SINGLE)
+            with safe_open(file, "np") as f:
+                self.where = {name: file for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{path} has neither {_SINGLE} nor {_INDEX}")
+        self.path, self.used = path, set()
+
+    def get(self, name, needed_for):
+        if name not in self.where:
+            raise KeyError(f"checkpoint {self.path} has no tensor {name!r} (needed for params{needed_for})")
+        self.used.add(name)
+        with safe_open(self.where[name], "np") as f:
+            return f.get_tensor(name)
+
+
+def _path_str(path):
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def _entries(config, tensor_map):
+    """Expands the family's map to (our path, [hf names], transpose, stacked) with layer loops unrolled the way
+    the model stores them (one stacked array under scan_layers, `layers_{i}` sub-trees otherwise)."""
+    for path, name, transpose, num_layers in tensor_map:
+        if num_layers is None:
+            yield path, [name], transpose, False
+        elif config.scan_layers:
+            yield path, [name.format(i=i) for i in range(num_layers)], transpose, True
+        else:
+            at = path.index("layers")
+            for i in range(num_layers):
+                yield path[:at] + (f"layers_{i}",) + path[at + 1:], [name.format(i=i)], transpose, False
+
+
+def _get(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _set(tree, path, value):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def load_pretrained(path, *, dtype=jnp.float32, mesh=None, **options):
+    """Reads a transformers `save_pretrained` directory. Returns (model, params).
+
+    dtype: parameter and computation dtype. mesh: a jax Mesh; each tensor is placed directly onto its
+    engine.auto_shard sharding as it is read, so host memory peaks near one (layer-stacked) tensor, not the model.
+    options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation).
+    """
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{path} has no config.json")
+    with open(config_file) as f:
+        hf = json.load(f)
+    name = jnp.dtype(dtype).name
+    config = config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options})
+    fam = family(hf["model_type"])
+    model = fam.Model(config)
+    abstract = jax.eval_shape(lambda: init_params(model))
+    shardings = None
+    if mesh is not None:
+        import engine  # noqa: PLC0415 (engine imports models' users, not models)
+
+        specs = engine.auto_shard(abstract, mesh,
+                                  trace_fn=lambda p: model.apply({"params": p}, *_example_inputs(model)))
+        shardings = jax.tree_util.tree_map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+    reader, params = _Reader(path), {}
+    for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
+        expected = _get(abstract, our_path)
+        want = expected.shape[1:] if stacked else expected.shape
+        want_stored = tuple(reversed(want)) if transpose else tuple(want)
+        arrays = []
+        for hf_name in names:
+            a = reader.get(hf_name, _path_str(our_path))
+            if a.shape != want_stored:
+                raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs {want_stored} "
+                                 f"(params{_path_str(our_path)})")
+            arrays.append(a.T if transpose else a)
+        host = (np.stack(arrays) if stacked else arrays[0]).astype(expected.dtype)
+        if shardings is None:
+            value = jnp.asarray(host)
+        else:
+            value = jax.device_put(host, _get(shardings, our_path))
+        _set(params, our_path, value)
+        del host, arrays
+    unused = sorted(set(reader.where) - reader.used)
+    if unused:
+        logging.warning("load_pretrained(%s): ignored %d tensors not used by the model: %s", path, len(unused),
+                        unused[:10])
+    return model, params
+
+
+def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30):
+    """Writes `params` as a transformers checkpoint directory (config.json + safetensors, sharded with an index past
+    max_shard_bytes) that `load_pretrained` and transformers' `from_pretrained` read back."""
+    config = model.config
+    fam = family(_model_type(model))
+    os.makedirs(path, exist_ok=True)
+    hf = json.loads(config.hf_config) if config.hf_config else {}
+    for stale in ("rope_scaling", "rope_theta", "torch_dtype"):
+        hf.pop(stale, None)
+    hf.update(fam.config_to_hf(config))
+    tensors = {}
+    for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
+        value = np.asarray(jax.device_get(_get(params, our_path)))
+        for i, hf_name in enumerate(names):
+            a = value[i] if stacked else value
+            tensors[hf_name] = np.ascontiguousarray(a.T if transpose else a)
+    hf["dtype"] = str(next(iter(tensors.values())).dtype)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    shards, size = [{}], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    for stale in [f for f in os.listdir(path) if f.endswith(".safetensors") or f == _INDEX]:
+        os.remove(os.path.join(path, stale))
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, _SINGLE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    with open(os.path.join(path, _INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
+                  f, indent=2, sort_keys=True)
+
+
+def _model_type(model):
+    for model_type, fam in FAMILIES.items():
+        if isinstance(model, fam.Model):
+            return model_type
+    raise TypeError(f"{type(model).__name__} is not one of the model classes {[f.Model for f in FAMILIES.values()]}")
+
+
+def load_tokenizer(path):
+    """The `tokenizers.Tokenizer` from path/tokenizer.json, or None when the directory has none."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        return None
+    import tokenizers  # noqa: PLC0415 (optional: installed with transformers)
+
+    return tokenizers.Tokenizer.from_file(file)

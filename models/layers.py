@@ -1,0 +1,505 @@
+"""Building blocks shared by every family: norms, rotary embeddings, attention (with its KV cache), MLPs, and the
+layer stack (scan over layers, remat). Written once; each family file composes them.
+
+Layouts: activations [batch, len, d_model]; attention heads [batch, len, heads, head_dim]. Dense kernels are stored
+[in, out] (the transpose of PyTorch's Linear.weight). Parameters are a plain nested dict of arrays.
+
+The KV cache of a decoder is a dict {'layers': {'k', 'v': [layers, batch, max_len, kv_heads, head_dim]},
+'index': int32 scalar (slots written so far), 'segment_ids': int32 [batch, max_len] (0 = empty or padding)}. A call
+with a cache writes its tokens at `index`; a call with more than one token is a prefill and must start at index 0.
+"""
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels
+
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Runtime options every family's config carries (not part of a checkpoint).
+
+    dtype: computation dtype; param_dtype: storage dtype of the parameters. scan_layers: one nn.scan over stacked
+    layer weights (a leading [layers] axis), so a deep model compiles one layer. remat: 'none', 'full' (recompute the
+    whole layer in the backward pass) or 'dots' (save the outputs of weight matmuls, recompute the rest).
+    attention_implementation: passed to kernels.flash_attention (None = best for the backend). mlp_implementation:
+    None = plain jnp MLP; a name ('xla', 'triton', ...) routes the MLP through the fused kernels.
+    """
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_implementation: str | None = None
+    mlp_implementation: str | None = None
+
+    # Attention geometry of the decoder families (fields num_heads, hidden_size, optional num_kv_heads / head_dim).
+    @property
+    def kv_heads(self):
+        return getattr(self, "num_kv_heads", None) or self.num_heads
+
+    @property
+    def dim_per_head(self):
+        return getattr(self, "head_dim", None) or self.hidden_size // self.num_heads
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight-matmul outputs
+}
+
+
+def activation(name):
+    """Hugging Face activation names -> functions. 'gelu_new' is GPT-2's tanh approximation."""
+    table = {
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    }
+    if name not in table:
+        raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(table)}")
+    return table[name]
+
+
+class Norm(nn.Module):
+    """RMSNorm (kind='rms': LLaMA, T5) or LayerNorm (kind='layer': GPT-J, OPT), statistics in float32."""
+    kind: str = "rms"
+    eps: float = 1e-6
+    use_scale: bool = True
+    use_bias: bool = True  # LayerNorm only
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        h = x.astype(jnp.float32)
+        if self.kind == "layer":
+            h = h - h.mean(-1, keepdims=True)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + self.eps)
+        h = h.astype(self.dtype)
+        if self.use_scale:
+            h = h * self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(self.dtype)
+        if self.kind == "layer" and self.use_scale and self.use_bias:
+            h = h + self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(self.dtype)
+        return h
+
+
+class Linear(nn.Module):
+    """y = act(x @ kernel + bias), kernel [in, out]. With `implementation` the matmul, bias and activation run fused in
+    kernels.fused_matmul. The weights are also readable as `.kernel` / `.bias` (for the fused gated MLP)."""
+    in_features: int
+    features: int
+    use_bias: bool = False
+    std: float = 0.02
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.kernel = self.param("kernel", nn.initializers.normal(self.std), (self.in_features, self.features),
+                                 self.param_dtype)
+        self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \
+            if self.use_bias else None
+
+    def __call__(self, x, act=None, implementation=None):
+        x = x.astype(self.dtype)
+        w = self.kernel.astype(self.dtype)
+        b = None if self.bias is None else self.bias.astype(self.dtype)
+        if implementation is not None:
+            return kernels.fused_matmul(x, w, b, activation=_KERNEL_ACTIVATION.get(act, act),
+                                        implementation=implementation)
+        y = jnp.dot(x, w)
+        if b is not None:
+            y = y + b
+        return y if act is None else activation(act)(y)
+
+
+# Hugging Face activation names -> the fused kernels' names.
+_KERNEL_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
+
+
+# ----------------------------------------------------------------------------------------------------- positions
+
+def segment_positions(segment_ids):
+    """Position of each token within its run of equal segment ids: [0,0,1,1,1] -> [0,1,0,1,2]. Left padding (id 0)
+    therefore does not shift the positions of the real tokens, and packed sequences restart at 0."""
+    T = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """Rotary position embedding of the first `dim` features of each head.
+
+    interleaved=False rotates the two halves (LLaMA, rotate_half); True rotates adjacent pairs (GPT-J,
+    rotate_every_two). scaling: sorted (key, value) pairs of a Hugging Face `rope_parameters` / `rope_scaling` dict;
+    rope_type 'default', 'linear', 'dynamic' (NTK, recomputed from the current length), 'llama3' and 'yarn'.
+    """
+    dim: int
+    theta: float = 10000.0
+    interleaved: bool = False
+    scaling: tuple = ()
+    max_position_embeddings: int = 2048
+
+    def _static_inv_freq(self):
+        """(inverse frequencies [dim/2] float32, cos/sin multiplier), following the published formulas."""
+        s = dict(self.scaling)
+        kind = s.get("rope_type", s.get("type", "default"))
+        d = self.dim
+        inv = 1.0 / (np.float32(self.theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+        if kind in ("default", "dynamic"):  # dynamic is applied at call time
+            return inv, 1.0
+        if kind == "linear":
+            return inv / np.float32(s["factor"]), 1.0
+        if kind == "llama3":
+            factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+            old_len = s.get("original_max_position_embeddings", self.max_position_embeddings)
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+            return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+        if kind == "yarn":
+            old_len = s.get("original_max_position_embeddings", self.max_position_embeddings)
+            factor = s.get("factor") or self.max_position_embeddings / old_len
+
+            def mscale(scale, m=1.0):
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            att = s.get("attention_factor")
+            if att is None:
+                m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+                att = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+            beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+            def correction_dim(rotations):
+                return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(self.theta))
+
+            lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+            if s.get("truncate", True):
+                lo, hi = math.floor(lo), math.ceil(hi)
+            lo, hi = max(lo, 0), min(hi, d - 1)
+            hi = hi + 0.001 if lo == hi else hi
+            ramp = np.clip((np.arange(d // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+            extrapolate = 1 - ramp
+            return (inv / factor * (1 - extrapolate) + inv * extrapolate).astype(np.float32), float(att)
+        raise ValueError(f"rope scaling type {kind!r} is not supported; expected default, linear, dynamic, llama3 "
+                         "or yarn")
+
+    def __call__(self, x, positions):
+        """x [batch, len, heads, head_dim], positions int [batch, len] -> x with its first `dim` features rotated."""
+        inv, att = self._static_inv_freq()
+        inv = jnp.asarray(inv)
+        s = dict(self.scaling)
+        if s.get("rope_type", s.get("type")) == "dynamic":
+            # NTK-aware base, grown from the longest position in this call (as transformers does per forward).
+            seq_len = jnp.maximum(jnp.max(positions) + 1, self.max_position_embeddings).astype(jnp.float32)
+            factor, d = s["factor"], self.dim
+            base = self.theta * ((factor * seq_len / self.max_position_embeddings) - (factor - 1)) ** (d / (d - 2))
+            inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        angles = positions[..., None].astype(jnp.float32) * inv  # [B, T, dim/2]
+        cos = (jnp.cos(angles) * att)[:, :, None, :]
+        sin = (jnp.sin(angles) * att)[:, :, None, :]
+        rot, rest = x[..., :self.dim].astype(jnp.float32), x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., ::2], rot[..., 1::2]
+            out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+        else:
+            x1, x2 = jnp.split(rot, 2, axis=-1)
+            out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------------- attention
+
+def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=None, sm_scale=None,
+           implementation=None):
+    """The one attention helper. q [B, T, H, D]; k, v [B, S, KVH, D] (H a multiple of KVH); segment ids int32
+    [B, T] / [B, S]: a query sees only keys with its id. Returns [B, T, H, D].
+
+    Without `bias` everything goes through kernels.flash_attention. T5's relative position bias is an additive
+    [1 or B, H, T, S] term the kernel does not take, so that case runs here in plain jnp (float32 softmax).
+    """
+    if bias is None:
+        seg = None if q_segment_ids is None else (
+            q_segment_ids if kv_segment_ids is None else (q_segment_ids, kv_segment_ids))
+        return kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
+                                       implementation=implementation)
+    B, T, H, D = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    qg = q.reshape(B, T, KVH, H // KVH, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = scores + bias.reshape(bias.shape[0], KVH, H // KVH, T, S).astype(jnp.float32)
+    mask = jnp.ones((1, T, S), bool)
+    if causal:
+        mask = jnp.tril(jnp.ones((T, S), bool), S - T)[None]
+    if q_segment_ids is not None:
+        kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (q_segment_ids[:, :, None] == kv_ids[:, None, :])
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention with projections q, k, v, o and an optional KV cache.
+
+    Call: (x [B, T, d_model], ctx, cache=None, kv_input=None, bias=None) -> (out [B, T, d_model], cache).
+    ctx (from `decoder_context`) holds 'positions' and 'segment_ids' [B, T], and with a cache 'cache_index' and
+    'kv_segment_ids' [B, max_len]. kv_input [B, S, d] makes it cross-attention (keys from the encoder, whose
+    padding is ctx['encoder_segment_ids']); its keys are computed once and kept in the cache as cross_k / cross_v.
+    bias: additive [1 or B, heads, T, keys] (T5), which takes the plain-jnp path of `attend`.
+    """
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool = True
+    use_bias: bool = False
+    out_bias: bool | None = None  # None: same as use_bias
+    rotary: Rotary | None = None
+    sm_scale: float | None = None  # None: head_dim ** -0.5
+    std: float = 0.02
+    implementation: str | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, ctx, cache=None, kv_input=None, bias=None):
+        B, T, d_model = x.shape
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        kw = dict(std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
+        q = Linear(d_model, H * D, self.use_bias, name="q", **kw)(x).reshape(B, T, H, D)
+        if self.rotary is not None:
+            q = self.rotary(q, ctx["positions"])
+
+        def project_kv(src):
+            k = Linear(src.shape[-1], KVH * D, self.use_bias, name="k", **kw)(src).reshape(*src.shape[:2], KVH, D)
+            v = Linear(src.shape[-1], KVH * D, self.use_bias, name="v", **kw)(src).reshape(*src.shape[:2], KVH, D)
+            if self.rotary is not None:
+                k = self.rotary(k, ctx["positions"])
+            return k, v
+
+        opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, bias=bias)
+        if kv_input is not None:  # cross-attention: every query is live; padded encoder tokens are hidden
+            if cache is not None and "cross_k" in cache:
+                k, v = cache["cross_k"], cache["cross_v"]
+            else:
+                k, v = project_kv(kv_input)
+            if cache is not None:
+                cache = {**cache, "cross_k": k, "cross_v": v}
+            enc_ids = (ctx["encoder_segment_ids"] > 0).astype(jnp.int32)
+            out = attend(q, k, v, causal=False, q_segment_ids=jnp.ones((B, T), jnp.int32), kv_segment_ids=enc_ids,
+                         **opts)
+        else:
+            k, v = project_kv(x)
+            if cache is not None:
+                idx = ctx["cache_index"]
+                cache = {**cache,
+                         "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, idx, 0, 0)),
+                         "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, idx, 0, 0))}
+            if cache is not None and T == 1:  # decode step: attend to every filled slot of the cache
+                out = attend(q, cache["k"].astype(self.dtype), cache["v"].astype(self.dtype), causal=False,
+                             q_segment_ids=ctx["segment_ids"], kv_segment_ids=ctx["kv_segment_ids"], **opts)
+            else:  # training / prefill (a prefill starts at cache index 0, so the fresh keys are all there is)
+                out = attend(q, k, v, causal=self.causal, q_segment_ids=ctx["segment_ids"], **opts)
+        out = out.reshape(B, T, H * D)
+        out_bias = self.use_bias if self.out_bias is None else self.out_bias
+        return Linear(H * D, d_model, out_bias, name="o", **kw)(out), cache
+
+
+class MLP(nn.Module):
+    """Feed-forward block: gated, down(act(gate(x)) * up(x)) (LLaMA SwiGLU, T5 v1.1), or down(act(up(x))).
+
+    `implementation` (None = plain jnp, the default and the reference) routes the first matmul(s) and the
+    activation through the fused kernels: kernels.gated_mlp for the gated form, kernels.fused_matmul otherwise."""
+    hidden: int
+    act: str = "silu"
+    gated: bool = True
+    use_bias: bool = False
+    std: float = 0.02
+    implementation: str | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        kw = dict(use_bias=self.use_bias, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
+        up = Linear(d, self.hidden, name="up", **kw)
+        if not self.gated:
+            h = up(x, act=self.act, implementation=self.implementation)
+        else:
+            gate = Linear(d, self.hidden, name="gate", **kw)
+            if self.implementation is not None and not self.use_bias:
+                w_gate, w_up = gate.kernel.astype(self.dtype), up.kernel.astype(self.dtype)
+                h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up,
+                                      activation=_KERNEL_ACTIVATION.get(self.act, self.act),
+                                      implementation=self.implementation)
+            else:
+                h = gate(x, act=self.act) * up(x)
+        return Linear(self.hidden, d, name="down", **kw)(h)
+
+
+# ----------------------------------------------------------------------------------------------------- stacks
+
+def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", **block_kwargs):
+    """Runs the blocks of a stack (config.num_layers unless given); call from inside a parent's compact method.
+
+    A block is a Module whose __call__(x, ctx, layer_cache) returns (x, layer_cache); it is built with
+    config=config and block_kwargs. config.scan_layers: one nn.scan with parameters stacked along a leading
+    [num_layers] axis under `name`; else separate `{name}_{i}` sub-trees. cache: the model's cache dict or None; its
+    'layers' are stacked [num_layers, ...] either way, so generation does not care which. config.remat wraps each
+    block in nn.remat. Returns (x, new cache['layers'] or None)."""
+    num_layers = config.num_layers if num_layers is None else num_layers
+    scan, remat = config.scan_layers, config.remat
+    cache = None if cache is None else cache["layers"]
+    block_kwargs = {"config": config, **block_kwargs}
+    if remat != "none":
+        if remat not in _REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r}; expected 'none', 'full' or 'dots'")
+        block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
+    if scan:
+        stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(nn.broadcast, 0), length=num_layers)
+        return stack(name=name, **block_kwargs)(x, ctx, cache)
+    caches = []
+    for i in range(num_layers):
+        layer_cache = None if cache is None else jax.tree_util.tree_map(lambda a: a[i], cache)
+        x, layer_cache = block_cls(name=f"{name}_{i}", **block_kwargs)(x, ctx, layer_cache)
+        caches.append(layer_cache)
+    if cache is None:
+        return x, None
+    return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
+
+
+def decoder_context(input_ids, attention_mask, positions, cache):
+    """Builds the per-call context for a (cached) decoder.
+
+    attention_mask int [B, T]: 0 = padding, 1 = token; larger ids mark packed sequences (a token sees only its own
+    sequence). Positions default to the position within the sequence, counting the tokens already in the cache.
+    Returns (ctx, cache without 'layers' but with index / segment ids advanced, or None)."""
+    B, T = input_ids.shape
+    seg = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+    ctx = {"segment_ids": seg}
+    if cache is None:
+        ctx["positions"] = segment_positions(seg) if positions is None else positions
+        return ctx, None
+    idx = cache["index"]
+    if positions is None:
+        seen = jnp.sum(cache["segment_ids"] > 0, axis=1, dtype=jnp.int32)
+        positions = seen[:, None] + segment_positions(seg)
+    kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], seg, (0, idx))
+    ctx.update(positions=positions, cache_index=idx, kv_segment_ids=kv_seg)
+    return ctx, {"index": idx + T, "segment_ids": kv_seg}
+
+
+def empty_cache(num_layers, batch, max_len, kv_heads, head_dim, dtype):
+    """Zeroed decoder cache (see the module docstring for the layout)."""
+    shape = (num_layers, batch, max_len, kv_heads, head_dim)
+    return {"layers": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)},
+            "index": jnp.zeros((), jnp.int32), "segment_ids": jnp.zeros((batch, max_len), jnp.int32)}
+
+
+# ----------------------------------------------------------------------------------------------------- ends
+
+def token_embedding(vocab_size, features, *, std=0.02, name=None, dtype=jnp.float32, param_dtype=jnp.float32):
+    """Token embedding table 'embedding' [vocab, features]."""
+    return nn.Embed(vocab_size, features, embedding_init=nn.initializers.normal(std), dtype=dtype,
+                    param_dtype=param_dtype, name=name)
+
+
+def lm_output(x, embed, tied, new_cache, layer_cache, return_hidden, *, head_bias=False, std=0.02,
+              dtype=jnp.float32, param_dtype=jnp.float32):
+    """Final projection of a decoder (call from its compact method). Tied heads reuse the embedding table; an untied
+    head is 'lm_head' [d_model, vocab]. Returns float32 logits [B, T, vocab] (or the hidden states [B, T, d_model]
+    when return_hidden, for a fused linear + cross-entropy), plus the updated cache when there is one."""
+    if tied:
+        head = embed.attend
+    else:
+        linear = Linear(x.shape[-1], embed.num_embeddings, head_bias, std=std, dtype=dtype, param_dtype=param_dtype,
+                        name="lm_head")
+        _ = linear.kernel  # create the head's parameters even when only hidden states are returned
+        head = linear
+    out = x if return_hidden else head(x).astype(jnp.float32)
+    if new_cache is None:
+        return out
+    return out, {**new_cache, "layers": layer_cache}
+
+
+def rope_from_hf(hf):
+    """(rope_theta, scaling pairs) from a transformers config dict: v5 `rope_parameters` or v4 `rope_theta` +
+    `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    if params.get("rope_type", "default") == "default":
+        params.pop("rope_type", None)
+    if params.get("rope_type") in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return float(theta), tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
+
+
+def rope_to_hf(theta, scaling):
+    return {"rope_type": "default", "rope_theta": theta, **{k: list(v) if isinstance(v, tuple) else v
+                                                           for k, v in scaling}}
+
+
+class DecoderLM(nn.Module):
+    """The shell every decoder-only family shares: token (+ learned position) embeddings -> blocks -> final norm ->
+    head. A family subclasses it and sets `block` (its layer), `norm_kind`, `head_bias` and, for OPT,
+    `position_offset`; its config provides num_layers, hidden_size, vocab_size, norm_eps, initializer_range,
+    tie_word_embeddings, kv_heads and dim_per_head (and optionally embed_dim, final_layer_norm,
+    layer_norm_elementwise_affine, max_position_embeddings).
+
+    __call__(input_ids [B, T], attention_mask [B, T] | None, *, positions, cache, return_hidden) -> logits
+    [B, T, vocab] float32, or (logits, cache) when a cache (from init_cache) is passed; see decoder_context for the
+    mask and the positions."""
+    config: Any
+    block = None
+    norm_kind = "rms"
+    head_bias = False
+    position_offset = None  # learned absolute positions, read at position + offset (OPT)
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache=None, return_hidden=False):
+        c = self.config
+        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        lin = dict(std=c.initializer_range, **kw)
+        embed_dim = getattr(c, "embed_dim", c.hidden_size)
+        affine = getattr(c, "layer_norm_elementwise_affine", True)
+        ctx, new_cache = decoder_context(input_ids, attention_mask, positions, cache)
+        embed = token_embedding(c.vocab_size, embed_dim, name="embed", **lin)
+        x = embed(input_ids)
+        if embed_dim != c.hidden_size:
+            x = Linear(embed_dim, c.hidden_size, name="project_in", **lin)(x)
+        if self.position_offset is not None:
+            table = token_embedding(c.max_position_embeddings + self.position_offset, c.hidden_size,
+                                    name="embed_positions", **lin)
+            x = x + table(ctx["positions"] + self.position_offset)
+        x, layer_cache = apply_layers(self.block, x, ctx, cache, c)
+        if getattr(c, "final_layer_norm", True):
+            x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
+        if embed_dim != c.hidden_size:
+            x = Linear(c.hidden_size, embed_dim, name="project_out", **lin)(x)
+        return lm_output(x, embed, c.tie_word_embeddings, new_cache, layer_cache, return_hidden,
+                         head_bias=self.head_bias, **lin)
+
+    def init_cache(self, batch, max_len, dtype=None):
+        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt + generated)."""
+        c = self.config
+        return empty_cache(c.num_layers, batch, max_len, c.kv_heads, c.dim_per_head, dtype or c.dtype)

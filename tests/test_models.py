@@ -1,0 +1,301 @@
+"""models/: logit and greedy-generation parity with Hugging Face transformers (PyTorch, CPU) on tiny random models,
+checkpoint round trips, bad-input errors, and the model options (scan, remat, packing, sharded loading)."""
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import layers
+
+B, T = 2, 9
+IDS = np.random.RandomState(0).randint(3, 128, (B, T))
+MASK = np.ones((B, T), np.int64)
+MASK[1, :3] = 0  # the second row is left-padded
+
+
+def _hf_builders():
+    """Tiny transformers models; weights are perturbed after init so norms, biases and logits are non-trivial."""
+    import transformers as tf
+
+    llama = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    t5 = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, initializer_factor=0.2,
+              relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0)
+    return {
+        "llama-gqa": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**llama, num_key_value_heads=2)),
+        "llama-tied-llama3": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+            **llama, num_key_value_heads=1, tie_word_embeddings=True, rope_parameters=dict(
+                rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=16))),
+        "llama-yarn": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**llama, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16))),
+        # max_position_embeddings below the test length, so the NTK base really grows
+        "llama-dynamic": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**{**llama, "max_position_embeddings": 4},
+                                                                    rope_parameters=dict(rope_type="dynamic",
+                                                                                         rope_theta=10000.0,
+                                                                                         factor=2.0))),
+        "llama-linear": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**llama, rope_parameters=dict(
+            rope_type="linear", rope_theta=10000.0, factor=2.0))),
+        "gptj": lambda: tf.GPTJForCausalLM(tf.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                                         n_positions=64, bos_token_id=1, eos_token_id=2)),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, max_position_embeddings=64)),
+        "opt-postnorm-proj": lambda: tf.OPTForCausalLM(tf.OPTConfig(
+            vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, do_layer_norm_before=False, word_embed_proj_dim=32)),
+        "t5-v1.0": lambda: tf.T5ForConditionalGeneration(tf.T5Config(**t5, feed_forward_proj="relu")),
+        "t5-v1.1": lambda: tf.T5ForConditionalGeneration(tf.T5Config(**t5, num_decoder_layers=3,
+                                                                     feed_forward_proj="gated-gelu",
+                                                                     tie_word_embeddings=False)),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """name -> (torch model, directory it was saved to); built once per session."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    built, builders = {}, _hf_builders()
+
+    def get(name):
+        if name not in built:
+            torch.manual_seed(0)
+            model = builders[name]().eval()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            path = str(tmp_path_factory.mktemp(name))
+            model.save_pretrained(path)
+            built[name] = model, path
+        return built[name]
+
+    return get
+
+
+def _hf_logits(hf_model, ids, mask, decoder_ids=None):
+    import torch
+
+    with torch.no_grad():
+        if decoder_ids is not None:
+            return hf_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                            decoder_input_ids=torch.tensor(decoder_ids)).logits.numpy()
+        # the positions transformers' generate uses for left padding (OPT derives them from the mask itself)
+        positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+        return hf_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                        position_ids=torch.tensor(positions)).logits.numpy()
+
+
+@functools.lru_cache
+def _jit_apply(model):
+    return jax.jit(model.apply)
+
+
+def _our_logits(model, params, ids, mask, decoder_ids=None):
+    args = (ids, decoder_ids, mask) if decoder_ids is not None else (ids, mask)
+    return np.asarray(_jit_apply(model)({"params": params}, *map(jnp.asarray, args)))
+
+
+def _max_diff(name, hf_model, model, params):
+    """Max |logit difference| over real (unpadded) positions, on a left-padded batch."""
+    if name.startswith("t5"):
+        dec = np.random.RandomState(1).randint(0, 128, (B, 5))
+        return np.abs(_our_logits(model, params, IDS, MASK, dec) - _hf_logits(hf_model, IDS, MASK, dec)).max()
+    diff = np.abs(_our_logits(model, params, IDS, MASK) - _hf_logits(hf_model, IDS, MASK))
+    return diff[MASK.astype(bool)].max()
+
+
+def _assert_same_tree(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("name,scan", [
+    ("llama-gqa", False), ("llama-gqa", True), ("llama-tied-llama3", False), ("llama-yarn", False),
+    ("llama-dynamic", False), ("llama-linear", False), ("gptj", False), ("opt", False), ("opt-postnorm-proj", True),
+    ("t5-v1.0", False), ("t5-v1.1", True)])
+def test_logits_match_transformers_and_round_trip(hf_checkpoint, tmp_path, name, scan):
+    hf_model, path = hf_checkpoint(name)
+    model, params = models.load_pretrained(path, scan_layers=scan)
+    assert model.config.scan_layers == scan
+    assert _max_diff(name, hf_model, model, params) <= 1e-4
+
+    # load -> save -> load is an identity, and transformers reads our export to the same logits
+    models.save_pretrained(model, params, str(tmp_path))
+    again_model, again = models.load_pretrained(str(tmp_path), scan_layers=scan)
+    assert again_model.config == model.config
+    _assert_same_tree(params, again)
+    import transformers
+
+    exported = transformers.AutoModelForSeq2SeqLM if name.startswith("t5") else transformers.AutoModelForCausalLM
+    assert _max_diff(name, exported.from_pretrained(str(tmp_path)).eval(), model, params) <= 1e-4
+
+
+def test_t5_untied_head_matches_transformers(hf_checkpoint, tmp_path):
+    """A T5 v1.1 / FLAN checkpoint as transformers 4 wrote it: its own lm_head.weight, tie_word_embeddings false."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    hf_model, path = hf_checkpoint("t5-v1.1")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    head = np.random.RandomState(2).normal(0, 0.1, tensors["shared.weight"].shape).astype(np.float32)
+    save_file({**tensors, "lm_head.weight": head}, os.path.join(tmp_path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("scale_decoder_outputs")
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump({**config, "tie_word_embeddings": False}, f)
+    model, params = models.load_pretrained(str(tmp_path))
+    assert not model.config.tie_word_embeddings and not model.config.scale_decoder_outputs
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]["kernel"]), head.T)
+
+    untied = type(hf_model)(hf_model.config).eval()
+    untied.load_state_dict(hf_model.state_dict())
+    untied.lm_head = torch.nn.Linear(64, 128, bias=False)
+    untied.lm_head.weight.data = torch.tensor(head)
+    assert _max_diff("t5", untied, model, params) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gptj", "opt", "t5-v1.0"])
+def test_greedy_generate_matches_transformers(hf_checkpoint, name):
+    import torch
+
+    hf_model, path = hf_checkpoint(name)
+    model, params = models.load_pretrained(path)
+    eos, new = 2, 8
+    ours = np.asarray(models.generate(model, params, jnp.asarray(IDS), attention_mask=jnp.asarray(MASK),
+                                      max_new_tokens=new, eos_token_id=eos, pad_token_id=0))
+    theirs = hf_model.generate(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK), max_new_tokens=new,
+                               do_sample=False, eos_token_id=eos, pad_token_id=0).numpy()
+    assert ours.shape == (B, (1 if name.startswith("t5") else T) + new)
+    np.testing.assert_array_equal(ours[:, :theirs.shape[1]], theirs)
+    assert (ours[:, theirs.shape[1]:] == 0).all()  # transformers stops once every row has finished
+
+
+# ------------------------------------------------------------------------------------------ without transformers
+
+def _tiny(family, **overrides):
+    model = models.create_model(family, "tiny", **overrides)
+    return model, models.init_params(model, jax.random.PRNGKey(1))
+
+
+def test_packed_sequences_equal_separate_runs():
+    model, params = _tiny("llama")
+    apply = jax.jit(model.apply)
+    packed = apply({"params": params}, jnp.asarray(IDS[:1]), jnp.asarray([[1] * 4 + [2] * 5]))
+    alone = [apply({"params": params}, jnp.asarray(IDS[:1, :4])), apply({"params": params}, jnp.asarray(IDS[:1, 4:]))]
+    np.testing.assert_allclose(packed, np.concatenate(alone, axis=1), atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "dots"])
+def test_remat_keeps_logits_and_gradients(remat):
+    model, params = _tiny("llama", scan_layers=True)
+    remat_model = models.create_model("llama", "tiny", scan_layers=True, remat=remat)
+
+    def loss(p, m):
+        return jnp.mean(m.apply({"params": p}, jnp.asarray(IDS), jnp.asarray(MASK)) ** 2)
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (value, grads), (expected_value, expected) = value_and_grad(params, remat_model), value_and_grad(params, model)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    for g, h in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(g, h, atol=1e-6)
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    """Prefill + one-token steps through the cache give the logits of one full forward pass (padded batch)."""
+    model, params = _tiny("llama")
+    v, apply = {"params": params}, jax.jit(model.apply)
+    full = np.asarray(apply(v, jnp.asarray(IDS), jnp.asarray(MASK)))
+    logits, cache = apply(v, jnp.asarray(IDS[:, :5]), jnp.asarray(MASK[:, :5]), cache=model.init_cache(B, T))
+    steps = [logits]
+    for t in range(5, T):
+        logits, cache = apply(v, jnp.asarray(IDS[:, t:t + 1]), jnp.asarray(MASK[:, t:t + 1]), cache=cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1)[MASK.astype(bool)], full[MASK.astype(bool)], atol=1e-5)
+
+
+def test_generate_eos_sampling_and_one_compile_per_bucket():
+    from models.generate import _compiled
+
+    model, params = _tiny("opt")
+    prompt, new = jnp.asarray(IDS[:, :5]), 6
+    greedy = np.asarray(models.generate(model, params, prompt, max_new_tokens=new))
+    assert greedy.shape == (B, 5 + new) and (greedy[:, :5] == IDS[:, :5]).all()
+    # prompts of 5 and 7 tokens share the length-8 bucket: one compilation
+    models.generate(model, params, jnp.asarray(IDS[:, :7]), max_new_tokens=new)
+    assert _compiled(model, new, 0.0, None, None, None, 0)._cache_size() == 1
+    # sampling restricted to the top token (top_k=1, and top_p below any second token's share) is greedy
+    sampled = models.generate(model, params, prompt, max_new_tokens=new, temperature=2.0, top_k=1, top_p=0.5,
+                              rng=jax.random.PRNGKey(3))
+    np.testing.assert_array_equal(sampled, greedy)
+    # the first generated token as eos: that row is padding afterwards, the other row runs on unchanged
+    eos = int(greedy[0, 5])
+    stopped = np.asarray(models.generate(model, params, prompt, max_new_tokens=new, eos_token_id=eos,
+                                         pad_token_id=127))
+    assert stopped[0, 5] == eos and (stopped[0, 6:] == 127).all()
+    if eos not in greedy[1, 5:]:
+        np.testing.assert_array_equal(stopped[1], greedy[1])
+
+
+def test_bad_checkpoints_give_clear_errors(tmp_path):
+    model, params = _tiny("llama")
+    models.save_pretrained(model, params, str(tmp_path))
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+
+    config_file.write_text(json.dumps({k: v for k, v in config.items() if k != "model_type"}))
+    with pytest.raises(ValueError, match="model_type"):
+        models.load_pretrained(str(tmp_path))
+    config_file.write_text(json.dumps({**config, "model_type": "bloom"}))
+    with pytest.raises(ValueError, match="'bloom'"):
+        models.load_pretrained(str(tmp_path))
+    config_file.write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight.*\(128, 64\).*\(96, 64\)"):
+        models.load_pretrained(str(tmp_path))
+    config_file.write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(KeyError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight"):
+        models.load_pretrained(str(tmp_path))
+
+
+def test_sharded_files_and_mesh_placement(tmp_path):
+    import engine
+
+    model, params = _tiny("gptj")
+    models.save_pretrained(model, params, str(tmp_path), max_shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    mesh = engine.make_mesh(data=2, fsdp=2, model=2)
+    loaded_model, loaded = models.load_pretrained(str(tmp_path), mesh=mesh)
+    leaves = jax.tree_util.tree_leaves(loaded)
+    assert all(isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh for x in leaves)
+    assert any(not x.sharding.is_fully_replicated for x in leaves)
+    _assert_same_tree(params, loaded)
+    np.testing.assert_allclose(_our_logits(loaded_model, loaded, IDS, MASK), _our_logits(model, params, IDS, MASK),
+                               atol=1e-5)
+
+
+def test_tokenizer_is_loaded_when_present(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    assert models.load_tokenizer(str(tmp_path)) is None
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert models.load_tokenizer(str(tmp_path)).encode("world hello there").ids == [1, 0, 2]
+
+
+def test_segment_positions_and_named_configs():
+    np.testing.assert_array_equal(layers.segment_positions(jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 2, 2, 0]])),
+                                  [[0, 1, 0, 1, 2], [0, 1, 0, 1, 0]])
+    big = models.get_config("llama", "llama3-8b")
+    assert (big.hidden_size, big.kv_heads, big.vocab_size) == (4096, 8, 128256)
+    shapes = jax.eval_shape(lambda: models.init_params(models.Llama(big)))
+    assert sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(shapes)) == 8_030_261_248
+    with pytest.raises(ValueError, match="llama-9b"):
+        models.get_config("llama", "llama-9b")
