@@ -56,7 +56,8 @@ EXTRA_CASES = [
 
 def _case_id(case):
     causal, segments, h, hkv, t, s, d, dtype = case
-    return f"{'causal' if causal else 'full'}-{'seg' if segments else 'noseg'}-h{h}kv{hkv}-t{t}s{s}-d{d}-{dtype.__name__}"
+    mask = f"{'causal' if causal else 'full'}-{'seg' if segments else 'noseg'}"
+    return f"{mask}-h{h}kv{hkv}-t{t}s{s}-d{d}-{dtype.__name__}"
 
 
 def _inputs(case, batch=2, seed=0):
@@ -133,7 +134,8 @@ def _parity_params():
     for variant, (_, _, default_run) in VARIANTS.items():
         for index, case in enumerate(CORE_CASES + EXTRA_CASES):
             slow = index >= len(CORE_CASES) or (default_run is not None and index not in default_run)
-            yield pytest.param(variant, case, id=f"{variant}-{_case_id(case)}", marks=[pytest.mark.slow] if slow else [])
+            marks = [pytest.mark.slow] if slow else []
+            yield pytest.param(variant, case, id=f"{variant}-{_case_id(case)}", marks=marks)
 
 
 @pytest.mark.parametrize("variant, case", _parity_params())
@@ -146,8 +148,8 @@ def test_matches_jax_nn(variant, case):
 def test_mha_reference_matches_jax_nn(case):
     q, k, v, _, segment_ids = _inputs(case)
     mask, visible = _mask(case, segment_ids)
-    out = mha_reference(q, k, v, causal=case[0], segment_ids=segment_ids)
-    ref = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    out = jax.jit(lambda *a: mha_reference(*a, causal=case[0], segment_ids=segment_ids))(q, k, v)
+    ref = jax.jit(lambda *a: jax.nn.dot_product_attention(*a, mask=mask))(q, k, v)
     rows = visible[:, :, None, None]
     assert _relative_error(np.asarray(out) * rows, np.asarray(ref) * rows) < TOLERANCE[q.dtype.type][0]
 
@@ -200,7 +202,11 @@ def _array(shape, dtype=jnp.float32):
         ((_array((2, 8, 4, 16)), _array((2, 8, 4, 16), jnp.bfloat16), _array((2, 8, 4, 16))), {}, "dtypes"),
         ((_array((2, 8, 4, 16)),) * 3, {"segment_ids": _array((2, 9), jnp.int32)}, "segment_ids.shape"),
         ((_array((2, 8, 4, 16)),) * 3, {"segment_ids": _array((2, 8), jnp.float32)}, "segment_ids.dtype"),
-        ((_array((2, 8, 4, 16)), _array((2, 6, 4, 16)), _array((2, 6, 4, 16))), {"segment_ids": _array((2, 8), jnp.int32)}, "pair"),
+        (
+            (_array((2, 8, 4, 16)), _array((2, 6, 4, 16)), _array((2, 6, 4, 16))),
+            {"segment_ids": _array((2, 8), jnp.int32)},
+            "pair",
+        ),
         ((_array((2, 8, 4, 16)),) * 3, {"sm_scale": -1.0}, "sm_scale"),
         ((_array((2, 8, 4, 16)),) * 3, {"causal": 1}, "causal"),
         ((_array((2, 8, 4, 16)),) * 3, {"implementation": "cuda"}, "implementation"),

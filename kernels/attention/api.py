@@ -100,7 +100,7 @@ def flash_attention(
     impl = resolve_implementation(implementation, interpret=interpret)
     B, T, H, D = q.shape
     S = k.shape[1]
-    blocks = _choose_blocks(impl, D, T, S, block_sizes)
+    blocks = choose_block_sizes(impl, D, T, S, block_sizes)
     if impl == "xla":
         t_pad, s_pad = T, _round_up(S, blocks.block_k)
     else:
@@ -155,7 +155,9 @@ def _round_up(n, multiple):
     return -(-n // multiple) * multiple
 
 
-def _choose_blocks(impl, head_dim, q_len, kv_len, override):
+def choose_block_sizes(impl, head_dim, q_len, kv_len, override=None):
+    """The BlockSizes `flash_attention` uses: the heuristic table, then `override`'s non-None fields, then clipped to
+    the (tile-rounded) sequence lengths."""
     table = _DEFAULT_BLOCKS[impl]
     default = table[min(d for d in table if d >= head_dim)]
     chosen = {f.name: getattr(default, f.name) for f in dataclasses.fields(BlockSizes)}
