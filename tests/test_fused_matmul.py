@@ -130,6 +130,13 @@ def test_ignored_tokens_have_zero_loss_and_gradient(impl):
     assert np.all(np.asarray(loss)[[0, 2, 4, 5]] > 0) and np.all(np.abs(np.asarray(dx)[[0, 2, 4, 5]]).sum(-1) > 0)
 
 
+@pytest.mark.parametrize("num_m, num_n", [(1, 1), (3, 5), (8, 8), (17, 4), (20, 1)])
+def test_triton_grouped_tile_order_visits_every_tile_once(num_m, num_n):
+    from kernels.matmul.triton import _tile
+    tiles = jax.jit(jax.vmap(lambda pid: _tile(pid, num_m, num_n)))(jnp.arange(num_m * num_n))
+    assert sorted(zip(*map(np.asarray, tiles))) == [(i, j) for i in range(num_m) for j in range(num_n)]
+
+
 X = jnp.zeros((4, 8), jnp.float32)
 W = jnp.zeros((8, 16), jnp.float32)
 LABELS = jnp.zeros((4,), jnp.int32)
