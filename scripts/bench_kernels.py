@@ -2,6 +2,7 @@
 
   python scripts/bench_kernels.py --kernels=attention
   python scripts/bench_kernels.py --kernels=attention --seq_lens=2048,4096,8192,16384 --dtype=bfloat16
+  python scripts/bench_kernels.py --kernels=matmul
 
 Each row: median wall time over --iters runs after --warmup runs (random normal inputs, jitted, blocked on the
 result), achieved TFLOP/s and the fraction of the device's dense peak for that dtype. On CPU the defaults are small
@@ -18,6 +19,7 @@ from absl import app, flags, logging
 from kernels.attention import flash_attention
 from kernels.attention.api import choose_block_sizes
 from kernels._dispatch import resolve_implementation
+from kernels.matmul import benchmark as matmul_benchmark
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("kernels", ["attention"], "Kernel families to benchmark.")
@@ -114,7 +116,22 @@ def bench_attention():
     return rows
 
 
-_KERNEL_FAMILIES = {"attention": bench_attention}
+def bench_matmul():
+    """fused_matmul, gated_mlp and linear_cross_entropy (default implementation) vs XLA's unfused ops, forward and
+    forward+backward; the loss rows also note the compiled temporary memory (the materialised logits, for XLA)."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    rows = []
+    for case in matmul_benchmark.cases("small" if on_cpu else "large", dtype, resolve_implementation(None)):
+        for name, fn in case.paths.items():
+            row = _measure(f"{name} {case.direction}", case.shape, fn, case.args, case.flops)
+            if case.kernel == "linear_cross_entropy" and not row[-1]:
+                row[-1] = f"temp {matmul_benchmark.temp_bytes(fn, case.args) / 2**20:.1f} MiB"
+            rows.append(row)
+    return rows
+
+
+_KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul}
 
 
 def _print_table(title, rows):

@@ -218,11 +218,15 @@ def test_blockwise_loss_needs_a_fraction_of_the_materialised_memory():
 
 
 @pytest.mark.slow
-def test_benchmark_smoke_runs_on_cpu():
+def test_benchmark_cases_agree_with_their_baselines_on_cpu():
     from kernels.matmul import benchmark
-    rows = benchmark.run("small", iters=1)
-    assert {(r["kernel"], r["pass"]) for r in rows} == {
-        (k, p) for k in ("fused_matmul", "gated_mlp", "linear_cross_entropy") for p in ("fwd", "fwd+bwd")}
-    assert all(r["ms"] > 0 and r["xla_ms"] > 0 for r in rows)
-    loss_grad = next(r for r in rows if r["kernel"] == "linear_cross_entropy" and r["pass"] == "fwd+bwd")
-    assert loss_grad["temp_gb"] < loss_grad["xla_temp_gb"]
+    cases = benchmark.cases("small", jnp.float32)
+    assert {(c.kernel, c.direction) for c in cases} == {
+        (k, d) for k in ("fused_matmul", "gated_mlp", "linear_cross_entropy") for d in ("fwd", "fwd+bwd")}
+    for case in cases:
+        fused, xla = (jax.jit(fn)(*case.args) for fn in case.paths.values())
+        for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(xla)):
+            _assert_close(a, b, jnp.float32, f"{case.kernel} {case.direction}")
+    loss_grad = next(c for c in cases if c.kernel == "linear_cross_entropy" and c.direction == "fwd+bwd")
+    fused_bytes, xla_bytes = (benchmark.temp_bytes(fn, loss_grad.args) for fn in loss_grad.paths.values())
+    assert fused_bytes < xla_bytes
