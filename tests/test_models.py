@@ -196,16 +196,18 @@ def test_packed_sequences_equal_separate_runs():
 @pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "dots"])
 def test_remat_keeps_logits_and_gradients(remat):
     model, params = _tiny("llama", scan_layers=True)
-    remat_model = models.create_model("llama", "tiny", scan_layers=True, remat=remat)
+    _assert_same_loss_and_grads(params, models.create_model("llama", "tiny", scan_layers=True, remat=remat), model)
 
+
+def _assert_same_loss_and_grads(params, model, reference, rtol=1e-6, atol=1e-6):
     def loss(p, m):
         return jnp.mean(m.apply({"params": p}, jnp.asarray(IDS), jnp.asarray(MASK)) ** 2)
 
     value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    (value, grads), (expected_value, expected) = value_and_grad(params, remat_model), value_and_grad(params, model)
-    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    (value, grads), (expected_value, expected) = value_and_grad(params, model), value_and_grad(params, reference)
+    np.testing.assert_allclose(value, expected_value, rtol=rtol)
     for g, h in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)):
-        np.testing.assert_allclose(g, h, atol=1e-6)
+        np.testing.assert_allclose(g, h, atol=atol)
 
 
 def test_kv_cache_decoding_matches_full_forward():
@@ -298,16 +300,8 @@ def test_segment_positions_and_named_configs():
 def test_fused_mlp_kernels_match_plain_path(family):
     """mlp_implementation='xla' runs the MLP through kernels.gated_mlp (LLaMA) / kernels.fused_matmul (GPT-J)."""
     model, params = _tiny(family)
-    fused = models.create_model(family, "tiny", mlp_implementation="xla")
-
-    def loss(p, m):
-        return jnp.mean(m.apply({"params": p}, jnp.asarray(IDS), jnp.asarray(MASK)) ** 2)
-
-    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    (value, grads), (expected_value, expected) = value_and_grad(params, fused), value_and_grad(params, model)
-    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
-    for g, h in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(expected)):
-        np.testing.assert_allclose(g, h, atol=1e-6)
+    _assert_same_loss_and_grads(params, models.create_model(family, "tiny", mlp_implementation="xla"), model,
+                                rtol=1e-5)
 
 
 def test_bfloat16_load_runs_close_to_float32(tmp_path):
