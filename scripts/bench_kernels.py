@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from kernels.attention import flash_attention
+from kernels.attention import BlockSizes, flash_attention
 from kernels.attention.api import choose_block_sizes
 from kernels._dispatch import resolve_implementation
 from kernels.matmul import benchmark as matmul_benchmark
@@ -34,6 +34,9 @@ flags.DEFINE_integer("heads", None, "Attention query heads; default 16 (CPU: 4).
 flags.DEFINE_integer("kv_heads", None, "Attention kv heads; default = heads.")
 flags.DEFINE_integer("head_dim", None, "Attention head dim; default 128 (CPU: 64).")
 flags.DEFINE_list("causal", ["true", "false"], "Attention masking modes to run.")
+flags.DEFINE_list(
+    "attention_blocks", None, "Override: block_q,block_k,block_q_bwd,block_k_bwd[,num_warps,num_stages] (for tuning)."
+)
 
 # Dense peak TFLOP/s for 16-bit inputs (f32 runs use the same figure, so their % is a lower bound), by device_kind
 # prefix; vendor datasheets (H100/H200 SXM: 989; A100: 312; TPU v4: 275, v5e: 197, v5p: 459, v6e: 918).
@@ -88,6 +91,7 @@ def bench_attention():
     kv_heads = FLAGS.kv_heads or heads
     head_dim = FLAGS.head_dim or (64 if on_cpu else 128)
     ours = resolve_implementation(None)
+    override = BlockSizes(*map(int, FLAGS.attention_blocks)) if FLAGS.attention_blocks else None
     baselines = {"jax.nn[xla]": "xla"} if on_cpu else {"jax.nn[xla]": "xla", "jax.nn[cudnn]": "cudnn"}
     if jax.default_backend() == "tpu":
         baselines.pop("jax.nn[cudnn]", None)
@@ -102,10 +106,11 @@ def bench_attention():
         for causal in [c.lower() == "true" for c in FLAGS.causal]:
             # 2 matmuls of 2*T*S*D flops per head; causal does half; the backward is 2.5x the forward (5 matmuls).
             fwd_flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
-            blocks = choose_block_sizes(ours, head_dim, seq_len, seq_len, None)
+            blocks = choose_block_sizes(ours, head_dim, seq_len, seq_len, override)
             shape = f"B{batch} T{seq_len} H{heads}/{kv_heads} D{head_dim} {'causal' if causal else 'full'}"
             logging.info("%s: %s blocks %s", shape, ours, blocks)
-            paths = {f"flash_attention[{ours}]": functools.partial(flash_attention, causal=causal)}
+            ours_fn = functools.partial(flash_attention, causal=causal, block_sizes=override)
+            paths = {f"flash_attention[{ours}]": ours_fn}
             for name, impl in baselines.items():
                 paths[name] = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
             for name, attend in paths.items():

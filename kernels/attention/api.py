@@ -8,6 +8,7 @@ the lse layout is private to each. This module owns everything around them.
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ class BlockSizes:
 # memory); Mosaic uses 512-wide tiles, which keep the MXU busy across TPU generations while fitting VMEM. Not yet
 # tuned on hardware: scripts/bench_kernels.py is the tool for that.
 _DEFAULT_BLOCKS = {
+    # 'xla' scans over kv only (block_q unused); 512-key steps bound its temporaries to [B, H, T, 512].
     "xla": {1 << 30: BlockSizes(block_q=1, block_k=512, block_q_bwd=1, block_k_bwd=512)},
     "triton": {
         64: BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3),
@@ -196,7 +198,7 @@ def _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes):
         raise ValueError(f"causal={causal!r}; expected a bool")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret={interpret!r}; expected a bool")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or sm_scale <= 0):
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or sm_scale <= 0):
         raise ValueError(f"sm_scale={sm_scale!r}; expected None or a positive Python float")
     if block_sizes is not None:
         if not isinstance(block_sizes, BlockSizes):

@@ -186,7 +186,7 @@ def _prefetch(q_ids, kv_ids, bq, bk):
     return [*_block_ranges(q_ids, bq), *_block_ranges(kv_ids, bk)]
 
 
-def _q_major_specs(plan, B, T, S, D, G, bq, bk, has_ids):
+def _q_major_specs(plan, D, G, bq, bk, has_ids):
     """BlockSpecs for grids (batch, head, q block, kv block): q-like blocks, kv blocks, row stats, ids."""
 
     def kv_index(b, h, i, j, *_):
@@ -212,7 +212,7 @@ def forward(q, k, v, q_ids, kv_ids, plan):
     S, Hkv = k.shape[1], k.shape[2]
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
     has_ids = q_ids is not None
-    q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, B, T, S, D, H // Hkv, bq, bk, has_ids)
+    q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, D, H // Hkv, bq, bk, has_ids)
     prefetch = _prefetch(q_ids, kv_ids, bq, bk)
     ids = [q_ids[:, :, None], kv_ids[:, None, :]] if has_ids else []
     out, lse = _call(
@@ -242,7 +242,7 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))[..., None]
     qt, kt, vt, dot_ = _heads_major(q), _heads_major(k), _heads_major(v), _heads_major(do)
 
-    q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, B, T, S, D, G, bq, bk, has_ids)
+    q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, D, G, bq, bk, has_ids)
     ids = [q_ids[:, :, None], kv_ids[:, None, :]] if has_ids else []
     dq = _call(
         _dq_kernel,
