@@ -23,6 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from engine import data as data_lib
+from engine import step as step_lib
+from engine.step import cast_floating, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.sharding import add_axis, auto_shard, log_sharding
 
@@ -34,46 +36,12 @@ def _validate(name, value, ok, expected):
         raise ValueError(f"{name}={value!r}; expected {expected}")
 
 
-def _split_loss(out):
-    """loss_fn may return `loss` or `(loss, metrics)`."""
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], dict):
-            raise ValueError("loss_fn returned a tuple; expected `loss` or `(loss, metrics_dict)`")
-        return out
-    return out, {}
-
-
-def _find_learning_rate(opt_state):
-    """The learning rate of the last update, when the optimizer was built with `optax.inject_hyperparams`."""
-    found = []
-
-    def visit(x):
-        hp = getattr(x, "hyperparams", None)
-        if isinstance(hp, dict) and "learning_rate" in hp:
-            found.append(hp["learning_rate"])
-        if isinstance(x, (tuple, list)):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-        for y in getattr(x, "_asdict", lambda: {})().values() if hasattr(x, "_asdict") else ():
-            visit(y)
-
-    visit(opt_state)
-    return found[0] if found else None
-
-
-def _cast_floating(tree, dtype):
-    if dtype is None:
-        return tree
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
 def _place(x, sharding):
     """Host or device array -> global array on `sharding` (every process must pass the same host values)."""
     if isinstance(x, jax.Array):
-        return jax.device_put(x, sharding)
+        # A fresh buffer, never the caller's: the train step donates its inputs, and device_put may reuse the
+        # caller's buffer for one shard (then the donation would delete the caller's array).
+        return jax.jit(jnp.copy, out_shardings=sharding)(x)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
@@ -177,7 +145,7 @@ class Trainer:
         if rules is not None and not isinstance(rules, (list, tuple)):
             return rules  # a full pytree of PartitionSpecs
         example = self._example_batch()
-        trace_fn = lambda p: _split_loss(self.loss_fn(p, example, self._key, True))[0]  # noqa: E731
+        trace_fn = lambda p: split_loss(self.loss_fn(p, example, self._key, True))[0]  # noqa: E731
         return auto_shard(params, self.mesh, trace_fn=trace_fn, rules=rules)
 
     def _setup(self, restore_step=None):
@@ -229,49 +197,15 @@ class Trainer:
             self._setup()
 
     # ------------------------------------------------------------------------------------------------ the step
-    def _micro_loss(self, params, batch, rng):
-        loss, metrics = _split_loss(self.loss_fn(_cast_floating(params, self.compute_dtype), batch, rng, True))
-        return jnp.asarray(loss, jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
-
     def _train_step(self, params, opt_state, batch, step):
         self.compile_count += 1  # runs only while tracing
-        rng = jax.random.fold_in(self._key, step)
-        micro_loss = jax.checkpoint(self._micro_loss) if self.remat else self._micro_loss
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        constrain = lambda g: jax.lax.with_sharding_constraint(g, self._grad_sh)  # noqa: E731
-        if self.accumulate == 1:
-            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(rng, 0))
-            grads = constrain(grads)
-        else:
-            def body(carry, xs):
-                micro_batch, i = xs
-                (loss, metrics), g = grad_fn(params, micro_batch, jax.random.fold_in(rng, i))
-                acc_g, acc_loss, acc_m = carry
-                acc_g = constrain(jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g))
-                return (acc_g, acc_loss + loss, jax.tree.map(jnp.add, acc_m, metrics)), None
-
-            zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-            _, metric_shapes = jax.eval_shape(micro_loss, params, jax.tree.map(lambda x: x[0], batch), rng)
-            init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
-                                                                     metric_shapes))
-            (grads, loss, metrics), _ = jax.lax.scan(body, init, (batch, jnp.arange(self.accumulate)))
-            scale = 1.0 / self.accumulate
-            grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
-            loss, metrics = loss * scale, jax.tree.map(lambda m: m * scale, metrics)
-        grad_norm = optax.global_norm(grads)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **metrics}
-        lr = _find_learning_rate(new_opt_state)
-        if lr is not None:
-            out["learning_rate"] = lr
-        return new_params, new_opt_state, out
+        return self._step_impl(params, opt_state, batch, step)
 
     def _compiled_step(self):
         if self._step_fn is None:
+            self._step_impl = step_lib.jit_train_step(
+                loss_fn=self.loss_fn, optimizer=self.optimizer, grad_shardings=self._grad_sh,
+                accumulate=self.accumulate, compute_dtype=self.compute_dtype, remat=self.remat, key=self._key)
             batch_sh = data_lib.batch_sharding(self.mesh, 2)
             self._step_fn = jax.jit(self._train_step, in_shardings=(self._param_sh, self._opt_sh, batch_sh, None),
                                     out_shardings=(self._param_sh, self._opt_sh, None), donate_argnums=(0, 1))
@@ -460,7 +394,7 @@ class Trainer:
             self._note_batch(batch)
             if self._eval_fn is None:
                 def eval_step(params, batch):
-                    loss, _ = _split_loss(self.loss_fn(_cast_floating(params, self.compute_dtype),
+                    loss, _ = split_loss(self.loss_fn(cast_floating(params, self.compute_dtype),
                                                        jax.tree.map(lambda x: x[0], batch),
                                                        jax.random.fold_in(self._key, 2**31 - 1), False))
                     return jnp.asarray(loss, jnp.float32)
