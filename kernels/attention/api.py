@@ -100,6 +100,11 @@ def flash_attention(
     """
     q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
     impl = resolve_implementation(implementation, interpret=interpret)
+    if impl == "triton" and not triton.AVAILABLE:
+        if implementation is not None:
+            raise ValueError("implementation='triton'; this JAX has no Pallas Triton backend, expected another")
+        logging.log_first_n(logging.WARNING, "flash_attention: no Pallas Triton backend; using 'xla'", 1)
+        impl = "xla"
     B, T, H, D = q.shape
     S = k.shape[1]
     blocks = choose_block_sizes(impl, D, T, S, block_sizes)

@@ -13,12 +13,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from kernels.attention.reference import NEG_INF, attention_mask
 
-# JAX 0.10 and 0.11 export `CompilerParams`; older releases called it `TritonCompilerParams`.
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # JAX 0.11 deprecated the Pallas Triton backend; a later release may drop it
+    plgpu = None
+AVAILABLE = plgpu is not None
+# JAX 0.10 and 0.11 export `CompilerParams`; releases before 0.7 called it `TritonCompilerParams`.
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams", None)
 _LOG2E = math.log2(math.e)
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 
