@@ -130,13 +130,14 @@ _KERNEL_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
 # ----------------------------------------------------------------------------------------------------- positions
 
 def segment_positions(segment_ids):
-    """Position of each token within its run of equal segment ids: [0,0,1,1,1] -> [0,1,0,1,2]. Left padding (id 0)
-    therefore does not shift the positions of the real tokens, and packed sequences restart at 0."""
+    """Position of each token within its run of equal segment ids, 0 on padding (id 0): [0,0,1,1,2] -> [0,0,0,1,0].
+    Left padding therefore does not shift the positions of the real tokens (as in transformers' generate), and
+    packed sequences restart at 0."""
     T = segment_ids.shape[1]
     idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
     starts = jnp.concatenate(
         [jnp.ones_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return jnp.where(segment_ids > 0, idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1), 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +247,7 @@ def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=Non
     scores = scores + bias.reshape(bias.shape[0], KVH, H // KVH, T, S).astype(jnp.float32)
     mask = jnp.ones((1, T, S), bool)
     if causal:
-        mask = jnp.tril(jnp.ones((T, S), bool), S - T)[None]
+        mask = jnp.tril(jnp.ones((T, S), bool))[None]  # top-left aligned, as kernels.flash_attention
     if q_segment_ids is not None:
         kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         mask = mask & (q_segment_ids[:, :, None] == kv_ids[:, None, :])

@@ -287,7 +287,7 @@ def test_tokenizer_is_loaded_when_present(tmp_path):
 
 def test_segment_positions_and_named_configs():
     np.testing.assert_array_equal(layers.segment_positions(jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 2, 2, 0]])),
-                                  [[0, 1, 0, 1, 2], [0, 1, 0, 1, 0]])
+                                  [[0, 0, 0, 1, 2], [0, 1, 0, 1, 0]])
     big = models.get_config("llama", "llama3-8b")
     assert (big.hidden_size, big.kv_heads, big.vocab_size) == (4096, 8, 128256)
     shapes = jax.eval_shape(lambda: models.init_params(models.Llama(big)))
