@@ -235,3 +235,23 @@ def test_two_processes_match_single_process(tmp_path):
         assert p.returncode == 0, log[-3000:]
     want = multihost_worker.train_losses(engine.make_mesh(data=4, model=2))
     np.testing.assert_allclose(np.load(out), want, rtol=1e-5)
+
+
+def test_remat_gives_the_same_update():
+    a = _trainer(optimizer=optax.sgd(0.5))
+    a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    b = _trainer(optimizer=optax.sgd(0.5), remat=True)
+    b.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    _assert_trees_close(a.params, b.params)
+    batch = {k: jax.ShapeDtypeStruct((1, 8, task.SEQ), np.int32) for k in ("input_ids", "labels")}
+    jaxprs = [str(jax.make_jaxpr(t._step_impl)(t._state["params"], t._state["opt_state"], batch, np.int32(0)))
+              for t in (a, b)]
+    assert "remat" not in jaxprs[0] and "remat" in jaxprs[1]  # the rematerialisation primitive
+
+
+def test_keeps_the_last_k_checkpoints(tmp_path):
+    trainer = _trainer(workdir=str(tmp_path), keep_checkpoints=2)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=5, save_every=1)
+    trainer.close()
+    steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
+    assert steps == [4, 5]
