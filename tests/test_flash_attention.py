@@ -244,6 +244,16 @@ def _array(shape, dtype=jnp.float32):
         ((_array((2, 8, 4, 16)),) * 3, {"implementation": "cuda"}, "implementation"),
         ((_array((2, 8, 4, 16)),) * 3, {"block_sizes": {"block_q": 64}}, "block_sizes"),
         ((_array((2, 8, 4, 16)),) * 3, {"block_sizes": BlockSizes(block_q=0)}, "block_sizes.block_q"),
+        (
+            (_array((2, 8, 4, 16)),) * 3,
+            {"block_sizes": BlockSizes(block_k=64), "implementation": "mosaic_tpu"},
+            "block_sizes.block_k=64; expected a multiple of 128",
+        ),
+        (
+            (_array((2, 8, 4, 16)),) * 3,
+            {"block_sizes": BlockSizes(block_q_bwd=48), "implementation": "triton"},
+            "block_sizes.block_q_bwd=48; expected a power of two",
+        ),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(args, kwargs, match):

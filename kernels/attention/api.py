@@ -169,11 +169,23 @@ def choose_block_sizes(impl, head_dim, q_len, kv_len, override=None):
     default = table[min(d for d in table if d >= head_dim)]
     chosen = {f.name: getattr(default, f.name) for f in dataclasses.fields(BlockSizes)}
     if override is not None:
+        for name, val in dataclasses.asdict(override).items():
+            if val is not None and name.startswith("block_") and not _tile_fits(impl, val):
+                raise ValueError(f"block_sizes.{name}={val}; expected {_TILE_RULE[impl]} for implementation={impl!r}")
         chosen.update({name: val for name, val in dataclasses.asdict(override).items() if val is not None})
     # Never tile past the (rounded-up) sequence: a 100-token input gets one 128 tile, not four 512 ones.
     for name, length in (("block_q", q_len), ("block_q_bwd", q_len), ("block_k", kv_len), ("block_k_bwd", kv_len)):
         chosen[name] = min(chosen[name], _fit_length(impl, length))
     return BlockSizes(**chosen)
+
+
+_TILE_RULE = {"xla": "a positive int", "triton": "a power of two >= 16", "mosaic_tpu": "a multiple of 128"}
+
+
+def _tile_fits(impl, size):
+    if impl == "triton":
+        return size >= _MIN_BLOCK[impl] and size & (size - 1) == 0
+    return size % _MIN_BLOCK[impl] == 0
 
 
 def _fit_length(impl, length):
