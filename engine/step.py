@@ -5,6 +5,10 @@
 `fold_in(key, step)`, micro-batch i uses `fold_in(that, i)`). A non-finite loss or gradient norm leaves params and
 optimizer state unchanged; `metrics['finite']` tells the Trainer.
 """
+import functools
+import inspect
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -101,6 +105,326 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
     def step(params, opt_state, batch, step):
         rng = jax.random.fold_in(key, step)
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain)
+        return apply_update(optimizer, params, opt_state, grads, loss, metrics)
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shard_map step: `data` and `fsdp` by hand, `model` left to the compiler.
+
+MANUAL_AXES = ("data", "fsdp")
+GATHERED = "zero3_gathered"  # checkpoint name of every ZeRO-3-gathered weight: never saved for the backward pass
+
+
+def _spec_axes(spec, ndim):
+    """PartitionSpec -> per-dimension tuple of the manual axes it names (in order)."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    out = []
+    for e in entries:
+        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+        out.append(tuple(a for a in axes if a in MANUAL_AXES))
+    return tuple(out)
+
+
+def _manual_spec(axes_per_dim):
+    return jax.sharding.PartitionSpec(*[None if not a else (a[0] if len(a) == 1 else a) for a in axes_per_dim])
+
+
+class _LeafPlan:
+    """How one parameter travels through the step.
+
+    gather: ((dim, axes), ...) the parameter is split over (gathered at use, its gradient reduce-scattered in the
+      backward pass). scatter: ((dim, axes), ...) the gradient is further reduce-scattered over (ZeRO-1/2 `data`).
+      reduce: the remaining manual axes the gradient is summed over (all-reduce)."""
+
+    def __init__(self, param_spec, update_spec, shape, sizes):
+        live = lambda axes: tuple(a for a in axes if sizes.get(a, 1) > 1)  # noqa: E731
+        p_axes, u_axes = _spec_axes(param_spec, len(shape)), _spec_axes(update_spec, len(shape))
+        self.in_spec, self.out_spec = _manual_spec(p_axes), _manual_spec(u_axes)
+        self.gather = tuple((d, live(a)) for d, a in enumerate(p_axes) if live(a))
+        self.scatter = tuple((d, live(tuple(x for x in u if x not in p)))
+                             for d, (p, u) in enumerate(zip(p_axes, u_axes)) if live(tuple(x for x in u if x not in p)))
+        used = {a for _, axes in self.gather + self.scatter for a in axes}
+        self.reduce = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1 and a not in used)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(x, dims, dtype, reduce_dtype):
+    """ZeRO-3 all-gather of a parameter shard in `dtype` (the compute dtype: bf16 gathers move half the bytes of
+    fp32); its backward reduce-scatters the gradient in `reduce_dtype` and returns it in the shard's dtype."""
+    y = x.astype(dtype)
+    for dim, axes in dims:
+        y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
+    return y
+
+
+def _gather_fwd(x, dims, dtype, reduce_dtype):
+    return _gather(x, dims, dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+
+
+def _gather_bwd(dims, dtype, reduce_dtype, res, g):
+    g = g.astype(reduce_dtype)
+    for dim, axes in reversed(dims):
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    return (g.astype(res.dtype),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+class _Sharded:
+    """A parameter still split over manual axes inside the traced loss: the local shard, how to gather it, and the
+    element-wise casts the loss applied to it (deferred to after the gather, so the gather moves the fewest bytes)."""
+
+    def __init__(self, local, dims, dtype, reduce_dtype, casts=()):
+        self.local, self.dims, self.dtype, self.reduce_dtype, self.casts = local, dims, dtype, reduce_dtype, casts
+
+    def full(self):
+        from jax.ad_checkpoint import checkpoint_name
+        y = checkpoint_name(_gather(self.local, self.dims, self.dtype, self.reduce_dtype), GATHERED)
+        for eqn in self.casts:
+            y, = _bind(eqn, [y])
+        return y
+
+    def rebuild(self, local):
+        return _Sharded(local, self.dims, self.dtype, self.reduce_dtype, self.casts)
+
+    def cast(self, eqn):
+        return _Sharded(self.local, self.dims, self.dtype, self.reduce_dtype, self.casts + (eqn,))
+
+
+def _full(x):
+    return x.full() if isinstance(x, _Sharded) else x
+
+
+_CASTS = ("convert_element_type", "reduce_precision", "copy", "copy_p")
+
+
+def _bind(eqn, invals):
+    """Re-binds one equation as `jax.core.eval_jaxpr` does (`get_bind_params` returns the params in JAX >= 0.10,
+    `(subfuns, params)` before)."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _open(values, fn):
+    """Calls `fn(values)` inside a `jax.checkpoint` whose inputs are the shards, not the gathered weights: the
+    backward pass gathers again instead of keeping a full weight alive from its forward use to its backward use."""
+    slots = [x if isinstance(x, _Sharded) else None for x in values]
+    arrays = [x.local if isinstance(x, _Sharded) else x for x in values]
+
+    def inner(*arrays):
+        return fn([s.rebuild(a) if s is not None else a for s, a in zip(slots, arrays)])
+
+    return inner, arrays
+
+
+def _eval_gathering(jaxpr, consts, args, in_remat=False):
+    """Evaluates `jaxpr` where some arguments are `_Sharded`: each is gathered right at its use. Through `scan`
+    (stacked layer weights as `xs`), `checkpoint` (remat), `jit` and element-wise casts the shards travel unopened,
+    so a scanned layer stack gathers one layer's weights per iteration. Outside a remat region every equation that
+    opens a shard runs in its own `jax.checkpoint`, so no gathered weight is saved for the backward pass."""
+    from jax.extend import core as jex_core
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if not any(isinstance(x, _Sharded) for x in invals):
+            outs = _bind(eqn, invals)
+        elif name in _CASTS and len(invals) == 1:
+            outs = [invals[0].cast(eqn)]
+        elif name == "scan":
+            outs = _scan_gathering(eqn, invals, in_remat)
+        elif name in ("checkpoint", "remat", "remat2"):
+            p = eqn.params
+            inner, arrays = _open(invals, lambda vals: _eval_gathering(p["jaxpr"], (), vals, in_remat=True))
+            outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])(*arrays)
+        elif name in ("jit", "pjit", "closed_call"):
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            outs = _eval_gathering(inner.jaxpr, inner.consts, invals, in_remat)
+        elif in_remat:
+            outs = _bind(eqn, [_full(x) for x in invals])
+        else:
+            inner, arrays = _open(invals, lambda vals, eqn=eqn: _bind(eqn, [_full(x) for x in vals]))
+            outs = jax.checkpoint(inner)(*arrays)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [_full(read(v)) for v in jaxpr.outvars]
+
+
+def _scan_gathering(eqn, invals, in_remat):
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = [_full(x) for x in invals[:n_consts]]
+    init = [_full(x) for x in invals[n_consts:n_consts + n_carry]]
+    xs, slots = [], []
+    for x in invals[n_consts + n_carry:]:
+        # A weight stacked along the scanned axis slices locally when that axis is not itself split.
+        if isinstance(x, _Sharded) and all(dim > 0 for dim, _ in x.dims):
+            xs.append(x.local)
+            slots.append(_Sharded(None, tuple((dim - 1, axes) for dim, axes in x.dims), x.dtype, x.reduce_dtype,
+                                  x.casts))
+        else:
+            xs.append(_full(x))
+            slots.append(None)
+    body = p["jaxpr"]
+
+    def step(carry, x):
+        x = [s.rebuild(a) if s is not None else a for s, a in zip(slots, x)]
+        outs = _eval_gathering(body.jaxpr, body.consts, consts + list(carry) + x, in_remat)
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = jax.lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return list(carry) + list(ys)
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map`, manual over the data axes only; replication is not type-checked (`check_vma` in JAX >= 0.6,
+    `check_rep` before) because every reduction here is explicit."""
+    kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(MANUAL_AXES))
+    if "check_vma" in inspect.signature(jax.shard_map).parameters:
+        kwargs["check_vma"] = False
+    else:
+        kwargs["check_rep"] = False
+    return jax.shard_map(fn, **kwargs)
+
+
+def _reduce(g, plan_scatter, plan_reduce, reduce_dtype):
+    """Sums a local gradient over the data-parallel shards: reduce-scatter over `plan_scatter`, all-reduce over
+    `plan_reduce`, in `reduce_dtype`, back in fp32."""
+    if not plan_scatter and not plan_reduce:
+        return g
+    g = g.astype(reduce_dtype)
+    for dim, axes in plan_scatter:
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    if plan_reduce:
+        g = jax.lax.psum(g, plan_reduce)
+    return g.astype(jnp.float32)
+
+
+def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
+                         compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None):
+    """The overlapped step: a `jax.shard_map` manual over `data` and `fsdp` (the `model` axis stays automatic, split by
+    the compiler from the parameter specs) computes the gradients with explicit collectives; the optimizer update
+    then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
+
+    Inside the shard_map each device runs `loss_fn` on its own rows of every micro-batch:
+      - ZeRO-3 (every parameter split over a data axis in `param_specs`, i.e. `fsdp`): the shard is all-gathered in
+        the compute dtype right before its first use and the gathered copy is never kept for the backward pass (it
+        is gathered again there); the gradient is reduce-scattered in `reduce_dtype` by the gather's backward. For a
+        scan-over-layers model the loss's jaxpr is re-evaluated so that the stacked weights enter the layer loop as
+        shards and each iteration gathers only its own layer, inside the layer's remat region.
+      - accumulation: partial gradients stay in the parameter's (ZeRO-2: the update's) layout between micro-batches.
+      - the remaining data-parallel reduction (`data`, and `fsdp` for unsplit parameters) is one all-reduce, or a
+        reduce-scatter into `update_specs` (ZeRO-1/2: each device then updates only its optimizer-state shard and the
+        compiler all-gathers the new weights).
+
+    `update_specs`: the parameter-shaped layout the optimizer works in (`param_specs` with `data` added for ZeRO-1/2).
+    `reduce_dtype`: jnp.float32 or jnp.bfloat16, the dtype of every gradient reduction (bf16 halves the bytes on
+      GPU/TPU; the XLA CPU compiler of jaxlib 0.10.2 aborts on it, so CPU runs keep fp32).
+    `weight_metric`: None (every shard's loss counts equally: exact for losses that are means over rows), or the name
+      of a metric of `loss_fn` holding what its loss is a mean over (e.g. 'tokens' for `engine.text.lm_loss_fn`):
+      loss, gradients and every other metric are then averaged with those weights across shards, and that metric is
+      summed, which reproduces the global-batch values of `jit_train_step` exactly.
+    Metrics, the NaN/inf guard and the learning rate are those of `jit_train_step`. rng: micro-batch i of update
+    `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are several shards
+    (so that dropout masks of different shards are independent).
+    """
+    if jnp.dtype(reduce_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"reduce_dtype={reduce_dtype!r}; expected jnp.float32 or jnp.bfloat16")
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
+    reduce_dtype = jnp.dtype(reduce_dtype)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    live = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1)
+    n_shards = math.prod(sizes.get(a, 1) for a in MANUAL_AXES)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    update_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), update_specs, is_leaf=is_spec)
+    micro = micro_loss_fn(loss_fn, None)  # the cast to compute_dtype happens on the shards, before any gather
+
+    def compute_type(x):
+        return jnp.dtype(compute_dtype) if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) \
+            else x.dtype
+
+    def step(params, opt_state, batch, step):
+        leaves, treedef = jax.tree.flatten(params)
+        plans = [_LeafPlan(s, u, x.shape, sizes) for s, u, x in
+                 zip(treedef.flatten_up_to(param_specs), treedef.flatten_up_to(update_specs), leaves)]
+        full_abstract = [jax.ShapeDtypeStruct(x.shape, compute_type(x)) for x in leaves]
+
+        def local(local_params, local_batch, step):
+            rng = jax.random.fold_in(key, step)
+            shard = jax.lax.axis_index(live) if live else None
+            first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local_batch)
+            closed, out_shape = jax.make_jaxpr(micro, return_shape=True)(
+                treedef.unflatten(full_abstract), first, jax.ShapeDtypeStruct((), rng.dtype))
+            out_tree = jax.tree.structure(out_shape)
+
+            def shard_loss(local_leaves, micro_batch, micro_rng):
+                args = [_Sharded(x, pl.gather, compute_type(x), reduce_dtype) if pl.gather
+                        else x.astype(compute_type(x)) for x, pl in zip(local_leaves, plans)]
+                flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
+                loss, metrics = out_tree.unflatten(_eval_gathering(closed.jaxpr, closed.consts, flat_in, remat))
+                if weight_metric is None:
+                    weight = jnp.float32(1.0 / n_shards)
+                else:
+                    w = jax.lax.stop_gradient(metrics[weight_metric])
+                    weight = w / (jax.lax.psum(w, live) if live else w)
+                return loss * weight, (loss, metrics, weight)
+
+            grad_fn = jax.value_and_grad(jax.checkpoint(shard_loss) if remat else shard_loss, has_aux=True)
+
+            def one(local_leaves, micro_batch, i):
+                micro_rng = jax.random.fold_in(rng, i)
+                if shard is not None:
+                    micro_rng = jax.random.fold_in(micro_rng, shard)
+                (_, (loss, metrics, weight)), grads = grad_fn(local_leaves, micro_batch, micro_rng)
+                grads = [g.astype(jnp.float32) for g in grads]
+                if zero_stage == 2:  # ZeRO-2: partial sums leave each micro-batch already split over `data`
+                    grads = [_reduce(g, pl.scatter, (), reduce_dtype) for g, pl in zip(grads, plans)]
+                metrics = {k: v if k == weight_metric else v * weight for k, v in metrics.items()}
+                return grads, loss * weight, metrics
+
+            if accumulate == 1:
+                grads, loss, metrics = one(leaves_of(local_params), jax.tree.map(lambda x: x[0], local_batch), 0)
+            else:
+                def body(carry, xs):
+                    g, l, m = one(leaves_of(local_params), *xs)
+                    acc_g, acc_l, acc_m = carry
+                    return ([a + b for a, b in zip(acc_g, g)], acc_l + l, jax.tree.map(jnp.add, acc_m, m)), None
+
+                g0, l0, m0 = jax.eval_shape(one, leaves_of(local_params), jax.tree.map(lambda x: x[0], local_batch),
+                                            0)
+                zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)  # noqa: E731
+                (grads, loss, metrics), _ = jax.lax.scan(body, (zeros(g0), zeros(l0), zeros(m0)),
+                                                         (local_batch, jnp.arange(accumulate)))
+            scale = 1.0 / accumulate
+            grads = [_reduce(g, () if zero_stage == 2 else pl.scatter, pl.reduce, reduce_dtype) * scale
+                     for g, pl in zip(grads, plans)]
+            grads = [g.astype(x.dtype) for g, x in zip(grads, leaves_of(local_params))]
+            loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, live) if live else v) * scale, (loss, metrics))
+            return treedef.unflatten(grads), loss, metrics
+
+        leaves_of = lambda tree: jax.tree.leaves(tree)  # noqa: E731
+        grad_specs = treedef.unflatten([pl.out_spec for pl in plans])
+        fn = _shard_map(local, mesh, in_specs=(treedef.unflatten([pl.in_spec for pl in plans]),
+                                                jax.sharding.PartitionSpec(None, MANUAL_AXES),
+                                                jax.sharding.PartitionSpec()),
+                        out_specs=(grad_specs, jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec()))
+        grads, loss, metrics = fn(params, batch, step)
+        grads = jax.lax.with_sharding_constraint(grads, update_sh)
         return apply_update(optimizer, params, opt_state, grads, loss, metrics)
 
     return step

@@ -29,6 +29,7 @@ from engine.checkpoint import Checkpointer, abstract_like
 from engine.sharding import add_axis, auto_shard, log_sharding
 
 _NAN_POLICIES = ("raise", "skip")
+_STEPS = ("shard_map", "jit")
 
 
 def _validate(name, value, ok, expected):
@@ -68,15 +69,20 @@ class Trainer:
       nan_policy: 'raise' (stop with an error naming the step) or 'skip' (drop that update). Either way a non-finite
         update is never applied.
       keep_checkpoints: how many recent checkpoints to keep.
+      step: 'shard_map' (`engine.step.shard_map_train_step`: explicit ZeRO gathers and gradient reductions over
+        `data` x `fsdp`, each device running `loss_fn` on its own rows; when `loss_fn` averages over something other
+        than rows, name that count in `loss_fn.weight_metric`, e.g. 'tokens', to get the global-batch mean) or 'jit'
+        (`engine.step.jit_train_step`: the reference, `loss_fn` on the global micro-batch, the compiler partitions).
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
-                 nan_policy="raise", keep_checkpoints=3):
+                 nan_policy="raise", keep_checkpoints=3, step="jit"):
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
                   isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
         _validate("nan_policy", nan_policy, nan_policy in _NAN_POLICIES, f"one of {_NAN_POLICIES}")
+        _validate("step", step, step in _STEPS, f"one of {_STEPS}")
         _validate("optimizer", optimizer, hasattr(optimizer, "init") and hasattr(optimizer, "update"),
                   "an optax.GradientTransformation")
         _validate("keep_checkpoints", keep_checkpoints, isinstance(keep_checkpoints, int) and keep_checkpoints >= 1,
@@ -91,6 +97,7 @@ class Trainer:
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
         self._sharding_rules = sharding_rules
+        self._step_kind = step
         self._init_params = params
         self._state = None            # {'params', 'opt_state'} on the mesh once set up
         self._param_specs = None
@@ -161,6 +168,7 @@ class Trainer:
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         opt_param_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
                            if self.zero_stage >= 1 else self._param_specs)
+        self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
         self._opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, abstract_opt, opt_param_specs,
                                                 transform_non_params=lambda _: P(), is_leaf=is_spec)
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
@@ -203,9 +211,14 @@ class Trainer:
 
     def _compiled_step(self):
         if self._step_fn is None:
-            self._step_impl = step_lib.jit_train_step(
-                loss_fn=self.loss_fn, optimizer=self.optimizer, grad_shardings=self._grad_sh,
-                accumulate=self.accumulate, compute_dtype=self.compute_dtype, remat=self.remat, key=self._key)
+            common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
+                          compute_dtype=self.compute_dtype, remat=self.remat, key=self._key)
+            if self._step_kind == "shard_map":
+                self._step_impl = step_lib.shard_map_train_step(
+                    mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
+                    zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None), **common)
+            else:
+                self._step_impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, **common)
             batch_sh = data_lib.batch_sharding(self.mesh, 2)
             self._step_fn = jax.jit(self._train_step, in_shardings=(self._param_sh, self._opt_sh, batch_sh, None),
                                     out_shardings=(self._param_sh, self._opt_sh, None), donate_argnums=(0, 1))

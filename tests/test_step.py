@@ -1,0 +1,126 @@
+"""engine.step.shard_map_train_step against the reference jit_train_step on the 8 simulated devices."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import engine
+import models
+from engine import step as step_lib
+from engine import text
+from tests import trainer_task as task
+
+EXAMPLES = task.make_examples(64)
+MESHES = {"8x1x1": dict(data=8), "1x8x1": dict(data=1, fsdp=8), "2x2x2": dict(data=2, fsdp=2, model=2),
+          "1x4x2": dict(data=1, fsdp=4, model=2)}
+
+
+def _fit(kind, mesh, steps=5, **kwargs):
+    trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                             params=task.init_params(), optimizer=optax.sgd(0.1, momentum=0.9), step=kind,
+                             **kwargs)
+    trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=steps, log_every=steps)
+    return trainer
+
+
+def _assert_same_run(ref, got, rel=1e-5):
+    """Every metric of every step equal to fp32 rounding; each parameter within `rel` of its largest entry."""
+    assert len(ref.history) == len(got.history)
+    for a, b in zip(ref.history, got.history):
+        assert a.keys() == b.keys(), (a, b)
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=rel, atol=1e-6, err_msg=f"{k} at step {a['step']}")
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(ref.params))[0],
+                            jax.tree.leaves(jax.device_get(got.params))):
+        err = np.abs(np.asarray(x) - np.asarray(y)).max() / np.abs(np.asarray(x)).max()
+        assert err <= rel, (jax.tree_util.keystr(path), err)
+
+
+# SGD with momentum: Adam divides by sqrt(v), which magnifies rounding in near-zero gradients past 1e-5.
+# Each mesh once by default, with a different accumulation / ZeRO combination each; the full cross product is slow.
+FAST = [("8x1x1", 1, 0), ("1x8x1", 2, 2), ("2x2x2", 2, 1), ("1x4x2", 1, 2)]
+SLOW = [(m, a, z) for m in MESHES for a in (1, 2) for z in (0, 1, 2) if (m, a, z) not in FAST]
+
+
+@pytest.mark.parametrize("mesh,accumulate,zero_stage",
+                         FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])
+def test_shard_map_step_equals_jit_step(mesh, accumulate, zero_stage):
+    kwargs = dict(accumulate_grad_batches=accumulate, zero_stage=zero_stage)
+    ref, got = _fit("jit", mesh, **kwargs), _fit("shard_map", mesh, **kwargs)
+    _assert_same_run(ref, got)
+    assert got.compile_count == 1
+
+
+def _llama_trainer(kind, mesh, loss_fn, **kwargs):
+    model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat="full"))
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    return engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm, loss_fn=loss_fn(model),
+                          params=params, optimizer=optax.sgd(0.5), step=kind, **kwargs)
+
+
+def _packed_rows(n, seq=16, seed=0):
+    """Rows with two documents and some padding: the labelled-token count differs from row to row."""
+    rng = np.random.RandomState(seed)
+    rows = []
+    for i in range(n):
+        seg = np.ones(seq + 1, np.int32)
+        seg[rng.randint(2, seq):] = 2
+        if i % 3 == 0:
+            seg[-rng.randint(1, 6):] = 0
+        rows.append({"tokens": rng.randint(0, 120, seq + 1).astype(np.int32), "segment_ids": seg})
+    return rows
+
+
+def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
+    """LLaMA with scan-over-layers and remat on a 1x4x2 mesh: with `weight_metric='tokens'` the token-weighted loss,
+    metrics and updates equal the reference's; every ZeRO-3 gather inside the layer loop is one layer's weight."""
+    def weighted(model):
+        fn = text.lm_loss_fn(model)
+        fn.weight_metric = "tokens"
+        return fn
+
+    rows = _packed_rows(32)
+    ref = _llama_trainer("jit", "1x4x2", text.lm_loss_fn, accumulate_grad_batches=2)
+    ref.fit(rows, per_device_batch_size=1, max_steps=3, log_every=3)
+    got = _llama_trainer("shard_map", "1x4x2", weighted, accumulate_grad_batches=2)
+    got.fit(rows, per_device_batch_size=1, max_steps=3, log_every=3)
+    _assert_same_run(ref, got)
+    assert got.history[-1]["tokens"] == ref.history[-1]["tokens"]  # the weight metric is a global count
+
+    batch = {k: jax.ShapeDtypeStruct((2, 4, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    hlo = got._compiled_step().lower(got.params, got.opt_state, batch, np.int32(0)).compile().as_text()
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(got.params["layers"])}
+    gathered = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", hlo)]
+    assert gathered and not stacked & set(gathered), (stacked, gathered)
+    per_layer = {s[1:] for s in stacked}
+    assert sum(g in per_layer for g in gathered) >= 2 * 7  # 7 layer matrices, gathered forward and in backward
+
+
+def test_bf16_gradient_reductions_lower_to_bf16_collectives():
+    """reduce_dtype=bf16: every reduce-scatter of the lowered step is bf16 (fp32 by default). Lowered only: the XLA
+    CPU compiler of jaxlib 0.10.2 aborts on bf16 reductions inside this step (AllReducePromotion), GPU/TPU do not."""
+    mesh = engine.make_mesh(data=2, fsdp=4)
+    params = task.init_params()
+    specs = engine.auto_shard(params, mesh)
+    kwargs = dict(loss_fn=task.loss_fn, optimizer=optax.sgd(0.1), mesh=mesh, param_specs=specs, update_specs=specs,
+                  zero_stage=0, accumulate=1, compute_dtype=jnp.bfloat16, remat=False, key=jax.random.key(0))
+    batch = {k: v[None] for k, v in task.collate_fn(EXAMPLES[:8]).items()}
+    for dtype, name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
+        fn = jax.jit(step_lib.shard_map_train_step(reduce_dtype=dtype, **kwargs))
+        lowered = fn.lower(params, optax.sgd(0.1).init(params), batch, np.int32(0)).as_text()
+        kinds = set(re.findall(r"stablehlo.reduce_scatter.*?\}\) : \(tensor<[\dx]+x(bf16|f32)>", lowered, re.S))
+        assert kinds == {name}, kinds
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('shard_map', 'jit'\)"):
+        engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                       params=task.init_params(), optimizer=optax.sgd(0.1), step="pmap")
+    mesh = engine.make_mesh(data=8)
+    with pytest.raises(ValueError, match=r"reduce_dtype=.*float16.*; expected jnp.float32 or jnp.bfloat16"):
+        step_lib.shard_map_train_step(loss_fn=task.loss_fn, optimizer=optax.sgd(0.1), mesh=mesh, param_specs={},
+                                      update_specs={}, zero_stage=0, accumulate=1, compute_dtype=None, remat=False,
+                                      key=jax.random.key(0), reduce_dtype=jnp.float16)
