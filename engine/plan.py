@@ -1,0 +1,265 @@
+"""Ahead-of-time plans: compile the Trainer's real train step for a named model config on a mesh of simulated devices,
+without allocating a parameter, and read per-device memory and communication off the compiled program.
+
+Memory comes from `compiled.memory_analysis()`: the per-device peak is arguments + outputs - aliased (donated) +
+temporaries. Communication is read off the compiled HLO: every collective, times the trip count of the loops it sits
+in, converted to bytes one device sends with ring algorithms over its replica group of n devices:
+all-gather (n-1)/n x output, reduce-scatter (n-1)/n x input, all-reduce 2(n-1)/n x size, all-to-all (n-1)/n x size,
+collective-permute 1 x size. The XLA CPU compiler widens bf16 all-gathers to f32 (it computes bf16 matmuls in
+f32 and moves the up-convert in front of the gather); an f32 all-gather of an up-converted bf16 value is counted at
+its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
+"""
+import itertools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+
+
+def _shapes(type_text):
+    """[(dtype, elements)] of an HLO result type (an array or a tuple of arrays)."""
+    return [(dt, math.prod(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(type_text)
+            if dt in _BYTES]
+
+
+def _computations(hlo):
+    """{name: [instruction lines]} and the entry computation's name."""
+    comps, entry, current = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(2)
+            comps[current] = []
+            if head.group(1):
+                entry = current
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _multiplicities(comps, entry):
+    """How many times each computation runs per step: while bodies by their known trip count (1 when unknown)."""
+    mult = {entry: 1}
+    stack = [entry]
+    while stack:
+        name = stack.pop()
+        for line in comps.get(name, ()):
+            callees = []
+            body = re.search(r"\bbody=%([\w.\-]+)", line)
+            if body:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                callees.append((body.group(1), int(trip.group(1)) if trip else 1))
+            for key in ("calls", "to_apply"):
+                callees += [(c, 1) for c in re.findall(rf"\b{key}=%([\w.\-]+)", line)]
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if branches:
+                callees += [(c, 1) for c in re.findall(r"%([\w.\-]+)", branches.group(1))]
+            for callee, times in callees:
+                if callee in comps and callee not in mult:
+                    mult[callee] = mult[name] * times
+                    stack.append(callee)
+    return mult
+
+
+def _narrow_source(comps, comp, operand):
+    """'bf16' / 'f16' when `operand` (in computation `comp`) is an up-convert of a narrower float, else None."""
+    defs = {}
+    for line in comps.get(comp, ()):
+        m = _INSTR.match(line)
+        if m:
+            defs[m.group(1)] = (m.group(2), m.group(3), m.group(4), line)
+    for _ in range(8):
+        if operand not in defs:
+            return None
+        type_text, op, args, line = defs[operand]
+        first = re.match(r"\s*%([\w.\-]+)", args)
+        if op == "fusion":
+            called = re.search(r"\bcalls=%([\w.\-]+)", line)
+            root = next((l for l in comps.get(called.group(1), ()) if l.strip().startswith("ROOT")), None) \
+                if called else None
+            m = _INSTR.match(root) if root else None
+            return _narrow_source(comps, called.group(1), m.group(1)) if m else None
+        if op in ("bitcast", "copy", "reshape", "transpose") and first:
+            operand = first.group(1)
+            continue
+        if op == "convert" and first and first.group(1) in defs:
+            source = _shapes(defs[first.group(1)][0])
+            return source[0][0] if source and source[0][0] in ("bf16", "f16") else None
+        return None
+    return None
+
+
+def _group_size(line, num_devices):
+    groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if groups:
+        return len(groups.group(1).split("}")[0].strip("{").split(","))
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    return num_devices
+
+
+def collective_bytes(hlo, num_devices):
+    """{collective type: bytes one device sends per step} from compiled HLO text (see the module docstring)."""
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry)
+    out = {c: 0 for c in COLLECTIVES}
+    for comp, lines in comps.items():
+        times = mult.get(comp, 0)
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m or not times:
+                continue
+            kind = m.group(3).removesuffix("-start")
+            if kind not in COLLECTIVES:
+                continue
+            n = _group_size(line, num_devices)
+            shapes = _shapes(m.group(2))
+            if m.group(3).endswith("-start") and kind in ("all-gather", "collective-permute") and len(shapes) > 1:
+                shapes = shapes[len(shapes) // 2:]  # (operands..., results...): count the results
+            operands = re.findall(r"%([\w.\-]+)", m.group(4).split(")")[0])
+            size = 0
+            for i, (dtype, elements) in enumerate(shapes):
+                narrow = None
+                if kind == "all-gather" and dtype == "f32" and i < len(operands):
+                    narrow = _narrow_source(comps, comp, operands[i])
+                size += elements * _BYTES[narrow or dtype]
+            if kind == "reduce-scatter":
+                size *= n  # the result is 1/n of what each device feeds in
+            factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
+            out[kind] += int(size * factor * times)
+    return out
+
+
+def _parse_mesh(mesh):
+    sizes = mesh
+    if isinstance(mesh, str):
+        try:
+            sizes = tuple(int(x) for x in mesh.split(","))
+        except ValueError:
+            sizes = None
+    if not (isinstance(sizes, (tuple, list)) and len(sizes) == 3
+            and all(isinstance(x, int) and x >= 1 for x in sizes)):
+        raise ValueError(f"mesh={mesh!r}; expected three positive sizes 'data,fsdp,model', e.g. '1,8,1'")
+    return tuple(sizes)
+
+
+def mesh_shapes(num_devices):
+    """Every (data, fsdp, model) whose product is `num_devices`."""
+    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+    return [(d, f, num_devices // (d * f)) for d in divisors for f in divisors if num_devices % (d * f) == 0]
+
+
+class _AbstractRestore:
+    """Stands in for the Trainer's Checkpointer: 'restores' the abstract, sharded target itself, so the Trainer lays
+    out its state (real specs, real shardings) without allocating it."""
+
+    def restore(self, step, target):
+        return target, {}
+
+
+def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
+         remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None):
+    """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
+    AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
+    per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
+    their sum, and, with `hbm_gb`, whether the total fits."""
+    import engine
+    import models
+    from engine import text
+
+    data, fsdp, tp = _parse_mesh(mesh)
+    if data * fsdp * tp != num_devices:
+        raise ValueError(f"mesh={data},{fsdp},{tp} has {data * fsdp * tp} devices; expected num_devices={num_devices}")
+    if num_devices > jax.device_count():
+        raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
+    if model not in models.FAMILIES:
+        raise ValueError(f"model={model!r}; expected one of {sorted(models.FAMILIES)}")
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
+    dtype = jnp.dtype(compute_dtype)
+    config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name)
+    network = models.FAMILIES[model].Model(config)
+    abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+
+    loss_fn = text.lm_loss_fn(network)
+    loss_fn.weight_metric = "tokens"
+    trainer = engine.Trainer(
+        mesh=engine.make_mesh(data=data, fsdp=fsdp, model=tp, devices=jax.devices()[:num_devices]),
+        collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=optax.adamw(1e-4),
+        zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step)
+    rows = per_device_batch_size * data * fsdp
+    trainer._batch_spec = {k: ((rows, seq_len), "int32") for k in ("input_ids", "labels", "segment_ids")}
+    trainer._checkpointer = _AbstractRestore()
+    trainer._setup(restore_step=0)
+    batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), jnp.int32)
+             for k in ("input_ids", "labels", "segment_ids")}
+    state = trainer._state
+    compiled = trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile()
+    mem = compiled.memory_analysis()
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes)
+    comm = collective_bytes(compiled.as_text(), num_devices)
+    result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
+              "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
+              "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name, "params": n_params,
+              "bytes": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+                        "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total},
+              "state_16psi_per_device": 16 * n_params // num_devices,
+              "collective_bytes": comm, "collective_bytes_total": sum(comm.values())}
+    if hbm_gb is not None:
+        result["hbm_gb"] = hbm_gb
+        result["fits"] = total <= hbm_gb * 1e9
+    logging.info("plan %s", result)
+    return result
+
+
+def sweep(*, num_devices, **kwargs):
+    """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), ranked by per-device
+    total memory, then bytes sent. A configuration that fails to compile comes back with its 'error'."""
+    results = []
+    for (data, fsdp, tp), zero in itertools.product(mesh_shapes(num_devices), (0, 1, 2)):
+        if zero and data == 1:
+            continue
+        try:
+            results.append(plan(num_devices=num_devices, mesh=(data, fsdp, tp), zero_stage=zero, **kwargs))
+        except Exception as e:  # noqa: BLE001 - one bad layout (e.g. heads not divisible) must not end the sweep
+            logging.warning("sweep: mesh %s zero %d failed: %s", (data, fsdp, tp), zero, e)
+            results.append({"mesh": [data, fsdp, tp], "zero_stage": zero, "error": str(e).splitlines()[0][:200]})
+    ok = sorted((r for r in results if "error" not in r),
+                key=lambda r: (not r.get("fits", True), r["bytes"]["total"], r["collective_bytes_total"]))
+    return ok + [r for r in results if "error" in r]
+
+
+def format_table(results):
+    """A plain-text table of `sweep` results, best first."""
+    head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'zero':>4}  {'total GB':>9}  {'args GB':>8}  {'temp GB':>8}  "
+            f"{'sent GB':>8}  {'all-gather':>10}  {'red-scat':>9}  {'all-red':>8}  {'a2a':>6}  {'permute':>7}  fits")
+    lines = [head]
+    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    for i, r in enumerate(results, 1):
+        mesh = ",".join(str(x) for x in r["mesh"])
+        if "error" in r:
+            lines.append(f"{'-':>4}  {mesh:>15}  {r['zero_stage']:>4}  error: {r['error']}")
+            continue
+        b, c = r["bytes"], r["collective_bytes"]
+        lines.append(f"{i:>4}  {mesh:>15}  {r['zero_stage']:>4}  {gb(b['total']):>9}  {gb(b['arguments']):>8}  "
+                     f"{gb(b['temporaries']):>8}  {gb(r['collective_bytes_total']):>8}  {gb(c['all-gather']):>10}  "
+                     f"{gb(c['reduce-scatter']):>9}  {gb(c['all-reduce']):>8}  {gb(c['all-to-all']):>6}  "
+                     f"{gb(c['collective-permute']):>7}  {r.get('fits', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""engine.plan and scripts/plan_memory.py: ahead-of-time memory and communication of the real train step."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import compiler, plan
+from tests.test_distributed import ROOT
+
+TINY = dict(model="llama", model_config="tiny", num_devices=8, per_device_batch_size=1, seq_len=64)
+
+
+def test_zero3_plan_matches_the_formulas():
+    """1x8x1, bf16 compute: state is 16 bytes per sharded parameter; ZeRO-3 traffic is bf16 gathers (forward, and
+    again for the remat'd layers in the backward pass) plus fp32 reduce-scatters, each x (N-1)/N."""
+    r = plan.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **TINY)
+    n, psi = 8, r["params"]
+    assert psi == 90432
+    b = r["bytes"]
+    assert b["total"] == b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
+    assert b["aliased"] > 0.9 * b["arguments"]  # params and optimizer state are donated
+    assert r["fits"] is True
+    split = psi - (64 + 2 * 2 * 64)  # every matrix is split over fsdp; the norm scales (final + 2 per layer) are not
+    layers = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # gathered again in the backward pass (remat)
+    c = r["collective_bytes"]
+    assert c["all-gather"] == (split + layers) * 2 * (n - 1) // n
+    assert c["reduce-scatter"] == split * 4 * (n - 1) // n
+    assert c["all-to-all"] == c["collective-permute"] == 0
+
+
+def test_bad_mesh_and_budget_are_reported():
+    with pytest.raises(ValueError, match=r"mesh=2,2,1 has 4 devices; expected num_devices=8"):
+        plan.plan(mesh="2,2,1", **TINY)
+    with pytest.raises(ValueError, match=r"mesh='1,x,1'; expected three positive sizes"):
+        plan.plan(mesh="1,x,1", **TINY)
+    r = plan.plan(mesh="8,1,1", zero_stage=1, hbm_gb=1e-4, **TINY)
+    assert r["fits"] is False  # a result, not a crash
+
+
+def test_mesh_shapes_and_collective_parsing():
+    assert sorted(plan.mesh_shapes(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[8]{0} all-gather(%x), replica_groups={{0,1},{2,3}}, dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ag)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ar = bf16[4]{0} all-reduce(%a), replica_groups=[1,4]<=[4], to_apply=%add
+  ROOT %rs = f32[1]{0} reduce-scatter(%b), replica_groups={}, dimensions={0}, to_apply=%add
+}
+"""
+    got = plan.collective_bytes(hlo, num_devices=4)
+    assert got["all-gather"] == 3 * 8 * 4 // 2  # 3 trips x 32 bytes x (2-1)/2
+    assert got["all-reduce"] == int(4 * 2 * 2 * 3 / 4)
+    assert got["reduce-scatter"] == int(1 * 4 * 4 * 3 / 4)
+
+
+def test_compiler_flags_only_for_their_platform(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    assert compiler.configure("cpu") == []
+    added = compiler.configure("gpu")
+    assert "--xla_gpu_enable_pipelined_all_gather=true" in added
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in os.environ["XLA_FLAGS"]  # the user's choice stays
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in os.environ["XLA_FLAGS"]
+    assert compiler.configure("gpu") == []  # idempotent
+    assert "--xla_tpu_enable_latency_hiding_scheduler=true" in " ".join(compiler.configure("tpu"))
+    with pytest.raises(ValueError, match=r"platform='metal'; expected one of"):
+        compiler.configure("metal")
+
+
+def test_script_prints_one_json_line_and_rejects_a_bad_mesh():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "scripts/plan_memory.py", "--model=llama", "--model_config=tiny", "--num_devices=4",
+           "--seq_len=32"]
+    out = subprocess.run(cmd + ["--mesh=1,2,2", "--zero_stage=0"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["mesh"] == [1, 2, 2] and result["bytes"]["total"] > 0
+    bad = subprocess.run(cmd + ["--mesh=3,1,1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "mesh=3,1,1 has 3 devices; expected num_devices=4" in bad.stderr
