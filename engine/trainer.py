@@ -77,7 +77,7 @@ class Trainer:
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
-                 nan_policy="raise", keep_checkpoints=3, step="jit"):
+                 nan_policy="raise", keep_checkpoints=3, step="shard_map"):
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
                   isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
@@ -108,6 +108,7 @@ class Trainer:
         self.history = []             # per-step host metrics: {'step', 'loss', 'grad_norm', 'learning_rate', ...}
         self.stopped_by_signal = False
         self._timers = {"data": 0.0, "checkpoint": 0.0}  # seconds since the last log line
+        self._total_steps = None
         self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
         self._key = jax.random.key(seed)
         self.workdir = workdir
@@ -254,6 +255,11 @@ class Trainer:
             raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
                              f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
                              f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
+        total = max_steps
+        if isinstance(train_examples, (list, tuple)):
+            remaining = max(0, n_epochs - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
+            total = self._step + remaining if total is None else min(total, self._step + remaining)
+        self._total_steps = total  # for the progress line; None when streaming without max_steps
         if (eval_predictor is None) != (eval_metric_fn is None):
             raise ValueError("eval_predictor and eval_metric_fn go together; got only one of them")
         if profile_steps is not None:
@@ -366,9 +372,10 @@ class Trainer:
         n = max(1, steps[-1] - last_log[1])
         data_s, ckpt_s = self._timers["data"] / n, self._timers["checkpoint"] / n
         self._timers = {"data": 0.0, "checkpoint": 0.0}
-        logging.info("step %d | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s | %.3f s/step "
-                     "(data %.3f, checkpoint %.3f, compute %.3f)", last["step"], self._epoch, last["loss"],
-                     last["grad_norm"], lr, throughput, seconds, data_s, ckpt_s, max(0.0, seconds - data_s - ckpt_s))
+        logging.info("%s | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s | %.3f s/step "
+                     "(data %.3f, checkpoint %.3f, compute %.3f)", self._progress(last["step"], seconds), self._epoch,
+                     last["loss"], last["grad_norm"], lr, throughput, seconds, data_s, ckpt_s,
+                     max(0.0, seconds - data_s - ckpt_s))
         writer = self._tensorboard()
         if writer is not None:
             for record in self.history[-len(steps):]:
@@ -384,6 +391,16 @@ class Trainer:
                 writer.add_scalar("train/tokens_per_second", tokens / seconds, last["step"])
             writer.flush()
         return now, steps[-1]
+
+    def _progress(self, step, seconds_per_step):
+        """'step 120/400 [######----------] 30% eta 0:01:02', or 'step 120' when the total is unknown."""
+        total = self._total_steps
+        if not total:
+            return f"step {step}"
+        done = min(1.0, step / total)
+        bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
+        eta = int(max(0, total - step) * seconds_per_step)
+        return f"step {step}/{total} [{bar}] {100 * done:.0f}% eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
 
     def _tensorboard(self):
         if self.workdir is None or jax.process_index() != 0:
