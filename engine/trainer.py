@@ -77,7 +77,7 @@ class Trainer:
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
-                 nan_policy="raise", keep_checkpoints=3, step="shard_map"):
+                 nan_policy="raise", keep_checkpoints=3, step="jit"):
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
                   isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
