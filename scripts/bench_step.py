@@ -23,17 +23,20 @@ flags.DEFINE_string("peers_dir", os.path.join(ROOT, "..", "shared", "peers"),
                     "Directory holding tinylm.py, plain_step.py and peer_redco_step.py.")
 flags.DEFINE_string("redco_python", "/tmp/redco-venv/bin/python",
                     "Python of an environment with redco==0.4.23 (skipped when missing).")
-flags.DEFINE_enum("step", "jit", ["jit"], "The engine's train step implementation.")
+flags.DEFINE_list("steps", ["jit", "shard_map"], "The engine's train step implementations to time (Trainer(step=)).")
 flags.DEFINE_string("worker", None, "Internal: run one engine measurement for this mesh and print it.")
+flags.DEFINE_string("worker_step", "jit", "Internal: the step implementation of --worker.")
 
 GLOBAL_BATCH, STEPS, WARMUP = 16, 20, 2
 
 
-def engine_worker(mesh_text):
+def engine_worker(mesh_text, step_kind):
     """One measurement: prints STEADY <s>, COMPILE <s>, COMPILES <n>."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.abspath(FLAGS.peers_dir))
+    from engine import compiler
+    compiler.configure()  # the engine's overlap flags (none on CPU), before JAX starts its backend
     import jax
     import optax
     from tinylm import TinyLM, collate_fn, make_examples, xent
@@ -48,7 +51,7 @@ def engine_worker(mesh_text):
         return xent(lm.apply({"params": params}, batch["input_ids"]), batch["labels"])
 
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, params=params,
-                             optimizer=optax.adamw(1e-3))
+                             optimizer=optax.adamw(1e-3), step=step_kind)
     per_device = GLOBAL_BATCH // (data * fsdp)
     start = time.perf_counter()
     trainer.fit(make_examples(GLOBAL_BATCH * WARMUP, 1), per_device_batch_size=per_device, log_every=100)
@@ -78,7 +81,7 @@ def _run(cmd, env):
 def main(argv):
     del argv
     if FLAGS.worker:
-        engine_worker(FLAGS.worker)
+        engine_worker(FLAGS.worker, FLAGS.worker_step)
         return
     peers = os.path.abspath(FLAGS.peers_dir)
     have_redco = os.path.exists(FLAGS.redco_python) and os.path.exists(os.path.join(peers, "peer_redco_step.py"))
@@ -89,25 +92,29 @@ def main(argv):
             raise app.UsageError(f"--meshes entry {mesh_text!r}: sizes must multiply to 8")
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                    MP=str(model), PYTHONPATH=ROOT)
-        runs = {"engine": [], "floor": [], "redco": []}
+        runs = {**{f"engine[{k}]": [] for k in FLAGS.steps}, "floor": [], "redco": []}
         for _ in range(FLAGS.rounds):
-            runs["engine"].append(_run([sys.executable, __file__, f"--worker={mesh_text}",
-                                        f"--peers_dir={peers}"], env))
+            for kind in FLAGS.steps:
+                runs[f"engine[{kind}]"].append(_run([sys.executable, __file__, f"--worker={mesh_text}",
+                                                     f"--worker_step={kind}", f"--peers_dir={peers}"], env))
             if fsdp == 1:  # the peers know data x model meshes only
                 runs["floor"].append(_run([sys.executable, os.path.join(peers, "plain_step.py")], env))
                 if have_redco:
                     runs["redco"].append(_run([FLAGS.redco_python, os.path.join(peers, "peer_redco_step.py")], env))
         med = {k: statistics.median(r["STEADY"] for r in v) if v else float("nan") for k, v in runs.items()}
 
-        def ratio(other):
+        def ratio(mine, other):
             if not runs[other]:
                 return float("nan")
-            return statistics.median(e["STEADY"] / o["STEADY"] for e, o in zip(runs["engine"], runs[other]))
+            return statistics.median(e["STEADY"] / o["STEADY"] for e, o in zip(runs[mine], runs[other]))
 
-        rows.append((mesh_text, med["engine"], med["floor"], med["redco"], ratio("floor"), ratio("redco"),
-                     statistics.median(r["COMPILE"] for r in runs["engine"]),
-                     int(max(r["COMPILES"] for r in runs["engine"]))))
-    header = ("mesh dxfxm", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "compile s", "compiles")
+        for kind in FLAGS.steps:
+            mine = f"engine[{kind}]"
+            rows.append((mesh_text, kind, med[mine], med["floor"], med["redco"], ratio(mine, "floor"),
+                         ratio(mine, "redco"), statistics.median(r["COMPILE"] for r in runs[mine]),
+                         int(max(r["COMPILES"] for r in runs[mine]))))
+    header = ("mesh dxfxm", "step", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "compile s",
+              "compiles")
     print(f"{STEPS} steady steps, global batch {GLOBAL_BATCH}, {FLAGS.rounds} interleaved rounds, medians")
     print(" | ".join(f"{h:>12}" for h in header))
     for r in rows:
