@@ -82,13 +82,20 @@ def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lamb
 
 
 def apply_update(optimizer, params, opt_state, grads, loss, metrics):
-    """The optimizer update, kept only when loss and gradient norm are finite; returns (params, opt_state, metrics)."""
+    """The optimizer update, applied only when loss and gradient norm are finite; returns (params, opt_state, metrics).
+
+    The guard is a `lax.cond` around the whole update rather than a `where` on its result: the where keeps old and
+    new state alive together (+1 gradient-sized temporary per device: 3.4 GB for LLaMA-7B on 8 devices), the cond
+    lets the update run in place in the donated buffers."""
     grad_norm = optax.global_norm(grads)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+
+    def update(state):
+        params, opt_state, grads = state
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    new_params, new_opt_state = jax.lax.cond(finite, update, lambda state: state[:2], (params, opt_state, grads))
     out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **metrics}
     lr = find_learning_rate(new_opt_state)
     if lr is not None:
