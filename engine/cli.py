@@ -1,13 +1,26 @@
-"""absl flags shared by every script (mesh, scale, precision, multi-host), and what they build. Scripts import this
-module; tests can too."""
+"""absl flags shared by every script (mesh, scale, precision, multi-host, training loop), what they build, and
+`run(main)`: the scripts' entry point, which turns a bad flag or bad input into a one-line `error:` and exit code 2
+instead of a traceback. Scripts import this module; tests can too."""
+import dataclasses
+import json
+import os
+import sys
+
+import jax
 import jax.numpy as jnp
-from absl import flags
+import optax
+from absl import app, flags, logging
 
 import engine
+import models
+from engine import text
 
 FLAGS = flags.FLAGS
 
 _DTYPES = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# User-input errors: reported in one line. Anything else (a bug) keeps its traceback.
+_USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, app.UsageError, flags.Error)
+USAGE_EXIT_CODE = 2
 
 
 def define_flags():
@@ -28,6 +41,31 @@ def define_flags():
     flags.DEFINE_integer("seed", 0, "Fixes initialisation, shuffling and dropout.")
 
 
+def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, log_every, save_every):
+    """The training-loop flags of the training scripts (each script chooses its defaults)."""
+    define_flags()
+    flags.DEFINE_string("workdir", workdir, "Checkpoints, TensorBoard scalars and the model description "
+                        "(run.json) go here; re-running the same command resumes.")
+    flags.DEFINE_integer("max_steps", max_steps, "Optimizer updates in total (resumes included).")
+    flags.DEFINE_integer("n_epochs", 1000, "Passes over the data at most.")
+    flags.DEFINE_float("learning_rate", learning_rate, "Peak learning rate (linear warm-up, cosine decay to 10%).")
+    flags.DEFINE_integer("warmup_steps", warmup_steps, "Warm-up updates.")
+    flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
+    flags.DEFINE_integer("log_every", log_every, "Updates between log lines (the only host syncs of the loop).")
+    flags.DEFINE_integer("save_every", save_every, "Updates between checkpoints (one is always written at the end).")
+    flags.DEFINE_list("profile_steps", [], "START,END: write a jax.profiler trace of those steps to "
+                      "workdir/tensorboard (TensorBoard's profile tab).")
+    flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto"] + list(text.LOSS_IMPLEMENTATIONS[2:]),
+                      "plain: logits [tokens, vocab] then cross-entropy. Otherwise the output head and the loss run "
+                      "fused in kernels.linear_cross_entropy, blockwise over the vocabulary, so the logits never "
+                      "exist: auto (the backend's best), xla, triton (GPU) or mosaic_tpu (TPU).")
+
+
+def loss_implementation():
+    """--loss_implementation as engine.text's loss helpers take it (None: plain logits)."""
+    return None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation
+
+
 def parse_mesh(text):
     """'2,2,2' or '-1,1,2' -> dict(data=, fsdp=, model=); ValueError naming the flag otherwise."""
     try:
@@ -39,8 +77,35 @@ def parse_mesh(text):
     return dict(zip(("data", "fsdp", "model"), sizes))
 
 
+def parse_profile_steps(values):
+    """--profile_steps ['10', '15'] -> (10, 15); [] -> None."""
+    if not values:
+        return None
+    try:
+        steps = tuple(int(x) for x in values)
+    except ValueError:
+        steps = ()
+    if len(steps) != 2 or not 0 <= steps[0] < steps[1]:
+        raise ValueError(f"--profile_steps={','.join(values)}; expected START,END with 0 <= START < END")
+    return steps
+
+
+def parse_json(flag, value):
+    """A JSON-object flag -> dict; ValueError naming the flag otherwise."""
+    try:
+        out = json.loads(value or "{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--{flag}={value!r} is not JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"--{flag}={value!r}; expected a JSON object such as {{\"hidden_size\": 128}}")
+    return out
+
+
 def start():
     """Joins the multi-process runtime (if asked) and builds the mesh from the flags."""
+    for name in ("per_device_batch_size", "accumulate_grad_batches"):
+        if FLAGS[name].value < 1:
+            raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
     engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     return engine.make_mesh(**parse_mesh(FLAGS.mesh))
 
@@ -49,3 +114,194 @@ def trainer_kwargs():
     """The Trainer arguments the shared flags set."""
     return dict(zero_stage=FLAGS.zero_stage, compute_dtype=_DTYPES[FLAGS.compute_dtype],
                 accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed)
+
+
+def optimizer(max_steps=None, learning_rate=None, warmup_steps=None, weight_decay=None):
+    """AdamW with global-norm clipping, linear warm-up and cosine decay to 10% (the training flags by default).
+    Every script builds its optimizer here, so the optimizer-state structure in a checkpoint is always the same
+    (scripts/generate.py relies on it to restore a workdir)."""
+    max_steps = FLAGS.max_steps if max_steps is None else max_steps
+    learning_rate = FLAGS.learning_rate if learning_rate is None else learning_rate
+    warmup_steps = FLAGS.warmup_steps if warmup_steps is None else warmup_steps
+    weight_decay = FLAGS.weight_decay if weight_decay is None else weight_decay
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, warmup_steps),
+                                                  max(max_steps, warmup_steps + 1), end_value=learning_rate / 10)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(
+        learning_rate=schedule, weight_decay=weight_decay))
+
+
+def progress_lines(trainer, log_every):
+    """The lines a training script prints after `fit`: one per `log_every` steps of the history (loss, and token
+    accuracy when the loss reports it)."""
+    lines = []
+    for record in trainer.history:
+        if "loss" in record and record["step"] % log_every == 0:
+            accuracy = f"  token accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""
+            lines.append(f"step {record['step']:5d}  loss {record['loss']:.4f}{accuracy}")
+    return lines
+
+
+def closing_line(trainer, workdir):
+    """The last line of a training script: where a run stopped by a signal can be resumed (else None)."""
+    if trainer.stopped_by_signal:
+        return f"stopped by a signal at step {trainer.step}; checkpoint saved in {workdir}; re-run to resume"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- models and workdirs
+
+_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} | {"hf_config"}
+RUN_FILE = "run.json"
+
+
+def create_model(family, model_config, overrides=None, *, families):
+    """A fresh model of `family` from a named config or a JSON file of config fields, plus `overrides`.
+    families: the families the calling script accepts. ValueError / FileNotFoundError on bad input."""
+    if family not in families:
+        raise ValueError(f"--model={family!r}; expected one of {list(families)}")
+    overrides = dict(overrides or {})
+    if model_config.endswith(".json"):
+        if not os.path.isfile(model_config):
+            raise FileNotFoundError(f"--model_config={model_config}: no such file")
+        with open(model_config) as f:
+            try:
+                fields = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--model_config={model_config} is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"--model_config={model_config} holds {type(fields).__name__}; expected a JSON object "
+                             "of config fields")
+        fields = {**fields, **overrides}
+    else:
+        named = models.FAMILIES[family].NAMED_CONFIGS
+        if model_config not in named:
+            raise ValueError(f"--model_config={model_config!r} is not a config of {family}; expected a .json file "
+                             f"or one of {sorted(named)}")
+        fields = {**named[model_config], **overrides}
+    config_cls = models.FAMILIES[family].Config
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{family} config has no field(s) {unknown}; expected some of {sorted(known - {'hf_config'})}")
+    return models.FAMILIES[family].Model(config_cls(**_tuples(fields)))
+
+
+def _tuples(x):
+    """JSON lists back to the tuples config fields hold (configs are hashed: the model is a jit cache key)."""
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def family_of(model):
+    return next(name for name, fam in models.FAMILIES.items() if isinstance(model, fam.Model))
+
+
+def load_hf(path, *, families, mesh=None, byte_fallback=True):
+    """(model, params, tokenizer) from a Hugging Face directory; params placed on `mesh`'s auto_shard shardings as
+    they are read. The directory's tokenizer.json is used; without one, byte-level tokens when the vocabulary is
+    large enough (byte_fallback)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--init_from={path} is not a directory; expected a Hugging Face model directory")
+    model, params = models.load_pretrained(path, mesh=mesh)
+    if family_of(model) not in families:
+        raise ValueError(f"--init_from={path} holds a {family_of(model)} model; this script takes {list(families)}")
+    tokenizer = text.HFTokenizer.from_dir(path, model.config.vocab_size)
+    if tokenizer is None:
+        tokenizer = text.ByteTokenizer()
+        if not byte_fallback or model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"--init_from={path} has no tokenizer.json and a vocabulary of {model.config.vocab_size} "
+                             f"< {tokenizer.vocab_size} needed for byte-level tokens")
+    return model, params, tokenizer
+
+
+def _model_fields(model):
+    """The config fields that fix the parameters (not the runtime options)."""
+    return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in _RUNTIME_FIELDS}
+
+
+def save_run(workdir, task, model, tokenizer):
+    """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
+    that scripts/generate.py can rebuild the model of a workdir. If the workdir already holds a run of a different
+    model, ValueError: its checkpoints would not fit."""
+    run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
+    path = os.path.join(workdir, RUN_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if (old.get("task"), old.get("family"), _tuples(old.get("config"))) != (task, run["family"],
+                                                                                 _tuples(run["config"])):
+            changed = sorted(k for k in set(old.get("config", {})) | set(run["config"])
+                             if _tuples(old.get("config", {}).get(k)) != _tuples(run["config"].get(k)))
+            raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
+                             f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
+                             "flags of that run")
+    if jax.process_index() != 0:
+        return
+    os.makedirs(workdir, exist_ok=True)
+    run["tokenizer"] = text.tokenizer_spec(tokenizer, workdir)
+    with open(path + ".tmp", "w") as f:
+        json.dump(run, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def load_run(workdir, **options):
+    """(task, model, tokenizer) of a workdir written by a training script (see save_run). options: ModelOptions
+    fields (scan_layers, attention_implementation, ...)."""
+    path = os.path.join(workdir, RUN_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--workdir={workdir} has no {RUN_FILE}; expected the workdir of scripts/train_lm.py "
+                                "or scripts/finetune_seq2seq.py (or pass --init_from=<Hugging Face directory>)")
+    with open(path) as f:
+        run = json.load(f)
+    family = run["family"]
+    model = models.FAMILIES[family].Model(models.FAMILIES[family].Config(**_tuples(run["config"]), **options))
+    return run["task"], model, text.tokenizer_from_spec(run["tokenizer"], workdir)
+
+
+def restore_run(workdir, mesh, **options):
+    """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir, the parameters
+    sharded over `mesh` (the layout engine.auto_shard picks for this mesh, whatever mesh trained them)."""
+    task, model, tokenizer = load_run(workdir, **options)
+    abstract = jax.eval_shape(lambda: models.init_params(model))
+    collate, loss = ((text.collate_lm, text.lm_loss_fn(model)) if task == "lm"
+                     else (text.collate_seq2seq, text.seq2seq_loss_fn(model)))
+    # The Trainer restores in its constructor; the optimizer only fixes the checkpoint's structure.
+    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract,
+                             optimizer=optimizer(2, 0.0, 1, 0.0), workdir=workdir)
+    trainer.close()
+    if trainer.step == 0:
+        raise FileNotFoundError(f"--workdir={workdir} has no checkpoint yet")
+    logging.info("restored step %d of %s", trainer.step, workdir)
+    return task, model, trainer.params, tokenizer
+
+
+def _fail(error):
+    message = " ".join(str(error).split()) or type(error).__name__
+    logging.debug("user error", exc_info=error)  # the traceback, with --verbosity=1
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    # os._exit: background threads (prefetch, async checkpoints, the distributed client) must not keep a failed
+    # run alive or print at shutdown.
+    sys.stdout.flush()
+    os._exit(USAGE_EXIT_CODE)
+
+
+def run(main):
+    """`absl.app.run(main)` for scripts: a bad flag value, a missing or malformed file or any other bad input
+    (ValueError, FileNotFoundError, app.UsageError, flags.Error) ends with one line `error: <message>` on stderr
+    and exit code 2, never a traceback."""
+    def parse(argv):
+        try:
+            return FLAGS(argv)
+        except flags.Error as e:
+            _fail(e)
+
+    def guarded(argv):
+        if len(argv) > 1:
+            _fail(app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --helpfull)"))
+        try:
+            return main(argv)
+        except _USER_ERRORS as e:
+            _fail(e)
+
+    app.run(guarded, flags_parser=parse)

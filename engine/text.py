@@ -1,16 +1,28 @@
-"""Text data for language modelling: tokenisers, corpora, packing into fixed-length rows, and the causal-LM loss.
+"""Text data for language modelling: tokenisers, corpora, packing into fixed-length rows, the causal-LM loss, and
+input/target pairs for sequence-to-sequence models (collation, loss, greedy-generation predictions, exact match).
 
 Packing: documents are tokenised, each followed by EOS, and laid end to end into rows of `seq_len + 1` tokens. Every
 row carries `segment_ids` (1, 2, ... per document piece, 0 on padding), which the models take as `attention_mask`:
 a token attends only within its own document and positions restart at each document.
+
+Losses: with `implementation=None` the model computes the logits [B, T, vocab] and the loss is taken from them.
+With a kernel implementation ('xla', 'triton', 'mosaic_tpu', or 'auto' for the backend's best) the model returns its
+hidden states and `kernels.linear_cross_entropy` applies the output head blockwise over the vocabulary, so the
+[tokens, vocab] logits never exist (for a 128k vocabulary they are the largest activation of a step); token accuracy
+is then not reported, as it would need them.
 """
 import glob
 import json
 import os
+import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+import kernels
+import models
 
 
 class ByteTokenizer:
@@ -24,6 +36,24 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class WordTokenizer:
+    """Whitespace-separated words of a fixed list as tokens (the toy task's vocabulary): PAD, BOS, EOS, UNK, then
+    the words; the vocabulary is padded to a multiple of 64 like ByteTokenizer's."""
+    pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+
+    def __init__(self, words):
+        self.words = list(words)
+        self._ids = {w: i + 4 for i, w in enumerate(self.words)}
+        self.vocab_size = -(-(len(self.words) + 4) // 64) * 64
+
+    def encode(self, text):
+        return [self._ids.get(w, self.unk_id) for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(self.words[int(i) - 4] if 4 <= int(i) < len(self.words) + 4 else "<unk>"
+                        for i in ids if int(i) >= 3)
 
 
 class HFTokenizer:
@@ -40,32 +70,88 @@ class HFTokenizer:
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids])
 
+    @classmethod
+    def from_dir(cls, path, vocab_size):
+        """The tokenizer of a Hugging Face directory (tokenizer.json, special ids from config.json), or None when it
+        has no tokenizer.json."""
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(file):
+            return None
+        import tokenizers  # noqa: PLC0415 (optional: installed with transformers)
 
-def read_texts(patterns):
-    """Documents from `.txt` files (one document per file) and `.jsonl` files (one per line: a string, or an object
-    with a 'text' field). `patterns`: paths or globs."""
+        config = {}
+        if os.path.exists(os.path.join(path, "config.json")):
+            with open(os.path.join(path, "config.json")) as f:
+                config = json.load(f)
+        eos = config.get("eos_token_id")
+        return cls(tokenizers.Tokenizer.from_file(file), vocab_size, bos_id=config.get("bos_token_id"),
+                   eos_id=eos[0] if isinstance(eos, list) else eos, pad_id=config.get("pad_token_id"))
+
+
+def tokenizer_spec(tokenizer, directory):
+    """A JSON-able description of `tokenizer` for a workdir's run.json; an HFTokenizer's tokenizer.json is copied
+    into `directory` so the workdir is self-contained."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"kind": "byte"}
+    if isinstance(tokenizer, WordTokenizer):
+        return {"kind": "words", "words": tokenizer.words}
+    os.makedirs(directory, exist_ok=True)
+    tokenizer._tok.save(os.path.join(directory, "tokenizer.json"))
+    return {"kind": "tokenizer.json", "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
+
+
+def tokenizer_from_spec(spec, directory):
+    """Inverse of `tokenizer_spec`."""
+    if spec.get("kind") == "byte":
+        return ByteTokenizer()
+    if spec.get("kind") == "words":
+        return WordTokenizer(spec["words"])
+    if spec.get("kind") != "tokenizer.json":
+        raise ValueError(f"tokenizer {spec!r} in {directory}; expected kind 'byte', 'words' or 'tokenizer.json'")
+    import tokenizers  # noqa: PLC0415
+
+    return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")), spec["vocab_size"],
+                       bos_id=spec["bos_id"], eos_id=spec["eos_id"], pad_id=spec["pad_id"])
+
+
+def _expand(patterns):
     if isinstance(patterns, str):
         patterns = [patterns]
     files = []
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matched:
-            raise ValueError(f"data: {pattern!r} matches no file; expected .txt or .jsonl paths or globs")
+            raise FileNotFoundError(f"data: {pattern!r} matches no file; expected .txt or .jsonl paths or globs")
         files += matched
+    return files
+
+
+def _jsonl(path):
+    """(line number, object) of a .jsonl file, skipping blank lines; ValueError naming the line on bad JSON."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg})") from None
+
+
+def read_texts(patterns):
+    """Documents from `.txt` files (one document per file) and `.jsonl` files (one per line: a string, or an object
+    with a 'text' field). `patterns`: paths or globs."""
     docs = []
-    for path in files:
+    for path in _expand(patterns):
         if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    item = json.loads(line)
-                    if isinstance(item, dict):
-                        if "text" not in item:
-                            raise ValueError(f"data: {path}:{n} has no 'text' field; expected a string or "
-                                             "{\"text\": ...}")
-                        item = item["text"]
-                    docs.append(str(item))
+            for n, item in _jsonl(path):
+                if isinstance(item, dict):
+                    if "text" not in item:
+                        raise ValueError(f"data: {path}:{n} has no 'text' field; expected a string or "
+                                         "{\"text\": ...}")
+                    item = item["text"]
+                docs.append(str(item))
         elif path.endswith(".txt"):
             with open(path, encoding="utf-8", errors="replace") as f:
                 docs.append(f.read())
@@ -123,27 +209,203 @@ def collate_lm(examples):
     return {"input_ids": tokens[:, :-1], "labels": labels, "segment_ids": seg[:, :-1]}
 
 
-def lm_loss_fn(model):
+LOSS_IMPLEMENTATIONS = (None, "auto") + kernels.IMPLEMENTATIONS
+
+
+def head_weight(model, params):
+    """The output head of `model` as `(w [d_model, vocab], bias [vocab] | None)`: the embedding table transposed
+    when the head is tied to it (LLaMA/OPT/T5 `tie_word_embeddings`), else the untied `lm_head` (with GPT-J's bias)."""
+    if model.config.tie_word_embeddings:
+        table = params["shared" if getattr(model, "is_encoder_decoder", False) else "embed"]["embedding"]
+        return table.T, None
+    return params["lm_head"]["kernel"], params["lm_head"].get("bias")
+
+
+def _check_implementation(implementation):
+    if implementation not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"loss implementation={implementation!r}; expected one of {LOSS_IMPLEMENTATIONS} (None: "
+                         "plain logits; otherwise kernels.linear_cross_entropy)")
+
+
+def _loss_and_metrics(model, params, out, labels, implementation, interpret):
+    """Mean cross-entropy over labels >= 0 from the model's output `out`: logits [B, T, V] (implementation None)
+    or hidden states [B, T, D] fed to kernels.linear_cross_entropy with the model's head."""
+    valid = labels >= 0
+    n = jnp.maximum(valid.sum(), 1)
+    metrics = {"tokens": valid.sum().astype(jnp.float32)}
+    if implementation is None:
+        losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), jnp.maximum(labels, 0))
+        metrics["accuracy"] = jnp.where(valid, out.argmax(-1) == labels, False).sum() / n
+    else:
+        w, bias = head_weight(model, params)
+        x, w = out, w.astype(out.dtype)
+        if bias is not None:
+            # x @ w + b == [x, 1] @ [w; b]; padded with zeros to a multiple of 128 so the kernel's tiles stay whole.
+            extra = 128 - x.shape[-1] % 128
+            ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
+            x = jnp.concatenate([x, ones, jnp.zeros(x.shape[:-1] + (extra - 1,), x.dtype)], axis=-1)
+            w = jnp.concatenate([w, bias.astype(w.dtype)[None], jnp.zeros((extra - 1, w.shape[1]), w.dtype)], axis=0)
+        losses = kernels.linear_cross_entropy(x, w, jnp.where(valid, labels, -100), ignore_index=-100,
+                                              implementation=None if implementation == "auto" else implementation,
+                                              interpret=interpret)
+    return jnp.where(valid, losses, 0.0).sum() / n, metrics
+
+
+def lm_loss_fn(model, implementation=None, *, interpret=False):
     """`loss_fn(params, batch, rng, is_training)` for a decoder-only model on `collate_lm` batches: mean
-    next-token cross-entropy over the labelled positions, plus token accuracy and the number of tokens."""
+    next-token cross-entropy over the labelled positions, plus the number of tokens and (with plain logits) token
+    accuracy. implementation: None (plain logits) or a kernel implementation for the fused head + loss ('xla',
+    'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter."""
+    _check_implementation(implementation)
+
     def loss_fn(params, batch, rng, is_training):
         del rng, is_training
-        logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"])
-        labels = batch["labels"]
-        valid = labels >= 0
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.maximum(labels, 0))
-        n = jnp.maximum(valid.sum(), 1)
-        loss = jnp.where(valid, losses, 0.0).sum() / n
-        accuracy = jnp.where(valid, logits.argmax(-1) == labels, False).sum() / n
-        return loss, {"accuracy": accuracy, "tokens": valid.sum().astype(jnp.float32)}
+        out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
+                          return_hidden=implementation is not None)
+        return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
     return loss_fn
 
 
-def left_pad(prompts, tokenizer):
-    """Token lists -> (ids [B, T], mask [B, T]) left-padded for generation."""
+# ----------------------------------------------------------------------------------------------- input/target pairs
+
+def read_pairs(patterns):
+    """`{"input": str, "target": str}` objects from `.jsonl` files (paths or globs), one per line."""
+    pairs = []
+    for path in _expand(patterns):
+        if not path.endswith(".jsonl"):
+            raise ValueError(f"data: {path!r} is not .jsonl; expected one {{\"input\": ..., \"target\": ...}} per "
+                             "line")
+        for n, item in _jsonl(path):
+            if not (isinstance(item, dict) and isinstance(item.get("input"), str)
+                    and isinstance(item.get("target"), str)):
+                raise ValueError(f"data: {path}:{n} is not an object with string fields 'input' and 'target'")
+            pairs.append({"input": item["input"], "target": item["target"]})
+    return pairs
+
+
+TOY_WORDS = ("ant", "bee", "cat", "cow", "dog", "eel", "elk", "emu", "fox", "gnu", "hen", "owl", "pig", "ram",
+             "rat", "yak")
+
+
+def toy_pairs(n, seed, *, min_words=3, max_words=6):
+    """The embedded sequence-to-sequence task: sort a list of distinct animal names alphabetically, e.g.
+    {"input": "owl cat yak bee", "target": "bee cat owl yak"}. Deterministic in `seed`. Its tokens are words
+    (`WordTokenizer(TOY_WORDS)`): at byte level a 2-layer T5 stalls near 55% exact match in a few CPU minutes."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        words = rng.sample(TOY_WORDS, rng.randint(min_words, max_words))
+        pairs.append({"input": " ".join(words), "target": " ".join(sorted(words))})
+    return pairs
+
+
+def encode_pairs(pairs, tokenizer, *, max_input_len, max_target_len, decoder_start_id):
+    """Input/target pairs -> fixed-width examples {'input_ids', 'attention_mask' [max_input_len],
+    'decoder_input_ids', 'labels' [max_target_len]}: targets end with EOS, labels are -100 on padding, the decoder
+    sees the start token then the target shifted right. Longer texts are cut (and counted in the second return)."""
+    examples, cut = [], 0
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    for pair in pairs:
+        src = tokenizer.encode(pair["input"]) + eos
+        tgt = tokenizer.encode(pair["target"]) + eos
+        cut += len(src) > max_input_len or len(tgt) > max_target_len
+        src, tgt = src[:max_input_len], tgt[:max_target_len]
+        ex = {"input_ids": np.full(max_input_len, tokenizer.pad_id, np.int32),
+              "attention_mask": np.zeros(max_input_len, np.int32),
+              "decoder_input_ids": np.full(max_target_len, tokenizer.pad_id, np.int32),
+              "labels": np.full(max_target_len, -100, np.int32)}
+        ex["input_ids"][:len(src)], ex["attention_mask"][:len(src)] = src, 1
+        ex["labels"][:len(tgt)] = tgt
+        ex["decoder_input_ids"][:len(tgt)] = [decoder_start_id] + tgt[:-1]
+        examples.append(ex)
+    return examples, cut
+
+
+def collate_seq2seq(examples):
+    """Examples of `encode_pairs` -> a batch of the same keys, [B, len] each."""
+    return {k: np.stack([e[k] for e in examples]) for k in ("input_ids", "attention_mask", "decoder_input_ids",
+                                                            "labels")}
+
+
+def seq2seq_loss_fn(model, implementation=None, *, interpret=False):
+    """`loss_fn` for an encoder-decoder model (T5) on `collate_seq2seq` batches: mean cross-entropy of the target
+    tokens; `implementation` as in `lm_loss_fn`."""
+    _check_implementation(implementation)
+
+    def loss_fn(params, batch, rng, is_training):
+        del rng, is_training
+        out = model.apply({"params": params}, batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"],
+                          return_hidden=implementation is not None)
+        return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+    return loss_fn
+
+
+def seq2seq_pred_fn(model, *, max_new_tokens, eos_id, pad_id):
+    """`pred_fn(params, batch, rng)` for an `engine.Predictor`: greedy `models.generate` from the inputs ->
+    generated ids [B, max_new_tokens] (after EOS: pad_id)."""
+    def pred_fn(params, batch, rng):
+        del rng
+        out = models.generate(model, params, batch["input_ids"], attention_mask=batch["attention_mask"],
+                              max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+        return out[:, 1:]  # drop the decoder start token
+    return pred_fn
+
+
+def until_eos(ids, eos_id):
+    """Token ids up to and including the first EOS (all of them when there is none); -100 labels dropped."""
+    out = []
+    for i in np.asarray(ids).tolist():
+        if i < 0:
+            break
+        out.append(i)
+        if i == eos_id:
+            break
+    return out
+
+
+def exact_match(examples, predictions, eos_id):
+    """{'exact_match': fraction of examples whose generated ids equal the target ids (through EOS)}: an
+    `eval_metric_fn` for `Trainer.fit` (predictions: generated ids, one row per example)."""
+    hits = []
+    for example, pred in zip(examples, predictions):
+        target = until_eos(example["labels"], eos_id)
+        # A target cut to max_target_len has no EOS: then only its kept tokens are compared.
+        hits.append(until_eos(pred, eos_id)[:len(target)] == target)
+    return {"exact_match": float(np.mean(hits)) if hits else 0.0}
+
+
+def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                   seed=0):
+    """Continuations of `prompts` (strings) with `models.generate`, decoded up to EOS. Decoder prompts are
+    left-padded, T5 inputs right-padded (with EOS appended, as in training). Every process must call it with the
+    same prompts (the parameters may span hosts); every process gets all the texts."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    encoder_decoder = getattr(model, "is_encoder_decoder", False)
+    eos = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else []
+    if not prompts:
+        raise ValueError("prompts: none given; expected at least one prompt")
+    encoded = [tokenizer.encode(p) + eos for p in prompts]
+    for n, (prompt, tokens) in enumerate(zip(prompts, encoded)):
+        if not tokens:
+            raise ValueError(f"prompt {n} ({prompt!r}) has no tokens; expected a non-empty prompt")
+    ids, mask = left_pad(encoded, tokenizer, right=encoder_decoder)
+    rng = jax.random.PRNGKey(seed)
+    out = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, rng=rng, eos_token_id=tokenizer.eos_id,
+                          pad_token_id=tokenizer.pad_id)
+    out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
+    new = out[:, 1:] if encoder_decoder else out[:, ids.shape[1]:]
+    return [tokenizer.decode([i for i in until_eos(row, tokenizer.eos_id) if i != tokenizer.eos_id]) for row in new]
+
+
+def left_pad(prompts, tokenizer, *, right=False):
+    """Token lists -> (ids [B, T], mask [B, T]) left-padded for a decoder's generation (right-padded with
+    right=True, for an encoder)."""
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
     mask = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+        cols = slice(0, len(p)) if right else slice(width - len(p), width)
+        ids[i, cols], mask[i, cols] = p, 1
     return jnp.asarray(ids), jnp.asarray(mask)

@@ -1,0 +1,69 @@
+"""Generates text from a trained workdir (of scripts/train_lm.py or scripts/finetune_seq2seq.py) or a Hugging Face
+directory, with the parameters sharded over --mesh; prints one generation per prompt.
+
+  python scripts/generate.py --prompts='def ,import '                         # from workdir/ (after `make train`)
+  python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'
+  python scripts/generate.py --init_from=/path/to/hf_llama --prompts_file=prompts.txt --mesh=1,1,-1 --temperature=0.7
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+from absl import flags  # noqa: E402
+
+from engine import cli, text  # noqa: E402
+
+FLAGS = flags.FLAGS
+cli.define_flags()
+flags.DEFINE_string("workdir", "workdir", "A training script's workdir: its run.json rebuilds the model and its "
+                    "latest checkpoint gives the parameters (ignored with --init_from).")
+flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors; tokenizer.json, "
+                    "else byte-level tokens) instead of a workdir.")
+flags.DEFINE_list("prompts", [], "Comma-separated prompts.")
+flags.DEFINE_string("prompts_file", None, "A file of prompts, one per line (blank lines skipped).")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt at most (generation stops at EOS).")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
+flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this total probability (1: all).")
+flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
+
+
+def read_prompts():
+    prompts = list(FLAGS.prompts)
+    if FLAGS.prompts_file:
+        if not os.path.isfile(FLAGS.prompts_file):
+            raise FileNotFoundError(f"--prompts_file={FLAGS.prompts_file}: no such file")
+        with open(FLAGS.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts; expected --prompts=a,b or --prompts_file=FILE")
+    return prompts
+
+
+def main(argv):
+    del argv
+    prompts = read_prompts()
+    for name, ok in (("max_new_tokens", FLAGS.max_new_tokens >= 1), ("batch_size", FLAGS.batch_size >= 1),
+                     ("temperature", FLAGS.temperature >= 0), ("top_k", FLAGS.top_k >= 0),
+                     ("top_p", 0 < FLAGS.top_p <= 1)):
+        if not ok:
+            raise ValueError(f"--{name}={FLAGS[name].value} is out of range")
+    mesh = cli.start()
+    if FLAGS.init_from:
+        model, params, tokenizer = cli.load_hf(FLAGS.init_from, families=["llama", "gptj", "opt", "t5"], mesh=mesh)
+    else:
+        _, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
+    for start in range(0, len(prompts), FLAGS.batch_size):
+        batch = prompts[start:start + FLAGS.batch_size]
+        outs = text.generate_texts(model, params, tokenizer, batch, max_new_tokens=FLAGS.max_new_tokens,
+                                   temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
+                                   top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start)
+        if jax.process_index() == 0:
+            for prompt, out in zip(batch, outs):
+                print(f"--- {prompt!r}:\n{out}", flush=True)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,188 @@
+"""The scripts end to end in subprocesses with tiny settings: outputs exist (TensorBoard events, profiler trace,
+checkpoints, run.json, generations), the loss falls, a second invocation resumes, generate.py reads what the training
+scripts wrote, and bad flags end with one `error:` line and exit code 2, never a traceback."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import models
+from engine import text
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+
+
+def _run(script, *args, ok=True):
+    out = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    if ok:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _losses(stdout):
+    return [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)", stdout, re.M)]
+
+
+def _eval_losses(stdout):
+    after, before = re.search(r"eval loss after training: ([0-9.]+) \(was ([0-9.]+)\)", stdout).groups()
+    return float(before), float(after)
+
+
+def _files(path):
+    return [f for _, _, fs in os.walk(path) for f in fs]
+
+
+def _steps(workdir):
+    return sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit())
+
+
+TINY_LM = ["--seq_len=32", "--per_device_batch_size=2", "--max_new_tokens=4", "--log_every=3", "--save_every=3",
+           '--model_overrides={"hidden_size": 32, "intermediate_size": 64}']
+
+
+def _tiny_hf(family, path):
+    model = models.create_model(family, "tiny", vocab_size=320)  # byte-level tokens need 320
+    models.save_pretrained(model, models.init_params(model, jax.random.PRNGKey(0)), str(path))
+
+
+def _stdlib_txt(path):
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("".join(text.default_corpus(max_bytes=12_000)))
+    return path
+
+
+def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_path):
+    """The main job from a Hugging Face directory (made by models.save_pretrained): loss falls, TensorBoard, trace,
+    checkpoints, run.json; the same command resumes (here with the fused loss: same parameters, no logits, under
+    the model axis); generate.py reads the workdir and the Hugging Face directory on other meshes."""
+    _tiny_hf("llama", tmp_path / "hf")
+    workdir = tmp_path / "work"
+    args = [f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt').parent}/*.txt",
+            f"--workdir={workdir}", "--mesh=-1,1,2", "--learning_rate=1e-2", "--warmup_steps=2", *TINY_LM]
+    out = _run("train_lm.py", "--max_steps=6", "--profile_steps=2,4", *args)
+    before, after = _eval_losses(out.stdout)
+    assert after < 0.95 * before and "--- sample for 'def '" in out.stdout
+    assert any(f.startswith("events.out.tfevents") for f in _files(workdir / "tensorboard"))
+    assert any(f.endswith(".xplane.pb") for f in _files(workdir / "tensorboard"))  # the profiler trace
+    assert _steps(workdir)[-1] == 6
+    run = json.loads((workdir / "run.json").read_text())
+    assert run["task"] == "lm" and run["family"] == "llama" and run["tokenizer"] == {"kind": "byte"}
+
+    again = _run("train_lm.py", "--max_steps=9", "--prompts=", "--loss_implementation=xla", *args)
+    assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(workdir)[-1] == 9
+    assert _eval_losses(again.stdout)[1] < after
+
+    gen = _run("generate.py", f"--workdir={workdir}", "--prompts=def,class", "--max_new_tokens=5", "--mesh=2,2,2")
+    assert re.findall(r"^--- '(\w+)':$", gen.stdout, re.M) == ["def", "class"]
+    gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--prompts=the", "--max_new_tokens=3",
+               "--mesh=1,1,-1")
+    assert "--- 'the':" in gen.stdout
+
+
+@pytest.mark.slow
+def test_train_lm_from_scratch_resumes(tmp_path):
+    tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2", *TINY_LM]
+    out = _run("train_lm.py", "--max_steps=6", *tiny)
+    before, after = _eval_losses(out.stdout)
+    assert after < before and _steps(tmp_path)[-1] == 6
+    again = _run("train_lm.py", "--max_steps=9", "--prompts=", *tiny)
+    assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(tmp_path)[-1] == 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gptj", "opt"])
+def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
+    _tiny_hf(family, tmp_path / "hf")
+    out = _run("train_lm.py", f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}",
+               f"--workdir={tmp_path / 'work'}", "--max_steps=8", "--log_every=4", "--seq_len=16",
+               "--per_device_batch_size=1", "--mesh=2,2,2", "--learning_rate=1e-2", "--warmup_steps=2", "--prompts=")
+    before, after = _eval_losses(out.stdout)
+    assert after < 0.95 * before
+    assert json.loads((tmp_path / "work" / "run.json").read_text())["family"] == family
+
+
+def test_finetune_seq2seq_resumes_and_generate_reads_its_workdir(tmp_path):
+    args = [f"--workdir={tmp_path}", "--toy_size=64", "--eval_size=16", "--log_every=4", "--save_every=4",
+            "--per_device_batch_size=2", "--mesh=4,1,2", "--learning_rate=1e-2", "--samples=2",
+            '--model_overrides={"d_model": 32, "d_ff": 64, "num_layers": 1, "num_heads": 2, "d_kv": 16}']
+    out = _run("finetune_seq2seq.py", "--max_steps=8", *args)
+    losses = _losses(out.stdout)
+    before, after = _eval_losses(out.stdout)
+    assert len(losses) == 2 and losses[-1] < losses[0] and after < before
+    assert re.search(r"eval exact match: [0-9.]+ on 16 held-out pairs", out.stdout)
+    assert out.stdout.count("(target '") == 2
+    assert any(f.startswith("events.out.tfevents") for f in _files(tmp_path / "tensorboard"))
+    assert _steps(tmp_path)[-1] == 8
+    assert json.loads((tmp_path / "run.json").read_text())["tokenizer"]["kind"] == "words"
+
+    again = _run("finetune_seq2seq.py", "--max_steps=12", *args)
+    assert "resumed from" in again.stdout and "at step 12" in again.stdout and _steps(tmp_path)[-1] == 12
+
+    gen = _run("generate.py", f"--workdir={tmp_path}", "--prompts=owl cat yak", "--max_new_tokens=4")
+    words = gen.stdout.split("--- 'owl cat yak':\n")[1].split()
+    assert 1 <= len(words) <= 4 and set(words) <= set(text.TOY_WORDS) | {"<unk>"}
+
+
+def _bad_inputs(tmp_path, slow):
+    """{(script, *flags): expected part of the error line}: the inputs the issue lists by default (unknown model,
+    a mesh that does not fit, a missing data file, empty data, bad JSON), the others with -m slow."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a", "input": "a", "target": "b"}\n{oops\n')
+    (tmp_path / "config.json").write_text('{"hidden_size": ')
+    if not slow:
+        return {
+            ("train_lm.py", "--model=bert"): "--model=bert: value should be one of",
+            ("train_lm.py", "--mesh=3,1,1"): "3 devices, but 8 devices are available",
+            ("train_lm.py", "--data=/nonexistent/*.txt"): "matches no file",
+            ("train_lm.py", f"--data={tmp_path / 'empty.txt'}"): "holds no text",
+            ("train_lm.py", "--model_overrides={oops"): "--model_overrides='{oops' is not JSON",
+            ("finetune_seq2seq.py", "--model_config=t5-huge"): "--model_config='t5-huge' is not a config of t5",
+            ("finetune_seq2seq.py", "--data=/nonexistent.jsonl"): "matches no file",
+            ("finetune_seq2seq.py", f"--data={tmp_path / 'empty.jsonl'}"): "holds no pairs",
+            ("finetune_seq2seq.py", f"--eval_data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:2 is not JSON",
+            ("generate.py", "--prompts=x", f"--workdir={tmp_path}"): "has no run.json",
+            ("generate.py", "--workdir=/nonexistent"): "no prompts",
+        }
+    return {
+        ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",
+        ("train_lm.py", f"--model_config={tmp_path / 'config.json'}"): "config.json is not JSON",
+        ("train_lm.py", '--model_overrides={"width": 1}'): "llama config has no field(s) ['width']",
+        ("train_lm.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:2 is not JSON",
+        ("train_lm.py", "--init_from=/nonexistent"): "--init_from=/nonexistent is not a directory",
+        ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
+        ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
+        ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three integers",
+        ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",
+        ("generate.py", "--prompts=x", "stray"): "unexpected arguments ['stray']",
+    }
+
+
+def _check_bad_inputs(tmp_path, slow):
+    cases = _bad_inputs(tmp_path, slow)
+    work = f"--workdir={tmp_path / 'w'}"
+    # All at once: each fails during start-up, so together they take little more than the slowest.
+    procs = {case: subprocess.Popen([sys.executable, f"scripts/{case[0]}", work, *case[1:]], cwd=ROOT, env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for case in cases}
+    for case, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in stderr, (case, stderr[-2000:])
+        assert cases[case] in errors[0], (case, errors[0])
+    assert not os.path.exists(tmp_path / "w" / "run.json")  # no failed start leaves a run behind
+
+
+def test_bad_flags_end_with_one_error_line(tmp_path):
+    _check_bad_inputs(tmp_path, slow=False)
+
+
+@pytest.mark.slow
+def test_more_bad_flags_end_with_one_error_line(tmp_path):
+    _check_bad_inputs(tmp_path, slow=True)
