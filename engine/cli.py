@@ -12,6 +12,7 @@ import optax
 from absl import app, flags, logging
 
 import engine
+import kernels
 import models
 from engine import text
 
@@ -55,7 +56,7 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_integer("save_every", save_every, "Updates between checkpoints (one is always written at the end).")
     flags.DEFINE_list("profile_steps", [], "START,END: write a jax.profiler trace of those steps to "
                       "workdir/tensorboard (TensorBoard's profile tab).")
-    flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto"] + list(text.LOSS_IMPLEMENTATIONS[2:]),
+    flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS],
                       "plain: logits [tokens, vocab] then cross-entropy. Otherwise the output head and the loss run "
                       "fused in kernels.linear_cross_entropy, blockwise over the vocabulary, so the logits never "
                       "exist: auto (the backend's best), xla, triton (GPU) or mosaic_tpu (TPU).")

@@ -126,6 +126,31 @@ def test_fused_loss_matches_plain_logits(family, overrides, implementation):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6), fused_grads, grads)
 
 
+def _all_shapes(jaxpr):
+    """Shapes of every intermediate of a jaxpr, sub-jaxprs (scan, cond, custom_vjp, pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield from (tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_shapes(inner)
+
+
+def test_fused_loss_has_no_logits_forward_or_backward():
+    model = models.create_model("llama", "tiny", vocab_size=200)  # a size no other dim has
+    params = models.init_params(model, jax.random.PRNGKey(1))
+    batch = _decoder_batch(model.config.vocab_size)
+    (B, T), V = batch["input_ids"].shape, model.config.vocab_size
+
+    def logits_like(shapes):
+        return [s for s in shapes if V in s and (B * T in s or (B in s and T in s))]
+    for implementation, expect_logits in ((None, True), ("xla", False)):
+        loss_fn = text.lm_loss_fn(model, implementation)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, batch, None, True)[0]))(params)
+        assert bool(logits_like(_all_shapes(jaxpr.jaxpr))) == expect_logits, implementation
+
+
 def test_loss_implementation_is_checked():
     with pytest.raises(ValueError, match=r"loss implementation='cuda'; expected one of"):
         text.lm_loss_fn(models.create_model("llama", "tiny"), "cuda")
