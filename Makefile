@@ -16,7 +16,7 @@ train: $(STAMP)
 	$(VENV)/bin/python scripts/train_lm.py $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 $(ARGS)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow $(ARGS)

@@ -263,6 +263,7 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
         out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
                           return_hidden=implementation is not None)
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+    loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
     return loss_fn
 
 
@@ -337,6 +338,7 @@ def seq2seq_loss_fn(model, implementation=None, *, interpret=False):
         out = model.apply({"params": params}, batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"],
                           return_hidden=implementation is not None)
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+    loss_fn.weight_metric = "tokens"
     return loss_fn
 
 
