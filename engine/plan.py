@@ -171,7 +171,8 @@ class _AbstractRestore:
 
 
 def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
-         remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None):
+         remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
+         loss_implementation="xla"):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
@@ -197,7 +198,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
 
-    loss_fn = text.lm_loss_fn(network)
+    # loss_implementation: None materialises [tokens, vocab] logits; 'xla' (default) is the blockwise
+    # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
+    loss_fn = text.lm_loss_fn(network, loss_implementation)
     loss_fn.weight_metric = "tokens"
     trainer = engine.Trainer(
         mesh=engine.make_mesh(data=data, fsdp=fsdp, model=tp, devices=jax.devices()[:num_devices]),
@@ -217,7 +220,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     comm = collective_bytes(compiled.as_text(), num_devices)
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
               "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
-              "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name, "params": n_params,
+              "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
+              "loss_implementation": loss_implementation or "plain", "params": n_params,
               "bytes": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                         "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total},
               "state_16psi_per_device": 16 * n_params // num_devices,

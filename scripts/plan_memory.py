@@ -30,6 +30,8 @@ flags.DEFINE_enum("remat", "full", ["none", "full", "dots"], "Remat policy of ea
 flags.DEFINE_enum("compute_dtype", "bfloat16", ["float32", "bfloat16"], "Forward/backward dtype.")
 flags.DEFINE_integer("accumulate", 1, "Micro-batches per update.", lower_bound=1)
 flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit"], "The Trainer's step implementation.")
+flags.DEFINE_enum("loss_implementation", "xla", ["plain", "xla"], "plain: materialised logits; xla: the blockwise "
+                  "linear + cross-entropy (no [tokens, vocab] array).")
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 
@@ -45,7 +47,8 @@ def main(argv):
     kwargs = dict(model=FLAGS.model, model_config=FLAGS.model_config, num_devices=FLAGS.num_devices,
                   per_device_batch_size=FLAGS.per_device_batch_size, seq_len=FLAGS.seq_len, remat=FLAGS.remat,
                   compute_dtype=FLAGS.compute_dtype, accumulate=FLAGS.accumulate, step=FLAGS.train_step,
-                  hbm_gb=FLAGS.hbm_gb)
+                  hbm_gb=FLAGS.hbm_gb,
+                  loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
         results = plan.sweep(**kwargs)
         for r in results:
