@@ -33,3 +33,29 @@ def test_flag_table_names_real_flags():
                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     for flag in named:
         assert f"--{flag}" in out.stdout or f"--[no]{flag}" in out.stdout, flag
+
+
+def test_two_process_cpu_example_runs(tmp_path):
+    """The README's two-process command lines, with a free port, a temporary workdir and tiny settings appended."""
+    import socket
+    block = re.search(r"Two processes on one machine.*?```bash\n(.*?)```", README, re.S).group(1).strip().splitlines()
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for assignment in block[0].removeprefix("export ").split():
+        key, value = assignment.split("=", 1)
+        env[key] = value
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    tiny = ["--max_steps=4", "--log_every=2", "--seq_len=32", "--per_device_batch_size=1", "--prompts=",
+            '--model_overrides={"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}']
+    procs = []
+    for line in block[1:]:
+        args = line.rstrip(" &").replace("localhost:12355", f"localhost:{port}").replace("/tmp/mp", str(tmp_path))
+        args = args.split()
+        assert args[0] == ".venv/bin/python"
+        procs.append(subprocess.Popen([sys.executable, *args[1:], *tiny], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "eval loss after training" in outs[0][0] and "at step 4" in outs[0][0]

@@ -153,13 +153,14 @@ print("STOPPED", trainer.stopped_by_signal, trainer.step, flush=True)
 """
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_saves_and_exits_cleanly(tmp_path, signum):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("STARTED"):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             break
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
