@@ -116,7 +116,7 @@ def test_bf16_gradient_reductions_lower_to_bf16_collectives():
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('shard_map', 'jit'\)"):
+    with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('auto', 'shard_map', 'jit'\)"):
         engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
                        params=task.init_params(), optimizer=optax.sgd(0.1), step="pmap")
     mesh = engine.make_mesh(data=8)

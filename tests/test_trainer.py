@@ -213,8 +213,6 @@ def test_bad_input_errors():
         _trainer().fit(EXAMPLES[:5], per_device_batch_size=2)
     with pytest.raises(ValueError, match=r"mesh=None; expected a jax.sharding.Mesh"):
         engine.Trainer(mesh=None, collate_fn=task.collate_fn, loss_fn=task.loss_fn, params={}, optimizer=optax.sgd(1))
-    with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('auto', 'shard_map', 'jit'\)"):
-        _trainer(step="pmap")
     with pytest.raises(ValueError, match=r"zero_stage=3; expected 0, 1 or 2"):
         _trainer(zero_stage=3)
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=0; expected an integer >= 1"):
