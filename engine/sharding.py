@@ -136,10 +136,9 @@ def _inner_jaxpr(params):
 
 
 class _Analysis:
-    def __init__(self, shapes, model_size, paths):
+    def __init__(self, shapes, model_size):
         self.shapes = shapes          # param index -> shape
         self.model_size = model_size
-        self.paths = paths
         self.decided = {}             # param index -> param dim split over `model` (or None: replicated)
         self.kind = {}                # param index -> 'column' | 'row' | 'embedding' | 'follow'
         self.used = set()             # param indices the program reads
@@ -331,7 +330,7 @@ def _trace_decisions(params, trace_fn, model_size):
     shapes = [_shape(x) for _, x in flat]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shape(x), x.dtype), params)
     closed = jax.make_jaxpr(trace_fn)(abstract)
-    analysis = _Analysis(shapes, model_size, paths)
+    analysis = _Analysis(shapes, model_size)
     n_consts = len(closed.jaxpr.invars) - len(flat)
     ins = [_REPLICATED] * n_consts + [_Info(None, (i, tuple(range(len(s))))) for i, s in enumerate(shapes)]
     analysis.walk(closed.jaxpr, ins)
