@@ -148,9 +148,6 @@ class Trainer:
         return self._param_specs
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def _abstract_batch(self):
-        return {k: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for k, (s, d) in self._batch_spec.items()}
-
     def _example_batch(self):
         """Zeros shaped like one global micro-batch: the input of the abstract trace that decides the sharding."""
         return {k: np.zeros(s, d) for k, (s, d) in self._batch_spec.items()}
@@ -257,7 +254,7 @@ class Trainer:
         _validate("log_every", log_every, isinstance(log_every, int) and log_every >= 1, "an integer >= 1")
         _validate("save_every", save_every, save_every is None or (isinstance(save_every, int) and save_every >= 1),
                   "None or an integer >= 1")
-        rows = per_device_batch_size * data_lib.data_parallel_size(self.mesh) * self.accumulate
+        rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
         if isinstance(train_examples, (list, tuple)) and len(train_examples) < rows:
             raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
                              f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="

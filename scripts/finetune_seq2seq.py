@@ -127,8 +127,9 @@ def main(argv):
         got = tokenizer.decode([i for i in text.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])
         print(f"--- {pair['input']!r} -> {got!r} (target {pair['target']!r})")
     trainer.close()
-    if cli.closing_line(trainer, FLAGS.workdir):
-        print(cli.closing_line(trainer, FLAGS.workdir))
+    closing = cli.closing_line(trainer, FLAGS.workdir)
+    if closing:
+        print(closing)
 
 
 if __name__ == "__main__":

@@ -98,8 +98,9 @@ def main(argv):
             for prompt, sample in zip(FLAGS.prompts, samples):
                 print(f"--- sample for {prompt!r}:\n{sample}")
     trainer.close()
-    if cli.closing_line(trainer, FLAGS.workdir):
-        print(cli.closing_line(trainer, FLAGS.workdir))
+    closing = cli.closing_line(trainer, FLAGS.workdir)
+    if closing:
+        print(closing)
 
 
 if __name__ == "__main__":
