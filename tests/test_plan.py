@@ -14,7 +14,8 @@ TINY = dict(model="llama", model_config="tiny", num_devices=8, per_device_batch_
 
 def test_zero3_plan_matches_the_formulas():
     """1x8x1, bf16 compute: state is 16 bytes per sharded parameter; ZeRO-3 traffic is bf16 gathers (forward, and
-    again for the remat'd layers in the backward pass) plus fp32 reduce-scatters, each x (N-1)/N."""
+    again for the remat'd layers in the backward pass) plus fp32 reduce-scatters, each x (N-1)/N. The embedding table
+    is never gathered: its lookup moves the group's ids and looked-up vectors instead."""
     r = plan.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **TINY)
     n, psi = 8, r["params"]
     assert psi == 90432
@@ -24,9 +25,11 @@ def test_zero3_plan_matches_the_formulas():
     assert r["fits"] is True
     split = psi - (64 + 2 * 2 * 64)  # every matrix is split over fsdp; the norm scales (final + 2 per layer) are not
     layers = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # gathered again in the backward pass (remat)
+    table, vectors = 128 * 64, n * 64 * 64  # the embedding; the group's looked-up rows (8 devices x 64 tokens x D)
     c = r["collective_bytes"]
-    assert c["all-gather"] == (split + layers) * 2 * (n - 1) // n
-    assert c["reduce-scatter"] == split * 4 * (n - 1) // n
+    ids, cotangent = n * 64 * 4, vectors * 2  # int32 ids; the vectors' cotangent arrives in bf16
+    assert c["all-gather"] == ((split - table + layers) * 2 + ids + cotangent) * (n - 1) // n
+    assert c["reduce-scatter"] == ((split - table) * 4 + vectors * 4) * (n - 1) // n  # vectors summed in fp32
     assert c["all-to-all"] == c["collective-permute"] == 0
 
 

@@ -99,6 +99,42 @@ def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
     assert sum(g in per_layer for g in gathered) >= 2 * 7  # 7 layer matrices, gathered forward and in backward
 
 
+@pytest.mark.parametrize("mesh,layers", [("1x8x1", 3), pytest.param("2x2x2", 4, marks=pytest.mark.slow)])
+def test_pipelined_layer_stack_and_vocab_parallel_lookup(mesh, layers):
+    """A remat'd scan-over-layers LLaMA runs the hand-pipelined layer stack (gather of layer t+1 and reduce-scatter of
+    layer t+1's gradient beside layer t; the first and last iterations peeled) and, where the embedding table is
+    split by rows (1x8x1), the vocab-parallel lookup: the updates equal the reference step's, the table is never
+    all-gathered, and the layer matrices are gathered one layer at a time (the exact bytes: tests/test_plan.py)."""
+    model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat="full",
+                                                             num_layers=layers, intermediate_size=96))
+    params = models.init_params(model, jax.random.PRNGKey(1))
+    calls = []
+    real = step_lib._pipelined_scan
+    step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
+    try:
+        runs = []
+        for kind in ("jit", "shard_map"):
+            loss = text.lm_loss_fn(model)
+            loss.weight_metric = "tokens"
+            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm, loss_fn=loss,
+                                     params=params, optimizer=optax.sgd(0.5), step=kind, accumulate_grad_batches=2)
+            trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
+            runs.append(trainer)
+    finally:
+        step_lib._pipelined_scan = real
+    assert calls
+    _assert_same_run(*runs)
+    got = runs[1]
+    batch = {k: jax.ShapeDtypeStruct((2, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    hlo = got._compiled_step().lower(got.params, got.opt_state, batch, np.int32(0)).compile().as_text()
+    gathered = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", hlo)]
+    if mesh == "1x8x1":
+        assert (128, 64) not in gathered  # the embedding table
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(got.params["layers"])}
+    assert not stacked & set(gathered)
+    assert {(64, 64), (96, 64), (64, 96)} <= set(gathered) or {(64, 32), (96, 32), (32, 96)} <= set(gathered)
+
+
 def test_bf16_gradient_reductions_lower_to_bf16_collectives():
     """reduce_dtype=bf16: every reduce-scatter of the lowered step is bf16 (fp32 by default). Lowered only: the XLA
     CPU compiler of jaxlib 0.10.2 aborts on bf16 reductions inside this step (AllReducePromotion), GPU/TPU do not."""
