@@ -16,7 +16,7 @@ def test_zero3_plan_matches_the_formulas():
     """1x8x1, bf16 compute: state is 16 bytes per sharded parameter; ZeRO-3 traffic is bf16 gathers (forward, and
     again for the remat'd layers in the backward pass) plus fp32 reduce-scatters, each x (N-1)/N. The embedding table
     is never gathered: its lookup moves the group's ids and looked-up vectors instead."""
-    r = plan.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **TINY)
+    r = plan.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **{**TINY, "seq_len": 16})
     n, psi = 8, r["params"]
     assert psi == 90432
     b = r["bytes"]
@@ -25,12 +25,21 @@ def test_zero3_plan_matches_the_formulas():
     assert r["fits"] is True
     split = psi - (64 + 2 * 2 * 64)  # every matrix is split over fsdp; the norm scales (final + 2 per layer) are not
     layers = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # gathered again in the backward pass (remat)
-    table, vectors = 128 * 64, n * 64 * 64  # the embedding; the group's looked-up rows (8 devices x 64 tokens x D)
+    # 16 tokens per device look up at most the 128 / 8 rows a device holds: the lookup is vocab-parallel.
+    table, vectors = 128 * 64, n * 16 * 64  # the embedding; the group's looked-up rows (8 devices x 16 tokens x D)
     c = r["collective_bytes"]
-    ids, cotangent = n * 64 * 4, vectors * 2  # int32 ids; the vectors' cotangent arrives in bf16
+    ids, cotangent = n * 16 * 4, vectors * 2  # int32 ids; the vectors' cotangent arrives in bf16
     assert c["all-gather"] == ((split - table + layers) * 2 + ids + cotangent) * (n - 1) // n
     assert c["reduce-scatter"] == ((split - table) * 4 + vectors * 4) * (n - 1) // n  # vectors summed in fp32
     assert c["all-to-all"] == c["collective-permute"] == 0
+
+
+def test_embedding_table_is_gathered_when_the_lookups_outnumber_its_rows():
+    """64 tokens per device against 16 table rows per device: gathering the table moves less than the vectors."""
+    r = plan.plan(mesh="1,8,1", zero_stage=0, **TINY)
+    split, layers, n = 90432 - (64 + 2 * 2 * 64), 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128), 8
+    assert r["collective_bytes"]["all-gather"] == (split + layers) * 2 * (n - 1) // n
+    assert r["collective_bytes"]["reduce-scatter"] == split * 4 * (n - 1) // n
 
 
 def test_bad_mesh_and_budget_are_reported():
