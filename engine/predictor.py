@@ -37,7 +37,8 @@ class Predictor:
 
     def _step(self, params, batch, step):
         self.compile_count += 1
-        return self.pred_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(self._key, step))
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see Trainer._train_step
+            return self.pred_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(self._key, step))
 
     def predict(self, examples, *, per_device_batch_size, params):
         if not isinstance(per_device_batch_size, int) or per_device_batch_size < 1:

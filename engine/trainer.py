@@ -212,7 +212,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ the step
     def _train_step(self, params, opt_state, batch, step):
         self.compile_count += 1  # runs only while tracing
-        return self._step_impl(params, opt_state, batch, step)
+        # The mesh as the trace's context: Pallas kernels then run on each device's own block (kernels/_partition.py).
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self._step_impl(params, opt_state, batch, step)
 
     def _compiled_step(self):
         if self._step_fn is None:
@@ -428,9 +430,10 @@ class Trainer:
             self._note_batch(batch)
             if self._eval_fn is None:
                 def eval_step(params, batch):
-                    loss, _ = split_loss(self.loss_fn(cast_floating(params, self.compute_dtype),
-                                                       jax.tree.map(lambda x: x[0], batch),
-                                                       jax.random.fold_in(self._key, 2**31 - 1), False))
+                    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see _train_step
+                        loss, _ = split_loss(self.loss_fn(cast_floating(params, self.compute_dtype),
+                                                           jax.tree.map(lambda x: x[0], batch),
+                                                           jax.random.fold_in(self._key, 2**31 - 1), False))
                     return jnp.asarray(loss, jnp.float32)
                 self._eval_fn = jax.jit(eval_step)
             total += float(self._eval_fn(self._state["params"], batch)) * n_real

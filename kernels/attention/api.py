@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from kernels import _partition
 from kernels._dispatch import resolve_implementation
 from kernels.attention import mosaic_tpu, reference, triton
 
@@ -128,8 +129,18 @@ def flash_attention(
     q, k, v = _pad(q, 3, d_pad), _pad(k, 3, d_pad), _pad(v, 3, d_pad)
     if q_ids is not None:
         q_ids, kv_ids = _pad(q_ids.astype(jnp.int32), 1, t_pad), _pad(kv_ids.astype(jnp.int32), 1, s_pad)
-    out = _attention(q, k, v, q_ids, kv_ids, plan)
-    return out[:, :T, :, :D]
+    return _on_mesh(q, k, v, q_ids, kv_ids, plan)[:, :T, :, :D]
+
+
+def _on_mesh(q, k, v, q_ids, kv_ids, plan):
+    """A Pallas kernel runs on each device's batch rows and heads (kernels/_partition.py); 'xla' is left to the
+    compiler's partitioner."""
+    axes = {} if plan.implementation == "xla" else _partition.auto_axes()
+    b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
+    seq, ids = jax.sharding.PartitionSpec(b, None, m, None), jax.sharding.PartitionSpec(b, None)
+    if q_ids is None:
+        return _partition.shard(lambda q, k, v: _attention(q, k, v, None, None, plan), (q, k, v), (seq,) * 3, seq)
+    return _partition.shard(lambda *a: _attention(*a, plan), (q, k, v, q_ids, kv_ids), (seq,) * 3 + (ids,) * 2, seq)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

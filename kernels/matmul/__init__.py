@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import _partition
 from kernels._dispatch import resolve_implementation
 from kernels.matmul import _blocks, mosaic_tpu, reference, triton
 from kernels.matmul._blocks import BlockSizes
@@ -86,8 +87,26 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation=None, inter
             raise ValueError(f"bias.shape={tuple(bias.shape)}; expected ({w.shape[1]},)")
     _check_activation(activation, allow_none=True)
     cfg = _config(implementation, interpret, block_sizes, "matmul")
-    out = _fused_matmul(x.reshape(-1, x.shape[-1]), w, bias, activation, cfg)
+    rows, cols, bias_spec = _column_specs(cfg, x, w.shape[1])
+    args, specs = (x.reshape(-1, x.shape[-1]), w), (rows, cols)
+    if bias is not None:
+        args, specs = args + (bias,), specs + (bias_spec,)
+    out = _partition.shard(lambda x, w, bias=None: _fused_matmul(x, w, bias, activation, cfg), args, specs,
+                           _P(rows[0], cols[1]))
     return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+_P = jax.sharding.PartitionSpec
+
+
+def _column_specs(cfg, x, n):
+    """Layouts a Pallas matmul runs in on a mesh (kernels/_partition.py): x's rows over the batch axes, the weight's
+    columns (and the bias) over `model` (column parallelism, as auto_shard splits up/gate/fc1). The 'xla' path needs
+    none: the compiler partitions it."""
+    axes = {} if cfg.implementation == "xla" else _partition.auto_axes()
+    rows = x.size // x.shape[-1]
+    b, m = _partition.batch_axes(axes, rows), _partition.model_axis(axes, n)
+    return _P(b, None), _P(None, m), _P(m)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -135,7 +154,9 @@ def gated_mlp(x, w_gate, w_up, *, activation="silu", implementation=None, interp
         raise ValueError(f"w_up.shape={tuple(w_up.shape)}; expected w_gate.shape={tuple(w_gate.shape)}")
     _check_activation(activation, allow_none=False)
     cfg = _config(implementation, interpret, block_sizes, "gated")
-    out = _gated_mlp(x.reshape(-1, x.shape[-1]), w_gate, w_up, activation, cfg)
+    rows, cols, _ = _column_specs(cfg, x, w_gate.shape[1])
+    out = _partition.shard(lambda x, w_gate, w_up: _gated_mlp(x, w_gate, w_up, activation, cfg),
+                           (x.reshape(-1, x.shape[-1]), w_gate, w_up), (rows, cols, cols), _P(rows[0], cols[1]))
     return out.reshape(*x.shape[:-1], w_gate.shape[1])
 
 
@@ -184,8 +205,11 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None
         raise ValueError(f"ignore_index={ignore_index!r}; expected an int")
     cfg = _config(implementation, interpret, block_sizes, "loss")
     cfg = cfg._replace(blocks=_blocks.with_vocab_chunk(cfg.blocks, w.shape[1], cfg.implementation))
-    loss = _linear_cross_entropy(x.reshape(-1, x.shape[-1]), w, labels.reshape(-1).astype(jnp.int32),
-                                 ignore_index, cfg)
+    # On a mesh only the rows are split: a vocabulary split over `model` would need a log-sum-exp across devices.
+    rows, _, _ = _column_specs(cfg, x, 1)
+    loss = _partition.shard(lambda x, w, labels: _linear_cross_entropy(x, w, labels, ignore_index, cfg),
+                            (x.reshape(-1, x.shape[-1]), w, labels.reshape(-1).astype(jnp.int32)),
+                            (rows, _P(), _P(rows[0])), _P(rows[0]))
     return loss.reshape(labels.shape)
 
 

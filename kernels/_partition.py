@@ -1,0 +1,53 @@
+"""Pallas calls on a mesh.
+
+A Pallas kernel is one opaque custom call: the compiler's partitioner cannot split it, so under a sharded `jit` it
+gathers every input onto every device and each device computes the whole op. When the trace runs under a mesh
+(`jax.set_mesh(mesh)`, or inside the engine's shard_map step, whose `model` axis stays automatic), each op instead
+runs its kernel in a `jax.shard_map` over the mesh's automatic axes, on the blocks the engine's layout gives it
+(engine/sharding.py): rows (batch) over `data` and `fsdp`, attention heads and output features over `model`, each
+only where the size divides. Outside a mesh, or on axes that are already manual, nothing changes.
+"""
+import math
+
+import jax
+
+BATCH_AXES = ("data", "fsdp")
+MODEL_AXIS = "model"
+
+
+def auto_axes():
+    """{axis name: size} of the ambient mesh's automatic axes larger than 1 ({} outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return {}
+    auto = jax.sharding.AxisType.Auto
+    return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if kind == auto and size > 1}
+
+
+def batch_axes(axes, rows):
+    """The batch axes (in mesh order) whose sizes' product divides `rows`, or None."""
+    picked = []
+    for name in BATCH_AXES:
+        if name in axes and rows % (math.prod(axes[a] for a in picked) * axes[name]) == 0:
+            picked.append(name)
+    return tuple(picked) or None
+
+
+def model_axis(axes, *sizes):
+    """`'model'` when it is automatic and divides every size, else None."""
+    size = axes.get(MODEL_AXIS)
+    return MODEL_AXIS if size and all(s % size == 0 for s in sizes) else None
+
+
+def shard(fn, args, in_specs, out_specs):
+    """`fn(*args)`, in a `jax.shard_map` over the axes the specs name (directly when they name none). Pallas outputs
+    carry no varying-axes type, hence `check_vma=False`; the backward pass still sums the gradients of inputs that
+    are replicated over an axis (the weights over the batch axes)."""
+    named = set()
+    for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
+        for entry in spec:
+            named.update((entry,) if isinstance(entry, str) else (entry or ()))
+    if not named:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=named, check_vma=False)(*args)

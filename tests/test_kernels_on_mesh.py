@@ -1,0 +1,125 @@
+"""Pallas kernels under a mesh (kernels/_partition.py): each device runs the kernel on its own batch rows and heads /
+output columns, the results and gradients equal the unsharded reference, and the accelerator lowering shows
+per-device operand shapes (without the partitioning, every device would receive the full inputs)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import engine
+import kernels
+
+
+def _mesh():
+    return engine.make_mesh(data=2, fsdp=2, model=2)
+
+
+def _put(mesh, x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _normal(key, shape):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _value_and_grads(fn, args):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(len(args)))))(*args)
+
+
+def _assert_close(got, want, tol=2e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+
+
+def _cases():
+    seg = jnp.asarray(np.repeat(np.array([[1, 1, 2, 2]]), 8, axis=1).repeat(4, axis=0), jnp.int32)  # [4, 32]
+    return {
+        "attention": (
+            lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, segment_ids=seg, **impl),
+            [(_normal(0, (4, 32, 4, 16)), P(("data", "fsdp"), None, "model", None)),
+             (_normal(1, (4, 32, 2, 16)), P(("data", "fsdp"), None, "model", None)),
+             (_normal(2, (4, 32, 2, 16)), P(("data", "fsdp"), None, "model", None))]),
+        "gated_mlp": (
+            lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl),
+            [(_normal(3, (4, 8, 32)), P(("data", "fsdp"))), (_normal(4, (32, 128)), P(None, "model")),
+             (_normal(5, (32, 128)), P(None, "model"))]),
+        "fused_matmul": (
+            lambda impl, x, w, b: kernels.fused_matmul(x, w, b, activation="gelu", **impl),
+            [(_normal(6, (4, 8, 32)), P(("data", "fsdp"))), (_normal(7, (32, 128)), P(None, "model")),
+             (_normal(8, (128,)), P("model"))]),
+        "linear_cross_entropy": (
+            lambda impl, x, w: kernels.linear_cross_entropy(
+                x, w, jnp.arange(32).reshape(4, 8) % 48 - (jnp.arange(32).reshape(4, 8) == 5) * 200, **impl),
+            [(_normal(9, (4, 8, 32)), P(("data", "fsdp"))), (_normal(10, (32, 48)), P(None, "model"))]),
+    }
+
+
+@pytest.mark.parametrize("op", list(_cases()))
+def test_pallas_kernel_on_a_mesh_equals_the_reference(op):
+    fn, inputs = _cases()[op]
+    mesh = _mesh()
+    want = _value_and_grads(lambda *a: fn(dict(implementation="xla"), *a), [x for x, _ in inputs])
+    sharded = [_put(mesh, x, spec) for x, spec in inputs]
+    with jax.set_mesh(mesh):
+        got = _value_and_grads(lambda *a: fn(dict(implementation="triton", interpret=True), *a), sharded)
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("op, local, full", [
+    ("attention", "tensor<1x32x2x16xbf16>", "tensor<4x"),
+    ("gated_mlp", "tensor<32x64xbf16>", "tensor<32x128xbf16>"),  # columns: 128 / model 2
+    ("fused_matmul", "tensor<32x64xbf16>", "tensor<32x128xbf16>"),
+    ("linear_cross_entropy", "tensor<16x32xbf16>", "tensor<32x32xbf16>"),  # rows: 32 / 4 = 8, padded to a tile of 16
+])
+def test_lowering_for_cuda_runs_each_kernel_on_local_blocks(op, local, full):
+    """Per device: 4 rows / (data 2 x fsdp 2) = 1 row (8 tokens for the matmuls), heads and columns / model 2."""
+    fn, inputs = _cases()[op]
+    mesh = _mesh()
+    args = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec)) for x, spec in inputs]
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(jax.grad(lambda *a: jnp.sum(fn(dict(implementation="triton"), *a).astype(jnp.float32)),
+                                   argnums=tuple(range(len(args))))).trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    calls = re.findall(r"stablehlo.custom_call @__gpu\$xla\.gpu\.triton\((.*?)\)", text)
+    assert calls
+    operand_types = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", text)
+    assert operand_types and all(full not in t for t in operand_types), operand_types
+    assert any(local in t for t in operand_types), operand_types
+
+
+def test_outside_a_mesh_nothing_changes():
+    x, w = _normal(0, (8, 32)), _normal(1, (32, 64))
+    lowered = jax.jit(lambda x, w: kernels.gated_mlp(x, w, w, implementation="triton")).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "shard_map" not in lowered and "sdy.manual_computation" not in lowered
+
+
+@pytest.mark.parametrize("step", ["shard_map", "jit"])
+def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
+    """The Trainer's step for a scan-over-layers LLaMA with Triton attention and MLP kernels on a 1x4x2 mesh, lowered
+    for cuda: inside the shard_map step (`model` automatic) the attention kernel sees its own row and half the heads
+    (4 query, 2 kv heads / model 2), the gated MLP half the columns."""
+    import optax
+
+    import models
+    from engine import plan, text
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
+                                mlp_implementation="triton")
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=text.collate_lm,
+                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1), step=step)
+    trainer._batch_spec = {k: ((4, 32), "int32") for k in ("input_ids", "labels", "segment_ids")}
+    trainer._checkpointer = plan._AbstractRestore()
+    trainer._setup(restore_step=0)
+    batch = {k: jax.ShapeDtypeStruct((1, 4, 32), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    state = trainer._state
+    text_ = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    operands = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", text_)
+    attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
+    assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention
+    assert all("64x128x" not in t for t in operands)  # the gate/up weights are never whole
