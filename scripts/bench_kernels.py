@@ -9,17 +9,21 @@ result), achieved TFLOP/s and the fraction of the device's dense peak for that d
 shapes: a smoke check that every path runs, not a measurement.
 """
 import functools
+import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from kernels.attention import BlockSizes, flash_attention
-from kernels.attention.api import choose_block_sizes
-from kernels._dispatch import resolve_implementation
-from kernels.matmul import benchmark as matmul_benchmark
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels.attention import BlockSizes, flash_attention  # noqa: E402
+from kernels.attention.api import choose_block_sizes  # noqa: E402
+from kernels._dispatch import resolve_implementation  # noqa: E402
+from kernels.matmul import benchmark as matmul_benchmark  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("kernels", ["attention"], "Kernel families to benchmark.")

@@ -200,3 +200,29 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     before, after = _eval_losses(out.stdout)
     assert after < 0.95 * before
     assert json.loads((tmp_path / "w" / "run.json").read_text())["family"] == "t5"
+
+
+def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
+    """scripts/check_kernels.py (the on-device correctness check), in Pallas's interpreter on CPU."""
+    import importlib.util
+
+    import jax.numpy as jnp
+    import kernels
+    spec = importlib.util.spec_from_file_location("check_kernels", os.path.join(ROOT, "scripts", "check_kernels.py"))
+    check_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_kernels)
+    impl = {"implementation": "triton", "interpret": True}
+    key = jax.random.key(0)
+    gated = lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl)  # noqa: E731
+    error, _ = check_kernels.check("gated_mlp", gated, [(24, 32), (32, 48), (32, 48)], jnp.float32, impl, key)
+    assert error <= check_kernels.LIMITS["float32"]
+    off = lambda impl, x, g, u: gated(impl, x, g, u) * (1.01 if impl.get("interpret") else 1.0)  # noqa: E731
+    error, part = check_kernels.check("gated_mlp", off, [(24, 32), (32, 48), (32, 48)], jnp.float32, impl, key)
+    assert error > check_kernels.LIMITS["float32"] and 5e-3 < error < 2e-2, (error, part)
+
+
+def test_bench_kernels_prints_both_tables():
+    out = _run("bench_kernels.py", "--kernels=attention,matmul", "--seq_lens=64", "--iters=1", "--warmup=1",
+               "--causal=true")
+    for row in ("flash_attention[xla] fwd+bwd", "jax.nn[xla] fwd", "gated_mlp[xla] fwd", "xla materialised logits"):
+        assert row in out.stdout, out.stdout
