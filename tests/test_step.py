@@ -27,7 +27,9 @@ def _fit(kind, mesh, steps=5, **kwargs):
 
 
 def _assert_same_run(ref, got, rel=1e-5):
-    """Every metric of every step equal to fp32 rounding; each parameter within `rel` of its largest entry."""
+    """Every metric of every step equal to fp32 rounding; each parameter within `rel` of its largest entry (or of
+    1e-3 for a parameter that stays at rounding level, like an attention key bias, whose gradient is zero in exact
+    arithmetic: softmax ignores a shift shared by a query's logits)."""
     assert len(ref.history) == len(got.history)
     for a, b in zip(ref.history, got.history):
         assert a.keys() == b.keys(), (a, b)
@@ -35,7 +37,7 @@ def _assert_same_run(ref, got, rel=1e-5):
             np.testing.assert_allclose(b[k], a[k], rtol=rel, atol=1e-6, err_msg=f"{k} at step {a['step']}")
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(ref.params))[0],
                             jax.tree.leaves(jax.device_get(got.params))):
-        err = np.abs(np.asarray(x) - np.asarray(y)).max() / np.abs(np.asarray(x)).max()
+        err = np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(x)).max(), 1e-3)
         assert err <= rel, (jax.tree_util.keystr(path), err)
 
 
@@ -99,18 +101,21 @@ def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
     assert sum(g in per_layer for g in gathered) >= 2 * 7  # 7 layer matrices, gathered forward and in backward
 
 
-@pytest.mark.parametrize("mesh,layers", [("1x8x1", 3), pytest.param("2x2x2", 4, marks=pytest.mark.slow)])
-def test_pipelined_layer_stack_and_vocab_parallel_lookup(mesh, layers):
-    """A remat'd scan-over-layers LLaMA runs the hand-pipelined layer stack (gather of layer t+1 and reduce-scatter of
-    layer t+1's gradient beside layer t; the first and last iterations peeled) and, where the embedding table is
-    split by rows (1x8x1), the vocab-parallel lookup: the updates equal the reference step's, the table is never
-    all-gathered, and the layer matrices are gathered one layer at a time (the exact bytes: tests/test_plan.py)."""
-    model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat="full",
-                                                             num_layers=layers, intermediate_size=96))
+@pytest.mark.parametrize("family,mesh,layers", [("llama", "1x8x1", 3), ("opt", "1x8x1", 3),
+                                               pytest.param("llama", "2x2x2", 4, marks=pytest.mark.slow)])
+def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
+    """A remat'd scan-over-layers model runs the hand-pipelined layer stack (gather of layer t+1 and reduce-scatter
+    of layer t+1's gradient beside layer t; the first and last iterations peeled) and, where the embedding table is
+    split by rows (1x8x1), the vocab-parallel lookup: the updates equal the reference step's. LLaMA's table is never
+    all-gathered and its layer matrices are gathered one layer at a time (the exact bytes: tests/test_plan.py); OPT
+    ties its table to the output projection (looked up vocab-parallel, gathered for the head) and has biases."""
+    sizes = dict(intermediate_size=96) if family == "llama" else dict(ffn_dim=96)
+    model = models.create_model(family, "tiny", scan_layers=True, remat="full", num_layers=layers, **sizes)
     params = models.init_params(model, jax.random.PRNGKey(1))
-    calls = []
-    real = step_lib._pipelined_scan
+    calls, lookups = [], []
+    real, real_lookup = step_lib._pipelined_scan, step_lib._vocab_parallel_lookup
     step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
+    step_lib._vocab_parallel_lookup = lambda *a: lookups.append(1) or real_lookup(*a)
     try:
         runs = []
         for kind in ("jit", "shard_map"):
@@ -121,9 +126,11 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(mesh, layers):
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
             runs.append(trainer)
     finally:
-        step_lib._pipelined_scan = real
-    assert calls
+        step_lib._pipelined_scan, step_lib._vocab_parallel_lookup = real, real_lookup
+    assert calls and bool(lookups) == (mesh == "1x8x1")
     _assert_same_run(*runs)
+    if family != "llama":
+        return
     got = runs[1]
     batch = {k: jax.ShapeDtypeStruct((2, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
     hlo = got._compiled_step().lower(got.params, got.opt_state, batch, np.int32(0)).compile().as_text()
