@@ -1,5 +1,6 @@
 """Autoregressive generation with a KV cache: one prefill call, then a lax.while_loop of one-token steps, jitted once
 per (model, settings, shape bucket). Works on sharded parameters (the jit follows their shardings)."""
+import contextlib
 import functools
 
 import jax
@@ -42,10 +43,25 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
     if pad_token_id is None:
         pad_token_id = 0 if eos_token_id is None else eos_token_id
     run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id)
-    new = run(params, ids, mask, jax.random.PRNGKey(0) if rng is None else rng)
+    mesh = _mesh_of(params)
+    # Traced under the parameters' mesh, Pallas kernels run on each device's own block (kernels/_partition.py).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
+        new = run(params, ids, mask, jax.random.PRNGKey(0) if rng is None else rng)
     if encoder_decoder:
         return jnp.concatenate([jnp.full((B, 1), model.config.decoder_start_token_id, jnp.int32), new], axis=1)
     return jnp.concatenate([jnp.asarray(input_ids, jnp.int32), new], axis=1)
+
+
+def _mesh_of(params):
+    """The mesh of the first parameter placed with a NamedSharding (None for tracers and single-device arrays)."""
+    for x in jax.tree.leaves(params):
+        try:
+            sharding = x.sharding
+        except Exception:  # noqa: BLE001 - a tracer inside someone else's jit has no concrete sharding
+            return None
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
 
 
 @functools.lru_cache(maxsize=64)

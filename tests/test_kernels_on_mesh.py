@@ -123,3 +123,30 @@ def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention
     assert all("64x128x" not in t for t in operands)  # the gate/up weights are never whole
+
+
+def test_generate_traces_under_the_parameters_mesh(monkeypatch):
+    """models.generate on parameters placed on a mesh traces under that mesh (so its Pallas kernels are
+    partitioned), and greedy tokens equal those of unsharded parameters."""
+    import importlib
+
+    import models
+    gen = importlib.import_module("models.generate")  # the module: `models.generate` is the function
+    model = models.create_model("llama", "tiny")
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    prompt = jnp.asarray(np.arange(12).reshape(2, 6) % 100, jnp.int32)
+    want = models.generate(model, params, prompt, max_new_tokens=4)
+    mesh = engine.make_mesh(data=1, fsdp=4, model=2)
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), engine.auto_shard(params, mesh),
+                                                 is_leaf=lambda s: isinstance(s, P)))
+    seen = []
+    real = gen._compiled
+
+    def spy(*args):
+        run = real(*args)
+        return lambda *a: seen.append(jax.sharding.get_abstract_mesh()) or run(*a)
+
+    monkeypatch.setattr(gen, "_compiled", spy)
+    got = models.generate(model, placed, prompt, max_new_tokens=4)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert seen and dict(seen[0].shape) == {"data": 1, "fsdp": 4, "model": 2}
