@@ -142,6 +142,69 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
     assert {(64, 64), (96, 64), (64, 96)} <= set(gathered) or {(64, 32), (96, 32), (32, 96)} <= set(gathered)
 
 
+def _dataflow(lines, comps):
+    """{instruction: (opcode, operand names, is a matmul)} of one HLO computation's text lines."""
+    out = {}
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([a-z][\w\-]*)\((.*?)\)(?:,|$)", line)
+        if not m:
+            continue
+        called = re.search(r"\bcalls=%([\w.\-]+)", line)
+        body = "\n".join(comps.get(called.group(1), ())) if called else ""
+        matmul = m.group(2) in ("dot", "convolution") or " dot(" in body or " convolution(" in body
+        out[m.group(1)] = (m.group(2), re.findall(r"%([\w.\-]+)", m.group(3)), matmul)
+    return out
+
+
+def _derived(flow, seeds):
+    """Instructions that depend (transitively, inside the computation) on any of `seeds`."""
+    found, changed = set(seeds), True
+    while changed:
+        changed = False
+        for name, (_, operands, _) in flow.items():
+            if name not in found and any(o in found for o in operands):
+                found.add(name)
+                changed = True
+    return found
+
+
+def test_layer_loop_bodies_are_double_buffered():
+    """In the compiled step of a 4-layer remat'd LLaMA on 1x8x1, inside each layer loop body no matmul reads a
+    weight gathered in the same iteration, and no reduce-scatter reads a gradient computed in the same iteration:
+    each collective is independent of the compute beside it, so the scheduler is free to overlap them."""
+    from engine import plan
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=4, intermediate_size=96)
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    loss = text.lm_loss_fn(model)
+    loss.weight_metric = "tokens"
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=8), collate_fn=text.collate_lm, loss_fn=loss,
+                             params=params, optimizer=optax.sgd(0.1), step="shard_map")
+    trainer._batch_spec = {k: ((8, 16), "int32") for k in ("input_ids", "labels", "segment_ids")}
+    trainer._checkpointer = plan._AbstractRestore()
+    trainer._setup(restore_step=0)
+    batch = {k: jax.ShapeDtypeStruct((1, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    state = trainer._state
+    hlo = trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile().as_text()
+    comps, entry = plan._computations(hlo)
+    kinds = []
+    for name, lines in comps.items():
+        if name == entry:
+            continue
+        flow = _dataflow(lines, comps)
+        gathers = [n for n, (op, _, _) in flow.items() if op.startswith("all-gather")]
+        scatters = [n for n, (op, _, _) in flow.items() if op.startswith("reduce-scatter")]
+        if not gathers:
+            continue
+        kinds.append("backward" if scatters else "forward")
+        gathered = _derived(flow, gathers)
+        computed = _derived(flow, [n for n, (_, _, matmul) in flow.items() if matmul])
+        for n, (op, operands, matmul) in flow.items():
+            assert not (matmul and gathered & set(operands)), (name, n, "reads this iteration's gather")
+        for n in scatters:
+            assert not computed & set(flow[n][1]), (name, n, "reduce-scatters this iteration's gradient")
+    assert sorted(kinds) == ["backward", "forward"], kinds
+
+
 def _scan_task(layers, reverse):
     """A hand-written remat'd scan that uses every input kind `_pipelined_scan` handles: stacked ZeRO-3 weights, a
     float const with a gradient (`c`), an int const (positions), a plain float per-layer input with a gradient
