@@ -15,10 +15,11 @@ BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
 
 
-def auto_axes():
-    """{axis name: size} of the ambient mesh's automatic axes larger than 1 ({} outside a mesh)."""
+def auto_axes(implementation):
+    """{axis name: size} of the ambient mesh's automatic axes larger than 1 that a kernel of `implementation` must be
+    split over by hand: {} outside a mesh, and for 'xla' (plain JAX, which the compiler partitions itself)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+    if implementation == "xla" or mesh is None or mesh.empty:
         return {}
     auto = jax.sharding.AxisType.Auto
     return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)

@@ -133,9 +133,8 @@ def flash_attention(
 
 
 def _on_mesh(q, k, v, q_ids, kv_ids, plan):
-    """A Pallas kernel runs on each device's batch rows and heads (kernels/_partition.py); 'xla' is left to the
-    compiler's partitioner."""
-    axes = {} if plan.implementation == "xla" else _partition.auto_axes()
+    """A Pallas kernel runs on each device's batch rows and heads (kernels/_partition.py)."""
+    axes = _partition.auto_axes(plan.implementation)
     b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
     seq, ids = jax.sharding.PartitionSpec(b, None, m, None), jax.sharding.PartitionSpec(b, None)
     if q_ids is None:

@@ -21,6 +21,7 @@ from kernels.matmul._blocks import BlockSizes
 __all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "linear_cross_entropy"]
 
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_P = jax.sharding.PartitionSpec
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _ONE = (((0, 0),),)  # One accumulator: lhs[0] @ rhs[0].
 _TWO = (((0, 0),), ((0, 1),))  # Two accumulators sharing lhs[0]: each lhs tile is read once for both.
@@ -96,14 +97,10 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation=None, inter
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 
-_P = jax.sharding.PartitionSpec
-
-
 def _column_specs(cfg, x, n):
     """Layouts a Pallas matmul runs in on a mesh (kernels/_partition.py): x's rows over the batch axes, the weight's
-    columns (and the bias) over `model` (column parallelism, as auto_shard splits up/gate/fc1). The 'xla' path needs
-    none: the compiler partitions it."""
-    axes = {} if cfg.implementation == "xla" else _partition.auto_axes()
+    columns (and the bias) over `model` (column parallelism, as auto_shard splits up/gate/fc1)."""
+    axes = _partition.auto_axes(cfg.implementation)
     rows = x.size // x.shape[-1]
     b, m = _partition.batch_axes(axes, rows), _partition.model_axis(axes, n)
     return _P(b, None), _P(None, m), _P(m)
