@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import kernels
+
 
 def split_loss(out):
     """loss_fn may return `loss` or `(loss, metrics)`."""
@@ -255,6 +257,9 @@ def _eval_gathering(jaxpr, consts, args, in_remat=False):
             outs = [invals[0].cast(eqn)]
         elif name == "gather" and _is_row_lookup(eqn, invals):
             outs = [_vocab_parallel_lookup(eqn, *invals)]
+        elif name in ("jit", "pjit") and _is_vocab_split_loss(eqn, invals):
+            x, w, labels = invals
+            outs = [kernels.matmul.vocab_parallel_call(eqn.params["name"], x, _local_cast(w), labels, w.dims[0][1])]
         elif name == "scan":
             outs = (_pipelined_scan if _is_remat_layer_stack(eqn, invals) else _scan_gathering)(eqn, invals, in_remat)
         elif name in ("checkpoint", "remat", "remat2"):
@@ -285,6 +290,24 @@ def _is_row_lookup(eqn, invals):
             and ids.size <= table.local.shape[0]  # group x lookups per device <= group x rows per device
             and dn.collapsed_slice_dims == (0,) and dn.start_index_map == (0,) and not dn.operand_batching_dims
             and dn.offset_dims == (out_rank - 1,) and eqn.params["slice_sizes"] == (1, table.local.shape[1]))
+
+
+def _is_vocab_split_loss(eqn, invals):
+    """A `kernels.linear_cross_entropy` call whose weight [D, V] is split by vocabulary columns only, with at most as
+    many rows per device as vocabulary columns per device (the same trade as `_is_row_lookup`)."""
+    if not kernels.matmul.is_loss_call(eqn.params.get("name")) or len(invals) != 3:
+        return False
+    x, w, labels = invals
+    return (isinstance(w, _Sharded) and not isinstance(x, _Sharded) and not isinstance(labels, _Sharded)
+            and len(w.dims) == 1 and w.dims[0][0] == 1 and w.local.ndim == 2 and x.shape[0] <= w.local.shape[1])
+
+
+def _local_cast(x):
+    """A `_Sharded`'s local shard in the compute dtype, with the loss's element-wise casts applied."""
+    out = x.local.astype(x.dtype)
+    for cast in x.casts:
+        out, = _bind(cast, [out])
+    return out
 
 
 def _vocab_parallel_lookup(eqn, table, ids):

@@ -25,12 +25,17 @@ def test_zero3_plan_matches_the_formulas():
     assert r["fits"] is True
     split = psi - (64 + 2 * 2 * 64)  # every matrix is split over fsdp; the norm scales (final + 2 per layer) are not
     layers = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # gathered again in the backward pass (remat)
-    # 16 tokens per device look up at most the 128 / 8 rows a device holds: the lookup is vocab-parallel.
-    table, vectors = 128 * 64, n * 16 * 64  # the embedding; the group's looked-up rows (8 devices x 16 tokens x D)
+    # 16 tokens per device: at most the 128 / 8 table rows and head columns a device holds, so the lookup and the
+    # head + loss are vocab-parallel: neither the table nor the head is gathered.
+    table = head = 128 * 64
+    rows = n * 16  # the group's tokens
+    vectors = rows * 64  # the group's looked-up embeddings, and the group's hidden states at the head
     c = r["collective_bytes"]
-    ids, cotangent = n * 16 * 4, vectors * 2  # int32 ids; the vectors' cotangent arrives in bf16
-    assert c["all-gather"] == ((split - table + layers) * 2 + ids + cotangent) * (n - 1) // n
-    assert c["reduce-scatter"] == ((split - table) * 4 + vectors * 4) * (n - 1) // n  # vectors summed in fp32
+    # lookup: int32 ids, the vectors' cotangent (arrives in bf16); head: bf16 hidden states, int32 labels, fp32 d loss
+    lookup, loss = rows * 4 + vectors * 2, vectors * 2 + rows * 4 + rows * 4
+    assert c["all-gather"] == ((split - table - head + layers) * 2 + lookup + loss) * (n - 1) // n
+    # fp32: the weights' gradients, the looked-up vectors, the hidden states' gradient
+    assert c["reduce-scatter"] == ((split - table - head) * 4 + vectors * 4 + vectors * 4) * (n - 1) // n
     assert c["all-to-all"] == c["collective-permute"] == 0
 
 

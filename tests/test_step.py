@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import engine
+import kernels
 import models
 from engine import step as step_lib
 from engine import text
@@ -108,18 +109,21 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
     of layer t+1's gradient beside layer t; the first and last iterations peeled) and, where the embedding table is
     split by rows (1x8x1), the vocab-parallel lookup: the updates equal the reference step's. LLaMA's table is never
     all-gathered and its layer matrices are gathered one layer at a time (the exact bytes: tests/test_plan.py); OPT
-    ties its table to the output projection (looked up vocab-parallel, gathered for the head) and has biases."""
+    ties its table to the output projection (looked up vocab-parallel, gathered for the head) and has biases. LLaMA
+    uses the fused head + loss, which on 1x8x1 runs vocab-parallel too: neither its table nor its head is gathered."""
     sizes = dict(intermediate_size=96) if family == "llama" else dict(ffn_dim=96)
     model = models.create_model(family, "tiny", scan_layers=True, remat="full", num_layers=layers, **sizes)
     params = models.init_params(model, jax.random.PRNGKey(1))
-    calls, lookups = [], []
-    real, real_lookup = step_lib._pipelined_scan, step_lib._vocab_parallel_lookup
+    calls, lookups, heads = [], [], []
+    real, real_lookup, real_head = (step_lib._pipelined_scan, step_lib._vocab_parallel_lookup,
+                                    kernels.matmul.vocab_parallel_call)
     step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
     step_lib._vocab_parallel_lookup = lambda *a: lookups.append(1) or real_lookup(*a)
+    kernels.matmul.vocab_parallel_call = lambda *a: heads.append(1) or real_head(*a)
     try:
         runs = []
         for kind in ("jit", "shard_map"):
-            loss = text.lm_loss_fn(model)
+            loss = text.lm_loss_fn(model, "xla" if family == "llama" else None)
             loss.weight_metric = "tokens"
             trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm, loss_fn=loss,
                                      params=params, optimizer=optax.sgd(0.5), step=kind, accumulate_grad_batches=2)
@@ -127,16 +131,18 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
             runs.append(trainer)
     finally:
         step_lib._pipelined_scan, step_lib._vocab_parallel_lookup = real, real_lookup
-    assert calls and bool(lookups) == (mesh == "1x8x1")
+        kernels.matmul.vocab_parallel_call = real_head
+    assert calls and bool(lookups) == (mesh == "1x8x1") and bool(heads) == (mesh == "1x8x1" and family == "llama")
     _assert_same_run(*runs)
     if family != "llama":
         return
     got = runs[1]
-    batch = {k: jax.ShapeDtypeStruct((2, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    # 10 tokens per row: the gathered group rows [8 x 10, 64] differ from every weight's shape.
+    batch = {k: jax.ShapeDtypeStruct((2, 8, 10), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
     hlo = got._compiled_step().lower(got.params, got.opt_state, batch, np.int32(0)).compile().as_text()
     gathered = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", hlo)]
     if mesh == "1x8x1":
-        assert (128, 64) not in gathered  # the embedding table
+        assert (128, 64) not in gathered and (64, 128) not in gathered  # the embedding table, the head
     stacked = {tuple(x.shape) for x in jax.tree.leaves(got.params["layers"])}
     assert not stacked & set(gathered)
     assert {(64, 64), (96, 64), (64, 96)} <= set(gathered) or {(64, 32), (96, 32), (32, 96)} <= set(gathered)

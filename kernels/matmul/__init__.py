@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kernels import _partition
@@ -18,7 +19,7 @@ from kernels._dispatch import resolve_implementation
 from kernels.matmul import _blocks, mosaic_tpu, reference, triton
 from kernels.matmul._blocks import BlockSizes
 
-__all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "linear_cross_entropy"]
+__all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "is_loss_call", "linear_cross_entropy", "vocab_parallel_call"]
 
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _P = jax.sharding.PartitionSpec
@@ -201,13 +202,82 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None
     if not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index={ignore_index!r}; expected an int")
     cfg = _config(implementation, interpret, block_sizes, "loss")
-    cfg = cfg._replace(blocks=_blocks.with_vocab_chunk(cfg.blocks, w.shape[1], cfg.implementation))
     # On a mesh only the rows are split: a vocabulary split over `model` would need a log-sum-exp across devices.
     rows, _, _ = _column_specs(cfg, x, 1)
-    loss = _partition.shard(lambda x, w, labels: _linear_cross_entropy(x, w, labels, ignore_index, cfg),
+    loss = _partition.shard(_loss_call(ignore_index, cfg),
                             (x.reshape(-1, x.shape[-1]), w, labels.reshape(-1).astype(jnp.int32)),
                             (rows, _P(), _P(rows[0])), _P(rows[0]))
     return loss.reshape(labels.shape)
+
+
+_LOSS_CALLS = {}  # jit name -> (ignore_index, cfg) of every traced linear_cross_entropy
+
+
+def _with_vocab_chunk(cfg, vocab):
+    """cfg with the loss's vocabulary chunk sized for `vocab` columns (unless `block_sizes` fixed it)."""
+    return cfg._replace(blocks=_blocks.with_vocab_chunk(cfg.blocks, vocab, cfg.implementation))
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_call(ignore_index, cfg):
+    """The loss as a `jax.jit` whose name stands for its static settings, so that a caller evaluating the traced
+    program (the engine's shard_map step) can recognise the call and rerun it vocab-parallel (`vocab_parallel_call`)."""
+    name = f"linear_cross_entropy_{len(_LOSS_CALLS)}"
+    _LOSS_CALLS[name] = (ignore_index, cfg)
+
+    def call(x, w, labels):
+        return _linear_cross_entropy(x, w, labels, ignore_index, _with_vocab_chunk(cfg, w.shape[1]))
+
+    call.__name__ = call.__qualname__ = name
+    return jax.jit(call)
+
+
+def is_loss_call(name):
+    """Whether a traced `jit` of this name is a `linear_cross_entropy` call (see `vocab_parallel_call`)."""
+    return name in _LOSS_CALLS
+
+
+def vocab_parallel_call(name, x, w, labels, axis_name):
+    """Reruns the traced `linear_cross_entropy` call `name` inside a `shard_map` over `axis_name` with the
+    vocabulary split across it (Megatron's vocab-parallel cross-entropy): x [N, D] and labels [N] are this device's
+    rows, w [D, V / G] the vocabulary slice `axis_index(axis_name)`. The group's rows are all-gathered, each device
+    sweeps its own slice blockwise, a log-sum-exp across devices (a max and a sum of N·G floats) gives each row's
+    loss, and the backward reduce-scatters the rows' gradient while each device keeps its slice's gradient whole:
+    no device ever holds the whole weight or its gradient. Returns this device's per-token loss [N]."""
+    ignore_index, cfg = _LOSS_CALLS[name]
+    cfg = _with_vocab_chunk(cfg, w.shape[1])  # chunks of this device's slice: [N x G, chunk] logits stay small
+    # Labels of other slices become -1 (never a column; -2 if -1 means ignored), so they add no one-hot term here.
+    elsewhere = -2 if ignore_index == -1 else -1
+
+    @jax.custom_vjp
+    def run(x, w, labels):
+        return forward(x, w, labels)[0]
+
+    def forward(x, w, labels):
+        n, slice_len = x.shape[0], w.shape[1]
+        rank = lax.axis_index(axis_name)
+        x_all = lax.all_gather(x, axis_name, axis=0, tiled=True)
+        labels_all = lax.all_gather(labels, axis_name, axis=0, tiled=True)
+        local = labels_all - rank * slice_len
+        local = jnp.where(labels_all == ignore_index, ignore_index,
+                          jnp.where((local >= 0) & (local < slice_len), local, elsewhere))
+        lse_part, label_part = _BACKENDS[cfg.implementation].lce_forward(x_all, w, local, blocks=cfg.blocks,
+                                                                         interpret=cfg.interpret)
+        top = lax.pmax(lse_part, axis_name)
+        lse = top + jnp.log(lax.psum(jnp.exp(lse_part - top), axis_name))
+        loss = jnp.where(labels_all != ignore_index, lse - lax.psum(label_part, axis_name), 0.0)
+        return lax.dynamic_slice_in_dim(loss, rank * n, n), (x_all, w, local, lse, labels)
+
+    def backward(res, g):
+        x_all, w, local, lse, labels = res
+        g_all = lax.all_gather(g, axis_name, axis=0, tiled=True)
+        dx_all, dw, _ = _linear_cross_entropy_bwd(ignore_index, cfg, (x_all, w, local, lse), g_all)
+        # Summed in float32: every device holds part of every row's gradient (its vocabulary slice's share).
+        dx = lax.psum_scatter(dx_all.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
+        return dx.astype(x_all.dtype), dw, np.zeros(labels.shape, jax.dtypes.float0)
+
+    run.defvjp(forward, backward)
+    return run(x, w, labels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
