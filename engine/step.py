@@ -163,14 +163,28 @@ class _LeafPlan:
         self.reduce = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1 and a not in used)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(x, dims, dtype, reduce_dtype):
-    """ZeRO-3 all-gather of a parameter shard in `dtype` (the compute dtype: bf16 gathers move half the bytes of
-    fp32); its backward reduce-scatters the gradient in `reduce_dtype` and returns it in the shard's dtype."""
+def _all_gather(x, dims, dtype):
+    """A shard `x` all-gathered in `dtype` over `dims` ((dim, axes), ...)."""
     y = x.astype(dtype)
     for dim, axes in dims:
         y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
     return y
+
+
+def _reduce_scatter(g, dims, reduce_dtype, dtype):
+    """The transpose of `_all_gather`: a full-size gradient summed in `reduce_dtype` and scattered back to the shard
+    layout, returned in `dtype`."""
+    g = g.astype(reduce_dtype)
+    for dim, axes in reversed(dims):
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    return g.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(x, dims, dtype, reduce_dtype):
+    """ZeRO-3 all-gather of a parameter shard in `dtype` (the compute dtype: bf16 gathers move half the bytes of
+    fp32); its backward reduce-scatters the gradient in `reduce_dtype` and returns it in the shard's dtype."""
+    return _all_gather(x, dims, dtype)
 
 
 def _gather_fwd(x, dims, dtype, reduce_dtype):
@@ -178,10 +192,7 @@ def _gather_fwd(x, dims, dtype, reduce_dtype):
 
 
 def _gather_bwd(dims, dtype, reduce_dtype, res, g):
-    g = g.astype(reduce_dtype)
-    for dim, axes in reversed(dims):
-        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-    return (g.astype(res.dtype),)
+    return (_reduce_scatter(g, dims, reduce_dtype, res.dtype),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -196,7 +207,11 @@ class _Sharded:
 
     def full(self):
         from jax.ad_checkpoint import checkpoint_name
-        y = checkpoint_name(_gather(self.local, self.dims, self.dtype, self.reduce_dtype), GATHERED)
+        return self.apply_casts(checkpoint_name(_gather(self.local, self.dims, self.dtype, self.reduce_dtype),
+                                                GATHERED))
+
+    def apply_casts(self, y):
+        """The loss's element-wise casts of this parameter, applied to `y` (gathered, or any part of it)."""
         for eqn in self.casts:
             y, = _bind(eqn, [y])
         return y
@@ -308,10 +323,7 @@ def _is_vocab_split_loss(eqn, invals):
 
 def _local_cast(x):
     """A `_Sharded`'s local shard in the compute dtype, with the loss's element-wise casts applied."""
-    out = x.local.astype(x.dtype)
-    for cast in x.casts:
-        out, = _bind(cast, [out])
-    return out
+    return x.apply_casts(x.local.astype(x.dtype))
 
 
 def _vocab_parallel_lookup(eqn, table, ids):
@@ -330,10 +342,7 @@ def _vocab_parallel_lookup(eqn, table, ids):
     params = dict(eqn.params, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS, fill_value=None)
     found = jax.lax.gather(table.local, jnp.clip(local_ids, 0, rows - 1), **params)
     found = jnp.where(held, found, 0).astype(table.reduce_dtype)  # held [..., 1] broadcasts over the row
-    out = jax.lax.psum_scatter(found, axes, scatter_dimension=0, tiled=True).astype(table.dtype)
-    for cast in table.casts:
-        out, = _bind(cast, [out])
-    return out
+    return table.apply_casts(jax.lax.psum_scatter(found, axes, scatter_dimension=0, tiled=True).astype(table.dtype))
 
 
 def _scan_gathering(eqn, invals, in_remat):
@@ -415,31 +424,16 @@ def _pipelined_scan(eqn, invals, in_remat):
     at = lambda x, t: jax.lax.dynamic_index_in_dim(x, position(t), 0, keepdims=False)  # noqa: E731
 
     def gather(ws, t):
-        out = []
-        for w, s in zip(ws, slots):
-            y = at(w, t).astype(s.dtype)
-            for dim, axes in s.dims:
-                y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
-            out.append(y)
-        return out
+        return [_all_gather(at(w, t), s.dims, s.dtype) for w, s in zip(ws, slots)]
 
     def scatter(gs, ws):
-        out = []
-        for g, w, s in zip(gs, ws, slots):
-            g = g.astype(s.reduce_dtype)
-            for dim, axes in reversed(s.dims):
-                g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-            out.append(g.astype(w.dtype))
-        return out
+        return [_reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype) for g, w, s in zip(gs, ws, slots)]
 
     def layer(consts, carry, x_plain, gathered):
         x_plain, gathered, x = iter(x_plain), iter(gathered), []
         for i, w in enumerate(is_w):
             if w:
-                y = next(gathered)
-                for cast in slots[sum(is_w[:i])].casts:
-                    y, = _bind(cast, [y])
-                x.append(y)
+                x.append(slots[sum(is_w[:i])].apply_casts(next(gathered)))
             else:
                 x.append(next(x_plain))
         outs = _eval_inlined(body.jaxpr, body.consts, list(consts) + list(carry) + x)
