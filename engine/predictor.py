@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from engine import data as data_lib
+import kernels
 
 
 def _rows(preds):
@@ -37,7 +38,7 @@ class Predictor:
 
     def _step(self, params, batch, step):
         self.compile_count += 1
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see Trainer._train_step
+        with kernels.under_mesh(self.mesh):  # see Trainer._train_step
             return self.pred_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(self._key, step))
 
     def predict(self, examples, *, per_device_batch_size, params):

@@ -69,6 +69,15 @@ def _axis_sizes(mesh):
 # ----------------------------------------------------------------------------------------------------------------
 # Dataflow analysis.
 
+def scan_counts(params):
+    """(consts, carry) operand counts of a `scan` equation: JAX 0.10 records them as `num_consts` / `num_carry`,
+    JAX 0.11 as the groups of its `ft_in` tree (consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 class _Info:
     """What the analysis knows about one value: which dim is split over `model` (or None), and, when the value is a
     parameter or a pure re-shaping of one, (param index, param dim for each of its dims)."""
@@ -245,7 +254,7 @@ class _Analysis:
 
     def scan(self, eqn, ins):
         p = eqn.params
-        nc, ncarry = p["num_consts"], p["num_carry"]
+        nc, ncarry = scan_counts(p)
         xs = []
         for info in ins[nc + ncarry:]:  # the body sees xs without their leading (scanned) dim
             origin = (info.origin[0], info.origin[1][1:]) if info.origin is not None else None

@@ -6,7 +6,6 @@
 optimizer state unchanged; `metrics['finite']` tells the Trainer.
 """
 import functools
-import inspect
 import math
 
 import jax
@@ -15,6 +14,7 @@ import numpy as np
 import optax
 
 import kernels
+from engine.sharding import scan_counts
 
 
 def split_loss(out):
@@ -347,7 +347,7 @@ def _vocab_parallel_lookup(eqn, table, ids):
 
 def _scan_gathering(eqn, invals, in_remat):
     p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = scan_counts(p)
     consts = [_full(x) for x in invals[:n_consts]]
     init = [_full(x) for x in invals[n_consts:n_consts + n_carry]]
     xs, slots = [], []
@@ -375,7 +375,7 @@ def _is_remat_layer_stack(eqn, invals):
     """A scan over stacked ZeRO-3 weights whose body is one fully rematerialised block (a model built with
     scan-over-layers and remat='full'): the case `_pipelined_scan` handles."""
     p = eqn.params
-    stacked = [x for x in invals[p["num_consts"] + p["num_carry"]:] if isinstance(x, _Sharded)]
+    stacked = [x for x in invals[sum(scan_counts(p)):] if isinstance(x, _Sharded)]
     body = p["jaxpr"].jaxpr.eqns
     return (bool(stacked) and all(dim > 0 for x in stacked for dim, _ in x.dims) and len(body) == 1
             and body[0].primitive.name in ("checkpoint", "remat", "remat2") and body[0].params.get("policy") is None)
@@ -410,7 +410,7 @@ def _pipelined_scan(eqn, invals, in_remat):
     The first and last iterations are peeled so that no collective is issued twice."""
     del in_remat  # the layer's own remat is replaced by this schedule
     p = eqn.params
-    n_consts, n_carry, n, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+    (n_consts, n_carry), n, reverse = scan_counts(p), p["length"], p["reverse"]
     body = p["jaxpr"]
     consts = [_full(x) for x in invals[:n_consts]]
     init = [_full(x) for x in invals[n_consts:n_consts + n_carry]]
@@ -536,14 +536,11 @@ def _from_bits(x, dtype):
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
-    """`jax.shard_map`, manual over the data axes only; replication is not type-checked (`check_vma` in JAX >= 0.6,
-    `check_rep` before) because every reduction here is explicit."""
-    kwargs = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(MANUAL_AXES))
-    if "check_vma" in inspect.signature(jax.shard_map).parameters:
-        kwargs["check_vma"] = False
-    else:
-        kwargs["check_rep"] = False
-    return jax.shard_map(fn, **kwargs)
+    """`jax.shard_map`, manual over the data axes only; replication is not type-checked because every reduction
+    here is explicit. Over the abstract mesh the step is traced under (`kernels.tracing_mesh`): a concrete mesh
+    must equal the context's, which names a target device when lowering for an accelerator this host lacks."""
+    return jax.shard_map(fn, mesh=kernels.tracing_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(MANUAL_AXES), check_vma=False)
 
 
 def _reduce(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None):

@@ -27,6 +27,7 @@ from engine import step as step_lib
 from engine.step import cast_floating, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.sharding import add_axis, auto_shard, log_sharding
+import kernels
 
 _NAN_POLICIES = ("raise", "skip")
 _STEPS = ("auto", "shard_map", "jit")
@@ -213,7 +214,7 @@ class Trainer:
     def _train_step(self, params, opt_state, batch, step):
         self.compile_count += 1  # runs only while tracing
         # The mesh as the trace's context: Pallas kernels then run on each device's own block (kernels/_partition.py).
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        with kernels.under_mesh(self.mesh):
             return self._step_impl(params, opt_state, batch, step)
 
     def _compiled_step(self):
@@ -430,7 +431,7 @@ class Trainer:
             self._note_batch(batch)
             if self._eval_fn is None:
                 def eval_step(params, batch):
-                    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see _train_step
+                    with kernels.under_mesh(self.mesh):  # see _train_step
                         loss, _ = split_loss(self.loss_fn(cast_floating(params, self.compute_dtype),
                                                            jax.tree.map(lambda x: x[0], batch),
                                                            jax.random.fold_in(self._key, 2**31 - 1), False))

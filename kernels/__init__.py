@@ -3,5 +3,6 @@
 Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and the dispatching public op.
 """
 from kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
+from kernels._partition import tracing_mesh, under_mesh
 from kernels.attention import flash_attention, mha_reference
 from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy

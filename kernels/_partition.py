@@ -7,12 +7,28 @@ runs its kernel in a `jax.shard_map` over the mesh's automatic axes, on the bloc
 (engine/sharding.py): rows (batch) over `data` and `fsdp`, attention heads and output features over `model`, each
 only where the size divides. Outside a mesh, or on axes that are already manual, nothing changes.
 """
+import contextlib
 import math
 
 import jax
 
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
+
+
+def tracing_mesh(mesh):
+    """The abstract mesh to trace a program for `mesh` under: the ambient one when it has the same axes, since it
+    may name the target device of an ahead-of-time lowering (a `jax.sharding.AbstractDevice`, which JAX 0.11's
+    Triton lowering needs on a host without a GPU), else `mesh.abstract_mesh`."""
+    ambient, target = jax.sharding.get_abstract_mesh(), mesh.abstract_mesh
+    same_axes = lambda m: (m.axis_names, m.axis_sizes, m.axis_types)  # noqa: E731
+    return ambient if ambient is not None and same_axes(ambient) == same_axes(target) else target
+
+
+def under_mesh(mesh):
+    """Context for tracing a program for `mesh` (`tracing_mesh`), so that its kernels are partitioned over it.
+    `mesh=None`: the ambient context unchanged."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(tracing_mesh(mesh))
 
 
 def auto_axes(implementation):

@@ -1,10 +1,11 @@
 """Autoregressive generation with a KV cache: one prefill call, then a lax.while_loop of one-token steps, jitted once
 per (model, settings, shape bucket). Works on sharded parameters (the jit follows their shardings)."""
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+
+import kernels
 
 
 def _bucket(n):
@@ -45,7 +46,7 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
     run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id)
     mesh = _mesh_of(params)
     # Traced under the parameters' mesh, Pallas kernels run on each device's own block (kernels/_partition.py).
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
+    with kernels.under_mesh(mesh):
         new = run(params, ids, mask, jax.random.PRNGKey(0) if rng is None else rng)
     if encoder_decoder:
         return jnp.concatenate([jnp.full((B, 1), model.config.decoder_start_token_id, jnp.int32), new], axis=1)

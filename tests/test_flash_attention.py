@@ -3,6 +3,7 @@
 The Pallas kernels run in Pallas's interpreter on CPU ('triton' with interpret=True, 'mosaic_tpu' with the TPU
 interpreter), with small tiles so that every case spans several blocks and exercises block skipping and padding.
 """
+import contextlib
 import functools
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from kernels.attention import BlockSizes, flash_attention, mha_reference
+from tests.targets import for_gpu
 
 # Max |error| relative to max |reference|, per dtype: (forward, gradients). The reference runs in float32 on the
 # same (rounded) inputs, so bf16/f16 errors are those of the kernel's own low-precision matmul operands (measured
@@ -277,7 +279,9 @@ def test_lowers_for_the_accelerator(implementation, platform, custom_call):
         out = flash_attention(q, k, v, causal=True, segment_ids=ids, implementation=implementation)
         return out.astype(jnp.float32).sum()
 
-    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, ids).lower(lowering_platforms=(platform,)).as_text()
+    with for_gpu() if platform == "cuda" else contextlib.nullcontext():
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, ids).lower(lowering_platforms=(platform,))
+    text = lowered.as_text()
     assert text.count(f"@{custom_call}(") == 3
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in text

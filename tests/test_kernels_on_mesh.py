@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import engine
 import kernels
+from tests.targets import for_gpu
 
 
 def _mesh():
@@ -80,7 +81,7 @@ def test_lowering_for_cuda_runs_each_kernel_on_local_blocks(op, local, full):
     fn, inputs = _cases()[op]
     mesh = _mesh()
     args = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec)) for x, spec in inputs]
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), for_gpu(mesh):
         lowered = jax.jit(jax.grad(lambda *a: jnp.sum(fn(dict(implementation="triton"), *a).astype(jnp.float32)),
                                    argnums=tuple(range(len(args))))).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
@@ -93,8 +94,9 @@ def test_lowering_for_cuda_runs_each_kernel_on_local_blocks(op, local, full):
 
 def test_outside_a_mesh_nothing_changes():
     x, w = _normal(0, (8, 32)), _normal(1, (32, 64))
-    lowered = jax.jit(lambda x, w: kernels.gated_mlp(x, w, w, implementation="triton")).trace(x, w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    with for_gpu():
+        lowered = jax.jit(lambda x, w: kernels.gated_mlp(x, w, w, implementation="triton")).trace(x, w).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert "shard_map" not in lowered and "sdy.manual_computation" not in lowered
 
 
@@ -117,8 +119,9 @@ def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
     trainer._setup(restore_step=0)
     batch = {k: jax.ShapeDtypeStruct((1, 4, 32), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
     state = trainer._state
-    text_ = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    with for_gpu(trainer.mesh):
+        text_ = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
+            lowering_platforms=("cuda",)).as_text()
     operands = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", text_)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention

@@ -43,7 +43,10 @@ def test_embedding_table_is_gathered_when_the_lookups_outnumber_its_rows():
     """64 tokens per device against 16 table rows per device: gathering the table moves less than the vectors."""
     r = plan.plan(mesh="1,8,1", zero_stage=0, **TINY)
     split, layers, n = 90432 - (64 + 2 * 2 * 64), 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128), 8
-    assert r["collective_bytes"]["all-gather"] == (split + layers) * 2 * (n - 1) // n
+    want = (split + layers) * 2 * (n - 1) // n
+    # JAX 0.10's CPU compiler gathers each layer weight twice (forward, remat'd backward); 0.11's gathers one MLP
+    # matrix a third time. Never less than the formula, never more than that one matrix over it.
+    assert want <= r["collective_bytes"]["all-gather"] <= want + 64 * 128 * 2 * (n - 1) // n
     assert r["collective_bytes"]["reduce-scatter"] == split * 4 * (n - 1) // n
 
 
