@@ -3,11 +3,17 @@
   python scripts/bench_kernels.py --kernels=attention
   python scripts/bench_kernels.py --kernels=attention --seq_lens=2048,4096,8192,16384 --dtype=bfloat16
   python scripts/bench_kernels.py --kernels=matmul
+  python scripts/bench_kernels.py --tune=attention,matmul   # search the ops' block sizes instead
 
 Each row: median wall time over --iters runs after --warmup runs (random normal inputs, jitted, blocked on the
 result), achieved TFLOP/s and the fraction of the device's dense peak for that dtype. On CPU the defaults are small
 shapes: a smoke check that every path runs, not a measurement.
+
+`--tune` times every candidate of the ops' `TUNING_SPACE` (kernels/attention/api.py, kernels/matmul/_blocks.py) at
+one benchmark shape per op and prints them fastest first, the heuristic default marked; an interrupt (SIGINT, e.g.
+`timeout -s INT`) ends the search and still prints what was measured.
 """
+import dataclasses
 import functools
 import os
 import statistics
@@ -21,8 +27,10 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.attention import BlockSizes, flash_attention  # noqa: E402
+from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE  # noqa: E402
 from kernels.attention.api import choose_block_sizes  # noqa: E402
 from kernels._dispatch import resolve_implementation  # noqa: E402
+from kernels.matmul import _blocks as matmul_blocks  # noqa: E402
 from kernels.matmul import benchmark as matmul_benchmark  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -38,6 +46,12 @@ flags.DEFINE_integer("heads", None, "Attention query heads; default 16 (CPU: 4).
 flags.DEFINE_integer("kv_heads", None, "Attention kv heads; default = heads.")
 flags.DEFINE_integer("head_dim", None, "Attention head dim; default 128 (CPU: 64).")
 flags.DEFINE_list("causal", ["true", "false"], "Attention masking modes to run.")
+flags.DEFINE_enum("implementation", None, ["xla", "triton", "mosaic_tpu"], "Our kernels' implementation; default the "
+                  "backend's fastest (with --interpret on CPU: 'triton').")
+flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in Pallas's interpreter (a CPU smoke check).")
+flags.DEFINE_integer("max_candidates", 0, "--tune: time at most this many candidates per table (0: all).")
+flags.DEFINE_list("tune", [], "Kernel families whose block sizes to search instead of printing the benchmark tables: "
+                  "attention at the first --seq_lens and --causal entries, the matmuls at their benchmark sizes.")
 flags.DEFINE_list(
     "attention_blocks", None, "Override: block_q,block_k,block_q_bwd,block_k_bwd[,num_warps,num_stages] (for tuning)."
 )
@@ -55,6 +69,12 @@ _PEAK_TFLOPS = {
     "TPU v5": 459.0,
     "TPU v6": 918.0,
 }
+
+
+def _ours():
+    """(implementation name, keyword arguments selecting it) of the kernels under test."""
+    impl = resolve_implementation(FLAGS.implementation, interpret=FLAGS.interpret)
+    return impl, dict(implementation=impl, interpret=FLAGS.interpret)
 
 
 def _peak_tflops():
@@ -82,46 +102,60 @@ def _measure(name, shape, fn, args, flops):
         return [name, shape, "-", "-", "-", type(e).__name__]
     tflops = flops / seconds / 1e12
     peak = _peak_tflops()
-    return [name, shape, f"{seconds * 1e3:.3f}", f"{tflops:.2f}", f"{100 * tflops / peak:.1f}" if peak else "-", ""]
+    row = [name, shape, f"{seconds * 1e3:.3f}", f"{tflops:.2f}", f"{100 * tflops / peak:.1f}" if peak else "-", ""]
+    logging.info("measured %s", row)  # in the log as it happens, should the run be cut short
+    return row
+
+
+def _attention_setup():
+    """(dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal modes) from the flags and the backend."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    seq_lens = [int(n) for n in FLAGS.seq_lens or (["128", "256"] if on_cpu else ["2048", "4096", "8192", "16384"])]
+    heads = FLAGS.heads or (4 if on_cpu else 16)
+    return (dtype, seq_lens, FLAGS.tokens or (512 if on_cpu else 16384), heads, FLAGS.kv_heads or heads,
+            FLAGS.head_dim or (64 if on_cpu else 128), [c.lower() == "true" for c in FLAGS.causal])
+
+
+def _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal):
+    """(q, k, v), the forward FLOPs and the shape label of one benchmark row."""
+    batch = max(1, tokens // seq_len)
+    key_q, key_k, key_v = jax.random.split(jax.random.key(seq_len), 3)
+    q = jax.random.normal(key_q, (batch, seq_len, heads, head_dim), dtype)
+    k = jax.random.normal(key_k, (batch, seq_len, kv_heads, head_dim), dtype)
+    v = jax.random.normal(key_v, (batch, seq_len, kv_heads, head_dim), dtype)
+    # 2 matmuls of 2*T*S*D flops per head; causal does half; the backward is 2.5x the forward (5 matmuls).
+    fwd_flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
+    shape = f"B{batch} T{seq_len} H{heads}/{kv_heads} D{head_dim} {'causal' if causal else 'full'}"
+    return (q, k, v), fwd_flops, shape
+
+
+def _attention_grads(attend):
+    return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
 
 
 def bench_attention():
     """flash_attention (default implementation) vs jax.nn.dot_product_attention, forward and forward+backward."""
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
-    seq_lens = [int(n) for n in FLAGS.seq_lens or (["128", "256"] if on_cpu else ["2048", "4096", "8192", "16384"])]
-    tokens = FLAGS.tokens or (512 if on_cpu else 16384)
-    heads = FLAGS.heads or (4 if on_cpu else 16)
-    kv_heads = FLAGS.kv_heads or heads
-    head_dim = FLAGS.head_dim or (64 if on_cpu else 128)
-    ours = resolve_implementation(None)
+    dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
+    ours, selection = _ours()
     override = BlockSizes(*map(int, FLAGS.attention_blocks)) if FLAGS.attention_blocks else None
-    baselines = {"jax.nn[xla]": "xla"} if on_cpu else {"jax.nn[xla]": "xla", "jax.nn[cudnn]": "cudnn"}
-    if jax.default_backend() == "tpu":
-        baselines.pop("jax.nn[cudnn]", None)
+    backend = jax.default_backend()
+    baselines = {"jax.nn[xla]": "xla", "jax.nn[cudnn]": "cudnn"} if backend == "gpu" else {"jax.nn[xla]": "xla"}
 
     rows = []
     for seq_len in seq_lens:
-        batch = max(1, tokens // seq_len)
-        key_q, key_k, key_v = jax.random.split(jax.random.key(seq_len), 3)
-        q = jax.random.normal(key_q, (batch, seq_len, heads, head_dim), dtype)
-        k = jax.random.normal(key_k, (batch, seq_len, kv_heads, head_dim), dtype)
-        v = jax.random.normal(key_v, (batch, seq_len, kv_heads, head_dim), dtype)
-        for causal in [c.lower() == "true" for c in FLAGS.causal]:
-            # 2 matmuls of 2*T*S*D flops per head; causal does half; the backward is 2.5x the forward (5 matmuls).
-            fwd_flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
+        for causal in causal_modes:
+            (q, k, v), fwd_flops, shape = _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
             blocks = choose_block_sizes(ours, head_dim, seq_len, seq_len, override)
-            shape = f"B{batch} T{seq_len} H{heads}/{kv_heads} D{head_dim} {'causal' if causal else 'full'}"
             logging.info("%s: %s blocks %s", shape, ours, blocks)
-            ours_fn = functools.partial(flash_attention, causal=causal, block_sizes=override)
+            ours_fn = functools.partial(flash_attention, causal=causal, block_sizes=override, **selection)
             paths = {f"flash_attention[{ours}]": ours_fn}
             for name, impl in baselines.items():
                 paths[name] = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
             for name, attend in paths.items():
                 rows.append(_measure(f"{name} fwd", shape, attend, (q, k, v), fwd_flops))
             for name, attend in paths.items():
-                loss = lambda q, k, v, attend=attend: attend(q, k, v).astype(jnp.float32).sum()
-                rows.append(_measure(f"{name} fwd+bwd", shape, jax.grad(loss, (0, 1, 2)), (q, k, v), 3.5 * fwd_flops))
+                rows.append(_measure(f"{name} fwd+bwd", shape, _attention_grads(attend), (q, k, v), 3.5 * fwd_flops))
     return rows
 
 
@@ -131,7 +165,8 @@ def bench_matmul():
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
     rows = []
-    for case in matmul_benchmark.cases("small" if on_cpu else "large", dtype, resolve_implementation(None)):
+    impl, selection = _ours()
+    for case in matmul_benchmark.cases("small" if on_cpu else "large", dtype, impl, interpret=selection["interpret"]):
         for name, fn in case.paths.items():
             row = _measure(f"{name} {case.direction}", case.shape, fn, case.args, case.flops)
             if case.kernel == "linear_cross_entropy" and not row[-1]:
@@ -140,11 +175,77 @@ def bench_matmul():
     return rows
 
 
+def _describe(blocks):
+    return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(blocks).items() if v is not None)
+
+
+def _search(title, candidates, make_fn, args, flops, effective, baseline=None):
+    """Times `make_fn(candidate)` for each candidate (the first is the default) whose `effective(candidate)` block
+    sizes differ from those already timed, and prints them fastest first beside `baseline` = (name, fn), each with
+    its speed relative to the default. An interrupt ends the search early; what was measured is still printed."""
+    rows, seen = [], set()
+    try:
+        if baseline is not None:
+            rows.append(_measure(baseline[0], "", baseline[1], args, flops))
+        for index, cand in enumerate(candidates):
+            blocks = effective(cand)
+            if blocks in seen or (FLAGS.max_candidates and len(seen) >= FLAGS.max_candidates):
+                continue
+            seen.add(blocks)
+            rows.append(_measure("candidate" if index else "default", _describe(blocks), make_fn(cand), args, flops))
+    except KeyboardInterrupt:
+        logging.warning("%s: interrupted after %d of %d candidates", title, len(rows), len(candidates))
+    default_ms = next((float(r[2]) for r in rows if r[0] == "default" and r[2] != "-"), None)
+    for row in rows:
+        if default_ms and row[2] != "-":
+            row[-1] = (row[-1] + " " if row[-1] else "") + f"{default_ms / float(row[2]):.2f}x default"
+    rows.sort(key=lambda r: float(r[2]) if r[2] != "-" else float("inf"))
+    _print_table(title, rows, first_columns=("candidate", "blocks"))
+    return rows
+
+
+def tune_attention():
+    """The attention tuning space at the first sequence length and masking mode: forward tiles timed forward,
+    backward tiles forward+backward (with the default forward)."""
+    dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
+    impl, selection = _ours()
+    args, fwd_flops, shape = _attention_inputs(dtype, seq_lens[0], tokens, heads, kv_heads, head_dim, causal_modes[0])
+    effective = lambda blocks: choose_block_sizes(impl, head_dim, seq_lens[0], seq_lens[0], blocks)
+    attend = lambda blocks: functools.partial(flash_attention, causal=causal_modes[0], block_sizes=blocks, **selection)
+    reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal_modes[0])
+    for timed, candidates in ATTENTION_TUNING_SPACE[impl].items():
+        backward = timed == "fwd+bwd"
+        _search(f"tune flash_attention[{impl}] {timed} {shape}", [None, *candidates],
+                (lambda b: _attention_grads(attend(b))) if backward else attend, args,
+                fwd_flops * (3.5 if backward else 1.0), effective,
+                ("jax.nn[xla]", _attention_grads(reference) if backward else reference))
+
+
+def tune_matmul():
+    """Each matmul op's tuning space at its benchmark size, forward and forward+backward, beside XLA."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    impl, selection = _ours()
+    size = "small" if on_cpu else "large"
+    for kernel, op in (("fused_matmul", "matmul"), ("gated_mlp", "gated"), ("linear_cross_entropy", "loss")):
+        space = matmul_blocks.TUNING_SPACE.get((impl, op))
+        if not space:
+            logging.info("tune %s: implementation %r has no block sizes to tune", kernel, impl)
+            continue
+        for index, case in enumerate(matmul_benchmark.cases(size, dtype, impl, (kernel,))):
+            (_, _), (xla_name, xla_fn) = case.paths.items()
+            by_blocks = lambda b, index=index: next(iter(matmul_benchmark.cases(
+                size, dtype, impl, (kernel,), block_sizes=b, interpret=selection["interpret"])[index].paths.values()))
+            _search(f"tune {kernel}[{impl}] {case.direction} {case.shape}", space, by_blocks, case.args, case.flops,
+                    lambda b: b, (xla_name, xla_fn))
+
+
 _KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul}
+_TUNERS = {"attention": tune_attention, "matmul": tune_matmul}
 
 
-def _print_table(title, rows):
-    header = ["kernel", "shape", "median ms", "TFLOP/s", "% peak", "note"]
+def _print_table(title, rows, first_columns=("kernel", "shape")):
+    header = [*first_columns, "median ms", "TFLOP/s", "% peak", "note"]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     print(f"\n## {title} ({jax.devices()[0].device_kind}, jax {jax.__version__})")
     for row in [header, ["-" * w for w in widths], *rows]:
@@ -153,9 +254,14 @@ def _print_table(title, rows):
 
 def main(argv):
     del argv
-    unknown = [name for name in FLAGS.kernels if name not in _KERNEL_FAMILIES]
-    if unknown:
-        raise app.UsageError(f"--kernels: unknown {unknown}; expected some of {list(_KERNEL_FAMILIES)}")
+    for flag, known in (("kernels", _KERNEL_FAMILIES), ("tune", _TUNERS)):
+        unknown = [name for name in FLAGS[flag].value if name not in known]
+        if unknown:
+            raise app.UsageError(f"--{flag}: unknown {unknown}; expected some of {list(known)}")
+    if FLAGS.tune:
+        for name in FLAGS.tune:
+            _TUNERS[name]()
+        return
     for name in FLAGS.kernels:
         _print_table(name, _KERNEL_FAMILIES[name]())
 

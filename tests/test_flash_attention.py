@@ -5,6 +5,7 @@ interpreter), with small tiles so that every case spans several blocks and exerc
 """
 import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -285,3 +286,21 @@ def test_lowers_for_the_accelerator(implementation, platform, custom_call):
     assert text.count(f"@{custom_call}(") == 3
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in text
+
+
+def test_forward_and_backward_kernels_take_their_own_triton_launch_settings():
+    """num_warps/num_stages go to the forward kernel, num_warps_bwd/num_stages_bwd to the dq and dk/dv kernels (the
+    Triton custom calls' attributes in the cuda lowering), so the tuner can pick each pass's best."""
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    blocks = BlockSizes(num_warps=2, num_stages=1, num_warps_bwd=8, num_stages_bwd=4)
+    grads = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="triton",
+                                                     block_sizes=blocks).astype(jnp.float32).sum(), (0, 1, 2))
+    with for_gpu():
+        text = jax.jit(grads).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    settings = {}
+    for line in text.splitlines():
+        name = re.search(r'name = "(flash_attention_\w+)"', line)
+        if name and "xla.gpu.triton" in line:
+            settings[name.group(1)] = tuple(int(re.search(rf"{k} = (\d+)", line).group(1))
+                                            for k in ("num_warps", "num_stages"))
+    assert settings == {"flash_attention_fwd": (2, 1), "flash_attention_dq": (8, 4), "flash_attention_dkv": (8, 4)}

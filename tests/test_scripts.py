@@ -221,6 +221,26 @@ def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
     assert error > check_kernels.LIMITS["float32"] and 5e-3 < error < 2e-2, (error, part)
 
 
+def test_bench_kernels_tunes_every_pallas_op_in_interpret_mode():
+    """--tune over interpreted Triton kernels (two candidates each): one table per op and pass, fastest first,
+    with the XLA baseline and each row's speed relative to the default."""
+    out = _run("bench_kernels.py", "--tune=attention,matmul", "--implementation=triton", "--interpret",
+               "--max_candidates=2", "--seq_lens=64", "--tokens=64", "--heads=2", "--head_dim=16", "--iters=1",
+               "--warmup=1", "--causal=true")
+    tables = out.stdout.split("\n## ")[1:]
+    titles = [t.splitlines()[0] for t in tables]
+    for op in ("flash_attention", "fused_matmul", "gated_mlp", "linear_cross_entropy"):
+        assert sum(title.startswith(f"tune {op}[triton] fwd") for title in titles) == 2, titles
+    for table in tables:
+        lines = [line for line in table.splitlines() if line.strip()]
+        starts = [m.start() for m in re.finditer(r"-+", lines[2])]  # the column rule under the header
+        rows = [[line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])] for line in lines[3:]]
+        assert len(rows) == 3 and [r[0] for r in rows].count("default") == 1, table  # baseline, default, candidate
+        times = [float(r[2]) for r in rows]
+        assert times == sorted(times), table
+        assert [r[-1] for r in rows if r[0] == "default"] == ["1.00x default"], table
+
+
 def test_bench_kernels_prints_both_tables():
     out = _run("bench_kernels.py", "--kernels=attention,matmul", "--seq_lens=64", "--iters=1", "--warmup=1",
                "--causal=true")

@@ -27,7 +27,8 @@ class BlockSizes:
     """Tile sizes along the sequence axes; None fields take the heuristic default.
 
     block_q/block_k: forward pass. block_q_bwd/block_k_bwd: both backward passes (dq, and dk/dv).
-    num_warps/num_stages: Triton only. The 'xla' implementation uses only block_k (its scan step).
+    num_warps/num_stages (forward) and num_warps_bwd/num_stages_bwd: Triton only. The 'xla' implementation uses
+    only block_k (its scan step, both directions).
     """
 
     block_q: int | None = None
@@ -36,6 +37,8 @@ class BlockSizes:
     block_k_bwd: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
 
 # Heuristic defaults per implementation, keyed by the largest head_dim they apply to. Triton numbers follow the
@@ -46,13 +49,32 @@ _DEFAULT_BLOCKS = {
     # 'xla' scans over kv only (block_q unused); 512-key steps bound its temporaries to [B, H, T, 512].
     "xla": {1 << 30: BlockSizes(block_q=1, block_k=512, block_q_bwd=1, block_k_bwd=512)},
     "triton": {
-        64: BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3),
-        128: BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3),
-        1 << 30: BlockSizes(64, 32, 32, 32, num_warps=8, num_stages=2),
+        64: BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4, num_stages_bwd=3),
+        128: BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=8, num_stages_bwd=3),
+        1 << 30: BlockSizes(64, 32, 32, 32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=2),
     },
     "mosaic_tpu": {
         128: BlockSizes(512, 512, 256, 512),
         1 << 30: BlockSizes(256, 512, 256, 256),
+    },
+}
+# What `scripts/bench_kernels.py --tune` times, per implementation, keyed by the pass it times ('fwd', or 'fwd+bwd'
+# for the backward tiles). Each candidate is laid over the heuristic default like a `block_sizes` override, so a
+# forward candidate leaves the backward settings alone and vice versa. 'xla' has one block_k for both directions.
+TUNING_SPACE = {
+    "xla": {"fwd+bwd": [BlockSizes(block_k=bk) for bk in (256, 512, 1024, 2048)]},
+    "triton": {
+        "fwd": [BlockSizes(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+                for bq, bk in ((64, 64), (128, 32), (128, 64), (128, 128)) for w in (4, 8) for s in (2, 3, 4)],
+        "fwd+bwd": [BlockSizes(block_q_bwd=bq, block_k_bwd=bk, num_warps_bwd=w, num_stages_bwd=s)
+                    for bq, bk in ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128)) for w in (4, 8)
+                    for s in (2, 3)],
+    },
+    "mosaic_tpu": {
+        "fwd": [BlockSizes(block_q=bq, block_k=bk)
+                for bq, bk in ((256, 512), (512, 512), (512, 1024), (1024, 512), (1024, 1024))],
+        "fwd+bwd": [BlockSizes(block_q_bwd=bq, block_k_bwd=bk)
+                    for bq, bk in ((256, 256), (256, 512), (512, 256), (512, 512))],
     },
 }
 # Smallest tile per implementation: Triton's tl.dot needs >= 16 rows; Mosaic's lane dim is 128 wide.

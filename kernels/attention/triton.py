@@ -183,8 +183,11 @@ def _dkv_kernel(*refs, plan, has_ids, groups):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _compiler_params(plan):
-    return _CompilerParams(num_warps=plan.blocks.num_warps, num_stages=plan.blocks.num_stages)
+def _compiler_params(plan, backward=False):
+    b = plan.blocks
+    if backward:
+        return _CompilerParams(num_warps=b.num_warps_bwd, num_stages=b.num_stages_bwd)
+    return _CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
 
 
 def _id_operands(q_ids, kv_ids, q_spec, kv_spec):
@@ -227,7 +230,7 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
     # delta_i = <out_i, do_i> = sum_j p_ij dp_ij, one fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
-    common = dict(compiler_params=_compiler_params(plan), interpret=plan.interpret)
+    common = dict(compiler_params=_compiler_params(plan, backward=True), interpret=plan.interpret)
 
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     kv_full = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, lax.div(h, G), 0))

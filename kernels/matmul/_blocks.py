@@ -42,6 +42,29 @@ _TABLE = {
 }
 
 
+# What `scripts/bench_kernels.py --tune` times per (implementation, op), the default first; (block_m, block_n,
+# block_k, num_warps, num_stages) for Triton: wider tiles and deeper pipelines for the one-accumulator matmul, fewer
+# registers' worth for the two-accumulator gated kernel and the loss. 'xla' has nothing to tune.
+_TRITON_CANDIDATES = {
+    "matmul": ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+               (128, 128, 32, 4, 4), (64, 256, 32, 4, 4), (128, 256, 32, 8, 4), (256, 128, 32, 8, 4)),
+    "gated": ((64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
+              (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 32, 4, 4)),
+    "loss": ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 64, 4, 3),
+             (128, 128, 32, 8, 4), (64, 128, 32, 4, 4)),
+}
+_MOSAIC_CANDIDATES = {
+    "matmul": ((512, 512, 512), (256, 256, 512), (512, 1024, 512), (1024, 512, 512), (512, 512, 1024)),
+    "gated": ((256, 512, 512), (256, 256, 512), (512, 512, 512), (256, 512, 1024)),
+    "loss": ((256, 512, 512), (512, 512, 512), (256, 1024, 512), (512, 1024, 256)),
+}
+TUNING_SPACE = {
+    **{("triton", op): [BlockSizes(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in c]
+       for op, c in _TRITON_CANDIDATES.items()},
+    **{("mosaic_tpu", op): [BlockSizes(m, n, k) for m, n, k in c] for op, c in _MOSAIC_CANDIDATES.items()},
+}
+
+
 def default_block_sizes(implementation, op):
     return _TABLE[(implementation, op)]
 

@@ -38,8 +38,11 @@ def _grad_of_sum(fn, argnums):
     return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums)
 
 
-def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp", "linear_cross_entropy")):
-    """Forward and forward+backward cases of each kernel at `size` ("large" or "small"), inputs random normal."""
+def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp", "linear_cross_entropy"),
+          block_sizes=None, interpret=False):
+    """Forward and forward+backward cases of each kernel at `size` ("large" or "small"), inputs random normal; the
+    fused paths take `block_sizes` (None: the heuristic table) and `interpret`."""
+    ops = dict(implementation=implementation, block_sizes=block_sizes, interpret=interpret)
     ours = f"[{implementation or 'default'}]"  # The implementation's name, as the script resolves it.
     out = []
     for kernel in kernels:
@@ -48,18 +51,18 @@ def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp"
         normal = lambda key, s, scale=1.0: (scale * jax.random.normal(key, s, jnp.float32)).astype(dtype)
         if kernel == "fused_matmul":
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5), normal(keys[2], (n,)))
-            fused = lambda x, w, b: fused_matmul(x, w, b, activation="gelu_tanh", implementation=implementation)
+            fused = lambda x, w, b: fused_matmul(x, w, b, activation="gelu_tanh", **ops)
             xla = lambda x, w, b: reference.fused_matmul_reference(x, w, b, activation="gelu_tanh")
             names, flops, argnums = ("fused_matmul", "xla dot+bias+gelu"), 2 * m * k * n, (0, 1, 2)
         elif kernel == "gated_mlp":
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5), normal(keys[2], (k, n), k ** -0.5))
-            fused = lambda x, wg, wu: gated_mlp(x, wg, wu, implementation=implementation)
+            fused = lambda x, wg, wu: gated_mlp(x, wg, wu, **ops)
             xla = reference.gated_mlp_reference
             names, flops, argnums = ("gated_mlp", "xla silu(x@wg)*(x@wu)"), 4 * m * k * n, (0, 1, 2)
         else:
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5),
                     jax.random.randint(keys[3], (m,), 0, n))
-            fused = lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation=implementation)
+            fused = lambda x, w, labels: linear_cross_entropy(x, w, labels, **ops)
             xla = reference.linear_cross_entropy_reference
             names, flops, argnums = ("linear_cross_entropy", "xla materialised logits"), 2 * m * k * n, (0, 1)
         shape = f"{m}x{k}x{n} {jnp.dtype(dtype).name}"
