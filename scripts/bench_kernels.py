@@ -5,9 +5,9 @@
   python scripts/bench_kernels.py --kernels=matmul
   python scripts/bench_kernels.py --tune=attention,matmul   # search the ops' block sizes instead
 
-Each row: median wall time over --iters runs after --warmup runs (random normal inputs, jitted, blocked on the
-result), achieved TFLOP/s and the fraction of the device's dense peak for that dtype. On CPU the defaults are small
-shapes: a smoke check that every path runs, not a measurement.
+Each row: median wall time per call over --iters samples after --warmup runs (random normal inputs, jitted; a
+sample is back-to-back calls blocked on once), achieved TFLOP/s and the fraction of the device's dense peak for
+that dtype. On CPU the defaults are small shapes: a smoke check that every path runs, not a measurement.
 
 `--tune` times every candidate of the ops' `TUNING_SPACE` (kernels/attention/api.py, kernels/matmul/_blocks.py) at
 one benchmark shape per op and prints them fastest first, the heuristic default marked; an interrupt (SIGINT, e.g.
@@ -36,7 +36,8 @@ from kernels.matmul import benchmark as matmul_benchmark  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_list("kernels", ["attention"], "Kernel families to benchmark.")
 flags.DEFINE_integer("warmup", 3, "Untimed runs before timing (the first also compiles).")
-flags.DEFINE_integer("iters", 20, "Timed runs; the median is reported.")
+flags.DEFINE_integer("iters", 20, "Timed samples; the median is reported.")
+flags.DEFINE_float("min_sample_ms", 20.0, "Each sample runs back-to-back calls for about this long (at most 100).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Default bf16 on accelerators, f32 on CPU.")
 flags.DEFINE_list("seq_lens", None, "Attention sequence lengths; default 2k-16k on accelerators, 128,256 on CPU.")
 flags.DEFINE_integer(
@@ -83,13 +84,21 @@ def _peak_tflops():
 
 
 def _median_seconds(fn, *args):
+    """Median seconds per call over --iters samples. A sample is enough back-to-back calls to last about
+    --min_sample_ms, blocked on once, so the host's dispatch and sync (tens of microseconds) are not counted per
+    call: a 0.4 ms kernel timed one call at a time would read ~10% slow."""
     for _ in range(FLAGS.warmup):
         jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    calls = max(1, min(100, int(FLAGS.min_sample_ms / 1e3 / max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(FLAGS.iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
