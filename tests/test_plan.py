@@ -94,6 +94,18 @@ def test_compiler_flags_only_for_their_platform(monkeypatch):
         compiler.configure("metal")
 
 
+def test_installed_xla_knows_every_gpu_flag():
+    """XLA aborts at start-up on an unknown XLA_FLAGS entry, and it parses the GPU flags on any platform: a flag an
+    XLA upgrade removed would fail here, not on the first GPU job. (A bogus flag does abort this way.)"""
+    flags = " ".join(f"--{name}={value}" for name, value in compiler.GPU_FLAGS.items())
+    code = "import jax; print(jax.devices()[0].platform)"
+    for extra, ok in (("", True), (" --xla_gpu_no_such_flag=true", False)):
+        env = dict(os.environ, XLA_FLAGS=flags + extra, JAX_PLATFORMS="cpu")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert (out.returncode == 0 and out.stdout.strip() == "cpu") == ok, out.stderr[-1000:]
+        assert ok or "Unknown flag" in out.stderr
+
+
 def test_script_prints_one_json_line_and_rejects_a_bad_mesh():
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
