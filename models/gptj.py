@@ -44,10 +44,11 @@ class GPTJBlock(nn.Module):
                                max_position_embeddings=c.max_position_embeddings)
         h = layers.Norm("layer", c.norm_eps, name="norm", **kw)(x)
         a, cache = layers.Attention(c.num_heads, c.num_heads, c.dim_per_head, causal=True, rotary=rotary,
-                                    std=c.initializer_range, implementation=c.attention_implementation, name="attn",
-                                    **kw)(h, ctx, cache)
+                                    std=c.initializer_range, implementation=c.attention_implementation,
+                                    interpret=c.kernel_interpret, name="attn", **kw)(h, ctx, cache)
         m = layers.MLP(c.intermediate_size or 4 * c.hidden_size, c.activation, gated=False, use_bias=True,
-                       std=c.initializer_range, implementation=c.mlp_implementation, name="mlp", **kw)(h)
+                       std=c.initializer_range, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
+                       name="mlp", **kw)(h)
         return x + a + m, cache
 
 

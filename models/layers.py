@@ -30,7 +30,8 @@ class ModelOptions:
     layer weights (a leading [layers] axis), so a deep model compiles one layer. remat: 'none', 'full' (recompute the
     whole layer in the backward pass) or 'dots' (save the outputs of weight matmuls, recompute the rest).
     attention_implementation: passed to kernels.flash_attention (None = best for the backend). mlp_implementation:
-    None = plain jnp MLP; a name ('xla', 'triton', ...) routes the MLP through the fused kernels.
+    None = plain jnp MLP; a name ('xla', 'triton', ...) routes the MLP through the fused kernels. kernel_interpret:
+    run those Pallas kernels in Pallas's interpreter (to test a model's GPU kernels on CPU).
     """
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -38,6 +39,7 @@ class ModelOptions:
     remat: str = "none"
     attention_implementation: str | None = None
     mlp_implementation: str | None = None
+    kernel_interpret: bool = False
 
     # Attention geometry of the decoder families (fields num_heads, hidden_size, optional num_kv_heads / head_dim).
     @property
@@ -110,13 +112,13 @@ class Linear(nn.Module):
         self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \
             if self.use_bias else None
 
-    def __call__(self, x, act=None, implementation=None):
+    def __call__(self, x, act=None, implementation=None, interpret=False):
         x = x.astype(self.dtype)
         w = self.kernel.astype(self.dtype)
         b = None if self.bias is None else self.bias.astype(self.dtype)
         if implementation is not None:
             return kernels.fused_matmul(x, w, b, activation=_KERNEL_ACTIVATION.get(act, act),
-                                        implementation=implementation)
+                                        implementation=implementation, interpret=interpret)
         y = jnp.dot(x, w)
         if b is not None:
             y = y + b
@@ -227,7 +229,7 @@ class Rotary:
 # ----------------------------------------------------------------------------------------------------- attention
 
 def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=None, sm_scale=None,
-           implementation=None):
+           implementation=None, interpret=False):
     """The one attention helper. q [B, T, H, D]; k, v [B, S, KVH, D] (H a multiple of KVH); segment ids int32
     [B, T] / [B, S]: a query sees only keys with its id. Returns [B, T, H, D].
 
@@ -238,7 +240,7 @@ def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=Non
         seg = None if q_segment_ids is None else (
             q_segment_ids if kv_segment_ids is None else (q_segment_ids, kv_segment_ids))
         return kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
-                                       implementation=implementation)
+                                       implementation=implementation, interpret=interpret)
     B, T, H, D = q.shape
     S, KVH = k.shape[1], k.shape[2]
     scale = D ** -0.5 if sm_scale is None else sm_scale
@@ -275,6 +277,7 @@ class Attention(nn.Module):
     sm_scale: float | None = None  # None: head_dim ** -0.5
     std: float = 0.02
     implementation: str | None = None
+    interpret: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -294,7 +297,7 @@ class Attention(nn.Module):
                 k = self.rotary(k, ctx["positions"])
             return k, v
 
-        opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, bias=bias)
+        opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, interpret=self.interpret, bias=bias)
         if kv_input is not None:  # cross-attention: every query is live; padded encoder tokens are hidden
             if cache is not None and "cross_k" in cache:
                 k, v = cache["cross_k"], cache["cross_v"]
@@ -333,6 +336,7 @@ class MLP(nn.Module):
     use_bias: bool = False
     std: float = 0.02
     implementation: str | None = None
+    interpret: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -342,14 +346,14 @@ class MLP(nn.Module):
         kw = dict(use_bias=self.use_bias, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
         up = Linear(d, self.hidden, name="up", **kw)
         if not self.gated:
-            h = up(x, act=self.act, implementation=self.implementation)
+            h = up(x, act=self.act, implementation=self.implementation, interpret=self.interpret)
         else:
             gate = Linear(d, self.hidden, name="gate", **kw)
             if self.implementation is not None and not self.use_bias:
                 w_gate, w_up = gate.kernel.astype(self.dtype), up.kernel.astype(self.dtype)
                 h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up,
                                       activation=_KERNEL_ACTIVATION.get(self.act, self.act),
-                                      implementation=self.implementation)
+                                      implementation=self.implementation, interpret=self.interpret)
             else:
                 h = gate(x, act=self.act) * up(x)
         return Linear(self.hidden, d, name="down", **kw)(h)

@@ -68,11 +68,12 @@ class LlamaBlock(nn.Module):
         h = layers.Norm("rms", c.norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(c.num_heads, c.kv_heads, c.dim_per_head, causal=True, use_bias=c.attention_bias,
                                     rotary=rotary, std=c.initializer_range,
-                                    implementation=c.attention_implementation, name="attn", **kw)(h, ctx, cache)
+                                    implementation=c.attention_implementation, interpret=c.kernel_interpret,
+                                    name="attn", **kw)(h, ctx, cache)
         x = x + h
         h = layers.Norm("rms", c.norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias, std=c.initializer_range,
-                       implementation=c.mlp_implementation, name="mlp", **kw)(h)
+                       implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw)(h)
         return x + h, cache
 
 

@@ -63,11 +63,12 @@ class OPTBlock(nn.Module):
         pre = c.do_layer_norm_before
         h, cache = layers.Attention(c.num_heads, c.num_heads, c.dim_per_head, causal=True,
                                     use_bias=c.enable_bias, std=c.initializer_range,
-                                    implementation=c.attention_implementation, name="attn",
-                                    **kw)(attn_norm(x) if pre else x, ctx, cache)
+                                    implementation=c.attention_implementation, interpret=c.kernel_interpret,
+                                    name="attn", **kw)(attn_norm(x) if pre else x, ctx, cache)
         x = x + h if pre else attn_norm(x + h)
         h = layers.MLP(c.ffn_dim, c.activation, gated=False, use_bias=c.enable_bias, std=c.initializer_range,
-                       implementation=c.mlp_implementation, name="mlp", **kw)(mlp_norm(x) if pre else x)
+                       implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp",
+                       **kw)(mlp_norm(x) if pre else x)
         return (x + h if pre else mlp_norm(x + h)), cache
 
 

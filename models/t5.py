@@ -90,7 +90,8 @@ class T5Block(nn.Module):
         c = self.config
         kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         attn = dict(num_heads=c.num_heads, num_kv_heads=c.num_heads, head_dim=c.d_kv, sm_scale=1.0,
-                    std=c.initializer_factor * c.d_model ** -0.5, implementation=c.attention_implementation, **kw)
+                    std=c.initializer_factor * c.d_model ** -0.5, implementation=c.attention_implementation,
+                    interpret=c.kernel_interpret, **kw)
         h = layers.Norm("rms", c.layer_norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(causal=self.decoder, name="attn", **attn)(h, ctx, cache, bias=ctx["position_bias"])
         x = x + h
@@ -101,7 +102,7 @@ class T5Block(nn.Module):
             x = x + h
         h = layers.Norm("rms", c.layer_norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=c.initializer_factor * c.d_model ** -0.5,
-                       implementation=c.mlp_implementation, name="mlp", **kw)(h)
+                       implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw)(h)
         return x + h, cache
 
 

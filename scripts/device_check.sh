@@ -34,6 +34,6 @@ grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -60
 # Per search: its title, the fastest two rows, the default and the baseline (all rows are in $OUT/tune.log).
 [ -f "$OUT/tune.log" ] && grep -v -E "^[IWE][0-9]{4} " "$OUT/tune.log" \
   | awk '/^## /{print; n=0; next} /^-|^candidate +blocks/{next} NF{n++; if (n <= 2 || $1 != "candidate") print}'
-grep -v -E "^[IWE][0-9]{4} " "$OUT/check_kernels.log" | tail -14
+grep -v -E "^[IWE][0-9]{4} " "$OUT/check_kernels.log" | tail -16
 echo "check_kernels exit $check, bench_kernels exit $bench, $(( $(date +%s) - start )) s"
 exit $((check || bench))
