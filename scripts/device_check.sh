@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The one prepared run for a lent GPU (the device tool runs it from the repository root), inside a ~520 s budget:
-#   1. kernel correctness (scripts/check_kernels.py: compiled Triton kernels against the float32 reference);
+#   1. kernel correctness (scripts/check_kernels.py: compiled Triton kernels against the float32 reference), then
+#      the main job end to end (scripts/train_lm.py, README line 1, with the Triton MLP and the fused loss too): its
+#      eval losses compare with the CPU run's 5.78 -> 1.91;
 #   2. the benchmark tables of issues 5 and 6 (scripts/bench_kernels.py: flash attention at 2k-16k, the fused
 #      matmuls at LLM sizes, beside XLA and cuDNN);
 #   3. with what is left of the budget, the block-size search (bench_kernels.py --tune): attention at 8k causal, then
 #      the matmuls; interrupted (SIGINT) at the deadline, it still prints what it measured.
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
-#   run: command="bash scripts/device_check.sh", timeout_s=560   (BUDGET=seconds overrides the 520)
-# On the device image the packages are the image's own (python3 holds jax with CUDA); nothing is installed.
+#   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=560   (BUDGET=seconds overrides the 520)
+# On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX, which the
+# training script needs: its wheel is carried in .whl/ (ignored by git; WORKSPACE.md says how to fetch it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device_out}
@@ -22,6 +25,14 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$O
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
 $PY scripts/check_kernels.py > "$OUT/check_kernels.log" 2>&1
 check=$?
+if ! $PY -c "import tensorboardX" 2>/dev/null && ls .whl/tensorboardx-*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tensorboardx-*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+timeout -s INT 180 $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
+  --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
+  > "$OUT/train_lm.log" 2>&1
+train=$?
 timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul > "$OUT/bench_kernels.log" 2>&1
 bench=$?
 tune_time=$(( $(left) - 15 ))
@@ -34,6 +45,7 @@ grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -60
 # Per search: its title, the fastest two rows, the default and the baseline (all rows are in $OUT/tune.log).
 [ -f "$OUT/tune.log" ] && grep -v -E "^[IWE][0-9]{4} " "$OUT/tune.log" \
   | awk '/^## /{print; n=0; next} /^-|^candidate +blocks/{next} NF{n++; if (n <= 2 || $1 != "candidate") print}'
+grep -v -E "^[IWE][0-9]{4} " "$OUT/train_lm.log" | grep -i -E "eval|loss|error|step 400" | tail -6
 grep -v -E "^[IWE][0-9]{4} " "$OUT/check_kernels.log" | tail -16
-echo "check_kernels exit $check, bench_kernels exit $bench, $(( $(date +%s) - start )) s"
-exit $((check || bench))
+echo "check_kernels exit $check, train_lm exit $train, bench_kernels exit $bench, $(( $(date +%s) - start )) s"
+exit $((check || train || bench))
