@@ -251,17 +251,22 @@ def _loss_and_metrics(model, params, out, labels, implementation, interpret):
     return jnp.where(valid, losses, 0.0).sum() / n, metrics
 
 
+def _dropout_rngs(rng):
+    """Flax `rngs` for a model call: the step's key as the 'dropout' stream (none without a key)."""
+    return {} if rng is None else {"dropout": rng}
+
+
 def lm_loss_fn(model, implementation=None, *, interpret=False):
     """`loss_fn(params, batch, rng, is_training)` for a decoder-only model on `collate_lm` batches: mean
     next-token cross-entropy over the labelled positions, plus the number of tokens and (with plain logits) token
     accuracy. implementation: None (plain logits) or a kernel implementation for the fused head + loss ('xla',
-    'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter."""
+    'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter.
+    Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`."""
     _check_implementation(implementation)
 
     def loss_fn(params, batch, rng, is_training):
-        del rng, is_training
         out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
-                          return_hidden=implementation is not None)
+                          return_hidden=implementation is not None, train=is_training, rngs=_dropout_rngs(rng))
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
     loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
     return loss_fn
@@ -334,9 +339,8 @@ def seq2seq_loss_fn(model, implementation=None, *, interpret=False):
     _check_implementation(implementation)
 
     def loss_fn(params, batch, rng, is_training):
-        del rng, is_training
         out = model.apply({"params": params}, batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"],
-                          return_hidden=implementation is not None)
+                          return_hidden=implementation is not None, train=is_training, rngs=_dropout_rngs(rng))
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
     loss_fn.weight_metric = "tokens"
     return loss_fn

@@ -35,6 +35,7 @@ NAMED_CONFIGS = {
 
 class GPTJBlock(nn.Module):
     config: GPTJConfig
+    deterministic: bool = True
 
     @nn.compact
     def __call__(self, x, ctx, cache):
@@ -49,7 +50,8 @@ class GPTJBlock(nn.Module):
         m = layers.MLP(c.intermediate_size or 4 * c.hidden_size, c.activation, gated=False, use_bias=True,
                        std=c.initializer_range, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
                        name="mlp", **kw)(h)
-        return x + a + m, cache
+        drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
+        return x + drop(a) + drop(m), cache
 
 
 class GPTJ(layers.DecoderLM):
@@ -57,6 +59,7 @@ class GPTJ(layers.DecoderLM):
     block = GPTJBlock
     norm_kind = "layer"
     head_bias = True
+    embed_dropout = True
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
@@ -69,14 +72,15 @@ def config_from_hf(hf, **options):
         num_layers=hf["n_layer"], num_heads=hf["n_head"], rotary_dim=hf.get("rotary_dim"),
         max_position_embeddings=hf.get("n_positions", 2048), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=hf.get("activation_function", "gelu_new"), initializer_range=hf.get("initializer_range", 0.02),
-        **options)
+        **{"dropout_rate": hf.get("resid_pdrop", 0.0), **options})
 
 
 def config_to_hf(c):
     return dict(model_type="gptj", architectures=["GPTJForCausalLM"], vocab_size=c.vocab_size, n_embd=c.hidden_size,
                 n_inner=c.intermediate_size, n_layer=c.num_layers, n_head=c.num_heads, rotary_dim=c.rotary_dim,
                 n_positions=c.max_position_embeddings, layer_norm_epsilon=c.norm_eps,
-                activation_function=c.activation, initializer_range=c.initializer_range, tie_word_embeddings=False)
+                activation_function=c.activation, initializer_range=c.initializer_range, tie_word_embeddings=False,
+                resid_pdrop=c.dropout_rate, embd_pdrop=c.dropout_rate)
 
 
 def hf_tensor_map(c):

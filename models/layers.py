@@ -31,7 +31,10 @@ class ModelOptions:
     whole layer in the backward pass) or 'dots' (save the outputs of weight matmuls, recompute the rest).
     attention_implementation: passed to kernels.flash_attention (None = best for the backend). mlp_implementation:
     None = plain jnp MLP; a name ('xla', 'triton', ...) routes the MLP through the fused kernels. kernel_interpret:
-    run those Pallas kernels in Pallas's interpreter (to test a model's GPU kernels on CPU).
+    run those Pallas kernels in Pallas's interpreter (to test a model's GPU kernels on CPU). dropout_rate: dropout
+    in training calls (`train=True`, with a 'dropout' rng) on each attention and MLP output before its residual add
+    and where the family's Hugging Face model has it (OPT and GPT-J after the embeddings; T5 also after each stack's
+    embeddings and final norm). Attention probabilities are not dropped: the flash kernels take no dropout.
     """
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -40,6 +43,7 @@ class ModelOptions:
     attention_implementation: str | None = None
     mlp_implementation: str | None = None
     kernel_interpret: bool = False
+    dropout_rate: float = 0.0
 
     # Attention geometry of the decoder families (fields num_heads, hidden_size, optional num_kv_heads / head_dim).
     @property
@@ -378,7 +382,7 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
             raise ValueError(f"remat={remat!r}; expected 'none', 'full' or 'dots'")
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
-        stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+        stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast, 0), length=num_layers)
         return stack(name=name, **block_kwargs)(x, ctx, cache)
     caches = []
@@ -471,17 +475,20 @@ class DecoderLM(nn.Module):
     tie_word_embeddings, kv_heads and dim_per_head (and optionally embed_dim, final_layer_norm,
     layer_norm_elementwise_affine, max_position_embeddings).
 
-    __call__(input_ids [B, T], attention_mask [B, T] | None, *, positions, cache, return_hidden) -> logits
+    __call__(input_ids [B, T], attention_mask [B, T] | None, *, positions, cache, return_hidden, train) -> logits
     [B, T, vocab] float32, or (logits, cache) when a cache (from init_cache) is passed; see decoder_context for the
-    mask and the positions."""
+    mask and the positions. train=True applies dropout (config.dropout_rate) and needs a 'dropout' rng. Blocks take
+    a `deterministic` attribute (False in training calls)."""
     config: Any
     block = None
     norm_kind = "rms"
     head_bias = False
     position_offset = None  # learned absolute positions, read at position + offset (OPT)
+    embed_dropout = False  # dropout after the embeddings in training calls (OPT, GPT-J)
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache=None, return_hidden=False):
+    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache=None, return_hidden=False,
+                 train=False):
         c = self.config
         kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         lin = dict(std=c.initializer_range, **kw)
@@ -496,7 +503,9 @@ class DecoderLM(nn.Module):
             table = token_embedding(c.max_position_embeddings + self.position_offset, c.hidden_size,
                                     name="embed_positions", **lin)
             x = x + table(ctx["positions"] + self.position_offset)
-        x, layer_cache = apply_layers(self.block, x, ctx, cache, c)
+        if self.embed_dropout:
+            x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
+        x, layer_cache = apply_layers(self.block, x, ctx, cache, c, deterministic=not train)
         if getattr(c, "final_layer_norm", True):
             x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
         if embed_dim != c.hidden_size:

@@ -58,6 +58,7 @@ NAMED_CONFIGS = {
 
 class LlamaBlock(nn.Module):
     config: LlamaConfig
+    deterministic: bool = True
 
     @nn.compact
     def __call__(self, x, ctx, cache):
@@ -70,11 +71,12 @@ class LlamaBlock(nn.Module):
                                     rotary=rotary, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
                                     name="attn", **kw)(h, ctx, cache)
-        x = x + h
+        drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
+        x = x + drop(h)
         h = layers.Norm("rms", c.norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw)(h)
-        return x + h, cache
+        return x + drop(h), cache
 
 
 class Llama(layers.DecoderLM):

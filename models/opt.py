@@ -53,6 +53,7 @@ NAMED_CONFIGS = {
 
 class OPTBlock(nn.Module):
     config: OPTConfig
+    deterministic: bool = True
 
     @nn.compact
     def __call__(self, x, ctx, cache):
@@ -65,10 +66,13 @@ class OPTBlock(nn.Module):
                                     use_bias=c.enable_bias, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
                                     name="attn", **kw)(attn_norm(x) if pre else x, ctx, cache)
+        drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
+        h = drop(h)
         x = x + h if pre else attn_norm(x + h)
         h = layers.MLP(c.ffn_dim, c.activation, gated=False, use_bias=c.enable_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp",
                        **kw)(mlp_norm(x) if pre else x)
+        h = drop(h)
         return (x + h if pre else mlp_norm(x + h)), cache
 
 
@@ -77,6 +81,7 @@ class OPT(layers.DecoderLM):
     block = OPTBlock
     norm_kind = "layer"
     position_offset = 2  # OPT's position table has two leading rows that real positions never use
+    embed_dropout = True
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
@@ -92,7 +97,7 @@ def config_from_hf(hf, **options):
         layer_norm_elementwise_affine=hf.get("layer_norm_elementwise_affine", True),
         enable_bias=hf.get("enable_bias", True), activation=hf.get("activation_function", "relu"),
         initializer_range=hf.get("init_std", 0.02), tie_word_embeddings=hf.get("tie_word_embeddings", True),
-        **options)
+        **{"dropout_rate": hf.get("dropout", 0.1), **options})
 
 
 def config_to_hf(c):
@@ -103,7 +108,7 @@ def config_to_hf(c):
                 _remove_final_layer_norm=c.do_layer_norm_before and not c.final_layer_norm,
                 layer_norm_elementwise_affine=c.layer_norm_elementwise_affine, enable_bias=c.enable_bias,
                 activation_function=c.activation, init_std=c.initializer_range,
-                tie_word_embeddings=c.tie_word_embeddings)
+                tie_word_embeddings=c.tie_word_embeddings, dropout=c.dropout_rate)
 
 
 def hf_tensor_map(c):

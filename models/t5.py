@@ -84,6 +84,7 @@ def relative_position_bucket(relative_position, *, bidirectional, num_buckets, m
 class T5Block(nn.Module):
     config: T5Config
     decoder: bool
+    deterministic: bool = True
 
     @nn.compact
     def __call__(self, x, ctx, cache):
@@ -92,18 +93,19 @@ class T5Block(nn.Module):
         attn = dict(num_heads=c.num_heads, num_kv_heads=c.num_heads, head_dim=c.d_kv, sm_scale=1.0,
                     std=c.initializer_factor * c.d_model ** -0.5, implementation=c.attention_implementation,
                     interpret=c.kernel_interpret, **kw)
+        drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = layers.Norm("rms", c.layer_norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(causal=self.decoder, name="attn", **attn)(h, ctx, cache, bias=ctx["position_bias"])
-        x = x + h
+        x = x + drop(h)
         if self.decoder:
             h = layers.Norm("rms", c.layer_norm_eps, name="cross_norm", **kw)(x)
             h, cache = layers.Attention(causal=False, name="cross_attn", **attn)(h, ctx, cache,
                                                                                 kv_input=ctx["encoder_out"])
-            x = x + h
+            x = x + drop(h)
         h = layers.Norm("rms", c.layer_norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=c.initializer_factor * c.d_model ** -0.5,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw)(h)
-        return x + h, cache
+        return x + drop(h), cache
 
 
 class T5Stack(nn.Module):
@@ -114,8 +116,9 @@ class T5Stack(nn.Module):
     embed: nn.Module
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, cache=None, encoder_out=None, encoder_mask=None):
+    def __call__(self, input_ids, attention_mask, cache=None, encoder_out=None, encoder_mask=None, train=False):
         c = self.config
+        drop = nn.Dropout(c.dropout_rate, deterministic=not train)
         B, T = input_ids.shape
         ctx, new_cache = layers.decoder_context(input_ids, attention_mask, None, cache)
         # Bias from slot indices: relative distances within a (left-padded or packed) sequence are unchanged, and
@@ -132,21 +135,23 @@ class T5Stack(nn.Module):
         if self.decoder:
             ctx.update(encoder_out=encoder_out, encoder_segment_ids=(
                 jnp.ones(encoder_out.shape[:2], jnp.int32) if encoder_mask is None else encoder_mask))
-        x, layer_cache = layers.apply_layers(T5Block, self.embed(input_ids), ctx, cache, c, decoder=self.decoder,
+        x, layer_cache = layers.apply_layers(T5Block, drop(self.embed(input_ids)), ctx, cache, c,
+                                             decoder=self.decoder, deterministic=not train,
                                              num_layers=c.decoder_layers if self.decoder else c.num_layers)
-        x = layers.Norm("rms", c.layer_norm_eps, name="final_norm", dtype=jnp.dtype(c.dtype),
-                        param_dtype=jnp.dtype(c.param_dtype))(x)
+        x = drop(layers.Norm("rms", c.layer_norm_eps, name="final_norm", dtype=jnp.dtype(c.dtype),
+                             param_dtype=jnp.dtype(c.param_dtype))(x))
         return x if cache is None else (x, {**new_cache, "layers": layer_cache})
 
 
 class T5(nn.Module):
     """Encoder-decoder LM.
 
-    __call__(input_ids [B, S], decoder_input_ids [B, T], attention_mask=None, decoder_attention_mask=None)
-      -> logits [B, T, vocab] float32.
-    encode(input_ids, attention_mask=None) -> encoder states [B, S, d_model].
+    __call__(input_ids [B, S], decoder_input_ids [B, T], attention_mask=None, decoder_attention_mask=None, *,
+      return_hidden=False, train=False) -> logits [B, T, vocab] float32.
+    encode(input_ids, attention_mask=None, train=False) -> encoder states [B, S, d_model].
     decode(decoder_input_ids, encoder_out, attention_mask=None, decoder_attention_mask=None, *, cache=None,
-      return_hidden=False) -> logits, or (logits, cache) with a cache from init_cache.
+      return_hidden=False, train=False) -> logits, or (logits, cache) with a cache from init_cache.
+    train=True applies dropout (config.dropout_rate) and needs a 'dropout' rng.
     """
     config: T5Config
     is_encoder_decoder = True
@@ -161,17 +166,17 @@ class T5(nn.Module):
             self.lm_head = layers.Linear(c.d_model, c.vocab_size, std=c.initializer_factor, **kw)
 
     def __call__(self, input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None, *,
-                 return_hidden=False):
-        encoder_out = self.encode(input_ids, attention_mask)
+                 return_hidden=False, train=False):
+        encoder_out = self.encode(input_ids, attention_mask, train=train)
         return self.decode(decoder_input_ids, encoder_out, attention_mask, decoder_attention_mask,
-                           return_hidden=return_hidden)
+                           return_hidden=return_hidden, train=train)
 
-    def encode(self, input_ids, attention_mask=None):
-        return self.encoder(input_ids, attention_mask)
+    def encode(self, input_ids, attention_mask=None, train=False):
+        return self.encoder(input_ids, attention_mask, train=train)
 
     def decode(self, decoder_input_ids, encoder_out, attention_mask=None, decoder_attention_mask=None, *,
-               cache=None, return_hidden=False):
-        out = self.decoder(decoder_input_ids, decoder_attention_mask, cache, encoder_out, attention_mask)
+               cache=None, return_hidden=False, train=False):
+        out = self.decoder(decoder_input_ids, decoder_attention_mask, cache, encoder_out, attention_mask, train=train)
         x, new_cache = (out, None) if cache is None else out
         if self.config.scale_decoder_outputs:
             x = x * self.config.d_model ** -0.5
@@ -201,7 +206,8 @@ def config_from_hf(hf, **options):
         layer_norm_eps=hf.get("layer_norm_epsilon", 1e-6), feed_forward_proj=hf.get("feed_forward_proj", "relu"),
         tie_word_embeddings=tie, scale_decoder_outputs=hf.get("scale_decoder_outputs", tie),
         decoder_start_token_id=hf.get("decoder_start_token_id", 0) or 0,
-        initializer_factor=hf.get("initializer_factor", 1.0), **options)
+        initializer_factor=hf.get("initializer_factor", 1.0),
+        **{"dropout_rate": hf.get("dropout_rate", 0.1), **options})
 
 
 def config_to_hf(c):
@@ -212,7 +218,7 @@ def config_to_hf(c):
                 relative_attention_max_distance=c.relative_attention_max_distance, layer_norm_epsilon=c.layer_norm_eps,
                 feed_forward_proj=c.feed_forward_proj, tie_word_embeddings=c.tie_word_embeddings,
                 scale_decoder_outputs=c.scale_decoder_outputs, decoder_start_token_id=c.decoder_start_token_id,
-                initializer_factor=c.initializer_factor, is_encoder_decoder=True)
+                initializer_factor=c.initializer_factor, dropout_rate=c.dropout_rate, is_encoder_decoder=True)
 
 
 def hf_tensor_map(c):

@@ -315,6 +315,37 @@ def test_triton_kernels_inside_the_model_match_plain_path(family):
     _assert_same_loss_and_grads(params, model, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family,scan", [("llama", True), ("gptj", False), ("opt", True), ("t5", False)])
+def test_dropout_only_in_training_calls(family, scan):
+    """dropout_rate acts only with train=True: eval calls equal the model without dropout; a training call is a
+    function of its 'dropout' rng (the same key twice, the same logits; another key, others)."""
+    reference, params = _tiny(family, scan_layers=scan)
+    model = models.create_model(family, "tiny", scan_layers=scan, dropout_rate=0.3)
+    ids = jnp.asarray(IDS)
+    args = (ids, ids) if family == "t5" else (ids, jnp.asarray(MASK))
+    apply = jax.jit(lambda p, key, train: model.apply({"params": p}, *args, train=train, rngs={"dropout": key}),
+                    static_argnums=2)
+    np.testing.assert_allclose(apply(params, jax.random.key(0), False),
+                               jax.jit(reference.apply)({"params": params}, *args), atol=1e-6)
+    first, again, other = (apply(params, jax.random.key(k), True) for k in (1, 1, 2))
+    np.testing.assert_array_equal(first, again)
+    assert np.abs(first - other).max() > 1e-2 and np.abs(first - apply(params, jax.random.key(0), False)).max() > 1e-2
+
+
+def test_hugging_face_dropout_rates_are_read_and_written():
+    """T5's dropout_rate, OPT's dropout and GPT-J's resid_pdrop set dropout_rate (an explicit option wins) and are
+    written back on export; LLaMA has none."""
+    from models import gptj, llama, opt, t5
+    hf = {family: module.config_to_hf(models.get_config(family, "tiny"))
+          for family, module in (("t5", t5), ("opt", opt), ("gptj", gptj), ("llama", llama))}
+    assert t5.config_from_hf(dict(hf["t5"], dropout_rate=0.15)).dropout_rate == 0.15
+    assert t5.config_from_hf(dict(hf["t5"], dropout_rate=0.15), dropout_rate=0.0).dropout_rate == 0.0
+    assert t5.config_to_hf(t5.config_from_hf(dict(hf["t5"], dropout_rate=0.15)))["dropout_rate"] == 0.15
+    assert opt.config_to_hf(opt.config_from_hf(dict(hf["opt"], dropout=0.05)))["dropout"] == 0.05
+    assert gptj.config_from_hf(dict(hf["gptj"], resid_pdrop=0.1)).dropout_rate == 0.1
+    assert llama.config_from_hf(hf["llama"]).dropout_rate == 0.0
+
+
 def test_bfloat16_load_runs_close_to_float32(tmp_path):
     model, params = _tiny("llama")
     models.save_pretrained(model, params, str(tmp_path))

@@ -102,6 +102,32 @@ def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
     assert sum(g in per_layer for g in gathered) >= 2 * 7  # 7 layer matrices, gathered forward and in backward
 
 
+@pytest.mark.slow
+def test_dropout_masks_survive_the_pipelined_stack():
+    """With dropout, the hand-pipelined layer stack, which recomputes each layer in the backward pass, gives the
+    updates of the plain per-layer gather: the recomputation draws the forward's masks. (And dropout is on: the
+    same run without it differs.)"""
+    def run(dropout_rate, pipelined=True):
+        model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=3,
+                                    intermediate_size=96, dropout_rate=dropout_rate)
+        real = step_lib._is_remat_layer_stack
+        if not pipelined:
+            step_lib._is_remat_layer_stack = lambda *a: False
+        try:
+            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=text.collate_lm,
+                                     loss_fn=text.lm_loss_fn(model), params=models.init_params(
+                                         model, jax.random.PRNGKey(1)), optimizer=optax.sgd(0.5), step="shard_map")
+            trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
+        finally:
+            step_lib._is_remat_layer_stack = real
+        return trainer
+
+    pipelined = run(0.2)
+    _assert_same_run(run(0.2, pipelined=False), pipelined)
+    without = run(0.0)
+    assert not np.allclose(without.history[-1]["loss"], pipelined.history[-1]["loss"], rtol=1e-3)
+
+
 @pytest.mark.parametrize("family,mesh,layers", [("llama", "1x8x1", 3), ("opt", "1x8x1", 3),
                                                pytest.param("llama", "2x2x2", 4, marks=pytest.mark.slow)])
 def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
