@@ -60,6 +60,15 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                       "plain: logits [tokens, vocab] then cross-entropy. Otherwise the output head and the loss run "
                       "fused in kernels.linear_cross_entropy, blockwise over the vocabulary, so the logits never "
                       "exist: auto (the backend's best), xla, triton (GPU) or mosaic_tpu (TPU).")
+    flags.DEFINE_float("dropout_rate", None, "Dropout of the model in training steps; default the model's own (a "
+                       "Hugging Face config's rate with --init_from, else 0).", lower_bound=0.0, upper_bound=0.95)
+
+
+def with_dropout(model):
+    """`model` with --dropout_rate as its config's dropout_rate (unchanged when the flag is unset)."""
+    if FLAGS.dropout_rate is None:
+        return model
+    return model.clone(config=dataclasses.replace(model.config, dropout_rate=FLAGS.dropout_rate))
 
 
 def loss_implementation():

@@ -101,7 +101,8 @@ def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
     _tiny_hf(family, tmp_path / "hf")
     out = _run("train_lm.py", f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}",
                f"--workdir={tmp_path / 'work'}", "--max_steps=8", "--log_every=4", "--seq_len=16",
-               "--per_device_batch_size=1", "--mesh=2,2,2", "--learning_rate=1e-2", "--warmup_steps=2", "--prompts=")
+               "--per_device_batch_size=1", "--mesh=2,2,2", "--learning_rate=1e-2", "--warmup_steps=2", "--prompts=",
+               "--dropout_rate=0.05")
     before, after = _eval_losses(out.stdout)
     assert after < 0.95 * before
     assert json.loads((tmp_path / "work" / "run.json").read_text())["family"] == family
@@ -159,6 +160,7 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
         ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three integers",
+        ("finetune_seq2seq.py", "--dropout_rate=1.5"): "--dropout_rate=1.5: 1.5 is not a number in the range",
         ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",
         ("generate.py", "--prompts=x", "stray"): "unexpected arguments ['stray']",
     }
