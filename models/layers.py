@@ -279,7 +279,9 @@ class Attention(nn.Module):
     out_bias: bool | None = None  # None: same as use_bias
     rotary: Rotary | None = None
     sm_scale: float | None = None  # None: head_dim ** -0.5
-    std: float = 0.02
+    std: float = 0.02  # initial weights' standard deviation; q_std and out_std (None: std) for q and o (T5)
+    q_std: float | None = None
+    out_std: float | None = None
     implementation: str | None = None
     interpret: bool = False
     dtype: Dtype = jnp.float32
@@ -290,7 +292,8 @@ class Attention(nn.Module):
         B, T, d_model = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         kw = dict(std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
-        q = Linear(d_model, H * D, self.use_bias, name="q", **kw)(x).reshape(B, T, H, D)
+        q = Linear(d_model, H * D, self.use_bias, name="q", **{**kw, "std": self.q_std or self.std})(x)
+        q = q.reshape(B, T, H, D)
         if self.rotary is not None:
             q = self.rotary(q, ctx["positions"])
 
@@ -326,7 +329,7 @@ class Attention(nn.Module):
                 out = attend(q, k, v, causal=self.causal, q_segment_ids=ctx["segment_ids"], **opts)
         out = out.reshape(B, T, H * D)
         out_bias = self.use_bias if self.out_bias is None else self.out_bias
-        return Linear(H * D, d_model, out_bias, name="o", **kw)(out), cache
+        return Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std})(out), cache
 
 
 class MLP(nn.Module):
@@ -339,6 +342,7 @@ class MLP(nn.Module):
     gated: bool = True
     use_bias: bool = False
     std: float = 0.02
+    out_std: float | None = None  # the down projection's initial standard deviation (None: std)
     implementation: str | None = None
     interpret: bool = False
     dtype: Dtype = jnp.float32
@@ -360,7 +364,7 @@ class MLP(nn.Module):
                                       implementation=self.implementation, interpret=self.interpret)
             else:
                 h = gate(x, act=self.act) * up(x)
-        return Linear(self.hidden, d, name="down", **kw)(h)
+        return Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std})(h)
 
 
 # ----------------------------------------------------------------------------------------------------- stacks

@@ -90,8 +90,12 @@ class T5Block(nn.Module):
     def __call__(self, x, ctx, cache):
         c = self.config
         kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        # transformers' T5 initialisation: q (d_model * d_kv)^-0.5 (T5 does not scale its logits), k and v
+        # d_model^-0.5, o (heads * d_kv)^-0.5; MLP in d_model^-0.5, out d_ff^-0.5; all times initializer_factor.
+        f = c.initializer_factor
         attn = dict(num_heads=c.num_heads, num_kv_heads=c.num_heads, head_dim=c.d_kv, sm_scale=1.0,
-                    std=c.initializer_factor * c.d_model ** -0.5, implementation=c.attention_implementation,
+                    std=f * c.d_model ** -0.5, q_std=f * (c.d_model * c.d_kv) ** -0.5,
+                    out_std=f * (c.num_heads * c.d_kv) ** -0.5, implementation=c.attention_implementation,
                     interpret=c.kernel_interpret, **kw)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = layers.Norm("rms", c.layer_norm_eps, name="attn_norm", **kw)(x)
@@ -103,8 +107,9 @@ class T5Block(nn.Module):
                                                                                 kv_input=ctx["encoder_out"])
             x = x + drop(h)
         h = layers.Norm("rms", c.layer_norm_eps, name="mlp_norm", **kw)(x)
-        h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=c.initializer_factor * c.d_model ** -0.5,
-                       implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw)(h)
+        h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=f * c.d_model ** -0.5,
+                       out_std=f * c.d_ff ** -0.5, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
+                       name="mlp", **kw)(h)
         return x + drop(h), cache
 
 

@@ -346,6 +346,31 @@ def test_hugging_face_dropout_rates_are_read_and_written():
     assert llama.config_from_hf(hf["llama"]).dropout_rate == 0.0
 
 
+def test_t5_from_scratch_initialises_like_transformers():
+    """Each T5 weight's initial standard deviation is transformers' (q (d_model d_kv)^-0.5 since T5 does not scale
+    its logits, o (heads d_kv)^-0.5, the MLP's out d_ff^-0.5, ...), within sampling noise."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    from models import t5
+    torch.manual_seed(0)
+    hf = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=512, d_model=256, d_kv=16, d_ff=1024, num_layers=1, num_heads=8, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False, decoder_start_token_id=0))
+    tensors = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    config = t5.config_from_hf(hf.config.to_dict(), scan_layers=True)
+    params = models.init_params(t5.T5(config), jax.random.PRNGKey(0))
+    compared = 0
+    for path, name, _, layers_ in t5.hf_tensor_map(config):
+        ours = np.asarray(functools.reduce(lambda tree, key: tree[key], path, params))
+        names = [name.format(i=i) for i in range(layers_ or 1)]
+        if ours.size < 4096 or not all(n in tensors for n in names):
+            continue
+        want = np.concatenate([tensors[n].ravel() for n in names]).std()
+        assert abs(ours.std() / want - 1) < 0.05, (path, ours.std(), want)
+        compared += 1
+    assert compared >= 18
+
+
 def test_bfloat16_load_runs_close_to_float32(tmp_path):
     model, params = _tiny("llama")
     models.save_pretrained(model, params, str(tmp_path))
