@@ -19,17 +19,18 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-520}
 start=$(date +%s)
-left() { echo $((BUDGET - ($(date +%s) - start))); }
+left() { local s=$((BUDGET - ($(date +%s) - start))); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
 
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/devices.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
-$PY scripts/check_kernels.py > "$OUT/check_kernels.log" 2>&1
+timeout -s INT "$(left)" $PY scripts/check_kernels.py > "$OUT/check_kernels.log" 2>&1
 check=$?
 if ! $PY -c "import tensorboardX" 2>/dev/null && ls .whl/tensorboardx-*.whl > /dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tensorboardx-*.whl \
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-timeout -s INT 180 $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
+t=$(left)
+timeout -s INT $((t < 180 ? t : 180)) $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
   --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
   > "$OUT/train_lm.log" 2>&1
 train=$?
