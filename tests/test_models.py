@@ -304,14 +304,16 @@ def test_fused_mlp_kernels_match_plain_path(family):
                                 rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gptj", marks=pytest.mark.slow)])
-def test_triton_kernels_inside_the_model_match_plain_path(family):
-    """The GPU path of a scanned, rematerialised model (Triton attention and MLP kernels, run in Pallas's
+@pytest.mark.parametrize("family,implementation,remat", [
+    ("llama", "triton", "full"), pytest.param("gptj", "triton", "full", marks=pytest.mark.slow),
+    ("llama", "mosaic_tpu", "none")])  # the TPU interpreter's callbacks cannot be rematerialised
+def test_pallas_kernels_inside_the_model_match_plain_path(family, implementation, remat):
+    """The accelerator path of a scanned model (Triton or Mosaic attention and MLP kernels, run in Pallas's
     interpreter): the loss and gradients of the plain path (blockwise 'xla' attention, jnp MLP)."""
-    options = dict(scan_layers=True, remat="full")
+    options = dict(scan_layers=True, remat=remat)
     reference, params = _tiny(family, **options)
-    model = models.create_model(family, "tiny", attention_implementation="triton", mlp_implementation="triton",
-                                kernel_interpret=True, **options)
+    model = models.create_model(family, "tiny", attention_implementation=implementation,
+                                mlp_implementation=implementation, kernel_interpret=True, **options)
     _assert_same_loss_and_grads(params, model, reference, rtol=1e-5, atol=1e-5)
 
 
