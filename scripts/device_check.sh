@@ -9,10 +9,14 @@
 #      the matmuls; interrupted (SIGINT) at the deadline, it still prints what it measured.
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=560   (BUDGET=seconds overrides the 520)
+# `bash scripts/device_check.sh tune` runs step 3 alone on the whole budget (a second call while the machine is warm,
+# e.g. BUDGET=240 with timeout_s=260).
 # On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX, which the
 # training script needs: its wheel is carried in .whl/ (ignored by git; WORKSPACE.md says how to fetch it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-all}
+case "$MODE" in all|tune) ;; *) echo "error: mode=$MODE; expected all or tune" >&2; exit 2;; esac
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -23,30 +27,37 @@ left() { local s=$((BUDGET - ($(date +%s) - start))); echo $((s > 1 ? s : 1)); }
 
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/devices.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
-timeout -s INT "$(left)" $PY scripts/check_kernels.py > "$OUT/check_kernels.log" 2>&1
-check=$?
-if ! $PY -c "import tensorboardX" 2>/dev/null && ls .whl/tensorboardx-*.whl > /dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tensorboardx-*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+check=0 train=0 bench=0
+if [ "$MODE" != tune ]; then
+  timeout -s INT "$(left)" $PY scripts/check_kernels.py > "$OUT/check_kernels.log" 2>&1
+  check=$?
+  if ! $PY -c "import tensorboardX" 2>/dev/null && ls .whl/tensorboardx-*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tensorboardx-*.whl \
+      && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  t=$(left)
+  timeout -s INT $((t < 180 ? t : 180)) $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
+    --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
+    > "$OUT/train_lm.log" 2>&1
+  train=$?
+  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul > "$OUT/bench_kernels.log" 2>&1
+  bench=$?
 fi
-t=$(left)
-timeout -s INT $((t < 180 ? t : 180)) $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
-  --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
-  > "$OUT/train_lm.log" 2>&1
-train=$?
-timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul > "$OUT/bench_kernels.log" 2>&1
-bench=$?
 tune_time=$(( $(left) - 15 ))
 if [ "$tune_time" -gt 30 ]; then
   timeout -s INT "$tune_time" $PY scripts/bench_kernels.py --tune=attention,matmul --seq_lens=8192 --causal=true \
     --iters=10 --warmup=2 > "$OUT/tune.log" 2>&1
 fi
-grep -E "blocks|BlockSizes" "$OUT/bench_kernels.log" | head -20
-grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -60
+if [ "$MODE" != tune ]; then
+  grep -E "blocks|BlockSizes" "$OUT/bench_kernels.log" | head -20
+  grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -60
+fi
 # Per search: its title, the fastest two rows, the default and the baseline (all rows are in $OUT/tune.log).
 [ -f "$OUT/tune.log" ] && grep -v -E "^[IWE][0-9]{4} " "$OUT/tune.log" \
   | awk '/^## /{print; n=0; next} /^-|^candidate +blocks/{next} NF{n++; if (n <= 2 || $1 != "candidate") print}'
-grep -v -E "^[IWE][0-9]{4} " "$OUT/train_lm.log" | grep -i -E "eval|loss|error|step 400" | tail -6
-grep -v -E "^[IWE][0-9]{4} " "$OUT/check_kernels.log" | tail -16
+if [ "$MODE" != tune ]; then
+  grep -v -E "^[IWE][0-9]{4} " "$OUT/train_lm.log" | grep -i -E "eval|loss|error|step 400" | tail -6
+  grep -v -E "^[IWE][0-9]{4} " "$OUT/check_kernels.log" | tail -16
+fi
 echo "check_kernels exit $check, train_lm exit $train, bench_kernels exit $bench, $(( $(date +%s) - start )) s"
 exit $((check || train || bench))
