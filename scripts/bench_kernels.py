@@ -168,14 +168,19 @@ def bench_attention():
     return rows
 
 
+def _matmul_setup():
+    """(dtype, size) of the matmul cases: bf16 at LLM sizes on an accelerator, f32 small shapes on CPU."""
+    on_cpu = jax.default_backend() == "cpu"
+    return jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16")), "small" if on_cpu else "large"
+
+
 def bench_matmul():
     """fused_matmul, gated_mlp and linear_cross_entropy (default implementation) vs XLA's unfused ops, forward and
     forward+backward; the loss rows also note the compiled temporary memory (the materialised logits, for XLA)."""
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    dtype, size = _matmul_setup()
     rows = []
     impl, selection = _ours()
-    for case in matmul_benchmark.cases("small" if on_cpu else "large", dtype, impl, interpret=selection["interpret"]):
+    for case in matmul_benchmark.cases(size, dtype, impl, interpret=selection["interpret"]):
         for name, fn in case.paths.items():
             row = _measure(f"{name} {case.direction}", case.shape, fn, case.args, case.flops)
             if case.kernel == "linear_cross_entropy" and not row[-1]:
@@ -232,21 +237,17 @@ def tune_attention():
 
 def tune_matmul():
     """Each matmul op's tuning space at its benchmark size, forward and forward+backward, beside XLA."""
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    dtype, size = _matmul_setup()
     impl, selection = _ours()
-    size = "small" if on_cpu else "large"
     for kernel, op in (("fused_matmul", "matmul"), ("gated_mlp", "gated"), ("linear_cross_entropy", "loss")):
         space = matmul_blocks.TUNING_SPACE.get((impl, op))
         if not space:
             logging.info("tune %s: implementation %r has no block sizes to tune", kernel, impl)
             continue
-        for index, case in enumerate(matmul_benchmark.cases(size, dtype, impl, (kernel,))):
-            (_, _), (xla_name, xla_fn) = case.paths.items()
-            by_blocks = lambda b, index=index: next(iter(matmul_benchmark.cases(
-                size, dtype, impl, (kernel,), block_sizes=b, interpret=selection["interpret"])[index].paths.values()))
-            _search(f"tune {kernel}[{impl}] {case.direction} {case.shape}", space, by_blocks, case.args, case.flops,
-                    lambda b: b, (xla_name, xla_fn))
+        for case in matmul_benchmark.cases(size, dtype, impl, (kernel,), interpret=selection["interpret"]):
+            baseline = list(case.paths.items())[1]
+            _search(f"tune {kernel}[{impl}] {case.direction} {case.shape}", space, case.retile, case.args, case.flops,
+                    lambda b: b, baseline)
 
 
 _KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul}

@@ -27,6 +27,7 @@ class Case(NamedTuple):
     flops: float  # Useful FLOPs, 2 per multiply-add; the fused backward's recomputation is not counted.
     paths: dict[str, Callable]  # Name -> function of `args`: the fused kernel first, then its XLA baseline.
     args: tuple
+    retile: Callable  # block_sizes -> the fused path with those block sizes (for the tuner).
 
 
 def temp_bytes(fn, args):
@@ -39,10 +40,10 @@ def _grad_of_sum(fn, argnums):
 
 
 def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp", "linear_cross_entropy"),
-          block_sizes=None, interpret=False):
+          interpret=False):
     """Forward and forward+backward cases of each kernel at `size` ("large" or "small"), inputs random normal; the
-    fused paths take `block_sizes` (None: the heuristic table) and `interpret`."""
-    ops = dict(implementation=implementation, block_sizes=block_sizes, interpret=interpret)
+    fused paths run `implementation` (with `interpret`) on the heuristic block sizes."""
+    ops = dict(implementation=implementation, interpret=interpret)
     ours = f"[{implementation or 'default'}]"  # The implementation's name, as the script resolves it.
     out = []
     for kernel in kernels:
@@ -51,22 +52,23 @@ def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp"
         normal = lambda key, s, scale=1.0: (scale * jax.random.normal(key, s, jnp.float32)).astype(dtype)
         if kernel == "fused_matmul":
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5), normal(keys[2], (n,)))
-            fused = lambda x, w, b: fused_matmul(x, w, b, activation="gelu_tanh", **ops)
+            fused = lambda bs: lambda x, w, b: fused_matmul(x, w, b, activation="gelu_tanh", block_sizes=bs, **ops)
             xla = lambda x, w, b: reference.fused_matmul_reference(x, w, b, activation="gelu_tanh")
             names, flops, argnums = ("fused_matmul", "xla dot+bias+gelu"), 2 * m * k * n, (0, 1, 2)
         elif kernel == "gated_mlp":
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5), normal(keys[2], (k, n), k ** -0.5))
-            fused = lambda x, wg, wu: gated_mlp(x, wg, wu, **ops)
+            fused = lambda bs: lambda x, wg, wu: gated_mlp(x, wg, wu, block_sizes=bs, **ops)
             xla = reference.gated_mlp_reference
             names, flops, argnums = ("gated_mlp", "xla silu(x@wg)*(x@wu)"), 4 * m * k * n, (0, 1, 2)
         else:
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5),
                     jax.random.randint(keys[3], (m,), 0, n))
-            fused = lambda x, w, labels: linear_cross_entropy(x, w, labels, **ops)
+            fused = lambda bs: lambda x, w, labels: linear_cross_entropy(x, w, labels, block_sizes=bs, **ops)
             xla = reference.linear_cross_entropy_reference
             names, flops, argnums = ("linear_cross_entropy", "xla materialised logits"), 2 * m * k * n, (0, 1)
         shape = f"{m}x{k}x{n} {jnp.dtype(dtype).name}"
-        out.append(Case(kernel, shape, "fwd", flops, {names[0] + ours: fused, names[1]: xla}, args))
+        backward = lambda bs, fused=fused, argnums=argnums: _grad_of_sum(fused(bs), argnums)
+        out.append(Case(kernel, shape, "fwd", flops, {names[0] + ours: fused(None), names[1]: xla}, args, fused))
         out.append(Case(kernel, shape, "fwd+bwd", 3 * flops,  # The backward is two matmuls per forward one.
-                        {names[0] + ours: _grad_of_sum(fused, argnums), names[1]: _grad_of_sum(xla, argnums)}, args))
+                        {names[0] + ours: backward(None), names[1]: _grad_of_sum(xla, argnums)}, args, backward))
     return out
