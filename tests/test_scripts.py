@@ -222,6 +222,7 @@ def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
     error, part, plain = check_kernels.check("gated_mlp", off, [(24, 32), (32, 48), (32, 48)], jnp.float32, impl, key)
     assert 5e-3 < error < 2e-2 and plain < 1e-5, (error, part, plain)
     assert not check_kernels.passes(error, plain, "float32")
+    assert not check_kernels.passes(float("inf"), float("inf"), "bfloat16")  # NaN fails even where XLA's is NaN
 
 
 def test_bench_kernels_tunes_every_pallas_op_in_interpret_mode():
