@@ -62,13 +62,16 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                       "exist: auto (the backend's best), xla, triton (GPU) or mosaic_tpu (TPU).")
     flags.DEFINE_float("dropout_rate", None, "Dropout of the model in training steps; default the model's own (a "
                        "Hugging Face config's rate with --init_from, else 0).", lower_bound=0.0, upper_bound=0.95)
+    flags.DEFINE_float("attention_dropout_rate", None, "Dropout of the attention probabilities in training steps; "
+                       "default the model's own (a Hugging Face config's: LLaMA/OPT attention_dropout, GPT-J "
+                       "attn_pdrop, T5 dropout_rate; else 0).", lower_bound=0.0, upper_bound=0.95)
 
 
 def with_dropout(model):
-    """`model` with --dropout_rate as its config's dropout_rate (unchanged when the flag is unset)."""
-    if FLAGS.dropout_rate is None:
-        return model
-    return model.clone(config=dataclasses.replace(model.config, dropout_rate=FLAGS.dropout_rate))
+    """`model` with --dropout_rate / --attention_dropout_rate in its config (each unchanged when its flag is unset)."""
+    rates = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
+             if getattr(FLAGS, name) is not None}
+    return model.clone(config=dataclasses.replace(model.config, **rates)) if rates else model
 
 
 def loss_implementation():

@@ -46,7 +46,8 @@ class GPTJBlock(nn.Module):
         h = layers.Norm("layer", c.norm_eps, name="norm", **kw)(x)
         a, cache = layers.Attention(c.num_heads, c.num_heads, c.dim_per_head, causal=True, rotary=rotary,
                                     std=c.initializer_range, implementation=c.attention_implementation,
-                                    interpret=c.kernel_interpret, name="attn", **kw)(h, ctx, cache)
+                                    interpret=c.kernel_interpret, dropout_rate=c.attention_dropout_rate,
+                                    deterministic=self.deterministic, name="attn", **kw)(h, ctx, cache)
         m = layers.MLP(c.intermediate_size or 4 * c.hidden_size, c.activation, gated=False, use_bias=True,
                        std=c.initializer_range, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
                        name="mlp", **kw)(h)
@@ -72,7 +73,7 @@ def config_from_hf(hf, **options):
         num_layers=hf["n_layer"], num_heads=hf["n_head"], rotary_dim=hf.get("rotary_dim"),
         max_position_embeddings=hf.get("n_positions", 2048), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=hf.get("activation_function", "gelu_new"), initializer_range=hf.get("initializer_range", 0.02),
-        **{"dropout_rate": hf.get("resid_pdrop", 0.0), **options})
+        **{"dropout_rate": hf.get("resid_pdrop", 0.0), "attention_dropout_rate": hf.get("attn_pdrop", 0.0), **options})
 
 
 def config_to_hf(c):
@@ -80,7 +81,7 @@ def config_to_hf(c):
                 n_inner=c.intermediate_size, n_layer=c.num_layers, n_head=c.num_heads, rotary_dim=c.rotary_dim,
                 n_positions=c.max_position_embeddings, layer_norm_epsilon=c.norm_eps,
                 activation_function=c.activation, initializer_range=c.initializer_range, tie_word_embeddings=False,
-                resid_pdrop=c.dropout_rate, embd_pdrop=c.dropout_rate)
+                resid_pdrop=c.dropout_rate, embd_pdrop=c.dropout_rate, attn_pdrop=c.attention_dropout_rate)
 
 
 def hf_tensor_map(c):

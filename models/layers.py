@@ -34,7 +34,9 @@ class ModelOptions:
     run those Pallas kernels in Pallas's interpreter (to test a model's GPU kernels on CPU). dropout_rate: dropout
     in training calls (`train=True`, with a 'dropout' rng) on each attention and MLP output before its residual add
     and where the family's Hugging Face model has it (OPT and GPT-J after the embeddings; T5 also after each stack's
-    embeddings and final norm). Attention probabilities are not dropped: the flash kernels take no dropout.
+    embeddings and final norm). attention_dropout_rate: dropout on the attention probabilities in training calls
+    (inside the flash kernels: `kernels.flash_attention`'s dropout_rate), read from the family's Hugging Face config
+    (LLaMA and OPT `attention_dropout`, GPT-J `attn_pdrop`, T5 `dropout_rate`).
     """
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -44,6 +46,7 @@ class ModelOptions:
     mlp_implementation: str | None = None
     kernel_interpret: bool = False
     dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
 
     # Attention geometry of the decoder families (fields num_heads, hidden_size, optional num_kv_heads / head_dim).
     @property
@@ -233,18 +236,21 @@ class Rotary:
 # ----------------------------------------------------------------------------------------------------- attention
 
 def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=None, sm_scale=None,
-           implementation=None, interpret=False):
+           implementation=None, interpret=False, dropout_rate=0.0, dropout_rng=None):
     """The one attention helper. q [B, T, H, D]; k, v [B, S, KVH, D] (H a multiple of KVH); segment ids int32
-    [B, T] / [B, S]: a query sees only keys with its id. Returns [B, T, H, D].
+    [B, T] / [B, S]: a query sees only keys with its id. dropout_rate > 0 (with a `dropout_rng` key) drops attention
+    probabilities. Returns [B, T, H, D].
 
     Without `bias` everything goes through kernels.flash_attention. T5's relative position bias is an additive
-    [1 or B, H, T, S] term the kernel does not take, so that case runs here in plain jnp (float32 softmax).
+    [1 or B, H, T, S] term the kernel does not take, so that case runs here in plain jnp (float32 softmax), with the
+    kernels' dropout mask.
     """
     if bias is None:
         seg = None if q_segment_ids is None else (
             q_segment_ids if kv_segment_ids is None else (q_segment_ids, kv_segment_ids))
         return kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
-                                       implementation=implementation, interpret=interpret)
+                                       implementation=implementation, interpret=interpret,
+                                       dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     B, T, H, D = q.shape
     S, KVH = k.shape[1], k.shape[2]
     scale = D ** -0.5 if sm_scale is None else sm_scale
@@ -258,8 +264,11 @@ def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=Non
         kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
         mask = mask & (q_segment_ids[:, :, None] == kv_ids[:, None, :])
     scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout_rate:
+        keys = kernels.dropout_keys(dropout_rng, B, H).reshape(B, KVH, H // KVH, 1, 1)
+        probs = probs * kernels.dropout_multiplier(keys, jnp.arange(T)[:, None], jnp.arange(S)[None, :], dropout_rate)
+    return jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v).reshape(B, T, H, D)
 
 
 class Attention(nn.Module):
@@ -269,7 +278,8 @@ class Attention(nn.Module):
     ctx (from `decoder_context`) holds 'positions' and 'segment_ids' [B, T], and with a cache 'cache_index' and
     'kv_segment_ids' [B, max_len]. kv_input [B, S, d] makes it cross-attention (keys from the encoder, whose
     padding is ctx['encoder_segment_ids']); its keys are computed once and kept in the cache as cross_k / cross_v.
-    bias: additive [1 or B, heads, T, keys] (T5), which takes the plain-jnp path of `attend`.
+    bias: additive [1 or B, heads, T, keys] (T5), which takes the plain-jnp path of `attend`. dropout_rate drops
+    attention probabilities in training calls (deterministic=False, with a 'dropout' rng).
     """
     num_heads: int
     num_kv_heads: int
@@ -284,6 +294,8 @@ class Attention(nn.Module):
     out_std: float | None = None
     implementation: str | None = None
     interpret: bool = False
+    dropout_rate: float = 0.0
+    deterministic: bool = True
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -305,6 +317,8 @@ class Attention(nn.Module):
             return k, v
 
         opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, interpret=self.interpret, bias=bias)
+        if self.dropout_rate and not self.deterministic:
+            opts.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
         if kv_input is not None:  # cross-attention: every query is live; padded encoder tokens are hidden
             if cache is not None and "cross_k" in cache:
                 k, v = cache["cross_k"], cache["cross_v"]

@@ -70,6 +70,7 @@ class LlamaBlock(nn.Module):
         h, cache = layers.Attention(c.num_heads, c.kv_heads, c.dim_per_head, causal=True, use_bias=c.attention_bias,
                                     rotary=rotary, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
+                                    dropout_rate=c.attention_dropout_rate, deterministic=self.deterministic,
                                     name="attn", **kw)(h, ctx, cache)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         x = x + drop(h)
@@ -98,7 +99,7 @@ def config_from_hf(hf, **options):
         rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=hf.get("tie_word_embeddings", False),
         attention_bias=hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
         hidden_act=hf.get("hidden_act", "silu"), initializer_range=hf.get("initializer_range", 0.02),
-        **options)
+        **{"attention_dropout_rate": hf.get("attention_dropout", 0.0), **options})
 
 
 def config_to_hf(c):
@@ -108,7 +109,7 @@ def config_to_hf(c):
         num_key_value_heads=c.kv_heads, head_dim=c.dim_per_head, max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.norm_eps, rope_parameters=layers.rope_to_hf(c.rope_theta, c.rope_scaling),
         tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
-        hidden_act=c.hidden_act, initializer_range=c.initializer_range)
+        hidden_act=c.hidden_act, initializer_range=c.initializer_range, attention_dropout=c.attention_dropout_rate)
 
 
 def hf_tensor_map(c):

@@ -65,6 +65,7 @@ class OPTBlock(nn.Module):
         h, cache = layers.Attention(c.num_heads, c.num_heads, c.dim_per_head, causal=True,
                                     use_bias=c.enable_bias, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
+                                    dropout_rate=c.attention_dropout_rate, deterministic=self.deterministic,
                                     name="attn", **kw)(attn_norm(x) if pre else x, ctx, cache)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = drop(h)
@@ -97,7 +98,8 @@ def config_from_hf(hf, **options):
         layer_norm_elementwise_affine=hf.get("layer_norm_elementwise_affine", True),
         enable_bias=hf.get("enable_bias", True), activation=hf.get("activation_function", "relu"),
         initializer_range=hf.get("init_std", 0.02), tie_word_embeddings=hf.get("tie_word_embeddings", True),
-        **{"dropout_rate": hf.get("dropout", 0.1), **options})
+        **{"dropout_rate": hf.get("dropout", 0.1), "attention_dropout_rate": hf.get("attention_dropout", 0.0),
+           **options})
 
 
 def config_to_hf(c):
@@ -108,7 +110,8 @@ def config_to_hf(c):
                 _remove_final_layer_norm=c.do_layer_norm_before and not c.final_layer_norm,
                 layer_norm_elementwise_affine=c.layer_norm_elementwise_affine, enable_bias=c.enable_bias,
                 activation_function=c.activation, init_std=c.initializer_range,
-                tie_word_embeddings=c.tie_word_embeddings, dropout=c.dropout_rate)
+                tie_word_embeddings=c.tie_word_embeddings, dropout=c.dropout_rate,
+                attention_dropout=c.attention_dropout_rate)
 
 
 def hf_tensor_map(c):

@@ -96,7 +96,8 @@ class T5Block(nn.Module):
         attn = dict(num_heads=c.num_heads, num_kv_heads=c.num_heads, head_dim=c.d_kv, sm_scale=1.0,
                     std=f * c.d_model ** -0.5, q_std=f * (c.d_model * c.d_kv) ** -0.5,
                     out_std=f * (c.num_heads * c.d_kv) ** -0.5, implementation=c.attention_implementation,
-                    interpret=c.kernel_interpret, **kw)
+                    interpret=c.kernel_interpret, dropout_rate=c.attention_dropout_rate,
+                    deterministic=self.deterministic, **kw)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = layers.Norm("rms", c.layer_norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(causal=self.decoder, name="attn", **attn)(h, ctx, cache, bias=ctx["position_bias"])
@@ -212,7 +213,8 @@ def config_from_hf(hf, **options):
         tie_word_embeddings=tie, scale_decoder_outputs=hf.get("scale_decoder_outputs", tie),
         decoder_start_token_id=hf.get("decoder_start_token_id", 0) or 0,
         initializer_factor=hf.get("initializer_factor", 1.0),
-        **{"dropout_rate": hf.get("dropout_rate", 0.1), **options})
+        **{"dropout_rate": hf.get("dropout_rate", 0.1), "attention_dropout_rate": hf.get("dropout_rate", 0.1),
+           **options})
 
 
 def config_to_hf(c):

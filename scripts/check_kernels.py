@@ -62,6 +62,7 @@ def _model_case(small):
 
 def cases(size):
     """(name, shape text, fn(impl_kwargs, *args), arg shapes or make_args(key, dtype)) per kernel."""
+    import jax
     import jax.numpy as jnp
 
     import kernels
@@ -83,6 +84,11 @@ def cases(size):
          lambda impl, q, k, v: kernels.flash_attention(q, k, v, segment_ids=jnp.asarray(np.tile(seg, (B, 1))),
                                                        **impl),
          [(B, T, H, D), (B, T, H, D), (B, T, H, D)]),
+        # The mask is a hash computed in the kernel: this row checks the GPU's integer ops give the reference's mask.
+        ("flash_attention dropout 0.1", f"B{B} T{T} H{H}/{KVH} D{D}",
+         lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
+                                                       dropout_rng=jax.random.key(0), **impl),
+         [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
         ("fused_matmul bias+gelu", f"{N}x{K}x{F}",
          lambda impl, x, w, b: kernels.fused_matmul(x, w, b, activation="gelu", **impl), [(N, K), (K, F), (F,)]),
         ("gated_mlp silu", f"{N}x{K}x{F}",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import BlockSizes, flash_attention, mha_reference
+from kernels.attention import BlockSizes, dropout_keys, dropout_multiplier, flash_attention, mha_reference
 from tests.targets import for_gpu
 
 # Max |error| relative to max |reference|, per dtype: (forward, gradients). The reference runs in float32 on the
@@ -205,6 +205,68 @@ def test_invisible_kv_blocks_are_skipped_not_just_masked(variant, q_len, mode):
     assert np.all(np.asarray(dk[:, q_len:]) == 0) and np.all(np.asarray(dv[:, q_len:]) == 0)
 
 
+DROPOUT_CASES = [CORE_CASES[0], CORE_CASES[1], (True, False, 4, 2, 33, 50, 64, jnp.float32)]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=_case_id)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dropout_matches_autodiff_of_the_materialised_oracle(variant, case):
+    """Dropout on the probabilities: output and all three gradients equal jax.grad of `mha_reference`, which
+    materialises [B, H, T, S], applies the same hashed mask and is differentiated by JAX. So the kernels' backward
+    (dv from the kept probabilities, dp masked, delta = <out, do> unchanged) is checked against autodiff, and every
+    implementation regenerates the same mask in every pass whatever its tiles. Packed, GQA, unaligned cross
+    attention."""
+    kwargs, multiplier, _ = VARIANTS[variant]
+    case = _scaled(case, multiplier)
+    q, k, v, ct, segment_ids = _inputs(case)
+    rate, key = 0.3, jax.random.key(11)
+    keys = dropout_keys(key, q.shape[0], q.shape[2])
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=case[0], segment_ids=segment_ids, dropout_rate=rate,
+                                           dropout_rng=key, **kwargs)
+    oracle = lambda q, k, v: mha_reference(q, k, v, causal=case[0], segment_ids=segment_ids, dropout_rate=rate,
+                                           dropout_keys=keys)
+    run = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * ct), (0, 1, 2))(*a)))(q, k, v)
+    (out, grads), (ref, ref_grads) = run(ours), run(oracle)
+    assert _relative_error(out, ref) < TOLERANCE[jnp.float32][0]
+    for name, g, ref_g in zip("qkv", grads, ref_grads):
+        assert _relative_error(g, ref_g) < TOLERANCE[jnp.float32][1], name
+    plain = mha_reference(q, k, v, causal=case[0], segment_ids=segment_ids)
+    assert _relative_error(out, plain) > 0.1  # dropout is on
+
+
+def test_dropout_mask_is_a_fair_independent_coin_per_entry():
+    """Over 4 rows x 8 heads x 256 x 256 entries: the kept fraction is 1 - rate within 5 standard errors for several
+    rates, kept entries are scaled by 1 / (1 - rate), and masks of neighbouring keys, queries, heads, rows and of
+    another seed agree only as often as independent coins would."""
+    B, H, T = 4, 8, 256
+    for rate in (0.1, 0.5, 0.9):
+        mult = np.asarray(jax.jit(lambda key: dropout_multiplier(
+            dropout_keys(key, B, H)[:, :, None, None], jnp.arange(T)[:, None], jnp.arange(T)[None, :], rate))(
+            jax.random.key(0)))
+        assert set(np.unique(mult)) == {0.0, np.float32(1 / (1 - rate))}
+        kept = mult > 0
+        n = kept.size
+        assert abs(kept.mean() - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / n), (rate, kept.mean())
+        other = np.asarray(jax.jit(lambda key: dropout_multiplier(
+            dropout_keys(key, B, H)[:, :, None, None], jnp.arange(T)[:, None], jnp.arange(T)[None, :], rate))(
+            jax.random.key(1))) > 0
+        agree = rate**2 + (1 - rate) ** 2  # chance that two independent coins agree
+        for a, b in ((kept[..., 1:], kept[..., :-1]), (kept[:, :, 1:], kept[:, :, :-1]), (kept[:, 1:], kept[:, :-1]),
+                     (kept[1:], kept[:-1]), (kept, other)):
+            assert abs((a == b).mean() - agree) < 5 * np.sqrt(agree * (1 - agree) / a.size), rate
+
+
+def test_dropout_rate_zero_is_the_plain_kernel_and_the_key_decides_the_mask():
+    q, k, v, _, _ = _inputs((True, False, 2, 2, 32, 32, 64, jnp.float32))
+    f = jax.jit(lambda rate, seed: flash_attention(q, k, v, causal=True, dropout_rate=rate,
+                                                    dropout_rng=jax.random.key(seed), implementation="xla"),
+                static_argnums=(0, 1))
+    plain = jax.jit(lambda: flash_attention(q, k, v, causal=True, implementation="xla"))
+    np.testing.assert_array_equal(f(0.0, 0), plain())
+    np.testing.assert_array_equal(f(0.2, 0), f(0.2, 0))
+    assert np.abs(np.asarray(f(0.2, 0)) - np.asarray(f(0.2, 1))).max() > 1e-2
+
+
 def test_default_implementation_on_cpu_is_xla():
     q, k, v, _, _ = _inputs((True, False, 2, 2, 16, 16, 64, jnp.float32))
     np.testing.assert_allclose(
@@ -244,6 +306,12 @@ def _array(shape, dtype=jnp.float32):
         ),
         ((_array((2, 8, 4, 16)),) * 3, {"sm_scale": -1.0}, "sm_scale"),
         ((_array((2, 8, 4, 16)),) * 3, {"causal": 1}, "causal"),
+        ((_array((2, 8, 4, 16)),) * 3, {"dropout_rate": 1.0, "dropout_rng": jax.random.key(0)}, "dropout_rate=1.0"),
+        ((_array((2, 8, 4, 16)),) * 3, {"dropout_rate": -0.1, "dropout_rng": jax.random.key(0)}, "dropout_rate"),
+        ((_array((2, 8, 4, 16)),) * 3, {"dropout_rate": 0.1}, "dropout_rng=None"),
+        ((_array((2, 8, 4, 16)),) * 3, {"dropout_rate": 0.1, "dropout_rng": 3}, "dropout_rng has"),
+        ((_array((2, 8, 4, 16)),) * 3, {"dropout_rate": 0.1, "dropout_rng": jax.random.split(jax.random.key(0))},
+         "dropout_rng has"),
         ((_array((2, 8, 4, 16)),) * 3, {"implementation": "cuda"}, "implementation"),
         ((_array((2, 8, 4, 16)),) * 3, {"block_sizes": {"block_q": 64}}, "block_sizes"),
         ((_array((2, 8, 4, 16)),) * 3, {"block_sizes": BlockSizes(block_q=0)}, "block_sizes.block_q"),
@@ -276,16 +344,19 @@ def test_lowers_for_the_accelerator(implementation, platform, custom_call):
     kv = jax.ShapeDtypeStruct((B, T, Hkv, D), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
-    def loss(q, k, v, ids):
-        out = flash_attention(q, k, v, causal=True, segment_ids=ids, implementation=implementation)
+    def loss(q, k, v, ids, key):
+        out = flash_attention(q, k, v, causal=True, segment_ids=ids, implementation=implementation,
+                              dropout_rate=0.1 if key is not None else 0.0, dropout_rng=key)
         return out.astype(jnp.float32).sum()
 
-    with for_gpu() if platform == "cuda" else contextlib.nullcontext():
-        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, ids).lower(lowering_platforms=(platform,))
-    text = lowered.as_text()
-    assert text.count(f"@{custom_call}(") == 3
-    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
-        assert kernel in text
+    for key in (None, jax.random.key(0)):  # without and with dropout
+        with for_gpu() if platform == "cuda" else contextlib.nullcontext():
+            lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, ids, key).lower(
+                lowering_platforms=(platform,))
+        text = lowered.as_text()
+        assert text.count(f"@{custom_call}(") == 3
+        for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+            assert kernel in text
 
 
 def test_forward_and_backward_kernels_take_their_own_triton_launch_settings():

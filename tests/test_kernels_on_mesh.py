@@ -44,6 +44,13 @@ def _cases():
             [(_normal(0, (4, 32, 4, 16)), P(("data", "fsdp"), None, "model", None)),
              (_normal(1, (4, 32, 2, 16)), P(("data", "fsdp"), None, "model", None)),
              (_normal(2, (4, 32, 2, 16)), P(("data", "fsdp"), None, "model", None))]),
+        # Dropout keys follow the kernel's rows and heads: the mask of each device's slice is the whole's.
+        "attention_dropout": (
+            lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, dropout_rate=0.3,
+                                                          dropout_rng=jax.random.key(7), **impl),
+            [(_normal(0, (4, 32, 4, 16)), P(("data", "fsdp"), None, "model", None)),
+             (_normal(1, (4, 32, 2, 16)), P(("data", "fsdp"), None, "model", None)),
+             (_normal(2, (4, 32, 2, 16)), P(("data", "fsdp"), None, "model", None))]),
         "gated_mlp": (
             lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl),
             [(_normal(3, (4, 8, 32)), P(("data", "fsdp"))), (_normal(4, (32, 128)), P(None, "model")),

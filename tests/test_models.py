@@ -317,12 +317,14 @@ def test_pallas_kernels_inside_the_model_match_plain_path(family, implementation
     _assert_same_loss_and_grads(params, model, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rate", ["dropout_rate", "attention_dropout_rate"])
 @pytest.mark.parametrize("family,scan", [("llama", True), ("gptj", False), ("opt", True), ("t5", False)])
-def test_dropout_only_in_training_calls(family, scan):
-    """dropout_rate acts only with train=True: eval calls equal the model without dropout; a training call is a
-    function of its 'dropout' rng (the same key twice, the same logits; another key, others)."""
+def test_dropout_only_in_training_calls(family, scan, rate):
+    """dropout_rate (hidden states) and attention_dropout_rate (attention probabilities; T5's take the biased plain
+    path) act only with train=True: eval calls equal the model without dropout; a training call is a function of
+    its 'dropout' rng (the same key twice, the same logits; another key, others)."""
     reference, params = _tiny(family, scan_layers=scan)
-    model = models.create_model(family, "tiny", scan_layers=scan, dropout_rate=0.3)
+    model = models.create_model(family, "tiny", scan_layers=scan, **{rate: 0.3})
     ids = jnp.asarray(IDS)
     args = (ids, ids) if family == "t5" else (ids, jnp.asarray(MASK))
     apply = jax.jit(lambda p, key, train: model.apply({"params": p}, *args, train=train, rngs={"dropout": key}),
@@ -336,7 +338,8 @@ def test_dropout_only_in_training_calls(family, scan):
 
 def test_hugging_face_dropout_rates_are_read_and_written():
     """T5's dropout_rate, OPT's dropout and GPT-J's resid_pdrop set dropout_rate (an explicit option wins) and are
-    written back on export; LLaMA has none."""
+    written back on export; LLaMA has none. Attention dropout: LLaMA's and OPT's attention_dropout, GPT-J's
+    attn_pdrop, T5's dropout_rate (one rate for both in transformers' T5)."""
     from models import gptj, llama, opt, t5
     hf = {family: module.config_to_hf(models.get_config(family, "tiny"))
           for family, module in (("t5", t5), ("opt", opt), ("gptj", gptj), ("llama", llama))}
@@ -346,6 +349,12 @@ def test_hugging_face_dropout_rates_are_read_and_written():
     assert opt.config_to_hf(opt.config_from_hf(dict(hf["opt"], dropout=0.05)))["dropout"] == 0.05
     assert gptj.config_from_hf(dict(hf["gptj"], resid_pdrop=0.1)).dropout_rate == 0.1
     assert llama.config_from_hf(hf["llama"]).dropout_rate == 0.0
+    assert llama.config_to_hf(llama.config_from_hf(dict(hf["llama"], attention_dropout=0.1)))[
+        "attention_dropout"] == 0.1
+    assert opt.config_to_hf(opt.config_from_hf(dict(hf["opt"], attention_dropout=0.2)))["attention_dropout"] == 0.2
+    assert gptj.config_to_hf(gptj.config_from_hf(dict(hf["gptj"], attn_pdrop=0.3)))["attn_pdrop"] == 0.3
+    assert t5.config_from_hf(dict(hf["t5"], dropout_rate=0.15)).attention_dropout_rate == 0.15
+    assert llama.config_from_hf(hf["llama"], attention_dropout_rate=0.5).attention_dropout_rate == 0.5
 
 
 def test_t5_from_scratch_initialises_like_transformers():

@@ -102,7 +102,7 @@ def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
     out = _run("train_lm.py", f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}",
                f"--workdir={tmp_path / 'work'}", "--max_steps=8", "--log_every=4", "--seq_len=16",
                "--per_device_batch_size=1", "--mesh=2,2,2", "--learning_rate=1e-2", "--warmup_steps=2", "--prompts=",
-               "--dropout_rate=0.05")
+               "--dropout_rate=0.05", "--attention_dropout_rate=0.05")
     before, after = _eval_losses(out.stdout)
     assert after < 0.95 * before
     assert json.loads((tmp_path / "work" / "run.json").read_text())["family"] == family

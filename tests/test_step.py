@@ -105,11 +105,12 @@ def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
 @pytest.mark.slow
 def test_dropout_masks_survive_the_pipelined_stack():
     """With dropout, the hand-pipelined layer stack, which recomputes each layer in the backward pass, gives the
-    updates of the plain per-layer gather: the recomputation draws the forward's masks. (And dropout is on: the
-    same run without it differs.)"""
+    updates of the plain per-layer gather: the recomputation draws the forward's masks, hidden and attention ones.
+    (And dropout is on: the same run without it differs.)"""
     def run(dropout_rate, pipelined=True):
         model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=3,
-                                    intermediate_size=96, dropout_rate=dropout_rate)
+                                    intermediate_size=96, dropout_rate=dropout_rate,
+                                    attention_dropout_rate=dropout_rate)
         real = step_lib._is_remat_layer_stack
         if not pipelined:
             step_lib._is_remat_layer_stack = lambda *a: False

@@ -3,4 +3,4 @@
 Layout [batch, len, heads, head_dim] as in `jax.nn.dot_product_attention`; see `flash_attention` for the contract.
 """
 from kernels.attention.api import BlockSizes, flash_attention
-from kernels.attention.reference import mha_reference
+from kernels.attention.reference import dropout_keys, dropout_multiplier, mha_reference

@@ -1,9 +1,10 @@
 """`flash_attention`: input validation, implementation choice, block sizes, padding and the `custom_vjp` glue.
 
 Every implementation module (`reference`, `triton`, `mosaic_tpu`) provides
-`forward(q, k, v, q_ids, kv_ids, plan) -> (out, lse)` and
-`backward(q, k, v, q_ids, kv_ids, out, lse, do, plan) -> (dq, dk, dv)` on inputs already padded to block multiples;
-the lse layout is private to each. This module owns everything around them.
+`forward(q, k, v, q_ids, kv_ids, keys, plan) -> (out, lse)` and
+`backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan) -> (dq, dk, dv)` on inputs already padded to block
+multiples; `keys` is None or the int32 [B, H] dropout keys (`reference.dropout_keys`); the lse layout is private to
+each. This module owns everything around them.
 """
 import dataclasses
 import functools
@@ -17,6 +18,7 @@ from absl import logging
 from kernels import _partition
 from kernels._dispatch import resolve_implementation
 from kernels.attention import mosaic_tpu, reference, triton
+from kernels.attention.reference import dropout_keys
 
 _IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -91,6 +93,7 @@ class _Plan:
     kv_len: int | None  # real kv length when kv was padded, else None
     blocks: BlockSizes
     interpret: bool
+    dropout_rate: float = 0.0
 
 
 def flash_attention(
@@ -104,6 +107,8 @@ def flash_attention(
     implementation=None,
     interpret=False,
     block_sizes=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
 ):
     """Multi-head attention softmax(q k^T * sm_scale) v without materialising the [len, kv_len] matrix.
 
@@ -118,10 +123,16 @@ def flash_attention(
       implementation: None (fastest for the backend), 'xla', 'triton' or 'mosaic_tpu'.
       interpret: run the Pallas kernel in Pallas's interpreter (for CPU tests).
       block_sizes: a `BlockSizes` overriding the heuristic tile sizes.
+      dropout_rate: probability in [0, 1) of dropping each attention probability (the kept ones are scaled by
+        1 / (1 - rate)), as in Flax's `dot_product_attention` and PyTorch's `scaled_dot_product_attention`.
+      dropout_rng: a JAX PRNG key, needed when dropout_rate > 0. The mask is a hash of one 32-bit seed drawn from it
+        and of (batch row, head, query, key), so the backward pass regenerates it instead of storing it, and it is the
+        same for every implementation, tile size and mesh.
     Returns:
       [batch, len, heads, head_dim] in q's dtype. Differentiable in q, k and v.
     """
     q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
+    dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
     impl = resolve_implementation(implementation, interpret=interpret)
     if impl == "triton" and not triton.AVAILABLE:
         if implementation is not None:
@@ -145,38 +156,52 @@ def flash_attention(
         kv_len=S if s_pad != S else None,
         blocks=blocks,
         interpret=interpret,
+        dropout_rate=dropout_rate,
     )
     logging.log_first_n(logging.INFO, "flash_attention: %s q%s k%s %s", 1, impl, q.shape, k.shape, blocks)
     q, k, v = _pad(q, 1, t_pad), _pad(k, 1, s_pad), _pad(v, 1, s_pad)
     q, k, v = _pad(q, 3, d_pad), _pad(k, 3, d_pad), _pad(v, 3, d_pad)
     if q_ids is not None:
         q_ids, kv_ids = _pad(q_ids.astype(jnp.int32), 1, t_pad), _pad(kv_ids.astype(jnp.int32), 1, s_pad)
-    return _on_mesh(q, k, v, q_ids, kv_ids, plan)[:, :T, :, :D]
+    keys = None
+    if dropout_rate:
+        keys = dropout_keys(dropout_rng, B, H)
+    return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
 
 
-def _on_mesh(q, k, v, q_ids, kv_ids, plan):
-    """A Pallas kernel runs on each device's batch rows and heads (kernels/_partition.py)."""
+def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):
+    """A Pallas kernel runs on each device's batch rows and heads (kernels/_partition.py), with the same rows and
+    heads of the dropout keys."""
     axes = _partition.auto_axes(plan.implementation)
     b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
-    seq, ids = jax.sharding.PartitionSpec(b, None, m, None), jax.sharding.PartitionSpec(b, None)
-    if q_ids is None:
-        return _partition.shard(lambda q, k, v: _attention(q, k, v, None, None, plan), (q, k, v), (seq,) * 3, seq)
-    return _partition.shard(lambda *a: _attention(*a, plan), (q, k, v, q_ids, kv_ids), (seq,) * 3 + (ids,) * 2, seq)
+    P = jax.sharding.PartitionSpec
+    seq = P(b, None, m, None)
+    args, specs = [q, k, v], [seq] * 3
+    if q_ids is not None:
+        args, specs = args + [q_ids, kv_ids], specs + [P(b, None)] * 2
+    if keys is not None:
+        args, specs = args + [keys], specs + [P(b, m)]
+
+    def run(q, k, v, *rest):
+        ids = rest[:2] if q_ids is not None else (None, None)
+        return _attention(q, k, v, *ids, rest[-1] if keys is not None else None, plan)
+
+    return _partition.shard(run, tuple(args), tuple(specs), seq)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, q_ids, kv_ids, plan):
-    return _IMPLEMENTATIONS[plan.implementation].forward(q, k, v, q_ids, kv_ids, plan)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, q_ids, kv_ids, keys, plan):
+    return _IMPLEMENTATIONS[plan.implementation].forward(q, k, v, q_ids, kv_ids, keys, plan)[0]
 
 
-def _attention_fwd(q, k, v, q_ids, kv_ids, plan):
-    out, lse = _IMPLEMENTATIONS[plan.implementation].forward(q, k, v, q_ids, kv_ids, plan)
-    return out, (q, k, v, q_ids, kv_ids, out, lse)
+def _attention_fwd(q, k, v, q_ids, kv_ids, keys, plan):
+    out, lse = _IMPLEMENTATIONS[plan.implementation].forward(q, k, v, q_ids, kv_ids, keys, plan)
+    return out, (q, k, v, q_ids, kv_ids, keys, out, lse)
 
 
 def _attention_bwd(plan, residuals, do):
     dq, dk, dv = _IMPLEMENTATIONS[plan.implementation].backward(*residuals, do, plan)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -224,6 +249,20 @@ def _fit_length(impl, length):
     if impl == "triton":
         return max(_MIN_BLOCK[impl], 1 << (length - 1).bit_length())
     return _round_up(length, _MIN_BLOCK[impl])
+
+
+def _validate_dropout(rate, rng):
+    """Returns the rate as a float; raises ValueError on a bad rate or a missing / non-key rng."""
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate={rate!r}; expected a Python float in [0, 1)")
+    if rate and rng is None:
+        raise ValueError(f"dropout_rng=None with dropout_rate={rate}; expected a jax.random key")
+    if rate:
+        dtype, shape = getattr(rng, "dtype", None), getattr(rng, "shape", None)
+        typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
+        if not (typed or (dtype == jnp.uint32 and shape == (2,))):
+            raise ValueError(f"dropout_rng has dtype {dtype} and shape {shape}; expected one jax.random key")
+    return float(rate)
 
 
 def _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes):

@@ -5,7 +5,8 @@ wants them to be multiples of (8, 128) or the full array dims. Each kernel walks
 'arbitrary', grid axes with the running state in VMEM scratch, so the Pallas pipeline overlaps the next block's DMA
 with this block's compute. Skipping: under causal masking the kv (or q) index map is clamped to the last (first)
 needed block, so skipped steps re-use the resident block and issue no DMA, and `pl.when` skips their compute;
-segment-id ranges per block are scalar-prefetched into SMEM so disjoint blocks skip compute too.
+segment-id ranges per block are scalar-prefetched into SMEM so disjoint blocks skip compute too. So are the dropout
+keys [B, H], from which each kernel regenerates its tile of the mask (`reference.dropout_multiplier`).
 
 Per-row statistics (lse, delta) and q segment ids are stored as columns [len, 1] for the forward and dq kernels
 and as rows [1, len] for the dk/dv kernel, which works on transposed [kv, q] blocks so that every matmul is
@@ -17,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.attention.reference import NEG_INF, attention_mask
+from kernels.attention.reference import NEG_INF, attention_mask, dropout_multiplier
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 
@@ -71,22 +72,33 @@ def _masked_logits(q, k, plan, q_start, k_start, qid_ref, kid_ref, transposed):
     return s if mask is None else jnp.where(mask, s, NEG_INF)
 
 
-def _unpack(refs, has_ids, num_inputs, num_outputs):
-    """Splits a kernel's refs into (prefetched ranges, inputs, (q_ids, kv_ids), outputs, scratch)."""
+def _dropout(plan, keys_ref, b, h, shape, q_start, k_start, transposed):
+    """The dropout multiplier of a [bq, bk] (or transposed [bk, bq]) tile of head h, or None without dropout."""
+    if keys_ref is None:
+        return None
+    q_axis = 1 if transposed else 0
+    return dropout_multiplier(keys_ref[b, h], q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis),
+                              k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis), plan.dropout_rate)
+
+
+def _unpack(refs, has_ids, has_keys, num_inputs, num_outputs):
+    """Splits a kernel's refs into (prefetched ranges, prefetched dropout keys or None, inputs, (q_ids, kv_ids),
+    outputs, scratch)."""
     refs = list(refs)
     ranges = [refs.pop(0) for _ in range(4)] if has_ids else []
+    keys = refs.pop(0) if has_keys else None
     inputs = [refs.pop(0) for _ in range(num_inputs)]
     ids = (refs.pop(0), refs.pop(0)) if has_ids else (None, None)
     outputs = [refs.pop(0) for _ in range(num_outputs)]
-    return ranges, inputs, ids, outputs, refs
+    return ranges, keys, inputs, ids, outputs, refs
 
 
-def _fwd_kernel(*refs, plan, has_ids):
-    ranges, (q_ref, k_ref, v_ref), (qid_ref, kid_ref), (o_ref, lse_ref), (m_scr, l_scr, acc_scr) = _unpack(
-        refs, has_ids, 3, 2
+def _fwd_kernel(*refs, plan, has_ids, has_keys):
+    ranges, keys_ref, (q_ref, k_ref, v_ref), (qid_ref, kid_ref), (o_ref, lse_ref), (m_scr, l_scr, acc_scr) = _unpack(
+        refs, has_ids, has_keys, 3, 2
     )
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
@@ -102,6 +114,8 @@ def _fwd_kernel(*refs, plan, has_ids):
         alpha = jnp.exp(m_prev - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
         p = jnp.exp(s - m_new)
         l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
+        keep = _dropout(plan, keys_ref, b, h, s.shape, i * bq, j * bk, transposed=False)
+        p = p if keep is None else p * keep  # the sum above is the softmax's own; only kept terms reach the output
         acc_scr[...] = alpha * acc_scr[...] + _dot(p.astype(v_ref.dtype), v_ref[...])
         m_scr[...] = m_new
 
@@ -114,11 +128,11 @@ def _fwd_kernel(*refs, plan, has_ids):
         lse_ref[...] = jnp.where(visible, m + jnp.log(l), jnp.inf)  # +inf: every p recomputed from it is 0
 
 
-def _dq_kernel(*refs, plan, has_ids):
-    ranges, inputs, (qid_ref, kid_ref), (dq_ref,), (dq_scr,) = _unpack(refs, has_ids, 6, 1)
+def _dq_kernel(*refs, plan, has_ids, has_keys):
+    ranges, keys_ref, inputs, (qid_ref, kid_ref), (dq_ref,), (dq_scr,) = _unpack(refs, has_ids, has_keys, 6, 1)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
@@ -129,7 +143,9 @@ def _dq_kernel(*refs, plan, has_ids):
         k = k_ref[...]
         s = _masked_logits(q_ref[...], k, plan, i * bq, j * bk, qid_ref, kid_ref, transposed=False)
         p = jnp.exp(s - lse_ref[...])
-        ds = p * (_dot_nt(do_ref[...], v_ref[...]) - delta_ref[...])
+        dp = _dot_nt(do_ref[...], v_ref[...])
+        keep = _dropout(plan, keys_ref, b, h, s.shape, i * bq, j * bk, transposed=False)
+        ds = p * ((dp if keep is None else dp * keep) - delta_ref[...])
         dq_scr[...] += _dot(ds.astype(k.dtype), k)
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -137,11 +153,13 @@ def _dq_kernel(*refs, plan, has_ids):
         dq_ref[...] = (dq_scr[...] * plan.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, plan, has_ids):
-    ranges, inputs, (qid_ref, kid_ref), (dk_ref, dv_ref), (dk_scr, dv_scr) = _unpack(refs, has_ids, 6, 2)
+def _dkv_kernel(*refs, plan, has_ids, has_keys):
+    ranges, keys_ref, inputs, (qid_ref, kid_ref), (dk_ref, dv_ref), (dk_scr, dv_scr) = _unpack(
+        refs, has_ids, has_keys, 6, 2
+    )
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
-    b, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    b, h_kv, j, g, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
     @pl.when(jnp.logical_and(g == 0, i == 0))
     def _init():
@@ -153,8 +171,12 @@ def _dkv_kernel(*refs, plan, has_ids):
         q, do = q_ref[...], do_ref[...]
         s_t = _masked_logits(q, k_ref[...], plan, i * bq, j * bk, qid_ref, kid_ref, transposed=True)
         p_t = jnp.exp(s_t - lse_ref[...])
-        dv_scr[...] += _dot(p_t.astype(do.dtype), do)
-        ds_t = p_t * (_dot_nt(v_ref[...], do) - delta_ref[...])
+        dp_t = _dot_nt(v_ref[...], do)
+        keep = _dropout(plan, keys_ref, b, h_kv * pl.num_programs(3) + g, s_t.shape, i * bq, j * bk, transposed=True)
+        p_kept = p_t if keep is None else p_t * keep
+        dp_t = dp_t if keep is None else dp_t * keep
+        dv_scr[...] += _dot(p_kept.astype(do.dtype), do)
+        ds_t = p_t * (dp_t - delta_ref[...])
         dk_scr[...] += _dot(ds_t.astype(q.dtype), q)
 
     @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1))
@@ -163,9 +185,10 @@ def _dkv_kernel(*refs, plan, has_ids):
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _call(kernel, plan, has_ids, *, grid, num_prefetch_args, in_specs, out_specs, out_shape, scratch, semantics, name):
+def _call(kernel, plan, has_ids, has_keys, *, grid, num_prefetch_args, in_specs, out_specs, out_shape, scratch,
+          semantics, name):
     return pl.pallas_call(
-        lambda *refs: kernel(*refs, plan=plan, has_ids=has_ids),
+        lambda *refs: kernel(*refs, plan=plan, has_ids=has_ids, has_keys=has_keys),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_prefetch_args,
             grid=grid,
@@ -180,10 +203,10 @@ def _call(kernel, plan, has_ids, *, grid, num_prefetch_args, in_specs, out_specs
     )
 
 
-def _prefetch(q_ids, kv_ids, bq, bk):
-    if q_ids is None:
-        return []
-    return [*_block_ranges(q_ids, bq), *_block_ranges(kv_ids, bk)]
+def _prefetch(q_ids, kv_ids, keys, bq, bk):
+    """The SMEM operands: per-block segment-id ranges (with segment ids), then the dropout keys (with dropout)."""
+    ranges = [] if q_ids is None else [*_block_ranges(q_ids, bq), *_block_ranges(kv_ids, bk)]
+    return ranges + ([] if keys is None else [keys])
 
 
 def _q_major_specs(plan, D, G, bq, bk, has_ids):
@@ -206,19 +229,20 @@ def _q_major_specs(plan, D, G, bq, bk, has_ids):
     return q_spec, kv_spec, row_spec, id_specs
 
 
-def forward(q, k, v, q_ids, kv_ids, plan):
+def forward(q, k, v, q_ids, kv_ids, keys, plan):
     """Returns (out [B, T, H, D], lse [B, H, T, 1] float32)."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
     has_ids = q_ids is not None
     q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, D, H // Hkv, bq, bk, has_ids)
-    prefetch = _prefetch(q_ids, kv_ids, bq, bk)
+    prefetch = _prefetch(q_ids, kv_ids, keys, bq, bk)
     ids = [q_ids[:, :, None], kv_ids[:, None, :]] if has_ids else []
     out, lse = _call(
         _fwd_kernel,
         plan,
         has_ids,
+        keys is not None,
         grid=(B, H, T // bq, pl.cdiv(plan.kv_len or S, bk)),
         num_prefetch_args=len(prefetch),
         in_specs=[q_spec, kv_spec, kv_spec, *id_specs],
@@ -231,13 +255,13 @@ def forward(q, k, v, q_ids, kv_ids, plan):
     return _heads_major(out), lse
 
 
-def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
+def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
     has_ids = q_ids is not None
-    prefetch = _prefetch(q_ids, kv_ids, bq, bk)
+    prefetch = _prefetch(q_ids, kv_ids, keys, bq, bk)
     # delta_i = <out_i, do_i> = sum_j p_ij dp_ij, one fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))[..., None]
     qt, kt, vt, dot_ = _heads_major(q), _heads_major(k), _heads_major(v), _heads_major(do)
@@ -248,6 +272,7 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
         _dq_kernel,
         plan,
         has_ids,
+        keys is not None,
         grid=(B, H, T // bq, pl.cdiv(plan.kv_len or S, bk)),
         num_prefetch_args=len(prefetch),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *id_specs],
@@ -279,6 +304,7 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
         _dkv_kernel,
         plan,
         has_ids,
+        keys is not None,
         grid=(B, Hkv, S // bk, G, T // bq),
         num_prefetch_args=len(prefetch),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *id_specs],

@@ -5,10 +5,16 @@ implementation (`forward` / `backward`, glued by `kernels.attention.api`) is Fla
 over kv blocks: the forward keeps a running max and sum (online softmax) and saves only the output and the
 log-sum-exp; the backward recomputes each block's probabilities from the lse. Peak memory is one
 [batch, heads, len, block_k] block instead of the full matrix, which is what lets the models train on CPU.
+
+Dropout on the attention probabilities draws no random numbers: whether (query i, key j) of head h in batch row b is
+kept is a hash of (seed, b, h, i, j) (`dropout_keys`, `dropout_multiplier`), so every implementation, forward and
+backward, regenerates the same mask tile by tile, and it does not depend on tiles or on how a mesh splits the batch
+and the heads.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 # Logit of a masked entry: finite so that `s - max` never computes inf - inf. A row whose running max is still
 # NEG_INF has seen no visible key; the kernels test `m > NEG_INF / 2` to find fully-masked rows (output 0, lse +inf).
@@ -37,11 +43,52 @@ def attention_mask(q_pos, k_pos, q_ids, kv_ids, *, causal, kv_len):
     return mask
 
 
-def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
+def _int32(value):
+    return np.asarray(value, np.uint32).view(np.int32)[()]
+
+
+_FMIX_1, _FMIX_2, _GOLDEN = _int32(0x85EBCA6B), _int32(0xC2B2AE35), _int32(0x9E3779B9)
+_DROPOUT_BITS = 24  # a keep test compares the hash's top 24 bits with the rate
+
+
+def _fmix(x):
+    """MurmurHash3's 32-bit finaliser on int32 (wrapping multiplies, logical shifts): a bijection in which every
+    input bit flips each output bit with probability ~1/2. Plain integer ops, so XLA, Triton and Mosaic all run it."""
+    x = x ^ lax.shift_right_logical(x, np.int32(16))
+    x = x * _FMIX_1
+    x = x ^ lax.shift_right_logical(x, np.int32(13))
+    x = x * _FMIX_2
+    return x ^ lax.shift_right_logical(x, np.int32(16))
+
+
+def _mix(key, value):
+    return _fmix(key ^ (value * _GOLDEN))
+
+
+def dropout_keys(rng, batch, heads):
+    """int32 [batch, heads] per-(row, head) keys from one 32-bit seed drawn from the PRNG key `rng`; a kernel working
+    on a slice of the batch or the heads takes the same slice of these keys, so its mask is that of the whole."""
+    seed = lax.bitcast_convert_type(jax.random.bits(rng, (), jnp.uint32), jnp.int32)
+    b = lax.broadcasted_iota(jnp.int32, (batch, heads), 0)
+    h = lax.broadcasted_iota(jnp.int32, (batch, heads), 1)
+    return _mix(_mix(_fmix(seed), b), h)
+
+
+def dropout_multiplier(key, q_pos, k_pos, rate):
+    """float32 1 / (1 - rate) where (query q_pos, key k_pos) is kept, else 0; operands broadcast like
+    `attention_mask`'s, `key` is a `dropout_keys` entry (broadcastable too)."""
+    bits = _mix(_mix(key, q_pos), k_pos)
+    threshold = np.int32(round(rate * (1 << _DROPOUT_BITS)))
+    keep = lax.shift_right_logical(bits, np.int32(32 - _DROPOUT_BITS)) >= threshold
+    return jnp.where(keep, np.float32(1.0 / (1.0 - rate)), np.float32(0.0))
+
+
+def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, dropout_rate=0.0, dropout_keys=None):
     """Straightforward attention, q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]; materialises [B, H, T, S].
 
     Same semantics as `kernels.flash_attention` (no input validation): `segment_ids` is [B, T] (self-attention) or a
-    pair ([B, T], [B, S]); a query row with no visible key yields zeros.
+    pair ([B, T], [B, S]); a query row with no visible key yields zeros. With `dropout_rate` > 0, `dropout_keys`
+    ([B, H] from `dropout_keys`) choose the dropped probabilities.
     """
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -65,6 +112,9 @@ def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
         p = jnp.where(mask, p, 0.0)
     l = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(l == 0.0, 1.0, l)
+    if dropout_rate:
+        keys = dropout_keys.reshape(B, Hkv, H // Hkv, 1, 1)
+        p = p * dropout_multiplier(keys, jnp.arange(T)[:, None], jnp.arange(S)[None, :], dropout_rate)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, D).astype(q.dtype)
 
@@ -98,12 +148,21 @@ def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan):
     return s if mask is None else jnp.where(mask, s, NEG_INF)
 
 
-def forward(q, k, v, q_ids, kv_ids, plan):
+def _block_dropout(keys, T, j, block_k, plan):
+    """The dropout multiplier [B, Hkv, G, T, bk] of kv block j (None without dropout)."""
+    if keys is None:
+        return None
+    return dropout_multiplier(keys[..., None, None], jnp.arange(T)[:, None], j * block_k + jnp.arange(block_k)[None, :],
+                              plan.dropout_rate)
+
+
+def forward(q, k, v, q_ids, kv_ids, keys, plan):
     """Returns (out [B, T, H, D], lse [B, Hkv, G, T] float32); S must be a multiple of plan.blocks.block_k."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
     qg = q.reshape(B, T, Hkv, G, D)
+    keys = None if keys is None else keys.reshape(B, Hkv, G)
     block_k = plan.blocks.block_k
     ids_blocks = None if kv_ids is None else _kv_blocks(kv_ids, block_k)
 
@@ -116,7 +175,9 @@ def forward(q, k, v, q_ids, kv_ids, plan):
         # Rows with no visible key so far get p = 1 on masked entries; alpha = 0 wipes that once a visible key
         # arrives, and rows that never see one are zeroed at the end.
         p = jnp.exp(s - m_new[..., None])
-        l = alpha * l + p.sum(axis=-1)
+        l = alpha * l + p.sum(axis=-1)  # the softmax's own sum: dropout rescales the kept terms, not the sum
+        keep = _block_dropout(keys, T, j, block_k, plan)
+        p = p if keep is None else p * keep
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
         return (alpha[..., None] * acc + pv, m_new, l), None
 
@@ -135,11 +196,15 @@ def forward(q, k, v, q_ids, kv_ids, plan):
     return out, lse
 
 
-def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
-    """Returns (dq, dk, dv) by recomputing each kv block's probabilities from the saved lse."""
+def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
+    """Returns (dq, dk, dv) by recomputing each kv block's probabilities from the saved lse.
+
+    With dropout (out = (p * keep) v): dv = (p * keep)^T do, and dp = (do v^T) * keep enters the softmax backward;
+    delta = <out, do> is still sum_j p_ij dp_ij."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
+    keys = None if keys is None else keys.reshape(B, Hkv, G)
     block_k = plan.blocks.block_k
     qg = q.reshape(B, T, Hkv, G, D)
     dog = do.reshape(B, T, Hkv, G, D)
@@ -152,8 +217,11 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
         s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
         p = jnp.exp(s - lse[..., None])  # masked entries and fully-masked rows (lse = +inf) give exactly 0
         dp = jnp.einsum("btkgd,bskd->bkgts", dog, v_blk, preferred_element_type=jnp.float32)
+        keep = _block_dropout(keys, T, j, block_k, plan)
+        p_kept = p if keep is None else p * keep
+        dp = dp if keep is None else dp * keep
         ds = p * (dp - delta[..., None]) * plan.sm_scale
-        dv_blk = jnp.einsum("bkgts,btkgd->bskd", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
+        dv_blk = jnp.einsum("bkgts,btkgd->bskd", p_kept.astype(do.dtype), dog, preferred_element_type=jnp.float32)
         dk_blk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(q.dtype), qg, preferred_element_type=jnp.float32)
         dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32)
         return dq, (dk_blk.astype(k.dtype), dv_blk.astype(v.dtype))

@@ -5,7 +5,8 @@ Forward: one program per (q block, batch, head) loops over kv blocks with an onl
 base-2 log-sum-exp. Backward: a dq pass (one program per q block, looping over kv blocks) and a dk/dv pass (one
 program per kv block and kv head, looping over the q heads of its group and over q blocks), so neither needs atomics
 and k/v are never repeated for grouped-query attention. Under causal masking the loops start/stop at the diagonal;
-under segment ids a kv block whose id range cannot meet the q block's is skipped.
+under segment ids a kv block whose id range cannot meet the q block's is skipped. Dropout regenerates its mask in
+every kernel from the (batch row, head) key and the tile's positions (`reference.dropout_multiplier`).
 """
 import math
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.attention.reference import NEG_INF, attention_mask
+from kernels.attention.reference import NEG_INF, attention_mask, dropout_multiplier
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -75,20 +76,24 @@ def _loop_over_kv_blocks(i, block_q, block_k, num_kv_blocks, causal, body, carry
     return _loop_split_at_diagonal(0, end, unmasked_end, end, body, carry)
 
 
-def _split_refs(refs, has_ids, num_inputs):
-    """(inputs, (q_ids_ref, kv_ids_ref), outputs), with the id refs None when there are no segment ids."""
-    inputs, rest = refs[:num_inputs], refs[num_inputs:]
-    ids = rest[:2] if has_ids else (None, None)
-    return inputs, ids, rest[2:] if has_ids else rest
+def _split_refs(refs, has_ids, has_keys, num_inputs):
+    """(inputs, (q_ids_ref, kv_ids_ref), keys_ref, outputs), with the id refs None when there are no segment ids and
+    keys_ref None without dropout."""
+    refs = list(refs)
+    inputs, refs = refs[:num_inputs], refs[num_inputs:]
+    ids = (refs.pop(0), refs.pop(0)) if has_ids else (None, None)
+    keys_ref = refs.pop(0) if has_keys else None
+    return inputs, ids, keys_ref, refs
 
 
-def _fwd_kernel(*refs, plan, has_ids, num_kv_blocks):
-    (q_ref, k_ref, v_ref), (qid_ref, kid_ref), (o_ref, lse_ref) = _split_refs(refs, has_ids, 3)
+def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
+    (q_ref, k_ref, v_ref), (qid_ref, kid_ref), keys_ref, (o_ref, lse_ref) = _split_refs(refs, has_ids, has_keys, 3)
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
     i = pl.program_id(0)
     q = q_ref[...]
     q_pos = (i * bq + jnp.arange(bq))[:, None]
     q_ids = None if qid_ref is None else qid_ref[...][:, None]
+    key = None if keys_ref is None else keys_ref[...]
     qk_scale = plan.sm_scale * _LOG2E
 
     def visit(j, carry, causal):
@@ -102,6 +107,8 @@ def _fwd_kernel(*refs, plan, has_ids, num_kv_blocks):
         alpha = jnp.exp2(m - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
         p = jnp.exp2(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
+        if key is not None:  # the sum above is the softmax's own; only the kept terms reach the output
+            p = p * dropout_multiplier(key, q_pos, k_pos, plan.dropout_rate)
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
@@ -118,13 +125,15 @@ def _fwd_kernel(*refs, plan, has_ids, num_kv_blocks):
     lse_ref[...] = jnp.where(visible, m + jnp.log2(l), jnp.inf)  # +inf: every p recomputed from it is 0
 
 
-def _dq_kernel(*refs, plan, has_ids, num_kv_blocks):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qid_ref, kid_ref), (dq_ref,) = _split_refs(refs, has_ids, 6)
+def _dq_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
+    inputs, (qid_ref, kid_ref), keys_ref, (dq_ref,) = _split_refs(refs, has_ids, has_keys, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
     i = pl.program_id(0)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_pos = (i * bq + jnp.arange(bq))[:, None]
     q_ids = None if qid_ref is None else qid_ref[...][:, None]
+    key = None if keys_ref is None else keys_ref[...]
     qk_scale = plan.sm_scale * _LOG2E
 
     def visit(j, dq, causal):
@@ -134,7 +143,10 @@ def _dq_kernel(*refs, plan, has_ids, num_kv_blocks):
         k_pos = (j * bk + jnp.arange(bk))[None, :]
         s = _masked_logits(q, k, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, causal)
         p = jnp.exp2(s - lse[:, None])
-        ds = p * (_dot_nt(do, v_ref[kv_slice, :]) - delta[:, None])
+        dp = _dot_nt(do, v_ref[kv_slice, :])
+        if key is not None:
+            dp = dp * dropout_multiplier(key, q_pos, k_pos, plan.dropout_rate)
+        ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
     body = _skip_disjoint(visit, q_ids, kid_ref, bk)
@@ -142,10 +154,9 @@ def _dq_kernel(*refs, plan, has_ids, num_kv_blocks):
     dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, plan, has_ids, groups):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qid_ref, kid_ref), (dk_ref, dv_ref) = _split_refs(
-        refs, has_ids, 6
-    )
+def _dkv_kernel(*refs, plan, has_ids, has_keys, groups):
+    inputs, (qid_ref, kid_ref), keys_ref, (dk_ref, dv_ref) = _split_refs(refs, has_ids, has_keys, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
@@ -163,8 +174,14 @@ def _dkv_kernel(*refs, plan, has_ids, groups):
         q_pos = (i * bq + jnp.arange(bq))[None, :]
         s_t = _masked_logits(k, q, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, causal)
         p_t = jnp.exp2(s_t - lse_ref[g, q_slice][None, :])
-        dv = dv + _dot(p_t.astype(do.dtype), do)
-        ds_t = p_t * (_dot_nt(v, do) - delta_ref[g, q_slice][None, :])
+        dp_t = _dot_nt(v, do)
+        if keys_ref is not None:
+            keep = dropout_multiplier(keys_ref[g], q_pos, k_pos, plan.dropout_rate)
+            dv = dv + _dot((p_t * keep).astype(do.dtype), do)
+            dp_t = dp_t * keep
+        else:
+            dv = dv + _dot(p_t.astype(do.dtype), do)
+        ds_t = p_t * (dp_t - delta_ref[g, q_slice][None, :])
         return dk + _dot(ds_t.astype(q.dtype), q), dv
 
     def per_head(g, carry):
@@ -197,7 +214,12 @@ def _id_operands(q_ids, kv_ids, q_spec, kv_spec):
     return [q_ids, kv_ids], [q_spec, kv_spec]
 
 
-def forward(q, k, v, q_ids, kv_ids, plan):
+def _key_operands(keys, spec):
+    """The dropout keys operand and its BlockSpec (none without dropout)."""
+    return ([], []) if keys is None else ([keys], [spec])
+
+
+def forward(q, k, v, q_ids, kv_ids, keys, plan):
     """Returns (out [B, T, H, D], lse [B, H, T] float32, base 2)."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -208,22 +230,23 @@ def forward(q, k, v, q_ids, kv_ids, plan):
     ids, id_specs = _id_operands(
         q_ids, kv_ids, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
     )
+    key_ops, key_specs = _key_operands(keys, pl.BlockSpec((None, None), lambda i, b, h: (b, h)))
     kernel = lambda *refs: _fwd_kernel(
-        *refs, plan=plan, has_ids=bool(ids), num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)
+        *refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops), num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)
     )
     return pl.pallas_call(
         kernel,
         grid=(T // bq, B, H),
-        in_specs=[q_block, kv_full, kv_full, *id_specs],
+        in_specs=[q_block, kv_full, kv_full, *id_specs, *key_specs],
         out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
         compiler_params=_compiler_params(plan),
         interpret=plan.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, *ids)
+    )(q, k, v, *ids, *key_ops)
 
 
-def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
+def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -238,15 +261,17 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
     ids, id_specs = _id_operands(
         q_ids, kv_ids, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
     )
+    key_ops, key_specs = _key_operands(keys, pl.BlockSpec((None, None), lambda i, b, h: (b, h)))
     dq = pl.pallas_call(
-        lambda *refs: _dq_kernel(*refs, plan=plan, has_ids=bool(ids), num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)),
+        lambda *refs: _dq_kernel(*refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops),
+                                 num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)),
         grid=(T // bq, B, H),
-        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block, *id_specs],
+        in_specs=[q_block, kv_full, kv_full, q_block, row_block, row_block, *id_specs, *key_specs],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="flash_attention_dq",
         **common,
-    )(q, k, v, do, lse, delta, *ids)
+    )(q, k, v, do, lse, delta, *ids, *key_ops)
 
     # One program per (kv block, batch, kv head); it reads the whole q/do/lse/delta of the head group.
     q_group = pl.BlockSpec((None, T, G, D), lambda j, b, h: (b, 0, h, 0))
@@ -255,13 +280,16 @@ def backward(q, k, v, q_ids, kv_ids, out, lse, do, plan):
     ids, id_specs = _id_operands(
         q_ids, kv_ids, pl.BlockSpec((None, T), lambda j, b, h: (b, 0)), pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
     )
+    # The keys of the group's q heads, [B, Hkv, G].
+    key_ops, key_specs = _key_operands(None if keys is None else keys.reshape(B, Hkv, G),
+                                       pl.BlockSpec((None, None, G), lambda j, b, h: (b, h, 0)))
     dk, dv = pl.pallas_call(
-        lambda *refs: _dkv_kernel(*refs, plan=plan, has_ids=bool(ids), groups=G),
+        lambda *refs: _dkv_kernel(*refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops), groups=G),
         grid=(S // bk, B, Hkv),
-        in_specs=[q_group, kv_block, kv_block, q_group, row_group, row_group, *id_specs],
+        in_specs=[q_group, kv_block, kv_block, q_group, row_group, row_group, *id_specs, *key_specs],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="flash_attention_dkv",
         **common,
-    )(q, k, v, do, lse, delta, *ids)
+    )(q, k, v, do, lse, delta, *ids, *key_ops)
     return dq, dk, dv
