@@ -145,12 +145,20 @@ def optimizer(max_steps=None, learning_rate=None, warmup_steps=None, weight_deca
 
 def progress_lines(trainer, log_every):
     """The lines a training script prints after `fit`: one per `log_every` steps of the history (loss, and token
-    accuracy when the loss reports it)."""
+    accuracy when the loss reports it), then the throughput of the last logged steps."""
     lines = []
     for record in trainer.history:
         if "loss" in record and record["step"] % log_every == 0:
             accuracy = f"  token accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""
             lines.append(f"step {record['step']:5d}  loss {record['loss']:.4f}{accuracy}")
+    fig = trainer.throughput
+    if fig:
+        flops = ""
+        if fig.get("model_tflops_per_device") is not None:
+            mfu = f", MFU {100 * fig['mfu']:.1f}%" if fig.get("mfu") is not None else ""
+            flops = f", {fig['model_tflops_per_device']:.3g} model TFLOP/s per device{mfu}"
+        lines.append(f"throughput of the last logged steps: {fig['seconds_per_step']:.3f} s/step, "
+                     f"{fig['examples_per_second']:.1f} examples/s{flops}")
     return lines
 
 

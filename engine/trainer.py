@@ -26,6 +26,7 @@ from engine import data as data_lib
 from engine import step as step_lib
 from engine.step import cast_floating, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
+from engine.flops import peak_tflops
 from engine.sharding import add_axis, auto_shard, log_sharding
 import kernels
 
@@ -78,11 +79,15 @@ class Trainer:
         ZeRO-3: 46.7 GB per device per step against 103 GB, scripts/plan_memory.py); 'jit' on CPU, where the
         simulated devices' collectives are memory copies and the jit step measured 5-8% faster (bench_step.py).
         Both give the same results (tests/test_step.py).
+      flops_per_example: model FLOPs of one training example, forward and backward (for the native models:
+        `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a
+        device of known peak (`engine.flops.PEAK_TFLOPS`), the model FLOPs utilisation (MFU); `throughput` holds the
+        latest figures.
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
-                 nan_policy="raise", keep_checkpoints=3, step="auto"):
+                 nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None):
         _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
@@ -98,6 +103,13 @@ class Trainer:
                       "a floating dtype such as jnp.bfloat16")
         for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
             _validate(name, fn, callable(fn), "a callable")
+        _validate("flops_per_example", flops_per_example, flops_per_example is None or (
+            isinstance(flops_per_example, (int, float)) and not isinstance(flops_per_example, bool)
+            and flops_per_example > 0), "None or a positive number")
+        self.flops_per_example = flops_per_example
+        # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
+        # model_tflops_per_device and mfu (None where the device's peak is unknown).
+        self.throughput = {}
         self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
         self.zero_stage, self.accumulate = zero_stage, accumulate_grad_batches
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
@@ -379,9 +391,17 @@ class Trainer:
         n = max(1, steps[-1] - last_log[1])
         data_s, ckpt_s = self._timers["data"] / n, self._timers["checkpoint"] / n
         self._timers = {"data": 0.0, "checkpoint": 0.0}
-        logging.info("%s | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s | %.3f s/step "
+        self.throughput = {"examples_per_second": throughput, "seconds_per_step": seconds}
+        flops = ""
+        if self.flops_per_example:
+            tflops = throughput * self.flops_per_example / self.mesh.size / 1e12
+            peak = peak_tflops(self.mesh.devices.flat[0])
+            mfu = tflops / peak if peak else None
+            self.throughput.update(model_tflops_per_device=tflops, mfu=mfu)
+            flops = f" | {tflops:.3g} TFLOP/s/device" + (f" (MFU {100 * mfu:.1f}%)" if peak else "")
+        logging.info("%s | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s%s | %.3f s/step "
                      "(data %.3f, checkpoint %.3f, compute %.3f)", self._progress(last["step"], seconds), self._epoch,
-                     last["loss"], last["grad_norm"], lr, throughput, seconds, data_s, ckpt_s,
+                     last["loss"], last["grad_norm"], lr, throughput, flops, seconds, data_s, ckpt_s,
                      max(0.0, seconds - data_s - ckpt_s))
         writer = self._tensorboard()
         if writer is not None:
@@ -390,6 +410,9 @@ class Trainer:
                     if k not in ("step", "finite"):
                         writer.add_scalar(f"train/{k}", v, record["step"])
             writer.add_scalar("train/examples_per_second", throughput, last["step"])
+            for name in ("model_tflops_per_device", "mfu"):
+                if self.throughput.get(name) is not None:
+                    writer.add_scalar(f"train/{name}", self.throughput[name], last["step"])
             writer.add_scalar("train/step_time_seconds", seconds, last["step"])
             writer.add_scalar("train/data_wait_seconds", data_s, last["step"])
             writer.add_scalar("train/checkpoint_seconds", ckpt_s, last["step"])

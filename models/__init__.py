@@ -5,6 +5,7 @@ Parameters are a plain nested dict of arrays; Dense kernels are [in, out]. Decod
 attention_mask is 0 on padding, 1 on tokens, or per-sequence ids > 0 for packed sequences. T5:
 `model.apply({'params': p}, input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None)`.
 """
+from models.flops import train_flops_per_example
 from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
 from models.hf import FAMILIES, config_from_hf, init_params, load_pretrained, load_tokenizer, save_pretrained

@@ -26,6 +26,7 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.flops import peak_tflops  # noqa: E402
 from kernels.attention import BlockSizes, flash_attention  # noqa: E402
 from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE  # noqa: E402
 from kernels.attention.api import choose_block_sizes  # noqa: E402
@@ -57,21 +58,6 @@ flags.DEFINE_list(
     "attention_blocks", None, "Override: block_q,block_k,block_q_bwd,block_k_bwd[,num_warps,num_stages] (for tuning)."
 )
 
-# Dense peak TFLOP/s for 16-bit inputs (f32 runs use the same figure, so their % is a lower bound), by device_kind
-# prefix; vendor datasheets (H100/H200 SXM: 989; A100: 312; TPU v4: 275, v5e: 197, v5p: 459, v6e: 918).
-_PEAK_TFLOPS = {
-    "NVIDIA H100": 989.0,
-    "NVIDIA H200": 989.0,
-    "NVIDIA A100": 312.0,
-    "TPU v4": 275.0,
-    "TPU v5 lite": 197.0,
-    "TPU v5e": 197.0,
-    "TPU v5p": 459.0,
-    "TPU v5": 459.0,
-    "TPU v6": 918.0,
-}
-
-
 def _ours():
     """(implementation name, keyword arguments selecting it) of the kernels under test."""
     impl = resolve_implementation(FLAGS.implementation, interpret=FLAGS.interpret)
@@ -79,8 +65,7 @@ def _ours():
 
 
 def _peak_tflops():
-    kind = jax.devices()[0].device_kind
-    return next((peak for prefix, peak in _PEAK_TFLOPS.items() if kind.startswith(prefix)), None)
+    return peak_tflops(jax.devices()[0])
 
 
 def _median_seconds(fn, *args):

@@ -107,7 +107,9 @@ def main(argv):
 
     trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_seq2seq,
                              loss_fn=text.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
-                             optimizer=cli.optimizer(), workdir=FLAGS.workdir, **cli.trainer_kwargs())
+                             optimizer=cli.optimizer(), workdir=FLAGS.workdir,
+                             flops_per_example=models.train_flops_per_example(model, in_len, out_len),
+                             **cli.trainer_kwargs())
     predictor = engine.Predictor(mesh=mesh, collate_fn=text.collate_seq2seq, pred_fn=text.seq2seq_pred_fn(
         model, max_new_tokens=out_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
     metric_fn = lambda examples, preds: text.exact_match(examples, preds, tokenizer.eos_id)  # noqa: E731

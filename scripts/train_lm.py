@@ -79,7 +79,9 @@ def main(argv):
                  len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
     trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
-                             optimizer=cli.optimizer(), workdir=FLAGS.workdir, **cli.trainer_kwargs())
+                             optimizer=cli.optimizer(), workdir=FLAGS.workdir,
+                             flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len),
+                             **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=FLAGS.per_device_batch_size)

@@ -91,6 +91,9 @@ def test_train_lm_from_scratch_resumes(tmp_path):
     out = _run("train_lm.py", "--max_steps=6", *tiny)
     before, after = _eval_losses(out.stdout)
     assert after < before and _steps(tmp_path)[-1] == 6
+    # The model FLOP/s from models.train_flops_per_example; no MFU on CPU.
+    assert re.search(r"^throughput of the last logged steps: [0-9.]+ s/step, [0-9.]+ examples/s, [0-9.e+-]+ model "
+                     r"TFLOP/s per device$", out.stdout, re.M), out.stdout
     again = _run("train_lm.py", "--max_steps=9", "--prompts=", *tiny)
     assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(tmp_path)[-1] == 9
 
@@ -116,6 +119,7 @@ def test_finetune_seq2seq_resumes_and_generate_reads_its_workdir(tmp_path):
     losses = _losses(out.stdout)
     before, after = _eval_losses(out.stdout)
     assert len(losses) == 2 and losses[-1] < losses[0] and after < before
+    assert "model TFLOP/s per device" in out.stdout
     assert re.search(r"eval exact match: [0-9.]+ on 16 held-out pairs", out.stdout)
     assert out.stdout.count("(target '") == 2
     assert any(f.startswith("events.out.tfevents") for f in _files(tmp_path / "tensorboard"))

@@ -34,9 +34,13 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 
 def test_loss_decreases_and_one_compile():
-    trainer = _trainer()
+    trainer = _trainer(flops_per_example=3e9)
     history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=3, log_every=4,
                           eval_examples=EXAMPLES[:10])
+    # The latest log line's figures: model FLOP/s per device from flops_per_example; no MFU on CPU (no known peak).
+    rate = trainer.throughput["examples_per_second"]
+    assert rate > 0 and trainer.throughput["mfu"] is None
+    assert trainer.throughput["model_tflops_per_device"] == pytest.approx(rate * 3e9 / 8 / 1e12)
     losses = [h["loss"] for h in history if "loss" in h]
     assert trainer.step == 3 * (64 // 8) and len(losses) == trainer.step
     assert np.mean(losses[-4:]) < 0.75 * np.mean(losses[:4]), losses
@@ -219,6 +223,8 @@ def test_bad_input_errors():
         _trainer(accumulate_grad_batches=0)
     with pytest.raises(ValueError, match=r"nan_policy='ignore'; expected one of"):
         _trainer(nan_policy="ignore")
+    with pytest.raises(ValueError, match=r"flops_per_example=-1; expected None or a positive number"):
+        _trainer(flops_per_example=-1)
     with pytest.raises(ValueError, match=r"per_device_batch_size=0; expected an integer >= 1"):
         _trainer().fit(EXAMPLES, per_device_batch_size=0)
     with pytest.raises(ValueError, match=r"collate_fn returned leaf \['input_ids'\] of shape \(9, 16\); expected a "
@@ -226,6 +232,13 @@ def test_bad_input_errors():
         engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=lambda exs: task.collate_fn(exs + exs[:1]),
                        loss_fn=task.loss_fn, params=task.init_params(),
                        optimizer=optax.sgd(0.1)).fit(EXAMPLES, per_device_batch_size=2)
+
+
+def test_peak_tflops_by_device_kind():
+    from engine.flops import peak_tflops
+    device = lambda kind: type("Device", (), {"device_kind": kind})()  # noqa: E731
+    assert peak_tflops(device("NVIDIA H100 80GB HBM3")) == 989.0 and peak_tflops(device("TPU v5 lite")) == 197.0
+    assert peak_tflops(device("TPU v5p")) == 459.0 and peak_tflops(jax.devices()[0]) is None
 
 
 def test_two_processes_match_single_process(tmp_path):

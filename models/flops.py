@@ -1,0 +1,45 @@
+"""Model FLOPs of a training example: the numerator of model FLOPs utilisation (MFU).
+
+Counted as in the PaLM paper (appendix B) and MaxText: a token passing through a weight matrix of N entries costs
+2N FLOPs forward and 4N backward (6N), and attention costs two matmuls of 2 x heads x head_dim FLOPs per visible key,
+again x3 for training. Rematerialisation is not counted (MFU measures the model's work, not the recomputation), and
+causal attention counts half the keys, (T + 1) / 2 on average, because the flash kernels skip the masked blocks.
+Weights are read off the parameter tree: every Linear 'kernel', plus the embedding table when it doubles as the
+output head (tied); a lookup costs nothing.
+"""
+import jax
+
+from models.hf import init_params
+
+
+def _kernel_sizes(params):
+    """{path tuple: entries} of every Linear kernel (stacked layers included)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(k.key for k in path): leaf.size for path, leaf in leaves if path[-1].key == "kernel"}
+
+
+def train_flops_per_example(model, seq_len, decoder_len=None):
+    """Forward + backward FLOPs of one example: `seq_len` tokens for a decoder-only model; for T5, `seq_len`
+    encoder and `decoder_len` decoder tokens (the decoder's cross-attention keys and values are projections of the
+    encoder tokens, so they count per encoder token)."""
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}; expected a positive int")
+    c = model.config
+    params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    kernels = _kernel_sizes(params)
+    if hasattr(c, "d_kv"):  # T5
+        if not isinstance(decoder_len, int) or decoder_len < 1:
+            raise ValueError(f"decoder_len={decoder_len!r}; expected a positive int for an encoder-decoder model")
+        S, T, per_key = seq_len, decoder_len, 12 * c.num_heads * c.d_kv
+        encoder_side = sum(n for p, n in kernels.items()
+                           if p[0] == "encoder" or ("cross_attn" in p and p[-2] in ("k", "v")))
+        decoder_side = sum(kernels.values()) - encoder_side + (params["shared"]["embedding"].size
+                                                               if c.tie_word_embeddings else 0)
+        attention = per_key * (c.num_layers * S * S + c.decoder_layers * (T * (T + 1) / 2 + T * S))
+        return 6 * (S * encoder_side + T * decoder_side) + attention
+    if decoder_len is not None:
+        raise ValueError(f"decoder_len={decoder_len!r}; expected None for a decoder-only model")
+    T = seq_len
+    weights = sum(kernels.values()) + (params["embed"]["embedding"].size if c.tie_word_embeddings else 0)
+    attention = 12 * c.num_layers * c.num_heads * c.dim_per_head * T * (T + 1) / 2
+    return 6 * T * weights + attention
