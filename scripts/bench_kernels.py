@@ -48,6 +48,9 @@ flags.DEFINE_integer("heads", None, "Attention query heads; default 16 (CPU: 4).
 flags.DEFINE_integer("kv_heads", None, "Attention kv heads; default = heads.")
 flags.DEFINE_integer("head_dim", None, "Attention head dim; default 128 (CPU: 64).")
 flags.DEFINE_list("causal", ["true", "false"], "Attention masking modes to run.")
+flags.DEFINE_float("attention_dropout", 0.0, "When > 0, also time flash_attention with this dropout rate on the "
+                   "probabilities (the in-kernel mask hash's cost; FLOPs counted as without dropout).",
+                   lower_bound=0.0, upper_bound=0.95)
 flags.DEFINE_enum("implementation", None, ["xla", "triton", "mosaic_tpu"], "Our kernels' implementation; default the "
                   "backend's fastest (with --interpret on CPU: 'triton').")
 flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in Pallas's interpreter (a CPU smoke check).")
@@ -144,6 +147,9 @@ def bench_attention():
             logging.info("%s: %s blocks %s", shape, ours, blocks)
             ours_fn = functools.partial(flash_attention, causal=causal, block_sizes=override, **selection)
             paths = {f"flash_attention[{ours}]": ours_fn}
+            if FLAGS.attention_dropout:
+                paths[f"flash_attention[{ours}] dropout {FLAGS.attention_dropout:g}"] = functools.partial(
+                    ours_fn, dropout_rate=FLAGS.attention_dropout, dropout_rng=jax.random.key(0))
             for name, impl in baselines.items():
                 paths[name] = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
             for name, attend in paths.items():

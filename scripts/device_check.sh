@@ -40,7 +40,8 @@ if [ "$MODE" != tune ]; then
     --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
     > "$OUT/train_lm.log" 2>&1
   train=$?
-  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul > "$OUT/bench_kernels.log" 2>&1
+  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul --attention_dropout=0.1 \
+    > "$OUT/bench_kernels.log" 2>&1
   bench=$?
 fi
 tune_time=$(( $(left) - 15 ))
@@ -50,13 +51,13 @@ if [ "$tune_time" -gt 30 ]; then
 fi
 if [ "$MODE" != tune ]; then
   grep -E "blocks|BlockSizes" "$OUT/bench_kernels.log" | head -20
-  grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -60
+  grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -80
 fi
 # Per search: its title, the fastest two rows, the default and the baseline (all rows are in $OUT/tune.log).
 [ -f "$OUT/tune.log" ] && grep -v -E "^[IWE][0-9]{4} " "$OUT/tune.log" \
   | awk '/^## /{print; n=0; next} /^-|^candidate +blocks/{next} NF{n++; if (n <= 2 || $1 != "candidate") print}'
 if [ "$MODE" != tune ]; then
-  grep -v -E "^[IWE][0-9]{4} " "$OUT/train_lm.log" | grep -i -E "eval|loss|error|step 400" | tail -6
+  grep -v -E "^[IWE][0-9]{4} " "$OUT/train_lm.log" | grep -i -E "eval|loss|error|step 400|throughput" | tail -6
   grep -v -E "^[IWE][0-9]{4} " "$OUT/check_kernels.log" | tail -16
 fi
 echo "check_kernels exit $check, train_lm exit $train, bench_kernels exit $bench, $(( $(date +%s) - start )) s"
