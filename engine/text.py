@@ -327,10 +327,45 @@ def encode_pairs(pairs, tokenizer, *, max_input_len, max_target_len, decoder_sta
     return examples, cut
 
 
+def pack_pairs(examples, input_len=None, target_len=None):
+    """Packs `encode_pairs` examples into rows `input_len` / `target_len` wide (default: the examples' widths, which
+    must not be wider), several whole pairs per row (as T5X packs): the
+    inputs side by side in 'input_ids', the targets in 'decoder_input_ids' / 'labels', numbered 1, 2, ... in
+    'attention_mask' (encoder) and 'decoder_attention_mask' (decoder), so each target attends to its own input and
+    earlier tokens of its own target only. Each pair goes into the first of the last 16 rows with room for it (a
+    window keeps packing linear in the number of pairs). Unused slots hold token 0 under id 0, which no real token
+    sees."""
+    if not examples:
+        return []
+    in_width, out_width = input_len or len(examples[0]["input_ids"]), target_len or len(examples[0]["labels"])
+    if in_width < len(examples[0]["input_ids"]) or out_width < len(examples[0]["labels"]):
+        raise ValueError(f"input_len={input_len}, target_len={target_len}; expected at least the examples' widths "
+                         f"{len(examples[0]['input_ids'])} and {len(examples[0]['labels'])}")
+    rows, used = [], []  # used[r] = (input tokens, target tokens) taken in row r
+    for ex in examples:
+        n_in, n_out = int(np.sum(ex["attention_mask"] > 0)), int(np.sum(ex["labels"] != -100))
+        r = next((r for r in range(max(0, len(rows) - 16), len(rows))
+                  if used[r][0] + n_in <= in_width and used[r][1] + n_out <= out_width), None)
+        if r is None:
+            r = len(rows)
+            rows.append({"input_ids": np.zeros(in_width, np.int32), "attention_mask": np.zeros(in_width, np.int32),
+                         "decoder_input_ids": np.zeros(out_width, np.int32),
+                         "decoder_attention_mask": np.zeros(out_width, np.int32),
+                         "labels": np.full(out_width, -100, np.int32)})
+            used.append((0, 0))
+        row, (a, b), seg = rows[r], used[r], int(rows[r]["attention_mask"].max()) + 1
+        row["input_ids"][a:a + n_in], row["attention_mask"][a:a + n_in] = ex["input_ids"][:n_in], seg
+        row["decoder_input_ids"][b:b + n_out] = ex["decoder_input_ids"][:n_out]
+        row["labels"][b:b + n_out], row["decoder_attention_mask"][b:b + n_out] = ex["labels"][:n_out], seg
+        used[r] = (a + n_in, b + n_out)
+    return rows
+
+
 def collate_seq2seq(examples):
-    """Examples of `encode_pairs` -> a batch of the same keys, [B, len] each."""
-    return {k: np.stack([e[k] for e in examples]) for k in ("input_ids", "attention_mask", "decoder_input_ids",
-                                                            "labels")}
+    """Examples of `encode_pairs` (or rows of `pack_pairs`, which add 'decoder_attention_mask') -> a batch of the
+    same keys, [B, len] each."""
+    keys = ("input_ids", "attention_mask", "decoder_input_ids", "labels", "decoder_attention_mask")
+    return {k: np.stack([e[k] for e in examples]) for k in keys if k in examples[0]}
 
 
 def seq2seq_loss_fn(model, implementation=None, *, interpret=False):
@@ -340,7 +375,8 @@ def seq2seq_loss_fn(model, implementation=None, *, interpret=False):
 
     def loss_fn(params, batch, rng, is_training):
         out = model.apply({"params": params}, batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"],
-                          return_hidden=implementation is not None, train=is_training, rngs=_dropout_rngs(rng))
+                          batch.get("decoder_attention_mask"), return_hidden=implementation is not None,
+                          train=is_training, rngs=_dropout_rngs(rng))
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
     loss_fn.weight_metric = "tokens"
     return loss_fn

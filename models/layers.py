@@ -319,16 +319,18 @@ class Attention(nn.Module):
         opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, interpret=self.interpret, bias=bias)
         if self.dropout_rate and not self.deterministic:
             opts.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
-        if kv_input is not None:  # cross-attention: every query is live; padded encoder tokens are hidden
+        if kv_input is not None:
+            # Cross-attention: a query of sequence s sees the encoder tokens of sequence s (ids > 0; 0 is padding)
+            # so packed pairs stay apart; with 0/1 masks every query, padding included as in transformers, sees
+            # every encoder token.
             if cache is not None and "cross_k" in cache:
                 k, v = cache["cross_k"], cache["cross_v"]
             else:
                 k, v = project_kv(kv_input)
             if cache is not None:
                 cache = {**cache, "cross_k": k, "cross_v": v}
-            enc_ids = (ctx["encoder_segment_ids"] > 0).astype(jnp.int32)
-            out = attend(q, k, v, causal=False, q_segment_ids=jnp.ones((B, T), jnp.int32), kv_segment_ids=enc_ids,
-                         **opts)
+            out = attend(q, k, v, causal=False, q_segment_ids=jnp.maximum(ctx["segment_ids"], 1),
+                         kv_segment_ids=ctx["encoder_segment_ids"].astype(jnp.int32), **opts)
         else:
             k, v = project_kv(x)
             if cache is not None:

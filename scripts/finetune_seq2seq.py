@@ -41,6 +41,9 @@ flags.DEFINE_integer("toy_size", 8192, "Training pairs of the embedded toy task.
 flags.DEFINE_integer("max_input_len", 128, "Input tokens at most (longer inputs are cut; rows are as long as the "
                      "longest input up to this).")
 flags.DEFINE_integer("max_target_len", 128, "Target tokens at most, EOS included (also the generation length).")
+flags.DEFINE_bool("pack_pairs", False, "Pack several training pairs into rows --max_input_len / --max_target_len "
+                  "wide (engine.text.pack_pairs; each target still sees only its own input): fewer rows, less "
+                  "padding, the same per-token loss. A global batch counts rows.")
 flags.DEFINE_integer("samples", 4, "Held-out examples whose generations are printed at the end.")
 
 
@@ -98,17 +101,23 @@ def main(argv):
     if cut + eval_cut:
         logging.warning("%d pairs were cut to --max_input_len=%d / --max_target_len=%d", cut + eval_cut, in_len,
                         out_len)
+    n_pairs = len(train)
+    row_lens = (in_len, out_len)
+    if FLAGS.pack_pairs:
+        row_lens = (max(in_len, FLAGS.max_input_len), max(out_len, FLAGS.max_target_len))
+        train = text.pack_pairs(train, *row_lens)
     global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
     if len(train) < global_batch:
-        raise ValueError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
+        raise ValueError(f"{len(train)} training rows are fewer than one global batch of {global_batch}")
     cli.save_run(FLAGS.workdir, "seq2seq", model, tokenizer)
-    print(f"{len(train)} training and {len(evals)} held-out pairs, {in_len} input and {out_len} target tokens at most; "
-          f"e.g. {train_pairs[0]['input']!r} -> {train_pairs[0]['target']!r}")
+    packed = f" (packed into {len(train)} rows)" if FLAGS.pack_pairs else ""
+    print(f"{n_pairs} training{packed} and {len(evals)} held-out pairs, {in_len} input and {out_len} target tokens at "
+          f"most; e.g. {train_pairs[0]['input']!r} -> {train_pairs[0]['target']!r}")
 
     trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_seq2seq,
                              loss_fn=text.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=models.train_flops_per_example(model, in_len, out_len),
+                             flops_per_example=models.train_flops_per_example(model, *row_lens),
                              **cli.trainer_kwargs())
     predictor = engine.Predictor(mesh=mesh, collate_fn=text.collate_seq2seq, pred_fn=text.seq2seq_pred_fn(
         model, max_new_tokens=out_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))

@@ -195,14 +195,17 @@ def test_more_bad_flags_end_with_one_error_line(tmp_path):
 
 
 def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
-    """T5 from a Hugging Face directory (byte-level tokens: it has no tokenizer.json) on jsonl pairs."""
+    """T5 from a Hugging Face directory (byte-level tokens: it has no tokenizer.json) on jsonl pairs, packed several
+    to a row."""
     _tiny_hf("t5", tmp_path / "hf")
     pairs = text.toy_pairs(48, seed=3)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", f"--data={data}", f"--workdir={tmp_path / 'w'}",
                "--eval_size=8", "--max_steps=8", "--log_every=4", "--per_device_batch_size=1", "--mesh=2,2,2",
-               "--learning_rate=1e-2", "--warmup_steps=2", "--samples=1")
+               "--learning_rate=1e-2", "--warmup_steps=2", "--samples=1", "--pack_pairs", "--max_input_len=64",
+               "--max_target_len=64")
+    assert re.search(r"40 training \(packed into \d+ rows\)", out.stdout), out.stdout
     before, after = _eval_losses(out.stdout)
     assert after < 0.95 * before
     assert json.loads((tmp_path / "w" / "run.json").read_text())["family"] == "t5"

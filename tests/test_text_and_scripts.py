@@ -78,6 +78,31 @@ def test_toy_pairs_encode_collate_and_exact_match():
     assert text.exact_match(examples, bad, tok.eos_id) == {"exact_match": 0.5}
 
 
+def test_pack_pairs_keeps_whole_pairs_apart_and_t5_loss_unchanged():
+    """Packed pairs (several per row, numbered segments) give T5 the same per-token losses as one pair per row: each
+    target attends to its own input (cross-attention by segment) and its own earlier tokens only, and the relative
+    position bias depends on distances within a pair only. Training mode (dropout off) and the eval path agree."""
+    tok = text.WordTokenizer(text.TOY_WORDS)
+    model = models.create_model("t5", "tiny", dropout_rate=0.0)
+    examples, _ = text.encode_pairs(text.toy_pairs(12, seed=5), tok, max_input_len=16, max_target_len=16,
+                                    decoder_start_id=model.config.decoder_start_token_id)
+    rows = text.pack_pairs(examples)
+    assert 3 <= len(rows) < len(examples)  # pairs of 4-7 tokens: two or three per 16-token row
+    for key in ("input_ids", "labels", "decoder_input_ids"):  # every pair's tokens, whole and in order
+        real = lambda e, k=key: e[k][(e["attention_mask"] if k == "input_ids" else e["labels"] + 100) != 0]
+        assert np.concatenate([real(r) for r in rows]).tolist() == np.concatenate([real(e) for e in examples]).tolist()
+    first = rows[0]
+    assert first["attention_mask"].max() >= 2 and first["decoder_attention_mask"].max() == first["attention_mask"].max()
+    assert np.all((first["labels"] == -100) == (first["decoder_attention_mask"] == 0))
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    loss_fn = jax.jit(text.seq2seq_loss_fn(model), static_argnums=3)
+    (packed, packed_metrics), (plain, plain_metrics) = (
+        loss_fn(params, text.collate_seq2seq(batch), jax.random.key(0), True) for batch in (rows, examples))
+    assert packed_metrics["tokens"] == plain_metrics["tokens"]
+    np.testing.assert_allclose(packed, plain, rtol=1e-5)
+    assert text.pack_pairs([]) == []
+
+
 def _decoder_batch(vocab):
     rng = np.random.RandomState(0)
     seg = np.array([1] * 9 + [2] * 6 + [0] * 2, np.int32)
