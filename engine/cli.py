@@ -14,7 +14,7 @@ from absl import app, flags, logging
 import engine
 import kernels
 import models
-from engine import text
+from engine import preference, text
 
 FLAGS = flags.FLAGS
 
@@ -162,11 +162,48 @@ def progress_lines(trainer, log_every):
     return lines
 
 
-def closing_line(trainer, workdir):
-    """The last line of a training script: where a run stopped by a signal can be resumed (else None)."""
+def define_record_flags(*, what, fields, toy_size):
+    """--data, --eval_data, --eval_size and --toy_size of a script that trains on jsonl records with string `fields`
+    (read by `load_train_eval`); `what` names the records in the help."""
+    shown = ", ".join(f'"{f}": ...' for f in fields)
+    flags.DEFINE_list("data", [], f".jsonl files or globs of {{{shown}}} lines; empty: the embedded toy task.")
+    flags.DEFINE_list("eval_data", [], f"Held-out .jsonl {what}; empty: the last --eval_size {what} of --data (or "
+                      f"fresh toy {what}).")
+    flags.DEFINE_integer("eval_size", 256, f"Held-out {what} when --eval_data is not given.")
+    flags.DEFINE_integer("toy_size", toy_size, f"Training {what} of the embedded toy task.")
+
+
+def load_train_eval(read, toy, *, key, what):
+    """(train records, eval records) from --data / --eval_data / --eval_size / --toy_size / --seed: `read(patterns)`
+    reads files; without --data, `toy(n, seed)` makes the embedded task, and its eval records are fresh ones
+    (another seed) whose `key` field no training record has. `what` names the records in errors."""
+    if FLAGS.data:
+        train = read(FLAGS.data)
+        if not train:
+            raise ValueError(f"--data={','.join(FLAGS.data)} holds no {what}")
+    else:
+        train = toy(FLAGS.toy_size, FLAGS.seed)
+    if FLAGS.eval_data:
+        evals = read(FLAGS.eval_data)
+        if not evals:
+            raise ValueError(f"--eval_data={','.join(FLAGS.eval_data)} holds no {what}")
+    elif FLAGS.data:
+        if len(train) <= FLAGS.eval_size:
+            raise ValueError(f"--data holds {len(train)} {what}; more than --eval_size={FLAGS.eval_size} are needed "
+                             "when there is no --eval_data")
+        train, evals = train[:-FLAGS.eval_size], train[-FLAGS.eval_size:]
+    else:
+        seen = {r[key] for r in train}
+        evals = [r for r in toy(4 * FLAGS.eval_size, FLAGS.seed + 1) if r[key] not in seen][:FLAGS.eval_size]
+    return train, evals
+
+
+def finish(trainer, workdir):
+    """Ends a training script: closes the trainer (waits for its last checkpoint) and, when a signal stopped the run,
+    prints where it can be resumed."""
+    trainer.close()
     if trainer.stopped_by_signal:
-        return f"stopped by a signal at step {trainer.step}; checkpoint saved in {workdir}; re-run to resume"
-    return None
+        print(f"stopped by a signal at step {trainer.step}; checkpoint saved in {workdir}; re-run to resume")
 
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
@@ -271,8 +308,9 @@ def load_run(workdir, **options):
     fields (scan_layers, attention_implementation, ...)."""
     path = os.path.join(workdir, RUN_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--workdir={workdir} has no {RUN_FILE}; expected the workdir of scripts/train_lm.py "
-                                "or scripts/finetune_seq2seq.py (or pass --init_from=<Hugging Face directory>)")
+        raise FileNotFoundError(f"--workdir={workdir} has no {RUN_FILE}; expected the workdir of scripts/train_lm.py, "
+                                "scripts/finetune_seq2seq.py or scripts/train_dpo.py (or pass --init_from=<Hugging "
+                                "Face directory>)")
     with open(path) as f:
         run = json.load(f)
     family = run["family"]
@@ -285,8 +323,10 @@ def restore_run(workdir, mesh, **options):
     sharded over `mesh` (the layout engine.auto_shard picks for this mesh, whatever mesh trained them)."""
     task, model, tokenizer = load_run(workdir, **options)
     abstract = jax.eval_shape(lambda: models.init_params(model))
-    collate, loss = ((text.collate_lm, text.lm_loss_fn(model)) if task == "lm"
-                     else (text.collate_seq2seq, text.seq2seq_loss_fn(model)))
+    collate, loss = {"lm": (text.collate_lm, text.lm_loss_fn),
+                     "seq2seq": (text.collate_seq2seq, text.seq2seq_loss_fn),
+                     "dpo": (preference.collate_preferences, preference.dpo_loss_fn)}[task]
+    loss = loss(model)
     # The Trainer restores in its constructor; the optimizer only fixes the checkpoint's structure.
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract,
                              optimizer=optimizer(2, 0.0, 1, 0.0), workdir=workdir)

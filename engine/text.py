@@ -221,21 +221,19 @@ def head_weight(model, params):
     return params["lm_head"]["kernel"], params["lm_head"].get("bias")
 
 
-def _check_implementation(implementation):
+def check_implementation(implementation):
     if implementation not in LOSS_IMPLEMENTATIONS:
         raise ValueError(f"loss implementation={implementation!r}; expected one of {LOSS_IMPLEMENTATIONS} (None: "
                          "plain logits; otherwise kernels.linear_cross_entropy)")
 
 
-def _loss_and_metrics(model, params, out, labels, implementation, interpret):
-    """Mean cross-entropy over labels >= 0 from the model's output `out`: logits [B, T, V] (implementation None)
-    or hidden states [B, T, D] fed to kernels.linear_cross_entropy with the model's head."""
+def token_losses(model, params, out, labels, implementation=None, interpret=False):
+    """Per-token cross-entropy [B, T] (float32, 0 where labels < 0) from the model's output `out`: logits [B, T, V]
+    (implementation None) or hidden states [B, T, D] fed to kernels.linear_cross_entropy with the model's head, so
+    the logits never exist. A token's log-probability is minus its loss."""
     valid = labels >= 0
-    n = jnp.maximum(valid.sum(), 1)
-    metrics = {"tokens": valid.sum().astype(jnp.float32)}
     if implementation is None:
         losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), jnp.maximum(labels, 0))
-        metrics["accuracy"] = jnp.where(valid, out.argmax(-1) == labels, False).sum() / n
     else:
         w, bias = head_weight(model, params)
         x, w = out, w.astype(out.dtype)
@@ -248,10 +246,20 @@ def _loss_and_metrics(model, params, out, labels, implementation, interpret):
         losses = kernels.linear_cross_entropy(x, w, jnp.where(valid, labels, -100), ignore_index=-100,
                                               implementation=None if implementation == "auto" else implementation,
                                               interpret=interpret)
-    return jnp.where(valid, losses, 0.0).sum() / n, metrics
+    return jnp.where(valid, losses, 0.0)
 
 
-def _dropout_rngs(rng):
+def _loss_and_metrics(model, params, out, labels, implementation, interpret):
+    """Mean cross-entropy over labels >= 0 (`token_losses`), the token count and, with plain logits, accuracy."""
+    valid = labels >= 0
+    n = jnp.maximum(valid.sum(), 1)
+    metrics = {"tokens": valid.sum().astype(jnp.float32)}
+    if implementation is None:
+        metrics["accuracy"] = jnp.where(valid, out.argmax(-1) == labels, False).sum() / n
+    return token_losses(model, params, out, labels, implementation, interpret).sum() / n, metrics
+
+
+def dropout_rngs(rng):
     """Flax `rngs` for a model call: the step's key as the 'dropout' stream (none without a key)."""
     return {} if rng is None else {"dropout": rng}
 
@@ -262,11 +270,11 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
     accuracy. implementation: None (plain logits) or a kernel implementation for the fused head + loss ('xla',
     'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter.
     Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`."""
-    _check_implementation(implementation)
+    check_implementation(implementation)
 
     def loss_fn(params, batch, rng, is_training):
         out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
-                          return_hidden=implementation is not None, train=is_training, rngs=_dropout_rngs(rng))
+                          return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
     loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
     return loss_fn
@@ -274,19 +282,24 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
 
 # ----------------------------------------------------------------------------------------------- input/target pairs
 
-def read_pairs(patterns):
-    """`{"input": str, "target": str}` objects from `.jsonl` files (paths or globs), one per line."""
-    pairs = []
+def read_records(patterns, fields):
+    """Objects with the string `fields` from `.jsonl` files (paths or globs), one per line (other keys dropped)."""
+    records = []
     for path in _expand(patterns):
         if not path.endswith(".jsonl"):
-            raise ValueError(f"data: {path!r} is not .jsonl; expected one {{\"input\": ..., \"target\": ...}} per "
-                             "line")
+            shown = ", ".join(f'"{f}": ...' for f in fields)
+            raise ValueError(f"data: {path!r} is not .jsonl; expected one {{{shown}}} per line")
         for n, item in _jsonl(path):
-            if not (isinstance(item, dict) and isinstance(item.get("input"), str)
-                    and isinstance(item.get("target"), str)):
-                raise ValueError(f"data: {path}:{n} is not an object with string fields 'input' and 'target'")
-            pairs.append({"input": item["input"], "target": item["target"]})
-    return pairs
+            if not (isinstance(item, dict) and all(isinstance(item.get(f), str) for f in fields)):
+                names = " and ".join(", ".join(repr(f) for f in fields).rsplit(", ", 1))
+                raise ValueError(f"data: {path}:{n} is not an object with string fields {names}")
+            records.append({f: item[f] for f in fields})
+    return records
+
+
+def read_pairs(patterns):
+    """`{"input": str, "target": str}` objects from `.jsonl` files (paths or globs), one per line."""
+    return read_records(patterns, ("input", "target"))
 
 
 TOY_WORDS = ("ant", "bee", "cat", "cow", "dog", "eel", "elk", "emu", "fox", "gnu", "hen", "owl", "pig", "ram",
@@ -371,12 +384,12 @@ def collate_seq2seq(examples):
 def seq2seq_loss_fn(model, implementation=None, *, interpret=False):
     """`loss_fn` for an encoder-decoder model (T5) on `collate_seq2seq` batches: mean cross-entropy of the target
     tokens; `implementation` as in `lm_loss_fn`."""
-    _check_implementation(implementation)
+    check_implementation(implementation)
 
     def loss_fn(params, batch, rng, is_training):
         out = model.apply({"params": params}, batch["input_ids"], batch["decoder_input_ids"], batch["attention_mask"],
                           batch.get("decoder_attention_mask"), return_hidden=implementation is not None,
-                          train=is_training, rngs=_dropout_rngs(rng))
+                          train=is_training, rngs=dropout_rngs(rng))
         return _loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
     loss_fn.weight_metric = "tokens"
     return loss_fn

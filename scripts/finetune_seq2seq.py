@@ -32,12 +32,7 @@ flags.DEFINE_string("model_overrides", '{"d_model": 128, "d_ff": 256, "num_layer
                     "JSON object of config fields that replace the named config's (ignored with --init_from).")
 flags.DEFINE_string("init_from", None, "A Hugging Face T5 directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
-flags.DEFINE_list("data", [], '.jsonl files or globs of {"input": ..., "target": ...} lines; empty: the embedded toy '
-                  "task.")
-flags.DEFINE_list("eval_data", [], "Held-out .jsonl pairs; empty: the last --eval_size pairs of --data (or fresh toy "
-                  "pairs).")
-flags.DEFINE_integer("eval_size", 256, "Held-out pairs when --eval_data is not given.")
-flags.DEFINE_integer("toy_size", 8192, "Training pairs of the embedded toy task.")
+cli.define_record_flags(what="pairs", fields=("input", "target"), toy_size=8192)
 flags.DEFINE_integer("max_input_len", 128, "Input tokens at most (longer inputs are cut; rows are as long as the "
                      "longest input up to this).")
 flags.DEFINE_integer("max_target_len", 128, "Target tokens at most, EOS included (also the generation length).")
@@ -64,26 +59,7 @@ def build_model(mesh):
 
 def load_pairs():
     """(train pairs, eval pairs) from the flags."""
-    if FLAGS.data:
-        train = text.read_pairs(FLAGS.data)
-        if not train:
-            raise ValueError(f"--data={','.join(FLAGS.data)} holds no pairs")
-    else:
-        train = text.toy_pairs(FLAGS.toy_size, FLAGS.seed)
-    if FLAGS.eval_data:
-        evals = text.read_pairs(FLAGS.eval_data)
-        if not evals:
-            raise ValueError(f"--eval_data={','.join(FLAGS.eval_data)} holds no pairs")
-    elif FLAGS.data:
-        if len(train) <= FLAGS.eval_size:
-            raise ValueError(f"--data holds {len(train)} pairs; more than --eval_size={FLAGS.eval_size} are needed "
-                             "when there is no --eval_data")
-        train, evals = train[:-FLAGS.eval_size], train[-FLAGS.eval_size:]
-    else:
-        seen = {p["input"] for p in train}
-        evals = [p for p in text.toy_pairs(4 * FLAGS.eval_size, FLAGS.seed + 1) if p["input"] not in seen]
-        evals = evals[:FLAGS.eval_size]
-    return train, evals
+    return cli.load_train_eval(text.read_pairs, text.toy_pairs, key="input", what="pairs")
 
 
 def main(argv):
@@ -138,10 +114,7 @@ def main(argv):
     for pair, pred in list(zip(eval_pairs, preds))[:FLAGS.samples]:
         got = tokenizer.decode([i for i in text.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])
         print(f"--- {pair['input']!r} -> {got!r} (target {pair['target']!r})")
-    trainer.close()
-    closing = cli.closing_line(trainer, FLAGS.workdir)
-    if closing:
-        print(closing)
+    cli.finish(trainer, FLAGS.workdir)
 
 
 if __name__ == "__main__":

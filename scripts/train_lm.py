@@ -100,10 +100,7 @@ def main(argv):
         if jax.process_index() == 0:
             for prompt, sample in zip(FLAGS.prompts, samples):
                 print(f"--- sample for {prompt!r}:\n{sample}")
-    trainer.close()
-    closing = cli.closing_line(trainer, FLAGS.workdir)
-    if closing:
-        print(closing)
+    cli.finish(trainer, FLAGS.workdir)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,18 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
 
     gen = _run("generate.py", f"--workdir={workdir}", "--prompts=def,class", "--max_new_tokens=5", "--mesh=2,2,2")
     assert re.findall(r"^--- '(\w+)':$", gen.stdout, re.M) == ["def", "class"]
+
+    # SFT -> DPO: the toy preference task from this workdir (the reference is its checkpoint, frozen), then
+    # generate.py reads the DPO workdir.
+    dpo = tmp_path / "dpo"
+    out = _run("train_dpo.py", f"--init_from={workdir}", f"--workdir={dpo}", "--max_steps=4", "--log_every=2",
+               "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--seq_len=48")
+    # Before training the policy is the reference: every margin is 0, a tie, and the DPO loss is log 2.
+    assert re.search(r"eval DPO loss before training: 0\.6931, preference accuracy 0\.0000", out.stdout), out.stdout
+    assert len(_losses(out.stdout)) == 2
+    assert json.loads((dpo / "run.json").read_text())["task"] == "dpo" and _steps(dpo)[-1] == 4
+    gen = _run("generate.py", f"--workdir={dpo}", "--prompts=owl", "--max_new_tokens=3")
+    assert "--- 'owl':" in gen.stdout
     gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--prompts=the", "--max_new_tokens=3",
                "--mesh=1,1,-1")
     assert "--- 'the':" in gen.stdout
@@ -154,6 +166,8 @@ def _bad_inputs(tmp_path, slow):
             ("finetune_seq2seq.py", f"--eval_data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:2 is not JSON",
             ("generate.py", "--prompts=x", f"--workdir={tmp_path}"): "has no run.json",
             ("generate.py", "--workdir=/nonexistent"): "no prompts",
+            ("train_dpo.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:1 is not an object with string fields "
+                                                                 "'prompt', 'chosen' and 'rejected'",
         }
     return {
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",
@@ -167,6 +181,8 @@ def _bad_inputs(tmp_path, slow):
         ("finetune_seq2seq.py", "--dropout_rate=1.5"): "--dropout_rate=1.5: 1.5 is not a number in the range",
         ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",
         ("generate.py", "--prompts=x", "stray"): "unexpected arguments ['stray']",
+        ("train_dpo.py", "--beta=0"): "--beta=0: 0.0 is not number >= 1e-06",
+        ("train_dpo.py", "--seq_len=4"): "seq_len=4: triple 0's prompt takes",
     }
 
 

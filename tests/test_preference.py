@@ -1,0 +1,98 @@
+"""engine.preference: DPO's data layout, sequence log-probabilities, loss and a short training run."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import engine
+import models
+from engine import preference, text
+
+TOK = text.WordTokenizer(text.TOY_WORDS)
+
+
+def _model():
+    return models.create_model("llama", "tiny", vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128)
+
+
+def test_encode_labels_only_the_response_and_its_eos():
+    triple = {"prompt": "owl cat", "chosen": "cat owl", "rejected": "owl cat"}
+    (ex,), cut = preference.encode_preferences([triple], TOK, seq_len=8)
+    owl, cat = TOK.encode("owl cat")
+    assert cut == 0
+    # prompt, separator (BOS), response, EOS; the labels are the next tokens where those are the response's.
+    assert ex["input_ids"][0].tolist() == [owl, cat, TOK.bos_id, cat, owl, 0, 0, 0]
+    assert ex["labels"][0].tolist() == [-100, -100, cat, owl, TOK.eos_id, -100, -100, -100]
+    assert ex["labels"][1].tolist() == [-100, -100, owl, cat, TOK.eos_id, -100, -100, -100]
+    assert ex["segment_ids"][1].tolist() == [1] * 5 + [0] * 3
+    (short,), cut = preference.encode_preferences([triple], TOK, seq_len=4)
+    assert cut == 1 and short["labels"][0].tolist() == [-100, -100, cat, owl]
+    with pytest.raises(ValueError, match="seq_len=3: triple 0's prompt takes 3 tokens"):
+        preference.encode_preferences([triple], TOK, seq_len=3)
+
+
+def test_toy_preferences_prefer_the_sorted_list():
+    triples = preference.toy_preferences(50, seed=1)
+    assert triples == preference.toy_preferences(50, seed=1)
+    for t in triples:
+        assert t["chosen"].split() == sorted(t["prompt"].split()) != t["rejected"].split()
+        assert sorted(t["rejected"].split()) == t["chosen"].split()
+
+
+def test_sequence_log_probs_loss_and_metrics_match_the_formula():
+    """log p(response | prompt) is the sum of the response tokens' log-softmax (plain and fused head); the DPO loss
+    is -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))), log 2 where the policy is the reference."""
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    examples, _ = preference.encode_preferences(preference.toy_preferences(4, seed=0), TOK, seq_len=16)
+    batch = preference.collate_preferences(examples)
+    logp = preference.sequence_log_probs(model, params, batch)
+    logits = model.apply({"params": params}, batch["input_ids"].reshape(8, 16), batch["segment_ids"].reshape(8, 16))
+    per_token = jnp.take_along_axis(jax.nn.log_softmax(logits), np.maximum(batch["labels"].reshape(8, 16), 0)[..., None],
+                                    -1)[..., 0]
+    want = np.where(batch["labels"].reshape(8, 16) >= 0, per_token, 0).sum(-1).reshape(4, 2)
+    np.testing.assert_allclose(logp, want, rtol=1e-5)
+    np.testing.assert_allclose(preference.sequence_log_probs(model, params, batch, implementation="xla"), want,
+                               rtol=1e-5)
+
+    loss_fn = preference.dpo_loss_fn(model, beta=0.5)
+    same = preference.collate_preferences(preference.with_reference(examples, list(np.asarray(logp))))
+    loss, metrics = loss_fn(params, same, None, False)
+    np.testing.assert_allclose(loss, np.log(2), rtol=1e-6)
+    assert float(metrics["reward_accuracy"]) == 0.0  # ties
+    ref = np.array([[1.0, -2.0]] * 4, np.float32)
+    loss, metrics = loss_fn(params, {**batch, "ref_log_probs": ref}, None, False)
+    margin = 0.5 * ((logp[:, 0] - ref[:, 0]) - (logp[:, 1] - ref[:, 1]))
+    np.testing.assert_allclose(loss, np.mean(np.log1p(np.exp(-margin))), rtol=1e-5)
+    np.testing.assert_allclose(metrics["reward_margin"], np.mean(margin), rtol=1e-5)
+    with pytest.raises(ValueError, match="no 'ref_log_probs'"):
+        loss_fn(params, batch, None, False)
+    with pytest.raises(ValueError, match="beta=0; expected a positive number"):
+        preference.dpo_loss_fn(model, beta=0)
+    with pytest.raises(ValueError, match="ref_log_probs has 1 entries for 4 examples"):
+        preference.with_reference(examples, [np.zeros(2)])
+
+
+def test_dpo_learns_the_toy_preference_on_a_mesh():
+    """From a fresh model (policy = reference), one epoch of DPO on 8 devices takes the held-out preference accuracy
+    from 0 (ties) to >= 0.9 and the DPO loss well below log 2."""
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    mesh = engine.make_mesh(data=4, model=2)
+    examples, _ = preference.encode_preferences(preference.toy_preferences(1024 + 128, seed=0), TOK, seq_len=16)
+    examples = preference.with_reference(examples, preference.reference_log_probs(
+        model, params, examples, mesh=mesh, per_device_batch_size=16))
+    train, evals = examples[:-128], examples[-128:]
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
+                             loss_fn=preference.dpo_loss_fn(model, beta=0.1), params=params,
+                             optimizer=optax.adam(3e-3))
+    predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
+                                 pred_fn=preference.preference_pred_fn(model))
+    accuracy = lambda: preference.preference_accuracy(  # noqa: E731
+        evals, predictor.predict(evals, per_device_batch_size=4, params=trainer.params))["preference_accuracy"]
+    assert accuracy() == 0.0
+    trainer.fit(train, per_device_batch_size=4, max_steps=32)
+    assert accuracy() >= 0.9
+    assert trainer.eval_loss(evals, per_device_batch_size=4) < 0.5 * np.log(2)
+    assert trainer.history[-1]["reward_accuracy"] >= 0.9
