@@ -209,10 +209,10 @@ DROPOUT_CASES = [CORE_CASES[0], CORE_CASES[1], (True, False, 4, 2, 33, 50, 64, j
 
 
 def _dropout_params():
-    """Every (variant, case); the Mosaic interpreter (the slowest) runs the first case by default, the rest slow."""
+    """Every (variant, case); the Mosaic interpreter (the slowest) runs in the slow set only."""
     for variant in VARIANTS:
-        for index, case in enumerate(DROPOUT_CASES):
-            marks = [pytest.mark.slow] if variant == "mosaic_tpu" and index else []
+        for case in DROPOUT_CASES:
+            marks = [pytest.mark.slow] if variant == "mosaic_tpu" else []
             yield pytest.param(variant, case, id=f"{variant}-{_case_id(case)}", marks=marks)
 
 

@@ -122,6 +122,7 @@ def test_script_prints_one_json_line_and_rejects_a_bad_mesh():
     assert bad.returncode == 2 and "mesh=3,1,1 has 3 devices; expected num_devices=4" in bad.stderr
 
 
+@pytest.mark.slow
 def test_zero1_on_a_model_split_mesh_adds_only_the_weight_regather():
     """ZeRO-1 on 2x1x4: beyond ZeRO-0's traffic, all-gathers move at most one fp32 copy of the parameters (the
     updated shards gathered back): 66.6 KB here against a bound of 180.9 KB. A data-axis reduce-scatter left to the

@@ -47,16 +47,17 @@ def test_sequence_log_probs_loss_and_metrics_match_the_formula():
     params = models.init_params(model, jax.random.PRNGKey(0))
     examples, _ = preference.encode_preferences(preference.toy_preferences(4, seed=0), TOK, seq_len=16)
     batch = preference.collate_preferences(examples)
-    logp = preference.sequence_log_probs(model, params, batch)
-    logits = model.apply({"params": params}, batch["input_ids"].reshape(8, 16), batch["segment_ids"].reshape(8, 16))
+    log_probs = jax.jit(preference.sequence_log_probs, static_argnums=0, static_argnames="implementation")
+    logp = log_probs(model, params, batch)
+    logits = jax.jit(model.apply)({"params": params}, batch["input_ids"].reshape(8, 16),
+                                  batch["segment_ids"].reshape(8, 16))
     per_token = jnp.take_along_axis(jax.nn.log_softmax(logits), np.maximum(batch["labels"].reshape(8, 16), 0)[..., None],
                                     -1)[..., 0]
     want = np.where(batch["labels"].reshape(8, 16) >= 0, per_token, 0).sum(-1).reshape(4, 2)
     np.testing.assert_allclose(logp, want, rtol=1e-5)
-    np.testing.assert_allclose(preference.sequence_log_probs(model, params, batch, implementation="xla"), want,
-                               rtol=1e-5)
+    np.testing.assert_allclose(log_probs(model, params, batch, implementation="xla"), want, rtol=1e-5)
 
-    loss_fn = preference.dpo_loss_fn(model, beta=0.5)
+    loss_fn = jax.jit(preference.dpo_loss_fn(model, beta=0.5), static_argnums=3)
     same = preference.collate_preferences(preference.with_reference(examples, list(np.asarray(logp))))
     loss, metrics = loss_fn(params, same, None, False)
     np.testing.assert_allclose(loss, np.log(2), rtol=1e-6)
@@ -67,7 +68,7 @@ def test_sequence_log_probs_loss_and_metrics_match_the_formula():
     np.testing.assert_allclose(loss, np.mean(np.log1p(np.exp(-margin))), rtol=1e-5)
     np.testing.assert_allclose(metrics["reward_margin"], np.mean(margin), rtol=1e-5)
     with pytest.raises(ValueError, match="no 'ref_log_probs'"):
-        loss_fn(params, batch, None, False)
+        preference.dpo_loss_fn(model)(params, batch, None, False)
     with pytest.raises(ValueError, match="beta=0; expected a positive number"):
         preference.dpo_loss_fn(model, beta=0)
     with pytest.raises(ValueError, match="ref_log_probs has 1 entries for 4 examples"):

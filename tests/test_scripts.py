@@ -210,6 +210,7 @@ def test_more_bad_flags_end_with_one_error_line(tmp_path):
     _check_bad_inputs(tmp_path, slow=True)
 
 
+@pytest.mark.slow
 def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     """T5 from a Hugging Face directory (byte-level tokens: it has no tokenizer.json) on jsonl pairs, packed several
     to a row."""
@@ -248,6 +249,7 @@ def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
     assert not check_kernels.passes(float("inf"), float("inf"), "bfloat16")  # NaN fails even where XLA's is NaN
 
 
+@pytest.mark.slow
 def test_bench_kernels_tunes_every_pallas_op_in_interpret_mode():
     """--tune over interpreted Triton kernels (two candidates each): one table per op and pass, fastest first,
     with the XLA baseline and each row's speed relative to the default."""
