@@ -38,6 +38,16 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["meta"])
 
+    def restore_params(self, step, abstract_params):
+        """Only the 'params' of `step`'s state, onto the shardings of `abstract_params` (whatever the rest of the
+        state holds: another optimizer, DiLoCo replicas of another mesh)."""
+        target = {"params": abstract_params}
+        restored = ocp.PyTreeCheckpointer().restore(
+            os.path.join(self.directory, str(step), "state"),
+            args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                        partial_restore=True))
+        return restored["params"]
+
     def read_meta(self, step):
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"])

@@ -65,6 +65,11 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_float("attention_dropout_rate", None, "Dropout of the attention probabilities in training steps; "
                        "default the model's own (a Hugging Face config's: LLaMA/OPT attention_dropout, GPT-J "
                        "attn_pdrop, T5 dropout_rate; else 0).", lower_bound=0.0, upper_bound=0.95)
+    flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: DiLoCo (engine.DiLoCo): every position along the mesh's "
+                         "data axis trains its own replica and they communicate once every this many steps; 0: "
+                         "plain data parallelism.", lower_bound=0)
+    flags.DEFINE_float("diloco_outer_learning_rate", 0.7, "DiLoCo's outer learning rate (SGD with Nesterov momentum "
+                       "0.9, as in the paper).", lower_bound=0.0)
 
 
 def with_dropout(model):
@@ -125,8 +130,12 @@ def start():
 
 def trainer_kwargs():
     """The Trainer arguments the shared flags set."""
-    return dict(zero_stage=FLAGS.zero_stage, compute_dtype=_DTYPES[FLAGS.compute_dtype],
-                accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed)
+    kwargs = dict(zero_stage=FLAGS.zero_stage, compute_dtype=_DTYPES[FLAGS.compute_dtype],
+                  accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed)
+    if FLAGS.diloco_inner_steps:
+        kwargs["diloco"] = engine.DiLoCo(inner_steps=FLAGS.diloco_inner_steps, outer_optimizer=optax.sgd(
+            FLAGS.diloco_outer_learning_rate, momentum=0.9, nesterov=True))
+    return kwargs
 
 
 def optimizer(max_steps=None, learning_rate=None, warmup_steps=None, weight_decay=None):
@@ -327,9 +336,9 @@ def restore_run(workdir, mesh, **options):
                      "seq2seq": (text.collate_seq2seq, text.seq2seq_loss_fn),
                      "dpo": (preference.collate_preferences, preference.dpo_loss_fn)}[task]
     loss = loss(model)
-    # The Trainer restores in its constructor; the optimizer only fixes the checkpoint's structure.
-    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract,
-                             optimizer=optimizer(2, 0.0, 1, 0.0), workdir=workdir)
+    # The Trainer restores the parameters in its constructor, whatever optimizer (or DiLoCo) trained them.
+    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract, optimizer=optax.sgd(0.0),
+                             workdir=workdir, restore_params_only=True)
     trainer.close()
     if trainer.step == 0:
         raise FileNotFoundError(f"--workdir={workdir} has no checkpoint yet")

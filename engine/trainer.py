@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from engine import data as data_lib
+from engine import diloco as diloco_lib
 from engine import step as step_lib
 from engine.step import cast_floating, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
@@ -83,11 +84,18 @@ class Trainer:
         `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a
         device of known peak (`engine.flops.PEAK_TFLOPS`), the model FLOPs utilisation (MFU); `throughput` holds the
         latest figures.
+      diloco: an `engine.DiLoCo`: low-communication data parallelism (engine/diloco.py). Every position along `data`
+        trains its own replica and talks to the others once every `diloco.inner_steps` steps; `params` is then the
+        global model, updated at those outer steps. Needs zero_stage=0 and step='auto' (DiLoCo has its own step).
+      restore_params_only: restore only the parameters (and the step and data position) of the workdir's latest
+        checkpoint, with a fresh optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it.
+        Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size.
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
-                 nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None):
+                 nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None, diloco=None,
+                 restore_params_only=False):
         _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
@@ -107,6 +115,14 @@ class Trainer:
             isinstance(flops_per_example, (int, float)) and not isinstance(flops_per_example, bool)
             and flops_per_example > 0), "None or a positive number")
         self.flops_per_example = flops_per_example
+        _validate("diloco", diloco, diloco is None or isinstance(diloco, diloco_lib.DiLoCo), "None or an engine.DiLoCo")
+        if diloco is not None:
+            _validate("zero_stage", zero_stage, zero_stage == 0, "0 with diloco (each data position keeps a whole "
+                      "replica and its optimizer state)")
+            _validate("step", step, step == "auto", "'auto' with diloco (DiLoCo has its own step)")
+            step = "diloco"
+        self.diloco = diloco
+        self._restore_params_only = restore_params_only
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
         # model_tflops_per_device and mfu (None where the device's peak is unknown).
         self.throughput = {}
@@ -183,20 +199,35 @@ class Trainer:
         data_axis = lambda spec, shape: add_axis(spec, shape, "data", sizes)  # noqa: E731
         self._grad_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
                             if self.zero_stage >= 2 else self._param_specs)
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         opt_param_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
                            if self.zero_stage >= 1 else self._param_specs)
         self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
-        self._opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, abstract_opt, opt_param_specs,
-                                                transform_non_params=lambda _: P(), is_leaf=is_spec)
+        opt_specs = lambda optimizer, state, specs, scalar: optax.tree_map_params(  # noqa: E731
+            optimizer, lambda _, spec: spec, state, specs, transform_non_params=lambda _: scalar, is_leaf=is_spec)
+        if self.diloco is None:
+            init_opt = self.optimizer.init
+            abstract_opt = jax.eval_shape(init_opt, abstract_params)
+            self._opt_specs = opt_specs(self.optimizer, abstract_opt, opt_param_specs, P())
+        else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
+            replicas = sizes["data"]
+            init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, p, replicas)  # noqa: E731
+            abstract_opt = jax.eval_shape(init_opt, abstract_params)
+            replica_specs = jax.tree.map(lambda spec: P("data", *spec), self._param_specs, is_leaf=is_spec)
+            self._opt_specs = {
+                "replicas": replica_specs,
+                "inner": opt_specs(self.optimizer, abstract_opt["inner"], replica_specs, P("data")),
+                "outer": opt_specs(self.diloco.outer_optimizer, abstract_opt["outer"], self._param_specs, P())}
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
         self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs), named(self._grad_specs),
                                                        named(self._opt_specs))
         log_sharding(abstract_params, self._param_specs, self.mesh)
         if restore_step is None:
             params = jax.tree.map(_place, self._init_params, self._param_sh)
-            opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_sh)(params)
+            opt_state = jax.jit(init_opt, out_shardings=self._opt_sh)(params)
             self._state = {"params": params, "opt_state": opt_state}
+        elif self._restore_params_only:
+            params = self._checkpointer.restore_params(restore_step, abstract_like(abstract_params, self._param_sh))
+            self._state = {"params": params, "opt_state": jax.jit(init_opt, out_shardings=self._opt_sh)(params)}
         else:
             target = {"params": abstract_like(abstract_params, self._param_sh),
                       "opt_state": abstract_like(abstract_opt, self._opt_sh)}
@@ -209,6 +240,12 @@ class Trainer:
             logging.warning("restoring a checkpoint made with seed=%s into a Trainer with seed=%s",
                             meta.get("seed"), self.seed)
         self._batch_spec = {k: (tuple(v[0]), v[1]) for k, v in meta["batch_spec"].items()}
+        saved, mine = meta.get("diloco_replicas"), self._diloco_replicas()
+        if saved != mine and not self._restore_params_only:
+            have = f"DiLoCo with {saved} replicas" if saved else "no DiLoCo"
+            want = f"diloco on a mesh with data={saved}" if saved else "diloco=None"
+            raise ValueError(f"workdir={self.workdir} holds a checkpoint of a run with {have}; expected {want} to "
+                             "resume it, or restore_params_only=True to take its parameters only")
         self._setup(restore_step=step)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
@@ -233,7 +270,11 @@ class Trainer:
         if self._step_fn is None:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key)
-            if self._step_kind == "shard_map":
+            if self._step_kind == "diloco":
+                self._step_impl = diloco_lib.diloco_train_step(
+                    diloco=self.diloco, replicas=dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["data"],
+                    **common)
+            elif self._step_kind == "shard_map":
                 self._step_impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
                     zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None), **common)
@@ -378,7 +419,8 @@ class Trainer:
         now = time.perf_counter()
         seconds = (now - last_log[0]) / max(1, steps[-1] - last_log[1])
         for step, metrics in zip(steps, host):
-            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            # Metrics of a DiLoCo step are per replica: the mean (every replica finite) on the host.
+            record = {"step": step, **{k: float(np.all(v) if k == "finite" else np.mean(v)) for k, v in metrics.items()}}
             self.history.append(record)
             if not record.pop("finite"):
                 if self.nan_policy == "raise":
@@ -500,9 +542,12 @@ class Trainer:
         started = time.perf_counter()
         meta = {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
                 "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
-                "rng": np.asarray(jax.random.key_data(self._key)).tolist()}
+                "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas()}
         self._checkpointer.save(self._step, self._state, meta)
         self._timers["checkpoint"] += time.perf_counter() - started
+
+    def _diloco_replicas(self):
+        return None if self.diloco is None else dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["data"]
 
     def close(self):
         """Waits for pending checkpoint writes and closes the TensorBoard writer."""

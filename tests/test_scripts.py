@@ -80,26 +80,16 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
 
     gen = _run("generate.py", f"--workdir={workdir}", "--prompts=def,class", "--max_new_tokens=5", "--mesh=2,2,2")
     assert re.findall(r"^--- '(\w+)':$", gen.stdout, re.M) == ["def", "class"]
-
-    # SFT -> DPO: the toy preference task from this workdir (the reference is its checkpoint, frozen), then
-    # generate.py reads the DPO workdir.
-    dpo = tmp_path / "dpo"
-    out = _run("train_dpo.py", f"--init_from={workdir}", f"--workdir={dpo}", "--max_steps=4", "--log_every=2",
-               "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--seq_len=48")
-    # Before training the policy is the reference: every margin is 0, a tie, and the DPO loss is log 2.
-    assert re.search(r"eval DPO loss before training: 0\.6931, preference accuracy 0\.0000", out.stdout), out.stdout
-    assert len(_losses(out.stdout)) == 2
-    assert json.loads((dpo / "run.json").read_text())["task"] == "dpo" and _steps(dpo)[-1] == 4
-    gen = _run("generate.py", f"--workdir={dpo}", "--prompts=owl", "--max_new_tokens=3")
-    assert "--- 'owl':" in gen.stdout
     gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--prompts=the", "--max_new_tokens=3",
                "--mesh=1,1,-1")
     assert "--- 'the':" in gen.stdout
 
 
 @pytest.mark.slow
-def test_train_lm_from_scratch_resumes(tmp_path):
-    tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2", *TINY_LM]
+def test_train_lm_from_scratch_resumes_then_dpo(tmp_path):
+    # With DiLoCo over the data axis (4 replicas, an outer step every 3 steps).
+    tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2",
+            "--diloco_inner_steps=3", *TINY_LM]
     out = _run("train_lm.py", "--max_steps=6", *tiny)
     before, after = _eval_losses(out.stdout)
     assert after < before and _steps(tmp_path)[-1] == 6
@@ -108,6 +98,18 @@ def test_train_lm_from_scratch_resumes(tmp_path):
                      r"TFLOP/s per device$", out.stdout, re.M), out.stdout
     again = _run("train_lm.py", "--max_steps=9", "--prompts=", *tiny)
     assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(tmp_path)[-1] == 9
+
+    # SFT -> DPO: the toy preference task from this (DiLoCo-trained) workdir, whose parameters alone are taken; the
+    # reference is that checkpoint, frozen. Then generate.py reads the DPO workdir.
+    dpo = tmp_path / "dpo"
+    out = _run("train_dpo.py", f"--init_from={tmp_path}", f"--workdir={dpo}", "--max_steps=4", "--log_every=2",
+               "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--seq_len=48")
+    # Before training the policy is the reference: every margin is 0, a tie, and the DPO loss is log 2.
+    assert re.search(r"eval DPO loss before training: 0\.6931, preference accuracy 0\.0000", out.stdout), out.stdout
+    assert len(_losses(out.stdout)) == 2
+    assert json.loads((dpo / "run.json").read_text())["task"] == "dpo" and _steps(dpo)[-1] == 4
+    gen = _run("generate.py", f"--workdir={dpo}", "--prompts=owl", "--max_new_tokens=3")
+    assert "--- 'owl':" in gen.stdout
 
 
 @pytest.mark.slow

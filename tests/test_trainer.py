@@ -157,7 +157,7 @@ print("STOPPED", trainer.stopped_by_signal, trainer.step, flush=True)
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_sigterm_or_ctrl_c_saves_and_exits_cleanly(tmp_path, signum):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(tmp_path)], cwd=ROOT, env=env,
