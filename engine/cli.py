@@ -65,6 +65,8 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_float("attention_dropout_rate", None, "Dropout of the attention probabilities in training steps; "
                        "default the model's own (a Hugging Face config's: LLaMA/OPT attention_dropout, GPT-J "
                        "attn_pdrop, T5 dropout_rate; else 0).", lower_bound=0.0, upper_bound=0.95)
+    flags.DEFINE_bool("offload_optimizer", False, "Keep the optimizer state in pinned host memory between steps "
+                      "(ZeRO-Offload's placement): less device memory, two host transfers of it per step.")
     flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: DiLoCo (engine.DiLoCo): every position along the mesh's "
                          "data axis trains its own replica and they communicate once every this many steps; 0: "
                          "plain data parallelism.", lower_bound=0)
@@ -131,7 +133,8 @@ def start():
 def trainer_kwargs():
     """The Trainer arguments the shared flags set."""
     kwargs = dict(zero_stage=FLAGS.zero_stage, compute_dtype=_DTYPES[FLAGS.compute_dtype],
-                  accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed)
+                  accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed,
+                  offload_optimizer=FLAGS.offload_optimizer)
     if FLAGS.diloco_inner_steps:
         kwargs["diloco"] = engine.DiLoCo(inner_steps=FLAGS.diloco_inner_steps, outer_optimizer=optax.sgd(
             FLAGS.diloco_outer_learning_rate, momentum=0.9, nesterov=True))

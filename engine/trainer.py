@@ -90,12 +90,16 @@ class Trainer:
       restore_params_only: restore only the parameters (and the step and data position) of the workdir's latest
         checkpoint, with a fresh optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it.
         Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size.
+      offload_optimizer: keep the optimizer state in pinned host memory between steps (ZeRO-Offload's placement, as
+        MaxText's optimizer_memory_host_offload): each step brings it to the device for the update and writes it
+        back, trading two host-link transfers of it per step for its device memory (Adam: 8 bytes per parameter,
+        split like the parameters or, with zero_stage >= 1, over `data` too). Not with diloco.
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
                  nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None, diloco=None,
-                 restore_params_only=False):
+                 restore_params_only=False, offload_optimizer=False):
         _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
@@ -123,6 +127,15 @@ class Trainer:
             step = "diloco"
         self.diloco = diloco
         self._restore_params_only = restore_params_only
+        _validate("offload_optimizer", offload_optimizer, isinstance(offload_optimizer, bool), "a bool")
+        if offload_optimizer:
+            _validate("offload_optimizer", offload_optimizer, diloco is None, "False with diloco (its optimizer "
+                      "state holds the replicas the steps compute with)")
+            kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+            _validate("offload_optimizer", offload_optimizer, "pinned_host" in kinds,
+                      f"False on {mesh.devices.flat[0].platform}, whose devices have no pinned_host memory "
+                      f"(only {sorted(kinds)})")
+        self.offload_optimizer = offload_optimizer
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
         # model_tflops_per_device and mfu (None where the device's peak is unknown).
         self.throughput = {}
@@ -220,6 +233,9 @@ class Trainer:
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
         self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs), named(self._grad_specs),
                                                        named(self._opt_specs))
+        self._opt_device_sh = self._opt_sh  # where the update reads and writes it
+        if self.offload_optimizer:  # where it rests between steps (and in init, restore and checkpoints)
+            self._opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self._opt_sh)
         log_sharding(abstract_params, self._param_specs, self.mesh)
         if restore_step is None:
             params = jax.tree.map(_place, self._init_params, self._param_sh)
@@ -264,7 +280,12 @@ class Trainer:
         self.compile_count += 1  # runs only while tracing
         # The mesh as the trace's context: Pallas kernels then run on each device's own block (kernels/_partition.py).
         with kernels.under_mesh(self.mesh):
-            return self._step_impl(params, opt_state, batch, step)
+            if self.offload_optimizer:
+                opt_state = jax.device_put(opt_state, self._opt_device_sh)
+            params, opt_state, metrics = self._step_impl(params, opt_state, batch, step)
+            if self.offload_optimizer:
+                opt_state = jax.device_put(opt_state, self._opt_sh)
+            return params, opt_state, metrics
 
     def _compiled_step(self):
         if self._step_fn is None:

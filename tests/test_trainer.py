@@ -225,6 +225,8 @@ def test_bad_input_errors():
         _trainer(nan_policy="ignore")
     with pytest.raises(ValueError, match=r"flops_per_example=-1; expected None or a positive number"):
         _trainer(flops_per_example=-1)
+    with pytest.raises(ValueError, match=r"offload_optimizer=True; expected False with diloco"):
+        _trainer(offload_optimizer=True, diloco=engine.DiLoCo())
     with pytest.raises(ValueError, match=r"per_device_batch_size=0; expected an integer >= 1"):
         _trainer().fit(EXAMPLES, per_device_batch_size=0)
     with pytest.raises(ValueError, match=r"collate_fn returned leaf \['input_ids'\] of shape \(9, 16\); expected a "
@@ -232,6 +234,38 @@ def test_bad_input_errors():
         engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=lambda exs: task.collate_fn(exs + exs[:1]),
                        loss_fn=task.loss_fn, params=task.init_params(),
                        optimizer=optax.sgd(0.1)).fit(EXAMPLES, per_device_batch_size=2)
+
+
+def test_offloaded_optimizer_state_rests_on_the_host_and_changes_nothing(tmp_path):
+    """offload_optimizer=True: the same updates bit for bit; the optimizer state sits in pinned host memory after
+    init, steps and a restore; the step lowered for a GPU takes and returns it in host memory and moves it to the
+    device for the update (the device-memory saving itself needs a GPU to measure)."""
+    import re
+
+    from tests.targets import for_gpu
+    plain = _trainer()
+    plain.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
+    offloaded = _trainer(offload_optimizer=True, workdir=str(tmp_path))
+    offloaded.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
+    offloaded.close()
+    _assert_trees_close(offloaded.params, plain.params, rtol=0, atol=0)
+    _assert_trees_close(offloaded.opt_state, plain.opt_state, rtol=0, atol=0)
+    kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}  # noqa: E731
+    assert kinds(offloaded.opt_state) == {"pinned_host"} and kinds(offloaded.params) == {"device"}
+    resumed = _trainer(offload_optimizer=True, workdir=str(tmp_path))
+    assert resumed.step == 3 and kinds(resumed.opt_state) == {"pinned_host"}
+    _assert_trees_close(resumed.opt_state, plain.opt_state, rtol=0, atol=0)
+
+    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa
+    batch = {k: jax.ShapeDtypeStruct((1, *s), d) for k, (s, d) in resumed._batch_spec.items()}
+    with for_gpu(resumed.mesh):
+        text = resumed._compiled_step().trace(abstract(resumed.params), abstract(resumed.opt_state), batch,
+                                              np.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    n_opt, n_params = len(jax.tree.leaves(resumed.opt_state)), len(jax.tree.leaves(resumed.params))
+    assert main.count('mhlo.memory_kind = "pinned_host"') == 2 * n_opt  # arguments and results
+    assert main.count('mhlo.memory_kind = "device"') >= 2 * n_params
+    assert len(re.findall("annotate_device_placement", text)) >= 2 * n_opt  # to the device and back
 
 
 def test_peak_tflops_by_device_kind():
