@@ -38,7 +38,8 @@ class DiLoCo:
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ValueError(f"DiLoCo.inner_steps={self.inner_steps!r}; expected an integer >= 1")
         if not (hasattr(self.outer_optimizer, "init") and hasattr(self.outer_optimizer, "update")):
-            raise ValueError(f"DiLoCo.outer_optimizer={self.outer_optimizer!r}; expected an optax.GradientTransformation")
+            raise ValueError(f"DiLoCo.outer_optimizer={self.outer_optimizer!r}; expected an "
+                             "optax.GradientTransformation")
 
 
 def replicate(tree, replicas):

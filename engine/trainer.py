@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -48,6 +49,16 @@ def _place(x, sharding):
         return jax.jit(jnp.copy, out_shardings=sharding)(x)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _fetch(tree):
+    """Host copies of a pytree of arrays. Arrays split across processes (DiLoCo's per-replica metrics, one replica
+    per host) are gathered: a collective at log time only, which every process reaches at the same step."""
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(get, tree)
 
 
 class Trainer:
@@ -126,6 +137,7 @@ class Trainer:
             _validate("step", step, step == "auto", "'auto' with diloco (DiLoCo has its own step)")
             step = "diloco"
         self.diloco = diloco
+        _validate("restore_params_only", restore_params_only, isinstance(restore_params_only, bool), "a bool")
         self._restore_params_only = restore_params_only
         _validate("offload_optimizer", offload_optimizer, isinstance(offload_optimizer, bool), "a bool")
         if offload_optimizer:
@@ -292,9 +304,8 @@ class Trainer:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key)
             if self._step_kind == "diloco":
-                self._step_impl = diloco_lib.diloco_train_step(
-                    diloco=self.diloco, replicas=dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["data"],
-                    **common)
+                self._step_impl = diloco_lib.diloco_train_step(diloco=self.diloco, replicas=self._diloco_replicas(),
+                                                               **common)
             elif self._step_kind == "shard_map":
                 self._step_impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
@@ -434,14 +445,15 @@ class Trainer:
     def _flush(self, pending, last_log, rows, batch):
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
         and logs."""
-        host = jax.device_get([m for _, m in pending])
+        host = _fetch([m for _, m in pending])
         steps = [s for s, _ in pending]
         pending.clear()
         now = time.perf_counter()
         seconds = (now - last_log[0]) / max(1, steps[-1] - last_log[1])
         for step, metrics in zip(steps, host):
             # Metrics of a DiLoCo step are per replica: the mean (every replica finite) on the host.
-            record = {"step": step, **{k: float(np.all(v) if k == "finite" else np.mean(v)) for k, v in metrics.items()}}
+            record = {"step": step,
+                      **{k: float(np.all(v) if k == "finite" else np.mean(v)) for k, v in metrics.items()}}
             self.history.append(record)
             if not record.pop("finite"):
                 if self.nan_policy == "raise":
@@ -568,7 +580,7 @@ class Trainer:
         self._timers["checkpoint"] += time.perf_counter() - started
 
     def _diloco_replicas(self):
-        return None if self.diloco is None else dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["data"]
+        return None if self.diloco is None else self.mesh.shape["data"]
 
     def close(self):
         """Waits for pending checkpoint writes and closes the TensorBoard writer."""

@@ -1,9 +1,10 @@
 """One process of the 2-process x 4-device test: joins the runtime, builds one 8-device mesh, runs a tensor-parallel
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
-usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S] [forward|train]
+usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S] [forward|train|diloco]
 
-`train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses.
+`train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
+the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters.
 """
 import os
 import sys
@@ -25,14 +26,23 @@ def forward_fn():
     return module, params
 
 
-def train_losses(mesh, steps=4):
-    """Losses of a short Trainer run; the same call gives the single-process reference."""
+def train_losses(mesh, steps=4, diloco=None):
+    """Losses of a short Trainer run, and its trainer; the same call gives the single-process reference."""
     import optax
     from tests import trainer_task as task
     trainer = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn,
-                             params=task.init_params(), optimizer=optax.adam(1e-2), accumulate_grad_batches=2)
+                             params=task.init_params(), optimizer=optax.adam(1e-2), accumulate_grad_batches=2,
+                             diloco=diloco)
     history = trainer.fit(task.make_examples(64), per_device_batch_size=2, max_steps=steps, log_every=2)
-    return np.array([h["loss"] for h in history])
+    return np.array([h["loss"] for h in history]), trainer
+
+
+def diloco_run(mesh):
+    """(losses, flat global parameters) of a short DiLoCo run: an outer step every 2 of 4 steps."""
+    losses, trainer = train_losses(mesh, diloco=engine.DiLoCo(inner_steps=2))
+    gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
+    params = [np.asarray(x.addressable_shards[0].data).ravel() for x in jax.tree.leaves(gather(trainer.params))]
+    return losses, np.concatenate(params)
 
 
 def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forward"):
@@ -42,10 +52,11 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     # The model axis stays inside one process (host).
     for row in mesh.devices.reshape(-1, 4):
         assert len({d.process_index for d in row}) == 1
-    if mode == "train":
-        losses = train_losses(engine.make_mesh(data=4, model=2))
+    if mode in ("train", "diloco"):
+        result = (train_losses(engine.make_mesh(data=4, model=2))[0] if mode == "train"
+                  else np.concatenate(diloco_run(mesh)))
         if jax.process_index() == 0:
-            np.save(out, losses)
+            np.save(out, result)
         jax.distributed.shutdown()
         return
     module, params = forward_fn()

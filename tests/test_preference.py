@@ -51,8 +51,8 @@ def test_sequence_log_probs_loss_and_metrics_match_the_formula():
     logp = log_probs(model, params, batch)
     logits = jax.jit(model.apply)({"params": params}, batch["input_ids"].reshape(8, 16),
                                   batch["segment_ids"].reshape(8, 16))
-    per_token = jnp.take_along_axis(jax.nn.log_softmax(logits), np.maximum(batch["labels"].reshape(8, 16), 0)[..., None],
-                                    -1)[..., 0]
+    labels = batch["labels"].reshape(8, 16)
+    per_token = jnp.take_along_axis(jax.nn.log_softmax(logits), np.maximum(labels, 0)[..., None], -1)[..., 0]
     want = np.where(batch["labels"].reshape(8, 16) >= 0, per_token, 0).sum(-1).reshape(4, 2)
     np.testing.assert_allclose(logp, want, rtol=1e-5)
     np.testing.assert_allclose(log_probs(model, params, batch, implementation="xla"), want, rtol=1e-5)

@@ -283,8 +283,23 @@ def test_two_processes_match_single_process(tmp_path):
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-    want = multihost_worker.train_losses(engine.make_mesh(data=4, model=2))
+    want, _ = multihost_worker.train_losses(engine.make_mesh(data=4, model=2))
     np.testing.assert_allclose(np.load(out), want, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_diloco_with_a_replica_per_process_matches_single_process(tmp_path):
+    """DiLoCo as deployed: one replica per process (data 2 x model 4 over 2 processes x 4 devices), so only the
+    outer steps cross processes. Losses and the global parameters equal the single-process run's."""
+    from tests import multihost_worker
+    out = tmp_path / "diloco.npy"
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, out, 60, "diloco") for pid in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    want = np.concatenate(multihost_worker.diloco_run(engine.make_mesh(data=2, model=4)))
+    np.testing.assert_allclose(np.load(out), want, rtol=1e-5, atol=1e-6)
 
 
 def test_remat_gives_the_same_update():
