@@ -275,31 +275,31 @@ def test_peak_tflops_by_device_kind():
     assert peak_tflops(device("TPU v5p")) == 459.0 and peak_tflops(jax.devices()[0]) is None
 
 
-def test_two_processes_match_single_process(tmp_path):
-    from tests import multihost_worker
-    out = tmp_path / "losses.npy"
+def _two_workers(tmp_path, mode):
+    """Runs tests/multihost_worker.py in `mode` as 2 processes x 4 devices; returns what process 0 saved."""
+    out = tmp_path / f"{mode}.npy"
     address = f"localhost:{_free_port()}"
-    procs = [_worker(address, 2, pid, out, 60, "train") for pid in (0, 1)]
+    procs = [_worker(address, 2, pid, out, 60, mode) for pid in (0, 1)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
+    return np.load(out)
+
+
+def test_two_processes_match_single_process(tmp_path):
+    from tests import multihost_worker
     want, _ = multihost_worker.train_losses(engine.make_mesh(data=4, model=2))
-    np.testing.assert_allclose(np.load(out), want, rtol=1e-5)
+    np.testing.assert_allclose(_two_workers(tmp_path, "train"), want, rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_diloco_with_a_replica_per_process_matches_single_process(tmp_path):
     """DiLoCo as deployed: one replica per process (data 2 x model 4 over 2 processes x 4 devices), so only the
-    outer steps cross processes. Losses and the global parameters equal the single-process run's."""
+    outer steps cross processes. Losses and the global parameters equal the single-process run's (and the
+    per-replica metrics, split across processes, reach the log)."""
     from tests import multihost_worker
-    out = tmp_path / "diloco.npy"
-    address = f"localhost:{_free_port()}"
-    procs = [_worker(address, 2, pid, out, 60, "diloco") for pid in (0, 1)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
     want = np.concatenate(multihost_worker.diloco_run(engine.make_mesh(data=2, model=4)))
-    np.testing.assert_allclose(np.load(out), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_two_workers(tmp_path, "diloco"), want, rtol=1e-5, atol=1e-6)
 
 
 def test_remat_gives_the_same_update():
