@@ -39,6 +39,11 @@ def toy_preferences(n, seed, *, min_words=3, max_words=6):
     return triples
 
 
+def separator(tokenizer):
+    """The token between prompt and response: the tokenizer's BOS, else its EOS (None when it has neither)."""
+    return tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+
+
 def encode_preferences(triples, tokenizer, *, seq_len):
     """Triples -> (examples, cut): each example holds 'input_ids', 'labels' and 'segment_ids' int32 [2, seq_len],
     row 0 the chosen and row 1 the rejected sequence. The separator between prompt and response is the tokenizer's
@@ -46,7 +51,7 @@ def encode_preferences(triples, tokenizer, *, seq_len):
     longer than seq_len + 1 tokens lose their end (`cut` counts the triples that did)."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
-    sep = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    sep = separator(tokenizer)
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     examples, cut = [], 0
     for n, triple in enumerate(triples):

@@ -430,14 +430,15 @@ def exact_match(examples, predictions, eos_id):
 
 
 def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                   seed=0):
+                   seed=0, after_prompt=()):
     """Continuations of `prompts` (strings) with `models.generate`, decoded up to EOS. Decoder prompts are
-    left-padded, T5 inputs right-padded (with EOS appended, as in training). Every process must call it with the
-    same prompts (the parameters may span hosts); every process gets all the texts."""
+    left-padded, T5 inputs right-padded (with EOS appended, as in training). `after_prompt`: token ids appended to
+    every decoder prompt (the prompt/response separator of a preference-tuned model). Every process must call it with
+    the same prompts (the parameters may span hosts); every process gets all the texts."""
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     encoder_decoder = getattr(model, "is_encoder_decoder", False)
-    eos = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else []
+    eos = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else list(after_prompt)
     if not prompts:
         raise ValueError("prompts: none given; expected at least one prompt")
     encoded = [tokenizer.encode(p) + eos for p in prompts]

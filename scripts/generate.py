@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
-from engine import cli, text  # noqa: E402
+from engine import cli, preference, text  # noqa: E402
 
 FLAGS = flags.FLAGS
 cli.define_flags()
@@ -51,15 +51,20 @@ def main(argv):
         if not ok:
             raise ValueError(f"--{name}={FLAGS[name].value} is out of range")
     mesh = cli.start()
+    task = None
     if FLAGS.init_from:
         model, params, tokenizer = cli.load_hf(FLAGS.init_from, families=["llama", "gptj", "opt", "t5"], mesh=mesh)
     else:
-        _, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
+        task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
+    # A DPO-tuned model answers after the prompt/response separator it was trained with.
+    sep = preference.separator(tokenizer) if task == "dpo" else None
+    after_prompt = () if sep is None else (sep,)
     for start in range(0, len(prompts), FLAGS.batch_size):
         batch = prompts[start:start + FLAGS.batch_size]
         outs = text.generate_texts(model, params, tokenizer, batch, max_new_tokens=FLAGS.max_new_tokens,
                                    temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
-                                   top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start)
+                                   top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start,
+                                   after_prompt=after_prompt)
         if jax.process_index() == 0:
             for prompt, out in zip(batch, outs):
                 print(f"--- {prompt!r}:\n{out}", flush=True)

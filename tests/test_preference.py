@@ -97,3 +97,17 @@ def test_dpo_learns_the_toy_preference_on_a_mesh():
     assert accuracy() >= 0.9
     assert trainer.eval_loss(evals, per_device_batch_size=4) < 0.5 * np.log(2)
     assert trainer.history[-1]["reward_accuracy"] >= 0.9
+
+
+def test_generation_continues_after_the_separator():
+    """A preference-tuned model answers after prompt + separator, the layout it was trained on:
+    `text.generate_texts(after_prompt=...)` (what generate.py passes for a DPO workdir) generates from exactly those
+    tokens."""
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    sep = preference.separator(TOK)
+    got = text.generate_texts(model, params, TOK, ["owl cat yak"], max_new_tokens=4, after_prompt=(sep,))
+    ids = np.array([TOK.encode("owl cat yak") + [sep]], np.int32)
+    out = np.asarray(models.generate(model, params, ids, attention_mask=np.ones_like(ids), max_new_tokens=4,
+                                     eos_token_id=TOK.eos_id, pad_token_id=TOK.pad_id))
+    assert got == [TOK.decode([i for i in text.until_eos(out[0, ids.shape[1]:], TOK.eos_id) if i != TOK.eos_id])]
