@@ -56,6 +56,9 @@ def encode_preferences(triples, tokenizer, *, seq_len):
     examples, cut = [], 0
     for n, triple in enumerate(triples):
         prompt = tokenizer.encode(triple["prompt"]) + ([sep] if sep is not None else [])
+        if not prompt:
+            raise ValueError(f"triple {n}'s prompt {triple['prompt']!r} has no tokens and the tokenizer no separator; "
+                             "expected a non-empty prompt")
         if len(prompt) >= seq_len:
             raise ValueError(f"seq_len={seq_len}: triple {n}'s prompt takes {len(prompt)} tokens; expected room for "
                              "a response")
@@ -64,6 +67,9 @@ def encode_preferences(triples, tokenizer, *, seq_len):
         was_cut = False
         for row, key in enumerate(("chosen", "rejected")):
             tokens = prompt + tokenizer.encode(triple[key]) + eos
+            if len(tokens) == len(prompt):
+                raise ValueError(f"triple {n}'s {key} response {triple[key]!r} has no tokens and the tokenizer no EOS; "
+                                 "expected a non-empty response")
             was_cut |= len(tokens) > seq_len + 1
             tokens = np.asarray(tokens[:seq_len + 1], np.int32)
             m = len(tokens) - 1

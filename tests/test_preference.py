@@ -31,6 +31,14 @@ def test_encode_labels_only_the_response_and_its_eos():
     with pytest.raises(ValueError, match="seq_len=3: triple 0's prompt takes 3 tokens"):
         preference.encode_preferences([triple], TOK, seq_len=3)
 
+    class Bare:  # a tokenizer with neither BOS nor EOS: nothing marks an empty prompt or response
+        bos_id = eos_id = None
+        encode = staticmethod(lambda s: [ord(c) for c in s])
+    with pytest.raises(ValueError, match="triple 0's prompt '' has no tokens"):
+        preference.encode_preferences([{**triple, "prompt": ""}], Bare(), seq_len=8)
+    with pytest.raises(ValueError, match="triple 0's rejected response '' has no tokens"):
+        preference.encode_preferences([{**triple, "rejected": ""}], Bare(), seq_len=8)
+
 
 def test_toy_preferences_prefer_the_sorted_list():
     triples = preference.toy_preferences(50, seed=1)
