@@ -100,8 +100,8 @@ def sequence_log_probs(model, params, batch, *, implementation=None, interpret=F
 def reference_log_probs(model, params, examples, *, mesh, per_device_batch_size, implementation=None):
     """The reference model's `sequence_log_probs` of every example ([2] float32 each, in order), computed with a
     `Predictor` over `mesh`."""
-    predictor = Predictor(mesh=mesh, collate_fn=collate_preferences, pred_fn=lambda p, batch, rng: sequence_log_probs(
-        model, p, batch, implementation=implementation))
+    predictor = Predictor(mesh=mesh, collate_fn=collate_preferences,
+                          pred_fn=preference_pred_fn(model, implementation=implementation))
     return [np.asarray(x, np.float32) for x in
             predictor.predict(examples, per_device_batch_size=per_device_batch_size, params=params)]
 

@@ -207,16 +207,9 @@ def _compiler_params(plan, backward=False):
     return _CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
 
 
-def _id_operands(q_ids, kv_ids, q_spec, kv_spec):
-    """Segment-id operands and their BlockSpecs (none without segment ids)."""
-    if q_ids is None:
-        return [], []
-    return [q_ids, kv_ids], [q_spec, kv_spec]
-
-
-def _key_operands(keys, spec):
-    """The dropout keys operand and its BlockSpec (none without dropout)."""
-    return ([], []) if keys is None else ([keys], [spec])
+def _optional_operands(arrays, specs):
+    """(operands, BlockSpecs) of optional inputs (segment ids, dropout keys): none when the first array is None."""
+    return ([], []) if arrays[0] is None else (list(arrays), list(specs))
 
 
 def forward(q, k, v, q_ids, kv_ids, keys, plan):
@@ -227,10 +220,10 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     kv_full = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, lax.div(h, G), 0))
-    ids, id_specs = _id_operands(
-        q_ids, kv_ids, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
-    )
-    key_ops, key_specs = _key_operands(keys, pl.BlockSpec((None, None), lambda i, b, h: (b, h)))
+    ids, id_specs = _optional_operands(
+        (q_ids, kv_ids), (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                          pl.BlockSpec((None, S), lambda i, b, h: (b, 0))))
+    key_ops, key_specs = _optional_operands([keys], [pl.BlockSpec((None, None), lambda i, b, h: (b, h))])
     kernel = lambda *refs: _fwd_kernel(
         *refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops), num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)
     )
@@ -258,10 +251,10 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     kv_full = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, lax.div(h, G), 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    ids, id_specs = _id_operands(
-        q_ids, kv_ids, pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, S), lambda i, b, h: (b, 0))
-    )
-    key_ops, key_specs = _key_operands(keys, pl.BlockSpec((None, None), lambda i, b, h: (b, h)))
+    ids, id_specs = _optional_operands(
+        (q_ids, kv_ids), (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                          pl.BlockSpec((None, S), lambda i, b, h: (b, 0))))
+    key_ops, key_specs = _optional_operands([keys], [pl.BlockSpec((None, None), lambda i, b, h: (b, h))])
     dq = pl.pallas_call(
         lambda *refs: _dq_kernel(*refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops),
                                  num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)),
@@ -277,12 +270,12 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     q_group = pl.BlockSpec((None, T, G, D), lambda j, b, h: (b, 0, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
     row_group = pl.BlockSpec((None, G, T), lambda j, b, h: (b, h, 0))
-    ids, id_specs = _id_operands(
-        q_ids, kv_ids, pl.BlockSpec((None, T), lambda j, b, h: (b, 0)), pl.BlockSpec((None, bk), lambda j, b, h: (b, j))
-    )
+    ids, id_specs = _optional_operands(
+        (q_ids, kv_ids), (pl.BlockSpec((None, T), lambda j, b, h: (b, 0)),
+                          pl.BlockSpec((None, bk), lambda j, b, h: (b, j))))
     # The keys of the group's q heads, [B, Hkv, G].
-    key_ops, key_specs = _key_operands(None if keys is None else keys.reshape(B, Hkv, G),
-                                       pl.BlockSpec((None, None, G), lambda j, b, h: (b, h, 0)))
+    key_ops, key_specs = _optional_operands([None if keys is None else keys.reshape(B, Hkv, G)],
+                                            [pl.BlockSpec((None, None, G), lambda j, b, h: (b, h, 0))])
     dk, dv = pl.pallas_call(
         lambda *refs: _dkv_kernel(*refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops), groups=G),
         grid=(S // bk, B, Hkv),
