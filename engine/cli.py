@@ -141,14 +141,11 @@ def trainer_kwargs():
     return kwargs
 
 
-def optimizer(max_steps=None, learning_rate=None, warmup_steps=None, weight_decay=None):
-    """AdamW with global-norm clipping, linear warm-up and cosine decay to 10% (the training flags by default).
-    Every script builds its optimizer here, so the optimizer-state structure in a checkpoint is always the same
-    (scripts/generate.py relies on it to restore a workdir)."""
-    max_steps = FLAGS.max_steps if max_steps is None else max_steps
-    learning_rate = FLAGS.learning_rate if learning_rate is None else learning_rate
-    warmup_steps = FLAGS.warmup_steps if warmup_steps is None else warmup_steps
-    weight_decay = FLAGS.weight_decay if weight_decay is None else weight_decay
+def optimizer():
+    """AdamW with global-norm clipping, linear warm-up and cosine decay to 10%, from the training flags; every
+    training script builds its optimizer here."""
+    max_steps, learning_rate = FLAGS.max_steps, FLAGS.learning_rate
+    warmup_steps, weight_decay = FLAGS.warmup_steps, FLAGS.weight_decay
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, warmup_steps),
                                                   max(max_steps, warmup_steps + 1), end_value=learning_rate / 10)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(

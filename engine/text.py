@@ -342,8 +342,8 @@ def encode_pairs(pairs, tokenizer, *, max_input_len, max_target_len, decoder_sta
 
 def pack_pairs(examples, input_len=None, target_len=None):
     """Packs `encode_pairs` examples into rows `input_len` / `target_len` wide (default: the examples' widths, which
-    must not be wider), several whole pairs per row (as T5X packs): the
-    inputs side by side in 'input_ids', the targets in 'decoder_input_ids' / 'labels', numbered 1, 2, ... in
+    must not be wider), several whole pairs per row (as T5X packs): the inputs side by side in 'input_ids', the
+    targets in 'decoder_input_ids' / 'labels', numbered 1, 2, ... in
     'attention_mask' (encoder) and 'decoder_attention_mask' (decoder), so each target attends to its own input and
     earlier tokens of its own target only. Each pair goes into the first of the last 16 rows with room for it (a
     window keeps packing linear in the number of pairs). Unused slots hold token 0 under id 0, which no real token
@@ -354,7 +354,7 @@ def pack_pairs(examples, input_len=None, target_len=None):
     if in_width < len(examples[0]["input_ids"]) or out_width < len(examples[0]["labels"]):
         raise ValueError(f"input_len={input_len}, target_len={target_len}; expected at least the examples' widths "
                          f"{len(examples[0]['input_ids'])} and {len(examples[0]['labels'])}")
-    rows, used = [], []  # used[r] = (input tokens, target tokens) taken in row r
+    rows, used = [], []  # used[r] = (input tokens, target tokens, pairs) taken in row r
     for ex in examples:
         n_in, n_out = int(np.sum(ex["attention_mask"] > 0)), int(np.sum(ex["labels"] != -100))
         r = next((r for r in range(max(0, len(rows) - 16), len(rows))
@@ -365,12 +365,13 @@ def pack_pairs(examples, input_len=None, target_len=None):
                          "decoder_input_ids": np.zeros(out_width, np.int32),
                          "decoder_attention_mask": np.zeros(out_width, np.int32),
                          "labels": np.full(out_width, -100, np.int32)})
-            used.append((0, 0))
-        row, (a, b), seg = rows[r], used[r], int(rows[r]["attention_mask"].max()) + 1
+            used.append((0, 0, 0))
+        row, (a, b, pairs) = rows[r], used[r]
+        seg = pairs + 1
         row["input_ids"][a:a + n_in], row["attention_mask"][a:a + n_in] = ex["input_ids"][:n_in], seg
         row["decoder_input_ids"][b:b + n_out] = ex["decoder_input_ids"][:n_out]
         row["labels"][b:b + n_out], row["decoder_attention_mask"][b:b + n_out] = ex["labels"][:n_out], seg
-        used[r] = (a + n_in, b + n_out)
+        used[r] = (a + n_in, b + n_out, seg)
     return rows
 
 
@@ -438,10 +439,11 @@ def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, tempera
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     encoder_decoder = getattr(model, "is_encoder_decoder", False)
-    eos = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else list(after_prompt)
+    # T5 inputs end with EOS as in training; decoder prompts with `after_prompt`.
+    suffix = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else list(after_prompt)
     if not prompts:
         raise ValueError("prompts: none given; expected at least one prompt")
-    encoded = [tokenizer.encode(p) + eos for p in prompts]
+    encoded = [tokenizer.encode(p) + suffix for p in prompts]
     for n, (prompt, tokens) in enumerate(zip(prompts, encoded)):
         if not tokens:
             raise ValueError(f"prompt {n} ({prompt!r}) has no tokens; expected a non-empty prompt")
