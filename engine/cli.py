@@ -217,6 +217,40 @@ def finish(trainer, workdir):
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
 
+DECODER_FAMILIES = ("llama", "gptj", "opt")
+
+
+def define_decoder_flags(*, init_from_help, model_overrides):
+    """--init_from, --model, --model_config and --model_overrides of a script that starts a decoder-only model from
+    a workdir, a Hugging Face directory or scratch (read by `start_decoder`)."""
+    flags.DEFINE_string("init_from", None, init_from_help)
+    flags.DEFINE_enum("model", "llama", list(DECODER_FAMILIES), "Model family of a fresh model.")
+    flags.DEFINE_string("model_config", "tiny", "Named config of a fresh model, or a path to a JSON file of config "
+                        "fields.")
+    flags.DEFINE_string("model_overrides", model_overrides, "JSON object of config fields that replace the named "
+                        "config's (fresh models only).")
+
+
+def start_decoder(mesh, *, tasks, seq_len):
+    """(task, model, params, tokenizer) of the starting point from --init_from / --model / --model_config /
+    --model_overrides: the latest checkpoint of a training script's workdir whose task is one of `tasks` (task is
+    then that run's), a Hugging Face directory (task None) or a fresh model (task None) with byte-level tokens when
+    --data is given and the toy tasks' word tokens otherwise. Parameters are placed on `mesh`."""
+    if FLAGS.init_from:
+        if os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
+            return restore_run(FLAGS.init_from, mesh, tasks=tasks)
+        return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
+    tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
+    overrides = {}
+    if not FLAGS.model_config.endswith(".json"):
+        overrides = {"vocab_size": tokenizer.vocab_size, "max_position_embeddings": max(seq_len, 128),
+                     **parse_json("model_overrides", FLAGS.model_overrides)}
+    model = create_model(FLAGS.model, FLAGS.model_config, overrides, families=DECODER_FAMILIES)
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
+    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
+
+
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} | {"hf_config"}
 RUN_FILE = "run.json"
 
@@ -312,9 +346,9 @@ def save_run(workdir, task, model, tokenizer):
     os.replace(path + ".tmp", path)
 
 
-def load_run(workdir, **options):
-    """(task, model, tokenizer) of a workdir written by a training script (see save_run). options: ModelOptions
-    fields (scan_layers, attention_implementation, ...)."""
+def load_run(workdir, tasks=None, **options):
+    """(task, model, tokenizer) of a workdir written by a training script (see save_run). tasks: the tasks the
+    caller accepts (None: any). options: ModelOptions fields (scan_layers, attention_implementation, ...)."""
     path = os.path.join(workdir, RUN_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"--workdir={workdir} has no {RUN_FILE}; expected the workdir of scripts/train_lm.py, "
@@ -322,18 +356,22 @@ def load_run(workdir, **options):
                                 "Face directory>)")
     with open(path) as f:
         run = json.load(f)
+    if tasks is not None and run["task"] not in tasks:
+        raise ValueError(f"--init_from={workdir} holds a {run['task']} run; expected one of {list(tasks)}")
     family = run["family"]
     model = models.FAMILIES[family].Model(models.FAMILIES[family].Config(**_tuples(run["config"]), **options))
     return run["task"], model, text.tokenizer_from_spec(run["tokenizer"], workdir)
 
 
-def restore_run(workdir, mesh, **options):
+def restore_run(workdir, mesh, tasks=None, **options):
     """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir, the parameters
-    sharded over `mesh` (the layout engine.auto_shard picks for this mesh, whatever mesh trained them)."""
-    task, model, tokenizer = load_run(workdir, **options)
+    sharded over `mesh` (the layout engine.auto_shard picks for this mesh, whatever mesh trained them). tasks: as
+    in load_run."""
+    task, model, tokenizer = load_run(workdir, tasks, **options)
     abstract = jax.eval_shape(lambda: models.init_params(model))
     collate, loss = {"lm": (text.collate_lm, text.lm_loss_fn),
                      "seq2seq": (text.collate_seq2seq, text.seq2seq_loss_fn),
+                     "sft": (preference.collate_preferences, text.lm_loss_fn),
                      "dpo": (preference.collate_preferences, preference.dpo_loss_fn)}[task]
     loss = loss(model)
     # The Trainer restores the parameters in its constructor, whatever optimizer (or DiLoCo) trained them.

@@ -1,8 +1,10 @@
-"""Preference tuning with DPO (Rafailov et al., 2023, "Direct Preference Optimization") for the decoder-only models.
+"""Prompt/response rows for the decoder-only models: supervised fine-tuning (SFT) and preference tuning with DPO
+(Rafailov et al., 2023, "Direct Preference Optimization").
 
-A triple {"prompt", "chosen", "rejected"} becomes two token rows, prompt + separator + response + EOS, in which only
-the response (and its EOS) is labelled, so a response's log-probability is the sum of its tokens' log-probabilities
-given the prompt. The frozen reference model's log-probabilities are computed once, before training
+An SFT pair {"prompt", "response"} becomes one row, prompt + separator + response + EOS, with only the response (and
+its EOS) labelled: `text.lm_loss_fn` on it is the response's cross-entropy given the prompt. A DPO triple {"prompt",
+"chosen", "rejected"} becomes two such rows, so a response's log-probability is the sum of its tokens'
+log-probabilities given the prompt. The frozen reference model's log-probabilities are computed once, before training
 (`reference_log_probs`), and travel with the examples: the reference parameters never sit in device memory beside the
 policy's and its optimizer state, which is what lets the pipeline SFT -> DPO fit the device that fits SFT. The loss of
 a triple is -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), the implicit rewards beta * (pi - ref).
@@ -39,44 +41,92 @@ def toy_preferences(n, seed, *, min_words=3, max_words=6):
     return triples
 
 
+SFT_FIELDS = ("prompt", "response")
+
+
+def read_prompt_responses(patterns):
+    """`{"prompt", "response"}` string pairs from `.jsonl` files (paths or globs), one per line."""
+    return text.read_records(patterns, SFT_FIELDS)
+
+
+def toy_prompt_responses(n, seed):
+    """The embedded task's supervised pairs: the prompt of each `toy_preferences` triple and its chosen (sorted)
+    response."""
+    return [{"prompt": t["prompt"], "response": t["chosen"]} for t in toy_preferences(n, seed)]
+
+
 def separator(tokenizer):
     """The token between prompt and response: the tokenizer's BOS, else its EOS (None when it has neither)."""
     return tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
 
 
+def _prompt_tokens(tokenizer, prompt, seq_len, record):
+    """The token ids of a prompt followed by the separator; ValueError naming the `record` (e.g. 'triple 3') when
+    there is no room for a response."""
+    sep = separator(tokenizer)
+    tokens = tokenizer.encode(prompt) + ([sep] if sep is not None else [])
+    if not tokens:
+        raise ValueError(f"{record}'s prompt {prompt!r} has no tokens and the tokenizer no separator; expected a "
+                         "non-empty prompt")
+    if len(tokens) >= seq_len:
+        raise ValueError(f"seq_len={seq_len}: {record}'s prompt takes {len(tokens)} tokens; expected room for a "
+                         "response")
+    return tokens
+
+
+def _response_row(tokenizer, prompt_tokens, response, seq_len, record, what):
+    """(input_ids, labels, segment_ids) int32 [seq_len] of prompt + response + EOS with only the response (and its
+    EOS) labelled, and whether the row lost its end to seq_len."""
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    tokens = prompt_tokens + tokenizer.encode(response) + eos
+    if len(tokens) == len(prompt_tokens):
+        raise ValueError(f"{record}'s {what} {response!r} has no tokens and the tokenizer no EOS; expected a "
+                         "non-empty response")
+    was_cut = len(tokens) > seq_len + 1
+    tokens = np.asarray(tokens[:seq_len + 1], np.int32)
+    m = len(tokens) - 1
+    ids, segments = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32)
+    labels = np.full(seq_len, -100, np.int32)
+    ids[:m], segments[:m] = tokens[:-1], 1
+    labels[len(prompt_tokens) - 1:m] = tokens[len(prompt_tokens):]
+    return ids, labels, segments, was_cut
+
+
+def _check_seq_len(seq_len):
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
+
+
+def encode_prompt_responses(pairs, tokenizer, *, seq_len):
+    """Supervised fine-tuning rows: `{"prompt", "response"}` pairs -> (examples, cut). Each example holds
+    'input_ids', 'labels' and 'segment_ids' int32 [seq_len] (a `text.lm_loss_fn` batch row once stacked by
+    `collate_preferences`): prompt + separator + response + EOS with only the response and its EOS labelled, so the
+    loss is the response's next-token cross-entropy given the prompt. Longer pairs lose their end (`cut` counts
+    them)."""
+    _check_seq_len(seq_len)
+    examples, cut = [], 0
+    for n, pair in enumerate(pairs):
+        prompt = _prompt_tokens(tokenizer, pair["prompt"], seq_len, f"pair {n}")
+        ids, labels, segments, was_cut = _response_row(tokenizer, prompt, pair["response"], seq_len, f"pair {n}",
+                                                       "response")
+        examples.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
+        cut += was_cut
+    return examples, cut
+
+
 def encode_preferences(triples, tokenizer, *, seq_len):
     """Triples -> (examples, cut): each example holds 'input_ids', 'labels' and 'segment_ids' int32 [2, seq_len],
-    row 0 the chosen and row 1 the rejected sequence. The separator between prompt and response is the tokenizer's
-    BOS (else EOS). Labels are the next tokens where those are response tokens (EOS included), else -100. Sequences
+    row 0 the chosen and row 1 the rejected sequence, each laid out as in `encode_prompt_responses`. Sequences
     longer than seq_len + 1 tokens lose their end (`cut` counts the triples that did)."""
-    if not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
-    sep = separator(tokenizer)
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    _check_seq_len(seq_len)
     examples, cut = [], 0
     for n, triple in enumerate(triples):
-        prompt = tokenizer.encode(triple["prompt"]) + ([sep] if sep is not None else [])
-        if not prompt:
-            raise ValueError(f"triple {n}'s prompt {triple['prompt']!r} has no tokens and the tokenizer no separator; "
-                             "expected a non-empty prompt")
-        if len(prompt) >= seq_len:
-            raise ValueError(f"seq_len={seq_len}: triple {n}'s prompt takes {len(prompt)} tokens; expected room for "
-                             "a response")
-        ex = {k: np.zeros((2, seq_len), np.int32) for k in ("input_ids", "segment_ids")}
-        ex["labels"] = np.full((2, seq_len), -100, np.int32)
-        was_cut = False
-        for row, key in enumerate(("chosen", "rejected")):
-            tokens = prompt + tokenizer.encode(triple[key]) + eos
-            if len(tokens) == len(prompt):
-                raise ValueError(f"triple {n}'s {key} response {triple[key]!r} has no tokens and the tokenizer no EOS; "
-                                 "expected a non-empty response")
-            was_cut |= len(tokens) > seq_len + 1
-            tokens = np.asarray(tokens[:seq_len + 1], np.int32)
-            m = len(tokens) - 1
-            ex["input_ids"][row, :m], ex["segment_ids"][row, :m] = tokens[:-1], 1
-            ex["labels"][row, len(prompt) - 1:m] = tokens[len(prompt):]
-        cut += was_cut
-        examples.append(ex)
+        prompt = _prompt_tokens(tokenizer, triple["prompt"], seq_len, f"triple {n}")
+        rows = [_response_row(tokenizer, prompt, triple[key], seq_len, f"triple {n}", f"{key} response")
+                for key in ("chosen", "rejected")]
+        examples.append({key: np.stack([row[i] for row in rows])
+                         for i, key in enumerate(("input_ids", "labels", "segment_ids"))})
+        cut += any(row[3] for row in rows)
     return examples, cut
 
 
@@ -139,6 +189,21 @@ def dpo_loss_fn(model, *, beta=0.1, implementation=None, interpret=False):
                    "chosen_reward": jnp.mean(chosen), "rejected_reward": jnp.mean(rejected)}
         return -jnp.mean(jax.nn.log_sigmoid(margin)), metrics
     return loss_fn
+
+
+def answer(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, seed=0):
+    """Each prompt's answer (a string, up to EOS) by a model tuned on this module's rows: generated after prompt +
+    separator, the layout it was trained on (greedy by default)."""
+    sep = separator(tokenizer)
+    return text.generate_texts(model, params, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                               temperature=temperature, seed=seed, after_prompt=() if sep is None else (sep,))
+
+
+def answer_exact_match(model, params, tokenizer, pairs, *, max_new_tokens):
+    """The fraction of `{"prompt", "response"}` pairs whose greedy `answer` is the response (surrounding white space
+    ignored)."""
+    answers = answer(model, params, tokenizer, [p["prompt"] for p in pairs], max_new_tokens=max_new_tokens)
+    return float(np.mean([a.strip() == p["response"].strip() for a, p in zip(answers, pairs)]))
 
 
 def preference_pred_fn(model, *, implementation=None):

@@ -1,5 +1,5 @@
-"""Generates text from a trained workdir (of scripts/train_lm.py or scripts/finetune_seq2seq.py) or a Hugging Face
-directory, with the parameters sharded over --mesh; prints one generation per prompt.
+"""Generates text from a trained workdir (of scripts/train_lm.py, train_sft.py, train_dpo.py or finetune_seq2seq.py)
+or a Hugging Face directory, with the parameters sharded over --mesh; prints one generation per prompt.
 
   python scripts/generate.py --prompts='def ,import '                         # from workdir/ (after `make train`)
   python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'
@@ -56,8 +56,8 @@ def main(argv):
         model, params, tokenizer = cli.load_hf(FLAGS.init_from, families=["llama", "gptj", "opt", "t5"], mesh=mesh)
     else:
         task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
-    # A DPO-tuned model answers after the prompt/response separator it was trained with.
-    sep = preference.separator(tokenizer) if task == "dpo" else None
+    # A model tuned on prompt/response rows (SFT, DPO) answers after the separator it was trained with.
+    sep = preference.separator(tokenizer) if task in ("sft", "dpo") else None
     after_prompt = () if sep is None else (sep,)
     for start in range(0, len(prompts), FLAGS.batch_size):
         batch = prompts[start:start + FLAGS.batch_size]

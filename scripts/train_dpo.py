@@ -1,15 +1,15 @@
 """Preference-tunes a decoder-only language model with DPO: the step after supervised fine-tuning in an RLHF pipeline.
 
-The policy starts from --init_from (a workdir of scripts/train_lm.py, e.g. an SFT run, or a Hugging Face directory)
-or, without it, from a fresh small LLaMA. The reference model is that starting point, frozen: its log-probabilities
-of every response are computed once, before training, so only the policy is in device memory while it trains. With no
---data it uses an embedded toy task (a list of animal names; the sorted list is preferred to another order). It
-prints the falling DPO loss and the held-out preference accuracy (the chosen response gains more log-probability than
-the rejected one), and writes TensorBoard scalars (loss, reward accuracy and margin, eval preference accuracy) and
-checkpoints under --workdir. Re-running the same command resumes.
+The policy starts from --init_from (a workdir of scripts/train_sft.py or scripts/train_lm.py, or a Hugging Face
+directory) or, without it, from a fresh small LLaMA. The reference model is that starting point, frozen: its
+log-probabilities of every response are computed once, before training, so only the policy is in device memory while
+it trains. With no --data it uses an embedded toy task (a list of animal names; the sorted list is preferred to
+another order). It prints the falling DPO loss and the held-out preference accuracy (the chosen response gains more
+log-probability than the rejected one), and writes TensorBoard scalars (loss, reward accuracy and margin, eval
+preference accuracy) and checkpoints under --workdir. Re-running the same command resumes.
 
   python scripts/train_dpo.py                                              # the toy task
-  python scripts/train_lm.py --workdir=sft && python scripts/train_dpo.py --init_from=sft --workdir=dpo
+  python scripts/train_sft.py --workdir=sft && python scripts/train_dpo.py --init_from=sft --workdir=dpo
   python scripts/train_dpo.py --init_from=/path/to/hf_llama --data=prefs.jsonl --beta=0.1
 """
 import os
@@ -17,49 +17,24 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 import engine  # noqa: E402
 import models  # noqa: E402
-from engine import cli, preference, text  # noqa: E402
+from engine import cli, preference  # noqa: E402
 
-FAMILIES = ["llama", "gptj", "opt"]
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_dpo", max_steps=200, learning_rate=1e-3, warmup_steps=10, log_every=20,
                           save_every=100)
 FLAGS.set_default("per_device_batch_size", 16)
-flags.DEFINE_string("init_from", None, "A workdir of scripts/train_lm.py (its latest checkpoint and tokenizer) or a "
-                    "Hugging Face model directory; the policy starts there and the reference model is it, frozen. "
-                    "Empty: a fresh model (--model, --model_config, --model_overrides).")
-flags.DEFINE_enum("model", "llama", FAMILIES, "Model family of a fresh model.")
-flags.DEFINE_string("model_config", "tiny", "Named config of a fresh model, or a path to a JSON file of config fields.")
-flags.DEFINE_string("model_overrides", '{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}',
-                    "JSON object of config fields that replace the named config's (fresh models only).")
+cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
+                         "checkpoint and tokenizer) or a Hugging Face model directory; the policy starts there and the "
+                         "reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
+                         "--model_overrides).",
+                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
 cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_float("beta", 0.1, "DPO's beta: the strength of the pull towards the reference model.", lower_bound=1e-6)
-
-
-def build_model(mesh):
-    """(model, params, tokenizer): the starting point, from the flags."""
-    if FLAGS.init_from:
-        if os.path.exists(os.path.join(FLAGS.init_from, cli.RUN_FILE)):
-            task, model, params, tokenizer = cli.restore_run(FLAGS.init_from, mesh)
-            if task not in ("lm", "dpo"):
-                raise ValueError(f"--init_from={FLAGS.init_from} holds a {task} run; expected a decoder-only one "
-                                 "(scripts/train_lm.py or scripts/train_dpo.py)")
-            return model, params, tokenizer
-        return cli.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
-    tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
-    overrides = {}
-    if not FLAGS.model_config.endswith(".json"):
-        overrides = {"vocab_size": tokenizer.vocab_size, "max_position_embeddings": max(FLAGS.seq_len, 128),
-                     **cli.parse_json("model_overrides", FLAGS.model_overrides)}
-    model = cli.create_model(FLAGS.model, FLAGS.model_config, overrides, families=FAMILIES)
-    if model.config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
-    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
 
 
 def main(argv):
@@ -68,7 +43,7 @@ def main(argv):
     train_triples, eval_triples = cli.load_train_eval(preference.read_preferences, preference.toy_preferences,
                                                       key="prompt", what="triples")
     mesh = cli.start()
-    model, params, tokenizer = build_model(mesh)
+    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft", "dpo"), seq_len=FLAGS.seq_len)
     model = cli.with_dropout(model)
     (train, cut), (evals, eval_cut) = (preference.encode_preferences(t, tokenizer, seq_len=FLAGS.seq_len)
                                        for t in (train_triples, eval_triples))

@@ -1,4 +1,5 @@
-"""engine.preference: DPO's data layout, sequence log-probabilities, loss and a short training run."""
+"""engine.preference: the prompt/response rows of SFT and DPO, sequence log-probabilities, DPO's loss, and short
+SFT and DPO runs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +39,45 @@ def test_encode_labels_only_the_response_and_its_eos():
         preference.encode_preferences([{**triple, "prompt": ""}], Bare(), seq_len=8)
     with pytest.raises(ValueError, match="triple 0's rejected response '' has no tokens"):
         preference.encode_preferences([{**triple, "rejected": ""}], Bare(), seq_len=8)
+
+
+def test_sft_rows_are_the_chosen_rows_of_the_preference_layout():
+    triples = preference.toy_preferences(8, seed=3)
+    pairs = preference.toy_prompt_responses(8, seed=3)
+    assert [p["response"] for p in pairs] == [t["chosen"] for t in triples]
+    rows, cut = preference.encode_prompt_responses(pairs, TOK, seq_len=16)
+    prefs, _ = preference.encode_preferences(triples, TOK, seq_len=16)
+    assert cut == 0
+    for row, pref in zip(rows, prefs):
+        assert {k: v.tolist() for k, v in row.items()} == {k: v[0].tolist() for k, v in pref.items()}
+    with pytest.raises(ValueError, match="seq_len=3: pair 0's prompt takes"):
+        preference.encode_prompt_responses([{"prompt": "owl cat", "response": "cat owl"}], TOK, seq_len=3)
+    with pytest.raises(ValueError, match="seq_len=True; expected an int >= 2"):
+        preference.encode_prompt_responses(pairs, TOK, seq_len=True)
+
+
+def test_sft_loss_is_the_response_loss_and_training_learns_to_answer():
+    """The SFT loss (text.lm_loss_fn on these rows) is the mean cross-entropy of the response tokens only: changing
+    the prompt's labels' targets changes nothing, and it equals the hand-computed mean. 64 steps on a 4x1x2 mesh take
+    the held-out greedy answers from no exact match to most."""
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    rows, _ = preference.encode_prompt_responses(preference.toy_prompt_responses(1024, seed=0), TOK, seq_len=16)
+    batch = preference.collate_preferences(rows[:4])
+    loss, metrics = text.lm_loss_fn(model)(params, batch, None, False)
+    logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"])
+    logp = jax.nn.log_softmax(logits)
+    want = [-logp[b, t, batch["labels"][b, t]] for b in range(4) for t in range(16) if batch["labels"][b, t] >= 0]
+    np.testing.assert_allclose(loss, np.mean(want), rtol=1e-5)
+    assert metrics["tokens"] == len(want) < (batch["segment_ids"] > 0).sum()
+
+    mesh = engine.make_mesh(data=4, model=2)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=text.lm_loss_fn(model),
+                             params=params, optimizer=optax.adam(3e-3))
+    held_out = preference.toy_prompt_responses(32, seed=1)
+    assert preference.answer_exact_match(model, trainer.params, TOK, held_out, max_new_tokens=8) == 0.0
+    trainer.fit(rows, per_device_batch_size=4, max_steps=64)
+    assert preference.answer_exact_match(model, trainer.params, TOK, held_out, max_new_tokens=8) >= 0.5
 
 
 def test_toy_preferences_prefer_the_sorted_list():

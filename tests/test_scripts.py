@@ -86,7 +86,7 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
 
 
 @pytest.mark.slow
-def test_train_lm_from_scratch_resumes_then_dpo(tmp_path):
+def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
     # With DiLoCo over the data axis (4 replicas, an outer step every 3 steps).
     tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2",
             "--diloco_inner_steps=3", *TINY_LM]
@@ -99,11 +99,16 @@ def test_train_lm_from_scratch_resumes_then_dpo(tmp_path):
     again = _run("train_lm.py", "--max_steps=9", "--prompts=", *tiny)
     assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(tmp_path)[-1] == 9
 
-    # SFT -> DPO: the toy preference task from this (DiLoCo-trained) workdir, whose parameters alone are taken; the
-    # reference is that checkpoint, frozen. Then generate.py reads the DPO workdir.
-    dpo = tmp_path / "dpo"
-    out = _run("train_dpo.py", f"--init_from={tmp_path}", f"--workdir={dpo}", "--max_steps=4", "--log_every=2",
-               "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--seq_len=48")
+    # SFT -> DPO: the toy task from this (DiLoCo-trained) workdir, whose parameters alone are taken; DPO's reference
+    # is the SFT checkpoint, frozen. Then generate.py reads the DPO workdir.
+    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
+    toy = ["--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--seq_len=48"]
+    out = _run("train_sft.py", f"--init_from={tmp_path}", f"--workdir={sft}", "--max_steps=4", "--log_every=2",
+               "--eval_answers=4", "--max_new_tokens=4", *toy)
+    loss = re.search(r"eval response loss after training: ([0-9.]+) \(was ([0-9.]+)\), exact match", out.stdout)
+    assert loss and float(loss[1]) < float(loss[2]), out.stdout
+    assert json.loads((sft / "run.json").read_text())["task"] == "sft" and _steps(sft)[-1] == 4
+    out = _run("train_dpo.py", f"--init_from={sft}", f"--workdir={dpo}", "--max_steps=4", "--log_every=2", *toy)
     # Before training the policy is the reference: every margin is 0, a tie, and the DPO loss is log 2.
     assert re.search(r"eval DPO loss before training: 0\.6931, preference accuracy 0\.0000", out.stdout), out.stdout
     assert len(_losses(out.stdout)) == 2
@@ -155,6 +160,8 @@ def _bad_inputs(tmp_path, slow):
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "bad.jsonl").write_text('{"text": "a", "input": "a", "target": "b"}\n{oops\n')
     (tmp_path / "config.json").write_text('{"hidden_size": ')
+    (tmp_path / "t5run").mkdir()
+    (tmp_path / "t5run" / "run.json").write_text('{"task": "seq2seq", "family": "t5", "config": {}}')
     if not slow:
         return {
             ("train_lm.py", "--model=bert"): "--model=bert: value should be one of",
@@ -170,6 +177,8 @@ def _bad_inputs(tmp_path, slow):
             ("generate.py", "--workdir=/nonexistent"): "no prompts",
             ("train_dpo.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:1 is not an object with string fields "
                                                                  "'prompt', 'chosen' and 'rejected'",
+            ("train_sft.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:1 is not an object with string fields "
+                                                                 "'prompt' and 'response'",
         }
     return {
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",
@@ -185,6 +194,8 @@ def _bad_inputs(tmp_path, slow):
         ("generate.py", "--prompts=x", "stray"): "unexpected arguments ['stray']",
         ("train_dpo.py", "--beta=0"): "--beta=0: 0.0 is not number >= 1e-06",
         ("train_dpo.py", "--seq_len=4"): "seq_len=4: triple 0's prompt takes",
+        ("train_sft.py", "--seq_len=4"): "seq_len=4: pair 0's prompt takes",
+        ("train_sft.py", f"--init_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['lm', 'sft']",
     }
 
 

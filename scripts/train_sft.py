@@ -1,0 +1,82 @@
+"""Supervised fine-tuning on prompt/response pairs: the first step of an RLHF pipeline (SFT -> reward model -> PPO,
+or SFT -> DPO).
+
+Each pair becomes one row, prompt + separator (the tokenizer's BOS, else EOS) + response + EOS, and only the response
+and its EOS are labelled, so the model learns to answer prompts rather than to write them. The model starts from
+--init_from (a workdir of scripts/train_lm.py, e.g. a pre-training run, or a Hugging Face directory) or, without it,
+from a fresh small LLaMA. With no --data it uses an embedded toy task (a list of animal names; the response is the
+list sorted). It prints the falling response loss and the held-out exact match of greedy answers, and writes
+TensorBoard scalars and checkpoints under --workdir. Re-running the same command resumes.
+
+  python scripts/train_sft.py                                              # the toy task
+  python scripts/train_sft.py --init_from=/path/to/hf_llama --data=pairs.jsonl --seq_len=512
+  python scripts/train_sft.py --workdir=sft && python scripts/train_dpo.py --init_from=sft --workdir=dpo
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags, logging  # noqa: E402
+
+import engine  # noqa: E402
+import models  # noqa: E402
+from engine import cli, preference, text  # noqa: E402
+
+FLAGS = flags.FLAGS
+cli.define_training_flags(workdir="workdir_sft", max_steps=200, learning_rate=3e-3, warmup_steps=10, log_every=20,
+                          save_every=100)
+FLAGS.set_default("per_device_batch_size", 16)
+cli.define_decoder_flags(init_from_help="A workdir of scripts/train_lm.py or scripts/train_sft.py (its latest "
+                         "checkpoint and tokenizer) or a Hugging Face model directory to fine-tune. Empty: a fresh "
+                         "model (--model, --model_config, --model_overrides).",
+                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
+cli.define_record_flags(what="pairs", fields=preference.SFT_FIELDS, toy_size=4096)
+flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens per greedy answer of the held-out exact match.")
+flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily for the exact match (0: none).")
+
+
+def main(argv):
+    del argv
+    profile = cli.parse_profile_steps(FLAGS.profile_steps)
+    train_pairs, eval_pairs = cli.load_train_eval(preference.read_prompt_responses, preference.toy_prompt_responses,
+                                                  key="prompt", what="pairs")
+    mesh = cli.start()
+    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
+    model = cli.with_dropout(model)
+    (train, cut), (evals, eval_cut) = (preference.encode_prompt_responses(p, tokenizer, seq_len=FLAGS.seq_len)
+                                       for p in (train_pairs, eval_pairs))
+    if cut + eval_cut:
+        logging.warning("%d pairs were cut to --seq_len=%d tokens", cut + eval_cut, FLAGS.seq_len)
+    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    if len(train) < global_batch:
+        raise ValueError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
+    cli.save_run(FLAGS.workdir, "sft", model, tokenizer)
+    print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
+          f"{train_pairs[0]['response']!r}")
+    batch = FLAGS.per_device_batch_size
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
+                             loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
+                             optimizer=cli.optimizer(), workdir=FLAGS.workdir,
+                             flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len),
+                             **cli.trainer_kwargs())
+    answered = eval_pairs[:FLAGS.eval_answers]
+    exact = lambda: preference.answer_exact_match(  # noqa: E731
+        model, trainer.params, tokenizer, answered, max_new_tokens=FLAGS.max_new_tokens) if answered else float("nan")
+    if trainer.step:
+        print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
+    start_loss, start_exact = trainer.eval_loss(evals, per_device_batch_size=batch), exact()
+    print(f"eval response loss before training: {start_loss:.4f}, exact match {start_exact:.3f}")
+    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
+                eval_examples=evals, log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile)
+    for line in cli.progress_lines(trainer, FLAGS.log_every):
+        print(line)
+    end_loss, end_exact = trainer.eval_loss(evals, per_device_batch_size=batch), exact()
+    print(f"eval response loss after training: {end_loss:.4f} (was {start_loss:.4f}), exact match {end_exact:.3f} "
+          f"(was {start_exact:.3f}) of {len(answered)} held-out greedy answers at step {trainer.step}")
+    cli.finish(trainer, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    cli.run(main)
