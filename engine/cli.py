@@ -14,7 +14,7 @@ from absl import app, flags, logging
 import engine
 import kernels
 import models
-from engine import preference, text
+from engine import ppo, preference, reward, text
 
 FLAGS = flags.FLAGS
 
@@ -142,8 +142,8 @@ def trainer_kwargs():
 
 
 def optimizer():
-    """AdamW with global-norm clipping, linear warm-up and cosine decay to 10%, from the training flags; every
-    training script builds its optimizer here."""
+    """AdamW with global-norm clipping, linear warm-up and cosine decay to 10% at --max_steps, from the training
+    flags; every training script builds its optimizer here."""
     max_steps, learning_rate = FLAGS.max_steps, FLAGS.learning_rate
     warmup_steps, weight_decay = FLAGS.warmup_steps, FLAGS.weight_decay
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, warmup_steps),
@@ -321,17 +321,20 @@ def _model_fields(model):
     return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in _RUNTIME_FIELDS}
 
 
-def save_run(workdir, task, model, tokenizer):
+def save_run(workdir, task, model, tokenizer, critic=None):
     """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
-    that scripts/generate.py can rebuild the model of a workdir. If the workdir already holds a run of a different
-    model, ValueError: its checkpoints would not fit."""
+    that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `engine.reward.RewardModel`
+    (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
+    ValueError: its checkpoints would not fit."""
     run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
+    if critic is not None:
+        run["critic"] = {"family": family_of(critic.backbone), "config": _model_fields(critic.backbone)}
     path = os.path.join(workdir, RUN_FILE)
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        if (old.get("task"), old.get("family"), _tuples(old.get("config"))) != (task, run["family"],
-                                                                                 _tuples(run["config"])):
+        if (old.get("task"), old.get("family"), _tuples(old.get("config")), _tuples(old.get("critic"))) != (
+                task, run["family"], _tuples(run["config"]), _tuples(run.get("critic"))):
             changed = sorted(k for k in set(old.get("config", {})) | set(run["config"])
                              if _tuples(old.get("config", {}).get(k)) != _tuples(run["config"].get(k)))
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
@@ -349,31 +352,48 @@ def save_run(workdir, task, model, tokenizer):
 def load_run(workdir, tasks=None, **options):
     """(task, model, tokenizer) of a workdir written by a training script (see save_run). tasks: the tasks the
     caller accepts (None: any). options: ModelOptions fields (scan_layers, attention_implementation, ...)."""
+    run = _read_run(workdir, tasks)
+    return run["task"], _model_of(run, options), text.tokenizer_from_spec(run["tokenizer"], workdir)
+
+
+def _model_of(entry, options):
+    family = entry["family"]
+    return models.FAMILIES[family].Model(models.FAMILIES[family].Config(**_tuples(entry["config"]), **options))
+
+
+def _read_run(workdir, tasks):
     path = os.path.join(workdir, RUN_FILE)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--workdir={workdir} has no {RUN_FILE}; expected the workdir of scripts/train_lm.py, "
-                                "scripts/finetune_seq2seq.py or scripts/train_dpo.py (or pass --init_from=<Hugging "
-                                "Face directory>)")
+        raise FileNotFoundError(f"{workdir} has no {RUN_FILE}; expected the workdir of a training script "
+                                "(scripts/train_*.py, scripts/finetune_seq2seq.py) or, where a script takes one, a "
+                                "Hugging Face directory")
     with open(path) as f:
         run = json.load(f)
     if tasks is not None and run["task"] not in tasks:
-        raise ValueError(f"--init_from={workdir} holds a {run['task']} run; expected one of {list(tasks)}")
-    family = run["family"]
-    model = models.FAMILIES[family].Model(models.FAMILIES[family].Config(**_tuples(run["config"]), **options))
-    return run["task"], model, text.tokenizer_from_spec(run["tokenizer"], workdir)
+        raise ValueError(f"{workdir} holds a {run['task']} run; expected one of {list(tasks)}")
+    return run
 
 
 def restore_run(workdir, mesh, tasks=None, **options):
     """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir, the parameters
     sharded over `mesh` (the layout engine.auto_shard picks for this mesh, whatever mesh trained them). tasks: as
-    in load_run."""
+    in load_run. The model of a 'reward' run is its `engine.reward.RewardModel`; of a 'ppo' run, the policy."""
     task, model, tokenizer = load_run(workdir, tasks, **options)
+    if task == "reward":
+        model = reward.RewardModel(model)
     abstract = jax.eval_shape(lambda: models.init_params(model))
     collate, loss = {"lm": (text.collate_lm, text.lm_loss_fn),
                      "seq2seq": (text.collate_seq2seq, text.seq2seq_loss_fn),
                      "sft": (preference.collate_preferences, text.lm_loss_fn),
-                     "dpo": (preference.collate_preferences, preference.dpo_loss_fn)}[task]
-    loss = loss(model)
+                     "dpo": (preference.collate_preferences, preference.dpo_loss_fn),
+                     "reward": (preference.collate_preferences, reward.reward_loss_fn),
+                     "ppo": (preference.collate_preferences, ppo.ppo_loss_fn)}[task]
+    if task == "ppo":  # the checkpoint holds {'actor', 'critic'}
+        critic = reward.RewardModel(_model_of(_read_run(workdir, tasks)["critic"], options))
+        abstract = {"actor": abstract, "critic": jax.eval_shape(lambda: models.init_params(critic))}
+        loss = loss(model, critic)
+    else:
+        loss = loss(model)
     # The Trainer restores the parameters in its constructor, whatever optimizer (or DiLoCo) trained them.
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract, optimizer=optax.sgd(0.0),
                              workdir=workdir, restore_params_only=True)
@@ -381,7 +401,7 @@ def restore_run(workdir, mesh, tasks=None, **options):
     if trainer.step == 0:
         raise FileNotFoundError(f"--workdir={workdir} has no checkpoint yet")
     logging.info("restored step %d of %s", trainer.step, workdir)
-    return task, model, trainer.params, tokenizer
+    return task, model, trainer.params["actor"] if task == "ppo" else trainer.params, tokenizer
 
 
 def _fail(error):

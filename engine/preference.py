@@ -28,17 +28,41 @@ def read_preferences(patterns):
 
 def toy_preferences(n, seed, *, min_words=3, max_words=6):
     """The embedded preference task: a list of distinct animal names (`text.TOY_WORDS`), the chosen response sorted
-    alphabetically, the rejected one another order. Deterministic in `seed`."""
+    alphabetically. The rejected one is, in equal shares, another order of the same names, or the sorted list with
+    one name dropped, one added or one replaced (so that a reward model learnt from these cannot be satisfied by any
+    sorted list). Deterministic in `seed`."""
     rng = random.Random(seed)
     triples = []
     for _ in range(n):
         words = rng.sample(text.TOY_WORDS, rng.randint(min_words, max_words))
         chosen = sorted(words)
-        rejected = chosen
-        while rejected == chosen:
-            rejected = rng.sample(words, len(words))
+        others = [w for w in text.TOY_WORDS if w not in words]
+        kind = rng.randrange(4)
+        if kind == 0:
+            rejected = chosen
+            while rejected == chosen:
+                rejected = rng.sample(words, len(words))
+        elif kind == 1:
+            rejected = [w for w in chosen if w != rng.choice(chosen)]
+        elif kind == 2:
+            rejected = sorted(chosen + [rng.choice(others)])
+        else:
+            rejected = sorted([w for w in chosen if w != rng.choice(chosen)] + [rng.choice(others)])
         triples.append({"prompt": " ".join(words), "chosen": " ".join(chosen), "rejected": " ".join(rejected)})
     return triples
+
+
+def toy_reward(prompt, response):
+    """The toy task's verifiable reward, with partial credit: 2 LCS / (len(response) + len(target)) over the names
+    of `response` and of the sorted `prompt` (LCS: their longest common subsequence), so right names in the right
+    order count and missing or extra ones cost; 1.0 exactly for the sorted list."""
+    got, want = response.split(), sorted(prompt.split())
+    lcs = [0] * (len(want) + 1)  # one row of the LCS table at a time
+    for a in got:
+        diagonal = 0
+        for j, b in enumerate(want):
+            diagonal, lcs[j + 1] = lcs[j + 1], diagonal + 1 if a == b else max(lcs[j + 1], lcs[j])
+    return 2 * lcs[-1] / (len(got) + len(want)) if got or want else 1.0
 
 
 SFT_FIELDS = ("prompt", "response")
@@ -60,7 +84,7 @@ def separator(tokenizer):
     return tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
 
 
-def _prompt_tokens(tokenizer, prompt, seq_len, record):
+def prompt_tokens(tokenizer, prompt, seq_len, record="the prompt"):
     """The token ids of a prompt followed by the separator; ValueError naming the `record` (e.g. 'triple 3') when
     there is no room for a response."""
     sep = separator(tokenizer)
@@ -74,14 +98,10 @@ def _prompt_tokens(tokenizer, prompt, seq_len, record):
     return tokens
 
 
-def _response_row(tokenizer, prompt_tokens, response, seq_len, record, what):
-    """(input_ids, labels, segment_ids) int32 [seq_len] of prompt + response + EOS with only the response (and its
-    EOS) labelled, and whether the row lost its end to seq_len."""
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    tokens = prompt_tokens + tokenizer.encode(response) + eos
-    if len(tokens) == len(prompt_tokens):
-        raise ValueError(f"{record}'s {what} {response!r} has no tokens and the tokenizer no EOS; expected a "
-                         "non-empty response")
+def token_row(prompt_tokens, response_tokens, seq_len):
+    """(input_ids, labels, segment_ids) int32 [seq_len] of prompt + response token ids with only the response
+    labelled, and whether the row lost its end to seq_len (more than seq_len + 1 tokens)."""
+    tokens = list(prompt_tokens) + list(response_tokens)
     was_cut = len(tokens) > seq_len + 1
     tokens = np.asarray(tokens[:seq_len + 1], np.int32)
     m = len(tokens) - 1
@@ -90,6 +110,16 @@ def _response_row(tokenizer, prompt_tokens, response, seq_len, record, what):
     ids[:m], segments[:m] = tokens[:-1], 1
     labels[len(prompt_tokens) - 1:m] = tokens[len(prompt_tokens):]
     return ids, labels, segments, was_cut
+
+
+def _response_row(tokenizer, prompt_tokens, response, seq_len, record, what):
+    """`token_row` of prompt + response + EOS."""
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    response_tokens = tokenizer.encode(response) + eos
+    if not response_tokens:
+        raise ValueError(f"{record}'s {what} {response!r} has no tokens and the tokenizer no EOS; expected a "
+                         "non-empty response")
+    return token_row(prompt_tokens, response_tokens, seq_len)
 
 
 def _check_seq_len(seq_len):
@@ -106,7 +136,7 @@ def encode_prompt_responses(pairs, tokenizer, *, seq_len):
     _check_seq_len(seq_len)
     examples, cut = [], 0
     for n, pair in enumerate(pairs):
-        prompt = _prompt_tokens(tokenizer, pair["prompt"], seq_len, f"pair {n}")
+        prompt = prompt_tokens(tokenizer, pair["prompt"], seq_len, f"pair {n}")
         ids, labels, segments, was_cut = _response_row(tokenizer, prompt, pair["response"], seq_len, f"pair {n}",
                                                        "response")
         examples.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
@@ -121,7 +151,7 @@ def encode_preferences(triples, tokenizer, *, seq_len):
     _check_seq_len(seq_len)
     examples, cut = [], 0
     for n, triple in enumerate(triples):
-        prompt = _prompt_tokens(tokenizer, triple["prompt"], seq_len, f"triple {n}")
+        prompt = prompt_tokens(tokenizer, triple["prompt"], seq_len, f"triple {n}")
         rows = [_response_row(tokenizer, prompt, triple[key], seq_len, f"triple {n}", f"{key} response")
                 for key in ("chosen", "rejected")]
         examples.append({key: np.stack([row[i] for row in rows])

@@ -430,16 +430,31 @@ def exact_match(examples, predictions, eos_id):
     return {"exact_match": float(np.mean(hits)) if hits else 0.0}
 
 
-def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                   seed=0, after_prompt=()):
-    """Continuations of `prompts` (strings) with `models.generate`, decoded up to EOS. Decoder prompts are
-    left-padded, T5 inputs right-padded (with EOS appended, as in training). `after_prompt`: token ids appended to
-    every decoder prompt (the prompt/response separator of a preference-tuned model). Every process must call it with
-    the same prompts (the parameters may span hosts); every process gets all the texts."""
+def generate_tokens(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                    seed=0):
+    """`models.generate` on token-id prompts (lists; decoder prompts left-padded, T5 inputs right-padded): each
+    row's new token ids up to and including its first EOS (all `max_new_tokens` when there is none). Every process
+    must call it with the same prompts (the parameters may span hosts); every process gets every row."""
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
+    if not prompts:
+        raise ValueError("prompts: none given; expected at least one prompt")
     encoder_decoder = getattr(model, "is_encoder_decoder", False)
-    # T5 inputs end with EOS as in training; decoder prompts with `after_prompt`.
+    ids, mask = left_pad(prompts, tokenizer, right=encoder_decoder)
+    out = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, rng=jax.random.PRNGKey(seed),
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+    out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
+    new = out[:, 1:] if encoder_decoder else out[:, ids.shape[1]:]
+    return [until_eos(row, tokenizer.eos_id) for row in new]
+
+
+def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                   seed=0, after_prompt=()):
+    """Continuations of `prompts` (strings) with `generate_tokens`, decoded up to EOS. T5 inputs get EOS appended, as
+    in training; decoder prompts `after_prompt`, token ids appended to every prompt (the prompt/response separator
+    of a model tuned on `engine.preference` rows)."""
+    encoder_decoder = getattr(model, "is_encoder_decoder", False)
     suffix = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else list(after_prompt)
     if not prompts:
         raise ValueError("prompts: none given; expected at least one prompt")
@@ -447,14 +462,9 @@ def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, tempera
     for n, (prompt, tokens) in enumerate(zip(prompts, encoded)):
         if not tokens:
             raise ValueError(f"prompt {n} ({prompt!r}) has no tokens; expected a non-empty prompt")
-    ids, mask = left_pad(encoded, tokenizer, right=encoder_decoder)
-    rng = jax.random.PRNGKey(seed)
-    out = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_k=top_k, top_p=top_p, rng=rng, eos_token_id=tokenizer.eos_id,
-                          pad_token_id=tokenizer.pad_id)
-    out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
-    new = out[:, 1:] if encoder_decoder else out[:, ids.shape[1]:]
-    return [tokenizer.decode([i for i in until_eos(row, tokenizer.eos_id) if i != tokenizer.eos_id]) for row in new]
+    new = generate_tokens(model, params, tokenizer, encoded, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_k=top_k, top_p=top_p, seed=seed)
+    return [tokenizer.decode([i for i in row if i != tokenizer.eos_id]) for row in new]
 
 
 def left_pad(prompts, tokenizer, *, right=False):

@@ -320,7 +320,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
             eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
-            save_every=None, profile_steps=None):
+            save_every=None, profile_steps=None, checkpoint_at_end=True):
         """Trains until `n_epochs` epochs or `max_steps` optimizer updates in total (both counted over the Trainer's
         life, resumes included: calling `fit` again continues where training stopped).
 
@@ -328,7 +328,8 @@ class Trainer:
         `train_examples`: a list (shuffled each epoch from `seed`) or any iterable (streamed in order; it is iterated
         once per epoch). The last incomplete global batch of an epoch is dropped. Eval (after each epoch): the mean
         `eval_loss` and, with `eval_predictor` and `eval_metric_fn(examples, predictions) -> dict`, its metrics.
-        `save_every`: checkpoint every that many updates (and always at the end) when there is a workdir.
+        `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
+        caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
         `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard` (TensorBoard's
         profile plugin shows it). Each log line breaks the step time into waiting on data, checkpointing and the rest
         (compute and dispatch). SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved, `fit` returns
@@ -425,7 +426,7 @@ class Trainer:
         if stop.is_set():
             self.stopped_by_signal = True
             logging.warning("signal received: stopping after step %d", self._step)
-        if self._checkpointer is not None and self._state is not None:
+        if self._checkpointer is not None and self._state is not None and (checkpoint_at_end or stop.is_set()):
             self.save_checkpoint()
             self._checkpointer.wait()
         return self.history

@@ -1,5 +1,5 @@
-"""Generates text from a trained workdir (of scripts/train_lm.py, train_sft.py, train_dpo.py or finetune_seq2seq.py)
-or a Hugging Face directory, with the parameters sharded over --mesh; prints one generation per prompt.
+"""Generates text from a trained workdir (of scripts/train_lm.py, train_sft.py, train_dpo.py, train_ppo.py or
+finetune_seq2seq.py) or a Hugging Face directory, with the parameters sharded over --mesh; prints one generation per prompt.
 
   python scripts/generate.py --prompts='def ,import '                         # from workdir/ (after `make train`)
   python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'
@@ -55,9 +55,10 @@ def main(argv):
     if FLAGS.init_from:
         model, params, tokenizer = cli.load_hf(FLAGS.init_from, families=["llama", "gptj", "opt", "t5"], mesh=mesh)
     else:
-        task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
-    # A model tuned on prompt/response rows (SFT, DPO) answers after the separator it was trained with.
-    sep = preference.separator(tokenizer) if task in ("sft", "dpo") else None
+        task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh,
+                                                         tasks=("lm", "seq2seq", "sft", "dpo", "ppo"))
+    # A model tuned on prompt/response rows (SFT, DPO, PPO) answers after the separator it was trained with.
+    sep = preference.separator(tokenizer) if task in ("sft", "dpo", "ppo") else None
     after_prompt = () if sep is None else (sep,)
     for start in range(0, len(prompts), FLAGS.batch_size):
         batch = prompts[start:start + FLAGS.batch_size]

@@ -1,0 +1,309 @@
+"""PPO for RLHF (Ouyang et al., 2022, step 3; the clipped objective of Schulman et al., 2017): the policy (actor)
+learns to write responses that a frozen reward model scores highly, held near a frozen reference policy by a
+per-token KL penalty, with a critic (value model) for the advantages.
+
+One iteration (`fit_ppo`):
+1. Rollout: the actor samples a response to each of `rollout_batch_size` prompts (`text.generate_tokens`, with its
+   KV cache). Each prompt + response becomes an `engine.preference` row (only the response labelled).
+2. Scoring, one compiled pass of an `engine.Predictor`: the actor's and the reference's log-probabilities of the
+   response tokens, the critic's values at every position and the reward model's score of the whole sequence.
+3. On the host: per-token rewards r_t = -kl_coef * (log pi(a_t) - log pi_ref(a_t)), plus the score at the last
+   response token; advantages by GAE (gamma, lam), whitened over the batch's response tokens; returns = advantages
+   + values.
+4. `ppo_epochs` epochs of the `Trainer` over these rows: the clipped policy loss plus value_coef x the clipped value
+   loss (`PPO.loss_fn`), on the joint parameters {'actor', 'critic'}, both trained by the Trainer's optimizer.
+
+Memory: four models, two trained (actor and critic, with optimizer state) and two frozen (reference and reward model,
+parameters only, used in the scoring pass). The models run deterministically (no dropout), so the ratio of the first
+update is exactly 1. A run resumes exactly: each iteration's experience is written to the workdir before the updates.
+"""
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine import preference, reward, text
+from engine.predictor import Predictor
+from engine.trainer import global_batch_size
+
+EXPERIENCE_FILE = "ppo_experience.npz"
+_KEYS = ("input_ids", "labels", "segment_ids", "old_log_probs", "old_values", "advantages", "returns")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """max_new_tokens: response length at most; temperature: of the rollouts' sampling; kl_coef: the per-token KL
+    penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for the value
+    change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; missing_eos_penalty:
+    subtracted from the reward of a response cut off at max_new_tokens before its EOS (a learnt reward model has only
+    seen finished responses)."""
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    kl_coef: float = 0.05
+    clip_ratio: float = 0.2
+    value_clip: float = 0.2
+    value_coef: float = 0.5
+    gamma: float = 1.0
+    lam: float = 0.95
+    missing_eos_penalty: float = 0.0
+
+    def __post_init__(self):
+        checks = {"max_new_tokens": isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+                  "temperature": self.temperature > 0, "kl_coef": self.kl_coef >= 0,
+                  "clip_ratio": 0 < self.clip_ratio < 1, "value_clip": self.value_clip > 0,
+                  "value_coef": self.value_coef >= 0, "gamma": 0 < self.gamma <= 1, "lam": 0 <= self.lam <= 1,
+                  "missing_eos_penalty": self.missing_eos_penalty >= 0}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "
+                                 ">= 1, temperature > 0, kl_coef >= 0, 0 < clip_ratio < 1, value_clip > 0, value_coef "
+                                 ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, missing_eos_penalty >= 0")
+
+
+def advantages_and_returns(rewards, values, mask, *, gamma, lam):
+    """GAE over each row's labelled (response) positions, which are contiguous: float32 [B, T] advantages and
+    returns (= advantages + values), 0 elsewhere. rewards, values: [B, T]; mask: bool [B, T]."""
+    rewards, values, mask = (np.asarray(x) for x in (rewards, values, mask))
+    B, T = mask.shape
+    adv = np.zeros((B, T), np.float32)
+    running = np.zeros(B, np.float32)
+    for t in range(T - 1, -1, -1):
+        next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < T else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = np.where(mask[:, t], delta + gamma * lam * running, 0.0)
+        adv[:, t] = running
+    return adv, np.where(mask, adv + values, 0.0).astype(np.float32)
+
+
+def _log_probs(actor, params, batch, implementation, interpret):
+    """log pi(label) [B, T] (0 where unlabelled) of `actor` with `params`."""
+    out = actor.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
+                      return_hidden=implementation is not None)
+    return -text.token_losses(actor, params, out, batch["labels"], implementation, interpret)
+
+
+def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, interpret=False):
+    """`loss_fn(params, batch, rng, is_training)` for a `Trainer` on params {'actor', 'critic'} and `PPO.rollout`'s
+    experience rows: mean over response tokens of the clipped policy loss + value_coef x the clipped value loss;
+    metrics policy_loss, value_loss, clip_fraction (tokens whose ratio was clipped), approx_kl (to the rollout's
+    policy) and tokens. implementation: as `PPO`'s."""
+    c = config
+
+    def loss_fn(params, batch, rng, is_training):
+        del rng, is_training  # deterministic models: the first update's ratio is exactly 1
+        mask = batch["labels"] >= 0
+        n = jnp.maximum(mask.sum(), 1)
+        mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731
+        log_probs = _log_probs(actor, params["actor"], batch, implementation, interpret)
+        log_ratio = jnp.where(mask, log_probs - batch["old_log_probs"], 0.0)
+        ratio = jnp.exp(log_ratio)
+        adv = batch["advantages"]
+        policy = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - c.clip_ratio, 1 + c.clip_ratio))
+        values = critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])
+        old, ret = batch["old_values"], batch["returns"]
+        clipped = old + jnp.clip(values - old, -c.value_clip, c.value_clip)
+        value = 0.5 * jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2)
+        policy_loss, value_loss = mean(policy), mean(value)
+        metrics = {"policy_loss": policy_loss, "value_loss": value_loss,
+                   "clip_fraction": mean((jnp.abs(ratio - 1) > c.clip_ratio).astype(jnp.float32)),
+                   "approx_kl": mean(ratio - 1 - log_ratio), "tokens": mask.sum().astype(jnp.float32)}
+        return policy_loss + c.value_coef * value_loss, metrics
+    loss_fn.weight_metric = "tokens"
+    return loss_fn
+
+
+class PPO:
+    """The models and settings of a PPO run.
+
+    Args:
+      actor: the policy, a decoder-only model; its parameters are `params['actor']` of the Trainer.
+      critic: an `engine.reward.RewardModel` of any backbone; `params['critic']` (usually a copy of the reward
+        model's parameters, or of the actor's backbone with a fresh score head).
+      ref_params: the frozen reference policy's parameters (the actor's starting point), for the KL penalty.
+      tokenizer: of the actor (and of the reward model: they read the same token rows).
+      mesh: the scoring pass's mesh (the Trainer's).
+      seq_len: row width; rows longer than seq_len + 1 tokens lose their end.
+      reward_model, reward_params: a frozen learnt reward model (`engine.reward.RewardModel`), or
+      reward_fn: `reward_fn(prompt, response) -> float` on strings (the response decoded up to EOS): a rule or
+        verifier instead of a learnt model. Exactly one of reward_model and reward_fn.
+      config: a `PPOConfig`.
+      implementation: None (plain logits) or a kernel implementation for the fused head of the log-probabilities
+        (`text.token_losses`).
+    """
+
+    def __init__(self, *, actor, critic, ref_params, tokenizer, mesh, seq_len, reward_model=None, reward_params=None,
+                 reward_fn=None, config=PPOConfig(), implementation=None, interpret=False):
+        if not isinstance(critic, reward.RewardModel):
+            raise ValueError(f"critic={type(critic).__name__}; expected an engine.reward.RewardModel")
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError("reward_model and reward_fn: got both or neither; expected exactly one")
+        if reward_model is not None and (not isinstance(reward_model, reward.RewardModel) or reward_params is None):
+            raise ValueError(f"reward_model={type(reward_model).__name__} with reward_params "
+                             f"{'None' if reward_params is None else 'given'}; expected an engine.reward.RewardModel "
+                             "and its parameters")
+        if reward_fn is not None and not callable(reward_fn):
+            raise ValueError(f"reward_fn={reward_fn!r}; expected a callable (prompt, response) -> float")
+        if not isinstance(config, PPOConfig):
+            raise ValueError(f"config={config!r}; expected an engine.ppo.PPOConfig")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
+        text.check_implementation(implementation)
+        self.actor, self.critic, self.ref_params, self.tokenizer = actor, critic, ref_params, tokenizer
+        self.reward_model, self.reward_params, self.reward_fn = reward_model, reward_params, reward_fn
+        self.mesh, self.seq_len, self.config = mesh, seq_len, config
+        self.implementation, self.interpret = implementation, interpret
+        self._scorer = Predictor(mesh=mesh, collate_fn=preference.collate_preferences, pred_fn=self._score)
+
+    # -------------------------------------------------------------------------------------------- scoring, loss
+    def _score(self, params, batch, rng):
+        del rng
+        log_probs = lambda p: _log_probs(self.actor, p, batch, self.implementation, self.interpret)  # noqa: E731
+        out = {"log_probs": log_probs(params["actor"]), "ref_log_probs": log_probs(params["ref"]),
+               "values": self.critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])}
+        if self.reward_model is not None:
+            out["score"] = reward.sequence_rewards(self.reward_model, params["reward"], batch)
+        return out
+
+    def loss_fn(self):
+        """This run's `ppo_loss_fn`."""
+        return ppo_loss_fn(self.actor, self.critic, self.config, implementation=self.implementation,
+                           interpret=self.interpret)
+
+    # ------------------------------------------------------------------------------------------------ rollouts
+    def generate_and_score(self, params, prompts, *, seed, temperature=None, per_device_batch_size=8):
+        """The actor's (`params['actor']`) responses to the string `prompts`, sampled at `temperature` (default the
+        config's; 0: greedy), and their scoring: (responses: token lists up to EOS, rows: `preference.token_row`
+        examples, scored: one dict per row of log_probs, ref_log_probs, values [seq_len] and score [] (the reward,
+        less config.missing_eos_penalty for a response cut off before its EOS))."""
+        temperature = self.config.temperature if temperature is None else temperature
+        tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
+                  for n, p in enumerate(prompts)]
+        responses = text.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
+                                         max_new_tokens=self.config.max_new_tokens, temperature=temperature,
+                                         seed=seed)
+        rows = []
+        for prompt, response in zip(tokens, responses):
+            ids, labels, segments, _ = preference.token_row(prompt, response, self.seq_len)
+            rows.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
+        frozen = {"ref": self.ref_params} if self.reward_model is None else {"ref": self.ref_params,
+                                                                             "reward": self.reward_params}
+        scored = self._scorer.predict(rows, per_device_batch_size=per_device_batch_size,
+                                      params={"actor": params["actor"], "critic": params["critic"], **frozen})
+        eos = self.tokenizer.eos_id
+        for prompt, response, s in zip(prompts, responses, scored):
+            ended = bool(response) and response[-1] == eos
+            if self.reward_fn is not None:
+                s["score"] = float(self.reward_fn(prompt, self.tokenizer.decode(
+                    [i for i in response if i != eos])))
+            s["score"] = np.float32(s["score"] - (0.0 if ended else self.config.missing_eos_penalty))
+        return responses, rows, scored
+
+    def rollout(self, params, prompts, *, seed, per_device_batch_size=8):
+        """Experience for one iteration from string `prompts`: (examples, stats). Each example holds the row's
+        input_ids, labels, segment_ids and old_log_probs, old_values, advantages, returns [seq_len]; stats: the mean
+        score, the mean KL to the reference per response (sum over its tokens), the mean response length and the
+        fraction of responses that ended with EOS."""
+        c = self.config
+        responses, rows, scored = self.generate_and_score(params, prompts, seed=seed,
+                                                          per_device_batch_size=per_device_batch_size)
+        stack = lambda key: np.stack([s[key] for s in scored]).astype(np.float32)  # noqa: E731
+        log_probs, ref_log_probs, values, score = (stack(k) for k in ("log_probs", "ref_log_probs", "values", "score"))
+        mask = np.stack([r["labels"] for r in rows]) >= 0
+        kl = np.where(mask, log_probs - ref_log_probs, 0.0)
+        rewards = -c.kl_coef * kl
+        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+        rewards[np.arange(len(rows)), last] += score
+        adv, returns = advantages_and_returns(rewards, np.where(mask, values, 0.0), mask, gamma=c.gamma, lam=c.lam)
+        mean, std = adv[mask].mean(), adv[mask].std()
+        adv = np.where(mask, (adv - mean) / (std + 1e-8), 0.0).astype(np.float32)
+        examples = [{**row, "old_log_probs": log_probs[i], "old_values": np.where(mask[i], values[i], 0.0),
+                     "advantages": adv[i], "returns": returns[i]} for i, row in enumerate(rows)]
+        eos = self.tokenizer.eos_id
+        stats = {"score": float(score.mean()), "kl": float(kl.sum(1).mean()),
+                 "response_tokens": float(np.mean([len(r) for r in responses])),
+                 "ended": float(np.mean([bool(r) and r[-1] == eos for r in responses]))}
+        return examples, stats
+
+
+def iteration_prompts(prompts, iteration, n, seed):
+    """The `n` prompts of an iteration: consecutive slices of per-pass permutations of `prompts` (deterministic in
+    seed, so a resumed run takes the same ones)."""
+    out, orders = [], {}
+    for k in range(iteration * n, (iteration + 1) * n):
+        pass_, i = divmod(k, len(prompts))
+        if pass_ not in orders:
+            orders[pass_] = np.random.default_rng([seed, pass_]).permutation(len(prompts))
+        out.append(prompts[orders[pass_][i]])
+    return out
+
+
+def _save_experience(path, iteration, examples, stats):
+    if jax.process_index() == 0:
+        arrays = {k: np.stack([e[k] for e in examples]) for k in _KEYS}
+        with open(path + ".tmp", "wb") as f:
+            np.savez(f, iteration=iteration, stats=np.array([stats[k] for k in sorted(stats)]), **arrays)
+        os.replace(path + ".tmp", path)
+
+
+def _load_experience(path, iteration, stat_names):
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as z:
+        if int(z["iteration"]) != iteration:
+            return None
+        arrays = {k: z[k] for k in _KEYS}
+        stats = dict(zip(sorted(stat_names), z["stats"].tolist()))
+    return [{k: arrays[k][i] for k in _KEYS} for i in range(len(arrays["input_ids"]))], stats
+
+
+def fit_ppo(trainer, ppo, prompts, *, iterations, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
+            log_every=10, save_every=None, on_iteration=None):
+    """Runs PPO iterations until `iterations` in total (resumes included: a Trainer restored from its workdir
+    continues where it stopped, exactly). `trainer`: an `engine.Trainer` with `loss_fn=ppo.loss_fn()`, params
+    {'actor', 'critic'} and `collate_fn=preference.collate_preferences`. prompts: strings; each iteration takes
+    `rollout_batch_size` of them (`iteration_prompts`), a multiple of the Trainer's global batch, and makes
+    `ppo_epochs` epochs of updates on their experience. save_every: iterations between checkpoints (and one at the
+    end). on_iteration(iteration, stats): called after each iteration with the rollout's stats. Returns the stats of
+    the iterations run."""
+    rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
+    checks = {"iterations": isinstance(iterations, int) and iterations >= 0,
+              "rollout_batch_size": isinstance(rollout_batch_size, int) and rollout_batch_size >= rows
+              and rollout_batch_size % rows == 0,
+              "ppo_epochs": isinstance(ppo_epochs, int) and ppo_epochs >= 1,
+              "save_every": save_every is None or (isinstance(save_every, int) and save_every >= 1)}
+    for name, ok in checks.items():
+        if not ok:
+            raise ValueError(f"{name}={locals()[name]!r}; expected iterations >= 0, a rollout_batch_size that is a "
+                             f"positive multiple of the global batch ({rows} rows), ppo_epochs >= 1, save_every None "
+                             "or >= 1")
+    if not prompts:
+        raise ValueError("prompts: none given; expected at least one prompt")
+    steps_per_iteration = ppo_epochs * rollout_batch_size // rows
+    path = os.path.join(trainer.workdir, EXPERIENCE_FILE) if trainer.workdir else None
+    history = []
+    for it in range(trainer.step // steps_per_iteration, iterations):
+        seed_it = seed * 1_000_003 + it
+        loaded = None
+        if path and trainer.step > it * steps_per_iteration:  # stopped mid-iteration: its experience is on disk
+            loaded = _load_experience(path, it, ("score", "kl", "response_tokens", "ended"))
+        if loaded is None:
+            examples, stats = ppo.rollout(trainer.params, iteration_prompts(prompts, it, rollout_batch_size, seed),
+                                          seed=seed_it, per_device_batch_size=per_device_batch_size)
+            if path:
+                _save_experience(path, it, examples, stats)
+        else:
+            examples, stats = loaded
+        trainer.fit(examples, per_device_batch_size=per_device_batch_size, n_epochs=(it + 1) * ppo_epochs,
+                    log_every=log_every, checkpoint_at_end=False)
+        if trainer.stopped_by_signal:
+            break
+        history.append(stats)
+        if on_iteration is not None:
+            on_iteration(it, stats)
+        if trainer.workdir and save_every and (it + 1) % save_every == 0:
+            trainer.save_checkpoint()
+    if trainer.workdir and trainer.opt_state is not None:
+        trainer.save_checkpoint()
+    return history

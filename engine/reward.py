@@ -1,0 +1,104 @@
+"""Reward models for RLHF (Ouyang et al., 2022, "Training language models to follow instructions with human
+feedback", step 2): a decoder-only language model whose output head is replaced by one scalar per position.
+
+`RewardModel(backbone)` runs the backbone to its final hidden states and projects each position to a score
+(`score` [d_model, 1] + bias). A sequence's reward is the score at its last token (the response's EOS in the rows of
+`engine.preference`); the scores at every position are what PPO's critic uses as values. Trained on the preference
+triples of `engine.preference` with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected).
+"""
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import Linear
+
+
+class RewardModel(nn.Module):
+    """`apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None, train=False) -> scores [B, T]` float32.
+
+    Parameters: {'backbone': the decoder's (its unused output head included, so a language model's checkpoint loads
+    as is), 'score': {'kernel' [d_model, 1], 'bias' [1]}}. attention_mask as the backbone takes it (0 on padding,
+    segment ids for packed rows)."""
+    backbone: Any
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, *, train=False):
+        hidden = self.backbone(input_ids, attention_mask, return_hidden=True, train=train)
+        c = self.backbone.config
+        head = Linear(hidden.shape[-1], 1, use_bias=True, std=c.initializer_range, dtype=jnp.dtype(c.dtype),
+                      param_dtype=jnp.dtype(c.param_dtype), name="score")
+        return head(hidden)[..., 0].astype(jnp.float32)
+
+
+def init_params(reward_model, backbone_params, rng):
+    """Parameters of `reward_model` whose backbone is `backbone_params` (e.g. an SFT checkpoint's) and whose score
+    head is fresh. The backbone's arrays are used as they are (same placement, no copy)."""
+    abstract = jax.eval_shape(reward_model.init, rng, jnp.zeros((1, 8), jnp.int32))["params"]
+    want = jax.tree.structure(abstract["backbone"])
+    if jax.tree.structure(backbone_params) != want:
+        raise ValueError("backbone_params do not fit the reward model's backbone; expected the parameters of "
+                         f"{type(reward_model.backbone).__name__} with this config")
+    head = jax.jit(lambda r: reward_model.init(r, jnp.zeros((1, 8), jnp.int32))["params"]["score"])(rng)
+    return {"backbone": backbone_params, "score": head}
+
+
+def _complete_rows(ids, segment_ids, labels):
+    """Rows [N, T] of `engine.preference` (inputs = tokens[:-1], the next tokens as labels) -> the whole sequences
+    [N, T + 1], each row's last label (a response's EOS) appended after its inputs, and that token's index."""
+    n = (segment_ids > 0).sum(-1)
+    before = jnp.maximum(n - 1, 0)[:, None]
+    last_label = jnp.take_along_axis(labels, before, axis=-1)[:, 0]
+    last_segment = jnp.take_along_axis(segment_ids, before, axis=-1)[:, 0]
+    at = (jnp.arange(ids.shape[-1] + 1)[None] == n[:, None]) & (last_label >= 0)[:, None]
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, 1)))  # noqa: E731
+    ids = jnp.where(at, last_label[:, None], widen(ids))
+    segment_ids = jnp.where(at, last_segment[:, None], widen(segment_ids))
+    return ids, segment_ids, jnp.where(last_label >= 0, n, before[:, 0])
+
+
+def sequence_rewards(reward_model, params, batch, *, train=False, rng=None):
+    """Rewards float32 [B, 2] of the chosen and rejected rows of `engine.preference` examples (or [B] for a batch of
+    single rows [B, T]): the score at each sequence's final token, its last label (the response's EOS), which the
+    rows hold as a label only and which is appended to the inputs here."""
+    T = batch["input_ids"].shape[-1]
+    lead = batch["input_ids"].shape[:-1]
+    ids, seg, last = _complete_rows(*(batch[k].reshape(-1, T) for k in ("input_ids", "segment_ids", "labels")))
+    scores = reward_model.apply({"params": params}, ids, seg, train=train, rngs={} if rng is None else {"dropout": rng})
+    return jnp.take_along_axis(scores, last[:, None], axis=-1)[:, 0].reshape(lead)
+
+
+def reward_loss_fn(reward_model):
+    """`loss_fn(params, batch, rng, is_training)` for `Trainer` on `preference.collate_preferences` batches: the mean
+    Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), plus metrics reward_accuracy (r_chosen > r_rejected),
+    reward_margin,
+    chosen_reward and rejected_reward."""
+    if not isinstance(reward_model, RewardModel):
+        raise ValueError(f"reward_model={type(reward_model).__name__}; expected an engine.reward.RewardModel")
+
+    def loss_fn(params, batch, rng, is_training):
+        rewards = sequence_rewards(reward_model, params, batch, train=is_training, rng=rng)
+        margin = rewards[:, 0] - rewards[:, 1]
+        metrics = {"reward_accuracy": jnp.mean(margin > 0), "reward_margin": jnp.mean(margin),
+                   "chosen_reward": jnp.mean(rewards[:, 0]), "rejected_reward": jnp.mean(rewards[:, 1])}
+        return -jnp.mean(jax.nn.log_sigmoid(margin)), metrics
+    return loss_fn
+
+
+def reward_pred_fn(reward_model):
+    """`pred_fn` for an `engine.Predictor`: `sequence_rewards` of each example ([2] per preference example)."""
+    return lambda params, batch, rng: sequence_rewards(reward_model, params, batch)
+
+
+def reward_accuracy(examples, rewards):
+    """{'reward_accuracy': the fraction of preference examples whose chosen response gets the higher reward}
+    (`eval_metric_fn` for `Trainer.fit`)."""
+    wins = [float(r[0] > r[1]) for r in rewards]
+    del examples
+    return {"reward_accuracy": float(np.mean(wins)) if wins else float("nan")}

@@ -1,0 +1,151 @@
+"""RLHF with PPO: the third step of the pipeline SFT -> reward model -> PPO (engine/ppo.py).
+
+The policy (actor) starts from --init_from (a workdir of scripts/train_sft.py or scripts/train_lm.py, or a Hugging Face
+directory) and is also the frozen reference of the KL penalty. The reward is the latest checkpoint of --reward_from (a
+workdir of scripts/train_reward.py), frozen, and the critic starts as a copy of it; on the embedded toy task (no
+--data: lists of animal names to sort) --reward_from may be left empty, and the reward is then the task's rule (1 for
+the sorted list, else 0) with a critic that starts from the policy. Each iteration the actor samples responses to
+--rollout_batch_size prompts, they are scored, and --ppo_epochs epochs of updates train actor and critic;
+--max_steps counts those updates. It prints each iteration's mean reward and KL and, before and after, the held-out
+greedy answers' mean reward (and, on the toy task, exact match), and writes TensorBoard scalars and checkpoints under
+--workdir. Re-running the same command resumes exactly.
+
+  python scripts/train_sft.py --workdir=sft --max_steps=60
+  python scripts/train_ppo.py --init_from=sft --workdir=ppo                    # the toy task's rule reward
+  python scripts/train_reward.py --init_from=sft --workdir=rm
+  python scripts/train_ppo.py --init_from=sft --reward_from=rm --workdir=ppo_rm
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
+
+import engine  # noqa: E402
+import models  # noqa: E402
+from engine import cli, ppo, preference, reward, text  # noqa: E402
+
+FLAGS = flags.FLAGS
+cli.define_training_flags(workdir="workdir_ppo", max_steps=320, learning_rate=1e-3, warmup_steps=4, log_every=8,
+                          save_every=10)
+FLAGS["save_every"].help = "Iterations between checkpoints (one is always written at the end)."
+cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
+                         "checkpoint and tokenizer) or a Hugging Face model directory: the policy starts there and "
+                         "the reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
+                         "--model_overrides).",
+                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
+flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py: the reward model (frozen) and the "
+                    "critic's starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "
+                    "list, else 0), and the critic starts from the policy.")
+cli.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
+flags.DEFINE_integer("rollout_batch_size", 64, "Prompts answered per iteration (a multiple of the global batch).")
+flags.DEFINE_integer("ppo_epochs", 1, "Epochs of updates on each iteration's experience.", lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 16, "Tokens per response at most.", lower_bound=1)
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts.", lower_bound=1e-3)
+flags.DEFINE_float("kl_coef", 0.05, "Per-token KL penalty towards the reference policy.", lower_bound=0.0)
+flags.DEFINE_float("clip_ratio", 0.2, "PPO's clipping of the probability ratio.", lower_bound=1e-3, upper_bound=0.999)
+flags.DEFINE_float("value_coef", 0.5, "Weight of the critic's loss.", lower_bound=0.0)
+flags.DEFINE_float("missing_eos_penalty", 1.0, "Subtracted from the reward of a response cut off before its EOS.",
+                   lower_bound=0.0)
+flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily after each --log_every iterations' worth "
+                     "of steps and at the start and end (0: none).", lower_bound=0)
+FLAGS.set_default("per_device_batch_size", 16)
+
+
+def _read_prompts(patterns):
+    return text.read_records(patterns, ("prompt",))
+
+
+def _evaluate(task, params, eval_records):
+    """(mean reward, exact match or None) of greedy answers to the held-out prompts."""
+    records = eval_records[:FLAGS.eval_answers]
+    if not records:
+        return float("nan"), None
+    responses, _, scored = task.generate_and_score(params, [r["prompt"] for r in records], seed=0, temperature=0.0)
+    mean_reward = float(np.mean([s["score"] for s in scored]))
+    if "response" not in records[0]:
+        return mean_reward, None
+    eos = task.tokenizer.eos_id
+    answers = [task.tokenizer.decode([i for i in r if i != eos]).strip() for r in responses]
+    return mean_reward, float(np.mean([a == r["response"].strip() for a, r in zip(answers, records)]))
+
+
+def _report(name, values):
+    reward_value, exact = values
+    return f"{name}: greedy answers' mean reward {reward_value:.3f}" + (
+        "" if exact is None else f", exact match {exact:.3f}")
+
+
+def main(argv):
+    del argv
+    if not FLAGS.reward_from and FLAGS.data:
+        raise ValueError("--reward_from is empty; expected the workdir of scripts/train_reward.py (only the embedded "
+                         "toy task, without --data, has a rule reward)")
+    train_records, eval_records = cli.load_train_eval(_read_prompts, preference.toy_prompt_responses, key="prompt",
+                                                      what="prompts")
+    mesh = cli.start()
+    _, actor, actor_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=128)
+    longest = max(len(preference.prompt_tokens(tokenizer, r["prompt"], 1 << 30, f"prompt {n}"))
+                  for n, r in enumerate(train_records + eval_records))
+    seq_len = longest + FLAGS.max_new_tokens - 1
+    config = ppo.PPOConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, kl_coef=FLAGS.kl_coef,
+                           clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
+                           missing_eos_penalty=FLAGS.missing_eos_penalty)
+    rewards = {}
+    if FLAGS.reward_from:
+        _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
+        if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
+            raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
+                             "expected a reward model trained on the policy's tokens")
+        rewards = {"reward_model": critic, "reward_params": reward_params}
+        critic_params = reward_params
+    else:  # the toy task's rule; the critic starts from the policy with a fresh score head
+        critic = reward.RewardModel(actor)
+        critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
+        rewards = {"reward_fn": preference.toy_reward}
+    # The trained copies are fresh buffers: the Trainer donates its state, and the reference and the reward model
+    # must outlive the updates.
+    params = jax.tree.map(jnp.copy, {"actor": actor_params, "critic": critic_params})
+    task = ppo.PPO(actor=actor, critic=critic, ref_params=actor_params, tokenizer=tokenizer, mesh=mesh,
+                   seq_len=seq_len, config=config, implementation=cli.loss_implementation(), **rewards)
+    rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    if FLAGS.rollout_batch_size < rows or FLAGS.rollout_batch_size % rows:
+        raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
+                         f"global batch ({rows} rows)")
+    steps_per_iteration = FLAGS.ppo_epochs * FLAGS.rollout_batch_size // rows
+    if FLAGS.max_steps % steps_per_iteration:
+        raise ValueError(f"--max_steps={FLAGS.max_steps}; expected a multiple of the {steps_per_iteration} updates "
+                         "of one iteration (--ppo_epochs x --rollout_batch_size / global batch)")
+    cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
+    flops = models.train_flops_per_example(actor, seq_len) + models.train_flops_per_example(critic.backbone, seq_len)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
+                             params=params, optimizer=cli.optimizer(), workdir=FLAGS.workdir,
+                             flops_per_example=flops, **cli.trainer_kwargs())
+    if trainer.step:
+        print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
+    print(f"{len(train_records)} training prompts, {FLAGS.max_steps // steps_per_iteration} iterations of "
+          f"{FLAGS.rollout_batch_size} rollouts, {steps_per_iteration} updates each; rows of {seq_len} tokens")
+    start = _evaluate(task, trainer.params, eval_records)
+    print(_report("before training", start))
+
+    def on_iteration(it, stats):
+        print(f"iteration {it + 1:4d}  step {trainer.step:5d}  reward {stats['score']:.3f}  kl {stats['kl']:.3f}  "
+              f"response tokens {stats['response_tokens']:.1f}  ended {stats['ended']:.2f}", flush=True)
+
+    ppo.fit_ppo(trainer, task, [r["prompt"] for r in train_records],
+                iterations=FLAGS.max_steps // steps_per_iteration, rollout_batch_size=FLAGS.rollout_batch_size,
+                per_device_batch_size=FLAGS.per_device_batch_size, ppo_epochs=FLAGS.ppo_epochs, seed=FLAGS.seed,
+                log_every=FLAGS.log_every, save_every=FLAGS.save_every, on_iteration=on_iteration)
+    for line in cli.progress_lines(trainer, FLAGS.log_every):
+        print(line)
+    print(_report(f"after training (step {trainer.step})", _evaluate(task, trainer.params, eval_records)) +
+          f" (before: {start[0]:.3f}" + ("" if start[1] is None else f", {start[1]:.3f}") + ")")
+    cli.finish(trainer, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,85 @@
+"""Trains a reward model on preference triples: the second step of an RLHF pipeline (SFT -> reward model -> PPO).
+
+The reward model is a decoder-only language model whose output head is replaced by a scalar score
+(`engine.reward.RewardModel`); a response's reward is the score at its EOS. It starts from --init_from (a workdir of
+scripts/train_sft.py or scripts/train_lm.py, or a Hugging Face directory) with a fresh score head or, without it,
+from a fresh small LLaMA, and learns the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on `{"prompt",
+"chosen", "rejected"}` jsonl triples (--data). With no --data it uses the embedded toy task (a list of animal names;
+the sorted list is preferred to another order). It prints the falling loss and the held-out accuracy (the chosen
+response gets the higher reward), and writes TensorBoard scalars and checkpoints under --workdir. Re-running the same
+command resumes. scripts/train_ppo.py reads the workdir.
+
+  python scripts/train_reward.py                                          # the toy task
+  python scripts/train_sft.py --workdir=sft && python scripts/train_reward.py --init_from=sft --workdir=rm
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+from absl import flags, logging  # noqa: E402
+
+import engine  # noqa: E402
+import models  # noqa: E402
+from engine import cli, preference, reward  # noqa: E402
+
+FLAGS = flags.FLAGS
+cli.define_training_flags(workdir="workdir_reward", max_steps=200, learning_rate=1e-3, warmup_steps=10, log_every=20,
+                          save_every=100)
+FLAGS.set_default("per_device_batch_size", 16)
+cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
+                         "checkpoint and tokenizer) or a Hugging Face model directory: the reward model's backbone "
+                         "starts there, with a fresh score head. Empty: a fresh model (--model, --model_config, "
+                         "--model_overrides).",
+                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
+cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
+flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
+
+
+def main(argv):
+    del argv
+    profile = cli.parse_profile_steps(FLAGS.profile_steps)
+    train_triples, eval_triples = cli.load_train_eval(preference.read_preferences, preference.toy_preferences,
+                                                      key="prompt", what="triples")
+    mesh = cli.start()
+    _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
+    model = reward.RewardModel(cli.with_dropout(backbone))
+    params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
+    (train, cut), (evals, eval_cut) = (preference.encode_preferences(t, tokenizer, seq_len=FLAGS.seq_len)
+                                       for t in (train_triples, eval_triples))
+    if cut + eval_cut:
+        logging.warning("%d triples were cut to --seq_len=%d tokens", cut + eval_cut, FLAGS.seq_len)
+    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    if len(train) < global_batch:
+        raise ValueError(f"{len(train)} training triples are fewer than one global batch of {global_batch}")
+    cli.save_run(FLAGS.workdir, "reward", backbone, tokenizer)
+    print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
+          f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
+    batch = FLAGS.per_device_batch_size
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
+                             loss_fn=reward.reward_loss_fn(model), params=params, optimizer=cli.optimizer(),
+                             workdir=FLAGS.workdir,
+                             flops_per_example=2 * models.train_flops_per_example(backbone, FLAGS.seq_len),
+                             **cli.trainer_kwargs())
+    predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
+                                 pred_fn=reward.reward_pred_fn(model))
+    accuracy = lambda: reward.reward_accuracy(  # noqa: E731
+        evals, predictor.predict(evals, per_device_batch_size=batch, params=trainer.params))["reward_accuracy"]
+    if trainer.step:
+        print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
+    start_loss, start_accuracy = trainer.eval_loss(evals, per_device_batch_size=batch), accuracy()
+    print(f"eval reward loss before training: {start_loss:.4f}, accuracy {start_accuracy:.4f}")
+    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
+                eval_examples=evals, eval_predictor=predictor, eval_metric_fn=reward.reward_accuracy,
+                log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile)
+    for line in cli.progress_lines(trainer, FLAGS.log_every):
+        print(line)
+    end_loss, end_accuracy = trainer.eval_loss(evals, per_device_batch_size=batch), accuracy()
+    print(f"eval reward loss after training: {end_loss:.4f} (was {start_loss:.4f}), accuracy {end_accuracy:.4f} "
+          f"(was {start_accuracy:.4f}) on {len(evals)} held-out triples at step {trainer.step}")
+    cli.finish(trainer, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    cli.run(main)
