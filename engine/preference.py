@@ -26,28 +26,30 @@ def read_preferences(patterns):
     return text.read_records(patterns, FIELDS)
 
 
-def toy_preferences(n, seed, *, min_words=3, max_words=6):
+NEGATIVES = ("order", "dropped", "added", "replaced")
+
+
+def toy_preferences(n, seed, *, min_words=3, max_words=6, negatives=NEGATIVES):
     """The embedded preference task: a list of distinct animal names (`text.TOY_WORDS`), the chosen response sorted
-    alphabetically. The rejected one is, in equal shares, another order of the same names, or the sorted list with
-    one name dropped, one added or one replaced (so that a reward model learnt from these cannot be satisfied by any
-    sorted list). Deterministic in `seed`."""
+    alphabetically. The rejected one is, in equal shares, each kind of `negatives`: 'order' (another order of the
+    same names) or the sorted list with one name 'dropped', 'added' or 'replaced' (so that a reward model learnt
+    from all four cannot be satisfied by any sorted list). Deterministic in `seed`."""
+    if not negatives or not set(negatives) <= set(NEGATIVES):
+        raise ValueError(f"negatives={negatives!r}; expected a non-empty subset of {NEGATIVES}")
     rng = random.Random(seed)
     triples = []
     for _ in range(n):
         words = rng.sample(text.TOY_WORDS, rng.randint(min_words, max_words))
         chosen = sorted(words)
-        others = [w for w in text.TOY_WORDS if w not in words]
-        kind = rng.randrange(4)
-        if kind == 0:
+        kind = negatives[rng.randrange(len(negatives))]
+        if kind == "order":
             rejected = chosen
             while rejected == chosen:
                 rejected = rng.sample(words, len(words))
-        elif kind == 1:
-            rejected = [w for w in chosen if w != rng.choice(chosen)]
-        elif kind == 2:
-            rejected = sorted(chosen + [rng.choice(others)])
         else:
-            rejected = sorted([w for w in chosen if w != rng.choice(chosen)] + [rng.choice(others)])
+            dropped, added = rng.choice(chosen), rng.choice([w for w in text.TOY_WORDS if w not in words])
+            rejected = sorted(([w for w in chosen if w != dropped] if kind != "added" else chosen)
+                              + ([added] if kind != "dropped" else []))
         triples.append({"prompt": " ".join(words), "chosen": " ".join(chosen), "rejected": " ".join(rejected)})
     return triples
 

@@ -83,17 +83,22 @@ def test_sft_loss_is_the_response_loss_and_training_learns_to_answer():
 def test_toy_preferences_prefer_the_sorted_list():
     triples = preference.toy_preferences(50, seed=1)
     assert triples == preference.toy_preferences(50, seed=1)
-    kinds = set()
+    kinds = []
     for t in triples:
         prompt, chosen, rejected = (t[k].split() for k in ("prompt", "chosen", "rejected"))
         assert chosen == sorted(prompt) != rejected
         missing, extra = set(prompt) - set(rejected), set(rejected) - set(prompt)
-        kinds.add((len(missing), len(extra)))
-        if not missing and not extra:  # another order
+        kinds.append((len(missing), len(extra)))
+        assert len(rejected) == len(prompt) - len(missing) + len(extra)
+        if kinds[-1] == (0, 0):  # another order
             assert sorted(rejected) == chosen
-        else:  # the sorted list with a name dropped, added or replaced
-            assert rejected == sorted(rejected) and len(missing) <= 1 and len(extra) <= 1
-    assert kinds == {(0, 0), (1, 0), (0, 1), (1, 1)}
+        else:  # the sorted list with one name dropped, added or replaced
+            assert rejected == sorted(rejected) and kinds[-1] in ((1, 0), (0, 1), (1, 1))
+    assert sorted(set(kinds)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(sorted(t["rejected"].split()) == t["chosen"].split()
+               for t in preference.toy_preferences(50, seed=1, negatives=("order",)))
+    with pytest.raises(ValueError, match="negatives=\\('shuffled',\\); expected a non-empty subset"):
+        preference.toy_preferences(5, seed=1, negatives=("shuffled",))
 
 
 def test_sequence_log_probs_loss_and_metrics_match_the_formula():
@@ -133,11 +138,12 @@ def test_sequence_log_probs_loss_and_metrics_match_the_formula():
 
 def test_dpo_learns_the_toy_preference_on_a_mesh():
     """From a fresh model (policy = reference), one epoch of DPO on 8 devices takes the held-out preference accuracy
-    from 0 (ties) to >= 0.9 and the DPO loss well below log 2."""
+    on sorted lists against other orders from 0 (ties) to >= 0.9 and the DPO loss well below log 2."""
     model = _model()
     params = models.init_params(model, jax.random.PRNGKey(0))
     mesh = engine.make_mesh(data=4, model=2)
-    examples, _ = preference.encode_preferences(preference.toy_preferences(1024 + 128, seed=0), TOK, seq_len=16)
+    triples = preference.toy_preferences(1024 + 128, seed=0, negatives=("order",))
+    examples, _ = preference.encode_preferences(triples, TOK, seq_len=16)
     examples = preference.with_reference(examples, preference.reference_log_probs(
         model, params, examples, mesh=mesh, per_device_batch_size=16))
     train, evals = examples[:-128], examples[-128:]
