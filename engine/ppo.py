@@ -19,10 +19,12 @@ update is exactly 1. A run resumes exactly: each iteration's experience is writt
 """
 import dataclasses
 import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from engine import preference, reward, text
 from engine.predictor import Predictor
@@ -30,15 +32,16 @@ from engine.trainer import global_batch_size
 
 EXPERIENCE_FILE = "ppo_experience.npz"
 _KEYS = ("input_ids", "labels", "segment_ids", "old_log_probs", "old_values", "advantages", "returns")
+_STATS = ("score", "kl", "response_tokens", "ended")
 
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
     """max_new_tokens: response length at most; temperature: of the rollouts' sampling; kl_coef: the per-token KL
     penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for the value
-    change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; missing_eos_penalty:
-    subtracted from the reward of a response cut off at max_new_tokens before its EOS (a learnt reward model has only
-    seen finished responses)."""
+    change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; unfinished_reward: when
+    set, the reward of a response cut off at max_new_tokens before its EOS (TRL's non-EOS penalty): a learnt reward
+    model has only seen finished responses and may score unfinished ones highly, which PPO then exploits."""
     max_new_tokens: int = 16
     temperature: float = 1.0
     kl_coef: float = 0.05
@@ -47,19 +50,20 @@ class PPOConfig:
     value_coef: float = 0.5
     gamma: float = 1.0
     lam: float = 0.95
-    missing_eos_penalty: float = 0.0
+    unfinished_reward: Optional[float] = None
 
     def __post_init__(self):
         checks = {"max_new_tokens": isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                   "temperature": self.temperature > 0, "kl_coef": self.kl_coef >= 0,
                   "clip_ratio": 0 < self.clip_ratio < 1, "value_clip": self.value_clip > 0,
                   "value_coef": self.value_coef >= 0, "gamma": 0 < self.gamma <= 1, "lam": 0 <= self.lam <= 1,
-                  "missing_eos_penalty": self.missing_eos_penalty >= 0}
+                  "unfinished_reward": self.unfinished_reward is None or isinstance(self.unfinished_reward,
+                                                                                    (int, float))}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "
                                  ">= 1, temperature > 0, kl_coef >= 0, 0 < clip_ratio < 1, value_clip > 0, value_coef "
-                                 ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, missing_eos_penalty >= 0")
+                                 ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, unfinished_reward None or a number")
 
 
 def advantages_and_returns(rewards, values, mask, *, gamma, lam):
@@ -176,7 +180,7 @@ class PPO:
         """The actor's (`params['actor']`) responses to the string `prompts`, sampled at `temperature` (default the
         config's; 0: greedy), and their scoring: (responses: token lists up to EOS, rows: `preference.token_row`
         examples, scored: one dict per row of log_probs, ref_log_probs, values [seq_len] and score [] (the reward,
-        less config.missing_eos_penalty for a response cut off before its EOS))."""
+        or config.unfinished_reward for a response cut off before its EOS))."""
         temperature = self.config.temperature if temperature is None else temperature
         tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
                   for n, p in enumerate(prompts)]
@@ -197,7 +201,9 @@ class PPO:
             if self.reward_fn is not None:
                 s["score"] = float(self.reward_fn(prompt, self.tokenizer.decode(
                     [i for i in response if i != eos])))
-            s["score"] = np.float32(s["score"] - (0.0 if ended else self.config.missing_eos_penalty))
+            if not ended and self.config.unfinished_reward is not None:
+                s["score"] = self.config.unfinished_reward
+            s["score"] = np.float32(s["score"])
         return responses, rows, scored
 
     def rollout(self, params, prompts, *, seed, per_device_batch_size=8):
@@ -248,6 +254,7 @@ def _save_experience(path, iteration, examples, stats):
 
 
 def _load_experience(path, iteration, stat_names):
+    """The examples and stats `_save_experience` wrote for `iteration`, else None."""
     if not os.path.exists(path):
         return None
     with np.load(path) as z:
@@ -258,24 +265,24 @@ def _load_experience(path, iteration, stat_names):
     return [{k: arrays[k][i] for k in _KEYS} for i in range(len(arrays["input_ids"]))], stats
 
 
-def fit_ppo(trainer, ppo, prompts, *, iterations, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
+def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
             log_every=10, save_every=None, on_iteration=None):
-    """Runs PPO iterations until `iterations` in total (resumes included: a Trainer restored from its workdir
-    continues where it stopped, exactly). `trainer`: an `engine.Trainer` with `loss_fn=ppo.loss_fn()`, params
-    {'actor', 'critic'} and `collate_fn=preference.collate_preferences`. prompts: strings; each iteration takes
-    `rollout_batch_size` of them (`iteration_prompts`), a multiple of the Trainer's global batch, and makes
-    `ppo_epochs` epochs of updates on their experience. save_every: iterations between checkpoints (and one at the
-    end). on_iteration(iteration, stats): called after each iteration with the rollout's stats. Returns the stats of
-    the iterations run."""
+    """Runs PPO iterations until `max_steps` updates in total (resumes included: a Trainer restored from its
+    workdir continues where it stopped, exactly, even mid-iteration). `trainer`: an `engine.Trainer` with
+    `loss_fn=ppo.loss_fn()`, params {'actor', 'critic'} and `collate_fn=preference.collate_preferences`. prompts:
+    strings; each iteration takes `rollout_batch_size` of them (`iteration_prompts`), a multiple of the Trainer's
+    global batch, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between
+    checkpoints (and one at the end). on_iteration(iteration, stats): called after each whole iteration with its
+    rollout's stats. Returns the stats of the whole iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
-    checks = {"iterations": isinstance(iterations, int) and iterations >= 0,
+    checks = {"max_steps": isinstance(max_steps, int) and max_steps >= 0,
               "rollout_batch_size": isinstance(rollout_batch_size, int) and rollout_batch_size >= rows
               and rollout_batch_size % rows == 0,
               "ppo_epochs": isinstance(ppo_epochs, int) and ppo_epochs >= 1,
               "save_every": save_every is None or (isinstance(save_every, int) and save_every >= 1)}
     for name, ok in checks.items():
         if not ok:
-            raise ValueError(f"{name}={locals()[name]!r}; expected iterations >= 0, a rollout_batch_size that is a "
+            raise ValueError(f"{name}={locals()[name]!r}; expected max_steps >= 0, a rollout_batch_size that is a "
                              f"positive multiple of the global batch ({rows} rows), ppo_epochs >= 1, save_every None "
                              "or >= 1")
     if not prompts:
@@ -283,21 +290,24 @@ def fit_ppo(trainer, ppo, prompts, *, iterations, rollout_batch_size, per_device
     steps_per_iteration = ppo_epochs * rollout_batch_size // rows
     path = os.path.join(trainer.workdir, EXPERIENCE_FILE) if trainer.workdir else None
     history = []
-    for it in range(trainer.step // steps_per_iteration, iterations):
-        seed_it = seed * 1_000_003 + it
+    while trainer.step < max_steps:
+        it = trainer.step // steps_per_iteration
         loaded = None
-        if path and trainer.step > it * steps_per_iteration:  # stopped mid-iteration: its experience is on disk
-            loaded = _load_experience(path, it, ("score", "kl", "response_tokens", "ended"))
+        if trainer.step > it * steps_per_iteration:  # resumed mid-iteration: its experience is on disk
+            loaded = _load_experience(path, it, _STATS) if path else None
+            if loaded is None:
+                logging.warning("no saved experience of iteration %d: a fresh rollout from step %d, so this resume "
+                                "is not exact", it, trainer.step)
         if loaded is None:
             examples, stats = ppo.rollout(trainer.params, iteration_prompts(prompts, it, rollout_batch_size, seed),
-                                          seed=seed_it, per_device_batch_size=per_device_batch_size)
+                                          seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size)
             if path:
                 _save_experience(path, it, examples, stats)
         else:
             examples, stats = loaded
         trainer.fit(examples, per_device_batch_size=per_device_batch_size, n_epochs=(it + 1) * ppo_epochs,
-                    log_every=log_every, checkpoint_at_end=False)
-        if trainer.stopped_by_signal:
+                    max_steps=max_steps, log_every=log_every, checkpoint_at_end=False)
+        if trainer.stopped_by_signal or trainer.step < (it + 1) * steps_per_iteration:
             break
         history.append(stats)
         if on_iteration is not None:

@@ -5,8 +5,8 @@ directory) and is also the frozen reference of the KL penalty. The reward is the
 workdir of scripts/train_reward.py), frozen, and the critic starts as a copy of it; on the embedded toy task (no
 --data: lists of animal names to sort) --reward_from may be left empty, and the reward is then the task's rule (1 for
 the sorted list, else 0) with a critic that starts from the policy. Each iteration the actor samples responses to
---rollout_batch_size prompts, they are scored, and --ppo_epochs epochs of updates train actor and critic;
---max_steps counts those updates. It prints each iteration's mean reward and KL and, before and after, the held-out
+--rollout_batch_size prompts, they are scored, and --ppo_epochs epochs of updates train actor and critic, until
+--max_steps updates in all. It prints each iteration's mean reward and KL and, before and after, the held-out
 greedy answers' mean reward (and, on the toy task, exact match), and writes TensorBoard scalars and checkpoints under
 --workdir. Re-running the same command resumes exactly.
 
@@ -49,10 +49,11 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts.", 
 flags.DEFINE_float("kl_coef", 0.05, "Per-token KL penalty towards the reference policy.", lower_bound=0.0)
 flags.DEFINE_float("clip_ratio", 0.2, "PPO's clipping of the probability ratio.", lower_bound=1e-3, upper_bound=0.999)
 flags.DEFINE_float("value_coef", 0.5, "Weight of the critic's loss.", lower_bound=0.0)
-flags.DEFINE_float("missing_eos_penalty", 1.0, "Subtracted from the reward of a response cut off before its EOS.",
-                   lower_bound=0.0)
-flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily after each --log_every iterations' worth "
-                     "of steps and at the start and end (0: none).", lower_bound=0)
+flags.DEFINE_float("unfinished_reward", -5.0, "The reward of a response cut off at --max_new_tokens before its EOS, "
+                   "replacing its score (a reward model never learnt to score unfinished responses, and PPO finds "
+                   "those it overrates); keep it below the scores of bad finished responses.")
+flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily before and after training (0: none).",
+                     lower_bound=0)
 FLAGS.set_default("per_device_batch_size", 16)
 
 
@@ -94,7 +95,7 @@ def main(argv):
     seq_len = longest + FLAGS.max_new_tokens - 1
     config = ppo.PPOConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, kl_coef=FLAGS.kl_coef,
                            clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
-                           missing_eos_penalty=FLAGS.missing_eos_penalty)
+                           unfinished_reward=FLAGS.unfinished_reward)
     rewards = {}
     if FLAGS.reward_from:
         _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
@@ -117,9 +118,6 @@ def main(argv):
         raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
                          f"global batch ({rows} rows)")
     steps_per_iteration = FLAGS.ppo_epochs * FLAGS.rollout_batch_size // rows
-    if FLAGS.max_steps % steps_per_iteration:
-        raise ValueError(f"--max_steps={FLAGS.max_steps}; expected a multiple of the {steps_per_iteration} updates "
-                         "of one iteration (--ppo_epochs x --rollout_batch_size / global batch)")
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + models.train_flops_per_example(critic.backbone, seq_len)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
@@ -127,8 +125,8 @@ def main(argv):
                              flops_per_example=flops, **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
-    print(f"{len(train_records)} training prompts, {FLAGS.max_steps // steps_per_iteration} iterations of "
-          f"{FLAGS.rollout_batch_size} rollouts, {steps_per_iteration} updates each; rows of {seq_len} tokens")
+    print(f"{len(train_records)} training prompts; iterations of {FLAGS.rollout_batch_size} rollouts and "
+          f"{steps_per_iteration} updates, to step {FLAGS.max_steps}; rows of {seq_len} tokens")
     start = _evaluate(task, trainer.params, eval_records)
     print(_report("before training", start))
 
@@ -137,7 +135,7 @@ def main(argv):
               f"response tokens {stats['response_tokens']:.1f}  ended {stats['ended']:.2f}", flush=True)
 
     ppo.fit_ppo(trainer, task, [r["prompt"] for r in train_records],
-                iterations=FLAGS.max_steps // steps_per_iteration, rollout_batch_size=FLAGS.rollout_batch_size,
+                max_steps=FLAGS.max_steps, rollout_batch_size=FLAGS.rollout_batch_size,
                 per_device_batch_size=FLAGS.per_device_batch_size, ppo_epochs=FLAGS.ppo_epochs, seed=FLAGS.seed,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, on_iteration=on_iteration)
     for line in cli.progress_lines(trainer, FLAGS.log_every):

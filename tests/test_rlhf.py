@@ -1,6 +1,8 @@
 """The RLHF pipeline after SFT: engine.reward (the score head at the sequence's final token, the Bradley-Terry loss)
 and engine.ppo (GAE, the clipped losses, rollouts, learning, exact resume), with short runs from a briefly
 supervised-fine-tuned tiny LLaMA."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 import engine
 import models
-from engine import preference, reward, text
+from engine import ppo, preference, reward, text
 
 TOK = text.WordTokenizer(text.TOY_WORDS)
 
@@ -18,17 +20,22 @@ def _backbone():
     return models.create_model("llama", "tiny", vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128)
 
 
-@pytest.fixture(scope="module")
-def sft_params():
-    """The tiny LLaMA after 64 SFT steps on the toy task (one device): it answers about half the held-out prompts
-    exactly (greedy), so there is room for the reward model's and PPO's steps to show."""
+def _sft(steps):
+    """The tiny LLaMA after `steps` SFT steps on the toy task (one device)."""
     model = _backbone()
     rows, _ = preference.encode_prompt_responses(preference.toy_prompt_responses(1024, seed=0), TOK, seq_len=16)
     trainer = engine.Trainer(mesh=engine.make_mesh(devices=jax.devices()[:1]), collate_fn=preference.collate_preferences,
                              loss_fn=text.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
                              optimizer=optax.adam(3e-3))
-    trainer.fit(rows, per_device_batch_size=16, max_steps=64)
+    trainer.fit(rows, per_device_batch_size=16, max_steps=steps)
     return jax.device_get(trainer.params)
+
+
+@pytest.fixture(scope="module")
+def sft_params():
+    """After 64 SFT steps the model answers most held-out prompts exactly (greedy): a backbone the reward model
+    learns from quickly."""
+    return _sft(64)
 
 
 def test_reward_is_the_score_head_at_the_final_token():
@@ -44,12 +51,16 @@ def test_reward_is_the_score_head_at_the_final_token():
     batch = preference.collate_preferences(examples)
     got = reward.sequence_rewards(model, params, batch)
     assert got.shape == (3, 2)
-    for b, triple in enumerate(preference.toy_preferences(3, seed=0)):
-        for r, key in enumerate(("chosen", "rejected")):
-            tokens = TOK.encode(triple["prompt"]) + [TOK.bos_id] + TOK.encode(triple[key]) + [TOK.eos_id]
-            hidden = backbone.apply({"params": lm_params}, jnp.asarray([tokens]), return_hidden=True)
-            want = hidden[0, -1] @ params["score"]["kernel"][:, 0] + 0.25
-            np.testing.assert_allclose(got[b, r], want, rtol=1e-5, atol=1e-6)
+    # The whole sequences, right-padded (causal attention: the padding does not change the states before it).
+    sequences = [TOK.encode(t["prompt"]) + [TOK.bos_id] + TOK.encode(t[key]) + [TOK.eos_id]
+                 for t in preference.toy_preferences(3, seed=0) for key in ("chosen", "rejected")]
+    ids = np.zeros((6, 16), np.int32)
+    for i, tokens in enumerate(sequences):
+        ids[i, :len(tokens)] = tokens
+    hidden = backbone.apply({"params": lm_params}, jnp.asarray(ids), jnp.asarray(ids > 0, jnp.int32),
+                            return_hidden=True)
+    want = [hidden[i, len(tokens) - 1] @ params["score"]["kernel"][:, 0] + 0.25 for i, tokens in enumerate(sequences)]
+    np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="backbone_params do not fit"):
         reward.init_params(model, {"embed": lm_params["embed"]}, jax.random.PRNGKey(1))
     with pytest.raises(ValueError, match="expected an engine.reward.RewardModel"):
@@ -80,3 +91,109 @@ def test_reward_loss_is_bradley_terry_and_training_ranks_the_sorted_list_first(s
     before = accuracy()
     trainer.fit(train, per_device_batch_size=4, max_steps=32)
     assert accuracy() >= 0.9 > before
+
+
+# ------------------------------------------------------------------------------------------------------------ PPO
+
+def test_gae_is_the_discounted_sum_of_td_errors_over_the_response():
+    rng = np.random.default_rng(0)
+    B, T = 4, 12
+    rewards, values = rng.normal(size=(B, T)).astype(np.float32), rng.normal(size=(B, T)).astype(np.float32)
+    mask = np.zeros((B, T), bool)
+    for b, (start, stop) in enumerate([(0, 12), (3, 9), (5, 6), (2, 11)]):
+        mask[b, start:stop] = True
+    gamma, lam = 0.9, 0.8
+    adv, returns = ppo.advantages_and_returns(rewards, values, mask, gamma=gamma, lam=lam)
+    for b in range(B):
+        steps = np.flatnonzero(mask[b])
+        v = np.append(values[b, steps], 0.0)  # no value after the last response token
+        deltas = rewards[b, steps] + gamma * v[1:] - v[:-1]
+        for i, t in enumerate(steps):
+            want = sum((gamma * lam) ** k * deltas[i + k] for k in range(len(steps) - i))
+            np.testing.assert_allclose(adv[b, t], want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(returns[b, t], want + values[b, t], rtol=1e-5, atol=1e-6)
+    assert not adv[~mask].any() and not returns[~mask].any()
+
+
+def _ppo(sft_params, mesh, **config):
+    actor = _backbone()
+    critic = reward.RewardModel(actor)
+    task = ppo.PPO(actor=actor, critic=critic, ref_params=sft_params, tokenizer=TOK, mesh=mesh, seq_len=7 + 8 - 1,
+                   reward_fn=preference.toy_reward, config=ppo.PPOConfig(max_new_tokens=8, **config))
+    params = {"actor": sft_params,
+              "critic": reward.init_params(critic, sft_params, jax.random.PRNGKey(1))}
+    return task, jax.tree.map(jnp.asarray, params)
+
+
+def test_rollout_rows_rewards_and_the_first_update_of_the_clipped_loss(sft_params):
+    """The rollout's rows hold prompt + separator + response with only the response labelled; its score is the
+    reward of the decoded response (unfinished_reward for one cut off before its EOS); with the policy still the
+    reference the KL is 0, so with gamma = lam = 1 every response token's return is the score. At the rollout's
+    policy the ratio is 1: the policy loss is -mean(advantage) and its gradient that of -mean(advantage x log pi)."""
+    mesh = engine.make_mesh(data=4, model=2)
+    task, params = _ppo(sft_params, mesh, lam=1.0, unfinished_reward=-2.0)
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(16, seed=7)]
+    examples, stats = task.rollout(params, prompts, seed=3)
+    responses, _, scored = task.generate_and_score(params, prompts, seed=3)
+    assert stats["kl"] == 0.0 and 0 < stats["ended"] <= 1
+    for prompt, response, ex, s in zip(prompts, responses, examples, scored):
+        labelled = ex["labels"][ex["labels"] >= 0].tolist()
+        assert labelled == response[:len(labelled)]
+        assert ex["input_ids"][:len(TOK.encode(prompt)) + 1].tolist() == TOK.encode(prompt) + [TOK.bos_id]
+        ended = response[-1] == TOK.eos_id
+        want = preference.toy_reward(prompt, TOK.decode([i for i in response if i != TOK.eos_id])) if ended else -2.0
+        np.testing.assert_allclose(s["score"], want, rtol=1e-6)
+        mask = ex["labels"] >= 0
+        np.testing.assert_allclose(ex["returns"][mask], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(ex["old_log_probs"], s["ref_log_probs"])
+    batch = preference.collate_preferences(examples)
+    loss_fn = ppo.ppo_loss_fn(task.actor, task.critic, dataclasses.replace(task.config, value_coef=0.0))
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None, True)
+    mask = batch["labels"] >= 0
+    np.testing.assert_allclose(loss, -batch["advantages"][mask].mean(), rtol=1e-5, atol=1e-6)
+    assert metrics["approx_kl"] == 0 and metrics["clip_fraction"] == 0 and metrics["tokens"] == mask.sum()
+
+    def surrogate(actor_params):
+        out = task.actor.apply({"params": actor_params}, batch["input_ids"], batch["segment_ids"])
+        log_probs = -text.token_losses(task.actor, actor_params, out, batch["labels"])
+        return -(batch["advantages"] * log_probs).sum() / mask.sum()
+    want = jax.grad(surrogate)(params["actor"])
+    for got, ref in zip(jax.tree.leaves(grads["actor"]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
+
+
+def _run_ppo(task_and_params, workdir, max_steps, rollout_batch_size=32, ppo_epochs=2):
+    task, params = task_and_params
+    mesh = task.mesh
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
+                             params=params, optimizer=optimizer, workdir=workdir and str(workdir))
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(2048, seed=0)]
+    stats = ppo.fit_ppo(trainer, task, prompts, max_steps=max_steps, rollout_batch_size=rollout_batch_size,
+                        per_device_batch_size=4, ppo_epochs=ppo_epochs, log_every=4)
+    trainer.close()
+    return trainer, stats
+
+
+def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path):
+    """On a 4x1x2 mesh, a PPO run stopped mid-iteration (max_steps) and resumed by a new Trainer on its workdir ends
+    with the uninterrupted run's parameters bit for bit: the stopped iteration's experience is read back."""
+    task = _ppo(sft_params, engine.make_mesh(data=4, model=2))  # one scoring pass compiled for the three runs
+    whole, stats = _run_ppo(task, tmp_path / "whole", 8)  # 2 iterations of 2 epochs x 2 updates
+    assert len(stats) == 2
+    stopped, stats = _run_ppo(task, tmp_path / "parts", 3)  # mid-iteration 0, mid-epoch
+    assert stopped.step == 3 and not stats
+    resumed, stats = _run_ppo(task, tmp_path / "parts", 8)
+    assert len(stats) == 2  # iteration 0 (its rest: the stats saved with its experience), then iteration 1
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_ppo_raises_the_rule_reward():
+    """On a 4x1x2 mesh, 20 iterations of PPO with the toy task's rule reward, from a model after 32 SFT steps, raise
+    the sampled responses' mean reward."""
+    _, stats = _run_ppo(_ppo(_sft(32), engine.make_mesh(data=4, model=2)), None, 80, rollout_batch_size=64,
+                        ppo_epochs=1)
+    scores = [s["score"] for s in stats]
+    assert np.mean(scores[-3:]) > np.mean(scores[:3]) + 0.08, scores
