@@ -1,5 +1,6 @@
 """Generates text from a trained workdir (of scripts/train_lm.py, train_sft.py, train_dpo.py, train_ppo.py or
-finetune_seq2seq.py) or a Hugging Face directory, with the parameters sharded over --mesh; prints one generation per prompt.
+finetune_seq2seq.py) or a Hugging Face directory, with the parameters sharded over --mesh; prints one generation per
+prompt.
 
   python scripts/generate.py --prompts='def ,import '                         # from workdir/ (after `make train`)
   python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'

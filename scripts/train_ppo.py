@@ -42,7 +42,8 @@ flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py: 
                     "critic's starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "
                     "list, else 0), and the critic starts from the policy.")
 cli.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
-flags.DEFINE_integer("rollout_batch_size", 64, "Prompts answered per iteration (a multiple of the global batch).")
+flags.DEFINE_integer("rollout_batch_size", 0, "Prompts answered per iteration, a multiple of the global batch (0: "
+                     "four global batches).", lower_bound=0)
 flags.DEFINE_integer("ppo_epochs", 1, "Epochs of updates on each iteration's experience.", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens per response at most.", lower_bound=1)
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts.", lower_bound=1e-3)
@@ -114,10 +115,11 @@ def main(argv):
     task = ppo.PPO(actor=actor, critic=critic, ref_params=actor_params, tokenizer=tokenizer, mesh=mesh,
                    seq_len=seq_len, config=config, implementation=cli.loss_implementation(), **rewards)
     rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
-    if FLAGS.rollout_batch_size < rows or FLAGS.rollout_batch_size % rows:
+    rollout_batch_size = FLAGS.rollout_batch_size or 4 * rows
+    if rollout_batch_size % rows:
         raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
                          f"global batch ({rows} rows)")
-    steps_per_iteration = FLAGS.ppo_epochs * FLAGS.rollout_batch_size // rows
+    steps_per_iteration = FLAGS.ppo_epochs * rollout_batch_size // rows
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + models.train_flops_per_example(critic.backbone, seq_len)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
@@ -125,7 +127,7 @@ def main(argv):
                              flops_per_example=flops, **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
-    print(f"{len(train_records)} training prompts; iterations of {FLAGS.rollout_batch_size} rollouts and "
+    print(f"{len(train_records)} training prompts; iterations of {rollout_batch_size} rollouts and "
           f"{steps_per_iteration} updates, to step {FLAGS.max_steps}; rows of {seq_len} tokens")
     start = _evaluate(task, trainer.params, eval_records)
     print(_report("before training", start))
@@ -135,7 +137,7 @@ def main(argv):
               f"response tokens {stats['response_tokens']:.1f}  ended {stats['ended']:.2f}", flush=True)
 
     ppo.fit_ppo(trainer, task, [r["prompt"] for r in train_records],
-                max_steps=FLAGS.max_steps, rollout_batch_size=FLAGS.rollout_batch_size,
+                max_steps=FLAGS.max_steps, rollout_batch_size=rollout_batch_size,
                 per_device_batch_size=FLAGS.per_device_batch_size, ppo_epochs=FLAGS.ppo_epochs, seed=FLAGS.seed,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, on_iteration=on_iteration)
     for line in cli.progress_lines(trainer, FLAGS.log_every):

@@ -24,8 +24,9 @@ def _sft(steps):
     """The tiny LLaMA after `steps` SFT steps on the toy task (one device)."""
     model = _backbone()
     rows, _ = preference.encode_prompt_responses(preference.toy_prompt_responses(1024, seed=0), TOK, seq_len=16)
-    trainer = engine.Trainer(mesh=engine.make_mesh(devices=jax.devices()[:1]), collate_fn=preference.collate_preferences,
-                             loss_fn=text.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
+    trainer = engine.Trainer(mesh=engine.make_mesh(devices=jax.devices()[:1]),
+                             collate_fn=preference.collate_preferences, loss_fn=text.lm_loss_fn(model),
+                             params=models.init_params(model, jax.random.PRNGKey(0)),
                              optimizer=optax.adam(3e-3))
     trainer.fit(rows, per_device_batch_size=16, max_steps=steps)
     return jax.device_get(trainer.params)

@@ -118,6 +118,36 @@ def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
 
 
 @pytest.mark.slow
+def test_sft_reward_model_ppo_and_generate(tmp_path):
+    """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT, a
+    reward model from the SFT checkpoint, PPO from both (stopped mid-iteration and resumed), PPO with the toy rule
+    reward, and generate.py on the PPO workdir."""
+    sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
+    toy = ["--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--log_every=2"]
+    _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
+         "--max_new_tokens=4", *toy)
+    out = _run("train_reward.py", f"--init_from={sft}", f"--workdir={rm}", "--max_steps=4", "--seq_len=24", *toy)
+    assert re.search(r"eval reward loss after training: [0-9.]+ \(was [0-9.]+\), accuracy", out.stdout), out.stdout
+    assert json.loads((rm / "run.json").read_text())["task"] == "reward"
+    ppo_args = [f"--init_from={sft}", f"--reward_from={rm}", f"--workdir={ppo}", "--rollout_batch_size=8",
+                "--max_new_tokens=6", "--eval_answers=4", *toy]
+    out = _run("train_ppo.py", "--max_steps=3", *ppo_args)  # iterations of 2 updates: stops mid-iteration 1
+    assert re.findall(r"^iteration +(\d+) +step +(\d+) +reward", out.stdout, re.M) == [("1", "2")], out.stdout
+    assert (ppo / "ppo_experience.npz").exists() and _steps(ppo)[-1] == 3
+    out = _run("train_ppo.py", "--max_steps=6", *ppo_args)
+    assert "resumed from" in out.stdout and _steps(ppo)[-1] == 6
+    assert re.findall(r"^iteration +(\d+) +step +(\d+) +reward", out.stdout, re.M) == [("2", "4"), ("3", "6")]
+    assert re.search(r"after training \(step 6\): greedy answers' mean reward -?[0-9.]+, exact match", out.stdout)
+    run = json.loads((ppo / "run.json").read_text())
+    assert run["task"] == "ppo" and run["critic"]["family"] == "llama"
+    out = _run("train_ppo.py", f"--init_from={sft}", f"--workdir={rule}", "--rollout_batch_size=8", "--max_steps=2",
+               "--max_new_tokens=6", "--eval_answers=4", *toy)
+    assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
+    gen = _run("generate.py", f"--workdir={ppo}", "--prompts=owl cat", "--max_new_tokens=3")
+    assert "--- 'owl cat':" in gen.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gptj", "opt"])
 def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
     _tiny_hf(family, tmp_path / "hf")
@@ -162,6 +192,8 @@ def _bad_inputs(tmp_path, slow):
     (tmp_path / "config.json").write_text('{"hidden_size": ')
     (tmp_path / "t5run").mkdir()
     (tmp_path / "t5run" / "run.json").write_text('{"task": "seq2seq", "family": "t5", "config": {}}')
+    (tmp_path / "rmrun").mkdir()
+    (tmp_path / "rmrun" / "run.json").write_text('{"task": "reward", "family": "llama", "config": {}}')
     if not slow:
         return {
             ("train_lm.py", "--model=bert"): "--model=bert: value should be one of",
@@ -179,6 +211,9 @@ def _bad_inputs(tmp_path, slow):
                                                                  "'prompt', 'chosen' and 'rejected'",
             ("train_sft.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:1 is not an object with string fields "
                                                                  "'prompt' and 'response'",
+            ("train_reward.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:1 is not an object with string "
+                                                                    "fields 'prompt', 'chosen' and 'rejected'",
+            ("train_ppo.py", f"--data={tmp_path / 'bad.jsonl'}"): "--reward_from is empty",
         }
     return {
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",
@@ -196,6 +231,10 @@ def _bad_inputs(tmp_path, slow):
         ("train_dpo.py", "--seq_len=4"): "seq_len=4: triple 0's prompt takes",
         ("train_sft.py", "--seq_len=4"): "seq_len=4: pair 0's prompt takes",
         ("train_sft.py", f"--init_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['lm', 'sft']",
+        ("train_ppo.py", f"--reward_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['reward']",
+        ("train_ppo.py", "--rollout_batch_size=12"): "--rollout_batch_size=12; expected a positive multiple of the "
+                                                     "global batch (128 rows)",
+        ("generate.py", "--prompts=x", f"--workdir={tmp_path / 'rmrun'}"): "holds a reward run; expected one of",
     }
 
 
