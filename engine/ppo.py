@@ -6,7 +6,8 @@ One iteration (`fit_ppo`):
 1. Rollout: the actor samples a response to each of `rollout_batch_size` prompts (`text.generate_tokens`, with its
    KV cache). Each prompt + response becomes an `engine.preference` row (only the response labelled).
 2. Scoring, one compiled pass of an `engine.Predictor`: the actor's and the reference's log-probabilities of the
-   response tokens, the critic's values at every position and the reward model's score of the whole sequence.
+   response tokens, the critic's values at every position and the reward model's score of the whole sequence (or,
+   instead of a reward model, `reward_fn(prompt, response)` on the host: a rule or a verifier).
 3. On the host: per-token rewards r_t = -kl_coef * (log pi(a_t) - log pi_ref(a_t)), plus the score at the last
    response token; advantages by GAE (gamma, lam), whitened over the batch's response tokens; returns = advantages
    + values.
@@ -14,7 +15,8 @@ One iteration (`fit_ppo`):
    loss (`PPO.loss_fn`), on the joint parameters {'actor', 'critic'}, both trained by the Trainer's optimizer.
 
 Memory: four models, two trained (actor and critic, with optimizer state) and two frozen (reference and reward model,
-parameters only, used in the scoring pass). The models run deterministically (no dropout), so the ratio of the first
+parameters only, used in the scoring pass; `ref_params` may be the very arrays the actor started from, if the
+Trainer's are copies, since it donates its state). The models run deterministically (no dropout), so the ratio of the first
 update is exactly 1. A run resumes exactly: each iteration's experience is written to the workdir before the updates.
 """
 import dataclasses
@@ -188,8 +190,12 @@ class PPO:
                                          max_new_tokens=self.config.max_new_tokens, temperature=temperature,
                                          seed=seed)
         rows = []
-        for prompt, response in zip(tokens, responses):
-            ids, labels, segments, _ = preference.token_row(prompt, response, self.seq_len)
+        for n, (prompt, response) in enumerate(zip(tokens, responses)):
+            ids, labels, segments, cut = preference.token_row(prompt, response, self.seq_len)
+            if cut:
+                raise ValueError(f"seq_len={self.seq_len}: prompt {n} ({len(prompt)} tokens with the separator) and "
+                                 f"its response ({len(response)}) do not fit; expected seq_len >= the longest "
+                                 "prompt + max_new_tokens - 1")
             rows.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
         frozen = {"ref": self.ref_params} if self.reward_model is None else {"ref": self.ref_params,
                                                                              "reward": self.reward_params}

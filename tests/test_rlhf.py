@@ -177,14 +177,16 @@ def _run_ppo(task_and_params, workdir, max_steps, rollout_batch_size=32, ppo_epo
 
 
 def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path):
-    """On a 4x1x2 mesh, a PPO run stopped mid-iteration (max_steps) and resumed by a new Trainer on its workdir ends
+    """On a 2x1x2 mesh, a PPO run stopped mid-iteration (max_steps) and resumed by a new Trainer on its workdir ends
     with the uninterrupted run's parameters bit for bit: the stopped iteration's experience is read back."""
-    task = _ppo(sft_params, engine.make_mesh(data=4, model=2))  # one scoring pass compiled for the three runs
-    whole, stats = _run_ppo(task, tmp_path / "whole", 8)  # 2 iterations of 2 epochs x 2 updates
+    # One PPO (one compiled scoring pass) for the three runs, on 4 of the devices (a quicker compilation).
+    task = _ppo(sft_params, engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    run = lambda workdir, max_steps: _run_ppo(task, workdir, max_steps, rollout_batch_size=16)  # noqa: E731
+    whole, stats = run(tmp_path / "whole", 8)  # 2 iterations of 2 epochs x 2 updates
     assert len(stats) == 2
-    stopped, stats = _run_ppo(task, tmp_path / "parts", 3)  # mid-iteration 0, mid-epoch
+    stopped, stats = run(tmp_path / "parts", 3)  # mid-iteration 0, mid-epoch
     assert stopped.step == 3 and not stats
-    resumed, stats = _run_ppo(task, tmp_path / "parts", 8)
+    resumed, stats = run(tmp_path / "parts", 8)
     assert len(stats) == 2  # iteration 0 (its rest: the stats saved with its experience), then iteration 1
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
