@@ -248,7 +248,7 @@ def start_decoder(mesh, *, tasks, seq_len):
     model = create_model(FLAGS.model, FLAGS.model_config, overrides, families=DECODER_FAMILIES)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
-    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
+    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
 
 
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} | {"hf_config"}

@@ -31,22 +31,28 @@ class RewardModel(nn.Module):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, *, train=False):
         hidden = self.backbone(input_ids, attention_mask, return_hidden=True, train=train)
-        c = self.backbone.config
-        head = Linear(hidden.shape[-1], 1, use_bias=True, std=c.initializer_range, dtype=jnp.dtype(c.dtype),
-                      param_dtype=jnp.dtype(c.param_dtype), name="score")
-        return head(hidden)[..., 0].astype(jnp.float32)
+        return _score_head(hidden.shape[-1], self.backbone.config)(hidden)[..., 0].astype(jnp.float32)
 
 
 def init_params(reward_model, backbone_params, rng):
     """Parameters of `reward_model` whose backbone is `backbone_params` (e.g. an SFT checkpoint's) and whose score
-    head is fresh. The backbone's arrays are used as they are (same placement, no copy)."""
+    head is fresh (host arrays, which a Trainer or a Predictor places on any mesh). The backbone's arrays are used
+    as they are (same placement, no copy)."""
     abstract = jax.eval_shape(reward_model.init, rng, jnp.zeros((1, 8), jnp.int32))["params"]
     want = jax.tree.structure(abstract["backbone"])
     if jax.tree.structure(backbone_params) != want:
         raise ValueError("backbone_params do not fit the reward model's backbone; expected the parameters of "
                          f"{type(reward_model.backbone).__name__} with this config")
-    head = jax.jit(lambda r: reward_model.init(r, jnp.zeros((1, 8), jnp.int32))["params"]["score"])(rng)
-    return {"backbone": backbone_params, "score": head}
+    # The head alone (initialising the whole model for it would hold a second backbone on one device).
+    c = reward_model.backbone.config
+    width = abstract["score"]["kernel"].shape[0]
+    head = _score_head(width, c)
+    return {"backbone": backbone_params, "score": jax.device_get(head.init(rng, jnp.zeros((1, width)))["params"])}
+
+
+def _score_head(width, config):
+    return Linear(width, 1, use_bias=True, std=config.initializer_range, dtype=jnp.dtype(config.dtype),
+                  param_dtype=jnp.dtype(config.param_dtype), name="score")
 
 
 def _complete_rows(ids, segment_ids, labels):

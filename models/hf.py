@@ -25,10 +25,22 @@ def family(model_type):
     return FAMILIES[model_type]
 
 
-def init_params(model, rng=None):
-    """Fresh random parameters (a nested dict) for `model`."""
+def init_params(model, rng=None, *, mesh=None):
+    """Fresh random parameters (a nested dict) for `model`. With `mesh`, each is created directly on its
+    engine.auto_shard sharding (no whole copy on one device; every process of a multi-process run calls it)."""
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    return jax.jit(model.init)(rng, *_example_inputs(model))["params"]
+    init = lambda r: model.init(r, *_example_inputs(model))["params"]  # noqa: E731
+    if mesh is None:
+        return jax.jit(init)(rng)
+    return jax.jit(init, out_shardings=_shardings(model, jax.eval_shape(init, rng), mesh))(rng)
+
+
+def _shardings(model, abstract, mesh):
+    """NamedShardings of engine.auto_shard's layout of `model`'s parameters (shapes `abstract`) on `mesh`."""
+    import engine  # noqa: PLC0415 (engine imports models' users, not models)
+
+    specs = engine.auto_shard(abstract, mesh, trace_fn=lambda p: model.apply({"params": p}, *_example_inputs(model)))
+    return jax.tree_util.tree_map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
 
 
 def _example_inputs(model):
@@ -116,13 +128,7 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, **options):
     fam = family(hf["model_type"])
     model = fam.Model(config)
     abstract = jax.eval_shape(lambda: init_params(model))
-    shardings = None
-    if mesh is not None:
-        import engine  # noqa: PLC0415 (engine imports models' users, not models)
-
-        specs = engine.auto_shard(abstract, mesh,
-                                  trace_fn=lambda p: model.apply({"params": p}, *_example_inputs(model)))
-        shardings = jax.tree_util.tree_map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+    shardings = None if mesh is None else _shardings(model, abstract, mesh)
     reader, params = _Reader(path), {}
     for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
         expected = _get(abstract, our_path)

@@ -1,10 +1,13 @@
 """One process of the 2-process x 4-device test: joins the runtime, builds one 8-device mesh, runs a tensor-parallel
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
-usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S] [forward|train|diloco]
+usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
+       [forward|train|diloco|ppo]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
-the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters.
+the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
+`ppo` two PPO iterations (rollouts generated on the mesh, gathered to every process) and saves their stats and the
+parameters.
 """
 import os
 import sys
@@ -45,6 +48,30 @@ def diloco_run(mesh):
     return losses, np.concatenate(params)
 
 
+def ppo_run(mesh):
+    """Rollout scores and KLs of two PPO iterations with the toy rule reward from a fresh tiny LLaMA (created on the
+    mesh), then the flat actor and critic parameters."""
+    import optax
+
+    import models
+    from engine import ppo, preference, reward, text
+    tok = text.WordTokenizer(text.TOY_WORDS)
+    actor = models.create_model("llama", "tiny", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64)
+    params = models.init_params(actor, jax.random.PRNGKey(0), mesh=mesh)
+    critic = reward.RewardModel(actor)
+    task = ppo.PPO(actor=actor, critic=critic, ref_params=params, tokenizer=tok, mesh=mesh, seq_len=7 + 6 - 1,
+                   reward_fn=preference.toy_reward, config=ppo.PPOConfig(max_new_tokens=6))
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
+                             params={"actor": params, "critic": reward.init_params(critic, params,
+                                                                                   jax.random.PRNGKey(1))},
+                             optimizer=optax.adam(1e-3))
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(64, seed=0)]
+    stats = ppo.fit_ppo(trainer, task, prompts, max_steps=4, rollout_batch_size=8, per_device_batch_size=1)
+    gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
+    flat = [np.asarray(x.addressable_shards[0].data).ravel() for x in jax.tree.leaves(gather(trainer.params))]
+    return np.concatenate([[s["score"] for s in stats], [s["kl"] for s in stats], *flat])
+
+
 def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forward"):
     engine.initialize_distributed(coordinator, int(num_processes), int(process_id), timeout_s=float(timeout_s))
     assert jax.device_count() == 8 and jax.local_device_count() == 4, (jax.device_count(), jax.local_device_count())
@@ -52,9 +79,10 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     # The model axis stays inside one process (host).
     for row in mesh.devices.reshape(-1, 4):
         assert len({d.process_index for d in row}) == 1
-    if mode in ("train", "diloco"):
-        result = (train_losses(engine.make_mesh(data=4, model=2))[0] if mode == "train"
-                  else np.concatenate(diloco_run(mesh)))
+    if mode in ("train", "diloco", "ppo"):
+        result = {"train": lambda: train_losses(engine.make_mesh(data=4, model=2))[0],
+                  "diloco": lambda: np.concatenate(diloco_run(mesh)),
+                  "ppo": lambda: ppo_run(engine.make_mesh(data=4, model=2))}[mode]()
         if jax.process_index() == 0:
             np.save(out, result)
         jax.distributed.shutdown()

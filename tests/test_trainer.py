@@ -302,6 +302,16 @@ def test_diloco_with_a_replica_per_process_matches_single_process(tmp_path):
     np.testing.assert_allclose(_two_workers(tmp_path, "diloco"), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_ppo_on_two_processes_matches_single_process(tmp_path):
+    """PPO across processes (data 4 x model 2 over 2 processes x 4 devices): rollouts sampled on the mesh and
+    gathered to every process, the scoring pass, the host's advantages and the updates give the single-process
+    run's rollout stats and parameters."""
+    from tests import multihost_worker
+    want = multihost_worker.ppo_run(engine.make_mesh(data=4, model=2))
+    np.testing.assert_allclose(_two_workers(tmp_path, "ppo"), want, rtol=1e-5, atol=1e-6)
+
+
 def test_remat_gives_the_same_update():
     a = _trainer(optimizer=optax.sgd(0.5))
     a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
