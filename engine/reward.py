@@ -2,7 +2,8 @@
 feedback", step 2): a decoder-only language model whose output head is replaced by one scalar per position.
 
 `RewardModel(backbone)` runs the backbone to its final hidden states and projects each position to a score
-(`score` [d_model, 1] + bias). A sequence's reward is the score at its last token (the response's EOS in the rows of
+(`score` [d_model, 1], no bias: transformers' `*ForSequenceClassification` layout, which `load_pretrained` and
+`save_pretrained` read and write). A sequence's reward is the score at its last token (the response's EOS in the rows of
 `engine.preference`); the scores at every position are what PPO's critic uses as values. Trained on the preference
 triples of `engine.preference` with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected).
 """
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import models
 from models.layers import Linear
 
 
@@ -20,7 +22,8 @@ class RewardModel(nn.Module):
     """`apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None, train=False) -> scores [B, T]` float32.
 
     Parameters: {'backbone': the decoder's (its unused output head included, so a language model's checkpoint loads
-    as is), 'score': {'kernel' [d_model, 1], 'bias' [1]}}. attention_mask as the backbone takes it (0 on padding,
+    as is), 'score': {'kernel' [d_model, 1]}} (no bias, as transformers' sequence classifiers: the Bradley-Terry loss
+    cannot see a constant shift of every reward anyway). attention_mask as the backbone takes it (0 on padding,
     segment ids for packed rows)."""
     backbone: Any
 
@@ -51,8 +54,25 @@ def init_params(reward_model, backbone_params, rng):
 
 
 def _score_head(width, config):
-    return Linear(width, 1, use_bias=True, std=config.initializer_range, dtype=jnp.dtype(config.dtype),
+    return Linear(width, 1, use_bias=False, std=config.initializer_range, dtype=jnp.dtype(config.dtype),
                   param_dtype=jnp.dtype(config.param_dtype), name="score")
+
+
+def load_pretrained(path, *, mesh=None, dtype=jnp.float32, **options):
+    """(RewardModel, params) from a transformers `*ForSequenceClassification` directory with one label (LLaMA,
+    GPT-J or OPT; `models.load_sequence_classifier`), placed on `mesh` when given. Its reward is the score at the
+    sequence's last token, as transformers reads it at the last token that is not padding."""
+    backbone, params, score = models.load_sequence_classifier(path, dtype=dtype, mesh=mesh, **options)
+    if score.shape[1] != 1:
+        raise ValueError(f"{path} is a classifier of {score.shape[1]} labels; expected a reward model (1 label)")
+    return RewardModel(backbone), {"backbone": params, "score": {"kernel": score}}
+
+
+def save_pretrained(reward_model, params, path, *, pad_token_id=None):
+    """Writes a transformers `*ForSequenceClassification` directory (one label) that `load_pretrained` and
+    transformers' `AutoModelForSequenceClassification` read back; `pad_token_id` as `models.save_pretrained`'s."""
+    models.save_pretrained(reward_model.backbone, params["backbone"], path, score=params["score"]["kernel"],
+                           pad_token_id=pad_token_id)
 
 
 def _complete_rows(ids, segment_ids, labels):

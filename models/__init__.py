@@ -8,7 +8,8 @@ attention_mask is 0 on padding, 1 on tokens, or per-sequence ids > 0 for packed 
 from models.flops import train_flops_per_example
 from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
-from models.hf import FAMILIES, config_from_hf, init_params, load_pretrained, load_tokenizer, save_pretrained
+from models.hf import (FAMILIES, config_from_hf, init_params, load_pretrained, load_sequence_classifier, load_tokenizer,
+                       save_pretrained)
 from models.layers import ModelOptions
 from models.llama import Llama, LlamaConfig
 from models.opt import OPT, OPTConfig

@@ -118,55 +118,100 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, **options):
     engine.auto_shard sharding as it is read, so host memory peaks near one (layer-stacked) tensor, not the model.
     options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation).
     """
+    model, params, _ = _load(path, dtype, mesh, options, classifier=False)
+    return model, params
+
+
+def load_sequence_classifier(path, *, dtype=jnp.float32, mesh=None, **options):
+    """Reads a transformers `*ForSequenceClassification` directory of a decoder family (LLaMA, GPT-J, OPT): the
+    decoder under the classifier and its `score` weight. Returns (model, params, score): the decoder as
+    `load_pretrained` gives it, its output head (absent from the checkpoint, unused by a classifier) zero-filled,
+    and score float [d_model, num_labels]. Arguments as `load_pretrained`'s."""
+    return _load(path, dtype, mesh, options, classifier=True)
+
+
+def _load(path, dtype, mesh, options, classifier):
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{path} has no config.json")
     with open(config_file) as f:
         hf = json.load(f)
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ())
+    if is_classifier != classifier:
+        raise ValueError(f"{path} holds a {(hf.get('architectures') or ['?'])[0]}; expected "
+                         + ("a *ForSequenceClassification checkpoint" if classifier else
+                            "a language model (a sequence classifier loads with load_sequence_classifier)"))
     name = jnp.dtype(dtype).name
     config = config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options})
     fam = family(hf["model_type"])
+    if classifier and getattr(fam.Model, "is_encoder_decoder", False):
+        raise ValueError(f"{path} holds a {hf['model_type']} classifier; expected a decoder-only family")
     model = fam.Model(config)
     abstract = jax.eval_shape(lambda: init_params(model))
     shardings = None if mesh is None else _shardings(model, abstract, mesh)
     reader, params = _Reader(path), {}
     for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
         expected = _get(abstract, our_path)
-        want = expected.shape[1:] if stacked else expected.shape
-        want_stored = tuple(reversed(want)) if transpose else tuple(want)
-        arrays = []
-        for hf_name in names:
-            a = reader.get(hf_name, _path_str(our_path))
-            if a.shape != want_stored:
-                raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs {want_stored} "
-                                 f"(params{_path_str(our_path)})")
-            arrays.append(a.T if transpose else a)
-        host = (np.stack(arrays) if stacked else arrays[0]).astype(expected.dtype)
+        if classifier and our_path[0] == "lm_head":
+            host = np.zeros(expected.shape, expected.dtype)
+        else:
+            want = expected.shape[1:] if stacked else expected.shape
+            want_stored = tuple(reversed(want)) if transpose else tuple(want)
+            arrays = []
+            for hf_name in names:
+                a = reader.get(hf_name, _path_str(our_path))
+                if a.shape != want_stored:
+                    raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs "
+                                     f"{want_stored} (params{_path_str(our_path)})")
+                arrays.append(a.T if transpose else a)
+            host = (np.stack(arrays) if stacked else arrays[0]).astype(expected.dtype)
+            del arrays
         if shardings is None:
             value = jnp.asarray(host)
         else:
             value = jax.device_put(host, _get(shardings, our_path))
         _set(params, our_path, value)
-        del host, arrays
+        del host
+    score = None
+    if classifier:
+        score = reader.get("score.weight", "['score']").T.astype(jnp.dtype(dtype))
+        width = abstract["embed"]["embedding"].shape[1]  # the head's input: hidden states (OPT: projected out)
+        if score.shape[0] != width:
+            raise ValueError(f"tensor 'score.weight' in {path} has shape {score.shape[::-1]}; the config needs "
+                             f"(num_labels, {width})")
     unused = sorted(set(reader.where) - reader.used)
     if unused:
         logging.warning("load_pretrained(%s): ignored %d tensors not used by the model: %s", path, len(unused),
                         unused[:10])
-    return model, params
+    return model, params, score
 
 
-def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30):
+def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=None, pad_token_id=None):
     """Writes `params` as a transformers checkpoint directory (config.json + safetensors, sharded with an index past
-    max_shard_bytes) that `load_pretrained` and transformers' `from_pretrained` read back."""
+    max_shard_bytes) that `load_pretrained` and transformers' `from_pretrained` read back. With `score` [d_model,
+    num_labels] (a decoder family), a `*ForSequenceClassification` checkpoint instead: the decoder without its
+    output head, and `score.weight`; `pad_token_id` tells transformers where a right-padded row ends (its score is
+    read at the last token that is not padding)."""
     config = model.config
     fam = family(_model_type(model))
     os.makedirs(path, exist_ok=True)
     hf = json.loads(config.hf_config) if config.hf_config else {}
-    for stale in ("rope_scaling", "rope_theta", "torch_dtype"):
+    for stale in ("rope_scaling", "rope_theta", "torch_dtype", "architectures", "num_labels", "id2label",
+                  "label2id"):
         hf.pop(stale, None)
     hf.update(fam.config_to_hf(config))
     tensors = {}
+    if score is not None:
+        score = np.asarray(jax.device_get(score))
+        hf["architectures"] = [hf["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(score.shape[1])}
+        hf["label2id"] = {v: int(k) for k, v in hf["id2label"].items()}
+        if pad_token_id is not None:
+            hf["pad_token_id"] = int(pad_token_id)
+        tensors["score.weight"] = np.ascontiguousarray(score.T)
     for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
+        if score is not None and our_path[0] == "lm_head":
+            continue
         value = np.asarray(jax.device_get(_get(params, our_path)))
         for i, hf_name in enumerate(names):
             a = value[i] if stacked else value

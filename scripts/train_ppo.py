@@ -1,14 +1,15 @@
 """RLHF with PPO: the third step of the pipeline SFT -> reward model -> PPO (engine/ppo.py).
 
 The policy (actor) starts from --init_from (a workdir of scripts/train_sft.py or scripts/train_lm.py, or a Hugging Face
-directory) and is also the frozen reference of the KL penalty. The reward is the latest checkpoint of --reward_from (a
-workdir of scripts/train_reward.py), frozen, and the critic starts as a copy of it; on the embedded toy task (no
---data: lists of animal names to sort) --reward_from may be left empty, and the reward is then the task's rule (1 for
-the sorted list, else 0) with a critic that starts from the policy. Each iteration the actor samples responses to
---rollout_batch_size prompts, they are scored, and --ppo_epochs epochs of updates train actor and critic, until
---max_steps updates in all. It prints each iteration's mean reward and KL and, before and after, the held-out
-greedy answers' mean reward (and, on the toy task, exact match), and writes TensorBoard scalars and checkpoints under
---workdir. Re-running the same command resumes exactly.
+directory) and is also the frozen reference of the KL penalty. The reward model is --reward_from (the latest
+checkpoint of a scripts/train_reward.py workdir, or a Hugging Face *ForSequenceClassification directory), frozen, and
+the critic starts as a copy of it; on the embedded toy task (no --data: lists of animal names to sort) --reward_from
+may be left empty, and the reward is then the task's rule (LCS partial credit, 1 for the sorted list) with a critic
+that starts from the policy. Each iteration the actor samples responses to --rollout_batch_size prompts, they are
+scored, and --ppo_epochs epochs of updates train actor and critic, until --max_steps updates in all. It prints each
+iteration's mean reward and KL and, before and after, the held-out greedy answers' mean reward (and, on the toy task,
+exact match), and writes TensorBoard scalars and checkpoints under --workdir. Re-running the same command resumes
+exactly.
 
   python scripts/train_sft.py --workdir=sft --max_steps=60
   python scripts/train_ppo.py --init_from=sft --workdir=ppo                    # the toy task's rule reward
@@ -38,8 +39,9 @@ cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or sc
                          "the reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
                          "--model_overrides).",
                          model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
-flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py: the reward model (frozen) and the "
-                    "critic's starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "
+flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py or a Hugging Face "
+                    "*ForSequenceClassification directory (one label): the reward model (frozen) and the critic's "
+                    "starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "
                     "list, else 0), and the critic starts from the policy.")
 cli.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
 flags.DEFINE_integer("rollout_batch_size", 0, "Prompts answered per iteration, a multiple of the global batch (0: "
@@ -99,7 +101,14 @@ def main(argv):
                            unfinished_reward=FLAGS.unfinished_reward)
     rewards = {}
     if FLAGS.reward_from:
-        _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
+        if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
+            _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
+        elif os.path.isdir(FLAGS.reward_from):  # a transformers sequence classifier
+            critic, reward_params = reward.load_pretrained(FLAGS.reward_from, mesh=mesh)
+            reward_tokenizer = text.HFTokenizer.from_dir(FLAGS.reward_from, critic.config.vocab_size) or tokenizer
+        else:
+            raise FileNotFoundError(f"--reward_from={FLAGS.reward_from} is not a directory; expected a workdir of "
+                                    "scripts/train_reward.py or a Hugging Face *ForSequenceClassification directory")
         if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
             raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
                              "expected a reward model trained on the policy's tokens")

@@ -47,7 +47,6 @@ def test_reward_is_the_score_head_at_the_final_token():
     model = reward.RewardModel(backbone)
     params = reward.init_params(model, lm_params, jax.random.PRNGKey(1))
     assert params["backbone"] is lm_params and params["score"]["kernel"].shape == (64, 1)
-    params["score"]["bias"] = jnp.full((1,), 0.25)
     examples, _ = preference.encode_preferences(preference.toy_preferences(3, seed=0), TOK, seq_len=16)
     batch = preference.collate_preferences(examples)
     got = reward.sequence_rewards(model, params, batch)
@@ -60,12 +59,49 @@ def test_reward_is_the_score_head_at_the_final_token():
         ids[i, :len(tokens)] = tokens
     hidden = backbone.apply({"params": lm_params}, jnp.asarray(ids), jnp.asarray(ids > 0, jnp.int32),
                             return_hidden=True)
-    want = [hidden[i, len(tokens) - 1] @ params["score"]["kernel"][:, 0] + 0.25 for i, tokens in enumerate(sequences)]
+    want = [hidden[i, len(tokens) - 1] @ params["score"]["kernel"][:, 0] for i, tokens in enumerate(sequences)]
     np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="backbone_params do not fit"):
         reward.init_params(model, {"embed": lm_params["embed"]}, jax.random.PRNGKey(1))
     with pytest.raises(ValueError, match="expected an engine.reward.RewardModel"):
         reward.reward_loss_fn(backbone)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_reward_models_read_and_write_transformers_sequence_classifiers(tmp_path, family):
+    """A transformers *ForSequenceClassification (one label) loads as a RewardModel whose rewards are transformers'
+    scores of right-padded rows (read at the last token that is not padding); our export reads back in transformers
+    to the same scores."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    common = dict(vocab_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, num_labels=1,
+                  pad_token_id=0)
+    config = (tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_key_value_heads=2, **common)
+              if family == "llama" else tf.OPTConfig(hidden_size=64, ffn_dim=128, word_embed_proj_dim=32, **common))
+    torch.manual_seed(0)
+    hf = tf.AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    ids = np.array([[5, 9, 17, 3, 4, 8, 0, 0], [7, 7, 2, 30, 31, 40, 41, 6]], np.int32)
+    seg = (ids > 0).astype(np.int32)
+    # engine.preference rows: inputs = tokens[:-1], the last token a label
+    last = seg.sum(1) - 1
+    batch = {"input_ids": np.where(np.arange(8) < last[:, None], ids, 0), "segment_ids": (np.arange(8) < last[:, None])
+             .astype(np.int32), "labels": np.where(np.arange(8) == last[:, None] - 1, ids[np.arange(2), last][:, None],
+                                                   -100)}
+    with torch.no_grad():
+        want = hf(torch.tensor(ids, dtype=torch.long)).logits[:, 0].numpy()
+    model, params = reward.load_pretrained(str(tmp_path / "hf"))
+    np.testing.assert_allclose(reward.sequence_rewards(model, params, batch), want, rtol=1e-4, atol=1e-5)
+    reward.save_pretrained(model, params, str(tmp_path / "ours"), pad_token_id=0)
+    with torch.no_grad():
+        again = tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ours").eval()
+        np.testing.assert_allclose(again(torch.tensor(ids, dtype=torch.long)).logits[:, 0].numpy(), want, rtol=1e-4,
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="expected a language model"):
+        models.load_pretrained(str(tmp_path / "hf"))
 
 
 def test_reward_loss_is_bradley_terry_and_training_ranks_the_sorted_list_first(sft_params):

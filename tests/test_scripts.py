@@ -10,8 +10,9 @@ import sys
 import jax
 import pytest
 
+import engine
 import models
-from engine import text
+from engine import cli, reward, text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -121,7 +122,8 @@ def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
 def test_sft_reward_model_ppo_and_generate(tmp_path):
     """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT, a
     reward model from the SFT checkpoint, PPO from both (stopped mid-iteration and resumed), PPO with the toy rule
-    reward, and generate.py on the PPO workdir."""
+    reward, PPO with the reward model exported as a transformers sequence classifier, and generate.py on the PPO
+    workdir."""
     sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
     toy = ["--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--log_every=2"]
     _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
@@ -142,6 +144,13 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     assert run["task"] == "ppo" and run["critic"]["family"] == "llama"
     out = _run("train_ppo.py", f"--init_from={sft}", f"--workdir={rule}", "--rollout_batch_size=8", "--max_steps=2",
                "--max_new_tokens=6", "--eval_answers=4", *toy)
+    assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
+    # The reward model exported as a transformers sequence classifier serves PPO the same way.
+    _, rm_model, rm_params, tok = cli.restore_run(str(rm), engine.make_mesh(), tasks=("reward",))
+    reward.save_pretrained(rm_model, rm_params, str(tmp_path / "rm_hf"), pad_token_id=tok.pad_id)
+    out = _run("train_ppo.py", f"--init_from={sft}", f"--reward_from={tmp_path / 'rm_hf'}",
+               f"--workdir={tmp_path / 'ppo_hf'}", "--rollout_batch_size=8", "--max_steps=2", "--max_new_tokens=6",
+               "--eval_answers=4", *toy)
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
     gen = _run("generate.py", f"--workdir={ppo}", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
