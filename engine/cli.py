@@ -141,10 +141,11 @@ def trainer_kwargs():
     return kwargs
 
 
-def optimizer():
+def optimizer(learning_rate=None):
     """AdamW with global-norm clipping, linear warm-up and cosine decay to 10% at --max_steps, from the training
-    flags; every training script builds its optimizer here."""
-    max_steps, learning_rate = FLAGS.max_steps, FLAGS.learning_rate
+    flags (learning_rate: a peak other than --learning_rate); every training script builds its optimizer here."""
+    max_steps = FLAGS.max_steps
+    learning_rate = FLAGS.learning_rate if learning_rate is None else learning_rate
     warmup_steps, weight_decay = FLAGS.warmup_steps, FLAGS.weight_decay
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, warmup_steps),
                                                   max(max_steps, warmup_steps + 1), end_value=learning_rate / 10)

@@ -279,8 +279,9 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     `loss_fn=ppo.loss_fn()`, params {'actor', 'critic'} and `collate_fn=preference.collate_preferences`. prompts:
     strings; each iteration takes `rollout_batch_size` of them (`iteration_prompts`), a multiple of the Trainer's
     global batch, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between
-    checkpoints (and one at the end). on_iteration(iteration, stats): called after each whole iteration with its
-    rollout's stats. Returns the stats of the whole iterations run."""
+    checkpoints (and one at the end). After each whole iteration its rollout's stats go to TensorBoard
+    (`rollout/score`, `rollout/kl`, ...) and to on_iteration(iteration, stats). Returns the stats of the whole
+    iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
     checks = {"max_steps": isinstance(max_steps, int) and max_steps >= 0,
               "rollout_batch_size": isinstance(rollout_batch_size, int) and rollout_batch_size >= rows
@@ -317,6 +318,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
         if trainer.stopped_by_signal or trainer.step < (it + 1) * steps_per_iteration:
             break
         history.append(stats)
+        trainer.write_scalars("rollout", stats)
         if on_iteration is not None:
             on_iteration(it, stats)
         if trainer.workdir and save_every and (it + 1) % save_every == 0:

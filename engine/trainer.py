@@ -17,7 +17,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -49,6 +48,27 @@ def _place(x, sharding):
         return jax.jit(jnp.copy, out_shardings=sharding)(x)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _state_specs(state, param_specs, param_shapes, scalar):
+    """A PartitionSpec for every leaf of an (abstract) optimizer state. Optax keeps per-parameter values (moments,
+    the inner states of masked or multi_transform optimizers, ...) in trees of the parameters' structure, so a leaf
+    whose path ends with a parameter's path and whose shape is that parameter's takes its spec; any other leaf
+    (step counts, hyperparameters) gets `scalar`. (optax.tree_map_params cannot see through multi_transform's
+    masked states.)"""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    table = {}
+    for (path, spec), shape in zip(jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0],
+                                   jax.tree.leaves(param_shapes, is_leaf=lambda x: isinstance(x, tuple))):
+        table[tuple(path)] = (spec, tuple(shape))
+
+    def spec_of(path, leaf):
+        for start in range(len(path)):  # the longest suffix first
+            found = table.get(tuple(path[start:]))
+            if found is not None and found[1] == tuple(leaf.shape):
+                return found[0]
+        return scalar
+    return jax.tree_util.tree_map_with_path(spec_of, state)
 
 
 def _fetch(tree):
@@ -227,21 +247,21 @@ class Trainer:
         opt_param_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
                            if self.zero_stage >= 1 else self._param_specs)
         self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
-        opt_specs = lambda optimizer, state, specs, scalar: optax.tree_map_params(  # noqa: E731
-            optimizer, lambda _, spec: spec, state, specs, transform_non_params=lambda _: scalar, is_leaf=is_spec)
         if self.diloco is None:
             init_opt = self.optimizer.init
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
-            self._opt_specs = opt_specs(self.optimizer, abstract_opt, opt_param_specs, P())
+            self._opt_specs = _state_specs(abstract_opt, opt_param_specs, shapes, P())
         else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
             replicas = sizes["data"]
             init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, p, replicas)  # noqa: E731
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
             replica_specs = jax.tree.map(lambda spec: P("data", *spec), self._param_specs, is_leaf=is_spec)
+            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), shapes, is_leaf=lambda x: isinstance(
+                x, tuple))
             self._opt_specs = {
                 "replicas": replica_specs,
-                "inner": opt_specs(self.optimizer, abstract_opt["inner"], replica_specs, P("data")),
-                "outer": opt_specs(self.diloco.outer_optimizer, abstract_opt["outer"], self._param_specs, P())}
+                "inner": _state_specs(abstract_opt["inner"], replica_specs, replica_shapes, P("data")),
+                "outer": _state_specs(abstract_opt["outer"], self._param_specs, shapes, P())}
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
         self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs), named(self._grad_specs),
                                                        named(self._opt_specs))
@@ -557,12 +577,17 @@ class Trainer:
         logging.info("eval after epoch %d (step %d): %s", self._epoch, self._step,
                      " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
         self.history.append({"step": self._step, **{f"eval_{k}": v for k, v in results.items()}})
+        self.write_scalars("eval", results)
+        return results
+
+    def write_scalars(self, group, scalars):
+        """Writes host numbers `{name: value}` to TensorBoard as `group/name` at the current step (process 0 with a
+        workdir; elsewhere nothing): a caller's own metrics beside the Trainer's, e.g. PPO's rollout rewards."""
         writer = self._tensorboard()
         if writer is not None:
-            for k, v in results.items():
-                writer.add_scalar(f"eval/{k}", v, self._step)
+            for k, v in scalars.items():
+                writer.add_scalar(f"{group}/{k}", float(v), self._step)
             writer.flush()
-        return results
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self):

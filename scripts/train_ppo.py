@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from absl import flags  # noqa: E402
 
 import engine  # noqa: E402
@@ -52,6 +53,8 @@ flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts.", 
 flags.DEFINE_float("kl_coef", 0.05, "Per-token KL penalty towards the reference policy.", lower_bound=0.0)
 flags.DEFINE_float("clip_ratio", 0.2, "PPO's clipping of the probability ratio.", lower_bound=1e-3, upper_bound=0.999)
 flags.DEFINE_float("value_coef", 0.5, "Weight of the critic's loss.", lower_bound=0.0)
+flags.DEFINE_float("critic_learning_rate", None, "Peak learning rate of the critic (default: --learning_rate, one "
+                   "optimizer for both).", lower_bound=0.0)
 flags.DEFINE_float("unfinished_reward", -5.0, "The reward of a response cut off at --max_new_tokens before its EOS, "
                    "replacing its score (a reward model never learnt to score unfinished responses, and PPO finds "
                    "those it overrates); keep it below the scores of bad finished responses.")
@@ -76,6 +79,15 @@ def _evaluate(task, params, eval_records):
     eos = task.tokenizer.eos_id
     answers = [task.tokenizer.decode([i for i in r if i != eos]).strip() for r in responses]
     return mean_reward, float(np.mean([a == r["response"].strip() for a, r in zip(answers, records)]))
+
+
+def _optimizer(params):
+    """The training flags' optimizer; with --critic_learning_rate, one for the actor and one for the critic."""
+    if FLAGS.critic_learning_rate is None:
+        return cli.optimizer()
+    labels = {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+    return optax.multi_transform({"actor": cli.optimizer(), "critic": cli.optimizer(FLAGS.critic_learning_rate)},
+                                 labels)
 
 
 def _report(name, values):
@@ -132,7 +144,7 @@ def main(argv):
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + models.train_flops_per_example(critic.backbone, seq_len)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
-                             params=params, optimizer=cli.optimizer(), workdir=FLAGS.workdir,
+                             params=params, optimizer=_optimizer(params), workdir=FLAGS.workdir,
                              flops_per_example=flops, **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")

@@ -226,6 +226,8 @@ def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path):
     assert len(stats) == 2  # iteration 0 (its rest: the stats saved with its experience), then iteration 1
     for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    events = b"".join(p.read_bytes() for p in (tmp_path / "whole" / "tensorboard").glob("events.out.tfevents*"))
+    assert b"rollout/score" in events and b"rollout/kl" in events and b"train/policy_loss" in events
 
 
 @pytest.mark.slow

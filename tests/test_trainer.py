@@ -312,6 +312,25 @@ def test_ppo_on_two_processes_matches_single_process(tmp_path):
     np.testing.assert_allclose(_two_workers(tmp_path, "ppo"), want, rtol=1e-5, atol=1e-6)
 
 
+def test_multi_transform_optimizer_state_is_split_like_its_parameters():
+    """An optimizer with per-group transforms (optax.multi_transform: masked inner states) gets the parameters'
+    layout for its moments, ZeRO-1 included, and updates only the groups that have a learning rate."""
+    labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k.startswith("layers_0") else "trained", v)
+              for k, v in task.init_params().items()}
+    optimizer = optax.multi_transform({"trained": optax.adam(1e-2), "frozen": optax.sgd(0.0)}, labels)
+    trainer = _trainer(optimizer=optimizer, zero_stage=1)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    before, after = task.init_params(), _host(trainer.params)
+    for name in before:
+        changed = not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before[name]),
+                                                               jax.tree.leaves(after[name])))
+        assert changed == (not name.startswith("layers_0")), name
+    mu = trainer.opt_state.inner_states["trained"].inner_state[0].mu
+    embed_mu, embed = mu["embed_tokens"]["embedding"], trainer.params["embed_tokens"]["embedding"]
+    assert embed_mu.sharding.spec == engine.add_axis(embed.sharding.spec, embed.shape, "data",
+                                                     dict(trainer.mesh.shape))
+
+
 def test_remat_gives_the_same_update():
     a = _trainer(optimizer=optax.sgd(0.5))
     a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
