@@ -202,12 +202,23 @@ def _rewards(beta, log_probs, ref_log_probs):
     return rewards[:, 0], rewards[:, 1]
 
 
-def dpo_loss_fn(model, *, beta=0.1, implementation=None, interpret=False):
-    """`loss_fn(params, batch, rng, is_training)` for `Trainer`: the mean DPO loss of the batch's triples, plus
-    metrics reward_accuracy (chosen reward > rejected), reward_margin, chosen_reward and rejected_reward. The batch
-    must carry 'ref_log_probs' (`with_reference`)."""
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def dpo_loss_fn(model, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, implementation=None, interpret=False):
+    """`loss_fn(params, batch, rng, is_training)` for `Trainer`: the mean preference loss of the batch's triples,
+    plus metrics reward_accuracy (chosen reward > rejected), reward_margin, chosen_reward and rejected_reward. The
+    batch must carry 'ref_log_probs' (`with_reference`). With h = (pi_c - ref_c) - (pi_r - ref_r) per triple:
+    loss_type 'sigmoid' is DPO's -log sigmoid(beta h), and with label_smoothing e the conservative DPO of labels
+    flipped with probability e, -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h); 'ipo' is IPO's
+    (h - 1 / (2 beta))^2 (Azar et al., 2023), which does not drive h to infinity on deterministic preferences."""
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
         raise ValueError(f"beta={beta!r}; expected a positive number")
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"loss_type={loss_type!r}; expected one of {DPO_LOSSES}")
+    if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "sigmoid"):
+        raise ValueError(f"label_smoothing={label_smoothing!r}; expected 0 <= label_smoothing < 0.5, with "
+                         "loss_type='sigmoid'")
     text.check_implementation(implementation)
 
     def loss_fn(params, batch, rng, is_training):
@@ -219,7 +230,12 @@ def dpo_loss_fn(model, *, beta=0.1, implementation=None, interpret=False):
         margin = chosen - rejected
         metrics = {"reward_accuracy": jnp.mean(margin > 0), "reward_margin": jnp.mean(margin),
                    "chosen_reward": jnp.mean(chosen), "rejected_reward": jnp.mean(rejected)}
-        return -jnp.mean(jax.nn.log_sigmoid(margin)), metrics
+        if loss_type == "ipo":
+            losses = (margin / beta - 1 / (2 * beta)) ** 2
+        else:
+            losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(margin) - label_smoothing * jax.nn.log_sigmoid(
+                -margin)
+        return jnp.mean(losses), metrics
     return loss_fn
 
 

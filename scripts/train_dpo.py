@@ -35,6 +35,10 @@ cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or sc
 cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_float("beta", 0.1, "DPO's beta: the strength of the pull towards the reference model.", lower_bound=1e-6)
+flags.DEFINE_enum("dpo_loss", "sigmoid", list(preference.DPO_LOSSES), "sigmoid: DPO's loss; ipo: IPO's squared "
+                  "loss, which stays bounded on deterministic preferences.")
+flags.DEFINE_float("label_smoothing", 0.0, "Conservative DPO: the preference labels' assumed flip probability "
+                   "(sigmoid loss only).", lower_bound=0.0, upper_bound=0.49)
 
 
 def main(argv):
@@ -63,7 +67,9 @@ def main(argv):
         model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation))
         for ex in (train, evals))
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                             loss_fn=preference.dpo_loss_fn(model, beta=FLAGS.beta, implementation=implementation),
+                             loss_fn=preference.dpo_loss_fn(model, beta=FLAGS.beta, loss_type=FLAGS.dpo_loss,
+                                                            label_smoothing=FLAGS.label_smoothing,
+                                                            implementation=implementation),
                              params=params, optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              flops_per_example=2 * models.train_flops_per_example(model, FLAGS.seq_len),
                              **cli.trainer_kwargs())

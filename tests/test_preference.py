@@ -109,7 +109,8 @@ def test_toy_preferences_prefer_the_sorted_list():
 
 def test_sequence_log_probs_loss_and_metrics_match_the_formula():
     """log p(response | prompt) is the sum of the response tokens' log-softmax (plain and fused head); the DPO loss
-    is -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))), log 2 where the policy is the reference."""
+    is -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))), log 2 where the policy is the reference; the IPO and
+    label-smoothed (conservative) variants are their formulas."""
     model = _model()
     params = models.init_params(model, jax.random.PRNGKey(0))
     examples, _ = preference.encode_preferences(preference.toy_preferences(4, seed=0), TOK, seq_len=16)
@@ -134,6 +135,18 @@ def test_sequence_log_probs_loss_and_metrics_match_the_formula():
     margin = 0.5 * ((logp[:, 0] - ref[:, 0]) - (logp[:, 1] - ref[:, 1]))
     np.testing.assert_allclose(loss, np.mean(np.log1p(np.exp(-margin))), rtol=1e-5)
     np.testing.assert_allclose(metrics["reward_margin"], np.mean(margin), rtol=1e-5)
+    h = (logp[:, 0] - ref[:, 0]) - (logp[:, 1] - ref[:, 1])
+    loss, _ = preference.dpo_loss_fn(model, beta=0.5, loss_type="ipo")(params, {**batch, "ref_log_probs": ref}, None,
+                                                                       False)
+    np.testing.assert_allclose(loss, np.mean((h - 1 / (2 * 0.5)) ** 2), rtol=1e-5)
+    loss, _ = preference.dpo_loss_fn(model, beta=0.5, label_smoothing=0.2)(params, {**batch, "ref_log_probs": ref},
+                                                                           None, False)
+    np.testing.assert_allclose(loss, np.mean(0.8 * np.log1p(np.exp(-margin)) + 0.2 * np.log1p(np.exp(margin))),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="loss_type='hinge'; expected one of"):
+        preference.dpo_loss_fn(model, loss_type="hinge")
+    with pytest.raises(ValueError, match="label_smoothing=0.1; expected .* with loss_type='sigmoid'"):
+        preference.dpo_loss_fn(model, loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match="no 'ref_log_probs'"):
         preference.dpo_loss_fn(model)(params, batch, None, False)
     with pytest.raises(ValueError, match="beta=0; expected a positive number"):
