@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 import engine
@@ -122,8 +123,8 @@ def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
 def test_sft_reward_model_ppo_and_generate(tmp_path):
     """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT, a
     reward model from the SFT checkpoint, PPO from both (stopped mid-iteration and resumed), PPO with the toy rule
-    reward, PPO with the reward model exported as a transformers sequence classifier, and generate.py on the PPO
-    workdir."""
+    reward, PPO with the reward model exported (export_hf.py) as a transformers sequence classifier, generate.py on
+    the PPO workdir, and the PPO policy exported as a causal language model."""
     sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
     toy = ["--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--log_every=2"]
     _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
@@ -146,14 +147,26 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
                "--max_new_tokens=6", "--eval_answers=4", *toy)
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
     # The reward model exported as a transformers sequence classifier serves PPO the same way.
-    _, rm_model, rm_params, tok = cli.restore_run(str(rm), engine.make_mesh(), tasks=("reward",))
-    reward.save_pretrained(rm_model, rm_params, str(tmp_path / "rm_hf"), pad_token_id=tok.pad_id)
+    out = _run("export_hf.py", f"--workdir={rm}", f"--out={tmp_path / 'rm_hf'}")
+    assert "as a Hugging Face sequence classifier" in out.stdout
+    _, rm_model, rm_params, _ = cli.restore_run(str(rm), engine.make_mesh(), tasks=("reward",))
+    again_model, again = reward.load_pretrained(str(tmp_path / "rm_hf"))
+    assert again_model.config.hidden_size == rm_model.config.hidden_size
+    used = lambda p: {"score": p["score"], **{k: v for k, v in p["backbone"].items() if k != "lm_head"}}  # noqa
+    for a, b in zip(jax.tree.leaves(used(rm_params)), jax.tree.leaves(used(again))):  # the LM head is not exported
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     out = _run("train_ppo.py", f"--init_from={sft}", f"--reward_from={tmp_path / 'rm_hf'}",
                f"--workdir={tmp_path / 'ppo_hf'}", "--rollout_batch_size=8", "--max_steps=2", "--max_new_tokens=6",
                "--eval_answers=4", *toy)
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
     gen = _run("generate.py", f"--workdir={ppo}", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
+    out = _run("export_hf.py", f"--workdir={ppo}", f"--out={tmp_path / 'ppo_hf'}")
+    assert "as a Hugging Face causal language model" in out.stdout
+    model, params = models.load_pretrained(str(tmp_path / "ppo_hf"))
+    _, _, actor, _ = cli.restore_run(str(ppo), engine.make_mesh())
+    for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow
@@ -223,6 +236,7 @@ def _bad_inputs(tmp_path, slow):
             ("train_reward.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:1 is not an object with string "
                                                                     "fields 'prompt', 'chosen' and 'rejected'",
             ("train_ppo.py", f"--data={tmp_path / 'bad.jsonl'}"): "--reward_from is empty",
+            ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
         }
     return {
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",

@@ -1,0 +1,51 @@
+"""Writes the latest checkpoint of a training script's workdir as a Hugging Face (transformers) checkpoint directory:
+config.json + safetensors that transformers' `from_pretrained` and every script's --init_from read.
+
+A language model (train_lm.py, train_sft.py, train_dpo.py; a PPO run's policy) becomes a *ForCausalLM, a T5
+(finetune_seq2seq.py) a T5ForConditionalGeneration, a reward model (train_reward.py) a *ForSequenceClassification
+with one label. A Hugging Face tokenizer.json the run used is copied beside it.
+
+  python scripts/export_hf.py --workdir=workdir --out=hf_model
+  python scripts/export_hf.py --workdir=workdir_reward --out=hf_reward_model
+"""
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+from absl import flags  # noqa: E402
+
+import models  # noqa: E402
+from engine import cli, reward  # noqa: E402
+
+FLAGS = flags.FLAGS
+cli.define_flags()
+flags.DEFINE_string("workdir", "workdir", "A training script's workdir (its run.json and latest checkpoint).")
+flags.DEFINE_string("out", None, "The directory to write (created; its safetensors files are replaced).")
+
+
+def main(argv):
+    del argv
+    if not FLAGS.out:
+        raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
+    mesh = cli.start()
+    task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
+    if jax.process_index() == 0:
+        if task == "reward":
+            reward.save_pretrained(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)
+        else:
+            models.save_pretrained(model, params, FLAGS.out)
+        source = os.path.join(FLAGS.workdir, "tokenizer.json")
+        if os.path.exists(source):
+            shutil.copy(source, os.path.join(FLAGS.out, "tokenizer.json"))
+        kind = {"reward": "sequence classifier", "seq2seq": "encoder-decoder"}.get(task, "causal language model")
+        print(f"wrote the {task} run's checkpoint as a Hugging Face {kind} to {FLAGS.out}")
+        if not os.path.exists(source):
+            print("no tokenizer.json: the run's tokens are byte-level (which the scripts assume for such a directory) "
+                  "or the toy word list (not exportable)")
+
+
+if __name__ == "__main__":
+    cli.run(main)
