@@ -208,6 +208,20 @@ def load_train_eval(read, toy, *, key, what):
     return train, evals
 
 
+def encode_rows(encode, tokenizer, train_records, eval_records, mesh, *, what):
+    """(train examples, eval examples) from `encode(records, tokenizer, seq_len=--seq_len) -> (examples, cut)` on
+    both record lists: logs how many records were cut to --seq_len, and a ValueError when the training examples are
+    fewer than one global batch."""
+    (train, cut), (evals, eval_cut) = (encode(records, tokenizer, seq_len=FLAGS.seq_len)
+                                       for records in (train_records, eval_records))
+    if cut + eval_cut:
+        logging.warning("%d %s were cut to --seq_len=%d tokens", cut + eval_cut, what, FLAGS.seq_len)
+    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    if len(train) < global_batch:
+        raise ValueError(f"{len(train)} training {what} are fewer than one global batch of {global_batch}")
+    return train, evals
+
+
 def finish(trainer, workdir):
     """Ends a training script: closes the trainer (waits for its last checkpoint) and, when a signal stopped the run,
     prints where it can be resumed."""
@@ -221,7 +235,8 @@ def finish(trainer, workdir):
 DECODER_FAMILIES = ("llama", "gptj", "opt")
 
 
-def define_decoder_flags(*, init_from_help, model_overrides):
+def define_decoder_flags(*, init_from_help,
+                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}'):
     """--init_from, --model, --model_config and --model_overrides of a script that starts a decoder-only model from
     a workdir, a Hugging Face directory or scratch (read by `start_decoder`)."""
     flags.DEFINE_string("init_from", None, init_from_help)

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 
 import engine  # noqa: E402
 import models  # noqa: E402
@@ -30,8 +30,7 @@ FLAGS.set_default("per_device_batch_size", 16)
 cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
                          "checkpoint and tokenizer) or a Hugging Face model directory; the policy starts there and the "
                          "reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
-                         "--model_overrides).",
-                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
+                         "--model_overrides).")
 cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_float("beta", 0.1, "DPO's beta: the strength of the pull towards the reference model.", lower_bound=1e-6)
@@ -49,13 +48,8 @@ def main(argv):
     mesh = cli.start()
     _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft", "dpo"), seq_len=FLAGS.seq_len)
     model = cli.with_dropout(model)
-    (train, cut), (evals, eval_cut) = (preference.encode_preferences(t, tokenizer, seq_len=FLAGS.seq_len)
-                                       for t in (train_triples, eval_triples))
-    if cut + eval_cut:
-        logging.warning("%d triples were cut to --seq_len=%d tokens", cut + eval_cut, FLAGS.seq_len)
-    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
-    if len(train) < global_batch:
-        raise ValueError(f"{len(train)} training triples are fewer than one global batch of {global_batch}")
+    train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
+                                   what="triples")
     cli.save_run(FLAGS.workdir, "dpo", model, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")

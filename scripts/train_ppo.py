@@ -38,8 +38,7 @@ FLAGS["save_every"].help = "Iterations between checkpoints (one is always writte
 cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
                          "checkpoint and tokenizer) or a Hugging Face model directory: the policy starts there and "
                          "the reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
-                         "--model_overrides).",
-                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
+                         "--model_overrides).")
 flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py or a Hugging Face "
                     "*ForSequenceClassification directory (one label): the reward model (frozen) and the critic's "
                     "starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags, logging  # noqa: E402
+from absl import flags  # noqa: E402
 
 import engine  # noqa: E402
 import models  # noqa: E402
@@ -29,8 +29,7 @@ cli.define_training_flags(workdir="workdir_sft", max_steps=200, learning_rate=3e
 FLAGS.set_default("per_device_batch_size", 16)
 cli.define_decoder_flags(init_from_help="A workdir of scripts/train_lm.py or scripts/train_sft.py (its latest "
                          "checkpoint and tokenizer) or a Hugging Face model directory to fine-tune. Empty: a fresh "
-                         "model (--model, --model_config, --model_overrides).",
-                         model_overrides='{"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}')
+                         "model (--model, --model_config, --model_overrides).")
 cli.define_record_flags(what="pairs", fields=preference.SFT_FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens per greedy answer of the held-out exact match.")
@@ -45,13 +44,8 @@ def main(argv):
     mesh = cli.start()
     _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
     model = cli.with_dropout(model)
-    (train, cut), (evals, eval_cut) = (preference.encode_prompt_responses(p, tokenizer, seq_len=FLAGS.seq_len)
-                                       for p in (train_pairs, eval_pairs))
-    if cut + eval_cut:
-        logging.warning("%d pairs were cut to --seq_len=%d tokens", cut + eval_cut, FLAGS.seq_len)
-    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
-    if len(train) < global_batch:
-        raise ValueError(f"{len(train)} training pairs are fewer than one global batch of {global_batch}")
+    train, evals = cli.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs, mesh,
+                                   what="pairs")
     cli.save_run(FLAGS.workdir, "sft", model, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
           f"{train_pairs[0]['response']!r}")
