@@ -15,10 +15,10 @@ One iteration (`fit_ppo`):
    loss (`PPO.loss_fn`), on the joint parameters {'actor', 'critic'}, both trained by the Trainer's optimizer.
 
 Memory: four models, two trained (actor and critic, with optimizer state) and two frozen (reference and reward model,
-parameters only, used in the scoring pass; `ref_params` may be the very arrays the actor started from, if the
-Trainer's are copies, since it donates its state). The models run deterministically (no dropout), so the ratio of
-the first update is exactly 1. A run resumes exactly: each iteration's experience is written to the workdir before
-the updates.
+parameters only, used in the scoring pass; `ref_params` may be the very arrays the actor starts from: the Trainer
+places copies of its initial parameters before it donates them). The models run deterministically (no dropout), so
+the ratio of the first update is exactly 1. A run resumes exactly: each iteration's experience is written to the
+workdir before the updates.
 """
 import dataclasses
 import os

@@ -22,7 +22,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from absl import flags  # noqa: E402
@@ -129,9 +128,9 @@ def main(argv):
         critic = reward.RewardModel(actor)
         critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
         rewards = {"reward_fn": preference.toy_reward}
-    # The trained copies are fresh buffers: the Trainer donates its state, and the reference and the reward model
-    # must outlive the updates.
-    params = jax.tree.map(jnp.copy, {"actor": actor_params, "critic": critic_params})
+    # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very
+    # arrays the actor and the critic start from.
+    params = {"actor": actor_params, "critic": critic_params}
     task = ppo.PPO(actor=actor, critic=critic, ref_params=actor_params, tokenizer=tokenizer, mesh=mesh,
                    seq_len=seq_len, config=config, implementation=cli.loss_implementation(), **rewards)
     rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
