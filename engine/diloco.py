@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from engine.step import accumulate_gradients, apply_update, micro_loss_fn
+from engine.step import accumulate_gradients, apply_update, combine, partition, trained_grad_fn
 
 
 def _paper_outer_optimizer():
@@ -54,14 +54,15 @@ def init_state(diloco, optimizer, params, replicas):
     return {"replicas": reps, "inner": jax.vmap(optimizer.init)(reps), "outer": diloco.outer_optimizer.init(params)}
 
 
-def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key):
+def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key,
+                      trainable=None):
     """`step(global_params, state, batch, step) -> (global_params, state, metrics)`: one inner step on every replica
     and, when `step + 1` completes a round of inner_steps, the outer step. The batch [accumulate, rows, ...] is split
-    into replicas along its data-major rows; every metric is per replica, [R]."""
-    micro_loss = micro_loss_fn(loss_fn, compute_dtype)
-    grad_fn = jax.value_and_grad(jax.checkpoint(micro_loss) if remat else micro_loss, has_aux=True)
-
-    def inner(params, opt_state, batch, rng):
+    into replicas along its data-major rows; every metric is per replica, [R]. trainable: as in
+    `engine.step.jit_train_step`; the state (`init_state` of the trained leaves) then replicates only the trained
+    parameters, and every replica reads the one copy of the frozen ones."""
+    def inner(params, opt_state, batch, rng, frozen):
+        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable)
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, accumulate)
         return apply_update(optimizer, params, opt_state, grads, loss, metrics)
 
@@ -75,11 +76,13 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
     def step(global_params, state, batch, step):
         split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
         rngs = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(jnp.arange(replicas))
-        reps, inner_state, metrics = jax.vmap(inner, spmd_axis_name="data")(
-            state["replicas"], state["inner"], jax.tree.map(split, batch), rngs)
+        global_params, frozen = partition(global_params, trainable)
+        reps, inner_state, metrics = jax.vmap(inner, in_axes=(0, 0, 0, 0, None), spmd_axis_name="data")(
+            state["replicas"], state["inner"], jax.tree.map(split, batch), rngs, frozen)
         sync = (step + 1) % diloco.inner_steps == 0
         global_params, reps, outer_state = jax.lax.cond(sync, outer, lambda args: args,
                                                         (global_params, reps, state["outer"]))
-        return global_params, {"replicas": reps, "inner": inner_state, "outer": outer_state}, metrics
+        return (combine(global_params, frozen, trainable), {"replicas": reps, "inner": inner_state,
+                                                            "outer": outer_state}, metrics)
 
     return step

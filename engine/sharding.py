@@ -41,7 +41,7 @@ def _key_str(k):
     return str(k)
 
 
-def _path_str(path):
+def path_str(path):
     return "/".join(_key_str(k) for k in path)
 
 
@@ -335,13 +335,16 @@ class _Analysis:
 def _trace_decisions(params, trace_fn, model_size):
     """({path: (param dim or None, kind)}, {paths the program reads}) from the traced program."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    paths = [_path_str(p) for p, _ in flat]
+    paths = [path_str(p) for p, _ in flat]
     shapes = [_shape(x) for _, x in flat]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shape(x), x.dtype), params)
     closed = jax.make_jaxpr(trace_fn)(abstract)
     analysis = _Analysis(shapes, model_size)
     n_consts = len(closed.jaxpr.invars) - len(flat)
-    ins = [_REPLICATED] * n_consts + [_Info(None, (i, tuple(range(len(s))))) for i, s in enumerate(shapes)]
+    # LoRA adapters enter as plain replicated values: their low-rank branch must not steer the layer's decisions
+    # (`_follow_adapted_kernels` places them after their kernels).
+    ins = [_REPLICATED] * n_consts + [_REPLICATED if _is_adapter(path) else _Info(None, (i, tuple(range(len(s)))))
+                                      for i, (path, s) in enumerate(zip(paths, shapes))]
     analysis.walk(closed.jaxpr, ins)
     decided = {paths[pid]: (pdim, analysis.kind[pid]) for pid, pdim in analysis.decided.items()}
     return decided, {paths[pid] for pid in analysis.used}
@@ -431,6 +434,26 @@ def _follow_column_kernels(leaves, decisions, model_size):
             if other.startswith(layer) and kind == "column" and dim is not None and shapes[other][dim] == shapes[key][0]:
                 decisions[key] = (0, "follow")
                 break
+
+
+def _is_adapter(key):
+    return key.rsplit("/", 1)[-1] in ("lora_a", "lora_b")
+
+
+def _follow_adapted_kernels(leaves, decisions):
+    """LoRA adapters (`lora_a` [..., in, r], `lora_b` [..., r, out] beside a `kernel` [..., in, out]) follow their
+    kernel: a column-split kernel splits B's columns (A replicated: x A needs no collective), a row-split one A's
+    rows (x A is then summed across `model`, only r wide). Traced alone, A's small r dim would be split and B's
+    product all-reduced at full width."""
+    keys = {"/".join(p) for p, _ in leaves}
+    for path, leaf in leaves:
+        key = "/".join(path)
+        if path[-1] not in ("lora_a", "lora_b") or "/".join(path[:-1] + ("kernel",)) not in keys:
+            continue
+        dim = decisions.get("/".join(path[:-1] + ("kernel",)), (None, None))[0]
+        ndim = len(_shape(leaf))
+        follows = (dim == ndim - 1) if path[-1] == "lora_b" else (dim == ndim - 2)
+        decisions[key] = (dim if follows else None, "follow")
 
 
 def _spec_tuple(spec, ndim):
@@ -533,6 +556,7 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
             traced, used = _trace_decisions(params, trace_fn, model_size)
             decisions = {**{k: v for k, v in names.items() if k not in used}, **traced}
         _follow_column_kernels(leaves, decisions, model_size)
+        _follow_adapted_kernels(leaves, decisions)
 
     specs = {}
     for path, leaf in leaves:
@@ -548,13 +572,13 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
         if dim is not None:
             entries[dim] = MODEL
         specs[key] = add_axis(P(*entries), shape, FSDP, sizes)
-    return jax.tree_util.tree_map_with_path(lambda p, _: specs[_path_str(p)], params)
+    return jax.tree_util.tree_map_with_path(lambda p, _: specs[path_str(p)], params)
 
 
 def describe_sharding(params, specs, mesh):
     """A table of path, shape, dtype, spec and bytes per device, with totals against full replication."""
     sizes = _axis_sizes(mesh)
-    flat_specs = {_path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+    flat_specs = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
         specs, is_leaf=lambda x: isinstance(x, P))[0]}
     rows, total, per_device = [], 0, 0
     for path, leaf in _leaves_in_creation_order(params):

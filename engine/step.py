@@ -10,8 +10,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+
+from jax.custom_derivatives import SymbolicZero
 
 import kernels
 from engine.sharding import scan_counts
@@ -61,6 +62,32 @@ def micro_loss_fn(loss_fn, compute_dtype):
     return micro_loss
 
 
+def partition(params, trainable):
+    """(trained, frozen): two trees of `params`' structure holding its trained / frozen leaves and None elsewhere.
+    trainable: a tree of bools of that structure, or None (everything trains; frozen is None)."""
+    if trainable is None:
+        return params, None
+    return (jax.tree.map(lambda p, m: p if m else None, params, trainable),
+            jax.tree.map(lambda p, m: None if m else p, params, trainable))
+
+
+def combine(trained, frozen, trainable):
+    """The inverse of `partition`."""
+    if trainable is None:
+        return trained
+    return jax.tree.map(lambda m, a, b: a if m else b, trainable, trained, frozen, is_leaf=lambda x: x is None)
+
+
+def trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable):
+    """`value_and_grad` of the micro-batch loss with respect to the trained parameters only (None leaves where
+    frozen): the frozen ones enter as constants, so no weight gradient is computed for them."""
+    micro_loss = micro_loss_fn(loss_fn, compute_dtype)
+    if trainable is not None:
+        full = micro_loss
+        micro_loss = lambda trained, batch, rng: full(combine(trained, frozen, trainable), batch, rng)  # noqa: E731
+    return jax.value_and_grad(jax.checkpoint(micro_loss) if remat else micro_loss, has_aux=True)
+
+
 def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g):
     """Mean loss, metrics and gradients over the `accumulate` micro-batches of `batch`, in one `lax.scan`; the running
     sum stays in fp32 and is passed through `constrain` (its sharding) after every micro-batch."""
@@ -106,16 +133,19 @@ def apply_update(optimizer, params, opt_state, grads, loss, metrics):
     return new_params, new_opt_state, out
 
 
-def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key):
-    """The reference step: plain `jax.jit` semantics, the compiler's partitioner does every collective."""
-    micro_loss = micro_loss_fn(loss_fn, compute_dtype)
-    grad_fn = jax.value_and_grad(jax.checkpoint(micro_loss) if remat else micro_loss, has_aux=True)
-    constrain = lambda g: jax.lax.with_sharding_constraint(g, grad_shardings)  # noqa: E731
+def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key, trainable=None):
+    """The reference step: plain `jax.jit` semantics, the compiler's partitioner does every collective.
+    trainable: None (every parameter trains) or a tree of bools of the parameters' structure; the optimizer state
+    and `grad_shardings` then cover the trained leaves only (`partition(...)[0]`), the frozen ones pass through."""
+    constrain = lambda g: jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)  # noqa: E731
 
     def step(params, opt_state, batch, step):
         rng = jax.random.fold_in(key, step)
-        loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain)
-        return apply_update(optimizer, params, opt_state, grads, loss, metrics)
+        trained, frozen = partition(params, trainable)
+        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable)
+        loss, metrics, grads = accumulate_gradients(grad_fn, trained, batch, rng, accumulate, constrain)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics)
+        return combine(trained, frozen, trainable), opt_state, metrics
 
     return step
 
@@ -407,7 +437,9 @@ def _pipelined_scan(eqn, invals, in_remat):
     The collective of each iteration does not depend on its compute, so the scheduler can run them side by side (on
     GPU the latency-hiding scheduler overlaps them; see engine/compiler.py). Only each layer's input is saved (what
     remat='full' keeps); at most two layers' gathered weights and two layers' full-size gradients are alive at once.
-    The first and last iterations are peeled so that no collective is issued twice."""
+    The first and last iterations are peeled so that no collective is issued twice. Only the inputs being
+    differentiated get gradients (the custom_vjp sees symbolic zeros): a frozen weight (`Trainer(trainable=...)`)
+    is gathered for each layer but gets no weight gradient and no reduce-scatter."""
     del in_remat  # the layer's own remat is replaced by this schedule
     p = eqn.params
     (n_consts, n_carry), n, reverse = scan_counts(p), p["length"], p["reverse"]
@@ -425,9 +457,6 @@ def _pipelined_scan(eqn, invals, in_remat):
 
     def gather(ws, t):
         return [_all_gather(at(w, t), s.dims, s.dtype) for w, s in zip(ws, slots)]
-
-    def scatter(gs, ws):
-        return [_reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype) for g, w, s in zip(gs, ws, slots)]
 
     def layer(consts, carry, x_plain, gathered):
         x_plain, gathered, x = iter(x_plain), iter(gathered), []
@@ -454,11 +483,26 @@ def _pipelined_scan(eqn, invals, in_remat):
         ys = [y[::-1] if reverse else y for y in ys]
         return (carry, ys), (consts, plain, ws, saved, saved_last)
 
-    def backward(res, cts):
-        consts, plain, ws, saved, saved_last = res
-        ct_carry, ct_ys = cts
+    def forward_marked(consts, init, plain, ws):
+        # Which inputs are differentiated, kept as the residuals' tree structure (() differentiated, None not).
+        marks = jax.tree.map(lambda a: () if a.perturbed else None, (consts, init, plain, ws))
+        out, res = forward(*jax.tree.map(lambda a: a.value, (consts, init, plain, ws)))
+        return out, (res, marks)
+
+    def backward(res_marks, cts):
+        (consts, plain, ws, saved, saved_last), marks = res_marks
+        c_perturbed, _, x_perturbed, w_perturbed = [[m is not None for m in ms] for ms in marks]
+        zero = lambda ct: jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct  # noqa: E731
+        ct_carry, ct_ys = ([zero(c) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in ct] for ct in cts)
         inexact = lambda xs: [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]  # noqa: E731
-        c_mask, k_mask, x_mask = inexact(consts), inexact(init), inexact(plain)
+        c_mask, k_mask = [a and b for a, b in zip(inexact(consts), c_perturbed)], inexact(init)
+        x_mask = [a and b for a, b in zip(inexact(plain), x_perturbed)]
+        ws_all, slots_all = ws, slots
+        ws = [w for w, m in zip(ws_all, w_perturbed) if m]  # the weights that get gradients
+        grad_slots = [s for s, m in zip(slots_all, w_perturbed) if m]
+
+        def scatter(gs):
+            return [_reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype) for g, w, s in zip(gs, ws, grad_slots)]
         y_mask = [jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in body.jaxpr.outvars[n_carry:]]
         pick = lambda xs, mask: [x for x, m in zip(xs, mask) if m]  # noqa: E731
 
@@ -469,11 +513,13 @@ def _pipelined_scan(eqn, invals, in_remat):
         def vjp_layer(t, carry_in, w, ct_k):
             x_t = [at(x, t) for x in plain]
 
-            def f(c, k, x, w):
-                carry_out, ys = layer(merge(c, c_mask, consts), merge(k, k_mask, carry_in), merge(x, x_mask, x_t), w)
+            def f(c, k, x, w_d):
+                carry_out, ys = layer(merge(c, c_mask, consts), merge(k, k_mask, carry_in), merge(x, x_mask, x_t),
+                                      merge(w_d, w_perturbed, w))
                 return pick(carry_out, k_mask), pick(ys, y_mask)
 
-            _, pullback = jax.vjp(f, pick(consts, c_mask), pick(carry_in, k_mask), pick(x_t, x_mask), w)
+            _, pullback = jax.vjp(f, pick(consts, c_mask), pick(carry_in, k_mask), pick(x_t, x_mask),
+                                  pick(w, w_perturbed))
             return pullback((ct_k, pick([at(c, t) for c in ct_ys], y_mask)))
 
         def put(buffers, values, t):
@@ -483,9 +529,9 @@ def _pipelined_scan(eqn, invals, in_remat):
         def step(state, t, carry_in, prefetch, flush):
             ct_k, w, pending, acc_c, buf_w, buf_x = state
             carry_in = [_from_bits(c, x.dtype) for c, x in zip(carry_in, init)]
-            nxt = gather(ws, t - 1 + shift) if prefetch else None
+            nxt = gather(ws_all, t - 1 + shift) if prefetch else None
             if flush:  # layer t+1's gradient, reduce-scattered while layer t is recomputed and differentiated
-                buf_w = put(buf_w, scatter(pending, ws), t + 1)
+                buf_w = put(buf_w, scatter(pending), t + 1)
             d_c, d_k, d_x, d_w = vjp_layer(t, carry_in, w, ct_k)
             acc_c = [a + d.astype(a.dtype) for a, d in zip(acc_c, d_c)]
             return d_k, nxt, d_w, acc_c, buf_w, put(buf_x, d_x, t)
@@ -501,8 +547,8 @@ def _pipelined_scan(eqn, invals, in_remat):
             late = jnp.ravel(c)[0].astype(jnp.float32) * 0
         shift = (late != late).astype(jnp.int32)
         buffers = lambda xs: [jnp.full(x.shape, late, x.dtype) for x in xs]  # noqa: E731
-        state = (pick(ct_carry, k_mask), gather(ws, n - 1 + shift), None, zeros(pick(consts, c_mask), jnp.float32),
-                 buffers(ws), buffers(pick(plain, x_mask)))
+        state = (pick(ct_carry, k_mask), gather(ws_all, n - 1 + shift), None,
+                 zeros(pick(consts, c_mask), jnp.float32), buffers(ws), buffers(pick(plain, x_mask)))
         state = step(state, n - 1, saved_last, n > 1, False)
         if n > 2:
             index = lambda x, t: jax.lax.dynamic_index_in_dim(x, t, 0, keepdims=False)  # noqa: E731
@@ -511,16 +557,14 @@ def _pipelined_scan(eqn, invals, in_remat):
         if n > 1:
             state = step(state, 0, [x[0] for x in saved], False, True)
         ct_k, _, pending, acc_c, buf_w, buf_x = state
-        buf_w = put(buf_w, scatter(pending, ws), 0)
-        float0 = lambda xs, mask: [None if m else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
-                                   for x, m in zip(xs, mask)]
-        ct_consts = merge([a.astype(c.dtype) for a, c in zip(acc_c, pick(consts, c_mask))], c_mask,
-                          float0(consts, c_mask))
-        return (ct_consts, merge(ct_k, k_mask, float0(init, k_mask)), merge(buf_x, x_mask, float0(plain, x_mask)),
-                buf_w)
+        buf_w = put(buf_w, scatter(pending), 0)
+        none = lambda xs: [None] * len(xs)  # noqa: E731 - a zero cotangent
+        ct_consts = merge([a.astype(c.dtype) for a, c in zip(acc_c, pick(consts, c_mask))], c_mask, none(consts))
+        return (ct_consts, merge(ct_k, k_mask, none(init)), merge(buf_x, x_mask, none(plain)),
+                merge(buf_w, w_perturbed, none(ws_all)))
 
     run = jax.custom_vjp(lambda *a: forward(*a)[0])
-    run.defvjp(forward, backward)
+    run.defvjp(forward_marked, backward, symbolic_zeros=True)
     carry, ys = run(consts, init, plain, stacked)
     return list(carry) + list(ys)
 
@@ -568,7 +612,7 @@ def _reduce(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None):
 
 
 def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
-                         compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None):
+                         compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None):
     """The overlapped step: a `jax.shard_map` manual over `data` and `fsdp` (the `model` axis stays automatic, split by
     the compiler from the parameter specs) computes the gradients with explicit collectives; the optimizer update
     then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
@@ -593,6 +637,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
       of a metric of `loss_fn` holding what its loss is a mean over (e.g. 'tokens' for `engine.text.lm_loss_fn`):
       loss, gradients and every other metric are then averaged with those weights across shards, and that metric is
       summed, which reproduces the global-batch values of `jit_train_step` exactly.
+    `trainable`: as in `jit_train_step`. A frozen parameter is gathered like any other but never differentiated:
+      no weight gradient, no reduction.
     Metrics, the NaN/inf guard and the learning rate are those of `jit_train_step`. rng: micro-batch i of update
     `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are several shards
     (so that dropout masks of different shards are independent).
@@ -617,6 +663,9 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
         leaves, treedef = jax.tree.flatten(params)
         plans = [_LeafPlan(s, u, x.shape, sizes) for s, u, x in
                  zip(treedef.flatten_up_to(param_specs), treedef.flatten_up_to(update_specs), leaves)]
+        mask = [True] * len(leaves) if trainable is None else treedef.flatten_up_to(trainable)
+        pick = lambda xs, want=True: [x for x, m in zip(xs, mask) if m == want]  # noqa: E731
+        trained_plans = pick(plans)
         full_abstract = [jax.ShapeDtypeStruct(x.shape, compute_type(x)) for x in leaves]
 
         def local(local_params, local_batch, step):
@@ -627,7 +676,9 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                 treedef.unflatten(full_abstract), first, jax.ShapeDtypeStruct((), rng.dtype))
             out_tree = jax.tree.structure(out_shape)
 
-            def shard_loss(local_leaves, micro_batch, micro_rng):
+            def shard_loss(trained_leaves, frozen_leaves, micro_batch, micro_rng):
+                trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
+                local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in mask]
                 args = [_Sharded(x, pl.gather, compute_type(x), reduce_dtype) if pl.gather
                         else x.astype(compute_type(x)) for x, pl in zip(local_leaves, plans)]
                 flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
@@ -645,10 +696,12 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                 micro_rng = jax.random.fold_in(rng, i)
                 if shard is not None:
                     micro_rng = jax.random.fold_in(micro_rng, shard)
-                (_, (loss, metrics, weight)), grads = grad_fn(local_leaves, micro_batch, micro_rng)
+                (_, (loss, metrics, weight)), grads = grad_fn(pick(local_leaves), pick(local_leaves, False),
+                                                              micro_batch, micro_rng)
                 grads = [g.astype(jnp.float32) for g in grads]
                 if zero_stage == 2:  # ZeRO-2: partial sums leave each micro-batch already split over `data`
-                    grads = [_reduce(g, pl.scatter, (), reduce_dtype, pl.auto_spec) for g, pl in zip(grads, plans)]
+                    grads = [_reduce(g, pl.scatter, (), reduce_dtype, pl.auto_spec)
+                             for g, pl in zip(grads, trained_plans)]
                 metrics = {k: v if k == weight_metric else v * weight for k, v in metrics.items()}
                 return grads, loss * weight, metrics
 
@@ -667,19 +720,22 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                                                          (local_batch, jnp.arange(accumulate)))
             scale = 1.0 / accumulate
             grads = [_reduce(g, () if zero_stage == 2 else pl.scatter, pl.reduce, reduce_dtype, pl.auto_spec) * scale
-                     for g, pl in zip(grads, plans)]
-            grads = [g.astype(x.dtype) for g, x in zip(grads, leaves_of(local_params))]
+                     for g, pl in zip(grads, trained_plans)]
+            grads = [g.astype(x.dtype) for g, x in zip(grads, pick(leaves_of(local_params)))]
             loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, live) if live else v) * scale, (loss, metrics))
-            return treedef.unflatten(grads), loss, metrics
+            return grads, loss, metrics
 
         leaves_of = lambda tree: jax.tree.leaves(tree)  # noqa: E731
-        grad_specs = treedef.unflatten([pl.out_spec for pl in plans])
         fn = _shard_map(local, mesh, in_specs=(treedef.unflatten([pl.in_spec for pl in plans]),
                                                 jax.sharding.PartitionSpec(None, MANUAL_AXES),
                                                 jax.sharding.PartitionSpec()),
-                        out_specs=(grad_specs, jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec()))
+                        out_specs=([pl.out_spec for pl in trained_plans], jax.sharding.PartitionSpec(),
+                                   jax.sharding.PartitionSpec()))
         grads, loss, metrics = fn(params, batch, step)
-        grads = jax.lax.with_sharding_constraint(grads, update_sh)
-        return apply_update(optimizer, params, opt_state, grads, loss, metrics)
+        trained, frozen = partition(params, trainable)
+        grads = [jax.lax.with_sharding_constraint(g, sh) for g, sh in zip(grads, pick(treedef.flatten_up_to(update_sh)))]
+        grads = jax.tree.structure(trained).unflatten(grads)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics)
+        return combine(trained, frozen, trainable), opt_state, metrics
 
     return step

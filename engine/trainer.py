@@ -10,6 +10,7 @@ Data flow of one optimizer update: `per_device_batch_size x (data x fsdp)` examp
 compiled step scans over the micro-batches, accumulates gradients (sharded like the parameters, or further split over
 `data` with ZeRO-2), applies the optimizer and returns the donated state.
 """
+import re
 import signal
 import threading
 import time
@@ -28,7 +29,7 @@ from engine import step as step_lib
 from engine.step import cast_floating, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.flops import peak_tflops
-from engine.sharding import add_axis, auto_shard, log_sharding
+from engine.sharding import add_axis, auto_shard, log_sharding, path_str
 import kernels
 
 _NAN_POLICIES = ("raise", "skip")
@@ -69,6 +70,36 @@ def _state_specs(state, param_specs, param_shapes, scalar):
                 return found[0]
         return scalar
     return jax.tree_util.tree_map_with_path(spec_of, state)
+
+
+def _trainable_mask(trainable, params):
+    """Trainer's `trainable` argument -> None (everything trains) or a tree of bools of `params`' structure."""
+    if trainable is None:
+        return None
+    if isinstance(trainable, str):
+        try:
+            pattern = re.compile(trainable)
+        except re.error as e:
+            raise ValueError(f"trainable={trainable!r} is not a regular expression: {e}") from None
+        mask = jax.tree_util.tree_map_with_path(lambda p, _: bool(pattern.search(path_str(p))), params)
+    else:
+        try:
+            mask = jax.tree.map(lambda _, m: m, params, trainable)
+        except (ValueError, TypeError):
+            mask = None
+        if mask is None or not all(isinstance(m, (bool, np.bool_)) for m in jax.tree.leaves(mask)):
+            raise ValueError(f"trainable={trainable!r}; expected None, a regex matched against the '/'-joined "
+                             "parameter paths, or a tree of bools of the parameters' structure")
+        mask = jax.tree.map(bool, mask)
+    if not any(jax.tree.leaves(mask)):
+        example = path_str(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
+        raise ValueError(f"trainable={trainable!r} selects no parameter; parameter paths look like {example!r}")
+    return mask
+
+
+def _only_trained(mask, tree):
+    """`tree` (of the parameters' structure) with None at the frozen parameters."""
+    return tree if mask is None else jax.tree.map(lambda m, x: x if m else None, mask, tree)
 
 
 def _fetch(tree):
@@ -125,12 +156,16 @@ class Trainer:
         MaxText's optimizer_memory_host_offload): each step brings it to the device for the update and writes it
         back, trading two host-link transfers of it per step for its device memory (Adam: 8 bytes per parameter,
         split like the parameters or, with zero_stage >= 1, over `data` too). Not with diloco.
+      trainable: None (every parameter trains), a regex matched with `re.search` against each '/'-joined parameter
+        path (e.g. `models.LORA_TRAINABLE`: only the low-rank adapters), or a tree of bools of the parameters'
+        structure. Frozen parameters keep their values and get no gradient (none is computed), no optimizer state
+        and no DiLoCo replicas; the optimizer sees the trained parameters only (None at the frozen ones).
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
                  nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None, diloco=None,
-                 restore_params_only=False, offload_optimizer=False):
+                 restore_params_only=False, offload_optimizer=False, trainable=None):
         _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
@@ -168,6 +203,8 @@ class Trainer:
                       f"False on {mesh.devices.flat[0].platform}, whose devices have no pinned_host memory "
                       f"(only {sorted(kinds)})")
         self.offload_optimizer = offload_optimizer
+        self._trainable_arg = trainable
+        self._trainable = None  # the tree of bools, once the parameters' structure is known
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
         # model_tflops_per_device and mfu (None where the device's peak is unknown).
         self.throughput = {}
@@ -238,6 +275,12 @@ class Trainer:
         """Decides the layout, compiles nothing yet, and places (or restores) the state."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
         abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._init_params)
+        mask = self._trainable = _trainable_mask(self._trainable_arg, abstract_params)
+        if mask is not None:
+            counts = [sum(int(np.prod(x.shape)) for x, m in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(
+                mask)) if m == want) for want in (True, False)]
+            logging.info("training %d parameters, %d frozen (%.3g%% trained)", counts[0], counts[1],
+                         100 * counts[0] / max(1, sum(counts)))
         self._param_specs = self._specs(abstract_params)
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         shapes = jax.tree.map(lambda x: x.shape, abstract_params)
@@ -248,22 +291,25 @@ class Trainer:
                            if self.zero_stage >= 1 else self._param_specs)
         self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
         if self.diloco is None:
-            init_opt = self.optimizer.init
+            init_opt = lambda p: self.optimizer.init(_only_trained(mask, p))  # noqa: E731
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
             self._opt_specs = _state_specs(abstract_opt, opt_param_specs, shapes, P())
         else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
             replicas = sizes["data"]
-            init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, p, replicas)  # noqa: E731
+            init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, _only_trained(mask, p),  # noqa
+                                                       replicas)
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
-            replica_specs = jax.tree.map(lambda spec: P("data", *spec), self._param_specs, is_leaf=is_spec)
-            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), shapes, is_leaf=lambda x: isinstance(
-                x, tuple))
+            replica_specs = jax.tree.map(lambda spec: P("data", *spec), _only_trained(mask, self._param_specs),
+                                         is_leaf=is_spec)
+            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), _only_trained(mask, shapes),
+                                          is_leaf=lambda x: isinstance(x, tuple))
             self._opt_specs = {
                 "replicas": replica_specs,
                 "inner": _state_specs(abstract_opt["inner"], replica_specs, replica_shapes, P("data")),
                 "outer": _state_specs(abstract_opt["outer"], self._param_specs, shapes, P())}
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
-        self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs), named(self._grad_specs),
+        self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs),
+                                                       _only_trained(mask, named(self._grad_specs)),
                                                        named(self._opt_specs))
         self._opt_device_sh = self._opt_sh  # where the update reads and writes it
         if self.offload_optimizer:  # where it rests between steps (and in init, restore and checkpoints)
@@ -322,7 +368,8 @@ class Trainer:
     def _compiled_step(self):
         if self._step_fn is None:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
-                          compute_dtype=self.compute_dtype, remat=self.remat, key=self._key)
+                          compute_dtype=self.compute_dtype, remat=self.remat, key=self._key,
+                          trainable=self._trainable)
             if self._step_kind == "diloco":
                 self._step_impl = diloco_lib.diloco_train_step(diloco=self.diloco, replicas=self._diloco_replicas(),
                                                                **common)

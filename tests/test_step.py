@@ -307,3 +307,36 @@ def test_bad_input_errors():
         step_lib.shard_map_train_step(loss_fn=task.loss_fn, optimizer=optax.sgd(0.1), mesh=mesh, param_specs={},
                                       update_specs={}, zero_stage=0, accumulate=1, compute_dtype=None, remat=False,
                                       key=jax.random.key(0), reduce_dtype=jnp.float16)
+
+
+def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
+    """Frozen stacked weights (`trainable=`) inside the hand-pipelined layer stack: the run equals the reference step
+    with the same frozen set, and the compiled step reduce-scatters only the trained weights' gradients (while the
+    fully trained model reduce-scatters the MLP's too)."""
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", intermediate_size=96)
+    params = models.init_params(model, jax.random.PRNGKey(1))
+    trained = r"layers/attn/(q|v)/|lm_head"
+    runs = []
+    for kind, trainable in (("jit", trained), ("shard_map", trained), ("shard_map", None)):
+        calls = []
+        real = step_lib._pipelined_scan
+        step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
+        try:
+            loss = text.lm_loss_fn(model)
+            loss.weight_metric = "tokens"
+            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=text.collate_lm,
+                                     loss_fn=loss, params=params, optimizer=optax.sgd(0.5), step=kind,
+                                     trainable=trainable)
+            trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
+        finally:
+            step_lib._pipelined_scan = real
+        assert bool(calls) == (kind == "shard_map")
+        runs.append(trainer)
+    _assert_same_run(*runs[:2])
+    for trainer, frozen_mlp in zip(runs[1:], (True, False)):
+        batch = {k: jax.ShapeDtypeStruct((1, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+        hlo = trainer._compiled_step().lower(trainer.params, trainer.opt_state, batch, np.int32(0)).compile()
+        scattered = [tuple(int(d) for d in m.split(",")) for m in
+                     re.findall(r"= f32\[([\d,]+)\][^ ]* reduce-scatter\(", hlo.as_text())]
+        # A shard of an MLP matrix (64 x 96 over 8 devices) is the only one with a dimension of 12.
+        assert scattered and any(96 // 8 in s for s in scattered) != frozen_mlp, scattered

@@ -1,5 +1,6 @@
 """engine.Trainer and engine.Predictor on the 8 simulated devices."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -349,3 +350,75 @@ def test_keeps_the_last_k_checkpoints(tmp_path):
     trainer.close()
     steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
     assert steps == [4, 5]
+
+
+# ---------------------------------------------------------------------------------------------- frozen parameters
+TRAINED = r"layers_1/|lm_head"  # the second layer and the head train; embeddings and the first layer are frozen
+
+
+def _masked_reference(mesh, **kwargs):
+    """The same training by masking the optimizer instead: every gradient is computed, frozen updates are zero."""
+    labels = jax.tree_util.tree_map_with_path(
+        lambda p, _: "t" if re.search(TRAINED, engine.sharding.path_str(p)) else "f", task.init_params())
+    opt = optax.multi_transform({"t": optax.sgd(0.1, momentum=0.9), "f": optax.set_to_zero()}, labels)
+    return _trainer(mesh, optimizer=opt, **kwargs)
+
+
+@pytest.mark.parametrize("mesh,kwargs", [
+    (dict(data=4, model=2), dict(step="jit")),
+    (dict(data=2, fsdp=2, model=2), dict(step="shard_map", zero_stage=1, accumulate_grad_batches=2)),
+    (dict(data=1, fsdp=4, model=2), dict(step="shard_map", zero_stage=2)),
+])
+def test_frozen_parameters_stay_and_the_rest_train_as_with_a_masked_optimizer(mesh, kwargs):
+    """`trainable=` (a regex over parameter paths): frozen leaves keep their exact values, the trained ones equal a
+    masked optimizer's run (which computes every gradient), and the optimizer state holds the trained leaves only."""
+    init = _host(task.init_params())
+    got = _trainer(engine.make_mesh(**mesh), optimizer=optax.sgd(0.1, momentum=0.9), trainable=TRAINED, **kwargs)
+    got.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=4)
+    ref = _masked_reference(engine.make_mesh(**mesh), **kwargs)
+    ref.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=4)
+    np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in ref.history], rtol=1e-5)
+    _assert_trees_close(ref.params, got.params)
+    for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(init)[0], jax.tree.leaves(
+            _host(got.params))):
+        trained = bool(re.search(TRAINED, engine.sharding.path_str(path)))
+        assert trained != np.array_equal(before, after), engine.sharding.path_str(path)
+    momentum = sum(x.size for x in jax.tree.leaves(got.opt_state))
+    assert momentum == sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(init)[0]
+                           if re.search(TRAINED, engine.sharding.path_str(p)))
+
+
+def test_frozen_parameters_resume_exactly_and_with_diloco(tmp_path):
+    """A run with frozen parameters checkpoints (the optimizer state has no frozen leaves) and resumes bit for bit;
+    DiLoCo keeps replicas of the trained parameters only."""
+    mesh = engine.make_mesh(data=2, fsdp=2, model=2)
+    full = _trainer(mesh, trainable=TRAINED, zero_stage=1)
+    full.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=2)
+    first = _trainer(mesh, trainable=TRAINED, zero_stage=1, workdir=str(tmp_path / "run"))
+    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=2, log_every=2)
+    first.close()
+    second = _trainer(mesh, trainable=TRAINED, zero_stage=1, workdir=str(tmp_path / "run"))
+    assert second.step == 2
+    second.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=2)
+    second.close()
+    for a, b in zip(jax.tree.leaves(_host(full.params)), jax.tree.leaves(_host(second.params))):
+        np.testing.assert_array_equal(a, b)
+
+    init = _host(task.init_params())
+    diloco = _trainer(engine.make_mesh(data=4, model=2), trainable=TRAINED, optimizer=optax.sgd(0.1),
+                      diloco=engine.DiLoCo(inner_steps=2))
+    diloco.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=2)
+    replicas = diloco.opt_state["replicas"]
+    assert {k for k, v in replicas.items() if jax.tree.leaves(v)} == {"layers_1", "lm_head"} and replicas["lm_head"]["kernel"].shape == (4, 32, 64)
+    np.testing.assert_array_equal(_host(diloco.params)["layers_0"]["up_proj"]["kernel"],
+                                  init["layers_0"]["up_proj"]["kernel"])
+    assert not np.array_equal(_host(diloco.params)["lm_head"]["kernel"], init["lm_head"]["kernel"])
+
+
+def test_bad_trainable_errors():
+    mesh = engine.make_mesh(data=8)
+    for bad, match in [("nothing_is_called_this", "selects no parameter"), ("(", "not a regular expression"),
+                       ({"lm_head": True}, "tree of bools")]:
+        trainer = _trainer(mesh, trainable=bad)
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=1)
