@@ -245,13 +245,26 @@ def define_decoder_flags(*, init_from_help,
                         "fields.")
     flags.DEFINE_string("model_overrides", model_overrides, "JSON object of config fields that replace the named "
                         "config's (fresh models only).")
+    flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank (models.lora) on the projections "
+                         "in --lora_targets, the rest of the model frozen; adapters of the starting workdir are "
+                         "merged first. 0: train every parameter.", lower_bound=0)
+    flags.DEFINE_float("lora_alpha", 16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank.",
+                       lower_bound=0.0)
+    flags.DEFINE_list("lora_targets", list(models.layers.LORA_TARGETS), "Projections that get LoRA adapters, of "
+                      f"{','.join(models.layers.LORA_TARGETS)}.")
 
 
 def start_decoder(mesh, *, tasks, seq_len):
     """(task, model, params, tokenizer) of the starting point from --init_from / --model / --model_config /
     --model_overrides: the latest checkpoint of a training script's workdir whose task is one of `tasks` (task is
     then that run's), a Hugging Face directory (task None) or a fresh model (task None) with byte-level tokens when
-    --data is given and the toy tasks' word tokens otherwise. Parameters are placed on `mesh`."""
+    --data is given and the toy tasks' word tokens otherwise; then the --lora_* flags (`with_lora`). Parameters are
+    placed on `mesh`."""
+    task, model, params, tokenizer = _start_decoder(mesh, tasks, seq_len)
+    return (task, *with_lora(model, params, mesh), tokenizer)
+
+
+def _start_decoder(mesh, tasks, seq_len):
     if FLAGS.init_from:
         if os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
             return restore_run(FLAGS.init_from, mesh, tasks=tasks)
@@ -267,7 +280,36 @@ def start_decoder(mesh, *, tasks, seq_len):
     return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
 
 
-_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} | {"hf_config"}
+def with_lora(model, params, mesh):
+    """(model, params) with --lora_rank / --lora_alpha / --lora_targets applied: any adapters `params` hold are
+    merged into their kernels, then (--lora_rank > 0) fresh ones are added, placed on `mesh`. `model` may be an
+    `engine.reward.RewardModel` (params {'backbone', 'score'}): its backbone gets them."""
+    if isinstance(model, reward.RewardModel):
+        backbone, inner = with_lora(model.backbone, params["backbone"], mesh)
+        return reward.RewardModel(backbone), {**params, "backbone": inner}
+    model, params = models.merge_lora(model, params)
+    if not FLAGS.lora_rank:
+        return model, params
+    try:
+        config = dataclasses.replace(model.config, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
+                                     lora_targets=tuple(FLAGS.lora_targets))
+    except ValueError as e:
+        raise ValueError(f"--lora_rank/--lora_alpha/--lora_targets: {e}") from None
+    model = model.clone(config=config)
+    return model, models.add_lora(model, params, jax.random.PRNGKey(FLAGS.seed), mesh=mesh)
+
+
+def trainable(also=None):
+    """The Trainer's `trainable` for --lora_rank: None (everything trains) at 0, else the adapters and the paths the
+    regex `also` matches (e.g. a reward model's fresh score head)."""
+    if not FLAGS.lora_rank:
+        return None
+    return models.LORA_TRAINABLE + (f"|{also}" if also else "")
+
+
+# Runtime options are not recorded in run.json; the LoRA fields are (they change the parameters).
+_RUNTIME_FIELDS = ({f.name for f in dataclasses.fields(models.ModelOptions)}
+                   - {"lora_rank", "lora_alpha", "lora_targets"} | {"hf_config"})
 RUN_FILE = "run.json"
 
 

@@ -733,7 +733,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                                    jax.sharding.PartitionSpec()))
         grads, loss, metrics = fn(params, batch, step)
         trained, frozen = partition(params, trainable)
-        grads = [jax.lax.with_sharding_constraint(g, sh) for g, sh in zip(grads, pick(treedef.flatten_up_to(update_sh)))]
+        grads = [jax.lax.with_sharding_constraint(g, sh)
+                 for g, sh in zip(grads, pick(treedef.flatten_up_to(update_sh)))]
         grads = jax.tree.structure(trained).unflatten(grads)
         trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics)
         return combine(trained, frozen, trainable), opt_state, metrics

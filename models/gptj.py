@@ -47,10 +47,11 @@ class GPTJBlock(nn.Module):
         a, cache = layers.Attention(c.num_heads, c.num_heads, c.dim_per_head, causal=True, rotary=rotary,
                                     std=c.initializer_range, implementation=c.attention_implementation,
                                     interpret=c.kernel_interpret, dropout_rate=c.attention_dropout_rate,
-                                    deterministic=self.deterministic, name="attn", **kw)(h, ctx, cache)
+                                    deterministic=self.deterministic, name="attn", **kw,
+                                    **layers.lora_options(c))(h, ctx, cache)
         m = layers.MLP(c.intermediate_size or 4 * c.hidden_size, c.activation, gated=False, use_bias=True,
                        std=c.initializer_range, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
-                       name="mlp", **kw)(h)
+                       name="mlp", **kw, **layers.lora_options(c))(h)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         return x + drop(a) + drop(m), cache
 

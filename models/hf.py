@@ -116,7 +116,8 @@ def load_pretrained(path, *, dtype=jnp.float32, mesh=None, **options):
 
     dtype: parameter and computation dtype. mesh: a jax Mesh; each tensor is placed directly onto its
     engine.auto_shard sharding as it is read, so host memory peaks near one (layer-stacked) tensor, not the model.
-    options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation).
+    options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation; lora_rank > 0
+    adds fresh LoRA adapters, `models.add_lora`).
     """
     model, params, _ = _load(path, dtype, mesh, options, classifier=False)
     return model, params
@@ -183,15 +184,21 @@ def _load(path, dtype, mesh, options, classifier):
     if unused:
         logging.warning("load_pretrained(%s): ignored %d tensors not used by the model: %s", path, len(unused),
                         unused[:10])
+    if config.lora_rank:
+        from models import lora  # noqa: PLC0415 (models.lora builds on this module)
+        params = lora.add_lora(model, params, mesh=mesh)
     return model, params, score
 
 
 def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=None, pad_token_id=None):
     """Writes `params` as a transformers checkpoint directory (config.json + safetensors, sharded with an index past
-    max_shard_bytes) that `load_pretrained` and transformers' `from_pretrained` read back. With `score` [d_model,
+    max_shard_bytes) that `load_pretrained` and transformers' `from_pretrained` read back; LoRA adapters are merged
+    into their kernels (`models.merge_lora`). With `score` [d_model,
     num_labels] (a decoder family), a `*ForSequenceClassification` checkpoint instead: the decoder without its
     output head, and `score.weight`; `pad_token_id` tells transformers where a right-padded row ends (its score is
     read at the last token that is not padding)."""
+    from models import lora  # noqa: PLC0415 (models.lora builds on this module)
+    model, params = lora.merge_lora(model, params)  # a transformers checkpoint has the adapters folded in
     config = model.config
     fam = family(_model_type(model))
     os.makedirs(path, exist_ok=True)

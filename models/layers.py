@@ -22,6 +22,9 @@ import kernels
 Dtype = Any
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections of Attention and MLP
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     """Runtime options every family's config carries (not part of a checkpoint).
@@ -36,7 +39,10 @@ class ModelOptions:
     and where the family's Hugging Face model has it (OPT and GPT-J after the embeddings; T5 also after each stack's
     embeddings and final norm). attention_dropout_rate: dropout on the attention probabilities in training calls
     (inside the flash kernels: `kernels.flash_attention`'s dropout_rate), read from the family's Hugging Face config
-    (LLaMA and OPT `attention_dropout`, GPT-J `attn_pdrop`, T5 `dropout_rate`).
+    (LLaMA and OPT `attention_dropout`, GPT-J `attn_pdrop`, T5 `dropout_rate`). lora_rank > 0: LoRA (Hu et al.,
+    2021) on the projections named in lora_targets (of q, k, v, o, gate, up, down): y = x W + (x A) B alpha / rank
+    with A [in, rank] random and B [rank, out] zeros, both float32 (`models.lora`: the trainable set, merging).
+    Unlike the other options these fields change the parameters, so training scripts record them.
     """
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -47,6 +53,18 @@ class ModelOptions:
     kernel_interpret: bool = False
     dropout_rate: float = 0.0
     attention_dropout_rate: float = 0.0
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = LORA_TARGETS
+
+    def __post_init__(self):
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha!r}; expected a number > 0")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if isinstance(self.lora_targets, str) or unknown or not self.lora_targets:
+            raise ValueError(f"lora_targets={self.lora_targets!r}; expected a non-empty tuple of {LORA_TARGETS}")
 
     # Attention geometry of the decoder families (fields num_heads, hidden_size, optional num_kv_heads / head_dim).
     @property
@@ -103,13 +121,24 @@ class Norm(nn.Module):
         return h
 
 
+def lora_a_init(key, shape, dtype=jnp.float32):
+    """LoRA's A [..., in, rank]: uniform in +-1/sqrt(in) (PEFT's kaiming_uniform(a=sqrt(5))); B starts at zero, so
+    a fresh adapter changes nothing."""
+    bound = shape[-2] ** -0.5
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
 class Linear(nn.Module):
     """y = act(x @ kernel + bias), kernel [in, out]. With `implementation` the matmul, bias and activation run fused in
-    kernels.fused_matmul. The weights are also readable as `.kernel` / `.bias` (for the fused gated MLP)."""
+    kernels.fused_matmul. The weights are also readable as `.kernel` / `.bias` (for the fused gated MLP).
+    lora_rank > 0 adds LoRA's float32 `lora_a` [in, rank] and `lora_b` [rank, out]: (x A) B * lora_scale joins the
+    product before the activation (the kernel path then applies the activation after the sum)."""
     in_features: int
     features: int
     use_bias: bool = False
     std: float = 0.02
+    lora_rank: int = 0
+    lora_scale: float = 1.0
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -118,18 +147,39 @@ class Linear(nn.Module):
                                  self.param_dtype)
         self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \
             if self.use_bias else None
+        if self.lora_rank:
+            self.lora_a = self.param("lora_a", lora_a_init, (self.in_features, self.lora_rank), jnp.float32)
+            self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features), jnp.float32)
 
     def __call__(self, x, act=None, implementation=None, interpret=False):
         x = x.astype(self.dtype)
         w = self.kernel.astype(self.dtype)
         b = None if self.bias is None else self.bias.astype(self.dtype)
         if implementation is not None:
-            return kernels.fused_matmul(x, w, b, activation=_KERNEL_ACTIVATION.get(act, act),
-                                        implementation=implementation, interpret=interpret)
-        y = jnp.dot(x, w)
-        if b is not None:
-            y = y + b
+            y = kernels.fused_matmul(x, w, b, activation=None if self.lora_rank else _KERNEL_ACTIVATION.get(act, act),
+                                     implementation=implementation, interpret=interpret)
+            if not self.lora_rank:
+                return y
+        else:
+            y = jnp.dot(x, w)
+            if b is not None:
+                y = y + b
+        if self.lora_rank:
+            low = jnp.dot(x, self.lora_a.astype(self.dtype))
+            y = y + jnp.dot(low, self.lora_b.astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
         return y if act is None else activation(act)(y)
+
+
+def lora_options(config):
+    """Attention / MLP keyword arguments of a config's LoRA fields (`ModelOptions`)."""
+    return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets))
+
+
+def _lora(module, name):
+    """Linear's LoRA arguments for projection `name` of an Attention or MLP `module` (its lora_* fields)."""
+    if not module.lora_rank or name not in module.lora_targets:
+        return {}
+    return dict(lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank)
 
 
 # Hugging Face activation names -> the fused kernels' names.
@@ -296,6 +346,9 @@ class Attention(nn.Module):
     interpret: bool = False
     dropout_rate: float = 0.0
     deterministic: bool = True
+    lora_rank: int = 0  # LoRA on the projections in lora_targets (see `lora_options`)
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ()
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -304,14 +357,16 @@ class Attention(nn.Module):
         B, T, d_model = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         kw = dict(std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
-        q = Linear(d_model, H * D, self.use_bias, name="q", **{**kw, "std": self.q_std or self.std})(x)
+        q = Linear(d_model, H * D, self.use_bias, name="q", **{**kw, "std": self.q_std or self.std},
+                   **_lora(self, "q"))(x)
         q = q.reshape(B, T, H, D)
         if self.rotary is not None:
             q = self.rotary(q, ctx["positions"])
 
         def project_kv(src):
-            k = Linear(src.shape[-1], KVH * D, self.use_bias, name="k", **kw)(src).reshape(*src.shape[:2], KVH, D)
-            v = Linear(src.shape[-1], KVH * D, self.use_bias, name="v", **kw)(src).reshape(*src.shape[:2], KVH, D)
+            k = Linear(src.shape[-1], KVH * D, self.use_bias, name="k", **kw, **_lora(self, "k"))(src)
+            v = Linear(src.shape[-1], KVH * D, self.use_bias, name="v", **kw, **_lora(self, "v"))(src)
+            k, v = k.reshape(*src.shape[:2], KVH, D), v.reshape(*src.shape[:2], KVH, D)
             if self.rotary is not None:
                 k = self.rotary(k, ctx["positions"])
             return k, v
@@ -345,14 +400,16 @@ class Attention(nn.Module):
                 out = attend(q, k, v, causal=self.causal, q_segment_ids=ctx["segment_ids"], **opts)
         out = out.reshape(B, T, H * D)
         out_bias = self.use_bias if self.out_bias is None else self.out_bias
-        return Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std})(out), cache
+        return Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std},
+                      **_lora(self, "o"))(out), cache
 
 
 class MLP(nn.Module):
     """Feed-forward block: gated, down(act(gate(x)) * up(x)) (LLaMA SwiGLU, T5 v1.1), or down(act(up(x))).
 
     `implementation` (None = plain jnp, the default and the reference) routes the first matmul(s) and the
-    activation through the fused kernels: kernels.gated_mlp for the gated form, kernels.fused_matmul otherwise."""
+    activation through the fused kernels: kernels.gated_mlp for the gated form (kernels.fused_matmul for each of
+    gate and up when they have a bias or LoRA adapters), kernels.fused_matmul otherwise."""
     hidden: int
     act: str = "silu"
     gated: bool = True
@@ -361,6 +418,9 @@ class MLP(nn.Module):
     out_std: float | None = None  # the down projection's initial standard deviation (None: std)
     implementation: str | None = None
     interpret: bool = False
+    lora_rank: int = 0  # LoRA on the projections in lora_targets (see `lora_options`)
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ()
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -368,19 +428,20 @@ class MLP(nn.Module):
     def __call__(self, x):
         d = x.shape[-1]
         kw = dict(use_bias=self.use_bias, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
-        up = Linear(d, self.hidden, name="up", **kw)
+        fused = dict(implementation=self.implementation, interpret=self.interpret)
+        up = Linear(d, self.hidden, name="up", **kw, **_lora(self, "up"))
         if not self.gated:
-            h = up(x, act=self.act, implementation=self.implementation, interpret=self.interpret)
+            h = up(x, act=self.act, **fused)
         else:
-            gate = Linear(d, self.hidden, name="gate", **kw)
-            if self.implementation is not None and not self.use_bias:
+            gate = Linear(d, self.hidden, name="gate", **kw, **_lora(self, "gate"))
+            if self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank:
                 w_gate, w_up = gate.kernel.astype(self.dtype), up.kernel.astype(self.dtype)
                 h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up,
-                                      activation=_KERNEL_ACTIVATION.get(self.act, self.act),
-                                      implementation=self.implementation, interpret=self.interpret)
+                                      activation=_KERNEL_ACTIVATION.get(self.act, self.act), **fused)
             else:
-                h = gate(x, act=self.act) * up(x)
-        return Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std})(h)
+                h = gate(x, act=self.act, **fused) * up(x, **fused)
+        return Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std},
+                      **_lora(self, "down"))(h)
 
 
 # ----------------------------------------------------------------------------------------------------- stacks

@@ -97,7 +97,7 @@ class T5Block(nn.Module):
                     std=f * c.d_model ** -0.5, q_std=f * (c.d_model * c.d_kv) ** -0.5,
                     out_std=f * (c.num_heads * c.d_kv) ** -0.5, implementation=c.attention_implementation,
                     interpret=c.kernel_interpret, dropout_rate=c.attention_dropout_rate,
-                    deterministic=self.deterministic, **kw)
+                    deterministic=self.deterministic, **kw, **layers.lora_options(c))
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = layers.Norm("rms", c.layer_norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(causal=self.decoder, name="attn", **attn)(h, ctx, cache, bias=ctx["position_bias"])
@@ -110,7 +110,7 @@ class T5Block(nn.Module):
         h = layers.Norm("rms", c.layer_norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=f * c.d_model ** -0.5,
                        out_std=f * c.d_ff ** -0.5, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
-                       name="mlp", **kw)(h)
+                       name="mlp", **kw, **layers.lora_options(c))(h)
         return x + drop(h), cache
 
 

@@ -34,6 +34,9 @@ flags.DEFINE_enum("loss_implementation", "xla", ["plain", "xla"], "plain: materi
                   "linear + cross-entropy (no [tokens, vocab] array).")
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
+flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank on every projection.", lower_bound=0)
+flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Storage dtype of the frozen weights with "
+                  "--lora_rank (trained weights are always float32 masters).")
 
 
 def main(argv):
@@ -47,7 +50,7 @@ def main(argv):
     kwargs = dict(model=FLAGS.model, model_config=FLAGS.model_config, num_devices=FLAGS.num_devices,
                   per_device_batch_size=FLAGS.per_device_batch_size, seq_len=FLAGS.seq_len, remat=FLAGS.remat,
                   compute_dtype=FLAGS.compute_dtype, accumulate=FLAGS.accumulate, step=FLAGS.train_step,
-                  hbm_gb=FLAGS.hbm_gb,
+                  hbm_gb=FLAGS.hbm_gb, lora_rank=FLAGS.lora_rank, param_dtype=FLAGS.param_dtype,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
         results = plan.sweep(**kwargs)

@@ -66,7 +66,7 @@ def main(argv):
                                                             implementation=implementation),
                              params=params, optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              flops_per_example=2 * models.train_flops_per_example(model, FLAGS.seq_len),
-                             **cli.trainer_kwargs())
+                             trainable=cli.trainable(), **cli.trainer_kwargs())
     predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
                                  pred_fn=preference.preference_pred_fn(model, implementation=implementation))
     accuracy = lambda: preference.preference_accuracy(  # noqa: E731

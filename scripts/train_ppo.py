@@ -79,11 +79,12 @@ def _evaluate(task, params, eval_records):
     return mean_reward, float(np.mean([a == r["response"].strip() for a, r in zip(answers, records)]))
 
 
-def _optimizer(params):
+def _optimizer():
     """The training flags' optimizer; with --critic_learning_rate, one for the actor and one for the critic."""
     if FLAGS.critic_learning_rate is None:
         return cli.optimizer()
-    labels = {k: jax.tree.map(lambda _, k=k: k, v) for k, v in params.items()}
+    # A function of the parameters it updates: with --lora_rank those are the trained ones only.
+    labels = lambda tree: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in tree.items()}  # noqa: E731
     return optax.multi_transform({"actor": cli.optimizer(), "critic": cli.optimizer(FLAGS.critic_learning_rate)},
                                  labels)
 
@@ -122,8 +123,9 @@ def main(argv):
         if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
             raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
                              "expected a reward model trained on the policy's tokens")
-        rewards = {"reward_model": critic, "reward_params": reward_params}
-        critic_params = reward_params
+        # With --lora_rank the critic gets fresh adapters (B = 0), so as the frozen reward model it scores as before.
+        critic, critic_params = cli.with_lora(critic, reward_params, mesh)
+        rewards = {"reward_model": critic, "reward_params": critic_params}
     else:  # the toy task's rule; the critic starts from the policy with a fresh score head
         critic = reward.RewardModel(actor)
         critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
@@ -142,8 +144,9 @@ def main(argv):
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + models.train_flops_per_example(critic.backbone, seq_len)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
-                             params=params, optimizer=_optimizer(params), workdir=FLAGS.workdir,
-                             flops_per_example=flops, **cli.trainer_kwargs())
+                             params=params, optimizer=_optimizer(), workdir=FLAGS.workdir,
+                             flops_per_example=flops, trainable=cli.trainable(r"^critic/score$"),
+                             **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     print(f"{len(train_records)} training prompts; iterations of {rollout_batch_size} rollouts and "

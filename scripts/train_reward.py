@@ -55,7 +55,7 @@ def main(argv):
                              loss_fn=reward.reward_loss_fn(model), params=params, optimizer=cli.optimizer(),
                              workdir=FLAGS.workdir,
                              flops_per_example=2 * models.train_flops_per_example(backbone, FLAGS.seq_len),
-                             **cli.trainer_kwargs())
+                             trainable=cli.trainable(r"^score$"), **cli.trainer_kwargs())
     predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
                                  pred_fn=reward.reward_pred_fn(model))
     accuracy = lambda: reward.reward_accuracy(  # noqa: E731

@@ -54,7 +54,7 @@ def main(argv):
                              loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len),
-                             **cli.trainer_kwargs())
+                             trainable=cli.trainable(), **cli.trainer_kwargs())
     answered = eval_pairs[:FLAGS.eval_answers]
     exact = lambda: preference.answer_exact_match(  # noqa: E731
         model, trainer.params, tokenizer, answered, max_new_tokens=FLAGS.max_new_tokens) if answered else float("nan")

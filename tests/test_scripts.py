@@ -121,14 +121,26 @@ def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
 
 @pytest.mark.slow
 def test_sft_reward_model_ppo_and_generate(tmp_path):
-    """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT, a
-    reward model from the SFT checkpoint, PPO from both (stopped mid-iteration and resumed), PPO with the toy rule
-    reward, PPO with the reward model exported (export_hf.py) as a transformers sequence classifier, generate.py on
-    the PPO workdir, and the PPO policy exported as a causal language model."""
+    """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT with
+    LoRA adapters, a reward model from the SFT checkpoint (its adapters merged), PPO from both (stopped
+    mid-iteration and resumed), PPO with the toy rule reward, PPO with LoRA adapters on actor and critic and the
+    reward model exported (export_hf.py) as a transformers sequence classifier, generate.py on the PPO workdir, and
+    the PPO policy exported as a causal language model."""
     sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
     toy = ["--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--log_every=2"]
     _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
-         "--max_new_tokens=4", *toy)
+         "--max_new_tokens=4", "--lora_rank=4", "--lora_targets=q,v,down", *toy)
+    # Only the adapters trained: every other weight is still the fresh model's (seed 0).
+    _, sft_model, sft_params, _ = cli.restore_run(str(sft), engine.make_mesh())
+    assert sft_model.config.lora_rank == 4 and sft_model.config.lora_targets == ("q", "v", "down")
+    fresh = models.init_params(models.lora.without_lora(sft_model), jax.random.PRNGKey(0))
+    assert jax.tree.structure(models.merge_lora(sft_model, sft_params)[1]) == jax.tree.structure(fresh)
+    base = {engine.sharding.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(sft_params)[0]
+            if "lora" not in engine.sharding.path_str(p)}
+    for path, x in jax.tree_util.tree_flatten_with_path(fresh)[0]:
+        np.testing.assert_array_equal(np.asarray(base[engine.sharding.path_str(path)]), np.asarray(x))
+    assert any(np.abs(np.asarray(x)).max() > 0 for p, x in jax.tree_util.tree_flatten_with_path(sft_params)[0]
+               if engine.sharding.path_str(p).endswith("lora_b"))
     out = _run("train_reward.py", f"--init_from={sft}", f"--workdir={rm}", "--max_steps=4", "--seq_len=24", *toy)
     assert re.search(r"eval reward loss after training: [0-9.]+ \(was [0-9.]+\), accuracy", out.stdout), out.stdout
     assert json.loads((rm / "run.json").read_text())["task"] == "reward"
@@ -157,8 +169,10 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     out = _run("train_ppo.py", f"--init_from={sft}", f"--reward_from={tmp_path / 'rm_hf'}",
                f"--workdir={tmp_path / 'ppo_hf'}", "--rollout_batch_size=8", "--max_steps=2", "--max_new_tokens=6",
-               "--eval_answers=4", *toy)
+               "--eval_answers=4", "--lora_rank=2", "--critic_learning_rate=1e-3", *toy)
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
+    run = json.loads((tmp_path / "ppo_hf" / "run.json").read_text())
+    assert run["config"]["lora_rank"] == 2 and run["critic"]["config"]["lora_rank"] == 2
     gen = _run("generate.py", f"--workdir={ppo}", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
     out = _run("export_hf.py", f"--workdir={ppo}", f"--out={tmp_path / 'ppo_hf'}")
@@ -258,6 +272,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_ppo.py", "--rollout_batch_size=12"): "--rollout_batch_size=12; expected a positive multiple of the "
                                                      "global batch (128 rows)",
         ("generate.py", "--prompts=x", f"--workdir={tmp_path / 'rmrun'}"): "holds a reward run; expected one of",
+        ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
+                                                                    "lora_targets=('q', 'qkv'); expected",
     }
 
 

@@ -1,0 +1,130 @@
+"""models/lora.py and LoRA in the layers: fresh adapters change nothing, merging equals the unmerged model, the
+adapters follow their kernels' split, adapter-only training on a mesh freezes the rest, and export merges."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import engine
+import models
+from engine import text
+
+IDS = np.random.RandomState(0).randint(3, 120, (2, 9))
+
+
+def _logits(model, params):
+    args = (IDS, IDS) if getattr(model, "is_encoder_decoder", False) else (IDS,)
+    return np.asarray(model.apply({"params": params}, *args), np.float32)
+
+
+def _perturbed(params, seed=1):
+    """Every lora_b random (fresh ones are zero, which would hide a wrong product)."""
+    key = jax.random.PRNGKey(seed)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: 0.1 * jax.random.normal(jax.random.fold_in(key, hash(engine.sharding.path_str(p)) % 2**31),
+                                             x.shape, x.dtype) if engine.sharding.path_str(p).endswith("lora_b") else x,
+        params)
+
+
+@pytest.mark.parametrize("family,options", [
+    pytest.param("llama", dict(scan_layers=True), marks=pytest.mark.slow),
+    ("llama", dict(mlp_implementation="xla", lora_targets=("q", "gate"))),
+    pytest.param("gptj", {}, marks=pytest.mark.slow),
+    ("opt", dict(scan_layers=True)), ("t5", dict(lora_targets=("q", "v", "up")))])
+def test_fresh_adapters_change_nothing_and_merging_equals_the_adapted_model(family, options):
+    base = models.create_model(family, "tiny", **{k: v for k, v in options.items() if k != "lora_targets"})
+    base_params = models.init_params(base, jax.random.PRNGKey(0))
+    model = base.clone(config=base.config.__class__(**{**base.config.__dict__, "lora_rank": 4, **options}))
+    params = models.add_lora(model, base_params, jax.random.PRNGKey(2))
+    adapters = [engine.sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+                if re.search(models.LORA_TRAINABLE, engine.sharding.path_str(p))]
+    kernels = [engine.sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+               if engine.sharding.path_str(p).endswith("/kernel")]
+    targeted = {k[:-len("kernel")] for k in kernels if k.split("/")[-2] in model.config.lora_targets}
+    assert targeted and {a[:-len("lora_a")] for a in adapters if a.endswith("lora_a")} == targeted
+    np.testing.assert_allclose(_logits(model, params), _logits(base, base_params), atol=1e-6)
+
+    params = _perturbed(params)
+    adapted = _logits(model, params)
+    assert np.abs(adapted - _logits(base, base_params)).max() > 1e-3
+    merged_model, merged = models.merge_lora(model, params)
+    assert merged_model.config.lora_rank == 0 and not models.has_lora(merged)
+    assert jax.tree.structure(merged) == jax.tree.structure(base_params)
+    np.testing.assert_allclose(_logits(merged_model, merged), adapted, rtol=1e-5, atol=2e-5)
+
+
+def test_adapters_follow_their_kernels_split():
+    """Column-split kernels split B's columns, row-split ones A's rows; the base weights' layout is the one without
+    LoRA (the adapters' own branch does not steer the trace)."""
+    mesh = engine.make_mesh(data=1, fsdp=4, model=2)
+    specs = {}
+    for rank in (0, 4):
+        model = models.create_model("llama", "tiny", scan_layers=True, lora_rank=rank)
+        abstract = jax.eval_shape(lambda m=model: models.init_params(m))
+        tree = engine.auto_shard(abstract, mesh, trace_fn=lambda p, m=model: m.apply({"params": p}, IDS))
+        specs[rank] = {engine.sharding.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, P))[0]}
+    assert {k: v for k, v in specs[4].items() if "lora" not in k} == specs[0]
+    lora = specs[4]
+    assert lora["layers/attn/q/lora_a"] == P() and "model" in lora["layers/attn/q/lora_b"]
+    assert lora["layers/attn/o/lora_b"] == P() and lora["layers/attn/o/lora_a"][1] == "model"
+    assert lora["layers/mlp/down/lora_a"][1] == "model" and lora["layers/mlp/up/lora_b"][2] == "model"
+
+
+def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path):
+    """Adapter-only training (scanned, rematerialised LLaMA on 2x2x2, the shard_map step with ZeRO-3 gathers and its
+    pipelined layer stack): the loss falls, every base weight keeps its exact value, the optimizer state is the
+    adapters' size, and the transformers export (adapters merged) gives the trained model's logits."""
+    base = models.create_model("llama", "tiny", scan_layers=True, remat="full")
+    model = base.clone(config=base.config.__class__(**{**base.config.__dict__, "lora_rank": 8, "lora_alpha": 16.0}))
+    mesh = engine.make_mesh(data=2, fsdp=2, model=2)
+    params = models.add_lora(model, models.init_params(base, jax.random.PRNGKey(0), mesh=mesh), mesh=mesh)
+    before = jax.device_get(params)
+    rng = np.random.RandomState(0)
+    # Eight frequent tokens: learnable through the adapters (a random base's frozen head and final norm bound the
+    # logits' range, so the loss stops near 4.4 however long it trains; full fine-tuning reaches log 8 = 2.1).
+    rows = [{"tokens": rng.randint(3, 11, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
+            for _ in range(64)]
+    loss_fn = text.lm_loss_fn(model)
+    loss_fn.weight_metric = "tokens"
+    trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=params,
+                             optimizer=optax.adam(3e-2), step="shard_map", trainable=models.LORA_TRAINABLE)
+    trainer.fit(rows, per_device_batch_size=2, max_steps=12, log_every=12)
+    assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.25
+    after = jax.device_get(trainer.params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after)):
+        name = engine.sharding.path_str(path)
+        assert ("lora" in name) != np.array_equal(a, b), name
+    adapter_size = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(before)[0]
+                       if "lora" in engine.sharding.path_str(p))
+    assert sum(x.size for x in jax.tree.leaves(trainer.opt_state)) == 2 * adapter_size + 1  # Adam: mu, nu, count
+
+    models.save_pretrained(model, trainer.params, str(tmp_path))
+    loaded, loaded_params = models.load_pretrained(str(tmp_path))
+    assert not models.has_lora(loaded_params)
+    np.testing.assert_allclose(_logits(loaded, loaded_params), _logits(model, after), atol=2e-5)
+    # Loading with lora_rank adds fresh adapters to the merged model: the same logits again.
+    again, again_params = models.load_pretrained(str(tmp_path), lora_rank=4, scan_layers=True)
+    assert again.config.lora_rank == 4 and models.has_lora(again_params)
+    np.testing.assert_allclose(_logits(again, again_params), _logits(model, after), atol=2e-5)
+
+
+def test_lora_bad_input_errors():
+    for bad, match in [(dict(lora_rank=-1), "lora_rank"), (dict(lora_rank=4, lora_targets=("qkv",)), "lora_targets"),
+                       (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha")]:
+        with pytest.raises(ValueError, match=match):
+            models.get_config("llama", "tiny", **bad)
+    base = models.create_model("llama", "tiny")
+    params = models.init_params(base)
+    with pytest.raises(ValueError, match="lora_rank=0"):
+        models.add_lora(base, params)
+    model = models.create_model("llama", "tiny", lora_rank=2)
+    with pytest.raises(ValueError, match="already hold"):
+        models.add_lora(model, models.init_params(model))
+    with pytest.raises(ValueError, match="missing"):
+        models.add_lora(model, {k: v for k, v in params.items() if k != "lm_head"})
+    assert jnp.shape(models.add_lora(model, params)["layers_0"]["attn"]["q"]["lora_a"]) == (64, 2)
