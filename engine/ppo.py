@@ -16,12 +16,18 @@ One iteration (`fit_ppo`):
 
 Memory: four models, two trained (actor and critic, with optimizer state) and two frozen (reference and reward model,
 parameters only, used in the scoring pass; `ref_params` may be the very arrays the actor starts from: the Trainer
-places copies of its initial parameters before it donates them). The models run deterministically (no dropout), so
+places copies of its initial parameters before it donates them). With LoRA (adapters trained, every other weight
+frozen: `Trainer(trainable=...)`) the frozen models need no weights of their own: `ref_params=None` makes the
+reference the actor with its adapters off, and `reward_params={'score': ...}` (no 'backbone') the reward model the
+critic's backbone with its adapters off under that score head, both reading the Trainer's frozen arrays (DeepSpeed-
+Chat and Colossal-AI's LoRA PPO keep one base model for actor and reference likewise). Two copies of the base
+weights instead of four; `fit_ppo` checks that those weights are frozen. The models run deterministically (no dropout), so
 the ratio of the first update is exactly 1. A run resumes exactly: each iteration's experience is written to the
 workdir before the updates.
 """
 import dataclasses
 import os
+import re
 from typing import Optional
 
 import jax
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+import models
 from engine import preference, reward, text
 from engine.predictor import Predictor
 from engine.trainer import global_batch_size
@@ -128,11 +135,14 @@ class PPO:
       actor: the policy, a decoder-only model; its parameters are `params['actor']` of the Trainer.
       critic: an `engine.reward.RewardModel` of any backbone; `params['critic']` (usually a copy of the reward
         model's parameters, or of the actor's backbone with a fresh score head).
-      ref_params: the frozen reference policy's parameters (the actor's starting point), for the KL penalty.
+      ref_params: the frozen reference policy's parameters (the actor's starting point), for the KL penalty; None:
+        the actor with its LoRA adapters off (the actor needs adapters, and only they may train).
       tokenizer: of the actor (and of the reward model: they read the same token rows).
       mesh: the scoring pass's mesh (the Trainer's).
       seq_len: row width; rows longer than seq_len + 1 tokens lose their end.
-      reward_model, reward_params: a frozen learnt reward model (`engine.reward.RewardModel`), or
+      reward_model, reward_params: a frozen learnt reward model (`engine.reward.RewardModel`; reward_params without
+        'backbone', i.e. {'score': [d, 1]}: the critic's backbone with its LoRA adapters off under that score head,
+        the critic's backbone then frozen but for its adapters), or
       reward_fn: `reward_fn(prompt, response) -> float` on strings (the response decoded up to EOS): a rule or
         verifier instead of a learnt model. Exactly one of reward_model and reward_fn.
       config: a `PPOConfig`.
@@ -157,6 +167,16 @@ class PPO:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
         text.check_implementation(implementation)
+        if ref_params is None and not actor.config.lora_rank:
+            raise ValueError("ref_params=None (the reference is the actor with its LoRA adapters off); expected an "
+                             "actor with lora_rank > 0, or the reference's parameters")
+        self.ref_from_actor = ref_params is None
+        self.reward_from_critic = reward_model is not None and "backbone" not in reward_params
+        if self.reward_from_critic and (not critic.backbone.config.lora_rank or reward_model.backbone.config
+                                        != critic.backbone.config or set(reward_params) != {"score"}):
+            raise ValueError(f"reward_params with keys {sorted(reward_params)} (no 'backbone': the critic's backbone "
+                             "with its adapters off); expected {'score'} with a critic of LoRA adapters (lora_rank "
+                             "> 0) whose backbone is the reward model's")
         self.actor, self.critic, self.ref_params, self.tokenizer = actor, critic, ref_params, tokenizer
         self.reward_model, self.reward_params, self.reward_fn = reward_model, reward_params, reward_fn
         self.mesh, self.seq_len, self.config = mesh, seq_len, config
@@ -167,10 +187,23 @@ class PPO:
     def _score(self, params, batch, rng):
         del rng
         log_probs = lambda p: _log_probs(self.actor, p, batch, self.implementation, self.interpret)  # noqa: E731
-        out = {"log_probs": log_probs(params["actor"]), "ref_log_probs": log_probs(params["ref"]),
+        ref = models.adapters_off(params["actor"]) if self.ref_from_actor else params["ref"]
+        out = {"log_probs": log_probs(params["actor"]), "ref_log_probs": log_probs(ref),
                "values": self.critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])}
         if self.reward_model is not None:
-            out["score"] = reward.sequence_rewards(self.reward_model, params["reward"], batch)
+            scorer = params["reward"]
+            if self.reward_from_critic:
+                scorer = {"backbone": models.adapters_off(params["critic"]["backbone"]), "score": scorer["score"]}
+            out["score"] = reward.sequence_rewards(self.reward_model, scorer, batch)
+        return out
+
+    def frozen_paths(self):
+        """Regexes of the parameters {'actor', 'critic'} that the shared frozen models read, so must not train."""
+        out = []
+        if self.ref_from_actor:
+            out.append(r"^actor/")
+        if self.reward_from_critic:
+            out.append(r"^critic/backbone/")
         return out
 
     def loss_fn(self):
@@ -198,8 +231,9 @@ class PPO:
                                  f"its response ({len(response)}) do not fit; expected seq_len >= the longest "
                                  "prompt + max_new_tokens - 1")
             rows.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
-        frozen = {"ref": self.ref_params} if self.reward_model is None else {"ref": self.ref_params,
-                                                                             "reward": self.reward_params}
+        frozen = {} if self.ref_from_actor else {"ref": self.ref_params}
+        if self.reward_model is not None:
+            frozen["reward"] = self.reward_params
         scored = self._scorer.predict(rows, per_device_batch_size=per_device_batch_size,
                                       params={"actor": params["actor"], "critic": params["critic"], **frozen})
         eos = self.tokenizer.eos_id
@@ -295,6 +329,13 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                              "or >= 1")
     if not prompts:
         raise ValueError("prompts: none given; expected at least one prompt")
+    trained = trainer.trainable_paths()
+    for scope in ppo.frozen_paths():  # a shared reference must not move: only adapters may train there
+        moving = [p for p in trained if re.search(scope, p) and not re.search(models.LORA_TRAINABLE, p)]
+        if moving:
+            raise ValueError(f"trainer trains {moving[0]} (and {len(moving) - 1} more), which the reference or "
+                             "reward model shares with it (ref_params=None / reward_params without 'backbone'); "
+                             "expected trainable=models.LORA_TRAINABLE (plus the critic's score head)")
     steps_per_iteration = ppo_epochs * rollout_batch_size // rows
     path = os.path.join(trainer.workdir, EXPERIENCE_FILE) if trainer.workdir else None
     history = []

@@ -258,6 +258,13 @@ class Trainer:
     def param_specs(self):
         return self._param_specs
 
+    def trainable_paths(self):
+        """The '/'-joined paths of the parameters this Trainer trains (every one without `trainable`)."""
+        mask = _trainable_mask(self._trainable_arg, self.params)
+        flat = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        return [path_str(p) for (p, _), m in zip(flat, jax.tree.leaves(mask) if mask is not None else
+                                                  [True] * len(flat)) if m]
+
     # ------------------------------------------------------------------------------------------------ set-up
     def _example_batch(self):
         """Zeros shaped like one global micro-batch: the input of the abstract trace that decides the sharding."""

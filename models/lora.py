@@ -30,6 +30,14 @@ def has_lora(params):
     return any(_ADAPTER.search(_path(p)) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
+def adapters_off(params):
+    """`params` with every lora_b zero: the model without its adapters' contribution, sharing every other array
+    (inside a compiled function the zeros cost nothing): the base model of an adapter-trained run, e.g. PPO's
+    reference policy, without a second copy of its weights."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if _path(p).endswith("lora_b") else x, params)
+
+
 def without_lora(model):
     """`model` with lora_rank 0 (the structure `merge_lora`'s parameters have)."""
     return model.clone(config=dataclasses.replace(model.config, lora_rank=0))

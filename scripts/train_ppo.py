@@ -123,9 +123,11 @@ def main(argv):
         if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
             raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
                              "expected a reward model trained on the policy's tokens")
-        # With --lora_rank the critic gets fresh adapters (B = 0), so as the frozen reward model it scores as before.
+        # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy of
+        # the reward model's weights (engine/ppo.py), frozen.
         critic, critic_params = cli.with_lora(critic, reward_params, mesh)
-        rewards = {"reward_model": critic, "reward_params": critic_params}
+        rewards = {"reward_model": critic, "reward_params": (
+            {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
     else:  # the toy task's rule; the critic starts from the policy with a fresh score head
         critic = reward.RewardModel(actor)
         critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
@@ -133,7 +135,9 @@ def main(argv):
     # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very
     # arrays the actor and the critic start from.
     params = {"actor": actor_params, "critic": critic_params}
-    task = ppo.PPO(actor=actor, critic=critic, ref_params=actor_params, tokenizer=tokenizer, mesh=mesh,
+    # With --lora_rank the reference is the actor with its adapters off (no copy of the policy's weights).
+    task = ppo.PPO(actor=actor, critic=critic, ref_params=None if FLAGS.lora_rank else actor_params,
+                   tokenizer=tokenizer, mesh=mesh,
                    seq_len=seq_len, config=config, implementation=cli.loss_implementation(), **rewards)
     rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
     rollout_batch_size = FLAGS.rollout_batch_size or 4 * rows

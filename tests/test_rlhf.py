@@ -238,3 +238,59 @@ def test_ppo_raises_the_rule_reward():
                         ppo_epochs=1)
     scores = [s["score"] for s in stats]
     assert np.mean(scores[-3:]) > np.mean(scores[:3]) + 0.08, scores
+
+
+def _lora_ppo(sft_params, mesh):
+    """(shared, copies, params, prompts, common PPO arguments): LoRA PPO with reference and reward model sharing
+    the frozen weights, and the same with separate copies of them."""
+    actor = models.create_model("llama", "tiny", vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128,
+                                lora_rank=4)
+    critic = reward.RewardModel(actor)
+    actor_params = models.add_lora(actor, sft_params, jax.random.PRNGKey(5))
+    critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(1))
+    score = {"score": jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(2), x.shape),
+                                   critic_params["score"])}
+    config = ppo.PPOConfig(max_new_tokens=8)
+    common = dict(actor=actor, critic=critic, tokenizer=TOK, mesh=mesh, seq_len=14, reward_model=critic,
+                  config=config)
+    shared = ppo.PPO(ref_params=None, reward_params=score, **common)
+    copies = ppo.PPO(ref_params=actor_params, reward_params={"backbone": critic_params["backbone"], **score},
+                     **common)
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(256, seed=0)]
+    return shared, copies, {"actor": actor_params, "critic": critic_params}, prompts, dict(common, reward_params=score)
+
+
+@pytest.mark.slow
+def test_lora_ppo_shares_the_frozen_base_with_reference_and_reward_model(sft_params):
+    """With adapters on actor and critic and only they (and the critic's score head) trained, `ref_params=None` and
+    `reward_params={'score': ...}` read the Trainer's frozen weights with the adapters off: rollouts and two
+    iterations of updates equal those of the same run with separate reference and reward-model copies (to float
+    rounding: the two scoring passes are different compiled programs)."""
+    mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    shared, copies, params, prompts, _ = _lora_ppo(sft_params, mesh)
+    runs = []
+    for task in (shared, copies):
+        trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
+                                 params=params, optimizer=optax.adam(1e-2),
+                                 trainable=models.LORA_TRAINABLE + "|^critic/score$")
+        stats = ppo.fit_ppo(trainer, task, prompts, max_steps=4, rollout_batch_size=16, per_device_batch_size=4)
+        runs.append((trainer.params, stats))
+    (p1, s1), (p2, s2) = runs
+    assert len(s1) == 2 and s1[0]["kl"] == 0.0 and s1[1]["kl"] != 0.0
+    for a, b in zip(s1, s2):
+        assert a.keys() == b.keys() and all(np.isclose(a[k], b[k], rtol=1e-5) for k in a), (a, b)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_lora_ppo_refuses_to_train_what_the_shared_reference_reads(sft_params):
+    mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    shared, _, params, prompts, common = _lora_ppo(sft_params, mesh)
+    everything = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=shared.loss_fn(),
+                                params=params, optimizer=optax.adam(1e-2))
+    with pytest.raises(ValueError, match="shares with it"):
+        ppo.fit_ppo(everything, shared, prompts, max_steps=2, rollout_batch_size=16, per_device_batch_size=4)
+    with pytest.raises(ValueError, match="ref_params=None"):
+        ppo.PPO(**{**common, "actor": _backbone()}, ref_params=None)
+    with pytest.raises(ValueError, match="no 'backbone'"):
+        ppo.PPO(**{**common, "critic": reward.RewardModel(_backbone()), "ref_params": None})

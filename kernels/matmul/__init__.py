@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from kernels import _partition
 from kernels._dispatch import resolve_implementation
@@ -107,6 +107,23 @@ def _column_specs(cfg, x, n):
     return _P(b, None), _P(None, m), _P(m)
 
 
+def _marked(fwd):
+    """A custom_vjp forward rule for `defvjp(..., symbolic_zeros=True)`: calls `fwd` on the primal values and adds
+    to its residuals which of the (up to three) differentiable inputs are perturbed, as () or None, so the backward
+    rule computes only the gradients asked for: a frozen weight (Trainer(trainable=...), LoRA) gets no weight
+    gradient matmul and no weight-sized buffer."""
+    def marked(*args):
+        diff, static = args[:3], args[3:]
+        y, res = fwd(*(None if a is None else a.value for a in diff), *static)
+        return y, (res, tuple(() if a is not None and a.perturbed else None for a in diff))
+    return marked
+
+
+def _instantiate(ct):
+    """A cotangent that may be symbolically zero, as an array."""
+    return jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _fused_matmul(x, w, bias, activation, cfg):
     return _fused_matmul_fwd(x, w, bias, activation, cfg)[0]
@@ -119,8 +136,10 @@ def _fused_matmul_fwd(x, w, bias, activation, cfg):
     return y, (x, w, bias)
 
 
-def _fused_matmul_bwd(activation, cfg, res, dy):
-    x, w, bias = res
+def _fused_matmul_bwd(activation, cfg, res_marks, dy):
+    (x, w, bias), marks = res_marks
+    want_x, want_w, want_bias = (m is not None for m in marks)
+    dy = _instantiate(dy)
     if activation is None:
         dz = dy
     else:
@@ -128,13 +147,13 @@ def _fused_matmul_bwd(activation, cfg, res, dy):
         kinds = ("col",) * (bias is not None) + ("tile",)
         (dz,) = cfg.matmul((x,), (w,), extras, extra_kinds=kinds, out_dtypes=(x.dtype,),
                            epilogue=reference.epilogue_bias_act_grad(activation, bias is not None))
-    (dx,) = cfg.matmul((dz,), (w,), out_dtypes=(x.dtype,), trans_rhs=True)
-    (dw,) = cfg.matmul((x,), (dz,), out_dtypes=(w.dtype,), trans_lhs=True)
-    dbias = None if bias is None else jnp.sum(dz, axis=0, dtype=jnp.float32).astype(bias.dtype)
+    dx = cfg.matmul((dz,), (w,), out_dtypes=(x.dtype,), trans_rhs=True)[0] if want_x else None
+    dw = cfg.matmul((x,), (dz,), out_dtypes=(w.dtype,), trans_lhs=True)[0] if want_w else None
+    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(bias.dtype) if want_bias else None
     return dx, dw, dbias
 
 
-_fused_matmul.defvjp(_fused_matmul_fwd, _fused_matmul_bwd)
+_fused_matmul.defvjp(_marked(_fused_matmul_fwd), _fused_matmul_bwd, symbolic_zeros=True)
 
 
 # ---- gated_mlp ----
@@ -169,17 +188,23 @@ def _gated_mlp_fwd(x, w_gate, w_up, activation, cfg):
     return h, (x, w_gate, w_up)
 
 
-def _gated_mlp_bwd(activation, cfg, res, dh):
-    x, w_gate, w_up = res
-    d_gate, d_up = cfg.matmul((x,), (w_gate, w_up), (dh,), extra_kinds=("tile",), terms=_TWO,
+def _gated_mlp_bwd(activation, cfg, res_marks, dh):
+    (x, w_gate, w_up), marks = res_marks
+    want_x, want_gate, want_up = (m is not None for m in marks)
+    d_gate, d_up = cfg.matmul((x,), (w_gate, w_up), (_instantiate(dh),), extra_kinds=("tile",), terms=_TWO,
                               epilogue=reference.epilogue_gate_grad(activation), out_dtypes=(x.dtype, x.dtype))
-    (dx,) = cfg.matmul((d_gate, d_up), (w_gate, w_up), terms=(((0, 0), (1, 1)),), out_dtypes=(x.dtype,),
-                       trans_rhs=True)
-    dw_gate, dw_up = cfg.matmul((x,), (d_gate, d_up), terms=_TWO, out_dtypes=(w_gate.dtype,) * 2, trans_lhs=True)
+    dx = cfg.matmul((d_gate, d_up), (w_gate, w_up), terms=(((0, 0), (1, 1)),), out_dtypes=(x.dtype,),
+                    trans_rhs=True)[0] if want_x else None
+    if want_gate and want_up:
+        dw_gate, dw_up = cfg.matmul((x,), (d_gate, d_up), terms=_TWO, out_dtypes=(w_gate.dtype,) * 2,
+                                    trans_lhs=True)
+    else:
+        dw_gate = cfg.matmul((x,), (d_gate,), out_dtypes=(w_gate.dtype,), trans_lhs=True)[0] if want_gate else None
+        dw_up = cfg.matmul((x,), (d_up,), out_dtypes=(w_up.dtype,), trans_lhs=True)[0] if want_up else None
     return dx, dw_gate, dw_up
 
 
-_gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
+_gated_mlp.defvjp(_marked(_gated_mlp_fwd), _gated_mlp_bwd, symbolic_zeros=True)
 
 
 # ---- linear_cross_entropy ----
@@ -268,15 +293,18 @@ def vocab_parallel_call(name, x, w, labels, axis_name):
         loss = jnp.where(labels_all != ignore_index, lse - lax.psum(label_part, axis_name), 0.0)
         return lax.dynamic_slice_in_dim(loss, rank * n, n), (x_all, w, local, lse, labels)
 
-    def backward(res, g):
-        x_all, w, local, lse, labels = res
-        g_all = lax.all_gather(g, axis_name, axis=0, tiled=True)
-        dx_all, dw, _ = _linear_cross_entropy_bwd(ignore_index, cfg, (x_all, w, local, lse), g_all)
-        # Summed in float32: every device holds part of every row's gradient (its vocabulary slice's share).
-        dx = lax.psum_scatter(dx_all.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
-        return dx.astype(x_all.dtype), dw, np.zeros(labels.shape, jax.dtypes.float0)
+    def backward(res_marks, g):
+        (x_all, w, local, lse, labels), marks = res_marks
+        want_x, want_w = (m is not None for m in marks[:2])
+        g_all = lax.all_gather(_instantiate(g), axis_name, axis=0, tiled=True)
+        dx_all, dw = _lce_grads(ignore_index, cfg, (x_all, w, local, lse), g_all, want_x, want_w)
+        dx = None
+        if want_x:  # summed in float32: every device holds part of every row's gradient (its slice's share)
+            dx = lax.psum_scatter(dx_all.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
+            dx = dx.astype(x_all.dtype)
+        return dx, dw, None
 
-    run.defvjp(forward, backward)
+    run.defvjp(_marked(forward), backward, symbolic_zeros=True)
     return run(x, w, labels)
 
 
@@ -292,7 +320,16 @@ def _linear_cross_entropy_fwd(x, w, labels, ignore_index, cfg):
     return loss, (x, w, labels, lse)
 
 
-def _linear_cross_entropy_bwd(ignore_index, cfg, res, g):
+def _linear_cross_entropy_bwd(ignore_index, cfg, res_marks, g):
+    (x, w, labels, lse), marks = res_marks
+    want_x, want_w = (m is not None for m in marks[:2])
+    dx, dw = _lce_grads(ignore_index, cfg, (x, w, labels, lse), _instantiate(g), want_x, want_w)
+    return dx, dw, None
+
+
+def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True):
+    """(dx or None, dw or None) of the loss, recomputing the logits one vocabulary chunk at a time; only what is
+    wanted is computed (a frozen head, e.g. under LoRA, costs no [D, V] gradient)."""
     x, w, labels, lse = res
     n = x.shape[0]
     # Zero cotangent for ignored tokens zeroes their whole row of d logits, hence their dx and share of dw.
@@ -303,13 +340,17 @@ def _linear_cross_entropy_bwd(ignore_index, cfg, res, g):
         (dlogits,) = cfg.matmul((x,), (w_c,), (lse.reshape(n, 1), (labels - start).reshape(n, 1), g),
                                 extra_kinds=("row",) * 3, epilogue=reference.epilogue_dlogits,
                                 out_dtypes=(x.dtype,))
-        (dx_c,) = cfg.matmul((dlogits,), (w_c,), out_dtypes=(jnp.float32,), trans_rhs=True)
-        (dw_c,) = cfg.matmul((x,), (dlogits,), out_dtypes=(w.dtype,), trans_lhs=True)
-        return dx + dx_c, lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=1)
+        if want_x:
+            dx = dx + cfg.matmul((dlogits,), (w_c,), out_dtypes=(jnp.float32,), trans_rhs=True)[0]
+        if want_w:
+            (dw_c,) = cfg.matmul((x,), (dlogits,), out_dtypes=(w.dtype,), trans_lhs=True)
+            dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=1)
+        return dx, dw
 
-    dx, dw = reference.sweep_vocab(step, (jnp.zeros(x.shape, jnp.float32), jnp.zeros_like(w)), w,
-                                   cfg.blocks.vocab_chunk)
-    return dx.astype(x.dtype), dw, None
+    init = (jnp.zeros(x.shape, jnp.float32) if want_x else jnp.zeros((), jnp.float32),
+            jnp.zeros_like(w) if want_w else jnp.zeros((), w.dtype))
+    dx, dw = reference.sweep_vocab(step, init, w, cfg.blocks.vocab_chunk)
+    return (dx.astype(x.dtype) if want_x else None), (dw if want_w else None)
 
 
-_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
+_linear_cross_entropy.defvjp(_marked(_linear_cross_entropy_fwd), _linear_cross_entropy_bwd, symbolic_zeros=True)
