@@ -245,6 +245,8 @@ def define_decoder_flags(*, init_from_help,
                         "fields.")
     flags.DEFINE_string("model_overrides", model_overrides, "JSON object of config fields that replace the named "
                         "config's (fresh models only).")
+    flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory (export_hf.py --adapter_only, or PEFT's "
+                        "own save_pretrained) merged into --init_from's model before training.")
     flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank (models.lora) on the projections "
                          "in --lora_targets, the rest of the model frozen; adapters of the starting workdir are "
                          "merged first. 0: train every parameter.", lower_bound=0)
@@ -261,6 +263,12 @@ def start_decoder(mesh, *, tasks, seq_len):
     --data is given and the toy tasks' word tokens otherwise; then the --lora_* flags (`with_lora`). Parameters are
     placed on `mesh`."""
     task, model, params, tokenizer = _start_decoder(mesh, tasks, seq_len)
+    if FLAGS.init_adapter:
+        if not os.path.isdir(FLAGS.init_adapter):
+            raise FileNotFoundError(f"--init_adapter={FLAGS.init_adapter} is not a directory; expected a PEFT "
+                                    "adapter directory")
+        model, params = models.merge_lora(model, params)
+        model, params = models.load_lora_adapter(model, params, FLAGS.init_adapter, mesh=mesh)
     return (task, *with_lora(model, params, mesh), tokenizer)
 
 

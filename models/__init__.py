@@ -11,7 +11,8 @@ from models.gptj import GPTJ, GPTJConfig
 from models.hf import (FAMILIES, config_from_hf, init_params, load_pretrained, load_sequence_classifier, load_tokenizer,
                        save_pretrained)
 from models.layers import ModelOptions
-from models.lora import LORA_TRAINABLE, adapters_off, add_lora, has_lora, merge_lora
+from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,
+                         save_lora_adapter)
 from models.llama import Llama, LlamaConfig
 from models.opt import OPT, OPTConfig
 from models.t5 import T5, T5Config

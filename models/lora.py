@@ -8,13 +8,16 @@ adapters on a model read without them (a Hugging Face checkpoint, a finished run
 kernels (for export, or before the next stage adds its own).
 """
 import dataclasses
+import json
+import os
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import hf
-from models.layers import lora_a_init
+from models.layers import LORA_TARGETS, lora_a_init
 
 # Engine.Trainer(trainable=...) for adapter-only training: the '/'-joined paths of every lora_a and lora_b.
 LORA_TRAINABLE = r"(^|/)lora_[ab]$"
@@ -95,3 +98,96 @@ def add_lora(model, params, rng=None, *, mesh=None):
     made = dict(zip(new, jax.jit(adapters, out_shardings=placements)(rng)))
     leaves = [made[i] if i in made else given[key] for i, key in enumerate(keys)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ----------------------------------------------------------------------------------------------- PEFT adapters
+# The adapters alone in the layout of Hugging Face PEFT's `save_pretrained` (what `PeftModel.from_pretrained`, and
+# LoRA-serving inference engines, read beside the base model): adapter_config.json and adapter_model.safetensors with
+# `base_model.model.<module>.lora_A.weight` [r, in] and `lora_B.weight` [out, r] for each adapted transformers module.
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _adapted_modules(model):
+    """(our module path as stored, [transformers module names, one per layer], stacked) of every projection that
+    `model`'s config adapts, from the family's checkpoint map."""
+    config = model.config
+    fam = hf.family(hf._model_type(model))
+    for path, names, transpose, stacked in hf._entries(config, fam.hf_tensor_map(config)):
+        if path[-1] == "kernel" and path[-2] in config.lora_targets and transpose:
+            yield path[:-1], [n[:-len(".weight")] for n in names], stacked
+
+
+def save_lora_adapter(model, params, path):
+    """Writes the LoRA adapters of `params` (a model with lora_rank > 0) as a PEFT adapter directory; the base model
+    is what `merge_lora` would fold them into, e.g. the checkpoint the run started from."""
+    if not model.config.lora_rank or not has_lora(params):
+        raise ValueError("save_lora_adapter: expected a model with lora_rank > 0 and parameters holding its adapters")
+    from safetensors.numpy import save_file  # noqa: PLC0415
+    tensors, modules = {}, set()
+    for module, names, stacked in _adapted_modules(model):
+        node = hf._get(params, module)
+        a, b = (np.asarray(jax.device_get(node[k]), np.float32) for k in ("lora_a", "lora_b"))
+        for i, name in enumerate(names):
+            tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray((a[i] if stacked else a).T)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray((b[i] if stacked else b).T)
+            modules.add(name.rsplit(".", 1)[-1])
+    config = {"peft_type": "LORA", "task_type": "SEQ_2_SEQ_LM" if getattr(model, "is_encoder_decoder", False)
+              else "CAUSAL_LM", "r": model.config.lora_rank, "lora_alpha": model.config.lora_alpha,
+              "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+              "base_model_name_or_path": None}
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def load_lora_adapter(model, params, path, *, mesh=None):
+    """(model with the adapter's LoRA settings, params with its adapters) from a PEFT adapter directory and the base
+    model's `params` (without adapters); with `mesh`, the adapters are placed on their auto_shard layout. ValueError
+    for what this LoRA does not express (rsLoRA scaling, trained biases, extra trained modules, a regex target)."""
+    config_file = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{path} has no {ADAPTER_CONFIG}; expected a PEFT LoRA adapter directory")
+    with open(config_file) as f:
+        peft = json.load(f)
+    unsupported = {"peft_type": peft.get("peft_type") != "LORA", "bias": peft.get("bias", "none") != "none",
+                   "use_rslora": bool(peft.get("use_rslora")), "modules_to_save": bool(peft.get("modules_to_save")),
+                   "fan_in_fan_out": bool(peft.get("fan_in_fan_out")),
+                   "target_modules": not isinstance(peft.get("target_modules"), list)}
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"{config_file}: {bad[0]}={peft.get(bad[0])!r}; expected peft_type 'LORA', bias 'none', "
+                         "no rsLoRA, no modules_to_save, fan_in_fan_out false and a list of target_modules")
+    # transformers module names -> ours, from every projection the family has
+    everything = model.clone(config=dataclasses.replace(model.config, lora_rank=1, lora_targets=LORA_TARGETS))
+    ours = {names[0].rsplit(".", 1)[-1]: module[-1] for module, names, _ in _adapted_modules(everything)}
+    unknown = sorted(set(peft["target_modules"]) - set(ours))
+    if unknown:
+        raise ValueError(f"{config_file}: target_modules {unknown} are not projections of this "
+                         f"{hf._model_type(model)} model (those are {sorted(ours)})")
+    try:
+        adapted = model.clone(config=dataclasses.replace(
+            model.config, lora_rank=int(peft["r"]), lora_alpha=float(peft["lora_alpha"]),
+            lora_targets=tuple(t for t in LORA_TARGETS if t in {ours[m] for m in peft["target_modules"]})))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{config_file}: r / lora_alpha: {e}") from None
+    params = add_lora(adapted, params, mesh=mesh)
+    from safetensors import safe_open  # noqa: PLC0415
+    with safe_open(os.path.join(path, ADAPTER_WEIGHTS), "np") as f:
+        stored = set(f.keys())
+        for module, names, stacked in _adapted_modules(adapted):
+            node = hf._get(params, module)
+            for key, kind in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+                parts = []
+                for name in names:
+                    tensor = f"base_model.model.{name}.{kind}.weight"
+                    if tensor not in stored:
+                        raise ValueError(f"{path}/{ADAPTER_WEIGHTS} has no tensor {tensor!r}")
+                    parts.append(f.get_tensor(tensor).T.astype(np.float32))
+                value = np.stack(parts) if stacked else parts[0]
+                if value.shape != tuple(node[key].shape):
+                    raise ValueError(f"{path}: {kind} of {names[0]} is {parts[0].T.shape} (stored [out or r, in or "
+                                     f"r]); the model needs {tuple(node[key].shape)} ([in or r, r or out])")
+                node[key] = jax.device_put(value, node[key].sharding)
+    return adapted, params

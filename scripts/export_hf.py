@@ -3,10 +3,14 @@ config.json + safetensors that transformers' `from_pretrained` and every script'
 
 A language model (train_lm.py, train_sft.py, train_dpo.py; a PPO run's policy) becomes a *ForCausalLM, a T5
 (finetune_seq2seq.py) a T5ForConditionalGeneration, a reward model (train_reward.py) a *ForSequenceClassification
-with one label. A Hugging Face tokenizer.json the run used is copied beside it.
+with one label; LoRA adapters are merged into the weights. A Hugging Face tokenizer.json the run used is copied
+beside it. `--adapter_only` writes a LoRA run's adapters alone as a PEFT adapter directory (adapter_config.json,
+adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, out)` reads it onto the base model it was trained
+on).
 
   python scripts/export_hf.py --workdir=workdir --out=hf_model
   python scripts/export_hf.py --workdir=workdir_reward --out=hf_reward_model
+  python scripts/export_hf.py --workdir=workdir_sft_lora --out=adapter --adapter_only
 """
 import os
 import shutil
@@ -24,6 +28,7 @@ FLAGS = flags.FLAGS
 cli.define_flags()
 flags.DEFINE_string("workdir", "workdir", "A training script's workdir (its run.json and latest checkpoint).")
 flags.DEFINE_string("out", None, "The directory to write (created; its safetensors files are replaced).")
+flags.DEFINE_bool("adapter_only", False, "Write only the run's LoRA adapters, as a PEFT adapter directory.")
 
 
 def main(argv):
@@ -32,6 +37,15 @@ def main(argv):
         raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
     mesh = cli.start()
     task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
+    if FLAGS.adapter_only:
+        if task == "reward" or not models.has_lora(params):
+            raise ValueError(f"--adapter_only: {FLAGS.workdir} holds a {task} run without LoRA adapters; expected "
+                             "a language-model run trained with --lora_rank")
+        if jax.process_index() == 0:
+            models.save_lora_adapter(model, params, FLAGS.out)
+            print(f"wrote the {task} run's LoRA adapters (rank {model.config.lora_rank}) as a PEFT adapter to "
+                  f"{FLAGS.out}")
+        return
     if jax.process_index() == 0:
         if task == "reward":
             reward.save_pretrained(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)

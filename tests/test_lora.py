@@ -1,5 +1,6 @@
 """models/lora.py and LoRA in the layers: fresh adapters change nothing, merging equals the unmerged model, the
 adapters follow their kernels' split, adapter-only training on a mesh freezes the rest, and export merges."""
+import json
 import re
 
 import jax
@@ -128,3 +129,55 @@ def test_lora_bad_input_errors():
     with pytest.raises(ValueError, match="missing"):
         models.add_lora(model, {k: v for k, v in params.items() if k != "lm_head"})
     assert jnp.shape(models.add_lora(model, params)["layers_0"]["attn"]["q"]["lora_a"]) == (64, 2)
+
+
+@pytest.mark.parametrize("family,targets", [("llama", ("q", "v", "down")), ("opt", ("k", "o", "up", "down"))])
+def test_peft_adapter_round_trip_and_transformers_reads_it(tmp_path, family, targets):
+    """`save_lora_adapter` writes PEFT's layout (adapter_config.json, base_model.model.<module>.lora_A/B.weight):
+    `load_lora_adapter` on the base gives the same model back, and the transformers base model with B A alpha / r
+    added to each named module's weight (what PEFT computes) gives our adapted logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = models.create_model(family, "tiny", scan_layers=family == "llama", lora_rank=4, lora_alpha=8.0,
+                                lora_targets=targets)
+    params = _perturbed(models.init_params(model, jax.random.PRNGKey(0)))
+    base_model = models.lora.without_lora(model)
+    strip = lambda t: {k: strip(v) for k, v in t.items() if "lora" not in k} if isinstance(t, dict) else t  # noqa
+    base_params = strip(params)  # the base the adapters apply to
+    models.save_pretrained(base_model, base_params, str(tmp_path / "base"))
+    models.save_lora_adapter(model, params, str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+
+    again, again_params = models.load_lora_adapter(base_model, base_params, str(tmp_path / "adapter"))
+    assert again.config.lora_targets == targets
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    from safetensors.numpy import load_file
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
+    weights = dict(torch_model.named_parameters())
+    adapters = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    names = {k[len("base_model.model."):-len(".lora_A.weight")] for k in adapters if k.endswith("lora_A.weight")}
+    assert {n.rsplit(".", 1)[-1] for n in names} == set(config["target_modules"])
+    with torch.no_grad():
+        for name in names:
+            a, b = (adapters[f"base_model.model.{name}.lora_{k}.weight"] for k in "AB")
+            weights[f"{name}.weight"] += torch.from_numpy(b @ a * (8.0 / 4))
+        theirs = torch_model(torch.from_numpy(IDS)).logits.numpy()
+    np.testing.assert_allclose(theirs, _logits(model, params), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_peft_adapters_are_refused(tmp_path):
+    model = models.create_model("llama", "tiny", lora_rank=2, lora_targets=("q",))
+    params = models.init_params(model)
+    models.save_lora_adapter(model, params, str(tmp_path))
+    base_model, base_params = models.merge_lora(model, params)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    for change, match in [({"use_rslora": True}, "use_rslora"), ({"target_modules": ["c_attn"]}, "c_attn"),
+                          ({"target_modules": "q_proj"}, "target_modules")]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=match):
+            models.load_lora_adapter(base_model, base_params, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        models.load_lora_adapter(base_model, base_params, str(tmp_path / "nothing"))

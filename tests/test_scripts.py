@@ -184,6 +184,28 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_run_reads(tmp_path):
+    """SFT with adapters on a Hugging Face directory; export_hf.py --adapter_only writes the PEFT adapter; a run from
+    the same directory with --init_adapter starts from the trained model: its loss before training is the first
+    run's loss after training. That run, without adapters of its own, has none to export."""
+    _tiny_hf("llama", tmp_path / "hf")
+    toy = [f"--init_from={tmp_path / 'hf'}", "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1",
+           "--mesh=-1,1,2", "--seq_len=48", "--eval_answers=0"]
+    out = _run("train_sft.py", f"--workdir={tmp_path / 'a'}", "--max_steps=6", "--log_every=3", "--lora_rank=4",
+               "--learning_rate=1e-2", *toy)
+    after = re.search(r"eval response loss after training: ([0-9.]+) \(was ([0-9.]+)\)", out.stdout)
+    assert after and float(after[1]) < float(after[2]), out.stdout
+    out = _run("export_hf.py", f"--workdir={tmp_path / 'a'}", f"--out={tmp_path / 'adapter'}", "--adapter_only")
+    assert "as a PEFT adapter" in out.stdout and (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    out = _run("train_sft.py", f"--workdir={tmp_path / 'b'}", "--max_steps=1", "--log_every=1",
+               f"--init_adapter={tmp_path / 'adapter'}", *toy)
+    before = re.search(r"eval response loss before training: ([0-9.]+)", out.stdout)
+    assert before and abs(float(before[1]) - float(after[1])) < 1e-3, (before[1], after[1])
+    bad = _run("export_hf.py", f"--workdir={tmp_path / 'b'}", f"--out={tmp_path / 'x'}", "--adapter_only", ok=False)
+    assert bad.returncode == 2 and "without LoRA adapters" in bad.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gptj", "opt"])
 def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
     _tiny_hf(family, tmp_path / "hf")
