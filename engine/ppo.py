@@ -21,9 +21,9 @@ frozen: `Trainer(trainable=...)`) the frozen models need no weights of their own
 reference the actor with its adapters off, and `reward_params={'score': ...}` (no 'backbone') the reward model the
 critic's backbone with its adapters off under that score head, both reading the Trainer's frozen arrays (DeepSpeed-
 Chat and Colossal-AI's LoRA PPO keep one base model for actor and reference likewise). Two copies of the base
-weights instead of four; `fit_ppo` checks that those weights are frozen. The models run deterministically (no dropout), so
-the ratio of the first update is exactly 1. A run resumes exactly: each iteration's experience is written to the
-workdir before the updates.
+weights instead of four; `fit_ppo` checks that those weights are frozen. The models run deterministically (no
+dropout), so the ratio of the first update is exactly 1. A run resumes exactly: each iteration's experience is
+written to the workdir before the updates.
 """
 import dataclasses
 import os
