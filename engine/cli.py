@@ -245,6 +245,11 @@ def define_decoder_flags(*, init_from_help,
                         "fields.")
     flags.DEFINE_string("model_overrides", model_overrides, "JSON object of config fields that replace the named "
                         "config's (fresh models only).")
+    define_lora_flags()
+
+
+def define_lora_flags():
+    """--init_adapter, --lora_rank, --lora_alpha and --lora_targets (read by `start_decoder` / `with_lora`)."""
     flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory (export_hf.py --adapter_only, or PEFT's "
                         "own save_pretrained) merged into --init_from's model before training.")
     flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank (models.lora) on the projections "
@@ -263,13 +268,18 @@ def start_decoder(mesh, *, tasks, seq_len):
     --data is given and the toy tasks' word tokens otherwise; then the --lora_* flags (`with_lora`). Parameters are
     placed on `mesh`."""
     task, model, params, tokenizer = _start_decoder(mesh, tasks, seq_len)
+    return (task, *apply_lora_flags(model, params, mesh), tokenizer)
+
+
+def apply_lora_flags(model, params, mesh):
+    """(model, params) of a script's starting point with --init_adapter merged in, then `with_lora`."""
     if FLAGS.init_adapter:
         if not os.path.isdir(FLAGS.init_adapter):
             raise FileNotFoundError(f"--init_adapter={FLAGS.init_adapter} is not a directory; expected a PEFT "
                                     "adapter directory")
         model, params = models.merge_lora(model, params)
         model, params = models.load_lora_adapter(model, params, FLAGS.init_adapter, mesh=mesh)
-    return (task, *with_lora(model, params, mesh), tokenizer)
+    return with_lora(model, params, mesh)
 
 
 def _start_decoder(mesh, tasks, seq_len):
@@ -315,6 +325,7 @@ def trainable(also=None):
     return models.LORA_TRAINABLE + (f"|{also}" if also else "")
 
 
+_LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions) if f.name.startswith("lora_")}
 # Runtime options are not recorded in run.json; the LoRA fields are (they change the parameters).
 _RUNTIME_FIELDS = ({f.name for f in dataclasses.fields(models.ModelOptions)}
                    - {"lora_rank", "lora_alpha", "lora_targets"} | {"hf_config"})
@@ -399,10 +410,15 @@ def save_run(workdir, task, model, tokenizer, critic=None):
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        if (old.get("task"), old.get("family"), _tuples(old.get("config")), _tuples(old.get("critic"))) != (
-                task, run["family"], _tuples(run["config"]), _tuples(run.get("critic"))):
-            changed = sorted(k for k in set(old.get("config", {})) | set(run["config"])
-                             if _tuples(old.get("config", {}).get(k)) != _tuples(run["config"].get(k)))
+        # run.json files written before the LoRA fields existed hold no lora_* field: theirs are the defaults.
+        full = lambda config: config and _tuples({**_LORA_DEFAULTS, **config})  # noqa: E731
+        old_config, new_config = full(old.get("config")), full(run["config"])
+        old_critic = old.get("critic") and {**old["critic"], "config": full(old["critic"]["config"])}
+        new_critic = run.get("critic") and {**run["critic"], "config": full(run["critic"]["config"])}
+        if (old.get("task"), old.get("family"), old_config, _tuples(old_critic)) != (
+                task, run["family"], new_config, _tuples(new_critic)):
+            changed = sorted(k for k in set(old_config or {}) | set(new_config)
+                             if (old_config or {}).get(k) != new_config.get(k))
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              "flags of that run")

@@ -11,7 +11,6 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-
 from jax.custom_derivatives import SymbolicZero
 
 import kernels
@@ -497,9 +496,9 @@ def _pipelined_scan(eqn, invals, in_remat):
         inexact = lambda xs: [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]  # noqa: E731
         c_mask, k_mask = [a and b for a, b in zip(inexact(consts), c_perturbed)], inexact(init)
         x_mask = [a and b for a, b in zip(inexact(plain), x_perturbed)]
-        ws_all, slots_all = ws, slots
+        ws_all = ws
         ws = [w for w, m in zip(ws_all, w_perturbed) if m]  # the weights that get gradients
-        grad_slots = [s for s, m in zip(slots_all, w_perturbed) if m]
+        grad_slots = [s for s, m in zip(slots, w_perturbed) if m]
 
         def scatter(gs):
             return [_reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype) for g, w, s in zip(gs, ws, grad_slots)]

@@ -203,6 +203,7 @@ class Trainer:
                       f"False on {mesh.devices.flat[0].platform}, whose devices have no pinned_host memory "
                       f"(only {sorted(kinds)})")
         self.offload_optimizer = offload_optimizer
+        _trainable_mask(trainable, params)  # bad input fails here, before anything is placed
         self._trainable_arg = trainable
         self._trainable = None  # the tree of bools, once the parameters' structure is known
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,

@@ -33,6 +33,7 @@ flags.DEFINE_string("model_overrides", '{"d_model": 128, "d_ff": 256, "num_layer
 flags.DEFINE_string("init_from", None, "A Hugging Face T5 directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
 cli.define_record_flags(what="pairs", fields=("input", "target"), toy_size=8192)
+cli.define_lora_flags()
 flags.DEFINE_integer("max_input_len", 128, "Input tokens at most (longer inputs are cut; rows are as long as the "
                      "longest input up to this).")
 flags.DEFINE_integer("max_target_len", 128, "Target tokens at most, EOS included (also the generation length).")
@@ -43,7 +44,12 @@ flags.DEFINE_integer("samples", 4, "Held-out examples whose generations are prin
 
 
 def build_model(mesh):
-    """(model, params, tokenizer) from the flags."""
+    """(model, params, tokenizer) from the flags (with --init_adapter merged and --lora_rank adapters added)."""
+    model, params, tokenizer = _build_model(mesh)
+    return (*cli.apply_lora_flags(model, params, mesh), tokenizer)
+
+
+def _build_model(mesh):
     if FLAGS.init_from:
         return cli.load_hf(FLAGS.init_from, families=["t5"], mesh=mesh)
     tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
@@ -94,7 +100,7 @@ def main(argv):
                              loss_fn=text.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              flops_per_example=models.train_flops_per_example(model, *row_lens),
-                             **cli.trainer_kwargs())
+                             trainable=cli.trainable(), **cli.trainer_kwargs())
     predictor = engine.Predictor(mesh=mesh, collate_fn=text.collate_seq2seq, pred_fn=text.seq2seq_pred_fn(
         model, max_new_tokens=out_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
     metric_fn = lambda examples, preds: text.exact_match(examples, preds, tokenizer.eos_id)  # noqa: E731

@@ -35,7 +35,7 @@ def _perturbed(params, seed=1):
     pytest.param("llama", dict(scan_layers=True), marks=pytest.mark.slow),
     ("llama", dict(mlp_implementation="xla", lora_targets=("q", "gate"))),
     pytest.param("gptj", {}, marks=pytest.mark.slow),
-    ("opt", dict(scan_layers=True)), ("t5", dict(lora_targets=("q", "v", "up")))])
+    pytest.param("opt", dict(scan_layers=True), marks=pytest.mark.slow), ("t5", dict(lora_targets=("q", "v", "up")))])
 def test_fresh_adapters_change_nothing_and_merging_equals_the_adapted_model(family, options):
     base = models.create_model(family, "tiny", **{k: v for k, v in options.items() if k != "lora_targets"})
     base_params = models.init_params(base, jax.random.PRNGKey(0))
@@ -94,8 +94,8 @@ def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path
     loss_fn.weight_metric = "tokens"
     trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=params,
                              optimizer=optax.adam(3e-2), step="shard_map", trainable=models.LORA_TRAINABLE)
-    trainer.fit(rows, per_device_batch_size=2, max_steps=12, log_every=12)
-    assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.25
+    trainer.fit(rows, per_device_batch_size=2, max_steps=8, log_every=8)
+    assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.2
     after = jax.device_get(trainer.params)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after)):
         name = engine.sharding.path_str(path)
@@ -131,7 +131,8 @@ def test_lora_bad_input_errors():
     assert jnp.shape(models.add_lora(model, params)["layers_0"]["attn"]["q"]["lora_a"]) == (64, 2)
 
 
-@pytest.mark.parametrize("family,targets", [("llama", ("q", "v", "down")), ("opt", ("k", "o", "up", "down"))])
+@pytest.mark.parametrize("family,targets", [
+    ("llama", ("q", "v", "down")), pytest.param("opt", ("k", "o", "up", "down"), marks=pytest.mark.slow)])
 def test_peft_adapter_round_trip_and_transformers_reads_it(tmp_path, family, targets):
     """`save_lora_adapter` writes PEFT's layout (adapter_config.json, base_model.model.<module>.lora_A/B.weight):
     `load_lora_adapter` on the base gives the same model back, and the transformers base model with B A alpha / r

@@ -339,6 +339,15 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     before, after = _eval_losses(out.stdout)
     assert after < 0.95 * before
     assert json.loads((tmp_path / "w" / "run.json").read_text())["family"] == "t5"
+    # LoRA on the same model: the adapters train, and export as a PEFT seq2seq adapter.
+    out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", f"--data={data}", f"--workdir={tmp_path / 'l'}",
+               "--eval_size=8", "--max_steps=6", "--log_every=3", "--per_device_batch_size=1", "--mesh=2,2,2",
+               "--learning_rate=3e-2", "--warmup_steps=1", "--samples=0", "--lora_rank=4", "--lora_targets=q,v,up")
+    before, after = _eval_losses(out.stdout)
+    assert after < before and json.loads((tmp_path / "l" / "run.json").read_text())["config"]["lora_rank"] == 4
+    _run("export_hf.py", f"--workdir={tmp_path / 'l'}", f"--out={tmp_path / 'adapter'}", "--adapter_only")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_2_SEQ_LM" and config["target_modules"] == ["q", "v", "wi"], config
 
 
 def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():

@@ -309,6 +309,7 @@ def test_bad_input_errors():
                                       key=jax.random.key(0), reduce_dtype=jnp.float16)
 
 
+@pytest.mark.slow
 def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
     """Frozen stacked weights (`trainable=`) inside the hand-pipelined layer stack: the run equals the reference step
     with the same frozen set, and the compiled step reduce-scatters only the trained weights' gradients (while the

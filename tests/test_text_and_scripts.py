@@ -1,5 +1,7 @@
 """engine.text (packing, pairs, the plain and fused losses) and engine.cli (flags, models, workdirs) in process; the
 scripts end to end are in tests/test_scripts.py."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -206,6 +208,15 @@ def test_create_model_and_run_json(tmp_path):
         cli.save_run(str(tmp_path / "w"), "lm", other, tok)
     with pytest.raises(FileNotFoundError, match=r"has no run.json"):
         cli.load_run(str(tmp_path))
+    # A run.json from before the LoRA fields were recorded: its model is the one without adapters.
+    run_file = tmp_path / "w" / "run.json"
+    old = json.loads(run_file.read_text())
+    old["config"] = {k: v for k, v in old["config"].items() if not k.startswith("lora_")}
+    run_file.write_text(json.dumps(old))
+    cli.save_run(str(tmp_path / "w"), "lm", model, tok)
+    adapted = model.clone(config=model.config.__class__(**{**vars(model.config), "lora_rank": 4}))
+    with pytest.raises(ValueError, match=r"fields \['lora_rank'\] differ"):
+        cli.save_run(str(tmp_path / "w"), "lm", adapted, tok)
 
 
 def test_parse_flags_helpers():

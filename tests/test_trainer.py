@@ -365,9 +365,9 @@ def _masked_reference(mesh, **kwargs):
 
 
 @pytest.mark.parametrize("mesh,kwargs", [
-    (dict(data=4, model=2), dict(step="jit")),
+    pytest.param(dict(data=4, model=2), dict(step="jit"), marks=pytest.mark.slow),
     (dict(data=2, fsdp=2, model=2), dict(step="shard_map", zero_stage=1, accumulate_grad_batches=2)),
-    (dict(data=1, fsdp=4, model=2), dict(step="shard_map", zero_stage=2)),
+    pytest.param(dict(data=1, fsdp=4, model=2), dict(step="shard_map", zero_stage=2), marks=pytest.mark.slow),
 ])
 def test_frozen_parameters_stay_and_the_rest_train_as_with_a_masked_optimizer(mesh, kwargs):
     """`trainable=` (a regex over parameter paths): frozen leaves keep their exact values, the trained ones equal a
@@ -388,6 +388,7 @@ def test_frozen_parameters_stay_and_the_rest_train_as_with_a_masked_optimizer(me
                            if re.search(TRAINED, engine.sharding.path_str(p)))
 
 
+@pytest.mark.slow
 def test_frozen_parameters_resume_exactly_and_with_diloco(tmp_path):
     """A run with frozen parameters checkpoints (the optimizer state has no frozen leaves) and resumes bit for bit;
     DiLoCo keeps replicas of the trained parameters only."""
@@ -420,6 +421,5 @@ def test_bad_trainable_errors():
     mesh = engine.make_mesh(data=8)
     for bad, match in [("nothing_is_called_this", "selects no parameter"), ("(", "not a regular expression"),
                        ({"lm_head": True}, "tree of bools")]:
-        trainer = _trainer(mesh, trainable=bad)
         with pytest.raises(ValueError, match=match):
-            trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=1)
+            _trainer(mesh, trainable=bad)
