@@ -347,7 +347,8 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     assert after < before and json.loads((tmp_path / "l" / "run.json").read_text())["config"]["lora_rank"] == 4
     _run("export_hf.py", f"--workdir={tmp_path / 'l'}", f"--out={tmp_path / 'adapter'}", "--adapter_only")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["task_type"] == "SEQ_2_SEQ_LM" and config["target_modules"] == ["q", "v", "wi"], config
+    # The tiny T5 is gated (v1.1): "up" is wi_1.
+    assert config["task_type"] == "SEQ_2_SEQ_LM" and config["target_modules"] == ["q", "v", "wi_1"], config
 
 
 def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
