@@ -259,6 +259,8 @@ def define_lora_flags():
                        lower_bound=0.0)
     flags.DEFINE_list("lora_targets", list(models.layers.LORA_TARGETS), "Projections that get LoRA adapters, of "
                       f"{','.join(models.layers.LORA_TARGETS)}.")
+    flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: store the frozen base's attention and MLP "
+                      "projections as int8 with a float32 scale per column (models.quantize; needs --lora_rank).")
 
 
 def start_decoder(mesh, *, tasks, seq_len):
@@ -306,8 +308,13 @@ def with_lora(model, params, mesh):
         backbone, inner = with_lora(model.backbone, params["backbone"], mesh)
         return reward.RewardModel(backbone), {**params, "backbone": inner}
     model, params = models.merge_lora(model, params)
+    if FLAGS.quantize != "none" and not FLAGS.lora_rank:
+        raise ValueError(f"--quantize={FLAGS.quantize} with --lora_rank=0; expected --lora_rank > 0 (quantised "
+                         "weights cannot train: adapters train on them)")
     if not FLAGS.lora_rank:
         return model, params
+    if FLAGS.quantize == "int8":
+        model, params = models.quantize(model, params)
     try:
         config = dataclasses.replace(model.config, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
                                      lora_targets=tuple(FLAGS.lora_targets))
@@ -325,10 +332,10 @@ def trainable(also=None):
     return models.LORA_TRAINABLE + (f"|{also}" if also else "")
 
 
-_LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions) if f.name.startswith("lora_")}
-# Runtime options are not recorded in run.json; the LoRA fields are (they change the parameters).
-_RUNTIME_FIELDS = ({f.name for f in dataclasses.fields(models.ModelOptions)}
-                   - {"lora_rank", "lora_alpha", "lora_targets"} | {"hf_config"})
+# Runtime options are not recorded in run.json; the LoRA and quantisation fields are (they change the parameters).
+_LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
+                  if f.name.startswith("lora_") or f.name == "quantize"}
+_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_LORA_DEFAULTS) | {"hf_config"}
 RUN_FILE = "run.json"
 
 
@@ -477,8 +484,9 @@ def restore_run(workdir, mesh, tasks=None, **options):
     else:
         loss = loss(model)
     # The Trainer restores the parameters in its constructor, whatever optimizer (or DiLoCo) trained them.
+    floating = jax.tree.map(lambda x: bool(jnp.issubdtype(x.dtype, jnp.inexact)), abstract)  # int8 bases never train
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract, optimizer=optax.sgd(0.0),
-                             workdir=workdir, restore_params_only=True)
+                             workdir=workdir, restore_params_only=True, trainable=floating)
     trainer.close()
     if trainer.step == 0:
         raise FileNotFoundError(f"--workdir={workdir} has no checkpoint yet")

@@ -172,12 +172,13 @@ class _AbstractRestore:
 
 def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
-         loss_implementation="xla", lora_rank=0, param_dtype="float32"):
+         loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
     their sum, and, with `hbm_gb`, whether the total fits. lora_rank > 0: LoRA adapters (float32) on every
-    projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`."""
+    projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
+    quantize='int8' the projections as int8 (`models.quantize`)."""
     import engine
     import models
     from engine import text
@@ -194,11 +195,12 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
     dtype = jnp.dtype(compute_dtype)
     config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name,
-                               lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name)
+                               lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize)
     network = models.FAMILIES[model].Model(config)
     abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
     if not lora_rank:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
+    n_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
     trainable = models.LORA_TRAINABLE if lora_rank else None
     n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]
@@ -229,7 +231,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
               "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,
-              "lora_rank": lora_rank, "param_dtype": jnp.dtype(param_dtype).name,
+              "param_bytes": n_bytes,
+              "lora_rank": lora_rank, "param_dtype": jnp.dtype(param_dtype).name, "quantize": quantize,
               "bytes": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
                         "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total},
               "state_16psi_per_device": 16 * n_params // num_devices,

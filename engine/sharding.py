@@ -238,12 +238,15 @@ class _Analysis:
         """Elementwise ops keep a split and make split-matching parameters (biases) follow it. Any other op (e.g. a
         Pallas kernel) passes a split on to outputs shaped like the split input."""
         split_in = next(((info, s) for info, s in zip(ins, in_shapes) if info.split is not None), None)
-        elementwise = len(out_shapes) == 1 and all(s == out_shapes[0] or s == () for s in in_shapes)
+        # Same shapes, scalars, or (lax's implicit broadcasting) size-1 dims: x [B, T, D] * scale [1, 1, D].
+        fits = lambda s: s == () or (len(s) == len(out_shapes[0]) and all(  # noqa: E731
+            a in (b, 1) for a, b in zip(s, out_shapes[0])))
+        elementwise = len(out_shapes) == 1 and all(fits(s) for s in in_shapes)
         if elementwise:
             split = split_in[0].split if split_in else None
             if split is not None:
                 for info, s in zip(ins, in_shapes):
-                    if info.origin is not None and s:
+                    if info.origin is not None and s and s[split] == out_shapes[0][split]:
                         pid, pdims = info.origin
                         if self._divisible(pid, pdims[split]):
                             self._decide(pid, pdims[split], "follow")

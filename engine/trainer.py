@@ -203,7 +203,14 @@ class Trainer:
                       f"False on {mesh.devices.flat[0].platform}, whose devices have no pinned_host memory "
                       f"(only {sorted(kinds)})")
         self.offload_optimizer = offload_optimizer
-        _trainable_mask(trainable, params)  # bad input fails here, before anything is placed
+        mask = _trainable_mask(trainable, params)  # bad input fails here, before anything is placed
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        wants = jax.tree.leaves(mask) if mask is not None else [True] * len(leaves)
+        integer = [path_str(p) for (p, x), m in zip(leaves, wants) if m and not jnp.issubdtype(x.dtype, jnp.inexact)]
+        if integer:
+            raise ValueError(f"trainable={trainable!r} selects integer parameter {integer[0]} (and {len(integer) - 1} "
+                             "more), which cannot train (quantised weights); expected a trainable set of floating "
+                             "parameters, e.g. models.LORA_TRAINABLE")
         self._trainable_arg = trainable
         self._trainable = None  # the tree of bools, once the parameters' structure is known
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,

@@ -165,14 +165,18 @@ def _load(path, dtype, mesh, options, classifier):
                     raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs "
                                      f"{want_stored} (params{_path_str(our_path)})")
                 arrays.append(a.T if transpose else a)
-            host = (np.stack(arrays) if stacked else arrays[0]).astype(expected.dtype)
+            host = np.stack(arrays) if stacked else arrays[0]
             del arrays
-        if shardings is None:
-            value = jnp.asarray(host)
-        else:
-            value = jax.device_put(host, _get(shardings, our_path))
-        _set(params, our_path, value)
-        del host
+            host = host.astype(np.float32 if expected.dtype == jnp.int8 else expected.dtype)
+        values = {our_path[-1]: host}
+        if expected.dtype == jnp.int8:  # quantize='int8': quantised as read, never whole in float on a device
+            from models.quantize import quantize_int8  # noqa: PLC0415
+            values = dict(zip(("kernel", "kernel_scale"), quantize_int8(host)))
+        for name, array in values.items():
+            where = our_path[:-1] + (name,)
+            value = jnp.asarray(array) if shardings is None else jax.device_put(array, _get(shardings, where))
+            _set(params, where, value)
+        del host, values
     score = None
     if classifier:
         score = reader.get("score.weight", "['score']").T.astype(jnp.dtype(dtype))
@@ -197,8 +201,10 @@ def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=Non
     num_labels] (a decoder family), a `*ForSequenceClassification` checkpoint instead: the decoder without its
     output head, and `score.weight`; `pad_token_id` tells transformers where a right-padded row ends (its score is
     read at the last token that is not padding)."""
-    from models import lora  # noqa: PLC0415 (models.lora builds on this module)
-    model, params = lora.merge_lora(model, params)  # a transformers checkpoint has the adapters folded in
+    from models.lora import merge_lora  # noqa: PLC0415 (models.lora builds on this module)
+    from models.quantize import dequantize  # noqa: PLC0415
+    # A transformers checkpoint has the adapters folded in and float weights.
+    model, params = merge_lora(*dequantize(model, params))
     config = model.config
     fam = family(_model_type(model))
     os.makedirs(path, exist_ok=True)

@@ -42,6 +42,8 @@ class ModelOptions:
     (LLaMA and OPT `attention_dropout`, GPT-J `attn_pdrop`, T5 `dropout_rate`). lora_rank > 0: LoRA (Hu et al.,
     2021) on the projections named in lora_targets (of q, k, v, o, gate, up, down): y = x W + (x A) B alpha / rank
     with A [in, rank] random and B [rank, out] zeros, both float32 (`models.lora`: the trainable set, merging).
+    quantize='int8': the same projections store their kernels as int8 with a float32 scale per output column
+    (`kernel_scale`; `models.quantize`), a frozen base for LoRA in a quarter of float32's memory: y = (x q) s.
     Unlike the other options these fields change the parameters, so training scripts record them.
     """
     dtype: str = "float32"
@@ -56,8 +58,11 @@ class ModelOptions:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple = LORA_TARGETS
+    quantize: str | None = None
 
     def __post_init__(self):
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"quantize={self.quantize!r}; expected None or 'int8'")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
         if not self.lora_alpha > 0:
@@ -132,19 +137,29 @@ class Linear(nn.Module):
     """y = act(x @ kernel + bias), kernel [in, out]. With `implementation` the matmul, bias and activation run fused in
     kernels.fused_matmul. The weights are also readable as `.kernel` / `.bias` (for the fused gated MLP).
     lora_rank > 0 adds LoRA's float32 `lora_a` [in, rank] and `lora_b` [rank, out]: (x A) B * lora_scale joins the
-    product before the activation (the kernel path then applies the activation after the sum)."""
+    product before the activation. quantize='int8' stores the kernel as int8 with a float32 `kernel_scale` [out]:
+    y = (x q) * scale, the scale applied to the product (a per-column scale commutes with it), so the dequantised
+    weight never exists. With either, the kernel path computes x W alone and the rest follows in plain jnp."""
     in_features: int
     features: int
     use_bias: bool = False
     std: float = 0.02
     lora_rank: int = 0
     lora_scale: float = 1.0
+    quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
-        self.kernel = self.param("kernel", nn.initializers.normal(self.std), (self.in_features, self.features),
-                                 self.param_dtype)
+        shape = (self.in_features, self.features)
+        if self.quantize == "int8":
+            # Fresh: uniform int8 times std sqrt(3) / 127 has the float init's standard deviation. A real base comes
+            # quantised from a float checkpoint (`models.quantize`, `load_pretrained(quantize='int8')`).
+            self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), shape)
+            self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std * 3 ** 0.5 / 127),
+                                           (self.features,))
+        else:
+            self.kernel = self.param("kernel", nn.initializers.normal(self.std), shape, self.param_dtype)
         self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \
             if self.use_bias else None
         if self.lora_rank:
@@ -155,15 +170,17 @@ class Linear(nn.Module):
         x = x.astype(self.dtype)
         w = self.kernel.astype(self.dtype)
         b = None if self.bias is None else self.bias.astype(self.dtype)
+        if implementation is not None and not self.lora_rank and self.quantize is None:
+            return kernels.fused_matmul(x, w, b, activation=_KERNEL_ACTIVATION.get(act, act),
+                                        implementation=implementation, interpret=interpret)
         if implementation is not None:
-            y = kernels.fused_matmul(x, w, b, activation=None if self.lora_rank else _KERNEL_ACTIVATION.get(act, act),
-                                     implementation=implementation, interpret=interpret)
-            if not self.lora_rank:
-                return y
+            y = kernels.fused_matmul(x, w, implementation=implementation, interpret=interpret)
         else:
             y = jnp.dot(x, w)
-            if b is not None:
-                y = y + b
+        if self.quantize is not None:
+            y = y * self.kernel_scale.astype(self.dtype)
+        if b is not None:
+            y = y + b
         if self.lora_rank:
             low = jnp.dot(x, self.lora_a.astype(self.dtype))
             y = y + jnp.dot(low, self.lora_b.astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
@@ -171,15 +188,17 @@ class Linear(nn.Module):
 
 
 def lora_options(config):
-    """Attention / MLP keyword arguments of a config's LoRA fields (`ModelOptions`)."""
-    return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets))
+    """Attention / MLP keyword arguments of a config's LoRA and quantisation fields (`ModelOptions`)."""
+    return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
+                quantize=config.quantize)
 
 
 def _lora(module, name):
-    """Linear's LoRA arguments for projection `name` of an Attention or MLP `module` (its lora_* fields)."""
+    """Linear's LoRA and quantisation arguments for projection `name` of an Attention or MLP `module`."""
+    out = {} if module.quantize is None else {"quantize": module.quantize}
     if not module.lora_rank or name not in module.lora_targets:
-        return {}
-    return dict(lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank)
+        return out
+    return dict(out, lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank)
 
 
 # Hugging Face activation names -> the fused kernels' names.
@@ -346,9 +365,10 @@ class Attention(nn.Module):
     interpret: bool = False
     dropout_rate: float = 0.0
     deterministic: bool = True
-    lora_rank: int = 0  # LoRA on the projections in lora_targets (see `lora_options`)
+    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `lora_options`)
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
+    quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -418,9 +438,10 @@ class MLP(nn.Module):
     out_std: float | None = None  # the down projection's initial standard deviation (None: std)
     implementation: str | None = None
     interpret: bool = False
-    lora_rank: int = 0  # LoRA on the projections in lora_targets (see `lora_options`)
+    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `lora_options`)
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
+    quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -434,7 +455,8 @@ class MLP(nn.Module):
             h = up(x, act=self.act, **fused)
         else:
             gate = Linear(d, self.hidden, name="gate", **kw, **_lora(self, "gate"))
-            if self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank:
+            if (self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank
+                    and self.quantize is None):
                 w_gate, w_up = gate.kernel.astype(self.dtype), up.kernel.astype(self.dtype)
                 h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up,
                                       activation=_KERNEL_ACTIVATION.get(self.act, self.act), **fused)

@@ -18,6 +18,7 @@ import numpy as np
 
 from models import hf
 from models.layers import LORA_TARGETS, lora_a_init
+from models.quantize import dequantize
 
 # Engine.Trainer(trainable=...) for adapter-only training: the '/'-joined paths of every lora_a and lora_b.
 LORA_TRAINABLE = r"(^|/)lora_[ab]$"
@@ -48,7 +49,10 @@ def without_lora(model):
 
 def merge_lora(model, params):
     """(model without LoRA, params with each adapter pair folded into its kernel: W + A B alpha / rank, in W's dtype,
-    and the adapters removed). Parameters without adapters are returned as they are."""
+    and the adapters removed). Parameters without adapters are returned as they are; int8 kernels
+    (`models.quantize`) stay int8 without adapters and are dequantised to fold adapters in."""
+    if has_lora(params):
+        model, params = dequantize(model, params)
     if not has_lora(params):
         return (without_lora(model) if model.config.lora_rank else model), params
     scale = model.config.lora_alpha / model.config.lora_rank

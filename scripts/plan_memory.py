@@ -37,6 +37,7 @@ flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked
 flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank on every projection.", lower_bound=0)
 flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Storage dtype of the frozen weights with "
                   "--lora_rank (trained weights are always float32 masters).")
+flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: the frozen projections stored as int8 (--lora_rank).")
 
 
 def main(argv):
@@ -51,6 +52,7 @@ def main(argv):
                   per_device_batch_size=FLAGS.per_device_batch_size, seq_len=FLAGS.seq_len, remat=FLAGS.remat,
                   compute_dtype=FLAGS.compute_dtype, accumulate=FLAGS.accumulate, step=FLAGS.train_step,
                   hbm_gb=FLAGS.hbm_gb, lora_rank=FLAGS.lora_rank, param_dtype=FLAGS.param_dtype,
+                  quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
         results = plan.sweep(**kwargs)

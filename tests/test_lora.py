@@ -76,14 +76,19 @@ def test_adapters_follow_their_kernels_split():
     assert lora["layers/mlp/down/lora_a"][1] == "model" and lora["layers/mlp/up/lora_b"][2] == "model"
 
 
-def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path):
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path, quantize):
     """Adapter-only training (scanned, rematerialised LLaMA on 2x2x2, the shard_map step with ZeRO-3 gathers and its
-    pipelined layer stack): the loss falls, every base weight keeps its exact value, the optimizer state is the
-    adapters' size, and the transformers export (adapters merged) gives the trained model's logits."""
+    pipelined layer stack), on a float or an int8 base: the loss falls, every base weight keeps its exact value, the
+    optimizer state is the adapters' size, and the transformers export (adapters merged, weights dequantised) gives
+    the trained model's logits."""
     base = models.create_model("llama", "tiny", scan_layers=True, remat="full")
-    model = base.clone(config=base.config.__class__(**{**base.config.__dict__, "lora_rank": 8, "lora_alpha": 16.0}))
     mesh = engine.make_mesh(data=2, fsdp=2, model=2)
-    params = models.add_lora(model, models.init_params(base, jax.random.PRNGKey(0), mesh=mesh), mesh=mesh)
+    base_params = models.init_params(base, jax.random.PRNGKey(0), mesh=mesh)
+    if quantize:
+        base, base_params = models.quantize(base, base_params)
+    model = base.clone(config=base.config.__class__(**{**base.config.__dict__, "lora_rank": 8, "lora_alpha": 16.0}))
+    params = models.add_lora(model, base_params, mesh=mesh)
     before = jax.device_get(params)
     rng = np.random.RandomState(0)
     # Eight frequent tokens: learnable through the adapters (a random base's frozen head and final norm bound the
@@ -104,10 +109,14 @@ def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path
                        if "lora" in engine.sharding.path_str(p))
     assert sum(x.size for x in jax.tree.leaves(trainer.opt_state)) == 2 * adapter_size + 1  # Adam: mu, nu, count
 
+    if quantize:
+        assert after["layers"]["mlp"]["up"]["kernel"].dtype == np.int8
     models.save_pretrained(model, trainer.params, str(tmp_path))
     loaded, loaded_params = models.load_pretrained(str(tmp_path))
     assert not models.has_lora(loaded_params)
     np.testing.assert_allclose(_logits(loaded, loaded_params), _logits(model, after), atol=2e-5)
+    if quantize:
+        return
     # Loading with lora_rank adds fresh adapters to the merged model: the same logits again.
     again, again_params = models.load_pretrained(str(tmp_path), lora_rank=4, scan_layers=True)
     assert again.config.lora_rank == 4 and models.has_lora(again_params)
@@ -182,3 +191,37 @@ def test_bad_peft_adapters_are_refused(tmp_path):
             models.load_lora_adapter(base_model, base_params, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         models.load_lora_adapter(base_model, base_params, str(tmp_path / "nothing"))
+
+
+def test_int8_base_is_close_to_float_and_loads_quantised_as_read(tmp_path):
+    """`models.quantize` keeps the logits within 2% of their range; its dequantised weights give the quantised
+    model's logits; `load_pretrained(quantize='int8')` quantises each tensor as it reads it, to the same values; the
+    int8 kernels split over `model` as the float ones do (their column scales follow); a Trainer refuses to train
+    them."""
+    model = models.create_model("llama", "tiny", scan_layers=True)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    q_model, q_params = models.quantize(model, params)
+    assert q_params["layers"]["attn"]["q"]["kernel"].dtype == jnp.int8
+    assert q_params["layers"]["attn"]["q"]["kernel_scale"].shape == (2, 64) and "kernel_scale" not in q_params[
+        "lm_head"]
+    ref, got = _logits(model, params), _logits(q_model, q_params)
+    assert np.abs(got - ref).max() < 0.02 * np.abs(ref).max()
+    np.testing.assert_allclose(_logits(*models.dequantize(q_model, q_params)), got, rtol=1e-5, atol=1e-5)
+
+    models.save_pretrained(model, params, str(tmp_path))
+    read_model, read = models.load_pretrained(str(tmp_path), scan_layers=True, quantize="int8")
+    assert read_model.config.quantize == "int8"
+    for a, b in zip(jax.tree.leaves(q_params), jax.tree.leaves(read)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1.0)
+    assert np.mean(np.asarray(q_params["layers"]["mlp"]["up"]["kernel"]) == np.asarray(
+        read["layers"]["mlp"]["up"]["kernel"])) > 0.999
+
+    mesh = engine.make_mesh(data=1, fsdp=4, model=2)
+    specs = [{engine.sharding.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(engine.auto_shard(
+        jax.eval_shape(lambda m=m: models.init_params(m)), mesh, trace_fn=lambda p, m=m: m.apply({"params": p}, IDS)),
+        is_leaf=lambda x: isinstance(x, P))[0]} for m in (model, q_model)]
+    assert {k: v for k, v in specs[1].items() if "kernel_scale" not in k} == specs[0]
+    assert specs[1]["layers/attn/q/kernel_scale"] == P(None, "model")  # a column split: the scale follows
+    with pytest.raises(ValueError, match="integer parameter"):
+        engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=text.lm_loss_fn(q_model), params=q_params,
+                       optimizer=optax.sgd(0.1))

@@ -203,6 +203,15 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
     assert before and abs(float(before[1]) - float(after[1])) < 1e-3, (before[1], after[1])
     bad = _run("export_hf.py", f"--workdir={tmp_path / 'b'}", f"--out={tmp_path / 'x'}", "--adapter_only", ok=False)
     assert bad.returncode == 2 and "without LoRA adapters" in bad.stderr
+    # Adapters on an int8 base: the run records it, trains, and exports (dequantised, merged) for transformers.
+    out = _run("train_sft.py", f"--workdir={tmp_path / 'c'}", "--max_steps=6", "--log_every=3", "--lora_rank=4",
+               "--quantize=int8", "--learning_rate=1e-2", *toy)
+    after = re.search(r"eval response loss after training: ([0-9.]+) \(was ([0-9.]+)\)", out.stdout)
+    assert after and float(after[1]) < float(after[2]), out.stdout
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["config"]["quantize"] == "int8"
+    _run("export_hf.py", f"--workdir={tmp_path / 'c'}", f"--out={tmp_path / 'c_hf'}")
+    model, params = models.load_pretrained(str(tmp_path / "c_hf"))
+    assert model.config.quantize is None and params["layers_0"]["attn"]["q"]["kernel"].dtype == np.float32
 
 
 @pytest.mark.slow
@@ -296,6 +305,7 @@ def _bad_inputs(tmp_path, slow):
         ("generate.py", "--prompts=x", f"--workdir={tmp_path / 'rmrun'}"): "holds a reward run; expected one of",
         ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
                                                                     "lora_targets=('q', 'qkv'); expected",
+        ("train_dpo.py", "--quantize=int8"): "--quantize=int8 with --lora_rank=0; expected --lora_rank > 0",
     }
 
 
