@@ -3,7 +3,8 @@
 A config with `lora_rank > 0` gives every projection named in `lora_targets` two float32 adapters beside its kernel,
 `lora_a` [in, rank] and `lora_b` [rank, out] (layers.Linear): y = x W + (x A) B alpha / rank. Training only the
 adapters (`engine.Trainer(trainable=LORA_TRAINABLE)`) keeps the base weights frozen, so they need no gradient, no
-optimizer state and may be stored in 16 bits: what lets a 7B model fine-tune on one GPU. `add_lora` puts fresh
+optimizer state and may be stored in 16 bits or as int8 (`models.quantize`): what lets a 7B model fine-tune on one
+GPU. `add_lora` puts fresh
 adapters on a model read without them (a Hugging Face checkpoint, a finished run); `merge_lora` folds them into the
 kernels (for export, or before the next stage adds its own).
 """

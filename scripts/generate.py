@@ -5,6 +5,7 @@ prompt.
   python scripts/generate.py --prompts='def ,import '                         # from workdir/ (after `make train`)
   python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'
   python scripts/generate.py --init_from=/path/to/hf_llama --prompts_file=prompts.txt --mesh=1,1,-1 --temperature=0.7
+  python scripts/generate.py --init_from=/path/to/hf_llama --init_adapter=/path/to/peft_adapter --quantize=int8
 """
 import os
 import sys
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
+import models  # noqa: E402
 from engine import cli, preference, text  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -29,6 +31,9 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
 flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this total probability (1: all).")
 flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
+flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory applied to the model (merged into it).")
+flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: generate with the attention and MLP projections "
+                  "stored as int8 (models.quantize; LoRA adapters merged first): a quarter of float32's memory.")
 
 
 def read_prompts():
@@ -58,6 +63,14 @@ def main(argv):
     else:
         task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh,
                                                          tasks=("lm", "seq2seq", "sft", "dpo", "ppo"))
+    if FLAGS.init_adapter:
+        if not os.path.isdir(FLAGS.init_adapter):
+            raise FileNotFoundError(f"--init_adapter={FLAGS.init_adapter} is not a directory; expected a PEFT "
+                                    "adapter directory")
+        model, params = models.merge_lora(*models.load_lora_adapter(*models.merge_lora(model, params),
+                                                                    FLAGS.init_adapter, mesh=mesh))
+    if FLAGS.quantize == "int8":
+        model, params = models.quantize(*models.merge_lora(model, params))
     # A model tuned on prompt/response rows (SFT, DPO, PPO) answers after the separator it was trained with.
     sep = preference.separator(tokenizer) if task in ("sft", "dpo", "ppo") else None
     after_prompt = () if sep is None else (sep,)
