@@ -259,6 +259,8 @@ def define_lora_flags():
                        lower_bound=0.0)
     flags.DEFINE_list("lora_targets", list(models.layers.LORA_TARGETS), "Projections that get LoRA adapters, of "
                       f"{','.join(models.layers.LORA_TARGETS)}.")
+    flags.DEFINE_float("lora_dropout", 0.0, "Dropout on the adapters' input in training steps (PEFT's lora_dropout).",
+                       lower_bound=0.0, upper_bound=0.95)
     flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: store the frozen base's attention and MLP "
                       "projections as int8 with a float32 scale per column (models.quantize; needs --lora_rank).")
 
@@ -317,7 +319,7 @@ def with_lora(model, params, mesh):
         model, params = models.quantize(model, params)
     try:
         config = dataclasses.replace(model.config, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
-                                     lora_targets=tuple(FLAGS.lora_targets))
+                                     lora_targets=tuple(FLAGS.lora_targets), lora_dropout=FLAGS.lora_dropout)
     except ValueError as e:
         raise ValueError(f"--lora_rank/--lora_alpha/--lora_targets: {e}") from None
     model = model.clone(config=config)
@@ -334,7 +336,7 @@ def trainable(also=None):
 
 # Runtime options are not recorded in run.json; the LoRA and quantisation fields are (they change the parameters).
 _LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
-                  if f.name.startswith("lora_") or f.name == "quantize"}
+                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize")}
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_LORA_DEFAULTS) | {"hf_config"}
 RUN_FILE = "run.json"
 

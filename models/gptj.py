@@ -51,7 +51,7 @@ class GPTJBlock(nn.Module):
                                     **layers.lora_options(c))(h, ctx, cache)
         m = layers.MLP(c.intermediate_size or 4 * c.hidden_size, c.activation, gated=False, use_bias=True,
                        std=c.initializer_range, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
-                       name="mlp", **kw, **layers.lora_options(c))(h)
+                       name="mlp", deterministic=self.deterministic, **kw, **layers.lora_options(c))(h)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         return x + drop(a) + drop(m), cache
 

@@ -41,7 +41,8 @@ class ModelOptions:
     (inside the flash kernels: `kernels.flash_attention`'s dropout_rate), read from the family's Hugging Face config
     (LLaMA and OPT `attention_dropout`, GPT-J `attn_pdrop`, T5 `dropout_rate`). lora_rank > 0: LoRA (Hu et al.,
     2021) on the projections named in lora_targets (of q, k, v, o, gate, up, down): y = x W + (x A) B alpha / rank
-    with A [in, rank] random and B [rank, out] zeros, both float32 (`models.lora`: the trainable set, merging).
+    with A [in, rank] random and B [rank, out] zeros, both float32 (`models.lora`: the trainable set, merging);
+    lora_dropout drops the adapters' input in training calls (PEFT's lora_dropout; a runtime option).
     quantize='int8': the same projections store their kernels as int8 with a float32 scale per output column
     (`kernel_scale`; `models.quantize`), a frozen base for LoRA in a quarter of float32's memory: y = (x q) s.
     Unlike the other options these fields change the parameters, so training scripts record them.
@@ -58,6 +59,7 @@ class ModelOptions:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple = LORA_TARGETS
+    lora_dropout: float = 0.0
     quantize: str | None = None
 
     def __post_init__(self):
@@ -65,6 +67,8 @@ class ModelOptions:
             raise ValueError(f"quantize={self.quantize!r}; expected None or 'int8'")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout!r}; expected a rate in [0, 1)")
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha={self.lora_alpha!r}; expected a number > 0")
         unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
@@ -146,6 +150,8 @@ class Linear(nn.Module):
     std: float = 0.02
     lora_rank: int = 0
     lora_scale: float = 1.0
+    lora_dropout: float = 0.0
+    deterministic: bool = True
     quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -182,6 +188,9 @@ class Linear(nn.Module):
         if b is not None:
             y = y + b
         if self.lora_rank:
+            if self.lora_dropout and not self.deterministic:  # the adapters' input only (PEFT's lora_dropout)
+                keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora_dropout, x.shape)
+                x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(self.dtype)
             low = jnp.dot(x, self.lora_a.astype(self.dtype))
             y = y + jnp.dot(low, self.lora_b.astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
         return y if act is None else activation(act)(y)
@@ -190,7 +199,7 @@ class Linear(nn.Module):
 def lora_options(config):
     """Attention / MLP keyword arguments of a config's LoRA and quantisation fields (`ModelOptions`)."""
     return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
-                quantize=config.quantize)
+                lora_dropout=config.lora_dropout, quantize=config.quantize)
 
 
 def _lora(module, name):
@@ -198,7 +207,8 @@ def _lora(module, name):
     out = {} if module.quantize is None else {"quantize": module.quantize}
     if not module.lora_rank or name not in module.lora_targets:
         return out
-    return dict(out, lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank)
+    return dict(out, lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank,
+                lora_dropout=module.lora_dropout, deterministic=module.deterministic)
 
 
 # Hugging Face activation names -> the fused kernels' names.
@@ -368,6 +378,7 @@ class Attention(nn.Module):
     lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `lora_options`)
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
+    lora_dropout: float = 0.0
     quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
@@ -441,6 +452,8 @@ class MLP(nn.Module):
     lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `lora_options`)
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
+    lora_dropout: float = 0.0
+    deterministic: bool = True  # False: training call (LoRA dropout, with a 'dropout' rng)
     quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32

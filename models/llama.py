@@ -77,7 +77,7 @@ class LlamaBlock(nn.Module):
         h = layers.Norm("rms", c.norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw,
-                       **layers.lora_options(c))(h)
+                       deterministic=self.deterministic, **layers.lora_options(c))(h)
         return x + drop(h), cache
 
 

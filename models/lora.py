@@ -138,7 +138,8 @@ def save_lora_adapter(model, params, path):
             modules.add(name.rsplit(".", 1)[-1])
     config = {"peft_type": "LORA", "task_type": "SEQ_2_SEQ_LM" if getattr(model, "is_encoder_decoder", False)
               else "CAUSAL_LM", "r": model.config.lora_rank, "lora_alpha": model.config.lora_alpha,
-              "target_modules": sorted(modules), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": sorted(modules), "lora_dropout": model.config.lora_dropout, "bias": "none",
+              "fan_in_fan_out": False,
               "use_rslora": False, "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
               "base_model_name_or_path": None}
     os.makedirs(path, exist_ok=True)
@@ -174,6 +175,7 @@ def load_lora_adapter(model, params, path, *, mesh=None):
     try:
         adapted = model.clone(config=dataclasses.replace(
             model.config, lora_rank=int(peft["r"]), lora_alpha=float(peft["lora_alpha"]),
+            lora_dropout=float(peft.get("lora_dropout") or 0.0),
             lora_targets=tuple(t for t in LORA_TARGETS if t in {ours[m] for m in peft["target_modules"]})))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{config_file}: r / lora_alpha: {e}") from None

@@ -73,7 +73,7 @@ class OPTBlock(nn.Module):
         x = x + h if pre else attn_norm(x + h)
         h = layers.MLP(c.ffn_dim, c.activation, gated=False, use_bias=c.enable_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp",
-                       **kw, **layers.lora_options(c))(mlp_norm(x) if pre else x)
+                       deterministic=self.deterministic, **kw, **layers.lora_options(c))(mlp_norm(x) if pre else x)
         h = drop(h)
         return (x + h if pre else mlp_norm(x + h)), cache
 

@@ -110,7 +110,7 @@ class T5Block(nn.Module):
         h = layers.Norm("rms", c.layer_norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=f * c.d_model ** -0.5,
                        out_std=f * c.d_ff ** -0.5, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
-                       name="mlp", **kw, **layers.lora_options(c))(h)
+                       name="mlp", deterministic=self.deterministic, **kw, **layers.lora_options(c))(h)
         return x + drop(h), cache
 
 

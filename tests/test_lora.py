@@ -225,3 +225,19 @@ def test_int8_base_is_close_to_float_and_loads_quantised_as_read(tmp_path):
     with pytest.raises(ValueError, match="integer parameter"):
         engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=text.lm_loss_fn(q_model), params=q_params,
                        optimizer=optax.sgd(0.1))
+
+
+@pytest.mark.slow
+def test_lora_dropout_drops_the_adapters_input_in_training_calls_only():
+    """lora_dropout (PEFT's): training calls differ by their dropout rng and only through the adapters (with B = 0
+    nothing changes); evaluation calls equal the model without dropout."""
+    model = models.create_model("llama", "tiny", scan_layers=True, lora_rank=4, lora_dropout=0.3)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    train = lambda p, seed: np.asarray(model.apply({"params": p}, IDS, train=True,  # noqa: E731
+                                                   rngs={"dropout": jax.random.PRNGKey(seed)}))
+    np.testing.assert_array_equal(train(params, 1), _logits(model, params))  # fresh adapters: B = 0
+    params = _perturbed(params)
+    a, b = train(params, 1), train(params, 2)
+    assert np.abs(a - b).max() > 1e-4
+    undropped = model.clone(config=model.config.__class__(**{**model.config.__dict__, "lora_dropout": 0.0}))
+    np.testing.assert_allclose(_logits(model, params), _logits(undropped, params), rtol=1e-6, atol=1e-6)

@@ -129,7 +129,7 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
     toy = ["--toy_size=64", "--eval_size=16", "--per_device_batch_size=1", "--mesh=-1,1,2", "--log_every=2"]
     _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
-         "--max_new_tokens=4", "--lora_rank=4", "--lora_targets=q,v,down", *toy)
+         "--max_new_tokens=4", "--lora_rank=4", "--lora_targets=q,v,down", "--lora_dropout=0.1", *toy)
     # Only the adapters trained: every other weight is still the fresh model's (seed 0).
     _, sft_model, sft_params, _ = cli.restore_run(str(sft), engine.make_mesh())
     assert sft_model.config.lora_rank == 4 and sft_model.config.lora_targets == ("q", "v", "down")

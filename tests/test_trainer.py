@@ -368,6 +368,8 @@ def _masked_reference(mesh, **kwargs):
     pytest.param(dict(data=4, model=2), dict(step="jit"), marks=pytest.mark.slow),
     (dict(data=2, fsdp=2, model=2), dict(step="shard_map", zero_stage=1, accumulate_grad_batches=2)),
     pytest.param(dict(data=1, fsdp=4, model=2), dict(step="shard_map", zero_stage=2), marks=pytest.mark.slow),
+    pytest.param(dict(data=2, fsdp=2, model=2), dict(step="shard_map", zero_stage=1, offload_optimizer=True),
+                 marks=pytest.mark.slow),
 ])
 def test_frozen_parameters_stay_and_the_rest_train_as_with_a_masked_optimizer(mesh, kwargs):
     """`trainable=` (a regex over parameter paths): frozen leaves keep their exact values, the trained ones equal a
