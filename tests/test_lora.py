@@ -2,6 +2,7 @@
 adapters follow their kernels' split, adapter-only training on a mesh freezes the rest, and export merges."""
 import json
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +26,14 @@ def _logits(model, params):
 def _perturbed(params, seed=1):
     """Every lora_b random (fresh ones are zero, which would hide a wrong product)."""
     key = jax.random.PRNGKey(seed)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: 0.1 * jax.random.normal(jax.random.fold_in(key, hash(engine.sharding.path_str(p)) % 2**31),
-                                             x.shape, x.dtype) if engine.sharding.path_str(p).endswith("lora_b") else x,
-        params)
+
+    def perturb(path, x):
+        name = engine.sharding.path_str(path)  # crc32, not hash(): str hashes change from process to process
+        if not name.endswith("lora_b"):
+            return x
+        return 0.1 * jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode()) % 2**31), x.shape, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(perturb, params)
 
 
 @pytest.mark.parametrize("family,options", [
@@ -55,7 +60,8 @@ def test_fresh_adapters_change_nothing_and_merging_equals_the_adapted_model(fami
     merged_model, merged = models.merge_lora(model, params)
     assert merged_model.config.lora_rank == 0 and not models.has_lora(merged)
     assert jax.tree.structure(merged) == jax.tree.structure(base_params)
-    np.testing.assert_allclose(_logits(merged_model, merged), adapted, rtol=1e-5, atol=2e-5)
+    # fp32 rounding of W + A B against x W + (x A) B, relative to the logits' range
+    np.testing.assert_allclose(_logits(merged_model, merged), adapted, atol=1e-5 * np.abs(adapted).max())
 
 
 def test_adapters_follow_their_kernels_split():
