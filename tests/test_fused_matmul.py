@@ -251,7 +251,7 @@ def _count(jaxpr, names):
     return total
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.slow)])
 def test_a_frozen_weight_gets_no_gradient_matmul(impl):
     """Differentiated with respect to x alone (a frozen weight: LoRA, Trainer(trainable=...)), each op's backward
     skips the weight-gradient product (and the loss its [D, V] buffer); dx is unchanged."""

@@ -40,7 +40,8 @@ def _perturbed(params, seed=1):
     pytest.param("llama", dict(scan_layers=True), marks=pytest.mark.slow),
     ("llama", dict(mlp_implementation="xla", lora_targets=("q", "gate"))),
     pytest.param("gptj", {}, marks=pytest.mark.slow),
-    pytest.param("opt", dict(scan_layers=True), marks=pytest.mark.slow), ("t5", dict(lora_targets=("q", "v", "up")))])
+    pytest.param("opt", dict(scan_layers=True), marks=pytest.mark.slow),
+    pytest.param("t5", dict(lora_targets=("q", "v", "up")), marks=pytest.mark.slow)])
 def test_fresh_adapters_change_nothing_and_merging_equals_the_adapted_model(family, options):
     base = models.create_model(family, "tiny", **{k: v for k, v in options.items() if k != "lora_targets"})
     base_params = models.init_params(base, jax.random.PRNGKey(0))
@@ -82,7 +83,7 @@ def test_adapters_follow_their_kernels_split():
     assert lora["layers/mlp/down/lora_a"][1] == "model" and lora["layers/mlp/up/lora_b"][2] == "model"
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [pytest.param(None, marks=pytest.mark.slow), "int8"])
 def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path, quantize):
     """Adapter-only training (scanned, rematerialised LLaMA on 2x2x2, the shard_map step with ZeRO-3 gathers and its
     pipelined layer stack), on a float or an int8 base: the loss falls, every base weight keeps its exact value, the
