@@ -277,13 +277,17 @@ def start_decoder(mesh, *, tasks, seq_len):
 
 def apply_lora_flags(model, params, mesh):
     """(model, params) of a script's starting point with --init_adapter merged in, then `with_lora`."""
-    if FLAGS.init_adapter:
-        if not os.path.isdir(FLAGS.init_adapter):
-            raise FileNotFoundError(f"--init_adapter={FLAGS.init_adapter} is not a directory; expected a PEFT "
-                                    "adapter directory")
-        model, params = models.merge_lora(model, params)
-        model, params = models.load_lora_adapter(model, params, FLAGS.init_adapter, mesh=mesh)
-    return with_lora(model, params, mesh)
+    return with_lora(*merge_adapter(model, params, FLAGS.init_adapter, mesh), mesh)
+
+
+def merge_adapter(model, params, adapter, mesh):
+    """(model, params) with the PEFT adapter directory `adapter` (--init_adapter; None: none) merged into the
+    weights, after any adapters `params` already hold."""
+    if not adapter:
+        return model, params
+    if not os.path.isdir(adapter):
+        raise FileNotFoundError(f"--init_adapter={adapter} is not a directory; expected a PEFT adapter directory")
+    return models.merge_lora(*models.load_lora_adapter(*models.merge_lora(model, params), adapter, mesh=mesh))
 
 
 def _start_decoder(mesh, tasks, seq_len):

@@ -63,11 +63,12 @@ def micro_loss_fn(loss_fn, compute_dtype):
 
 def partition(params, trainable):
     """(trained, frozen): two trees of `params`' structure holding its trained / frozen leaves and None elsewhere.
-    trainable: a tree of bools of that structure, or None (everything trains; frozen is None)."""
+    trainable: a tree of bools of that structure, or None (everything trains; frozen is None). `params` may be any
+    tree of that structure whose entries are whole subtrees (PartitionSpecs, shapes, shardings)."""
     if trainable is None:
         return params, None
-    return (jax.tree.map(lambda p, m: p if m else None, params, trainable),
-            jax.tree.map(lambda p, m: None if m else p, params, trainable))
+    return (jax.tree.map(lambda m, p: p if m else None, trainable, params),
+            jax.tree.map(lambda m, p: None if m else p, trainable, params))
 
 
 def combine(trained, frozen, trainable):

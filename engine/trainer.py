@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from engine import data as data_lib
 from engine import diloco as diloco_lib
 from engine import step as step_lib
-from engine.step import cast_floating, split_loss
+from engine.step import cast_floating, partition, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.flops import peak_tflops
 from engine.sharding import add_axis, auto_shard, log_sharding, path_str
@@ -95,11 +95,6 @@ def _trainable_mask(trainable, params):
         example = path_str(jax.tree_util.tree_flatten_with_path(params)[0][0][0])
         raise ValueError(f"trainable={trainable!r} selects no parameter; parameter paths look like {example!r}")
     return mask
-
-
-def _only_trained(mask, tree):
-    """`tree` (of the parameters' structure) with None at the frozen parameters."""
-    return tree if mask is None else jax.tree.map(lambda m, x: x if m else None, mask, tree)
 
 
 def _fetch(tree):
@@ -306,17 +301,17 @@ class Trainer:
                            if self.zero_stage >= 1 else self._param_specs)
         self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
         if self.diloco is None:
-            init_opt = lambda p: self.optimizer.init(_only_trained(mask, p))  # noqa: E731
+            init_opt = lambda p: self.optimizer.init(partition(p, mask)[0])  # noqa: E731
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
             self._opt_specs = _state_specs(abstract_opt, opt_param_specs, shapes, P())
         else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
             replicas = sizes["data"]
-            init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, _only_trained(mask, p),  # noqa
+            init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, partition(p, mask)[0],  # noqa
                                                        replicas)
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
-            replica_specs = jax.tree.map(lambda spec: P("data", *spec), _only_trained(mask, self._param_specs),
+            replica_specs = jax.tree.map(lambda spec: P("data", *spec), partition(self._param_specs, mask)[0],
                                          is_leaf=is_spec)
-            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), _only_trained(mask, shapes),
+            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), partition(shapes, mask)[0],
                                           is_leaf=lambda x: isinstance(x, tuple))
             self._opt_specs = {
                 "replicas": replica_specs,
@@ -324,7 +319,7 @@ class Trainer:
                 "outer": _state_specs(abstract_opt["outer"], self._param_specs, shapes, P())}
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
         self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs),
-                                                       _only_trained(mask, named(self._grad_specs)),
+                                                       partition(named(self._grad_specs), mask)[0],
                                                        named(self._opt_specs))
         self._opt_device_sh = self._opt_sh  # where the update reads and writes it
         if self.offload_optimizer:  # where it rests between steps (and in init, restore and checkpoints)

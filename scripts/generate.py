@@ -63,12 +63,7 @@ def main(argv):
     else:
         task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh,
                                                          tasks=("lm", "seq2seq", "sft", "dpo", "ppo"))
-    if FLAGS.init_adapter:
-        if not os.path.isdir(FLAGS.init_adapter):
-            raise FileNotFoundError(f"--init_adapter={FLAGS.init_adapter} is not a directory; expected a PEFT "
-                                    "adapter directory")
-        model, params = models.merge_lora(*models.load_lora_adapter(*models.merge_lora(model, params),
-                                                                    FLAGS.init_adapter, mesh=mesh))
+    model, params = cli.merge_adapter(model, params, FLAGS.init_adapter, mesh)
     if FLAGS.quantize == "int8":
         model, params = models.quantize(*models.merge_lora(model, params))
     # A model tuned on prompt/response rows (SFT, DPO, PPO) answers after the separator it was trained with.
