@@ -206,8 +206,7 @@ class Trainer:
             raise ValueError(f"trainable={trainable!r} selects integer parameter {integer[0]} (and {len(integer) - 1} "
                              "more), which cannot train (quantised weights); expected a trainable set of floating "
                              "parameters, e.g. models.LORA_TRAINABLE")
-        self._trainable_arg = trainable
-        self._trainable = None  # the tree of bools, once the parameters' structure is known
+        self._trainable = mask  # None, or a tree of bools of the parameters' structure
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
         # model_tflops_per_device and mfu (None where the device's peak is unknown).
         self.throughput = {}
@@ -263,10 +262,9 @@ class Trainer:
 
     def trainable_paths(self):
         """The '/'-joined paths of the parameters this Trainer trains (every one without `trainable`)."""
-        mask = _trainable_mask(self._trainable_arg, self.params)
         flat = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        return [path_str(p) for (p, _), m in zip(flat, jax.tree.leaves(mask) if mask is not None else
-                                                  [True] * len(flat)) if m]
+        wants = jax.tree.leaves(self._trainable) if self._trainable is not None else [True] * len(flat)
+        return [path_str(p) for (p, _), m in zip(flat, wants) if m]
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _example_batch(self):
@@ -285,7 +283,7 @@ class Trainer:
         """Decides the layout, compiles nothing yet, and places (or restores) the state."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
         abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._init_params)
-        mask = self._trainable = _trainable_mask(self._trainable_arg, abstract_params)
+        mask = self._trainable
         if mask is not None:
             counts = [sum(int(np.prod(x.shape)) for x, m in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(
                 mask)) if m == want) for want in (True, False)]
