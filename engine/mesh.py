@@ -1,11 +1,13 @@
-"""The device mesh: three named axes, `('data', 'fsdp', 'model')`.
+"""The device mesh: four named axes, `('stage', 'data', 'fsdp', 'model')`.
 
+- `stage`: pipeline parallelism; each stage holds a contiguous block of the layer stack (GPipe schedule in
+  `models.layers`, weights placed by `engine.auto_shard`). Size 1 unless asked for.
 - `data`: pure data parallelism; weights replicated (ZeRO-1/2 may still split optimizer state / gradients over it).
 - `fsdp`: ZeRO-3 / fully sharded data parallelism; weights, gradients and optimizer state split.
 - `model`: tensor parallelism (Megatron layout chosen by `engine.auto_shard`).
 
 The `model` axis is innermost so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
-and only the data-parallel axes cross the slower network.
+and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout).
 """
 import math
 
@@ -15,7 +17,7 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-AXES = ("data", "fsdp", "model")
+AXES = ("stage", "data", "fsdp", "model")
 
 
 def _resolve_sizes(sizes, n_devices):
@@ -41,7 +43,8 @@ def _resolve_sizes(sizes, n_devices):
 def _device_grid(shape, devices):
     """Places devices on the grid: per-host blocks for the data axes, the model axis inside a host."""
     n_hosts = len({d.process_index for d in devices})
-    data, fsdp, model = shape
+    stage, data, fsdp, model = shape
+    data *= stage  # the stages split the outer (data) block: stage-major, then data
     if n_hosts > 1:
         per_host = len(devices) // n_hosts
         # Spread hosts over the outer (data, then fsdp) axes; each host keeps a whole inner block.
@@ -51,7 +54,8 @@ def _device_grid(shape, devices):
             ici = (data // dcn_data, fsdp // dcn_fsdp, model)
             try:
                 return mesh_utils.create_hybrid_device_mesh(ici, (dcn_data, dcn_fsdp, 1), devices,
-                                                            process_is_granule=True, allow_split_physical_axes=True)
+                                                            process_is_granule=True,
+                                                            allow_split_physical_axes=True).reshape(shape)
             except (ValueError, AssertionError, NotImplementedError) as e:
                 logging.warning("make_mesh: hybrid mesh failed (%s); ordering devices by host instead", e)
         ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
@@ -63,8 +67,9 @@ def _device_grid(shape, devices):
         return np.array(devices, dtype=object).reshape(shape)
 
 
-def make_mesh(*, data=-1, fsdp=1, model=1, devices=None):
-    """Builds a `Mesh` with axes `('data', 'fsdp', 'model')`; one size may be -1 to take the remaining devices.
+def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, devices=None):
+    """Builds a `Mesh` with axes `('stage', 'data', 'fsdp', 'model')`; one size may be -1 to take the remaining
+    devices.
 
     `devices` defaults to all devices of all processes (`jax.devices()`). Raises `ValueError` when the sizes do not
     multiply to the device count, when more than one size is -1, or a size is 0 or negative.
@@ -72,5 +77,5 @@ def make_mesh(*, data=-1, fsdp=1, model=1, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: devices is empty; expected at least one device")
-    shape = _resolve_sizes((data, fsdp, model), len(devices))
+    shape = _resolve_sizes((stage, data, fsdp, model), len(devices))
     return Mesh(_device_grid(shape, devices), AXES)

@@ -15,6 +15,10 @@ part, so `Dense_0 ... Dense_7` or a fused `qkv` kernel come out right, and so do
 
 Without `trace_fn`, parameter names and the pytree's insertion order are used (Flax keeps creation order in its dicts;
 `jax.tree_util` would sort the keys, so the walk here does not use it).
+
+Pipeline parallelism: on a mesh with a `stage` axis, every parameter the traced program scans over (a stacked layer
+weight [layers, ...], the xs of a `scan`) is split over `stage` along that dim, so each stage holds its contiguous
+block of layers (`models.pipeline` runs them); this needs `trace_fn`.
 """
 import math
 import re
@@ -25,7 +29,7 @@ from absl import logging
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-MODEL, FSDP = "model", "fsdp"
+MODEL, FSDP, STAGE = "model", "fsdp", "stage"
 # Parameters smaller than this (elements) stay replicated over `fsdp`: splitting norms and small biases saves
 # nothing and costs a gather each.
 FSDP_MIN_ELEMENTS = 1024
@@ -151,6 +155,7 @@ class _Analysis:
         self.decided = {}             # param index -> param dim split over `model` (or None: replicated)
         self.kind = {}                # param index -> 'column' | 'row' | 'embedding' | 'follow'
         self.used = set()             # param indices the program reads
+        self.scanned = {}             # param index -> the param dim a scan iterates over (stacked layers)
 
     def _divisible(self, pid, pdim):
         return pdim is not None and self.shapes[pid][pdim] % self.model_size == 0
@@ -260,6 +265,8 @@ class _Analysis:
         nc, ncarry = scan_counts(p)
         xs = []
         for info in ins[nc + ncarry:]:  # the body sees xs without their leading (scanned) dim
+            if info.origin is not None and info.origin[1] and info.origin[1][0] is not None:
+                self.scanned.setdefault(info.origin[0], info.origin[1][0])
             origin = (info.origin[0], info.origin[1][1:]) if info.origin is not None else None
             xs.append(_Info(info.split - 1 if info.split else None, origin))
         outs = self.walk(p["jaxpr"].jaxpr, ins[:nc + ncarry] + xs)
@@ -336,12 +343,14 @@ class _Analysis:
 
 
 def _trace_decisions(params, trace_fn, model_size):
-    """({path: (param dim or None, kind)}, {paths the program reads}) from the traced program."""
+    """({path: (param dim or None, kind)}, {paths the program reads}, {path: dim a scan iterates over}) from the
+    traced program. It is traced outside any mesh, so a model sees its plain layer stack, not its pipeline."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_str(p) for p, _ in flat]
     shapes = [_shape(x) for _, x in flat]
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(_shape(x), x.dtype), params)
-    closed = jax.make_jaxpr(trace_fn)(abstract)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        closed = jax.make_jaxpr(trace_fn)(abstract)
     analysis = _Analysis(shapes, model_size)
     n_consts = len(closed.jaxpr.invars) - len(flat)
     # LoRA adapters enter as plain replicated values: their low-rank branch must not steer the layer's decisions
@@ -350,7 +359,7 @@ def _trace_decisions(params, trace_fn, model_size):
                                       for i, (path, s) in enumerate(zip(paths, shapes))]
     analysis.walk(closed.jaxpr, ins)
     decided = {paths[pid]: (pdim, analysis.kind[pid]) for pid, pdim in analysis.decided.items()}
-    return decided, {paths[pid] for pid in analysis.used}
+    return decided, {paths[pid] for pid in analysis.used}, {paths[pid]: d for pid, d in analysis.scanned.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -459,6 +468,16 @@ def _follow_adapted_kernels(leaves, decisions):
         decisions[key] = (dim if follows else None, "follow")
 
 
+def _follow_stacked_kernels(leaves, stacked):
+    """LoRA adapters, which the trace leaves out, are stacked like the kernel beside them."""
+    out = dict(stacked)
+    for path, _ in leaves:
+        kernel = "/".join(path[:-1] + ("kernel",))
+        if _is_adapter("/".join(path)) and kernel in stacked:
+            out["/".join(path)] = stacked[kernel]
+    return out
+
+
 def _spec_tuple(spec, ndim):
     entries = list(spec) + [None] * (ndim - len(spec))
     return entries
@@ -543,20 +562,26 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
         first match wins; unmatched parameters get the automatic rules.
 
     A dimension is split only if the axis size divides it (else the other rule is tried, else the parameter is
-    replicated). With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
+    replicated). With `stage > 1`, stacked layer weights are split over `stage` along their layer dim (see the module
+    docstring). With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
     divisible dimension split over `fsdp`.
     """
     sizes = _axis_sizes(mesh)
     compiled_rules = _check_rules(rules)
     leaves = _leaves_in_creation_order(params)
-    model_size = sizes.get(MODEL, 1)
-    decisions = {}
+    model_size, stage_size = sizes.get(MODEL, 1), sizes.get(STAGE, 1)
+    decisions, stacked = {}, {}
+    if stage_size > 1 and trace_fn is None:
+        raise ValueError(f"auto_shard: a mesh with stage={stage_size} needs trace_fn (the traced program shows which "
+                         "parameters are stacked layers); got trace_fn=None")
+    if trace_fn is not None and (model_size > 1 or stage_size > 1):
+        traced, used, stacked = _trace_decisions(params, trace_fn, model_size)
+        stacked = _follow_stacked_kernels(leaves, stacked)
     if model_size > 1:
         names = _name_decisions(leaves, model_size)
         if trace_fn is None:
             decisions = names
         else:  # names only decide parameters the program never reads
-            traced, used = _trace_decisions(params, trace_fn, model_size)
             decisions = {**{k: v for k, v in names.items() if k not in used}, **traced}
         _follow_column_kernels(leaves, decisions, model_size)
         _follow_adapted_kernels(leaves, decisions)
@@ -574,6 +599,9 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
         dim = decisions.get(key, (None, None))[0]
         if dim is not None:
             entries[dim] = MODEL
+        layer_dim = stacked.get(key)
+        if stage_size > 1 and layer_dim is not None and entries[layer_dim] is None and not shape[layer_dim] % stage_size:
+            entries[layer_dim] = STAGE
         specs[key] = add_axis(P(*entries), shape, FSDP, sizes)
     return jax.tree_util.tree_map_with_path(lambda p, _: specs[path_str(p)], params)
 

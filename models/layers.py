@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
+from models import pipeline
 
 Dtype = Any
 
@@ -46,6 +47,8 @@ class ModelOptions:
     quantize='int8': the same projections store their kernels as int8 with a float32 scale per output column
     (`kernel_scale`; `models.quantize`), a frozen base for LoRA in a quarter of float32's memory: y = (x q) s.
     Unlike the other options these fields change the parameters, so training scripts record them.
+    pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
+    (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (M + S - 1) of each stage's time.
     """
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -61,12 +64,17 @@ class ModelOptions:
     lora_targets: tuple = LORA_TARGETS
     lora_dropout: float = 0.0
     quantize: str | None = None
+    pipeline_microbatches: int = 0
 
     def __post_init__(self):
         if self.quantize not in (None, "int8"):
             raise ValueError(f"quantize={self.quantize!r}; expected None or 'int8'")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
+        if (isinstance(self.pipeline_microbatches, bool) or not isinstance(self.pipeline_microbatches, int)
+                or self.pipeline_microbatches < 0):
+            raise ValueError(f"pipeline_microbatches={self.pipeline_microbatches!r}; expected an integer >= 0 "
+                             "(0: one per stage)")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout={self.lora_dropout!r}; expected a rate in [0, 1)")
         if not self.lora_alpha > 0:
@@ -481,21 +489,33 @@ class MLP(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------- stacks
 
-def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", **block_kwargs):
+def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, **block_kwargs):
     """Runs the blocks of a stack (config.num_layers unless given); call from inside a parent's compact method.
 
     A block is a Module whose __call__(x, ctx, layer_cache) returns (x, layer_cache); it is built with
     config=config and block_kwargs. config.scan_layers: one nn.scan with parameters stacked along a leading
     [num_layers] axis under `name`; else separate `{name}_{i}` sub-trees. cache: the model's cache dict or None; its
     'layers' are stacked [num_layers, ...] either way, so generation does not care which. config.remat wraps each
-    block in nn.remat. Returns (x, new cache['layers'] or None)."""
+    block in nn.remat. Under a mesh with a `stage` axis (and no cache) the scanned stack runs as a pipeline
+    (`models.pipeline`); `owner`, the calling module, lends it the stacked weights, and a stack without an owner
+    refuses such a mesh. Returns (x, new cache['layers'] or None)."""
     num_layers = config.num_layers if num_layers is None else num_layers
     scan, remat = config.scan_layers, config.remat
     cache = None if cache is None else cache["layers"]
     block_kwargs = {"config": config, **block_kwargs}
+    if remat != "none" and remat not in _REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}; expected 'none', 'full' or 'dots'")
+    stages = pipeline.num_stages()
+    if stages > 1 and cache is None:
+        if owner is None:
+            raise ValueError(f"a mesh with stage={stages}: this model's layer stack '{name}' cannot run as a "
+                             "pipeline (decoder-only families can); expected a mesh with stage=1")
+        if not scan:
+            raise ValueError(f"a mesh with stage={stages} needs scan_layers=True (the pipeline splits the stacked "
+                             "layer weights); got scan_layers=False")
+        if not owner.is_initializing():
+            return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages), None
     if remat != "none":
-        if remat not in _REMAT_POLICIES:
-            raise ValueError(f"remat={remat!r}; expected 'none', 'full' or 'dots'")
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
         stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
@@ -509,6 +529,22 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     if cache is None:
         return x, None
     return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
+
+
+def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages):
+    """The scanned stack `owner`'s `name` as a pipeline of `stages` stages: each layer is the block applied to its
+    slice of the stacked weights (dropout keys folded per layer and micro-batch)."""
+    block = block_cls(parent=None, **block_kwargs)
+    key = None if block_kwargs.get("deterministic", True) else owner.make_rng("dropout")
+
+    def layer_fn(w, h, c, layer, micro):
+        rngs = {} if key is None else {"dropout": jax.random.fold_in(jax.random.fold_in(key, layer), micro)}
+        return block.apply({"params": w}, h, c, None, rngs=rngs)[0]
+
+    if config.remat != "none":
+        layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+    return pipeline.pipeline(layer_fn, owner.variables["params"][name], x, ctx, stages=stages,
+                             microbatches=config.pipeline_microbatches or stages)
 
 
 def decoder_context(input_ids, attention_mask, positions, cache):
@@ -621,7 +657,7 @@ class DecoderLM(nn.Module):
             x = x + table(ctx["positions"] + self.position_offset)
         if self.embed_dropout:
             x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
-        x, layer_cache = apply_layers(self.block, x, ctx, cache, c, deterministic=not train)
+        x, layer_cache = apply_layers(self.block, x, ctx, cache, c, owner=self, deterministic=not train)
         if getattr(c, "final_layer_norm", True):
             x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
         if embed_dim != c.hidden_size:
