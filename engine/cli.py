@@ -30,6 +30,10 @@ def define_flags():
         return
     flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model; one may be -1 (the rest of the "
                         "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel.")
+    flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
+                         "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe schedule.")
+    flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches each pipeline step cuts its rows into (0: one "
+                         "per stage); the idle share of a stage is (stages - 1) / (micro-batches + stages - 1).")
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
     flags.DEFINE_integer("per_device_batch_size", 4, "Examples per device (along data x fsdp) per micro-batch.")
     flags.DEFINE_integer("accumulate_grad_batches", 1, "Micro-batches per optimizer update.")
@@ -74,11 +78,14 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                        "0.9, as in the paper).", lower_bound=0.0)
 
 
-def with_dropout(model):
-    """`model` with --dropout_rate / --attention_dropout_rate in its config (each unchanged when its flag is unset)."""
-    rates = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
-             if getattr(FLAGS, name) is not None}
-    return model.clone(config=dataclasses.replace(model.config, **rates)) if rates else model
+def with_flags(model):
+    """`model` with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each unchanged when
+    unset) and, for a pipeline (--pipeline_stages > 1), a scanned layer stack and --pipeline_microbatches."""
+    options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
+               if getattr(FLAGS, name) is not None}
+    if FLAGS.pipeline_stages > 1:
+        options.update(scan_layers=True, pipeline_microbatches=FLAGS.pipeline_microbatches)
+    return model.clone(config=dataclasses.replace(model.config, **options)) if options else model
 
 
 def loss_implementation():
@@ -123,11 +130,13 @@ def parse_json(flag, value):
 
 def start():
     """Joins the multi-process runtime (if asked) and builds the mesh from the flags."""
-    for name in ("per_device_batch_size", "accumulate_grad_batches"):
+    for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages"):
         if FLAGS[name].value < 1:
             raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
     engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    return engine.make_mesh(**parse_mesh(FLAGS.mesh))
+    if FLAGS.pipeline_microbatches < 0:
+        raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
+    return engine.make_mesh(stage=FLAGS.pipeline_stages, **parse_mesh(FLAGS.mesh))
 
 
 def trainer_kwargs():

@@ -172,20 +172,26 @@ class _AbstractRestore:
 
 def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
-         loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None):
+         loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
+         pipeline_microbatches=0):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
     their sum, and, with `hbm_gb`, whether the total fits. lora_rank > 0: LoRA adapters (float32) on every
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
-    quantize='int8' the projections as int8 (`models.quantize`)."""
+    quantize='int8' the projections as int8 (`models.quantize`). stages > 1: a pipeline of that many stages (the
+    mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
+    per stage) of each micro-batch's rows."""
     import engine
     import models
     from engine import text
 
     data, fsdp, tp = _parse_mesh(mesh)
-    if data * fsdp * tp != num_devices:
-        raise ValueError(f"mesh={data},{fsdp},{tp} has {data * fsdp * tp} devices; expected num_devices={num_devices}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages={stages!r}; expected a positive integer")
+    if stages * data * fsdp * tp != num_devices:
+        raise ValueError(f"mesh={data},{fsdp},{tp} with stages={stages} has {stages * data * fsdp * tp} devices; "
+                         f"expected num_devices={num_devices}")
     if num_devices > jax.device_count():
         raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
@@ -195,7 +201,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
     dtype = jnp.dtype(compute_dtype)
     config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name,
-                               lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize)
+                               lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize,
+                               pipeline_microbatches=pipeline_microbatches)
     network = models.FAMILIES[model].Model(config)
     abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
     if not lora_rank:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
@@ -211,7 +218,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     loss_fn = text.lm_loss_fn(network, loss_implementation)
     loss_fn.weight_metric = "tokens"
     trainer = engine.Trainer(
-        mesh=engine.make_mesh(data=data, fsdp=fsdp, model=tp, devices=jax.devices()[:num_devices]),
+        mesh=engine.make_mesh(stage=stages, data=data, fsdp=fsdp, model=tp, devices=jax.devices()[:num_devices]),
         collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=optax.adamw(1e-4),
         zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
         trainable=trainable)
@@ -228,6 +235,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
              + mem.temp_size_in_bytes)
     comm = collective_bytes(compiled.as_text(), num_devices)
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
+              "stages": stages, "pipeline_microbatches": pipeline_microbatches or stages,
               "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,

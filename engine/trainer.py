@@ -111,7 +111,8 @@ class Trainer:
     """Trains `params` with `loss_fn` on a mesh; see the module docstring for the user functions.
 
     Args:
-      mesh: from `engine.make_mesh`.
+      mesh: from `engine.make_mesh`. With a `stage` axis > 1 the native decoders run their layer stack as a pipeline
+        (models/pipeline.py); every stage sees the same global micro-batch.
       collate_fn, loss_fn: the user functions.
       params: the initial parameter pytree (host or device arrays); kept as master weights in their own dtype.
       optimizer: an `optax.GradientTransformation`; build it with `optax.inject_hyperparams` to log the learning rate.
@@ -135,8 +136,11 @@ class Trainer:
         (`engine.step.jit_train_step`: the reference, `loss_fn` on the global micro-batch, the compiler partitions).
         'auto' (default): 'shard_map' on GPU and TPU, where its explicit collectives send less (LLaMA-7B, 8 devices,
         ZeRO-3: 46.7 GB per device per step against 103 GB, scripts/plan_memory.py); 'jit' on CPU, where the
-        simulated devices' collectives are memory copies and the jit step measured 5-8% faster (bench_step.py).
-        Both give the same results (tests/test_step.py).
+        simulated devices' collectives are memory copies and the jit step measured 5-8% faster (bench_step.py);
+        'jit' for a pipeline (mesh `stage` > 1) with `fsdp` > 1, where the shard_map step's ZeRO-3 gathers all of a
+        stage's layers at once (7B, stage 4 x fsdp 2: 46.8 GB per device against 22.3; with stage 4 x data 2 and
+        ZeRO-1 the shard_map step sends 12.2 GB against 55.7 in the same memory). Both give the same results
+        (tests/test_step.py, tests/test_pipeline.py).
       flops_per_example: model FLOPs of one training example, forward and backward (for the native models:
         `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a
         device of known peak (`engine.flops.PEAK_TFLOPS`), the model FLOPs utilisation (MFU); `throughput` holds the
@@ -215,8 +219,10 @@ class Trainer:
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
         self._sharding_rules = sharding_rules
-        if step == "auto":
-            step = "jit" if mesh.devices.flat[0].platform == "cpu" else "shard_map"
+        if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
+            sizes = dict(mesh.shape)
+            pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
+            step = "jit" if mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp else "shard_map"
         self._step_kind = step
         self._init_params = params
         self._state = None            # {'params', 'opt_state'} on the mesh once set up

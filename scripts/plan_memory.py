@@ -33,6 +33,9 @@ flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit"], "The Trainer'
 flags.DEFINE_enum("loss_implementation", "xla", ["plain", "xla"], "plain: materialised logits; xla: the blockwise "
                   "linear + cross-entropy (no [tokens, vocab] array).")
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
+flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
+                     "--mesh product).", lower_bound=1)
+flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank on every projection.", lower_bound=0)
 flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Storage dtype of the frozen weights with "
@@ -60,7 +63,8 @@ def main(argv):
             print(json.dumps(r), flush=True)
         print(plan.format_table(results))
         return
-    print(json.dumps(plan.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, **kwargs)), flush=True)
+    print(json.dumps(plan.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
+                               pipeline_microbatches=FLAGS.pipeline_microbatches, **kwargs)), flush=True)
 
 
 if __name__ == "__main__":

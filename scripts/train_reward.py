@@ -43,7 +43,7 @@ def main(argv):
                                                       key="prompt", what="triples")
     mesh = cli.start()
     _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
-    model = reward.RewardModel(cli.with_dropout(backbone))
+    model = reward.RewardModel(cli.with_flags(backbone))
     params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
     train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
                                    what="triples")

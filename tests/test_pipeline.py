@@ -1,0 +1,163 @@
+"""Pipeline parallelism (models/pipeline.py, the mesh's `stage` axis, engine.auto_shard's stage rule): the pipelined
+stack equals the plain one, values and gradients, on meshes that mix stages with data, ZeRO-3 and tensor
+parallelism; each stage holds only its layers and the compiled step passes activations (collective-permutes), never
+weights, between stages; the Trainer trains the same on a pipeline as without; bad input fails in one line."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import engine
+import kernels
+import models
+from models import pipeline
+from tests import trainer_task as tt
+
+ROWS, SEQ = 8, 16
+
+
+def _model(family="llama", **options):
+    return models.create_model(family, "tiny", **{"scan_layers": True, "num_layers": 4, **options})
+
+
+def _loss(model):
+    def loss(params, ids):
+        logits = model.apply({"params": params}, ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+    return loss
+
+
+def _ids(model, rows=ROWS):
+    return jax.random.randint(jax.random.PRNGKey(1), (rows, SEQ), 0, model.config.vocab_size)
+
+
+def _on_mesh(loss, params, ids, mesh):
+    """(value_and_grad compiled for `mesh` under it, placed params, placed ids), the params on auto_shard's layout."""
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: loss(p, ids))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def value_and_grad(p, ids):
+        with kernels.under_mesh(mesh):
+            return jax.value_and_grad(loss)(p, ids)
+
+    return (jax.jit(value_and_grad), jax.device_put(params, shardings),
+            jax.device_put(ids, NamedSharding(mesh, P(("data", "fsdp")))))
+
+
+@pytest.mark.parametrize("family, mesh, options", [
+    ("llama", dict(stage=2, data=2, model=2), dict(remat="full", pipeline_microbatches=4)),
+    pytest.param("gptj", dict(stage=4, data=2), dict(remat="none"), marks=pytest.mark.slow),
+    pytest.param("opt", dict(stage=2, fsdp=2, model=2), dict(remat="dots", pipeline_microbatches=2),
+                 marks=pytest.mark.slow),
+])
+def test_pipelined_stack_equals_the_plain_one(family, mesh, options):
+    model = _model(family, **options)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    ids = _ids(model)
+    loss = _loss(model)
+    want, want_grads = jax.jit(jax.value_and_grad(loss))(params, ids)
+    fn, placed, placed_ids = _on_mesh(loss, params, ids, engine.make_mesh(**mesh))
+    got, grads = fn(placed, placed_ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want_grads))
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
+        assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_stacked_layers_split_over_stage_and_only_activations_move():
+    model = _model(lora_rank=4)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    ids = _ids(model)
+    loss = _loss(model)
+    mesh = engine.make_mesh(stage=4, data=2)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: loss(p, ids))
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]:
+        name = engine.sharding.path_str(path)
+        assert (spec[:1] == ("stage",)) == name.startswith("layers/"), (name, spec)  # adapters too
+    fn, placed, placed_ids = _on_mesh(loss, params, ids, mesh)
+    kernel = placed["layers"]["mlp"]["up"]["kernel"]
+    assert kernel.addressable_shards[0].data.shape[0] == 1  # 4 layers over 4 stages
+    hlo = fn.lower(placed, placed_ids).compile().as_text()
+    assert "collective-permute" in hlo
+    assert not re.search(r"all-gather(-start)?\(", hlo), "a weight was gathered across stages"
+
+
+@pytest.mark.parametrize("mesh, step, zero_stage", [
+    (dict(stage=2, data=2, model=2), "jit", 0),
+    pytest.param(dict(stage=2, fsdp=2, model=2), "shard_map", 0, marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, data=2, model=2), "shard_map", 1, marks=pytest.mark.slow),
+])
+def test_trainer_on_a_pipeline_trains_like_without(mesh, step, zero_stage):
+    model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2)
+
+    def loss_fn(params, batch, rng, is_training):
+        logits = model.apply({"params": params}, batch["input_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean(), {}
+
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    examples = tt.make_examples(64)
+
+    def losses(mesh, step):
+        trainer = engine.Trainer(mesh=mesh, collate_fn=tt.collate_fn, loss_fn=loss_fn, params=params,
+                                 optimizer=optax.adam(1e-2), step=step, zero_stage=zero_stage)
+        trainer.fit(examples, per_device_batch_size=4, max_steps=4, log_every=1)
+        return [h["loss"] for h in trainer.history]
+
+    flat = {k: v for k, v in mesh.items() if k != "stage"}
+    want = losses(engine.make_mesh(**flat, devices=jax.devices()[:4]), "jit")
+    np.testing.assert_allclose(losses(engine.make_mesh(**mesh), step), want, rtol=1e-5)
+    assert want[-1] < want[0]
+
+
+@pytest.mark.slow
+def test_generation_under_a_pipeline_mesh_matches():
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    prompts = _ids(model, rows=2)[:, :4]
+    want = models.generate(model, params, prompts, max_new_tokens=4)
+    mesh = engine.make_mesh(stage=2, data=4)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: _loss(model)(p, _ids(model)))
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                 is_leaf=lambda x: isinstance(x, P)))
+    np.testing.assert_array_equal(models.generate(model, placed, prompts, max_new_tokens=4), want)
+
+
+def test_bubble_fraction():
+    assert pipeline.bubble_fraction(1, 4) == 0
+    assert pipeline.bubble_fraction(8, 8) == pytest.approx(7 / 15)
+    assert pipeline.bubble_fraction(4, 28) == pytest.approx(3 / 31)
+
+
+def _trace_on(mesh, model, rows=ROWS):
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    ids = _ids(model, rows)
+    fn, placed, placed_ids = _on_mesh(_loss(model), params, ids, mesh)
+    return fn.lower(placed, placed_ids)
+
+
+def test_bad_input_fails_in_one_line():
+    mesh = engine.make_mesh(stage=2, data=4)
+    with pytest.raises(ValueError, match=r"stage=0; expected a positive integer or -1"):
+        engine.make_mesh(stage=0)
+    with pytest.raises(ValueError, match=r"pipeline_microbatches=-1; expected an integer >= 0"):
+        _model(pipeline_microbatches=-1)
+    with pytest.raises(ValueError, match=r"stage=2 splits a stack of 3 layers"):
+        _trace_on(mesh, _model(num_layers=3))
+    with pytest.raises(ValueError, match=r"pipeline_microbatches=3 does not divide the 8 rows"):
+        _trace_on(mesh, _model(pipeline_microbatches=3))
+    with pytest.raises(ValueError, match=r"stage=2 needs scan_layers=True"):
+        _trace_on(mesh, _model(scan_layers=False))
+    params = models.init_params(_model(), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"stage=2 needs trace_fn"):
+        engine.auto_shard(params, mesh)
+    t5 = models.create_model("t5", "tiny", scan_layers=True)
+    t5_params = models.init_params(t5, jax.random.PRNGKey(0))
+    ids = _ids(t5, 2)
+    with pytest.raises(ValueError, match=r"stack '\w+' cannot run as a pipeline"):
+        with kernels.under_mesh(mesh):
+            jax.eval_shape(lambda p: t5.apply({"params": p}, ids, ids), t5_params)
