@@ -78,14 +78,19 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                        "0.9, as in the paper).", lower_bound=0.0)
 
 
-def with_flags(model):
-    """`model` with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each unchanged when
-    unset) and, for a pipeline (--pipeline_stages > 1), a scanned layer stack and --pipeline_microbatches."""
+def with_flags(model, params):
+    """(model, params) with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each
+    unchanged when unset) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches and the layers
+    stacked (`models.stack_layers`; run.json records the layout, so a resume needs the same flags)."""
     options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
                if getattr(FLAGS, name) is not None}
     if FLAGS.pipeline_stages > 1:
-        options.update(scan_layers=True, pipeline_microbatches=FLAGS.pipeline_microbatches)
-    return model.clone(config=dataclasses.replace(model.config, **options)) if options else model
+        try:
+            model, params = models.stack_layers(model, params)
+        except ValueError as e:
+            raise ValueError(f"--pipeline_stages={FLAGS.pipeline_stages}: {e}") from None
+        options["pipeline_microbatches"] = FLAGS.pipeline_microbatches
+    return (model.clone(config=dataclasses.replace(model.config, **options)) if options else model), params
 
 
 def loss_implementation():
@@ -347,9 +352,10 @@ def trainable(also=None):
     return models.LORA_TRAINABLE + (f"|{also}" if also else "")
 
 
-# Runtime options are not recorded in run.json; the LoRA and quantisation fields are (they change the parameters).
+# Runtime options are not recorded in run.json; the LoRA, quantisation and layer-stacking fields are (they change the
+# parameters and their checkpoint layout).
 _LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
-                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize")}
+                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "scan_layers")}
 _RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_LORA_DEFAULTS) | {"hf_config"}
 RUN_FILE = "run.json"
 
@@ -432,7 +438,7 @@ def save_run(workdir, task, model, tokenizer, critic=None):
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        # run.json files written before the LoRA fields existed hold no lora_* field: theirs are the defaults.
+        # run.json files written before the LoRA / scan fields existed hold none of them: theirs are the defaults.
         full = lambda config: config and _tuples({**_LORA_DEFAULTS, **config})  # noqa: E731
         old_config, new_config = full(old.get("config")), full(run["config"])
         old_critic = old.get("critic") and {**old["critic"], "config": full(old["critic"]["config"])}
@@ -462,7 +468,7 @@ def load_run(workdir, tasks=None, **options):
 
 def _model_of(entry, options):
     family = entry["family"]
-    return models.FAMILIES[family].Model(models.FAMILIES[family].Config(**_tuples(entry["config"]), **options))
+    return models.FAMILIES[family].Model(models.FAMILIES[family].Config(**{**_tuples(entry["config"]), **options}))
 
 
 def _read_run(workdir, tasks):

@@ -10,7 +10,7 @@ from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
 from models.hf import (FAMILIES, config_from_hf, init_params, load_pretrained, load_sequence_classifier, load_tokenizer,
                        save_pretrained)
-from models.layers import ModelOptions
+from models.layers import ModelOptions, stack_layers
 from models.quantize import dequantize, quantize
 from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,
                          save_lora_adapter)

@@ -531,6 +531,25 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
 
 
+def stack_layers(model, params):
+    """(model with scan_layers=True, params with its `layers_{i}` sub-trees stacked into one [num_layers, ...] tree
+    under `layers`): the layout a pipeline splits over stages. Unchanged when already scanned. Decoder-only
+    families (a `DecoderLM`); ValueError otherwise."""
+    if not isinstance(model, DecoderLM):
+        raise ValueError(f"a pipeline needs a decoder-only model (LLaMA, GPT-J, OPT); got {type(model).__name__}")
+    if model.config.scan_layers:
+        return model, params
+    n = model.config.num_layers
+    params = dict(params)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[params.pop(f"layers_{i}") for i in range(n)])
+    # The stack sits where the unscanned model creates its first layer (creation order decides auto_shard's names
+    # fallback and the tables it logs).
+    params = {**{k: v for k, v in params.items() if k in ("embed", "embed_positions", "project_in")},
+              "layers": stacked, **{k: v for k, v in params.items() if k not in ("embed", "embed_positions",
+                                                                                  "project_in")}}
+    return model.clone(config=dataclasses.replace(model.config, scan_layers=True)), params
+
+
 def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages):
     """The scanned stack `owner`'s `name` as a pipeline of `stages` stages: each layer is the block applied to its
     slice of the stacked weights (dropout keys folded per layer and micro-batch)."""

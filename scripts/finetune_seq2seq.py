@@ -74,7 +74,7 @@ def main(argv):
     train_pairs, eval_pairs = load_pairs()
     mesh = cli.start()
     model, params, tokenizer = build_model(mesh)
-    model = cli.with_flags(model)
+    model, params = cli.with_flags(model, params)
     longest = lambda key: max(len(tokenizer.encode(p[key])) + 1 for p in train_pairs + eval_pairs)  # noqa: E731
     in_len, out_len = min(FLAGS.max_input_len, longest("input")), min(FLAGS.max_target_len, longest("target"))
     encode = lambda pairs: text.encode_pairs(pairs, tokenizer, max_input_len=in_len, max_target_len=out_len,  # noqa

@@ -47,7 +47,7 @@ def main(argv):
                                                       key="prompt", what="triples")
     mesh = cli.start()
     _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft", "dpo"), seq_len=FLAGS.seq_len)
-    model = cli.with_flags(model)
+    model, params = cli.with_flags(model, params)
     train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
                                    what="triples")
     cli.save_run(FLAGS.workdir, "dpo", model, tokenizer)

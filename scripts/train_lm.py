@@ -65,7 +65,7 @@ def main(argv):
         raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
     mesh = cli.start()
     model, params, tokenizer = build_model(mesh)
-    model = cli.with_flags(model)
+    model, params = cli.with_flags(model, params)
     rows = text.pack(docs, tokenizer, FLAGS.seq_len)
     global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
     n_eval = max(global_batch // FLAGS.accumulate_grad_batches, len(rows) // 50)

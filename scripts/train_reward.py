@@ -43,7 +43,8 @@ def main(argv):
                                                       key="prompt", what="triples")
     mesh = cli.start()
     _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
-    model = reward.RewardModel(cli.with_flags(backbone))
+    backbone, backbone_params = cli.with_flags(backbone, backbone_params)
+    model = reward.RewardModel(backbone)
     params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
     train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
                                    what="triples")

@@ -43,7 +43,7 @@ def main(argv):
                                                   key="prompt", what="pairs")
     mesh = cli.start()
     _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
-    model = cli.with_flags(model)
+    model, params = cli.with_flags(model, params)
     train, evals = cli.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs, mesh,
                                    what="pairs")
     cli.save_run(FLAGS.workdir, "sft", model, tokenizer)

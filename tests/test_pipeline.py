@@ -161,3 +161,17 @@ def test_bad_input_fails_in_one_line():
     with pytest.raises(ValueError, match=r"stack '\w+' cannot run as a pipeline"):
         with kernels.under_mesh(mesh):
             jax.eval_shape(lambda p: t5.apply({"params": p}, ids, ids), t5_params)
+
+
+def test_stack_layers_keeps_the_function():
+    model = _model(scan_layers=False)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    ids = _ids(model, rows=2)
+    scanned, stacked = models.stack_layers(model, params)
+    assert scanned.config.scan_layers and stacked["layers"]["mlp"]["up"]["kernel"].shape[0] == 4
+    assert list(stacked)[:2] == ["embed", "layers"] and not any(k.startswith("layers_") for k in stacked)
+    np.testing.assert_allclose(scanned.apply({"params": stacked}, ids), model.apply({"params": params}, ids),
+                               rtol=1e-5, atol=1e-5)
+    assert models.stack_layers(scanned, stacked)[1] is stacked
+    with pytest.raises(ValueError, match=r"a pipeline needs a decoder-only model .*; got T5"):
+        models.stack_layers(models.create_model("t5", "tiny"), {})

@@ -88,6 +88,25 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
 
 
 @pytest.mark.slow
+def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_path):
+    data = f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}"
+    common = [data, *TINY_LM, "--max_steps=6", "--log_every=2", "--prompts="]
+    # The same global batch of 8 rows: 4 data positions x 2, or 2 stages x 2 data positions x 4 rows.
+    flat = _run("train_lm.py", *common, f"--workdir={tmp_path / 'flat'}", "--mesh=4,1,2", "--per_device_batch_size=2")
+    piped = _run("train_lm.py", *common, f"--workdir={tmp_path / 'pipe'}", "--mesh=2,1,2", "--per_device_batch_size=4",
+                 "--pipeline_stages=2", "--pipeline_microbatches=2")
+    assert "on mesh stage=2 x data=2 x fsdp=1 x model=2" in piped.stdout + piped.stderr
+    np.testing.assert_allclose(_losses(piped.stdout), _losses(flat.stdout), rtol=1e-3)
+    np.testing.assert_allclose(_eval_losses(piped.stdout), _eval_losses(flat.stdout), rtol=1e-3)
+    assert json.loads((tmp_path / "pipe" / "run.json").read_text())["config"]["scan_layers"] is True
+    gen = _run("generate.py", f"--workdir={tmp_path / 'pipe'}", "--prompts=def ", "--max_new_tokens=3",
+               "--pipeline_stages=2", "--mesh=2,1,2")
+    assert "--- 'def':" in gen.stdout
+    again = _run("train_lm.py", f"--workdir={tmp_path / 'pipe'}", "--mesh=4,1,2", *common, ok=False)
+    assert again.returncode == 2 and "fields ['scan_layers'] differ" in again.stderr
+
+
+@pytest.mark.slow
 def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
     # With DiLoCo over the data axis (4 replicas, an outer step every 3 steps).
     tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2",
@@ -309,6 +328,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
                                                                     "lora_targets=('q', 'qkv'); expected",
         ("train_dpo.py", "--quantize=int8"): "--quantize=int8 with --lora_rank=0; expected --lora_rank > 0",
+        ("train_lm.py", "--pipeline_stages=0"): "--pipeline_stages=0; expected an integer >= 1",
+        ("finetune_seq2seq.py", "--pipeline_stages=2"): "--pipeline_stages=2: a pipeline needs a decoder-only model",
     }
 
 
