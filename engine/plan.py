@@ -190,8 +190,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages={stages!r}; expected a positive integer")
     if stages * data * fsdp * tp != num_devices:
-        raise ValueError(f"mesh={data},{fsdp},{tp} with stages={stages} has {stages * data * fsdp * tp} devices; "
-                         f"expected num_devices={num_devices}")
+        with_stages = f" with stages={stages}" if stages > 1 else ""
+        raise ValueError(f"mesh={data},{fsdp},{tp}{with_stages} has {stages * data * fsdp * tp} devices; expected "
+                         f"num_devices={num_devices}")
     if num_devices > jax.device_count():
         raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
