@@ -2,12 +2,13 @@
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
-       [forward|train|diloco|ppo]
+       [forward|train|diloco|ppo|pipeline]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
 `ppo` two PPO iterations (rollouts generated on the mesh, gathered to every process) and saves their stats and the
-parameters.
+parameters; `pipeline` a few Trainer steps of a 4-layer LLaMA pipelined over 2 stages, one per process, and saves
+the losses.
 """
 import os
 import sys
@@ -72,6 +73,25 @@ def ppo_run(mesh):
     return np.concatenate([[s["score"] for s in stats], [s["kl"] for s in stats], *flat])
 
 
+def pipeline_losses(mesh, steps=4):
+    """Losses of a short Trainer run of a native 4-layer LLaMA (scanned; a pipeline where `mesh` has stages)."""
+    import optax
+
+    import models
+    from tests import trainer_task as task
+    model = models.create_model("llama", "tiny", vocab_size=task.VOCAB, num_layers=4, scan_layers=True,
+                                remat="full", pipeline_microbatches=2)
+
+    def loss_fn(params, batch, rng, is_training):
+        logits = model.apply({"params": params}, batch["input_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean(), {}
+
+    trainer = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=loss_fn,
+                             params=models.init_params(model, jax.random.PRNGKey(0)), optimizer=optax.adam(1e-2))
+    history = trainer.fit(task.make_examples(64), per_device_batch_size=4, max_steps=steps, log_every=2)
+    return np.array([h["loss"] for h in history])
+
+
 def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forward"):
     engine.initialize_distributed(coordinator, int(num_processes), int(process_id), timeout_s=float(timeout_s))
     assert jax.device_count() == 8 and jax.local_device_count() == 4, (jax.device_count(), jax.local_device_count())
@@ -79,8 +99,12 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     # The model axis stays inside one process (host).
     for row in mesh.devices.reshape(-1, 4):
         assert len({d.process_index for d in row}) == 1
-    if mode in ("train", "diloco", "ppo"):
+    if mode == "pipeline":  # each process holds one stage: only activations cross between them
+        mesh = engine.make_mesh(stage=2, data=2, model=2)
+        assert [{d.process_index for d in stage.flat} for stage in mesh.devices] == [{0}, {1}]
+    if mode in ("train", "diloco", "ppo", "pipeline"):
         result = {"train": lambda: train_losses(engine.make_mesh(data=4, model=2))[0],
+                  "pipeline": lambda: pipeline_losses(mesh),
                   "diloco": lambda: np.concatenate(diloco_run(mesh)),
                   "ppo": lambda: ppo_run(engine.make_mesh(data=4, model=2))}[mode]()
         if jax.process_index() == 0:

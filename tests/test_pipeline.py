@@ -87,12 +87,13 @@ def test_stacked_layers_split_over_stage_and_only_activations_move():
     assert not re.search(r"all-gather(-start)?\(", hlo), "a weight was gathered across stages"
 
 
-@pytest.mark.parametrize("mesh, step, zero_stage", [
-    (dict(stage=2, data=2, model=2), "jit", 0),
-    pytest.param(dict(stage=2, fsdp=2, model=2), "shard_map", 0, marks=pytest.mark.slow),
-    pytest.param(dict(stage=2, data=2, model=2), "shard_map", 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh, kwargs", [
+    (dict(stage=2, data=2, model=2), dict(step="jit")),
+    pytest.param(dict(stage=2, fsdp=2, model=2), dict(step="shard_map"), marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, data=2, model=2), dict(step="shard_map", zero_stage=1), marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, data=2, model=2), dict(diloco="diloco"), marks=pytest.mark.slow),
 ])
-def test_trainer_on_a_pipeline_trains_like_without(mesh, step, zero_stage):
+def test_trainer_on_a_pipeline_trains_like_without(mesh, kwargs):
     model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2)
 
     def loss_fn(params, batch, rng, is_training):
@@ -102,15 +103,18 @@ def test_trainer_on_a_pipeline_trains_like_without(mesh, step, zero_stage):
     params = models.init_params(model, jax.random.PRNGKey(0))
     examples = tt.make_examples(64)
 
-    def losses(mesh, step):
+    def losses(mesh, **kwargs):
+        if kwargs.get("diloco"):
+            kwargs["diloco"] = engine.DiLoCo(inner_steps=2)
         trainer = engine.Trainer(mesh=mesh, collate_fn=tt.collate_fn, loss_fn=loss_fn, params=params,
-                                 optimizer=optax.adam(1e-2), step=step, zero_stage=zero_stage)
+                                 optimizer=optax.adam(1e-2), **kwargs)
         trainer.fit(examples, per_device_batch_size=4, max_steps=4, log_every=1)
         return [h["loss"] for h in trainer.history]
 
     flat = {k: v for k, v in mesh.items() if k != "stage"}
-    want = losses(engine.make_mesh(**flat, devices=jax.devices()[:4]), "jit")
-    np.testing.assert_allclose(losses(engine.make_mesh(**mesh), step), want, rtol=1e-5)
+    want = losses(engine.make_mesh(**flat, devices=jax.devices()[:4]), **{k: v for k, v in kwargs.items()
+                                                                          if k == "diloco"})
+    np.testing.assert_allclose(losses(engine.make_mesh(**mesh), **kwargs), want, rtol=1e-5)
     assert want[-1] < want[0]
 
 

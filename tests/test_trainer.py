@@ -304,6 +304,16 @@ def test_diloco_with_a_replica_per_process_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_with_a_stage_per_process_matches_single_process_without(tmp_path):
+    """Pipeline parallelism as deployed: stage 2 x data 2 x model 2 over 2 processes x 4 devices, each process one
+    stage, so only activations (and the head's gradients) cross processes. The losses equal a single-process run of
+    the same model without a pipeline (data 2 x model 2)."""
+    from tests import multihost_worker
+    want = multihost_worker.pipeline_losses(engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    np.testing.assert_allclose(_two_workers(tmp_path, "pipeline"), want, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_ppo_on_two_processes_matches_single_process(tmp_path):
     """PPO across processes (data 4 x model 2 over 2 processes x 4 devices): rollouts sampled on the mesh and
     gathered to every process, the scoring pass, the host's advantages and the updates give the single-process
