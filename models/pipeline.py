@@ -82,4 +82,11 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches):
     start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
     _, last = jax.lax.scan(tick, start, jnp.arange(microbatches + stages - 1))
     out = last[stages - 1:]  # [M, m_rows, ...]: tick S - 1 + m carries micro-batch m
-    return out.swapaxes(0, 1).reshape(x.shape)
+    out = out.swapaxes(0, 1).reshape(x.shape)
+    if rows % stages:
+        return out
+    # What follows the stack (final norm, head, loss) would run on every row in every stage: give each stage every
+    # S-th row instead (row r to stage r mod S keeps a device's rows within its data position).
+    out = out.reshape(rows // stages, stages, *x.shape[1:])
+    out = jax.lax.with_sharding_constraint(out, P(P.UNCONSTRAINED, STAGE_AXIS, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+    return out.reshape(x.shape)
