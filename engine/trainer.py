@@ -138,8 +138,8 @@ class Trainer:
         ZeRO-3: 46.7 GB per device per step against 103 GB, scripts/plan_memory.py); 'jit' on CPU, where the
         simulated devices' collectives are memory copies and the jit step measured 5-8% faster (bench_step.py);
         'jit' for a pipeline (mesh `stage` > 1) with `fsdp` > 1, where the shard_map step's ZeRO-3 gathers all of a
-        stage's layers at once (7B, stage 4 x fsdp 2: 46.8 GB per device against 22.3; with stage 4 x data 2 and
-        ZeRO-1 the shard_map step sends 12.2 GB against 55.7 in the same memory). Both give the same results
+        stage's layers at once (7B, stage 4 x fsdp 2: 46.7 GB per device against 22.3; with stage 4 x data 2 and
+        ZeRO-1 the shard_map step sends 13.3 GB against 55.9 in the same memory). Both give the same results
         (tests/test_step.py, tests/test_pipeline.py).
       flops_per_example: model FLOPs of one training example, forward and backward (for the native models:
         `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a
