@@ -1,4 +1,4 @@
-"""The device mesh: four named axes, `('stage', 'data', 'fsdp', 'model')`.
+"""The device mesh: four named axes, `('data', 'fsdp', 'stage', 'model')`.
 
 - `stage`: pipeline parallelism; each stage holds a contiguous block of the layer stack (GPipe schedule in
   `models.layers`, weights placed by `engine.auto_shard`). Size 1 unless asked for.
@@ -7,7 +7,9 @@
 - `model`: tensor parallelism (Megatron layout chosen by `engine.auto_shard`).
 
 The `model` axis is innermost so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
-and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout).
+and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout): devices are
+placed stage-major, then data, fsdp, model. The axes' order in the mesh differs from that placement because XLA
+(JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.
 """
 import math
 
@@ -17,7 +19,8 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-AXES = ("stage", "data", "fsdp", "model")
+AXES = ("data", "fsdp", "stage", "model")
+_PLACEMENT = ("stage", "data", "fsdp", "model")  # the device grid's order, outermost first
 
 
 def _resolve_sizes(sizes, n_devices):
@@ -29,19 +32,21 @@ def _resolve_sizes(sizes, n_devices):
     if len(fill) > 1:
         raise ValueError(f"make_mesh: only one axis size may be -1, got {' and '.join(f'{n}=-1' for n in fill)}")
     known = math.prod(size for size in sizes if size != -1)
+    # The messages leave out a stage axis of 1 (no pipeline: the usual case).
+    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n != "stage" or s != 1)
     if fill:
         if n_devices % known:
-            raise ValueError(f"make_mesh: {n_devices} devices cannot be split into "
-                             + " x ".join(f"{n}={s}" for n, s in named.items()) + f" ({known} does not divide {n_devices})")
+            raise ValueError(f"make_mesh: {n_devices} devices cannot be split into {shown} ({known} does not divide "
+                             f"{n_devices})")
         named[fill[0]] = n_devices // known
     elif known != n_devices:
-        raise ValueError("make_mesh: " + " x ".join(f"{n}={s}" for n, s in named.items())
-                         + f" = {known} devices, but {n_devices} devices are available")
+        raise ValueError(f"make_mesh: {shown} = {known} devices, but {n_devices} devices are available")
     return tuple(named[n] for n in AXES)
 
 
 def _device_grid(shape, devices):
-    """Places devices on the grid: per-host blocks for the data axes, the model axis inside a host."""
+    """Places devices on the `_PLACEMENT`-ordered grid `shape`: per-host blocks for the stage and data axes, the
+    model axis inside a host."""
     n_hosts = len({d.process_index for d in devices})
     stage, data, fsdp, model = shape
     data *= stage  # the stages split the outer (data) block: stage-major, then data
@@ -68,7 +73,7 @@ def _device_grid(shape, devices):
 
 
 def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, devices=None):
-    """Builds a `Mesh` with axes `('stage', 'data', 'fsdp', 'model')`; one size may be -1 to take the remaining
+    """Builds a `Mesh` with axes `('data', 'fsdp', 'stage', 'model')`; one size may be -1 to take the remaining
     devices.
 
     `devices` defaults to all devices of all processes (`jax.devices()`). Raises `ValueError` when the sizes do not
@@ -77,5 +82,7 @@ def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: devices is empty; expected at least one device")
-    shape = _resolve_sizes((stage, data, fsdp, model), len(devices))
-    return Mesh(_device_grid(shape, devices), AXES)
+    shape = _resolve_sizes((data, fsdp, stage, model), len(devices))
+    placed = tuple(shape[AXES.index(a)] for a in _PLACEMENT)
+    grid = np.transpose(_device_grid(placed, devices), [_PLACEMENT.index(a) for a in AXES])
+    return Mesh(grid, AXES)
