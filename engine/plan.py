@@ -237,6 +237,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     comm = collective_bytes(compiled.as_text(), num_devices)
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
               "stages": stages, "pipeline_microbatches": pipeline_microbatches or stages,
+              "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
               "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,
@@ -253,18 +254,24 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     return result
 
 
-def sweep(*, num_devices, **kwargs):
-    """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), ranked by per-device
-    total memory, then bytes sent. A configuration that fails to compile comes back with its 'error'."""
+def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
+    """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), and, up to `max_stages`,
+    every pipeline stage count that divides the devices (one micro-batch per stage, `per_device_batch_size` x stages
+    rows per data position: the same global batch as without a pipeline), ranked by per-device total memory, then
+    bytes sent. A configuration that fails to compile comes back with its 'error'."""
     results = []
-    for (data, fsdp, tp), zero in itertools.product(mesh_shapes(num_devices), (0, 1, 2)):
-        if zero and data == 1:
-            continue
-        try:
-            results.append(plan(num_devices=num_devices, mesh=(data, fsdp, tp), zero_stage=zero, **kwargs))
-        except Exception as e:  # noqa: BLE001 - one bad layout (e.g. heads not divisible) must not end the sweep
-            logging.warning("sweep: mesh %s zero %d failed: %s", (data, fsdp, tp), zero, e)
-            results.append({"mesh": [data, fsdp, tp], "zero_stage": zero, "error": str(e).splitlines()[0][:200]})
+    stage_counts = [s for s in range(1, max_stages + 1) if num_devices % s == 0]
+    for stages in stage_counts:
+        for (data, fsdp, tp), zero in itertools.product(mesh_shapes(num_devices // stages), (0, 1, 2)):
+            if zero and data == 1:
+                continue
+            try:
+                results.append(plan(num_devices=num_devices, mesh=(data, fsdp, tp), zero_stage=zero, stages=stages,
+                                    per_device_batch_size=per_device_batch_size * stages, **kwargs))
+            except Exception as e:  # noqa: BLE001 - one bad layout (e.g. heads not divisible) must not end the sweep
+                logging.warning("sweep: stages %d mesh %s zero %d failed: %s", stages, (data, fsdp, tp), zero, e)
+                results.append({"mesh": [data, fsdp, tp], "stages": stages, "zero_stage": zero,
+                                "error": str(e).splitlines()[0][:200]})
     ok = sorted((r for r in results if "error" not in r),
                 key=lambda r: (not r.get("fits", True), r["bytes"]["total"], r["collective_bytes_total"]))
     return ok + [r for r in results if "error" in r]
@@ -272,17 +279,20 @@ def sweep(*, num_devices, **kwargs):
 
 def format_table(results):
     """A plain-text table of `sweep` results, best first."""
-    head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'zero':>4}  {'total GB':>9}  {'args GB':>8}  {'temp GB':>8}  "
-            f"{'sent GB':>8}  {'all-gather':>10}  {'red-scat':>9}  {'all-red':>8}  {'a2a':>6}  {'permute':>7}  fits")
+    head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'stages':>6}  {'idle':>4}  {'zero':>4}  {'total GB':>9}  "
+            f"{'args GB':>8}  {'temp GB':>8}  {'sent GB':>8}  {'all-gather':>10}  {'red-scat':>9}  {'all-red':>8}  "
+            f"{'a2a':>6}  {'permute':>7}  fits")
     lines = [head]
     gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
     for i, r in enumerate(results, 1):
-        mesh = ",".join(str(x) for x in r["mesh"])
+        mesh, stages = ",".join(str(x) for x in r["mesh"]), r.get("stages", 1)
         if "error" in r:
-            lines.append(f"{'-':>4}  {mesh:>15}  {r['zero_stage']:>4}  error: {r['error']}")
+            lines.append(f"{'-':>4}  {mesh:>15}  {stages:>6}  {'':>4}  {r['zero_stage']:>4}  error: {r['error']}")
             continue
         b, c = r["bytes"], r["collective_bytes"]
-        lines.append(f"{i:>4}  {mesh:>15}  {r['zero_stage']:>4}  {gb(b['total']):>9}  {gb(b['arguments']):>8}  "
+        idle = f"{r['idle_share']:.2f}"
+        lines.append(f"{i:>4}  {mesh:>15}  {stages:>6}  {idle:>4}  {r['zero_stage']:>4}  {gb(b['total']):>9}  "
+                     f"{gb(b['arguments']):>8}  "
                      f"{gb(b['temporaries']):>8}  {gb(r['collective_bytes_total']):>8}  {gb(c['all-gather']):>10}  "
                      f"{gb(c['reduce-scatter']):>9}  {gb(c['all-reduce']):>8}  {gb(c['all-to-all']):>6}  "
                      f"{gb(c['collective-permute']):>7}  {r.get('fits', '')}")

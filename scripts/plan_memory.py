@@ -4,9 +4,9 @@
       --zero_stage=0 --per_device_batch_size=1 --seq_len=2048 --remat=full --compute_dtype=bfloat16
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
-per-device bytes sent per collective type in one step). `--sweep` compiles every mesh factorisation and zero stage
-for `--num_devices`, prints a JSON line for each and a table ranked by memory, then bytes sent. The logic lives in
-engine/plan.py.
+per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline. `--sweep` compiles
+every mesh factorisation and zero stage for `--num_devices` (with `--sweep_max_stages`, pipelines too), prints a JSON
+line for each and a table ranked by memory, then bytes sent. The logic lives in engine/plan.py.
 """
 import json
 import os
@@ -37,6 +37,9 @@ flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` 
                      "--mesh product).", lower_bound=1)
 flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
+flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
+                     "divides --num_devices (at the same global batch: --per_device_batch_size x stages rows per data "
+                     "position, one micro-batch per stage).", lower_bound=1)
 flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank on every projection.", lower_bound=0)
 flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Storage dtype of the frozen weights with "
                   "--lora_rank (trained weights are always float32 masters).")
@@ -58,7 +61,7 @@ def main(argv):
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
-        results = plan.sweep(**kwargs)
+        results = plan.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
         for r in results:
             print(json.dumps(r), flush=True)
         print(plan.format_table(results))

@@ -131,3 +131,19 @@ def test_zero1_on_a_model_split_mesh_adds_only_the_weight_regather():
     zero0, zero1 = (plan.plan(mesh="2,1,4", zero_stage=z, **TINY) for z in (0, 1))
     extra = zero1["collective_bytes"]["all-gather"] - zero0["collective_bytes"]["all-gather"]
     assert 0 < extra <= 4 * zero1["params"] * (2 - 1) // 2, extra
+
+
+@pytest.mark.slow
+def test_sweep_ranks_pipeline_plans_beside_the_others():
+    """With max_stages, the sweep adds every stage count that divides the devices, at the same global batch. On 2
+    devices, a 2-stage pipeline of the 2-layer tiny model holds one layer per device: less than replicated data
+    parallelism, and its stages exchange activations (collective-permutes), not weights."""
+    results = plan.sweep(**{**TINY, "num_devices": 2, "seq_len": 16}, max_stages=2)
+    by_layout = {(tuple(r["mesh"]), r["stages"], r["zero_stage"]): r for r in results}
+    assert not any("error" in r for r in results) and len(results) == 6
+    piped, replicated = by_layout[((1, 1, 1), 2, 0)], by_layout[((2, 1, 1), 1, 0)]
+    assert piped["per_device_batch_size"] == 2 and piped["idle_share"] == pytest.approx(1 / 3)
+    assert piped["bytes"]["arguments"] < replicated["bytes"]["arguments"]
+    assert piped["collective_bytes"]["collective-permute"] > 0 and piped["collective_bytes"]["reduce-scatter"] == 0
+    table = plan.format_table(results).splitlines()
+    assert "stages" in table[0] and len(table) == 7
