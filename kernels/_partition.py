@@ -14,6 +14,7 @@ import jax
 
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
+STAGE_AXIS = "stage"  # pipeline stages (models/pipeline.py): a kernel runs inside a vmap over them
 
 
 def tracing_mesh(mesh):
@@ -60,11 +61,15 @@ def model_axis(axes, *sizes):
 def shard(fn, args, in_specs, out_specs):
     """`fn(*args)`, in a `jax.shard_map` over the axes the specs name (directly when they name none). Pallas outputs
     carry no varying-axes type, hence `check_vma=False`; the backward pass still sums the gradients of inputs that
-    are replicated over an axis (the weights over the batch axes)."""
+    are replicated over an axis (the weights over the batch axes). A pipeline's `stage` axis is always manual too:
+    inside the pipeline's `vmap(spmd_axis_name='stage')` the batching adds it to the specs of the stacked dim (each
+    stage runs its own block); elsewhere the inputs are the same on every stage."""
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
+    if STAGE_AXIS in auto_axes(None):
+        named.add(STAGE_AXIS)
     if not named:
         return fn(*args)
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=named, check_vma=False)(*args)
