@@ -354,9 +354,9 @@ def trainable(also=None):
 
 # Runtime options are not recorded in run.json; the LoRA, quantisation and layer-stacking fields are (they change the
 # parameters and their checkpoint layout).
-_LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
+_RECORDED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
                   if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "scan_layers")}
-_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_LORA_DEFAULTS) | {"hf_config"}
+_RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_RECORDED_DEFAULTS) | {"hf_config"}
 RUN_FILE = "run.json"
 
 
@@ -439,7 +439,7 @@ def save_run(workdir, task, model, tokenizer, critic=None):
         with open(path) as f:
             old = json.load(f)
         # run.json files written before the LoRA / scan fields existed hold none of them: theirs are the defaults.
-        full = lambda config: config and _tuples({**_LORA_DEFAULTS, **config})  # noqa: E731
+        full = lambda config: config and _tuples({**_RECORDED_DEFAULTS, **config})  # noqa: E731
         old_config, new_config = full(old.get("config")), full(run["config"])
         old_critic = old.get("critic") and {**old["critic"], "config": full(old["critic"]["config"])}
         new_critic = run.get("critic") and {**run["critic"], "config": full(run["critic"]["config"])}

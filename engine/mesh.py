@@ -1,9 +1,9 @@
 """The device mesh: four named axes, `('data', 'fsdp', 'stage', 'model')`.
 
-- `stage`: pipeline parallelism; each stage holds a contiguous block of the layer stack (GPipe schedule in
-  `models.layers`, weights placed by `engine.auto_shard`). Size 1 unless asked for.
 - `data`: pure data parallelism; weights replicated (ZeRO-1/2 may still split optimizer state / gradients over it).
 - `fsdp`: ZeRO-3 / fully sharded data parallelism; weights, gradients and optimizer state split.
+- `stage`: pipeline parallelism; each stage holds a contiguous block of the layer stack (GPipe schedule in
+  `models.pipeline`, weights placed by `engine.auto_shard`). Size 1 unless asked for.
 - `model`: tensor parallelism (Megatron layout chosen by `engine.auto_shard`).
 
 The `model` axis is innermost so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
