@@ -600,7 +600,8 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
         if dim is not None:
             entries[dim] = MODEL
         layer_dim = stacked.get(key)
-        if stage_size > 1 and layer_dim is not None and entries[layer_dim] is None and not shape[layer_dim] % stage_size:
+        if (stage_size > 1 and layer_dim is not None and entries[layer_dim] is None
+                and not shape[layer_dim] % stage_size):
             entries[layer_dim] = STAGE
         specs[key] = add_axis(P(*entries), shape, FSDP, sizes)
     return jax.tree_util.tree_map_with_path(lambda p, _: specs[path_str(p)], params)
