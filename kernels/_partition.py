@@ -58,17 +58,18 @@ def model_axis(axes, *sizes):
     return MODEL_AXIS if size and all(s % size == 0 for s in sizes) else None
 
 
-def shard(fn, args, in_specs, out_specs):
+def shard(fn, args, in_specs, out_specs, implementation):
     """`fn(*args)`, in a `jax.shard_map` over the axes the specs name (directly when they name none). Pallas outputs
     carry no varying-axes type, hence `check_vma=False`; the backward pass still sums the gradients of inputs that
-    are replicated over an axis (the weights over the batch axes). A pipeline's `stage` axis is always manual too:
-    inside the pipeline's `vmap(spmd_axis_name='stage')` the batching adds it to the specs of the stacked dim (each
-    stage runs its own block); elsewhere the inputs are the same on every stage."""
+    are replicated over an axis (the weights over the batch axes). For a Pallas `implementation` a pipeline's
+    `stage` axis is manual too: inside the pipeline's `vmap(spmd_axis_name='stage')` the batching adds it to the
+    specs of the stacked dim (each stage runs its own block); elsewhere the inputs are the same on every stage.
+    ('xla' is left to the partitioner, like everywhere else.)"""
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
-    if STAGE_AXIS in auto_axes(None):
+    if STAGE_AXIS in auto_axes(implementation):
         named.add(STAGE_AXIS)
     if not named:
         return fn(*args)

@@ -186,7 +186,7 @@ def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):
         ids = rest[:2] if q_ids is not None else (None, None)
         return _attention(q, k, v, *ids, rest[-1] if keys is not None else None, plan)
 
-    return _partition.shard(run, tuple(args), tuple(specs), seq)
+    return _partition.shard(run, tuple(args), tuple(specs), seq, plan.implementation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))

@@ -94,7 +94,7 @@ def fused_matmul(x, w, bias=None, *, activation=None, implementation=None, inter
     if bias is not None:
         args, specs = args + (bias,), specs + (bias_spec,)
     out = _partition.shard(lambda x, w, bias=None: _fused_matmul(x, w, bias, activation, cfg), args, specs,
-                           _P(rows[0], cols[1]))
+                           _P(rows[0], cols[1]), cfg.implementation)
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -173,7 +173,8 @@ def gated_mlp(x, w_gate, w_up, *, activation="silu", implementation=None, interp
     cfg = _config(implementation, interpret, block_sizes, "gated")
     rows, cols, _ = _column_specs(cfg, x, w_gate.shape[1])
     out = _partition.shard(lambda x, w_gate, w_up: _gated_mlp(x, w_gate, w_up, activation, cfg),
-                           (x.reshape(-1, x.shape[-1]), w_gate, w_up), (rows, cols, cols), _P(rows[0], cols[1]))
+                           (x.reshape(-1, x.shape[-1]), w_gate, w_up), (rows, cols, cols), _P(rows[0], cols[1]),
+                           cfg.implementation)
     return out.reshape(*x.shape[:-1], w_gate.shape[1])
 
 
@@ -231,7 +232,7 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None
     rows, _, _ = _column_specs(cfg, x, 1)
     loss = _partition.shard(_loss_call(ignore_index, cfg),
                             (x.reshape(-1, x.shape[-1]), w, labels.reshape(-1).astype(jnp.int32)),
-                            (rows, _P(), _P(rows[0])), _P(rows[0]))
+                            (rows, _P(), _P(rows[0])), _P(rows[0]), cfg.implementation)
     return loss.reshape(labels.shape)
 
 
