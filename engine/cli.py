@@ -84,13 +84,21 @@ def with_flags(model, params):
     stacked (`models.stack_layers`; run.json records the layout, so a resume needs the same flags)."""
     options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
                if getattr(FLAGS, name) is not None}
-    if FLAGS.pipeline_stages > 1:
-        try:
-            model, params = models.stack_layers(model, params)
-        except ValueError as e:
-            raise ValueError(f"--pipeline_stages={FLAGS.pipeline_stages}: {e}") from None
-        options["pipeline_microbatches"] = FLAGS.pipeline_microbatches
+    model, params = with_pipeline(model, params)
     return (model.clone(config=dataclasses.replace(model.config, **options)) if options else model), params
+
+
+def with_pipeline(model, params):
+    """(model, params) ready for --pipeline_stages: unchanged for 1; else the layers stacked (`models.stack_layers`)
+    and --pipeline_microbatches set."""
+    if FLAGS.pipeline_stages == 1:
+        return model, params
+    try:
+        model, params = models.stack_layers(model, params)
+    except ValueError as e:
+        raise ValueError(f"--pipeline_stages={FLAGS.pipeline_stages}: {e}") from None
+    config = dataclasses.replace(model.config, pipeline_microbatches=FLAGS.pipeline_microbatches)
+    return model.clone(config=config), params
 
 
 def loss_implementation():

@@ -104,6 +104,7 @@ def main(argv):
                                                       what="prompts")
     mesh = cli.start()
     _, actor, actor_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=128)
+    actor, actor_params = cli.with_pipeline(actor, actor_params)
     longest = max(len(preference.prompt_tokens(tokenizer, r["prompt"], 1 << 30, f"prompt {n}"))
                   for n, r in enumerate(train_records + eval_records))
     seq_len = longest + FLAGS.max_new_tokens - 1
@@ -125,6 +126,8 @@ def main(argv):
                              "expected a reward model trained on the policy's tokens")
         # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy of
         # the reward model's weights (engine/ppo.py), frozen.
+        backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
+        critic, reward_params = reward.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
         critic, critic_params = cli.with_lora(critic, reward_params, mesh)
         rewards = {"reward_model": critic, "reward_params": (
             {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}

@@ -107,6 +107,28 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
 
 
 @pytest.mark.slow
+def test_ppo_on_a_pipeline_equals_ppo_without(tmp_path):
+    """SFT -> reward model -> PPO, PPO's actor and critic each a 2-stage pipeline (stage 2 x data 2 x model 2, the
+    SFT and reward workdirs unscanned: their layers are stacked on load): the rollouts' reward, the loss and the
+    greedy answers' reward equal PPO's on data 4 x model 2 with the same global batch."""
+    sft, rm = tmp_path / "sft", tmp_path / "rm"
+    toy = ["--toy_size=64", "--eval_size=16", "--log_every=2"]
+    _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
+         "--max_new_tokens=4", "--mesh=-1,1,2", "--per_device_batch_size=1", *toy)
+    _run("train_reward.py", f"--init_from={sft}", f"--workdir={rm}", "--max_steps=4", "--seq_len=24",
+         "--mesh=-1,1,2", "--per_device_batch_size=1", *toy)
+    ppo = [f"--init_from={sft}", f"--reward_from={rm}", "--rollout_batch_size=8", "--max_new_tokens=6",
+           "--eval_answers=4", "--max_steps=2", "--mesh=-1,1,2", *toy]
+    flat = _run("train_ppo.py", *ppo, f"--workdir={tmp_path / 'flat'}", "--per_device_batch_size=1")
+    piped = _run("train_ppo.py", *ppo, f"--workdir={tmp_path / 'piped'}", "--per_device_batch_size=2",
+                 "--pipeline_stages=2")
+    lines = lambda out: re.findall(r"^(iteration .*|step .*loss.*|after training.*)$", out.stdout, re.M)  # noqa
+    assert len(lines(flat)) == 3 and lines(piped) == lines(flat), (lines(piped), lines(flat))
+    run = json.loads((tmp_path / "piped" / "run.json").read_text())
+    assert run["config"]["scan_layers"] and run["critic"]["config"]["scan_layers"]
+
+
+@pytest.mark.slow
 def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
     # With DiLoCo over the data axis (4 replicas, an outer step every 3 steps).
     tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2",
