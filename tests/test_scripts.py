@@ -107,10 +107,10 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
 
 
 @pytest.mark.slow
-def test_ppo_on_a_pipeline_equals_ppo_without(tmp_path):
+def test_ppo_and_dpo_on_a_pipeline_equal_ppo_and_dpo_without(tmp_path):
     """SFT -> reward model -> PPO, PPO's actor and critic each a 2-stage pipeline (stage 2 x data 2 x model 2, the
     SFT and reward workdirs unscanned: their layers are stacked on load): the rollouts' reward, the loss and the
-    greedy answers' reward equal PPO's on data 4 x model 2 with the same global batch."""
+    greedy answers' reward equal PPO's on data 4 x model 2 with the same global batch; DPO's losses likewise."""
     sft, rm = tmp_path / "sft", tmp_path / "rm"
     toy = ["--toy_size=64", "--eval_size=16", "--log_every=2"]
     _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
@@ -126,6 +126,13 @@ def test_ppo_on_a_pipeline_equals_ppo_without(tmp_path):
     assert len(lines(flat)) == 3 and lines(piped) == lines(flat), (lines(piped), lines(flat))
     run = json.loads((tmp_path / "piped" / "run.json").read_text())
     assert run["config"]["scan_layers"] and run["critic"]["config"]["scan_layers"]
+    # DPO likewise (its reference log-probabilities come from the pipelined Predictor pass).
+    dpo = [f"--init_from={sft}", "--max_steps=2", "--seq_len=24", "--mesh=-1,1,2", *toy]
+    flat = _run("train_dpo.py", *dpo, f"--workdir={tmp_path / 'dpo_flat'}", "--per_device_batch_size=1")
+    piped = _run("train_dpo.py", *dpo, f"--workdir={tmp_path / 'dpo_piped'}", "--per_device_batch_size=2",
+                 "--pipeline_stages=2")
+    lines = lambda out: re.findall(r"^(step .*loss.*|eval DPO loss.*)$", out.stdout, re.M)  # noqa: E731
+    assert len(lines(flat)) == 3 and lines(piped) == lines(flat), (lines(piped), lines(flat))
 
 
 @pytest.mark.slow
