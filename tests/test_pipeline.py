@@ -165,6 +165,11 @@ def test_bad_input_fails_in_one_line():
     params = models.init_params(_model(), jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"stage=2 needs trace_fn"):
         engine.auto_shard(params, mesh)
+
+
+@pytest.mark.slow
+def test_t5_refuses_a_stage_mesh():
+    mesh = engine.make_mesh(stage=2, data=4)
     t5 = models.create_model("t5", "tiny", scan_layers=True)
     t5_params = models.init_params(t5, jax.random.PRNGKey(0))
     ids = _ids(t5, 2)
@@ -173,6 +178,7 @@ def test_bad_input_fails_in_one_line():
             jax.eval_shape(lambda p: t5.apply({"params": p}, ids, ids), t5_params)
 
 
+@pytest.mark.slow
 def test_stack_layers_keeps_the_function():
     model = _model(scan_layers=False)
     params = models.init_params(model, jax.random.PRNGKey(0))
