@@ -14,3 +14,24 @@ def for_gpu(mesh=None):
     no kernel is partitioned)."""
     abstract = jax.sharding.AbstractMesh((), ()) if mesh is None else mesh.abstract_mesh
     return jax.sharding.use_abstract_mesh(abstract.update(abstract_device=H200))
+
+
+def triton_operands_of_train_step(trainer, rows, seq_len):
+    """The operand types of every Triton custom call in `trainer`'s step (an LM batch of `rows` x `seq_len` tokens,
+    its state laid out abstractly, nothing allocated) lowered for cuda on an H200."""
+    import re
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engine import plan
+    names = ("input_ids", "labels", "segment_ids")
+    trainer._batch_spec = {k: ((rows, seq_len), "int32") for k in names}
+    trainer._checkpointer = plan._AbstractRestore()
+    trainer._setup(restore_step=0)
+    batch = {k: jax.ShapeDtypeStruct((1, rows, seq_len), jnp.int32) for k in names}
+    state = trainer._state
+    with for_gpu(trainer.mesh):
+        lowered = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", lowered)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import engine
 import kernels
-from tests.targets import for_gpu
+from tests.targets import for_gpu, triton_operands_of_train_step
 
 
 def _mesh():
@@ -115,21 +115,13 @@ def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
     import optax
 
     import models
-    from engine import plan, text
+    from engine import text
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
                                 mlp_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1), step=step)
-    trainer._batch_spec = {k: ((4, 32), "int32") for k in ("input_ids", "labels", "segment_ids")}
-    trainer._checkpointer = plan._AbstractRestore()
-    trainer._setup(restore_step=0)
-    batch = {k: jax.ShapeDtypeStruct((1, 4, 32), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
-    state = trainer._state
-    with for_gpu(trainer.mesh):
-        text_ = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    operands = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", text_)
+    operands = triton_operands_of_train_step(trainer, 4, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention
     assert all("64x128x" not in t for t in operands)  # the gate/up weights are never whole

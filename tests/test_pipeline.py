@@ -197,22 +197,14 @@ def test_stack_layers_keeps_the_function():
 def test_pipelined_train_step_with_triton_kernels_lowers_for_cuda():
     """The Trainer's step for a pipelined LLaMA with Triton attention and MLP kernels on stage 2 x data 2 x model 2,
     lowered for cuda: the kernels are there, each on its stage's rows and its `model` half of the heads/columns."""
-    from engine import plan, text
-    from tests.targets import for_gpu
+    from engine import text
+    from tests.targets import triton_operands_of_train_step
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
                                 mlp_implementation="triton", pipeline_microbatches=2)
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(stage=2, data=2, model=2), collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
-    trainer._batch_spec = {k: ((8, 32), "int32") for k in ("input_ids", "labels", "segment_ids")}
-    trainer._checkpointer = plan._AbstractRestore()
-    trainer._setup(restore_step=0)
-    batch = {k: jax.ShapeDtypeStruct((1, 8, 32), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
-    state = trainer._state
-    with for_gpu(trainer.mesh):
-        lowered = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    operands = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", lowered)
+    operands = triton_operands_of_train_step(trainer, 8, 32)
     # attention q blocks: 8 rows / 2 data / 2 micro-batches = 2 rows, 32 tokens, 4 heads / model 2, 16 wide
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<2x32x2x16x", t) for t in attention), attention
