@@ -257,8 +257,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
 def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
     """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), and, up to `max_stages`,
     every pipeline stage count that divides the devices (one micro-batch per stage, `per_device_batch_size` x stages
-    rows per data position: the same global batch as without a pipeline), ranked by per-device total memory, then
-    bytes sent. A configuration that fails to compile comes back with its 'error'."""
+    rows per data position: the global batch the same mesh would have with its stages turned into data positions),
+    ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does). A configuration that fails to compile comes back with its 'error'."""
     results = []
     stage_counts = [s for s in range(1, max_stages + 1) if num_devices % s == 0]
     for stages in stage_counts:

@@ -38,8 +38,8 @@ flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` 
 flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
-                     "divides --num_devices (at the same global batch: --per_device_batch_size x stages rows per data "
-                     "position, one micro-batch per stage).", lower_bound=1)
+                     "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
+                     "stages turned into data positions; one micro-batch per stage).", lower_bound=1)
 flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank on every projection.", lower_bound=0)
 flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Storage dtype of the frozen weights with "
                   "--lora_rank (trained weights are always float32 masters).")

@@ -135,7 +135,8 @@ def test_zero1_on_a_model_split_mesh_adds_only_the_weight_regather():
 
 @pytest.mark.slow
 def test_sweep_ranks_pipeline_plans_beside_the_others():
-    """With max_stages, the sweep adds every stage count that divides the devices, at the same global batch. On 2
+    """With max_stages, the sweep adds every stage count that divides the devices, with per_device_batch_size x
+    stages rows per data position (the batch of data parallelism over the same devices). On 2
     devices, a 2-stage pipeline of the 2-layer tiny model holds one layer per device: less than replicated data
     parallelism, and its stages exchange activations (collective-permutes), not weights."""
     results = plan.sweep(**{**TINY, "num_devices": 2, "seq_len": 16}, max_stages=2)
