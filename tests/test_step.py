@@ -129,7 +129,8 @@ def test_dropout_masks_survive_the_pipelined_stack():
     assert not np.allclose(without.history[-1]["loss"], pipelined.history[-1]["loss"], rtol=1e-3)
 
 
-@pytest.mark.parametrize("family,mesh,layers", [("llama", "1x8x1", 3), ("opt", "1x8x1", 3),
+@pytest.mark.parametrize("family,mesh,layers", [("llama", "1x8x1", 3),
+                                               pytest.param("opt", "1x8x1", 3, marks=pytest.mark.slow),
                                                pytest.param("llama", "2x2x2", 4, marks=pytest.mark.slow)])
 def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
     """A remat'd scan-over-layers model runs the hand-pipelined layer stack (gather of layer t+1 and reduce-scatter
