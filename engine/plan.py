@@ -111,10 +111,17 @@ def _group_size(line, num_devices):
     return num_devices
 
 
-def collective_bytes(hlo, num_devices):
-    """{collective type: bytes one device sends per step} from compiled HLO text (see the module docstring)."""
+def conditional_branches(hlo):
+    """The branch computations of every conditional in compiled HLO text: a list of lists of names."""
+    return [re.findall(r"%([\w.\-]+)", b) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+
+
+def collective_bytes(hlo, num_devices, root=None):
+    """{collective type: bytes one device sends per step} from compiled HLO text (see the module docstring); with
+    `root` (a computation's name, e.g. one of `conditional_branches`), per run of that computation instead. Every
+    branch of a conditional counts as run (the sum over branches, not the one taken)."""
     comps, entry = _computations(hlo)
-    mult = _multiplicities(comps, entry)
+    mult = _multiplicities(comps, root or entry)
     out = {c: 0 for c in COLLECTIVES}
     for comp, lines in comps.items():
         times = mult.get(comp, 0)

@@ -309,18 +309,23 @@ class Trainer:
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
             self._opt_specs = _state_specs(abstract_opt, opt_param_specs, shapes, P())
         else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
-            replicas = sizes["data"]
+            replicas, parts = sizes["data"], self.diloco.fragments
+            trained_specs, trained_shapes = partition(self._param_specs, mask)[0], partition(shapes, mask)[0]
+            plan = self._diloco_plan = diloco_lib.fragment_plan(self.diloco, trained_shapes, trained_specs, sizes)
             init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, partition(p, mask)[0],  # noqa
-                                                       replicas)
+                                                       replicas, plan)
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
-            replica_specs = jax.tree.map(lambda spec: P("data", *spec), partition(self._param_specs, mask)[0],
-                                         is_leaf=is_spec)
-            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), partition(shapes, mask)[0],
+            replica_specs = jax.tree.map(lambda spec: P("data", *spec), trained_specs, is_leaf=is_spec)
+            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), trained_shapes,
                                           is_leaf=lambda x: isinstance(x, tuple))
+            outer_specs = (_state_specs(abstract_opt["outer"], self._param_specs, shapes, P()) if parts == 1 else
+                           [_state_specs(state, diloco_lib.fragment_specs(plan, trained_specs, p),
+                                         diloco_lib.fragment_shapes(plan, trained_shapes, p, parts), P())
+                            for p, state in enumerate(abstract_opt["outer"])])
             self._opt_specs = {
                 "replicas": replica_specs,
                 "inner": _state_specs(abstract_opt["inner"], replica_specs, replica_shapes, P("data")),
-                "outer": _state_specs(abstract_opt["outer"], self._param_specs, shapes, P())}
+                "outer": outer_specs}
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
         self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs),
                                                        partition(named(self._grad_specs), mask)[0],
@@ -354,6 +359,12 @@ class Trainer:
             want = f"diloco on a mesh with data={saved}" if saved else "diloco=None"
             raise ValueError(f"workdir={self.workdir} holds a checkpoint of a run with {have}; expected {want} to "
                              "resume it, or restore_params_only=True to take its parameters only")
+        saved = meta.get("diloco_fragments") or (1 if meta.get("diloco_replicas") else None)
+        mine = None if self.diloco is None else self.diloco.fragments
+        if saved != mine and mine is not None and not self._restore_params_only:
+            raise ValueError(f"workdir={self.workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
+                             f"expected DiLoCo(fragments={saved}) to resume it (each part has its own outer "
+                             "optimizer state), or restore_params_only=True to take its parameters only")
         self._setup(restore_step=step)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
@@ -385,8 +396,9 @@ class Trainer:
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key,
                           trainable=self._trainable)
             if self._step_kind == "diloco":
-                self._step_impl = diloco_lib.diloco_train_step(diloco=self.diloco, replicas=self._diloco_replicas(),
-                                                               **common)
+                self._step_impl = diloco_lib.diloco_train_step(
+                    diloco=self.diloco, replicas=self._diloco_replicas(), plan=self._diloco_plan, mesh=self.mesh,
+                    specs=partition(self._param_specs, self._trainable)[0], **common)
             elif self._step_kind == "shard_map":
                 self._step_impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
@@ -662,7 +674,8 @@ class Trainer:
         started = time.perf_counter()
         meta = {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
                 "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
-                "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas()}
+                "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas(),
+                "diloco_fragments": None if self.diloco is None else self.diloco.fragments}
         self._checkpointer.save(self._step, self._state, meta)
         self._timers["checkpoint"] += time.perf_counter() - started
 
