@@ -14,6 +14,7 @@ from absl import app, flags, logging
 import engine
 import kernels
 import models
+from engine import diloco as diloco_lib
 from engine import ppo, preference, reward, text
 
 FLAGS = flags.FLAGS
@@ -76,6 +77,12 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                          "plain data parallelism.", lower_bound=0)
     flags.DEFINE_float("diloco_outer_learning_rate", 0.7, "DiLoCo's outer learning rate (SGD with Nesterov momentum "
                        "0.9, as in the paper).", lower_bound=0.0)
+    flags.DEFINE_integer("diloco_fragments", 1, "Streaming DiLoCo: the parameters in this many parts that take "
+                         "their outer steps in turn (each link then carries 1/this of the model at a time); at most "
+                         "--diloco_inner_steps.", lower_bound=1)
+    flags.DEFINE_enum("diloco_outer_dtype", "float32", list(diloco_lib.OUTER_DTYPES), "Wire format of DiLoCo's "
+                      "outer gradients: float32 (all-reduce), or bfloat16 / int8 / int4 (blockwise-scaled, "
+                      "2x / 3.9x / 7.5x fewer bytes).")
 
 
 def with_flags(model, params):
@@ -141,6 +148,19 @@ def parse_json(flag, value):
     return out
 
 
+def _check_diloco_flags():
+    if "diloco_fragments" not in FLAGS:
+        return
+    streaming = FLAGS.diloco_fragments > 1 or FLAGS.diloco_outer_dtype != "float32"
+    if streaming and not FLAGS.diloco_inner_steps:
+        raise ValueError(f"--diloco_fragments={FLAGS.diloco_fragments} --diloco_outer_dtype="
+                         f"{FLAGS.diloco_outer_dtype}; expected --diloco_inner_steps > 0 with them (they set DiLoCo's "
+                         "outer steps)")
+    if FLAGS.diloco_fragments > max(1, FLAGS.diloco_inner_steps):
+        raise ValueError(f"--diloco_fragments={FLAGS.diloco_fragments}; expected at most --diloco_inner_steps="
+                         f"{FLAGS.diloco_inner_steps} (each part takes its outer step at its own inner step)")
+
+
 def start():
     """Joins the multi-process runtime (if asked) and builds the mesh from the flags."""
     for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages"):
@@ -149,6 +169,7 @@ def start():
     engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     if FLAGS.pipeline_microbatches < 0:
         raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
+    _check_diloco_flags()
     return engine.make_mesh(stage=FLAGS.pipeline_stages, **parse_mesh(FLAGS.mesh))
 
 
@@ -158,8 +179,10 @@ def trainer_kwargs():
                   accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed,
                   offload_optimizer=FLAGS.offload_optimizer)
     if FLAGS.diloco_inner_steps:
-        kwargs["diloco"] = engine.DiLoCo(inner_steps=FLAGS.diloco_inner_steps, outer_optimizer=optax.sgd(
-            FLAGS.diloco_outer_learning_rate, momentum=0.9, nesterov=True))
+        kwargs["diloco"] = engine.DiLoCo(
+            inner_steps=FLAGS.diloco_inner_steps, fragments=FLAGS.diloco_fragments,
+            outer_dtype=FLAGS.diloco_outer_dtype,
+            outer_optimizer=optax.sgd(FLAGS.diloco_outer_learning_rate, momentum=0.9, nesterov=True))
     return kwargs
 
 

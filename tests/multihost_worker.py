@@ -2,7 +2,7 @@
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
-       [forward|train|diloco|ppo|pipeline]
+       [forward|train|diloco|streaming|ppo|pipeline]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
@@ -41,12 +41,16 @@ def train_losses(mesh, steps=4, diloco=None):
     return np.array([h["loss"] for h in history]), trainer
 
 
-def diloco_run(mesh):
-    """(losses, flat global parameters) of a short DiLoCo run: an outer step every 2 of 4 steps."""
-    losses, trainer = train_losses(mesh, diloco=engine.DiLoCo(inner_steps=2))
+def diloco_run(mesh, **streaming):
+    """(losses, flat global parameters) of a short DiLoCo run: an outer step every 2 of 4 steps (`streaming`:
+    DiLoCo's fragments and outer_dtype)."""
+    losses, trainer = train_losses(mesh, diloco=engine.DiLoCo(inner_steps=2, **streaming))
     gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
     params = [np.asarray(x.addressable_shards[0].data).ravel() for x in jax.tree.leaves(gather(trainer.params))]
     return losses, np.concatenate(params)
+
+
+STREAMING = dict(fragments=2, outer_dtype="int8")
 
 
 def ppo_run(mesh):
@@ -102,10 +106,11 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     if mode == "pipeline":  # each process holds one stage: only activations cross between them
         mesh = engine.make_mesh(stage=2, data=2, model=2)
         assert [{d.process_index for d in mesh.devices[:, :, s].flat} for s in range(2)] == [{0}, {1}]
-    if mode in ("train", "diloco", "ppo", "pipeline"):
+    if mode in ("train", "diloco", "streaming", "ppo", "pipeline"):
         result = {"train": lambda: train_losses(engine.make_mesh(data=4, model=2))[0],
                   "pipeline": lambda: pipeline_losses(mesh),
                   "diloco": lambda: np.concatenate(diloco_run(mesh)),
+                  "streaming": lambda: np.concatenate(diloco_run(mesh, **STREAMING)),
                   "ppo": lambda: ppo_run(engine.make_mesh(data=4, model=2))}[mode]()
         if jax.process_index() == 0:
             np.save(out, result)
