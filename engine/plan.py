@@ -102,6 +102,13 @@ def _narrow_source(comps, comp, operand):
 
 
 def _group_size(line, num_devices):
+    # Newer XLA names the groups by mesh axes: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (a group per
+    # position of the other axes); a sub-axis reads 'axis_1':(1)2 (offset, size).
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh:
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(int(sub) if sub else sizes[name]
+                         for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", mesh.group(2)))
     groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if groups:
         return len(groups.group(1).split("}")[0].strip("{").split(","))
@@ -180,7 +187,7 @@ class _AbstractRestore:
 def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
          loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-         pipeline_microbatches=0):
+         pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32"):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
@@ -188,7 +195,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
     quantize='int8' the projections as int8 (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
-    per stage) of each micro-batch's rows."""
+    per stage) of each micro-batch's rows. diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
+    `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
+    collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends."""
     import engine
     import models
     from engine import text
@@ -225,11 +234,16 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
     loss_fn = text.lm_loss_fn(network, loss_implementation)
     loss_fn.weight_metric = "tokens"
+    diloco = None
+    if diloco_inner_steps:
+        diloco = engine.DiLoCo(inner_steps=diloco_inner_steps, fragments=diloco_fragments,
+                               outer_dtype=diloco_outer_dtype)
+        step = "auto"  # DiLoCo has its own step
     trainer = engine.Trainer(
         mesh=engine.make_mesh(stage=stages, data=data, fsdp=fsdp, model=tp, devices=jax.devices()[:num_devices]),
         collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=optax.adamw(1e-4),
         zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
-        trainable=trainable)
+        trainable=trainable, diloco=diloco)
     rows = per_device_batch_size * data * fsdp
     trainer._batch_spec = {k: ((rows, seq_len), "int32") for k in ("input_ids", "labels", "segment_ids")}
     trainer._checkpointer = _AbstractRestore()
@@ -241,7 +255,16 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     mem = compiled.memory_analysis()
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
              + mem.temp_size_in_bytes)
-    comm = collective_bytes(compiled.as_text(), num_devices)
+    hlo = compiled.as_text()
+    comm = collective_bytes(hlo, num_devices)
+    outer = None
+    if diloco is not None:  # the outer steps' switch: a collective-free branch, then one per part
+        switches = [b for b in conditional_branches(hlo) if len(b) == diloco_fragments + 1]
+        if len(switches) != 1:
+            raise RuntimeError(f"plan: expected one DiLoCo switch of {diloco_fragments + 1} branches in the compiled "
+                               f"step, found {len(switches)}")
+        outer = [collective_bytes(hlo, num_devices, root=b) for b in switches[0][1:]]
+        comm = {k: v - sum(o[k] for o in outer) for k, v in comm.items()}  # an inner step's
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
               "stages": stages, "pipeline_microbatches": pipeline_microbatches or stages,
               "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
@@ -254,6 +277,10 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
                         "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total},
               "state_16psi_per_device": 16 * n_params // num_devices,
               "collective_bytes": comm, "collective_bytes_total": sum(comm.values())}
+    if diloco is not None:
+        result["diloco"] = {"inner_steps": diloco_inner_steps, "fragments": diloco_fragments,
+                            "outer_dtype": diloco_outer_dtype}
+        result["outer_step_bytes"] = [sum(o.values()) for o in outer]
     if hbm_gb is not None:
         result["hbm_gb"] = hbm_gb
         result["fits"] = total <= hbm_gb * 1e9
@@ -265,7 +292,8 @@ def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
     """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), and, up to `max_stages`,
     every pipeline stage count that divides the devices (one micro-batch per stage, `per_device_batch_size` x stages
     rows per data position: the global batch the same mesh would have with its stages turned into data positions),
-    ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does). A configuration that fails to compile comes back with its 'error'."""
+    ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does).
+    A configuration that fails to compile comes back with its 'error'."""
     results = []
     stage_counts = [s for s in range(1, max_stages + 1) if num_devices % s == 0]
     for stages in stage_counts:

@@ -4,7 +4,8 @@
       --zero_stage=0 --per_device_batch_size=1 --seq_len=2048 --remat=full --compute_dtype=bfloat16
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
-per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline. `--sweep` compiles
+per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--diloco_inner_steps`
+DiLoCo (with `--diloco_fragments`, `--diloco_outer_dtype`: what each part's outer step sends). `--sweep` compiles
 every mesh factorisation and zero stage for `--num_devices` (with `--sweep_max_stages`, pipelines too), prints a JSON
 line for each and a table ranked by memory, then bytes sent. The logic lives in engine/plan.py.
 """
@@ -36,6 +37,11 @@ flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): 
 flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
                      "--mesh product).", lower_bound=1)
 flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
+flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: plan DiLoCo over `data` (needs --zero_stage=0): bytes of an "
+                     "inner step, and of each part's outer step.", lower_bound=0)
+flags.DEFINE_integer("diloco_fragments", 1, "Streaming DiLoCo's parts.", lower_bound=1)
+flags.DEFINE_enum("diloco_outer_dtype", "float32", ["float32", "bfloat16", "int8", "int4"], "DiLoCo's outer "
+                  "gradients on the wire.")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
                      "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
@@ -67,7 +73,9 @@ def main(argv):
         print(plan.format_table(results))
         return
     print(json.dumps(plan.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
-                               pipeline_microbatches=FLAGS.pipeline_microbatches, **kwargs)), flush=True)
+                               pipeline_microbatches=FLAGS.pipeline_microbatches,
+                               diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
+                               diloco_outer_dtype=FLAGS.diloco_outer_dtype, **kwargs)), flush=True)
 
 
 if __name__ == "__main__":

@@ -72,12 +72,15 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %ar = bf16[4]{0} all-reduce(%a), replica_groups=[1,4]<=[4], to_apply=%add
   ROOT %rs = f32[1]{0} reduce-scatter(%b), replica_groups={}, dimensions={0}, to_apply=%add
+  %a2a = f32[6]{0} all-to-all(%c), replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, dimensions={0}
+  %cp = f32[4]{0} all-gather(%d), replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0':(1)2}, dimensions={0}
 }
 """
     got = plan.collective_bytes(hlo, num_devices=4)
-    assert got["all-gather"] == 3 * 8 * 4 // 2  # 3 trips x 32 bytes x (2-1)/2
+    assert got["all-gather"] == 3 * 8 * 4 // 2 + 16 // 2  # 3 trips x 32 bytes x (2-1)/2; a sub-axis of size 2
     assert got["all-reduce"] == int(4 * 2 * 2 * 3 / 4)
     assert got["reduce-scatter"] == int(1 * 4 * 4 * 3 / 4)
+    assert got["all-to-all"] == 24 // 2  # groups over axis_1 (2 devices), not all 4
 
 
 def test_compiler_flags_only_for_their_platform(monkeypatch):
@@ -148,3 +151,17 @@ def test_sweep_ranks_pipeline_plans_beside_the_others():
     assert piped["collective_bytes"]["collective-permute"] > 0 and piped["collective_bytes"]["reduce-scatter"] == 0
     table = plan.format_table(results).splitlines()
     assert "stages" in table[0] and len(table) == 7
+
+
+@pytest.mark.slow
+def test_diloco_plan_counts_inner_and_outer_steps_apart():
+    """DiLoCo on data 4 x fsdp 2 (tiny LLaMA, 90432 parameters): an inner step sends only what fsdp does inside each
+    replica (no gradient reduction over data); each of 2 parts' fp32 outer step all-reduces its half of a device's
+    replica shard over the 4 replicas, int4 sends 4 / (0.5 + 4 / 256) times less plus the padding of each leaf."""
+    kwargs = dict(mesh="4,2,1", diloco_inner_steps=4, diloco_fragments=2, **TINY)
+    fp32, int4 = (plan.plan(diloco_outer_dtype=d, **kwargs) for d in ("float32", "int4"))
+    assert fp32["diloco"] == {"inner_steps": 4, "fragments": 2, "outer_dtype": "float32"}
+    assert fp32["collective_bytes"] == int4["collective_bytes"] and fp32["collective_bytes"]["all-reduce"] == 0
+    local = 90432 / 2  # a device's share of a replica (the norm scales, replicated over fsdp, are < 0.5%)
+    assert all(abs(b - 2 * 3 / 4 * 4 * local / 2) < 0.01 * b for b in fp32["outer_step_bytes"])
+    assert sum(fp32["outer_step_bytes"]) / sum(int4["outer_step_bytes"]) > 6
