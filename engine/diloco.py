@@ -114,11 +114,12 @@ def _split(x, dim, parts):
 def fragment(tree, plan, part, parts, lead=0):
     """Part `part` of `tree` (leaves with `lead` extra leading dims, e.g. the replicas' 1): the strided views, the
     whole leaves it owns, None elsewhere."""
-    def take(cut, x):
-        if cut.dim is None:
-            return x if cut.owner == part else None
-        return jax.lax.index_in_dim(_split(x, cut.dim + lead, parts), part, cut.dim + lead + 1, keepdims=False)
-    return jax.tree.map(take, plan, tree)
+    return _zip(plan, _owned(part), _take(tree, plan, part, parts, lead), tree)
+
+
+def _owned(part):
+    """`_zip`'s merge of part `part`'s cut values (`_take`'s) with the whole leaves it owns."""
+    return lambda cut, value, whole: value if cut.dim is not None else whole if cut.owner == part else None
 
 
 def fragment_specs(plan, specs, part):
@@ -262,8 +263,7 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         """Part `part`'s outer step on its cut leaves (taken out of the trees before the switch) and the whole
         leaves it owns."""
         cut_g, cut_r, whole_g, whole_r, states = args
-        own = lambda cut, c, w: c if cut.dim is not None else (w if cut.owner == part else None)  # noqa: E731
-        g, r = _zip(plan, own, cut_g, whole_g), _zip(plan, own, cut_r, whole_r)
+        g, r = _zip(plan, _owned(part), cut_g, whole_g), _zip(plan, _owned(part), cut_r, whole_r)
         updates, state = diloco.outer_optimizer.update(_outer_grads(g, r, fragment_specs(plan, specs, part)),
                                                        states[part], g)
         g = optax.apply_updates(g, updates)

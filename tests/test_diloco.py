@@ -296,7 +296,8 @@ def _outer_branch_bytes(diloco, mesh):
     return sizes, parts
 
 
-@pytest.mark.parametrize("outer_dtype, payload", [("float32", None), ("int4", 0.5)])
+@pytest.mark.parametrize("outer_dtype, payload", [pytest.param("float32", None, marks=pytest.mark.slow),
+                                                   ("int4", 0.5)])
 def test_outer_steps_send_a_part_each_in_the_wire_format(outer_dtype, payload):
     """8 replicas, fragments=2: the conditional has a branch without collectives and one per part, each sending
     only its part; in fp32 an all-reduce (2 x 7/8 x 4 bytes a value), quantized an all-to-all of every replica's

@@ -28,6 +28,7 @@ def _worker(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # CI time: tests/test_trainer.py and test_readme.py run 2 processes fast
 def test_two_processes_match_single_process(tmp_path):
     out = tmp_path / "logits.npy"
     address = f"localhost:{_free_port()}"

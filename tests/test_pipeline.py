@@ -98,6 +98,9 @@ def test_stacked_layers_split_over_stage_and_only_activations_move():
     pytest.param(dict(stage=2, fsdp=2, model=2), dict(step="shard_map"), marks=pytest.mark.slow),
     pytest.param(dict(stage=2, data=2, model=2), dict(step="shard_map", zero_stage=1), marks=pytest.mark.slow),
     pytest.param(dict(stage=2, data=2, model=2), dict(diloco="diloco"), marks=pytest.mark.slow),
+    # Streaming: the stacked layers are cut into 2 parts along the stage-split layer dim (4 layers = 2 stages x 2
+    # parts), as without the pipeline.
+    pytest.param(dict(stage=2, data=2, model=2), dict(diloco="streaming"), marks=pytest.mark.slow),
 ])
 def test_trainer_on_a_pipeline_trains_like_without(mesh, kwargs):
     model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2)
@@ -111,7 +114,7 @@ def test_trainer_on_a_pipeline_trains_like_without(mesh, kwargs):
 
     def losses(mesh, **kwargs):
         if kwargs.get("diloco"):
-            kwargs["diloco"] = engine.DiLoCo(inner_steps=2)
+            kwargs["diloco"] = engine.DiLoCo(inner_steps=2, fragments=2 if kwargs["diloco"] == "streaming" else 1)
         trainer = engine.Trainer(mesh=mesh, collate_fn=tt.collate_fn, loss_fn=loss_fn, params=params,
                                  optimizer=optax.adam(1e-2), **kwargs)
         trainer.fit(examples, per_device_batch_size=4, max_steps=4, log_every=1)

@@ -212,6 +212,7 @@ def _run_ppo(task_and_params, workdir, max_steps, rollout_batch_size=32, ppo_epo
     return trainer, stats
 
 
+@pytest.mark.slow  # CI time; PPO's first update is checked exactly by a fast test
 def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path):
     """On a 2x1x2 mesh, a PPO run stopped mid-iteration (max_steps) and resumed by a new Trainer on its workdir ends
     with the uninterrupted run's parameters bit for bit: the stopped iteration's experience is read back."""

@@ -124,7 +124,8 @@ _TIED = {"tie_word_embeddings": True}
 
 
 @pytest.mark.parametrize("family,overrides,implementation", [
-    ("llama", {}, "xla"), ("gptj", {}, "xla"), ("t5", {}, "xla"), pytest.param("opt", {}, "triton", marks=_SLOW),
+    ("llama", {}, "xla"), pytest.param("gptj", {}, "xla", marks=_SLOW), ("t5", {}, "xla"),
+    pytest.param("opt", {}, "triton", marks=_SLOW),
     pytest.param("llama", _TIED, "xla", marks=_SLOW), pytest.param("llama", {}, "triton", marks=_SLOW),
     pytest.param("gptj", {}, "triton", marks=_SLOW), pytest.param("opt", {}, "xla", marks=_SLOW),
     pytest.param("opt", {"tie_word_embeddings": False}, "xla", marks=_SLOW),
