@@ -147,10 +147,12 @@ class Trainer:
         latest figures.
       diloco: an `engine.DiLoCo`: low-communication data parallelism (engine/diloco.py). Every position along `data`
         trains its own replica and talks to the others once every `diloco.inner_steps` steps; `params` is then the
-        global model, updated at those outer steps. Needs zero_stage=0 and step='auto' (DiLoCo has its own step).
+        global model, updated at those outer steps (with `diloco.fragments` > 1, part by part: Streaming DiLoCo).
+        Needs zero_stage=0 and step='auto' (DiLoCo has its own step).
       restore_params_only: restore only the parameters (and the step and data position) of the workdir's latest
         checkpoint, with a fresh optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it.
-        Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size.
+        Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size and
+        fragments.
       offload_optimizer: keep the optimizer state in pinned host memory between steps (ZeRO-Offload's placement, as
         MaxText's optimizer_memory_host_offload): each step brings it to the device for the update and writes it
         back, trading two host-link transfers of it per step for its device memory (Adam: 8 bytes per parameter,
