@@ -234,6 +234,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
     loss_fn = text.lm_loss_fn(network, loss_implementation)
     loss_fn.weight_metric = "tokens"
+    if not diloco_inner_steps and (diloco_fragments != 1 or diloco_outer_dtype != "float32"):
+        raise ValueError(f"diloco_fragments={diloco_fragments!r}, diloco_outer_dtype={diloco_outer_dtype!r}; expected "
+                         "diloco_inner_steps > 0 with them")
     diloco = None
     if diloco_inner_steps:
         diloco = engine.DiLoCo(inner_steps=diloco_inner_steps, fragments=diloco_fragments,

@@ -55,6 +55,9 @@ def test_bad_mesh_and_budget_are_reported():
         plan.plan(mesh="2,2,1", **TINY)
     with pytest.raises(ValueError, match=r"mesh='1,x,1'; expected three positive sizes"):
         plan.plan(mesh="1,x,1", **TINY)
+    with pytest.raises(ValueError, match=r"diloco_fragments=2, diloco_outer_dtype='float32'; expected "
+                                         r"diloco_inner_steps > 0"):
+        plan.plan(mesh="8,1,1", diloco_fragments=2, **TINY)
     r = plan.plan(mesh="8,1,1", zero_stage=1, hbm_gb=1e-4, **TINY)
     assert r["fits"] is False  # a result, not a crash
 
