@@ -53,6 +53,7 @@ class DiLoCo:
     outer_optimizer: optax.GradientTransformation = dataclasses.field(default_factory=_paper_outer_optimizer)
     fragments: int = 1
     outer_dtype: str = "float32"
+    overlap: bool = False
 
     def __post_init__(self):
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
@@ -66,10 +67,20 @@ class DiLoCo:
                              f"{self.inner_steps} (each part takes its outer step at its own inner step)")
         if self.outer_dtype not in OUTER_DTYPES:
             raise ValueError(f"DiLoCo.outer_dtype={self.outer_dtype!r}; expected one of {OUTER_DTYPES}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"DiLoCo.overlap={self.overlap!r}; expected a bool")
 
     def offsets(self):
         """The value of `(step + 1) % inner_steps` at which each part takes its outer step."""
         return [(p + 1) * self.inner_steps // self.fragments % self.inner_steps for p in range(self.fragments)]
+
+    def due_part(self, step):
+        """The part whose outer step falls due at (0-based) `step`, or None."""
+        return next((p for p, o in enumerate(self.offsets()) if (step + 1) % self.inner_steps == o), None)
+
+    def syncs_at(self, step):
+        """With overlap: whether `step` runs the exchange (that of the part due the step before)."""
+        return self.overlap and step > 0 and self.due_part(step - 1) is not None
 
 
 OUTER_DTYPES = ("float32", "bfloat16", "int8", "int4")
@@ -208,6 +219,8 @@ def _mean_delta(global_part, replicas_part, specs, mesh, dtype, replicas):
     every mesh axis, each device flattens its blocks of the part, sends chunk i of its quantized delta to the i-th
     replica (all-to-all over `data`), sums what it gets in fp32 and all-gathers the quantized mean."""
     g_leaves, treedef = jax.tree.flatten(global_part)
+    if not g_leaves:
+        return global_part
     r_leaves = treedef.flatten_up_to(replicas_part)
     g_specs = treedef.flatten_up_to(specs)
 
@@ -233,13 +246,18 @@ def _mean_delta(global_part, replicas_part, specs, mesh, dtype, replicas):
 
 
 def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key,
-                      trainable=None, plan=None, mesh=None, specs=None):
+                      trainable=None, plan=None, mesh=None, specs=None, sync=False):
     """`step(global_params, state, batch, step) -> (global_params, state, metrics)`: one inner step on every replica
     and the outer step of each part whose offset `step + 1` reaches. The batch [accumulate, rows, ...] is split
     into replicas along its data-major rows; every metric is per replica, [R]. trainable: as in
     `engine.step.jit_train_step`; the state (`init_state` of the trained leaves) then replicates only the trained
     parameters, and every replica reads the one copy of the frozen ones. plan (`fragment_plan`), mesh and specs
-    (of the trained parameters): needed with fragments > 1 or an outer_dtype other than 'float32'."""
+    (of the trained parameters): needed with fragments > 1 or an outer_dtype other than 'float32'.
+
+    With `diloco.overlap` the step has no conditional: sync=False is the inner step alone, sync=True also the outer
+    step of the part that fell due the step before (`DiLoCo.syncs_at`), whose exchange reads the step's input
+    replicas, so nothing of the inner step feeds it and the compiler may run it under the inner step's compute;
+    the part's replicas then take the new global part plus the inner update they made meanwhile."""
     parts = diloco.fragments
 
     def inner(params, opt_state, batch, rng, frozen):
@@ -274,12 +292,59 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         return (_zip(plan, cut_of, g), _zip(plan, cut_of, r), _zip(plan, whole_of, g, whole_g),
                 _zip(plan, whole_of, r, whole_r), states)
 
+    def overlapped_part(part, args):
+        """Part `part`'s outer update from the exchanged outer gradients of its cut leaves, and the exchange, update
+        and replica move of the whole leaves it owns (small: their exchange may sit in this branch)."""
+        cut_grads, cut_g, whole_g, whole_before, whole_after, states = args
+        mine = lambda cut, x: x if cut.dim is None and cut.owner == part else None  # noqa: E731
+        g_whole, before_whole = _zip(plan, mine, whole_g), _zip(plan, mine, whole_before)
+        whole_grads = _outer_grads(g_whole, before_whole, _zip(plan, mine, specs))
+        g = _zip(plan, _owned(part), cut_g, g_whole)
+        updates, state = diloco.outer_optimizer.update(_zip(plan, _owned(part), cut_grads, whole_grads),
+                                                       states[part], g)
+        g = optax.apply_updates(g, updates)
+        cut_of = lambda cut, new: None if cut.dim is None else new  # noqa: E731
+        whole_of = lambda cut, new, old: None if cut.dim is not None else new if cut.owner == part else old  # noqa
+        moved = lambda cut, new, b, a: (  # noqa: E731
+            None if cut.dim is not None else new + (a - b) if cut.owner == part else a)
+        states = [state if p == part else s for p, s in enumerate(states)]
+        return (_zip(plan, cut_of, g), _zip(plan, whole_of, g, whole_g),
+                _zip(plan, moved, _zip(plan, whole_of, g, whole_g), whole_before, whole_after), states)
+
+    def overlapped(global_params, before, after, outer_state, step):
+        """The part due at `step - 1`: its exchange from the replicas `before` the inner step (nothing of the inner
+        step feeds it), its outer update, and its replicas `after` the inner step moved by the global part's change:
+        new global + (after - before)."""
+        states = [outer_state] if parts == 1 else outer_state
+        part = sum(p * (step % diloco.inner_steps == o).astype(jnp.int32) for p, o in enumerate(diloco.offsets()))
+        cut_g, cut_before = _take(global_params, plan, part, parts), _take(before, plan, part, parts, lead=1)
+        cut_grads = _outer_grads(cut_g, cut_before,
+                                 _zip(plan, lambda cut, s: s if cut.dim is not None else None, specs))
+        whole = lambda cut, x: x if cut.dim is None else None  # noqa: E731
+        new_cut, new_whole, whole_after, states = jax.lax.switch(
+            part, [functools.partial(overlapped_part, p) for p in range(parts)],
+            (cut_grads, cut_g, _zip(plan, whole, global_params), _zip(plan, whole, before), _zip(plan, whole, after),
+             states))
+        moved = lambda cut, new, b, a: None if cut.dim is None else new + (a - b)  # noqa: E731
+        cut_after = _zip(plan, moved, new_cut, cut_before, _take(after, plan, part, parts, lead=1))
+        keep = lambda cut, x, w: x if cut.dim is not None else w  # noqa: E731
+        global_params = _zip(plan, keep, _give(global_params, plan, part, parts, new_cut), new_whole)
+        after = _zip(plan, keep, _give(after, plan, part, parts, cut_after, lead=1), whole_after)
+        return global_params, after, states[0] if parts == 1 else states
+
     def step(global_params, state, batch, step):
         split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
         rngs = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(jnp.arange(replicas))
         global_params, frozen = partition(global_params, trainable)
         reps, inner_state, metrics = jax.vmap(inner, in_axes=(0, 0, 0, 0, None), spmd_axis_name="data")(
             state["replicas"], state["inner"], jax.tree.map(split, batch), rngs, frozen)
+        if diloco.overlap:
+            outer_state = state["outer"]
+            if sync:
+                global_params, reps, outer_state = overlapped(global_params, state["replicas"], reps, outer_state,
+                                                              step)
+            return (combine(global_params, frozen, trainable), {"replicas": reps, "inner": inner_state,
+                                                                "outer": outer_state}, metrics)
         # Branch 0: no outer step; branch p + 1: part p's.
         due = [((step + 1) % diloco.inner_steps == offset).astype(jnp.int32) for offset in diloco.offsets()]
         branch = sum((p + 1) * hit for p, hit in enumerate(due))

@@ -10,6 +10,7 @@ Data flow of one optimizer update: `per_device_batch_size x (data x fsdp)` examp
 compiled step scans over the micro-batches, accumulates gradients (sharded like the parameters, or further split over
 `data` with ZeRO-2), applies the optimizer and returns the donated state.
 """
+import functools
 import re
 import signal
 import threading
@@ -381,36 +382,41 @@ class Trainer:
             self._setup()
 
     # ------------------------------------------------------------------------------------------------ the step
-    def _train_step(self, params, opt_state, batch, step):
+    def _train_step(self, impl, params, opt_state, batch, step):
         self.compile_count += 1  # runs only while tracing
         # The mesh as the trace's context: Pallas kernels then run on each device's own block (kernels/_partition.py).
         with kernels.under_mesh(self.mesh):
             if self.offload_optimizer:
                 opt_state = jax.device_put(opt_state, self._opt_device_sh)
-            params, opt_state, metrics = self._step_impl(params, opt_state, batch, step)
+            params, opt_state, metrics = impl(params, opt_state, batch, step)
             if self.offload_optimizer:
                 opt_state = jax.device_put(opt_state, self._opt_sh)
             return params, opt_state, metrics
 
-    def _compiled_step(self):
+    def _compiled_step(self, sync=False):
+        """The compiled train step. sync: with DiLoCo's overlap, the program that also runs an outer step
+        (`DiLoCo.syncs_at`); the host picks it by step number, so neither program holds a conditional."""
         if self._step_fn is None:
+            self._step_fn = {}
+        if sync not in self._step_fn:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key,
                           trainable=self._trainable)
             if self._step_kind == "diloco":
-                self._step_impl = diloco_lib.diloco_train_step(
+                impl = diloco_lib.diloco_train_step(
                     diloco=self.diloco, replicas=self._diloco_replicas(), plan=self._diloco_plan, mesh=self.mesh,
-                    specs=partition(self._param_specs, self._trainable)[0], **common)
+                    specs=partition(self._param_specs, self._trainable)[0], sync=sync, **common)
             elif self._step_kind == "shard_map":
-                self._step_impl = step_lib.shard_map_train_step(
+                impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
                     zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None), **common)
             else:
-                self._step_impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, **common)
+                impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, **common)
             batch_sh = data_lib.batch_sharding(self.mesh, 2)
-            self._step_fn = jax.jit(self._train_step, in_shardings=(self._param_sh, self._opt_sh, batch_sh, None),
-                                    out_shardings=(self._param_sh, self._opt_sh, None), donate_argnums=(0, 1))
-        return self._step_fn
+            self._step_fn[sync] = jax.jit(functools.partial(self._train_step, impl),
+                                          in_shardings=(self._param_sh, self._opt_sh, batch_sh, None),
+                                          out_shardings=(self._param_sh, self._opt_sh, None), donate_argnums=(0, 1))
+        return self._step_fn[sync]
 
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
@@ -480,7 +486,8 @@ class Trainer:
                             jax.profiler.start_trace(f"{self.workdir}/tensorboard")
                             profiling = True
                         self._note_batch(batch)
-                        params, opt_state, metrics = self._compiled_step()(
+                        sync = self.diloco is not None and self.diloco.syncs_at(self._step)
+                        params, opt_state, metrics = self._compiled_step(sync)(
                             self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
                         self._state = {"params": params, "opt_state": opt_state}
                         self._step, self._batch_in_epoch, seen = self._step + 1, index + 1, seen + 1

@@ -127,20 +127,56 @@ def test_resumes_exactly_between_outer_steps(tmp_path):
                  diloco=engine.DiLoCo(inner_steps=4, fragments=2))
 
 
+def test_overlapped_exchange_does_not_wait_for_the_inner_step():
+    """overlap=True on a data-only mesh (every collective crosses `data`): the inner-only program has no collective,
+    and every collective of the program with the outer step sits in its entry computation (no conditional or loop
+    around it), fed by the parameters and replicas, never by the batch, so the compiler may schedule it under the
+    inner step's compute."""
+    mesh = engine.make_mesh(data=8)
+    diloco = engine.DiLoCo(inner_steps=4, fragments=2, overlap=True)
+    trainer = _trainer(mesh, optimizer=optax.sgd(0.1), diloco=diloco)
+    trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=1)
+    rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
+    batch = {k: jax.ShapeDtypeStruct((1, *s), d, sharding=rows) for k, (s, d) in trainer._batch_spec.items()}
+    collective = re.compile(r" (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
+    for sync in (False, True):
+        hlo = trainer._compiled_step(sync).lower(trainer.params, trainer.opt_state, batch,
+                                                 np.int32(0)).compile().as_text()
+        comps, entry = plan_lib._computations(hlo)
+        where = {name for name, lines in comps.items() for line in lines if collective.search(line)}
+        assert where == ({entry} if sync else set()), where
+        defs = {m.group(1): m for m in map(plan_lib._INSTR.match, comps[entry]) if m}
+        batch_params = {n for n, m in defs.items() if m.group(3) == "parameter" and 'op_name="batch[' in m.group(0)}
+
+        def feeds(name):
+            seen, todo = set(), [name]
+            while todo:
+                n = todo.pop()
+                if n not in seen and n in defs:
+                    seen.add(n)
+                    todo += re.findall(r"%([\w.\-]+)", defs[n].group(4).split("), ")[0])
+            return seen
+        root = next(n for n, m in defs.items() if m.group(0).lstrip().startswith("ROOT"))
+        assert len(batch_params) == 2 and feeds(root) & batch_params  # the walk sees the inner step's inputs
+        exchanged = [n for n, m in defs.items() if collective.search(m.group(0))]
+        assert bool(exchanged) == sync and not any(feeds(n) & batch_params for n in exchanged)
+
+
 @pytest.mark.slow
 def test_streaming_resumes_exactly(tmp_path):
-    """fragments=2 with int4 outer gradients: stopped after step 5 (part 0 synced at step 6's offset, part 1 not
-    yet), the resumed run ends on the uninterrupted run's state bit for bit, both parts' outer states included."""
+    """fragments=2 with int4 outer gradients, overlapped: stopped after 6 steps (the last one's part falls due) and is
+    exchanged by the resumed run's first step (the host picks that program from the step number), the resumed run
+    ends on the uninterrupted run's state bit for bit, both parts' outer states included."""
     make = lambda workdir=None: _trainer(  # noqa: E731
         engine.make_mesh(data=4, model=2), optimizer=optax.adam(1e-2), workdir=workdir,
-        diloco=engine.DiLoCo(inner_steps=4, fragments=2, outer_dtype="int4"))
+        diloco=engine.DiLoCo(inner_steps=4, fragments=2, outer_dtype="int4", overlap=True))
     whole = make()
     whole.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=9, log_every=1)
     first = make(str(tmp_path))
-    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=5, log_every=1)
+    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=6, log_every=1)
     first.close()
     resumed = make(str(tmp_path))
-    assert resumed.step == 5
+    assert resumed.step == 6 and resumed.diloco.syncs_at(6)
     resumed.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=9, log_every=1)
     assert _max_diff(resumed.params, whole.params) == 0.0
     assert _max_diff(resumed.opt_state, whole.opt_state) == 0.0
@@ -162,6 +198,8 @@ def test_bad_diloco_settings():
         engine.DiLoCo(inner_steps=4, fragments=5)
     with pytest.raises(ValueError, match=r"DiLoCo.fragments=0; expected an integer from 1"):
         engine.DiLoCo(fragments=0)
+    with pytest.raises(ValueError, match=r"DiLoCo.overlap=1; expected a bool"):
+        engine.DiLoCo(overlap=1)
     with pytest.raises(ValueError, match=r"DiLoCo.outer_dtype='fp4'; expected one of \('float32', 'bfloat16', "
                                          r"'int8', 'int4'\)"):
         engine.DiLoCo(outer_dtype="fp4")
@@ -214,7 +252,19 @@ def _reference_rounds(trainer, batches, start, lr):
         return x[(slice(None),) * (cut.dim + lead) + (slice(p, None, parts),)]
 
     grad_fn = jax.jit(jax.grad(lambda p, rows: task.loss_fn(p, rows, None, True)[0]))
+
+    def outer_step(p, before):
+        """Part p's outer update from the replicas `before`; returns the global part's change."""
+        g = jax.tree.map(lambda cut, x: view(x, cut, p, 0), plan, glob)
+        r = jax.tree.map(lambda cut, x: view(x, cut, p, 1), plan, before)
+        updates, states[p] = d.outer_optimizer.update(jax.tree.map(lambda a, b: a - b.mean(0), g, r), states[p], g)
+        for a, u in zip(jax.tree.leaves(g), jax.tree.leaves(updates)):
+            a += np.asarray(u)  # a view: writes through to glob
+        return g
+
     for step, batch in enumerate(batches, start):
+        due = d.syncs_at(step) and d.due_part(step - 1)
+        before = jax.tree.map(np.copy, reps)
         rows = batch["input_ids"].shape[1] // n
         for r in range(n):
             mine = {k: v[0, r * rows:(r + 1) * rows] for k, v in batch.items()}
@@ -222,24 +272,27 @@ def _reference_rounds(trainer, batches, start, lr):
             grads = grad_fn(params, mine)
             for x, g in zip(jax.tree.leaves(reps), jax.tree.leaves(grads)):
                 x[r] -= lr * np.asarray(g)
-        for p, offset in enumerate(d.offsets()):
-            if (step + 1) % d.inner_steps != offset:
-                continue
-            g = jax.tree.map(lambda cut, x: view(x, cut, p, 0), plan, glob)
-            r = jax.tree.map(lambda cut, x: view(x, cut, p, 1), plan, reps)
-            outer_grads = jax.tree.map(lambda a, b: a - b.mean(0), g, r)
-            updates, states[p] = d.outer_optimizer.update(outer_grads, states[p], g)
-            for a, b, u in zip(jax.tree.leaves(g), jax.tree.leaves(r), jax.tree.leaves(updates)):
-                a += np.asarray(u)  # views: writes through to glob and reps
+        if d.overlap:  # the part due the step before, from the replicas before this inner step
+            if due is not False:
+                g = outer_step(due, before)
+                r, b = (jax.tree.map(lambda cut, x: view(x, cut, due, 1), plan, t) for t in (reps, before))
+                for a, x, y in zip(jax.tree.leaves(g), jax.tree.leaves(r), jax.tree.leaves(b)):
+                    x[...] = a + (x - y)  # the new global part plus the inner update made meanwhile
+            continue
+        p = d.due_part(step)
+        if p is not None:
+            g = outer_step(p, reps)
+            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(jax.tree.map(lambda cut, x: view(x, cut, p, 1),
+                                                                             plan, reps))):
                 b[...] = a
     return glob, reps
 
 
-def _run_against_reference(outer_dtype):
+def _run_against_reference(outer_dtype, overlap=False):
     """(max |compiled - reference| of the global params, of the replicas, max |reference change|) over six steps
     of fragments=2, inner_steps=4 (offsets 2 and 0; the paper's Nesterov outer optimizer, SGD inside)."""
     mesh = engine.make_mesh(data=4, model=2)
-    diloco = engine.DiLoCo(inner_steps=4, fragments=2, outer_dtype=outer_dtype)
+    diloco = engine.DiLoCo(inner_steps=4, fragments=2, outer_dtype=outer_dtype, overlap=overlap)
     trainer = _trainer(mesh, optimizer=optax.sgd(0.5), diloco=diloco)
     trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
     assert diloco.offsets() == [2, 0] and len(trainer.opt_state["outer"]) == 2
@@ -247,16 +300,19 @@ def _run_against_reference(outer_dtype):
     batches = [{k: v[None] for k, v in task.collate_fn(EXAMPLES[8 * i:8 * i + 8]).items()} for i in range(1, 7)]
     want_params, want_reps = _reference_rounds(trainer, batches, 1, 0.5)
     rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
-    params, opt_state, step_fn = trainer.params, trainer.opt_state, trainer._compiled_step()
+    params, opt_state = trainer.params, trainer.opt_state
     for step, batch in enumerate(batches, 1):
+        step_fn = trainer._compiled_step(diloco.syncs_at(step))
         params, opt_state, _ = step_fn(params, opt_state, jax.device_put(batch, rows), np.int32(step))
     return _max_diff(params, want_params), _max_diff(opt_state["replicas"], want_reps), _max_diff(want_params, start)
 
 
-def test_streaming_fragments_match_a_reference():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_streaming_fragments_match_a_reference(overlap):
     """Streaming DiLoCo's parts take their outer steps in turn, each with its own outer state: the compiled step
-    equals the numpy reference."""
-    params_error, replicas_error, moved = _run_against_reference("float32")
+    equals the numpy reference; with overlap, each part's outer step lands a step later, exchanged from the
+    replicas before that step's inner update, which the replicas keep."""
+    params_error, replicas_error, moved = _run_against_reference("float32", overlap)
     assert params_error < 1e-5 and replicas_error < 1e-5 and moved > 0.1
 
 
