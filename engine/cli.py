@@ -82,7 +82,10 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                          "--diloco_inner_steps.", lower_bound=1)
     flags.DEFINE_enum("diloco_outer_dtype", "float32", list(diloco_lib.OUTER_DTYPES), "Wire format of DiLoCo's "
                       "outer gradients: float32 (all-reduce), or bfloat16 / int8 / int4 (blockwise-scaled, "
-                      "2x / 3.9x / 7.5x fewer bytes).")
+                      "2x / 3.9x / 7.8x fewer bytes).")
+    flags.DEFINE_bool("diloco_overlap", False, "Streaming DiLoCo's overlap: each outer step runs in the step after its "
+                      "part falls due, exchanged while that step's inner update computes (one step late; the "
+                      "replicas keep that inner update).")
 
 
 def with_flags(model, params):
@@ -151,11 +154,11 @@ def parse_json(flag, value):
 def _check_diloco_flags():
     if "diloco_fragments" not in FLAGS:
         return
-    streaming = FLAGS.diloco_fragments > 1 or FLAGS.diloco_outer_dtype != "float32"
+    streaming = FLAGS.diloco_fragments > 1 or FLAGS.diloco_outer_dtype != "float32" or FLAGS.diloco_overlap
     if streaming and not FLAGS.diloco_inner_steps:
         raise ValueError(f"--diloco_fragments={FLAGS.diloco_fragments} --diloco_outer_dtype="
-                         f"{FLAGS.diloco_outer_dtype}; expected --diloco_inner_steps > 0 with them (they set DiLoCo's "
-                         "outer steps)")
+                         f"{FLAGS.diloco_outer_dtype} --diloco_overlap={FLAGS.diloco_overlap}; expected "
+                         "--diloco_inner_steps > 0 with them (they set DiLoCo's outer steps)")
     if FLAGS.diloco_fragments > max(1, FLAGS.diloco_inner_steps):
         raise ValueError(f"--diloco_fragments={FLAGS.diloco_fragments}; expected at most --diloco_inner_steps="
                          f"{FLAGS.diloco_inner_steps} (each part takes its outer step at its own inner step)")
@@ -181,7 +184,7 @@ def trainer_kwargs():
     if FLAGS.diloco_inner_steps:
         kwargs["diloco"] = engine.DiLoCo(
             inner_steps=FLAGS.diloco_inner_steps, fragments=FLAGS.diloco_fragments,
-            outer_dtype=FLAGS.diloco_outer_dtype,
+            outer_dtype=FLAGS.diloco_outer_dtype, overlap=FLAGS.diloco_overlap,
             outer_optimizer=optax.sgd(FLAGS.diloco_outer_learning_rate, momentum=0.9, nesterov=True))
     return kwargs
 

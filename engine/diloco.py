@@ -23,9 +23,12 @@ no such dimension goes whole to the lightest part. Each part has its own outer o
 is the wire format of the outer gradient: 'float32' (the compiler's all-reduce), or 'bfloat16', 'int8' or 'int4'
 (absmax-scaled per block of 256 values, two 4-bit values per byte: the paper's 4-bit exchange), sent as an
 all-to-all of each replica's quantized delta (every device then sums its 1/R chunk in fp32) and an all-gather of
-the quantized mean (ZeRO++'s quantized reduce-scatter pattern), 2x / 3.9x / 7.5x fewer bytes than fp32. The third
-change, overlapping the exchange with the next inner steps, is not done: the outer step is a conditional branch, and
-no compiler overlaps a collective inside one with work outside it.
+the quantized mean (ZeRO++'s quantized reduce-scatter pattern), 2x / 3.9x / 7.8x fewer bytes than fp32. The third,
+`overlap=True`, with a delay of one step: no compiler overlaps a collective inside a conditional with work outside
+it, so the Trainer compiles two programs and picks one per step on the host (`DiLoCo.syncs_at`): the inner step
+alone, or the inner step plus the outer step of the part that fell due the step before, exchanged from the step's
+input replicas (nothing of the inner step feeds it); the part's replicas then take the new global part plus the
+inner update they made meanwhile.
 """
 import dataclasses
 import functools

@@ -138,9 +138,10 @@ def test_ppo_and_dpo_on_a_pipeline_equal_ppo_and_dpo_without(tmp_path):
 @pytest.mark.slow
 def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
     # With streaming DiLoCo over the data axis (4 replicas, three parts taking an outer step in turn each step, int4
-    # outer gradients).
+    # outer gradients, overlapped).
     tiny = [f"--workdir={tmp_path}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", "--mesh=-1,1,2",
-            "--diloco_inner_steps=3", "--diloco_fragments=3", "--diloco_outer_dtype=int4", *TINY_LM]
+            "--diloco_inner_steps=3", "--diloco_fragments=3", "--diloco_outer_dtype=int4", "--diloco_overlap",
+            *TINY_LM]
     out = _run("train_lm.py", "--max_steps=6", *tiny)
     before, after = _eval_losses(out.stdout)
     assert after < before and _steps(tmp_path)[-1] == 6
@@ -359,8 +360,8 @@ def _bad_inputs(tmp_path, slow):
                                                                     "lora_targets=('q', 'qkv'); expected",
         ("train_dpo.py", "--quantize=int8"): "--quantize=int8 with --lora_rank=0; expected --lora_rank > 0",
         ("train_lm.py", "--pipeline_stages=0"): "--pipeline_stages=0; expected an integer >= 1",
-        ("train_lm.py", "--diloco_fragments=2"): "--diloco_fragments=2 --diloco_outer_dtype=float32; expected "
-                                                 "--diloco_inner_steps > 0",
+        ("train_lm.py", "--diloco_fragments=2"): "--diloco_fragments=2 --diloco_outer_dtype=float32 "
+                                                 "--diloco_overlap=False; expected --diloco_inner_steps > 0",
         ("train_sft.py", "--diloco_inner_steps=2", "--diloco_fragments=3"): "--diloco_fragments=3; expected at most "
                                                                             "--diloco_inner_steps=2",
         ("finetune_seq2seq.py", "--pipeline_stages=2"): "--pipeline_stages=2: a pipeline needs a decoder-only model",
