@@ -50,7 +50,7 @@ def diloco_run(mesh, **streaming):
     return losses, np.concatenate(params)
 
 
-STREAMING = dict(fragments=2, outer_dtype="int8")
+STREAMING = dict(fragments=2, outer_dtype="int8", overlap=True)
 
 
 def ppo_run(mesh):

@@ -305,8 +305,9 @@ def test_diloco_with_a_replica_per_process_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_streaming_diloco_across_processes_matches_single_process(tmp_path):
-    """Streaming DiLoCo (2 parts, int8 outer gradients) with a replica per process: the quantized all-to-all and
-    all-gather cross processes (gloo) and give the single-process run's losses and global parameters, up to
+    """Streaming DiLoCo (2 parts, int8 outer gradients, overlapped) with a replica per process: the quantized
+    all-to-all and all-gather cross processes (gloo) and give the single-process run's losses and global parameters,
+    up to
     rounding: the two runs' inner steps differ in the last bits (2.5e-6 at most with fp32 outer gradients), which
     now and then moves a value to the next int8 level (measured: 7.6e-4 at most after 4 steps). Chunks sent to
     the wrong replica would be off by the size of the updates (1e-2)."""
