@@ -397,7 +397,7 @@ class Trainer:
         """The compiled train step. sync: with DiLoCo's overlap, the program that also runs an outer step
         (`DiLoCo.syncs_at`); the host picks it by step number, so neither program holds a conditional."""
         if self._step_fn is None:
-            self._step_fn = {}
+            self._step_fn, self._step_impls = {}, {}
         if sync not in self._step_fn:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key,
@@ -412,6 +412,7 @@ class Trainer:
                     zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None), **common)
             else:
                 impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, **common)
+            self._step_impls[sync] = impl  # the traceable body, for tests and tools
             batch_sh = data_lib.batch_sharding(self.mesh, 2)
             self._step_fn[sync] = jax.jit(functools.partial(self._train_step, impl),
                                           in_shardings=(self._param_sh, self._opt_sh, batch_sh, None),
