@@ -28,7 +28,8 @@ the quantized mean (ZeRO++'s quantized reduce-scatter pattern), 2x / 3.9x / 7.8x
 it, so the Trainer compiles two programs and picks one per step on the host (`DiLoCo.syncs_at`): the inner step
 alone, or the inner step plus the outer step of the part that fell due the step before, exchanged from the step's
 input replicas (nothing of the inner step feeds it); the part's replicas then take the new global part plus the
-inner update they made meanwhile.
+inner update they made meanwhile. A part falling due at the last step of a `fit` takes its outer step in the next
+one's first step (a resume does the same: the program follows from the step number).
 """
 import dataclasses
 import functools
