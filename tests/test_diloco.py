@@ -81,9 +81,22 @@ def test_inner_steps_send_nothing_across_data():
     assert where and set(where) <= outer, (where, outer)
 
 
-def _diloco_trainer(workdir=None):
+def _diloco_trainer(workdir=None, **diloco):
     return _trainer(engine.make_mesh(data=4, model=2), optimizer=optax.adam(1e-2), workdir=workdir,
-                    diloco=engine.DiLoCo(inner_steps=4))
+                    diloco=engine.DiLoCo(inner_steps=4, **diloco))
+
+
+def _whole_and_resumed(workdir, stop, end, **diloco):
+    """An uninterrupted run of `end` steps, and one stopped after `stop` steps and resumed to `end`."""
+    whole = _diloco_trainer(**diloco)
+    whole.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=end, log_every=1)
+    first = _diloco_trainer(workdir, **diloco)
+    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=stop, log_every=1)
+    first.close()
+    resumed = _diloco_trainer(workdir, **diloco)
+    assert resumed.step == stop
+    resumed.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=end, log_every=1)
+    return whole, resumed
 
 
 @pytest.mark.slow
@@ -103,14 +116,7 @@ def test_trains_and_the_global_model_moves_at_outer_steps():
 def test_resumes_exactly_between_outer_steps(tmp_path):
     """A run stopped between two outer steps resumes to exactly the uninterrupted run's state (replicas and both
     optimizer states are in the checkpoint)."""
-    whole = _diloco_trainer()
-    whole.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=10, log_every=1)
-    first = _diloco_trainer(str(tmp_path))
-    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=6, log_every=1)
-    first.close()
-    resumed = _diloco_trainer(str(tmp_path))
-    assert resumed.step == 6
-    resumed.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=10, log_every=1)
+    whole, resumed = _whole_and_resumed(str(tmp_path), 6, 10)
     assert _max_diff(resumed.params, whole.params) == 0.0
     assert _max_diff(resumed.opt_state, whole.opt_state) == 0.0
     resumed.close()
@@ -167,17 +173,9 @@ def test_streaming_resumes_exactly(tmp_path):
     """fragments=2 with int4 outer gradients, overlapped: stopped after 6 steps (the last one's part falls due) and is
     exchanged by the resumed run's first step (the host picks that program from the step number), the resumed run
     ends on the uninterrupted run's state bit for bit, both parts' outer states included."""
-    make = lambda workdir=None: _trainer(  # noqa: E731
-        engine.make_mesh(data=4, model=2), optimizer=optax.adam(1e-2), workdir=workdir,
-        diloco=engine.DiLoCo(inner_steps=4, fragments=2, outer_dtype="int4", overlap=True))
-    whole = make()
-    whole.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=9, log_every=1)
-    first = make(str(tmp_path))
-    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=6, log_every=1)
-    first.close()
-    resumed = make(str(tmp_path))
-    assert resumed.step == 6 and resumed.diloco.syncs_at(6)
-    resumed.fit(EXAMPLES, per_device_batch_size=2, n_epochs=4, max_steps=9, log_every=1)
+    streaming = dict(fragments=2, outer_dtype="int4", overlap=True)
+    assert engine.DiLoCo(inner_steps=4, **streaming).syncs_at(6)
+    whole, resumed = _whole_and_resumed(str(tmp_path), 6, 9, **streaming)
     assert _max_diff(resumed.params, whole.params) == 0.0
     assert _max_diff(resumed.opt_state, whole.opt_state) == 0.0
     assert _copies_agree(resumed.params) and _copies_agree(resumed.opt_state)
