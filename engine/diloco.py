@@ -137,6 +137,26 @@ def _owned(part):
     return lambda cut, value, whole: value if cut.dim is not None else whole if cut.owner == part else None
 
 
+def _whole(cut, x):
+    """For `_zip`: a tree's whole leaves, None at the cut ones."""
+    return x if cut.dim is None else None
+
+
+def _cut(cut, x):
+    """For `_zip`: a tree's cut leaves, None at the whole ones."""
+    return None if cut.dim is None else x
+
+
+def _merge(cut, cut_value, whole_value):
+    """For `_zip`: the cut leaves of one tree with the whole leaves of another."""
+    return cut_value if cut.dim is not None else whole_value
+
+
+def _whole_after(part):
+    """For `_zip`: the whole leaves after part `part`'s outer step: `new` where the part owns them, else `old`."""
+    return lambda cut, new, old: None if cut.dim is not None else new if cut.owner == part else old
+
+
 def fragment_specs(plan, specs, part):
     """The PartitionSpecs of `fragment(params, plan, part, ...)`: a cut leaf keeps its spec (the cut is local)."""
     return jax.tree.map(lambda cut, s: s if cut.dim is not None or cut.owner == part else None, plan, specs,
@@ -290,11 +310,9 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
                                                        states[part], g)
         g = optax.apply_updates(g, updates)
         r = replicate(g, replicas)
-        cut_of = lambda cut, new: None if cut.dim is None else new  # noqa: E731
-        whole_of = lambda cut, new, old: None if cut.dim is not None else new if cut.owner == part else old  # noqa
         states = [state if p == part else s for p, s in enumerate(states)]
-        return (_zip(plan, cut_of, g), _zip(plan, cut_of, r), _zip(plan, whole_of, g, whole_g),
-                _zip(plan, whole_of, r, whole_r), states)
+        return (_zip(plan, _cut, g), _zip(plan, _cut, r), _zip(plan, _whole_after(part), g, whole_g),
+                _zip(plan, _whole_after(part), r, whole_r), states)
 
     def overlapped_part(part, args):
         """Part `part`'s outer update from the exchanged outer gradients of its cut leaves, and the exchange, update
@@ -307,13 +325,11 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         updates, state = diloco.outer_optimizer.update(_zip(plan, _owned(part), cut_grads, whole_grads),
                                                        states[part], g)
         g = optax.apply_updates(g, updates)
-        cut_of = lambda cut, new: None if cut.dim is None else new  # noqa: E731
-        whole_of = lambda cut, new, old: None if cut.dim is not None else new if cut.owner == part else old  # noqa
         moved = lambda cut, new, b, a: (  # noqa: E731
             None if cut.dim is not None else new + (a - b) if cut.owner == part else a)
         states = [state if p == part else s for p, s in enumerate(states)]
-        return (_zip(plan, cut_of, g), _zip(plan, whole_of, g, whole_g),
-                _zip(plan, moved, _zip(plan, whole_of, g, whole_g), whole_before, whole_after), states)
+        new_whole = _zip(plan, _whole_after(part), g, whole_g)
+        return (_zip(plan, _cut, g), new_whole, _zip(plan, moved, new_whole, whole_before, whole_after), states)
 
     def overlapped(global_params, before, after, outer_state, step):
         """The part due at `step - 1`: its exchange from the replicas `before` the inner step (nothing of the inner
@@ -322,18 +338,15 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         states = [outer_state] if parts == 1 else outer_state
         part = sum(p * (step % diloco.inner_steps == o).astype(jnp.int32) for p, o in enumerate(diloco.offsets()))
         cut_g, cut_before = _take(global_params, plan, part, parts), _take(before, plan, part, parts, lead=1)
-        cut_grads = _outer_grads(cut_g, cut_before,
-                                 _zip(plan, lambda cut, s: s if cut.dim is not None else None, specs))
-        whole = lambda cut, x: x if cut.dim is None else None  # noqa: E731
+        cut_grads = _outer_grads(cut_g, cut_before, _zip(plan, _cut, specs))
         new_cut, new_whole, whole_after, states = jax.lax.switch(
             part, [functools.partial(overlapped_part, p) for p in range(parts)],
-            (cut_grads, cut_g, _zip(plan, whole, global_params), _zip(plan, whole, before), _zip(plan, whole, after),
-             states))
+            (cut_grads, cut_g, _zip(plan, _whole, global_params), _zip(plan, _whole, before),
+             _zip(plan, _whole, after), states))
         moved = lambda cut, new, b, a: None if cut.dim is None else new + (a - b)  # noqa: E731
         cut_after = _zip(plan, moved, new_cut, cut_before, _take(after, plan, part, parts, lead=1))
-        keep = lambda cut, x, w: x if cut.dim is not None else w  # noqa: E731
-        global_params = _zip(plan, keep, _give(global_params, plan, part, parts, new_cut), new_whole)
-        after = _zip(plan, keep, _give(after, plan, part, parts, cut_after, lead=1), whole_after)
+        global_params = _zip(plan, _merge, _give(global_params, plan, part, parts, new_cut), new_whole)
+        after = _zip(plan, _merge, _give(after, plan, part, parts, cut_after, lead=1), whole_after)
         return global_params, after, states[0] if parts == 1 else states
 
     def step(global_params, state, batch, step):
@@ -357,14 +370,12 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
                                                               (global_params, reps, state["outer"]))
         else:  # the due part (any when none is) taken out, stepped in the switch, put back in place
             part = sum(p * hit for p, hit in enumerate(due))
-            whole = lambda cut, x: x if cut.dim is None else None  # noqa: E731
             cut_g, cut_r, whole_g, whole_r, outer_state = jax.lax.switch(
                 branch, [lambda args: args] + [functools.partial(outer_part, p) for p in range(parts)],
                 (_take(global_params, plan, part, parts), _take(reps, plan, part, parts, lead=1),
-                 _zip(plan, whole, global_params), _zip(plan, whole, reps), state["outer"]))
-            keep = lambda cut, x, w: x if cut.dim is not None else w  # noqa: E731
-            global_params = _zip(plan, keep, _give(global_params, plan, part, parts, cut_g), whole_g)
-            reps = _zip(plan, keep, _give(reps, plan, part, parts, cut_r, lead=1), whole_r)
+                 _zip(plan, _whole, global_params), _zip(plan, _whole, reps), state["outer"]))
+            global_params = _zip(plan, _merge, _give(global_params, plan, part, parts, cut_g), whole_g)
+            reps = _zip(plan, _merge, _give(reps, plan, part, parts, cut_r, lead=1), whole_r)
         return (combine(global_params, frozen, trainable), {"replicas": reps, "inner": inner_state,
                                                             "outer": outer_state}, metrics)
 
