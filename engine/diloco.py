@@ -195,15 +195,6 @@ def replicate(tree, replicas):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), tree)
 
 
-def fragment_shapes(plan, shapes, part, parts):
-    """The shapes (tuples) of `fragment(params, plan, part, parts)` for `shapes`, those of params."""
-    def shape_of(cut, shape):
-        if cut.dim is None:
-            return shape if cut.owner == part else None
-        return shape[:cut.dim] + (shape[cut.dim] // parts,) + shape[cut.dim + 1:]
-    return jax.tree.map(shape_of, plan, shapes, is_leaf=lambda x: isinstance(x, _Cut))
-
-
 def init_state(diloco, optimizer, params, replicas, plan=None):
     """{'replicas': params [R, ...], 'inner': the inner optimizer's state per replica, 'outer': the outer
     optimizer's state of the global params (with fragments > 1: a list of one state per part of `plan`)}."""

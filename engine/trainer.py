@@ -321,10 +321,11 @@ class Trainer:
             replica_specs = jax.tree.map(lambda spec: P("data", *spec), trained_specs, is_leaf=is_spec)
             replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), trained_shapes,
                                           is_leaf=lambda x: isinstance(x, tuple))
+            part_shapes = lambda p: jax.tree.map(lambda x: x.shape, jax.eval_shape(  # noqa: E731
+                lambda t: diloco_lib.fragment(t, plan, p, parts), partition(abstract_params, mask)[0]))
             outer_specs = (_state_specs(abstract_opt["outer"], self._param_specs, shapes, P()) if parts == 1 else
-                           [_state_specs(state, diloco_lib.fragment_specs(plan, trained_specs, p),
-                                         diloco_lib.fragment_shapes(plan, trained_shapes, p, parts), P())
-                            for p, state in enumerate(abstract_opt["outer"])])
+                           [_state_specs(state, diloco_lib.fragment_specs(plan, trained_specs, p), part_shapes(p),
+                                         P()) for p, state in enumerate(abstract_opt["outer"])])
             self._opt_specs = {
                 "replicas": replica_specs,
                 "inner": _state_specs(abstract_opt["inner"], replica_specs, replica_shapes, P("data")),
