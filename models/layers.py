@@ -147,11 +147,12 @@ def lora_a_init(key, shape, dtype=jnp.float32):
 
 class Linear(nn.Module):
     """y = act(x @ kernel + bias), kernel [in, out]. With `implementation` the matmul, bias and activation run fused in
-    kernels.fused_matmul. The weights are also readable as `.kernel` / `.bias` (for the fused gated MLP).
+    kernels.fused_matmul. `weight()` gives the kernel as the fused gated MLP reads it; `.bias` the bias.
     lora_rank > 0 adds LoRA's float32 `lora_a` [in, rank] and `lora_b` [rank, out]: (x A) B * lora_scale joins the
     product before the activation. quantize='int8' stores the kernel as int8 with a float32 `kernel_scale` [out]:
     y = (x q) * scale, the scale applied to the product (a per-column scale commutes with it), so the dequantised
-    weight never exists. With either, the kernel path computes x W alone and the rest follows in plain jnp."""
+    weight never exists; the kernel path reads q as int8 and scales in its epilogue. With LoRA the kernel path
+    computes (x q) s alone and the rest follows in plain jnp."""
     in_features: int
     features: int
     use_bias: bool = False
@@ -180,19 +181,25 @@ class Linear(nn.Module):
             self.lora_a = self.param("lora_a", lora_a_init, (self.in_features, self.lora_rank), jnp.float32)
             self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features), jnp.float32)
 
+    def weight(self):
+        """(kernel, scale): the float kernel in the compute dtype and None, or the int8 kernel and its scale."""
+        if self.quantize is not None:
+            return self.kernel, self.kernel_scale
+        return self.kernel.astype(self.dtype), None
+
     def __call__(self, x, act=None, implementation=None, interpret=False):
         x = x.astype(self.dtype)
-        w = self.kernel.astype(self.dtype)
+        w, scale = self.weight()
         b = None if self.bias is None else self.bias.astype(self.dtype)
-        if implementation is not None and not self.lora_rank and self.quantize is None:
-            return kernels.fused_matmul(x, w, b, activation=_KERNEL_ACTIVATION.get(act, act),
+        if implementation is not None and not self.lora_rank:
+            return kernels.fused_matmul(x, w, b, w_scale=scale, activation=_KERNEL_ACTIVATION.get(act, act),
                                         implementation=implementation, interpret=interpret)
         if implementation is not None:
-            y = kernels.fused_matmul(x, w, implementation=implementation, interpret=interpret)
+            y = kernels.fused_matmul(x, w, w_scale=scale, implementation=implementation, interpret=interpret)
         else:
-            y = jnp.dot(x, w)
-        if self.quantize is not None:
-            y = y * self.kernel_scale.astype(self.dtype)
+            y = jnp.dot(x, w.astype(self.dtype))
+            if scale is not None:
+                y = y * scale.astype(self.dtype)
         if b is not None:
             y = y + b
         if self.lora_rank:
@@ -476,11 +483,11 @@ class MLP(nn.Module):
             h = up(x, act=self.act, **fused)
         else:
             gate = Linear(d, self.hidden, name="gate", **kw, **_lora(self, "gate"))
-            if (self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank
-                    and self.quantize is None):
-                w_gate, w_up = gate.kernel.astype(self.dtype), up.kernel.astype(self.dtype)
-                h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up,
-                                      activation=_KERNEL_ACTIVATION.get(self.act, self.act), **fused)
+            if self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank:
+                (w_gate, gate_scale), (w_up, up_scale) = gate.weight(), up.weight()
+                h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up, w_gate_scale=gate_scale,
+                                      w_up_scale=up_scale, activation=_KERNEL_ACTIVATION.get(self.act, self.act),
+                                      **fused)
             else:
                 h = gate(x, act=self.act, **fused) * up(x, **fused)
         return Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std},

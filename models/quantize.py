@@ -7,19 +7,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from kernels.matmul import quantize_int8
 from models.layers import LORA_TARGETS
 
-
-def quantize_int8(w):
-    """(int8 q, float32 scale) of a float kernel [..., in, out] (numpy or jax), per output column."""
-    xp = np if isinstance(w, np.ndarray) else jnp
-    w = w.astype(xp.float32)
-    absmax = xp.max(xp.abs(w), axis=-2)
-    scale = xp.where(absmax > 0, absmax / 127.0, 1.0).astype(xp.float32)
-    q = xp.clip(xp.round(w / scale[..., None, :]), -127, 127).astype(xp.int8)
-    return q, scale
+__all__ = ["dequantize", "is_quantized_kernel", "quantize", "quantize_int8"]
 
 
 def is_quantized_kernel(path):

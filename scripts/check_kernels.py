@@ -71,6 +71,8 @@ def cases(size):
     N, K, F, V = (48, 64, 96, 160) if small else (4096, 4096, 11008, 32000)
     seg = (np.arange(T) >= T // 3).astype(np.int32) + 1
 
+    q_gate, q_up = (jnp.asarray(np.random.RandomState(i).randint(-127, 128, (K, F)), jnp.int8) for i in (1, 2))
+
     def labels(n, v):
         out = np.random.RandomState(n).randint(0, v, n).astype(np.int32)
         out[::7] = -100  # ignored tokens
@@ -93,6 +95,10 @@ def cases(size):
          lambda impl, x, w, b: kernels.fused_matmul(x, w, b, activation="gelu", **impl), [(N, K), (K, F), (F,)]),
         ("gated_mlp silu", f"{N}x{K}x{F}",
          lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl), [(N, K), (K, F), (K, F)]),
+        # int8 weights (fixed) converted in the kernel; the arguments are x and the two column scales.
+        ("gated_mlp int8 weights", f"{N}x{K}x{F}",
+         lambda impl, x, sg, su: kernels.gated_mlp(x, q_gate, q_up, w_gate_scale=sg, w_up_scale=su, **impl),
+         [(N, K), (F,), (F,)]),
         ("linear_cross_entropy", f"N{N} D{K} V{V}",
          lambda impl, x, w: kernels.linear_cross_entropy(x, w, labels(N, V), **impl), [(N, K), (K, V)]),
         _model_case(small),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.matmul import BlockSizes, fused_matmul, gated_mlp, linear_cross_entropy
+from kernels.matmul import BlockSizes, fused_matmul, gated_mlp, linear_cross_entropy, quantize_int8
 from kernels.matmul import reference
 from tests.targets import for_gpu
 
@@ -105,6 +105,25 @@ def test_gated_mlp_matches_reference(impl, dtype, shape):
     _check_value_and_grads(fn, ref, args, dtype, f"gated_mlp[{impl}]")
 
 
+@pytest.mark.parametrize("impl, dtype", [("xla", jnp.float32), ("triton", jnp.bfloat16),
+                                         pytest.param("mosaic_tpu", jnp.float32, marks=pytest.mark.slow)])
+def test_int8_weights_match_the_dequantised_reference(impl, dtype):
+    """Weight-only int8 (models/quantize.py): the kernels read int8 tiles and scale the accumulator; the reference
+    multiplies by the dequantised weight q * s. Values, and gradients for x, the scales and the bias (none for q)."""
+    config = IMPLEMENTATIONS[impl]
+    lead, k, n = config["shapes"]["ragged"]
+    keys = jax.random.split(jax.random.key(5), 4)
+    (q, s), (q_up, s_up) = (quantize_int8(_normal(key, (k, n), jnp.float32, k ** -0.5)) for key in keys[:2])
+    x, b = _normal(keys[2], (*lead, k), dtype), _normal(keys[3], (n,), dtype)
+    opts = dict(implementation=impl, interpret=config["interpret"], block_sizes=config["blocks"])
+    fn = lambda x, s, b: fused_matmul(x, q, b, w_scale=s, activation="gelu", **opts)
+    ref = lambda x, s, b: reference.fused_matmul_reference(x, q, b, w_scale=s, activation="gelu")
+    _check_value_and_grads(fn, ref, (x, s, b), dtype, f"fused_matmul[{impl}, int8]")
+    fn = lambda x, s, s_up: gated_mlp(x, q, q_up, w_gate_scale=s, w_up_scale=s_up, **opts)
+    ref = lambda x, s, s_up: reference.gated_mlp_reference(x, q, q_up, w_gate_scale=s, w_up_scale=s_up)
+    _check_value_and_grads(fn, ref, (x, s, s_up), dtype, f"gated_mlp[{impl}, int8]")
+
+
 @pytest.mark.parametrize("impl, dtype, shape", CASES)
 def test_linear_cross_entropy_matches_reference(impl, dtype, shape):
     config = IMPLEMENTATIONS[impl]
@@ -148,6 +167,11 @@ BAD_INPUTS = [
     (lambda: fused_matmul(X, W.astype(jnp.bfloat16)), "w.dtype=bfloat16; expected x.dtype=float32"),
     (lambda: fused_matmul(X.astype(jnp.int32), W), "x.dtype=int32"),
     (lambda: fused_matmul(X, W, jnp.zeros((15,))), "bias.shape=(15,); expected (16,)"),
+    (lambda: fused_matmul(X, W.astype(jnp.int8)), "w.dtype=int8 needs w_scale"),
+    (lambda: fused_matmul(X, W.astype(jnp.int8), w_scale=jnp.ones((8,))), "w_scale.shape=(8,); expected (16,)"),
+    (lambda: fused_matmul(X, W.astype(jnp.int8), w_scale=jnp.ones((16,), jnp.int32)), "w_scale.dtype=int32"),
+    (lambda: fused_matmul(X, W.astype(jnp.int32)), "w.dtype=int32"),
+    (lambda: gated_mlp(X, W, W, w_up_scale=jnp.ones((16,))), "w_gate_scale and w_up_scale: expected both"),
     (lambda: fused_matmul(X, W, activation="tanh"), "activation='tanh'"),
     (lambda: fused_matmul(X, W, implementation="cuda"), "implementation='cuda'"),
     (lambda: fused_matmul(X, W, block_sizes=BlockSizes(block_m=48), implementation="triton"),
@@ -205,6 +229,24 @@ def test_forward_and_backward_lower_for_accelerators(platform, op):
     assert f"{N_TOKENS}x{VOCAB}" not in text  # Neither logits nor d logits at full size, forward or backward.
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_int8_weights_reach_the_kernels_as_int8(platform):
+    """The quantised gated MLP of the issue's size lowers with its int8 weights as the custom call's operands,
+    forward and backward (dx): no bf16 copy of a [4096, 14336] weight is made."""
+    impl, custom_call = PLATFORMS[platform]
+    q, scale = S((4096, 14336), jnp.int8), S((14336,), jnp.float32)
+
+    def loss_and_dx(x, wg, wu, sg, su):
+        h = lambda x: gated_mlp(x, wg, wu, w_gate_scale=sg, w_up_scale=su, implementation=impl)
+        return jax.value_and_grad(lambda x: h(x).astype(jnp.float32).sum())(x)
+
+    with for_gpu() if platform == "cuda" else contextlib.nullcontext():
+        text = jax.jit(loss_and_dx).trace(S((8192, 4096), BF16), q, q, scale, scale).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert custom_call in text and "4096x14336xi8" in text
+    assert "4096x14336xbf16" not in text
+
+
 def test_blockwise_loss_needs_a_fraction_of_the_materialised_memory():
     """Compiled (not run) on CPU at the issue's loss size, float32 (CPU dots upcast bf16 to f32 copies)."""
     args = (S((N_TOKENS, D_MODEL), jnp.float32), S((D_MODEL, VOCAB), jnp.float32), S((N_TOKENS,), jnp.int32))
@@ -226,7 +268,8 @@ def test_benchmark_cases_agree_with_their_baselines_on_cpu():
     from kernels.matmul import benchmark
     cases = benchmark.cases("small", jnp.float32)
     assert {(c.kernel, c.direction) for c in cases} == {
-        (k, d) for k in ("fused_matmul", "gated_mlp", "linear_cross_entropy") for d in ("fwd", "fwd+bwd")}
+        (k, d) for k in benchmark.KERNELS for d in ("fwd", "fwd+bwd")}
+    assert {"fused_matmul", "gated_mlp", "linear_cross_entropy", "fused_matmul_int8"} == set(benchmark.KERNELS)
     retiled = BlockSizes(16, 16, 16, vocab_chunk=1024)  # what the tuner passes to `retile`
     for case in cases:
         fused, xla = (jax.jit(fn)(*case.args) for fn in case.paths.values())

@@ -234,6 +234,38 @@ def test_int8_base_is_close_to_float_and_loads_quantised_as_read(tmp_path):
                        optimizer=optax.sgd(0.1))
 
 
+@pytest.mark.parametrize("implementation, with_grads", [
+    ("xla", False), pytest.param("xla", True, marks=pytest.mark.slow), pytest.param("triton", True,
+                                                                                  marks=pytest.mark.slow)])
+def test_int8_base_through_the_fused_kernels_equals_the_plain_path(implementation, with_grads):
+    """With mlp_implementation the int8 MLP runs kernels.gated_mlp on its int8 kernels (scales in the epilogue), or
+    kernels.fused_matmul per projection where adapters sit on gate: logits, and the gradients of gate's adapters and
+    column scales (with_grads), equal the plain (x q) s path."""
+    for targets in ((), ("gate", "down")):
+        options = dict(scan_layers=True, lora_rank=4 if targets else 0, lora_targets=targets or ("q",))
+        model = models.create_model("llama", "tiny", quantize="int8", **options)
+        params = _perturbed(models.init_params(model, jax.random.PRNGKey(0)))
+        fused = models.create_model("llama", "tiny", quantize="int8", mlp_implementation=implementation,
+                                    kernel_interpret=implementation != "xla", **options)
+        gate = params["layers"]["mlp"]["gate"]
+        floats = {k: v for k, v in gate.items() if k != "kernel"}
+
+        def logits_fn(f, m):
+            p = {**params, "layers": {**params["layers"], "mlp": {**params["layers"]["mlp"], "gate": {**gate, **f}}}}
+            return m.apply({"params": p}, IDS).astype(jnp.float32)
+
+        if not (targets and with_grads):
+            np.testing.assert_allclose(*(jax.jit(logits_fn, static_argnums=1)(floats, m) for m in (fused, model)),
+                                       rtol=2e-5, atol=2e-5)
+            continue
+        run = jax.jit(lambda f, m: (logits_fn(f, m), jax.grad(lambda f: jnp.mean(logits_fn(f, m) ** 2))(f)),
+                      static_argnums=1)
+        (got, got_grads), (want, want_grads) = run(floats, fused), run(floats, model)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_lora_dropout_drops_the_adapters_input_in_training_calls_only():
     """lora_dropout (PEFT's): training calls differ by their dropout rng and only through the adapters (with B = 0

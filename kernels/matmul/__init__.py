@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -19,7 +20,8 @@ from kernels._dispatch import resolve_implementation
 from kernels.matmul import _blocks, mosaic_tpu, reference, triton
 from kernels.matmul._blocks import BlockSizes
 
-__all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "is_loss_call", "linear_cross_entropy", "vocab_parallel_call"]
+__all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "is_loss_call", "linear_cross_entropy", "quantize_int8",
+           "vocab_parallel_call"]
 
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _P = jax.sharding.PartitionSpec
@@ -52,12 +54,21 @@ def _check_float(name, a):
         raise ValueError(f"{name}.dtype={a.dtype}; expected one of float32, bfloat16, float16")
 
 
-def _check_weight(name, w, x):
-    _check_float(name, w)
+def _check_weight(name, w, x, scale=None):
+    """A weight [K, N] in x's dtype, or int8 with its float per-column `{name}_scale` [N] (weight-only
+    quantisation, models/quantize.py); a scale is allowed with a float weight too (it multiplies the product)."""
+    if jnp.dtype(w.dtype) != jnp.int8:
+        _check_float(name, w)
     if w.ndim != 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(f"{name}.shape={tuple(w.shape)}; expected [{x.shape[-1]}, n] to match x.shape[-1]")
-    if w.dtype != x.dtype:
-        raise ValueError(f"{name}.dtype={w.dtype}; expected x.dtype={x.dtype}")
+    if jnp.dtype(w.dtype) == jnp.int8 and scale is None:
+        raise ValueError(f"{name}.dtype=int8 needs {name}_scale, its float per-column scale [{w.shape[1]}]")
+    if jnp.dtype(w.dtype) != jnp.int8 and w.dtype != x.dtype:
+        raise ValueError(f"{name}.dtype={w.dtype}; expected x.dtype={x.dtype} (or int8 with {name}_scale)")
+    if scale is not None:
+        _check_float(f"{name}_scale", scale)
+        if scale.shape != (w.shape[1],):
+            raise ValueError(f"{name}_scale.shape={tuple(scale.shape)}; expected ({w.shape[1]},)")
 
 
 def _check_x(x):
@@ -74,26 +85,38 @@ def _check_activation(activation, allow_none):
 
 # ---- fused_matmul ----
 
-def fused_matmul(x, w, bias=None, *, activation=None, implementation=None, interpret=False, block_sizes=None):
-    """`activation(x @ w + bias)` with float32 accumulation, output in x's dtype.
+def quantize_int8(w):
+    """(int8 q, float32 scale) of a float weight [..., K, N] (numpy or jax) in the format `fused_matmul` and
+    `gated_mlp` take: symmetric per output column, q = round(w / scale), scale = max|w[:, j]| / 127."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = w.astype(xp.float32)
+    absmax = xp.max(xp.abs(w), axis=-2)
+    scale = xp.where(absmax > 0, absmax / 127.0, 1.0).astype(xp.float32)
+    q = xp.clip(xp.round(w / scale[..., None, :]), -127, 127).astype(xp.int8)
+    return q, scale
 
-    x: [..., K]; w: [K, N] (same dtype as x); bias: [N] or None; activation: None, 'relu', 'gelu', 'gelu_tanh' or
-    'silu'. Returns [..., N]. The backward recomputes `x @ w + bias` fused with the activation's derivative instead
-    of saving the pre-activation.
+
+def fused_matmul(x, w, bias=None, *, w_scale=None, activation=None, implementation=None, interpret=False,
+                 block_sizes=None):
+    """`activation(x @ w * w_scale + bias)` with float32 accumulation, output in x's dtype.
+
+    x: [..., K]; w: [K, N] in x's dtype, or int8 with `w_scale` (weight-only quantisation: each int8 tile is
+    converted where the kernel reads it, and the per-column scale [N] multiplies the accumulator in the epilogue, so
+    no dequantised weight exists and the weight's HBM traffic halves against bf16); bias: [N] or None; activation:
+    None, 'relu', 'gelu', 'gelu_tanh' or 'silu'. Returns [..., N]. The backward recomputes the pre-activation fused
+    with the activation's derivative instead of saving it; an int8 weight gets no gradient.
     """
     _check_x(x)
-    _check_weight("w", w, x)
+    _check_weight("w", w, x, w_scale)
     if bias is not None:
         _check_float("bias", bias)
         if bias.shape != (w.shape[1],):
             raise ValueError(f"bias.shape={tuple(bias.shape)}; expected ({w.shape[1]},)")
     _check_activation(activation, allow_none=True)
     cfg = _config(implementation, interpret, block_sizes, "matmul")
-    rows, cols, bias_spec = _column_specs(cfg, x, w.shape[1])
-    args, specs = (x.reshape(-1, x.shape[-1]), w), (rows, cols)
-    if bias is not None:
-        args, specs = args + (bias,), specs + (bias_spec,)
-    out = _partition.shard(lambda x, w, bias=None: _fused_matmul(x, w, bias, activation, cfg), args, specs,
+    rows, cols, col_spec = _column_specs(cfg, x, w.shape[1])
+    out = _partition.shard(lambda x, w, bias, scale: _fused_matmul(x, w, bias, scale, activation, cfg),
+                           (x.reshape(-1, x.shape[-1]), w, bias, w_scale), (rows, cols, col_spec, col_spec),
                            _P(rows[0], cols[1]), cfg.implementation)
     return out.reshape(*x.shape[:-1], w.shape[1])
 
@@ -107,13 +130,13 @@ def _column_specs(cfg, x, n):
     return _P(b, None), _P(None, m), _P(m)
 
 
-def _marked(fwd):
+def _marked(fwd, num_diff=3):
     """A custom_vjp forward rule for `defvjp(..., symbolic_zeros=True)`: calls `fwd` on the primal values and adds
-    to its residuals which of the (up to three) differentiable inputs are perturbed, as () or None, so the backward
+    to its residuals which of the `num_diff` differentiable inputs are perturbed, as () or None, so the backward
     rule computes only the gradients asked for: a frozen weight (Trainer(trainable=...), LoRA) gets no weight
-    gradient matmul and no weight-sized buffer."""
+    gradient matmul and no weight-sized buffer (an int8 weight is never perturbed)."""
     def marked(*args):
-        diff, static = args[:3], args[3:]
+        diff, static = args[:num_diff], args[num_diff:]
         y, res = fwd(*(None if a is None else a.value for a in diff), *static)
         return y, (res, tuple(() if a is not None and a.perturbed else None for a in diff))
     return marked
@@ -124,76 +147,100 @@ def _instantiate(ct):
     return jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_matmul(x, w, bias, activation, cfg):
-    return _fused_matmul_fwd(x, w, bias, activation, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_matmul(x, w, bias, scale, activation, cfg):
+    return _fused_matmul_fwd(x, w, bias, scale, activation, cfg)[0]
 
 
-def _fused_matmul_fwd(x, w, bias, activation, cfg):
-    extras = () if bias is None else (bias.reshape(1, -1),)
-    (y,) = cfg.matmul((x,), (w,), extras, extra_kinds=("col",) * len(extras),
-                      epilogue=reference.epilogue_bias_act(activation, bias is not None), out_dtypes=(x.dtype,))
-    return y, (x, w, bias)
+def _cols(*vectors):
+    """The [N] column vectors given (not None) as [1, N] extras, and their kinds."""
+    given = tuple(v.reshape(1, -1) for v in vectors if v is not None)
+    return given, ("col",) * len(given)
+
+
+def _fused_matmul_fwd(x, w, bias, scale, activation, cfg):
+    extras, kinds = _cols(scale, bias)
+    (y,) = cfg.matmul((x,), (w,), extras, extra_kinds=kinds, out_dtypes=(x.dtype,),
+                      epilogue=reference.epilogue_bias_act(activation, bias is not None, scale is not None))
+    return y, (x, w, bias, scale)
 
 
 def _fused_matmul_bwd(activation, cfg, res_marks, dy):
-    (x, w, bias), marks = res_marks
-    want_x, want_w, want_bias = (m is not None for m in marks)
+    (x, w, bias, scale), marks = res_marks
+    want_x, want_w, want_bias, want_scale = (m is not None for m in marks)
     dy = _instantiate(dy)
-    if activation is None:
-        dz = dy
+    acc_dz = None
+    if activation is None and not want_scale:
+        dz = dy  # d acc = dy * scale: elementwise, no matmul to recompute
+        d_acc = dy if scale is None else (dy.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
     else:
-        extras = ((bias.reshape(1, -1),) if bias is not None else ()) + (dy,)
-        kinds = ("col",) * (bias is not None) + ("tile",)
-        (dz,) = cfg.matmul((x,), (w,), extras, extra_kinds=kinds, out_dtypes=(x.dtype,),
-                           epilogue=reference.epilogue_bias_act_grad(activation, bias is not None))
-    dx = cfg.matmul((dz,), (w,), out_dtypes=(x.dtype,), trans_rhs=True)[0] if want_x else None
-    dw = cfg.matmul((x,), (dz,), out_dtypes=(w.dtype,), trans_lhs=True)[0] if want_w else None
+        extras, kinds = _cols(scale, bias)
+        with_dz = want_bias and scale is not None
+        outs = cfg.matmul((x,), (w,), extras + (dy,), extra_kinds=kinds + ("tile",),
+                          out_dtypes=(x.dtype,) * (1 + with_dz) + (jnp.float32,) * want_scale,
+                          epilogue=reference.epilogue_bias_act_grad(activation, bias is not None, scale is not None,
+                                                                    with_dz, want_scale))
+        d_acc, outs = outs[0], outs[1:]
+        dz = outs[0] if with_dz else d_acc
+        acc_dz = outs[-1] if want_scale else None
+    dx = cfg.matmul((d_acc,), (w,), out_dtypes=(x.dtype,), trans_rhs=True)[0] if want_x else None
+    dw = cfg.matmul((x,), (d_acc,), out_dtypes=(w.dtype,), trans_lhs=True)[0] if want_w else None
     dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(bias.dtype) if want_bias else None
-    return dx, dw, dbias
+    dscale = jnp.sum(acc_dz, axis=0).astype(scale.dtype) if want_scale else None
+    return dx, dw, dbias, dscale
 
 
-_fused_matmul.defvjp(_marked(_fused_matmul_fwd), _fused_matmul_bwd, symbolic_zeros=True)
+_fused_matmul.defvjp(_marked(_fused_matmul_fwd, 4), _fused_matmul_bwd, symbolic_zeros=True)
 
 
 # ---- gated_mlp ----
 
-def gated_mlp(x, w_gate, w_up, *, activation="silu", implementation=None, interpret=False, block_sizes=None):
-    """`activation(x @ w_gate) * (x @ w_up)` in one kernel (SwiGLU with 'silu', GeGLU with 'gelu'/'gelu_tanh').
+def gated_mlp(x, w_gate, w_up, *, w_gate_scale=None, w_up_scale=None, activation="silu", implementation=None,
+              interpret=False, block_sizes=None):
+    """`activation(x @ w_gate * w_gate_scale) * (x @ w_up * w_up_scale)` in one kernel (SwiGLU with 'silu', GeGLU
+    with 'gelu'/'gelu_tanh').
 
-    x: [..., D]; w_gate, w_up: [D, F] (same dtype as x). Returns [..., F] in x's dtype. The backward recomputes both
-    products from x rather than saving them.
+    x: [..., D]; w_gate, w_up: [D, F] in x's dtype, or int8 with their float per-column scales [F] (see
+    `fused_matmul`). Returns [..., F] in x's dtype. The backward recomputes both products from x rather than saving
+    them.
     """
     _check_x(x)
-    _check_weight("w_gate", w_gate, x)
-    _check_weight("w_up", w_up, x)
+    _check_weight("w_gate", w_gate, x, w_gate_scale)
+    _check_weight("w_up", w_up, x, w_up_scale)
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_up.shape={tuple(w_up.shape)}; expected w_gate.shape={tuple(w_gate.shape)}")
+    if (w_gate_scale is None) != (w_up_scale is None):
+        raise ValueError("w_gate_scale and w_up_scale: expected both or neither")
     _check_activation(activation, allow_none=False)
     cfg = _config(implementation, interpret, block_sizes, "gated")
-    rows, cols, _ = _column_specs(cfg, x, w_gate.shape[1])
-    out = _partition.shard(lambda x, w_gate, w_up: _gated_mlp(x, w_gate, w_up, activation, cfg),
-                           (x.reshape(-1, x.shape[-1]), w_gate, w_up), (rows, cols, cols), _P(rows[0], cols[1]),
-                           cfg.implementation)
+    rows, cols, col_spec = _column_specs(cfg, x, w_gate.shape[1])
+    out = _partition.shard(lambda *a: _gated_mlp(*a, activation, cfg),
+                           (x.reshape(-1, x.shape[-1]), w_gate, w_up, w_gate_scale, w_up_scale),
+                           (rows, cols, cols, col_spec, col_spec), _P(rows[0], cols[1]), cfg.implementation)
     return out.reshape(*x.shape[:-1], w_gate.shape[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gated_mlp(x, w_gate, w_up, activation, cfg):
-    return _gated_mlp_fwd(x, w_gate, w_up, activation, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gated_mlp(x, w_gate, w_up, gate_scale, up_scale, activation, cfg):
+    return _gated_mlp_fwd(x, w_gate, w_up, gate_scale, up_scale, activation, cfg)[0]
 
 
-def _gated_mlp_fwd(x, w_gate, w_up, activation, cfg):
-    (h,) = cfg.matmul((x,), (w_gate, w_up), terms=_TWO, epilogue=reference.epilogue_gate(activation),
-                      out_dtypes=(x.dtype,))
-    return h, (x, w_gate, w_up)
+def _gated_mlp_fwd(x, w_gate, w_up, gate_scale, up_scale, activation, cfg):
+    scales, kinds = _cols(gate_scale, up_scale)
+    (h,) = cfg.matmul((x,), (w_gate, w_up), scales, extra_kinds=kinds, terms=_TWO, out_dtypes=(x.dtype,),
+                      epilogue=reference.epilogue_gate(activation, bool(scales)))
+    return h, (x, w_gate, w_up, gate_scale, up_scale)
 
 
 def _gated_mlp_bwd(activation, cfg, res_marks, dh):
-    (x, w_gate, w_up), marks = res_marks
-    want_x, want_gate, want_up = (m is not None for m in marks)
-    d_gate, d_up = cfg.matmul((x,), (w_gate, w_up), (_instantiate(dh),), extra_kinds=("tile",), terms=_TWO,
-                              epilogue=reference.epilogue_gate_grad(activation), out_dtypes=(x.dtype, x.dtype))
+    (x, w_gate, w_up, gate_scale, up_scale), marks = res_marks
+    want_x, want_gate, want_up, want_gate_scale, want_up_scale = (m is not None for m in marks)
+    want_scales = want_gate_scale or want_up_scale
+    scales, kinds = _cols(gate_scale, up_scale)
+    outs = cfg.matmul((x,), (w_gate, w_up), scales + (_instantiate(dh),), extra_kinds=kinds + ("tile",), terms=_TWO,
+                      epilogue=reference.epilogue_gate_grad(activation, bool(scales), want_scales),
+                      out_dtypes=(x.dtype,) * 2 + (jnp.float32,) * (2 * want_scales))
+    d_gate, d_up = outs[:2]  # of the accumulators x @ w (the scales applied)
     dx = cfg.matmul((d_gate, d_up), (w_gate, w_up), terms=(((0, 0), (1, 1)),), out_dtypes=(x.dtype,),
                     trans_rhs=True)[0] if want_x else None
     if want_gate and want_up:
@@ -202,10 +249,12 @@ def _gated_mlp_bwd(activation, cfg, res_marks, dh):
     else:
         dw_gate = cfg.matmul((x,), (d_gate,), out_dtypes=(w_gate.dtype,), trans_lhs=True)[0] if want_gate else None
         dw_up = cfg.matmul((x,), (d_up,), out_dtypes=(w_up.dtype,), trans_lhs=True)[0] if want_up else None
-    return dx, dw_gate, dw_up
+    d_gate_scale = jnp.sum(outs[2], axis=0).astype(gate_scale.dtype) if want_gate_scale else None
+    d_up_scale = jnp.sum(outs[3], axis=0).astype(up_scale.dtype) if want_up_scale else None
+    return dx, dw_gate, dw_up, d_gate_scale, d_up_scale
 
 
-_gated_mlp.defvjp(_marked(_gated_mlp_fwd), _gated_mlp_bwd, symbolic_zeros=True)
+_gated_mlp.defvjp(_marked(_gated_mlp_fwd, 5), _gated_mlp_bwd, symbolic_zeros=True)
 
 
 # ---- linear_cross_entropy ----

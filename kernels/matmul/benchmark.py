@@ -8,16 +8,17 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, reference
+from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, quantize_int8, reference
 
 # (m, k, n) per kernel and size: "large" are the issue's targets (square 8192 matmul, LLaMA-3-8B MLP and loss with
-# m tokens, k model dim, n vocabulary); "small" is a CPU smoke check.
+# m tokens, k model dim, n vocabulary; the int8-weight matmul at the same square size); "small" is a CPU smoke check.
 SIZES = {
     "large": {"fused_matmul": (8192, 8192, 8192), "gated_mlp": (8192, 4096, 14336),
-              "linear_cross_entropy": (16384, 4096, 128256)},
+              "linear_cross_entropy": (16384, 4096, 128256), "fused_matmul_int8": (8192, 8192, 8192)},
     "small": {"fused_matmul": (256, 256, 256), "gated_mlp": (256, 128, 384),
-              "linear_cross_entropy": (256, 128, 4096)},
+              "linear_cross_entropy": (256, 128, 4096), "fused_matmul_int8": (256, 256, 256)},
 }
+KERNELS = ("fused_matmul", "gated_mlp", "linear_cross_entropy", "fused_matmul_int8")
 
 
 class Case(NamedTuple):
@@ -39,8 +40,7 @@ def _grad_of_sum(fn, argnums):
     return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums)
 
 
-def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp", "linear_cross_entropy"),
-          interpret=False):
+def cases(size, dtype, implementation=None, kernels=KERNELS, interpret=False):
     """Forward and forward+backward cases of each kernel at `size` ("large" or "small"), inputs random normal; the
     fused paths run `implementation` (with `interpret`) on the heuristic block sizes."""
     ops = dict(implementation=implementation, interpret=interpret)
@@ -55,6 +55,16 @@ def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp"
             fused = lambda bs: lambda x, w, b: fused_matmul(x, w, b, activation="gelu_tanh", block_sizes=bs, **ops)
             xla = lambda x, w, b: reference.fused_matmul_reference(x, w, b, activation="gelu_tanh")
             names, flops, argnums = ("fused_matmul", "xla dot+bias+gelu"), 2 * m * k * n, (0, 1, 2)
+        elif kernel == "fused_matmul_int8":  # weight-only int8 (models/quantize.py); gradients for x and bias only
+            q, scale = quantize_int8(normal(keys[1], (k, n), k ** -0.5).astype(jnp.float32))
+            args = (normal(keys[0], (m, k)), normal(keys[2], (n,)))
+            fused = lambda bs: lambda x, b: fused_matmul(x, q, b, w_scale=scale, activation="gelu_tanh",
+                                                         block_sizes=bs, **ops)
+
+            def xla(x, b):  # what XLA makes of the int8 kernel: convert, dot, scale, bias, activation
+                z = jnp.matmul(x, q.astype(x.dtype), preferred_element_type=jnp.float32) * scale + b
+                return jax.nn.gelu(z, approximate=True).astype(x.dtype)
+            names, flops, argnums = ("fused_matmul int8", "xla convert+dot+scale+gelu"), 2 * m * k * n, (0, 1)
         elif kernel == "gated_mlp":
             args = (normal(keys[0], (m, k)), normal(keys[1], (k, n), k ** -0.5), normal(keys[2], (k, n), k ** -0.5))
             fused = lambda bs: lambda x, wg, wu: gated_mlp(x, wg, wu, block_sizes=bs, **ops)
@@ -69,6 +79,7 @@ def cases(size, dtype, implementation=None, kernels=("fused_matmul", "gated_mlp"
         shape = f"{m}x{k}x{n} {jnp.dtype(dtype).name}"
         backward = lambda bs, fused=fused, argnums=argnums: _grad_of_sum(fused(bs), argnums)
         out.append(Case(kernel, shape, "fwd", flops, {names[0] + ours: fused(None), names[1]: xla}, args, fused))
-        out.append(Case(kernel, shape, "fwd+bwd", 3 * flops,  # The backward is two matmuls per forward one.
+        # The backward is two matmuls per forward one (dx, dw); one for the int8 weight, which gets no gradient.
+        out.append(Case(kernel, shape, "fwd+bwd", (2 if kernel == "fused_matmul_int8" else 3) * flops,
                         {names[0] + ours: backward(None), names[1]: _grad_of_sum(xla, argnums)}, args, backward))
     return out

@@ -48,19 +48,30 @@ def activate_with_grad(z, activation):
 
 # ---- Epilogues: (accs, cols, *extras) -> outputs, all float32 tiles; the kernels cast on store. ----
 
-def epilogue_bias_act(activation, has_bias):
+def _scaled(acc, scale):
+    return acc if scale is None else acc * scale
+
+
+def epilogue_bias_act(activation, has_bias, has_scale=False):
+    """act(acc * scale + bias); extras: (scale [1, N] if has_scale, bias [1, N] if has_bias)."""
     def epilogue(accs, cols, *extras):
-        z = accs[0] + extras[0] if has_bias else accs[0]
-        return (activate(z, activation),)
+        scale, extras = (extras[0], extras[1:]) if has_scale else (None, extras)
+        z = _scaled(accs[0], scale)
+        return (activate(z + extras[0] if has_bias else z, activation),)
     return epilogue
 
 
-def epilogue_bias_act_grad(activation, has_bias):
-    """dz = dy * act'(x @ w + b): the forward matmul recomputed, its output never stored."""
+def epilogue_bias_act_grad(activation, has_bias, has_scale=False, with_dz=False, with_acc_dz=False):
+    """d acc = dy * act'(z) * scale for z = acc * scale + bias, the forward matmul recomputed and never stored;
+    extras: (scale?, bias?, dy). with_dz adds dz = dy * act'(z) (what the bias's gradient sums when a scale
+    differs it from d acc), with_acc_dz adds acc * dz (what the scale's gradient sums)."""
     def epilogue(accs, cols, *extras):
-        z = accs[0] + extras[0] if has_bias else accs[0]
+        scale, extras = (extras[0], extras[1:]) if has_scale else (None, extras)
+        z = _scaled(accs[0], scale)
+        z = z + extras[0] if has_bias else z
         dy = extras[-1].astype(jnp.float32)
-        return (dy * activate_with_grad(z, activation)[1],)
+        dz = dy if activation is None else dy * activate_with_grad(z, activation)[1]
+        return (_scaled(dz, scale),) + ((dz,) if with_dz else ()) + ((accs[0] * dz,) if with_acc_dz else ())
     return epilogue
 
 
@@ -68,20 +79,25 @@ def epilogue_identity(accs, cols, *extras):
     return accs
 
 
-def epilogue_gate(activation):
-    def epilogue(accs, cols, *extras):
-        gate, up = accs
+def epilogue_gate(activation, has_scales=False):
+    """act(gate) * up with gate = acc_gate (* gate_scale), up = acc_up (* up_scale); extras: the two scales [1, N]
+    when has_scales."""
+    def epilogue(accs, cols, *scales):
+        gate, up = (_scaled(acc, s) for acc, s in zip(accs, scales if has_scales else (None, None)))
         return (activate(gate, activation) * up,)
     return epilogue
 
 
-def epilogue_gate_grad(activation):
-    """(d_gate, d_up) of h = act(gate) * up, from the recomputed gate and up tiles and the dh tile."""
-    def epilogue(accs, cols, dh):
-        gate, up = accs
-        dh = dh.astype(jnp.float32)
+def epilogue_gate_grad(activation, has_scales=False, with_acc_d=False):
+    """(d acc_gate, d acc_up) of h = act(gate) * up from the recomputed products and the dh tile; extras: (gate_scale,
+    up_scale)? then dh. with_acc_d adds (acc_gate * d gate, acc_up * d up), what the scales' gradients sum."""
+    def epilogue(accs, cols, *extras):
+        scales, dh = (extras[:2] if has_scales else (None, None)), extras[-1].astype(jnp.float32)
+        gate, up = (_scaled(acc, s) for acc, s in zip(accs, scales))
         a, da = activate_with_grad(gate, activation)
-        return dh * up * da, dh * a
+        d_gate, d_up = dh * up * da, dh * a
+        outs = (_scaled(d_gate, scales[0]), _scaled(d_up, scales[1]))
+        return outs + ((accs[0] * d_gate, accs[1] * d_up) if with_acc_d else ())
     return epilogue
 
 
@@ -109,8 +125,10 @@ def lse_init(rows):
 # ---- The 'xla' backend. ----
 
 def dot(a, b, trans_a=False, trans_b=False):
-    """a @ b (a.T / b.T when trans_*) with float32 accumulation; also used inside the kernels."""
+    """a @ b (a.T / b.T when trans_*) with float32 accumulation, b in a's dtype; also used inside the kernels."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    if b.dtype != a.dtype:  # an int8 weight tile, converted where it is read (weight-only quantisation)
+        b = b.astype(a.dtype)
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
@@ -153,16 +171,21 @@ def lce_forward(x, w, labels, *, blocks, interpret=False):
 
 # ---- Materialising references for tests (autodiff'd by JAX, nothing shared with the fused paths but the ops). ----
 
-def fused_matmul_reference(x, w, bias=None, *, activation=None):
-    z = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+def _weight(w, scale, x):
+    """The weight a reference multiplies by: w itself, or a quantised one dequantised (w * scale per column)."""
+    return w if scale is None else (w.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def fused_matmul_reference(x, w, bias=None, *, w_scale=None, activation=None):
+    z = jnp.matmul(x, _weight(w, w_scale, x), preferred_element_type=jnp.float32)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     return (z if activation is None else _REFERENCE_ACTIVATIONS[activation](z)).astype(x.dtype)
 
 
-def gated_mlp_reference(x, w_gate, w_up, *, activation="silu"):
-    gate = jnp.matmul(x, w_gate, preferred_element_type=jnp.float32)
-    up = jnp.matmul(x, w_up, preferred_element_type=jnp.float32)
+def gated_mlp_reference(x, w_gate, w_up, *, w_gate_scale=None, w_up_scale=None, activation="silu"):
+    gate = jnp.matmul(x, _weight(w_gate, w_gate_scale, x), preferred_element_type=jnp.float32)
+    up = jnp.matmul(x, _weight(w_up, w_up_scale, x), preferred_element_type=jnp.float32)
     return (_REFERENCE_ACTIVATIONS[activation](gate) * up).astype(x.dtype)
 
 
