@@ -309,8 +309,9 @@ def define_lora_flags():
                       f"{','.join(models.layers.LORA_TARGETS)}.")
     flags.DEFINE_float("lora_dropout", 0.0, "Dropout on the adapters' input in training steps (PEFT's lora_dropout).",
                        lower_bound=0.0, upper_bound=0.95)
-    flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: store the frozen base's attention and MLP "
-                      "projections as int8 with a float32 scale per column (models.quantize; needs --lora_rank).")
+    flags.DEFINE_enum("quantize", "none", ["none", "int8", "nf4"], "Store the frozen base's attention and MLP "
+                      "projections quantised (models.quantize; needs --lora_rank): int8 with a float32 scale per "
+                      "column, or nf4 (QLoRA's 4-bit NormalFloat, an absmax per 64 rows).")
 
 
 def start_decoder(mesh, *, tasks, seq_len):
@@ -367,8 +368,8 @@ def with_lora(model, params, mesh):
                          "weights cannot train: adapters train on them)")
     if not FLAGS.lora_rank:
         return model, params
-    if FLAGS.quantize == "int8":
-        model, params = models.quantize(model, params)
+    if FLAGS.quantize != "none":
+        model, params = models.quantize(model, params, FLAGS.quantize)
     try:
         config = dataclasses.replace(model.config, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
                                      lora_targets=tuple(FLAGS.lora_targets), lora_dropout=FLAGS.lora_dropout)

@@ -9,6 +9,7 @@ collective-permute 1 x size. The XLA CPU compiler widens bf16 all-gathers to f32
 f32 and moves the up-convert in front of the gather); an f32 all-gather of an up-converted bf16 value is counted at
 its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
 """
+import dataclasses
 import itertools
 import math
 import re
@@ -193,7 +194,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
     their sum, and, with `hbm_gb`, whether the total fits. lora_rank > 0: LoRA adapters (float32) on every
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
-    quantize='int8' the projections as int8 (`models.quantize`). stages > 1: a pipeline of that many stages (the
+    quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
     per stage) of each micro-batch's rows. diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
@@ -225,7 +226,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     if not lora_rank:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
     n_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+    unquantized = models.FAMILIES[model].Model(dataclasses.replace(config, quantize=None))  # nf4: 2 codes a byte
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
+        jax.eval_shape(lambda: models.init_params(unquantized, jax.random.PRNGKey(0)))))
     trainable = models.LORA_TRAINABLE if lora_rank else None
     n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]
                     if trainable is None or re.search(trainable, engine.sharding.path_str(p)))

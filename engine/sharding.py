@@ -156,6 +156,7 @@ class _Analysis:
         self.kind = {}                # param index -> 'column' | 'row' | 'embedding' | 'follow'
         self.used = set()             # param indices the program reads
         self.scanned = {}             # param index -> the param dim a scan iterates over (stacked layers)
+        self.companions = {}          # param index -> (param it is combined with, {its dim: our dim}): see `combine`
 
     def _divisible(self, pid, pdim):
         return pdim is not None and self.shapes[pid][pdim] % self.model_size == 0
@@ -191,6 +192,10 @@ class _Analysis:
         if name == "dot_general":
             return [self.dot(ins, in_shapes, p["dimension_numbers"])]
         if name == "gather":
+            if ins[0].origin is None and ins[1].origin is not None and out_shapes[0] == in_shapes[1][:-1]:
+                # A lookup in a constant table indexed by a parameter's codes (an nf4 kernel's levels): the
+                # result is that parameter, elementwise.
+                return [_Info(ins[1].split, (ins[1].origin[0], ins[1].origin[1][:-1]))]
             return [self.gather(ins[0], p["dimension_numbers"])]
         if name in _SHAPE_ONLY:
             return [ins[0] for _ in eqn.outvars]
@@ -219,6 +224,17 @@ class _Analysis:
                 dmap.append(None if d in axes else d - sum(a < d for a in axes))
             info = _remap(ins[0], dmap, len(out_shapes[0]))
             return [_Info(info.split) for _ in eqn.outvars]
+        if name in ("concatenate", "stack") and ins[0].origin is not None and all(
+                i.origin == ins[0].origin for i in ins):
+            # Pieces of one parameter side by side (a packed kernel's two nibbles stacked): still that parameter,
+            # with no parameter dim along the joined (or new) one.
+            pid, pdims = ins[0].origin
+            dim = p["dimension"] if name == "concatenate" else p["axis"]
+            split = ins[0].split
+            if name == "stack":
+                split = None if split is None else split + (split >= dim)
+                return [_Info(split, (pid, pdims[:dim] + (None,) + pdims[dim:]))]
+            return [_Info(split, (pid, pdims[:dim] + (None,) + pdims[dim + 1:]))]
         if name in _SLICING or name == "split":
             info = ins[0]
             if name == "concatenate":
@@ -248,6 +264,9 @@ class _Analysis:
             a in (b, 1) for a, b in zip(s, out_shapes[0])))
         elementwise = len(out_shapes) == 1 and all(fits(s) for s in in_shapes)
         if elementwise:
+            combined = self.combine(ins, in_shapes, out_shapes[0])
+            if combined is not None:
+                return [combined]
             split = split_in[0].split if split_in else None
             if split is not None:
                 for info, s in zip(ins, in_shapes):
@@ -259,6 +278,33 @@ class _Analysis:
         if split_in is None:
             return [_REPLICATED for _ in out_shapes]
         return [_Info(split_in[0].split if s == split_in[1] else None) for s in out_shapes]
+
+    def combine(self, ins, in_shapes, out_shape):
+        """A parameter's value through an elementwise op with scalars only (an nf4 kernel's nibbles: `q & 15`,
+        `q >> 4`), or several parameters combined elementwise at one shape (its levels times its block scales):
+        the result is the largest of them, and the others are its companions (they later take the split it gets,
+        dim for dim). None for anything else (x * norm scale: an activation, whose split the caller keeps)."""
+        params = [(info, s) for info, s in zip(ins, in_shapes) if info.origin is not None]
+        rest = [(info, s) for info, s in zip(ins, in_shapes) if info.origin is None]
+        if not params or any(s != () or info.split is not None for info, s in rest):
+            return None
+        if any(len(s) != len(out_shape) for _, s in params):  # (size-1 dims broadcast, as `fits` allows)
+            return None
+        main = max(params, key=lambda p: math.prod(self.shapes[p[0].origin[0]]))[0]
+        pid, pdims = main.origin
+        for info, _ in params:
+            other, odims = info.origin
+            if other != pid:
+                self.companions.setdefault(other, (pid, {m: o for m, o in zip(pdims, odims)
+                                                         if m is not None and o is not None}))
+        return _Info(main.split, main.origin)
+
+    def follow_companions(self):
+        """Companions take their parameter's decided split along the matching dim, where it divides."""
+        for other, (pid, dims) in self.companions.items():
+            if other not in self.decided and pid in self.decided:
+                mine = dims.get(self.decided[pid])
+                self._decide(other, mine if self._divisible(other, mine) else None, "follow")
 
     def scan(self, eqn, ins):
         p = eqn.params
@@ -358,6 +404,7 @@ def _trace_decisions(params, trace_fn, model_size):
     ins = [_REPLICATED] * n_consts + [_REPLICATED if _is_adapter(path) else _Info(None, (i, tuple(range(len(s)))))
                                       for i, (path, s) in enumerate(zip(paths, shapes))]
     analysis.walk(closed.jaxpr, ins)
+    analysis.follow_companions()
     decided = {paths[pid]: (pdim, analysis.kind[pid]) for pid, pdim in analysis.decided.items()}
     return decided, {paths[pid] for pid in analysis.used}, {paths[pid]: d for pid, d in analysis.scanned.items()}
 

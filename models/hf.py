@@ -153,6 +153,10 @@ def _load(path, dtype, mesh, options, classifier):
     reader, params = _Reader(path), {}
     for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
         expected = _get(abstract, our_path)
+        quantized = config.quantize if jnp.issubdtype(expected.dtype, jnp.integer) else None
+        if quantized == "nf4":  # stored two codes a byte: the checkpoint's tensor has twice the rows
+            expected = jax.ShapeDtypeStruct((*expected.shape[:-2], 2 * expected.shape[-2], expected.shape[-1]),
+                                            expected.dtype)
         if classifier and our_path[0] == "lm_head":
             host = np.zeros(expected.shape, expected.dtype)
         else:
@@ -167,11 +171,11 @@ def _load(path, dtype, mesh, options, classifier):
                 arrays.append(a.T if transpose else a)
             host = np.stack(arrays) if stacked else arrays[0]
             del arrays
-            host = host.astype(np.float32 if expected.dtype == jnp.int8 else expected.dtype)
+            host = host.astype(np.float32 if quantized else expected.dtype)
         values = {our_path[-1]: host}
-        if expected.dtype == jnp.int8:  # quantize='int8': quantised as read, never whole in float on a device
-            from models.quantize import quantize_int8  # noqa: PLC0415
-            values = dict(zip(("kernel", "kernel_scale"), quantize_int8(host)))
+        if quantized:  # quantised as read, never whole in float on a device
+            from models.quantize import QUANTIZERS  # noqa: PLC0415
+            values = dict(zip(("kernel", "kernel_scale"), QUANTIZERS[quantized](host)))
         for name, array in values.items():
             where = our_path[:-1] + (name,)
             value = jnp.asarray(array) if shardings is None else jax.device_put(array, _get(shardings, where))

@@ -18,12 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
+from kernels.matmul.formats import NF4_BLOCK, NF4_LEVELS, dequantize_nf4
 from models import pipeline
 
 Dtype = Any
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections of Attention and MLP
+QUANTIZE_FORMATS = (None, "int8", "nf4")  # frozen projections' storage (kernels.matmul.formats)
+_NF4_STD = float(np.std(NF4_LEVELS))  # of a uniformly random NF4 code: a fresh kernel's scale divides by it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,8 @@ class ModelOptions:
     lora_dropout drops the adapters' input in training calls (PEFT's lora_dropout; a runtime option).
     quantize='int8': the same projections store their kernels as int8 with a float32 scale per output column
     (`kernel_scale`; `models.quantize`), a frozen base for LoRA in a quarter of float32's memory: y = (x q) s.
+    quantize='nf4': QLoRA's 4-bit NormalFloat, two per byte, a float32 absmax per 64 rows of a column
+    (`kernels.matmul.formats`), dequantised before each matmul; an eighth of float32's memory (plus 1/16 in scales).
     Unlike the other options these fields change the parameters, so training scripts record them.
     pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
     (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (M + S - 1) of each stage's time.
@@ -67,8 +72,8 @@ class ModelOptions:
     pipeline_microbatches: int = 0
 
     def __post_init__(self):
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"quantize={self.quantize!r}; expected None or 'int8'")
+        if self.quantize not in QUANTIZE_FORMATS:
+            raise ValueError(f"quantize={self.quantize!r}; expected one of {QUANTIZE_FORMATS}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
         if (isinstance(self.pipeline_microbatches, bool) or not isinstance(self.pipeline_microbatches, int)
@@ -167,12 +172,20 @@ class Linear(nn.Module):
 
     def setup(self):
         shape = (self.in_features, self.features)
+        # Fresh quantised kernels: uniformly random codes scaled to the float init's standard deviation. A real base
+        # comes quantised from a float checkpoint (`models.quantize`, `load_pretrained(quantize=...)`).
         if self.quantize == "int8":
-            # Fresh: uniform int8 times std sqrt(3) / 127 has the float init's standard deviation. A real base comes
-            # quantised from a float checkpoint (`models.quantize`, `load_pretrained(quantize='int8')`).
             self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), shape)
             self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std * 3 ** 0.5 / 127),
                                            (self.features,))
+        elif self.quantize == "nf4":
+            if self.in_features % NF4_BLOCK:
+                raise ValueError(f"quantize='nf4' on a projection of {self.in_features} inputs ({self.name}); "
+                                 f"expected a multiple of {NF4_BLOCK}")
+            self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, 0, 256).astype(jnp.uint8),
+                                     (self.in_features // 2, self.features))
+            self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std / _NF4_STD),
+                                           (self.in_features // NF4_BLOCK, self.features))
         else:
             self.kernel = self.param("kernel", nn.initializers.normal(self.std), shape, self.param_dtype)
         self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \
@@ -182,9 +195,12 @@ class Linear(nn.Module):
             self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features), jnp.float32)
 
     def weight(self):
-        """(kernel, scale): the float kernel in the compute dtype and None, or the int8 kernel and its scale."""
-        if self.quantize is not None:
+        """(kernel, scale): the int8 kernel and its column scale, or the (nf4: dequantised) float kernel in the
+        compute dtype and None."""
+        if self.quantize == "int8":
             return self.kernel, self.kernel_scale
+        if self.quantize == "nf4":
+            return dequantize_nf4(self.kernel, self.kernel_scale, self.dtype), None
         return self.kernel.astype(self.dtype), None
 
     def __call__(self, x, act=None, implementation=None, interpret=False):

@@ -32,8 +32,9 @@ flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all)
 flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this total probability (1: all).")
 flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
 flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory applied to the model (merged into it).")
-flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: generate with the attention and MLP projections "
-                  "stored as int8 (models.quantize; LoRA adapters merged first): a quarter of float32's memory.")
+flags.DEFINE_enum("quantize", "none", ["none", "int8", "nf4"], "Generate with the attention and MLP projections "
+                  "stored quantised (models.quantize; LoRA adapters merged first): int8, a quarter of float32's "
+                  "memory, or nf4, about a seventh.")
 
 
 def read_prompts():
@@ -64,8 +65,8 @@ def main(argv):
         task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh,
                                                          tasks=("lm", "seq2seq", "sft", "dpo", "ppo"))
     model, params = cli.merge_adapter(model, params, FLAGS.init_adapter, mesh)
-    if FLAGS.quantize == "int8":
-        model, params = models.quantize(*models.merge_lora(model, params))
+    if FLAGS.quantize != "none":
+        model, params = models.quantize(*models.merge_lora(model, params), FLAGS.quantize)
     # A model tuned on prompt/response rows (SFT, DPO, PPO) answers after the separator it was trained with.
     sep = preference.separator(tokenizer) if task in ("sft", "dpo", "ppo") else None
     after_prompt = () if sep is None else (sep,)

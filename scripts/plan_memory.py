@@ -49,7 +49,8 @@ flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of eve
 flags.DEFINE_integer("lora_rank", 0, "> 0: train only LoRA adapters of this rank on every projection.", lower_bound=0)
 flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Storage dtype of the frozen weights with "
                   "--lora_rank (trained weights are always float32 masters).")
-flags.DEFINE_enum("quantize", "none", ["none", "int8"], "int8: the frozen projections stored as int8 (--lora_rank).")
+flags.DEFINE_enum("quantize", "none", ["none", "int8", "nf4"], "The frozen projections stored as int8 or nf4 "
+                  "(--lora_rank).")
 
 
 def main(argv):

@@ -124,6 +124,30 @@ def test_int8_weights_match_the_dequantised_reference(impl, dtype):
     _check_value_and_grads(fn, ref, (x, s, s_up), dtype, f"gated_mlp[{impl}, int8]")
 
 
+def test_nf4_format_keeps_each_weight_at_its_nearest_level():
+    """quantize_nf4 (numpy on the host as jax): each weight's code is its nearest NF4 level of w / absmax per 64 rows,
+    row 2i in the low nibble and 2i + 1 in the high one; dequantising and quantising again changes nothing."""
+    from kernels.matmul.formats import NF4_LEVELS, dequantize_nf4, quantize_nf4
+    w = np.random.RandomState(0).standard_t(4, (2, 192, 24)).astype(np.float32)  # heavy tails: outliers set absmax
+    packed, absmax = quantize_nf4(w)
+    assert packed.dtype == np.uint8 and packed.shape == (2, 96, 24) and absmax.shape == (2, 3, 24)
+    jax_packed, jax_absmax = quantize_nf4(jnp.asarray(w))
+    np.testing.assert_array_equal(packed, jax_packed)
+    np.testing.assert_allclose(absmax, jax_absmax, rtol=1e-7)
+    levels = np.asarray(NF4_LEVELS, np.float32)
+    normed = w.reshape(2, 3, 64, 24) / absmax[:, :, None, :]
+    nearest = np.argmin(np.abs(normed[..., None] - levels), axis=-1).reshape(2, 192, 24)
+    np.testing.assert_array_equal(packed & 15, nearest[:, 0::2])
+    np.testing.assert_array_equal(packed >> 4, nearest[:, 1::2])
+    back = np.asarray(dequantize_nf4(packed, absmax))
+    np.testing.assert_allclose(back, levels[nearest] * np.repeat(absmax, 64, axis=1), rtol=1e-6)
+    again = quantize_nf4(back)
+    np.testing.assert_array_equal(again[0], packed)
+    np.testing.assert_allclose(again[1], absmax, rtol=1e-7)
+    with pytest.raises(ValueError, match=r"weight.shape=\(100, 8\); nf4 needs its rows K a multiple of 64"):
+        quantize_nf4(np.zeros((100, 8), np.float32))
+
+
 @pytest.mark.parametrize("impl, dtype, shape", CASES)
 def test_linear_cross_entropy_matches_reference(impl, dtype, shape):
     config = IMPLEMENTATIONS[impl]

@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -19,9 +18,10 @@ from kernels import _partition
 from kernels._dispatch import resolve_implementation
 from kernels.matmul import _blocks, mosaic_tpu, reference, triton
 from kernels.matmul._blocks import BlockSizes
+from kernels.matmul.formats import dequantize_nf4, quantize_int8, quantize_nf4
 
-__all__ = ["BlockSizes", "fused_matmul", "gated_mlp", "is_loss_call", "linear_cross_entropy", "quantize_int8",
-           "vocab_parallel_call"]
+__all__ = ["BlockSizes", "dequantize_nf4", "fused_matmul", "gated_mlp", "is_loss_call", "linear_cross_entropy",
+           "quantize_int8", "quantize_nf4", "vocab_parallel_call"]
 
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _P = jax.sharding.PartitionSpec
@@ -84,17 +84,6 @@ def _check_activation(activation, allow_none):
 
 
 # ---- fused_matmul ----
-
-def quantize_int8(w):
-    """(int8 q, float32 scale) of a float weight [..., K, N] (numpy or jax) in the format `fused_matmul` and
-    `gated_mlp` take: symmetric per output column, q = round(w / scale), scale = max|w[:, j]| / 127."""
-    xp = np if isinstance(w, np.ndarray) else jnp
-    w = w.astype(xp.float32)
-    absmax = xp.max(xp.abs(w), axis=-2)
-    scale = xp.where(absmax > 0, absmax / 127.0, 1.0).astype(xp.float32)
-    q = xp.clip(xp.round(w / scale[..., None, :]), -127, 127).astype(xp.int8)
-    return q, scale
-
 
 def fused_matmul(x, w, bias=None, *, w_scale=None, activation=None, implementation=None, interpret=False,
                  block_sizes=None):
