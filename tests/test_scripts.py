@@ -256,12 +256,13 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
     assert "--- 'owl cat':" in gen.stdout
     bad = _run("export_hf.py", f"--workdir={tmp_path / 'b'}", f"--out={tmp_path / 'x'}", "--adapter_only", ok=False)
     assert bad.returncode == 2 and "without LoRA adapters" in bad.stderr
-    # Adapters on an int8 base: the run records it, trains, and exports (dequantised, merged) for transformers.
+    # Adapters on an nf4 base (int8 trains in tests/test_lora.py): the run records it, trains, and exports
+    # (dequantised, merged) for transformers.
     out = _run("train_sft.py", f"--workdir={tmp_path / 'c'}", "--max_steps=6", "--log_every=3", "--lora_rank=4",
-               "--quantize=int8", "--learning_rate=1e-2", *toy)
+               "--quantize=nf4", "--learning_rate=1e-2", *toy)
     after = re.search(r"eval response loss after training: ([0-9.]+) \(was ([0-9.]+)\)", out.stdout)
     assert after and float(after[1]) < float(after[2]), out.stdout
-    assert json.loads((tmp_path / "c" / "run.json").read_text())["config"]["quantize"] == "int8"
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["config"]["quantize"] == "nf4"
     _run("export_hf.py", f"--workdir={tmp_path / 'c'}", f"--out={tmp_path / 'c_hf'}")
     model, params = models.load_pretrained(str(tmp_path / "c_hf"))
     assert model.config.quantize is None and params["layers_0"]["attn"]["q"]["kernel"].dtype == np.float32
