@@ -455,7 +455,13 @@ class Attention(nn.Module):
                 cache = {**cache,
                          "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, idx, 0, 0)),
                          "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, idx, 0, 0))}
-            if cache is not None and T == 1:  # decode step: attend to every filled slot of the cache
+            if cache is not None and T == 1 and bias is None:  # decode step: every filled slot of the cache, the
+                # cache split across programs and a kv head's query heads read together (kernels.decode_attention)
+                out = kernels.decode_attention(
+                    q, cache["k"].astype(self.dtype), cache["v"].astype(self.dtype),
+                    segment_ids=(ctx["segment_ids"], ctx["kv_segment_ids"]), sm_scale=self.sm_scale,
+                    implementation=self.implementation, interpret=self.interpret)
+            elif cache is not None and T == 1:  # T5's decoder: its relative position bias goes through `attend`
                 out = attend(q, cache["k"].astype(self.dtype), cache["v"].astype(self.dtype), causal=False,
                              q_segment_ids=ctx["segment_ids"], kv_segment_ids=ctx["kv_segment_ids"], **opts)
             else:  # training / prefill (a prefill starts at cache index 0, so the fresh keys are all there is)

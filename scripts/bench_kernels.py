@@ -3,6 +3,7 @@
   python scripts/bench_kernels.py --kernels=attention
   python scripts/bench_kernels.py --kernels=attention --seq_lens=2048,4096,8192,16384 --dtype=bfloat16
   python scripts/bench_kernels.py --kernels=matmul
+  python scripts/bench_kernels.py --kernels=decode     # one generation step against a half-filled KV cache
   python scripts/bench_kernels.py --tune=attention,matmul   # search the ops' block sizes instead
 
 Each row: median wall time per call over --iters samples after --warmup runs (random normal inputs, jitted; a
@@ -27,7 +28,7 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.flops import peak_tflops  # noqa: E402
-from kernels.attention import BlockSizes, flash_attention  # noqa: E402
+from kernels.attention import BlockSizes, decode_attention, flash_attention  # noqa: E402
 from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE  # noqa: E402
 from kernels.attention.api import choose_block_sizes  # noqa: E402
 from kernels._dispatch import resolve_implementation  # noqa: E402
@@ -60,6 +61,11 @@ flags.DEFINE_list("tune", [], "Kernel families whose block sizes to search inste
 flags.DEFINE_list(
     "attention_blocks", None, "Override: block_q,block_k,block_q_bwd,block_k_bwd[,num_warps,num_stages] (for tuning)."
 )
+
+flags.DEFINE_list("decode_batches", None, "decode: sequences per step; default 1,8 (CPU: 2).")
+flags.DEFINE_list("decode_cache_lens", None, "decode: KV cache slots, half of them filled; default 8192,32768 "
+                  "(CPU: 512).")
+
 
 def _ours():
     """(implementation name, keyword arguments selecting it) of the kernels under test."""
@@ -241,7 +247,39 @@ def tune_matmul():
                     lambda b: b, baseline)
 
 
-_KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul}
+def bench_decode():
+    """decode_attention (default splits) vs flash_attention (one program per query head over the whole cache, the
+    decode path before it) and jax.nn.dot_product_attention with key lengths, for one new token against a cache
+    whose first half is filled. The note is the bandwidth of reading the filled keys and values once."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    heads, kv_heads = FLAGS.heads or (4 if on_cpu else 32), FLAGS.kv_heads or (2 if on_cpu else 8)
+    head_dim = FLAGS.head_dim or (64 if on_cpu else 128)
+    ours, selection = _ours()
+    rows = []
+    for batch in map(int, FLAGS.decode_batches or (["2"] if on_cpu else ["1", "8"])):
+        for cache_len in map(int, FLAGS.decode_cache_lens or (["512"] if on_cpu else ["8192", "32768"])):
+            key_q, key_k, key_v = jax.random.split(jax.random.key(cache_len), 3)
+            q = jax.random.normal(key_q, (batch, 1, heads, head_dim), dtype)
+            k, v = (jax.random.normal(key, (batch, cache_len, kv_heads, head_dim), dtype) for key in (key_k, key_v))
+            fill = cache_len // 2
+            ids = (jnp.ones((batch, 1), jnp.int32), (jnp.arange(cache_len) < fill).astype(jnp.int32)[None].repeat(
+                batch, 0))
+            lengths = jnp.full((batch,), fill, jnp.int32)
+            paths = {f"decode_attention[{ours}]": functools.partial(decode_attention, segment_ids=ids, **selection),
+                     f"flash_attention[{ours}]": functools.partial(flash_attention, segment_ids=ids, **selection),
+                     "jax.nn[xla]": functools.partial(jax.nn.dot_product_attention, key_value_seq_lengths=lengths)}
+            shape = f"B{batch} cache {fill}/{cache_len} H{heads}/{kv_heads} D{head_dim}"
+            kv_bytes = 2 * batch * fill * kv_heads * head_dim * dtype.itemsize
+            for name, attend in paths.items():
+                row = _measure(name, shape, attend, (q, k, v), 4 * batch * heads * fill * head_dim)
+                if row[2] != "-":
+                    row[-1] = f"{kv_bytes / (float(row[2]) / 1e3) / 1e9:.0f} GB/s"
+                rows.append(row)
+    return rows
+
+
+_KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul, "decode": bench_decode}
 _TUNERS = {"attention": tune_attention, "matmul": tune_matmul}
 
 

@@ -4,7 +4,7 @@
 #      the main job end to end (scripts/train_lm.py, README line 1, with the Triton MLP and the fused loss too): its
 #      eval losses compare with the CPU run's 5.78 -> 1.91;
 #   2. the benchmark tables of issues 5 and 6 (scripts/bench_kernels.py: flash attention at 2k-16k, the fused
-#      matmuls at LLM sizes, beside XLA and cuDNN);
+#      matmuls at LLM sizes, beside XLA and cuDNN; one decoding step against 8k and 32k caches);
 #   3. with what is left of the budget, the block-size search (bench_kernels.py --tune): attention at 8k causal, then
 #      the matmuls; interrupted (SIGINT) at the deadline, it still prints what it measured.
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
@@ -40,7 +40,7 @@ if [ "$MODE" != tune ]; then
     --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
     > "$OUT/train_lm.log" 2>&1
   train=$?
-  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul --attention_dropout=0.1 \
+  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul,decode --attention_dropout=0.1 \
     > "$OUT/bench_kernels.log" 2>&1
   bench=$?
 fi

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.attention import BlockSizes, dropout_keys, dropout_multiplier, flash_attention, mha_reference
+from kernels.attention import (BlockSizes, decode_attention, dropout_keys, dropout_multiplier, flash_attention,
+                               mha_reference)
 from tests.targets import for_gpu
 
 # Max |error| relative to max |reference|, per dtype: (forward, gradients). The reference runs in float32 on the
@@ -382,3 +383,68 @@ def test_forward_and_backward_kernels_take_their_own_triton_launch_settings():
             settings[name.group(1)] = tuple(int(re.search(rf"{k} = (\d+)", line).group(1))
                                             for k in ("num_warps", "num_stages"))
     assert settings == {"flash_attention_fwd": (2, 1), "flash_attention_dq": (8, 4), "flash_attention_dkv": (8, 4)}
+
+
+def _cache(B, S, KVH, D, fills, dtype=jnp.float32):
+    """A KV cache [B, S, KVH, D] and its ids [B, S]: row b holds tokens at slots fills[b] = (start, stop) (left
+    padding before, unfilled slots after: id 0)."""
+    keys = jax.random.split(jax.random.key(3), 2)
+    k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(dtype) for key in keys)
+    ids = np.zeros((B, S), np.int32)
+    for b, (start, stop) in enumerate(fills):
+        ids[b, start:stop] = 1
+    return k, v, jnp.asarray(ids)
+
+
+@pytest.mark.parametrize("variant", ["xla", "triton", pytest.param("mosaic_tpu", marks=pytest.mark.slow)])
+def test_decode_attention_equals_flash_attention_over_the_filled_cache(variant):
+    """Each split of the cache, merged by log-sum-exps, with a kv head's query heads as one tile: equal to
+    attention over the whole cache (grouped 1 and 4, one and two new tokens, splits 1, 2 and 4 including splits that
+    hold only unfilled slots, left padding); a query whose id no key has gets zeros."""
+    kwargs, _, _ = VARIANTS[variant]
+    kwargs = dict(kwargs, block_sizes=None if variant == "mosaic_tpu" else kwargs["block_sizes"])
+    S = 512 if variant == "mosaic_tpu" else 128
+    for (H, KVH, T, dtype), splits in (((4, 4, 1, jnp.float32), (1, 4)), ((8, 2, 2, jnp.bfloat16), (2,))):
+        k, v, kv_ids = _cache(3, S, KVH, 64, [(5, S // 3), (0, S // 2 + 7), (0, 0)], dtype)
+        q = jax.random.normal(jax.random.key(4), (3, T, H, 64), jnp.float32).astype(dtype)
+        q_ids = jnp.ones((3, T), jnp.int32)
+        want = mha_reference(*(a.astype(jnp.float32) for a in (q, k, v)), segment_ids=(q_ids, kv_ids))
+        for num_splits in splits:
+            got = jax.jit(lambda q, k, v: decode_attention(q, k, v, segment_ids=(q_ids, kv_ids),
+                                                           num_splits=num_splits, **kwargs))(q, k, v)
+            assert got.shape == q.shape and got.dtype == dtype
+            error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+            assert error <= TOLERANCE[dtype][0], (H, KVH, T, num_splits, error)
+            np.testing.assert_array_equal(np.asarray(got[2], np.float32), 0.0)  # row 2: an empty cache
+
+
+def test_decode_attention_default_splits_and_bad_input():
+    from kernels.attention.api import _decode_splits
+    assert _decode_splits("triton", 8, 32768) == 32 and _decode_splits("triton", 64, 32768) == 4
+    assert _decode_splits("triton", 8, 1024) == 2 and _decode_splits("triton", 512, 32768) == 1
+    assert _decode_splits("mosaic_tpu", 8, 32768) == 1 and _decode_splits("xla", 8, 32768) == 1
+    q, kv = _array((2, 1, 4, 16)), _array((2, 12, 2, 16))
+    for bad in (5, 0, True, 2.0):
+        with pytest.raises(ValueError, match=f"num_splits={bad!r}; expected None or a positive int dividing "
+                                             "kv_len=12"):
+            jax.eval_shape(lambda *a: decode_attention(*a, num_splits=bad), q, kv, kv)
+    with pytest.raises(ValueError, match="divisible"):
+        jax.eval_shape(lambda *a: decode_attention(*a), _array((2, 1, 3, 16)), kv, kv)
+
+
+@pytest.mark.parametrize("implementation, platform, custom_call",
+                         [("triton", "cuda", "__gpu$xla.gpu.triton"), ("mosaic_tpu", "tpu", "tpu_custom_call")])
+def test_decode_attention_lowers_for_the_accelerator(implementation, platform, custom_call):
+    """A decoding step of 8 sequences against a 32k-slot bf16 cache, 32 query heads over 8 kv heads, head_dim 128:
+    one forward kernel, on [B * splits, 32768 / splits, 8, 128] slices of the cache (GPU: 4 splits, 256 programs)."""
+    B, S, H, KVH, D = 8, 32768, 32, 8, 128
+    q, kv = _array((B, 1, H, D), jnp.bfloat16), _array((B, S, KVH, D), jnp.bfloat16)
+    ids = (_array((B, 1), jnp.int32), _array((B, S), jnp.int32))
+    splits = 4 if implementation == "triton" else 1
+    with for_gpu() if platform == "cuda" else contextlib.nullcontext():
+        text = jax.jit(lambda q, k, v, a, b: decode_attention(q, k, v, segment_ids=(a, b),
+                                                              implementation=implementation)).trace(
+            q, kv, kv, *ids).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(f"@{custom_call}(") == 1 and "flash_attention_fwd" in text
+    sliced = f"{B * splits}x{S // splits}x{KVH}x{D}xbf16" if platform == "cuda" else f"{B}x{KVH}x{S}x{D}xbf16"
+    assert sliced in text

@@ -463,8 +463,10 @@ def test_bench_kernels_tunes_every_pallas_op_in_interpret_mode():
         assert [r[-1] for r in rows if r[0] == "default"] == ["1.00x default"], table
 
 
-def test_bench_kernels_prints_both_tables():
-    out = _run("bench_kernels.py", "--kernels=attention,matmul", "--seq_lens=64", "--iters=1", "--warmup=1",
+def test_bench_kernels_prints_every_table():
+    out = _run("bench_kernels.py", "--kernels=attention,matmul,decode", "--seq_lens=64", "--iters=1", "--warmup=1",
                "--causal=true")
-    for row in ("flash_attention[xla] fwd+bwd", "jax.nn[xla] fwd", "gated_mlp[xla] fwd", "xla materialised logits"):
+    for row in ("flash_attention[xla] fwd+bwd", "jax.nn[xla] fwd", "gated_mlp[xla] fwd", "xla materialised logits",
+                "fused_matmul int8[xla] fwd+bwd", "decode_attention[xla]  B2 cache 256/512"):
         assert row in out.stdout, out.stdout
+    assert re.search(r"decode_attention\[xla\] .* \d+ GB/s", out.stdout), out.stdout

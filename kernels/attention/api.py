@@ -133,12 +133,28 @@ def flash_attention(
     """
     q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
+    impl = _implementation(implementation, interpret)
+    B, T, H, D = q.shape
+    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes,
+                                             dropout_rate)
+    keys = None
+    if dropout_rate:
+        keys = dropout_keys(dropout_rng, B, H)
+    return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
+
+
+def _implementation(implementation, interpret):
     impl = resolve_implementation(implementation, interpret=interpret)
     if impl == "triton" and not triton.AVAILABLE:
         if implementation is not None:
             raise ValueError("implementation='triton'; this JAX has no Pallas Triton backend, expected another")
         logging.log_first_n(logging.WARNING, "flash_attention: no Pallas Triton backend; using 'xla'", 1)
         impl = "xla"
+    return impl
+
+
+def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate=0.0):
+    """(q, k, v, q_ids, kv_ids) padded to whole tiles (and Triton's power-of-two head dim), and the _Plan."""
     B, T, H, D = q.shape
     S = k.shape[1]
     blocks = choose_block_sizes(impl, D, T, S, block_sizes)
@@ -163,10 +179,96 @@ def flash_attention(
     q, k, v = _pad(q, 3, d_pad), _pad(k, 3, d_pad), _pad(v, 3, d_pad)
     if q_ids is not None:
         q_ids, kv_ids = _pad(q_ids.astype(jnp.int32), 1, t_pad), _pad(kv_ids.astype(jnp.int32), 1, s_pad)
-    keys = None
-    if dropout_rate:
-        keys = dropout_keys(dropout_rng, B, H)
-    return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
+    return q, k, v, q_ids, kv_ids, plan
+
+
+def decode_attention(q, k, v, *, segment_ids=None, sm_scale=None, num_splits=None, implementation=None,
+                     interpret=False, block_sizes=None):
+    """Attention of a decoding step's few queries to a long KV cache, split along the cache (flash-decoding).
+
+    Args:
+      q: [batch, len, heads, head_dim], len small (the step's new tokens); k, v: [batch, kv_len, kv_heads,
+        head_dim], the cache; dtypes and head rules as `flash_attention`. Not causal: `segment_ids` masks.
+      segment_ids: None or a pair (int [batch, len], int [batch, kv_len]): a query sees the keys with its id (a
+        cache's unfilled slots and left padding carry id 0, which no query has; blocks of them are skipped).
+      num_splits: parts of the cache attended in parallel, each a contiguous kv_len / num_splits slice, merged by
+        their log-sum-exps; None picks enough for about `_DECODE_PROGRAMS` programs on GPU (1 elsewhere).
+      sm_scale, implementation, interpret, block_sizes: as `flash_attention`.
+    Returns:
+      [batch, len, heads, head_dim] in q's dtype, equal to `flash_attention(q, k, v, segment_ids=segment_ids)`.
+      Forward only (generation does not differentiate).
+
+    The G = heads / kv_heads query heads that share a kv head (and the len queries) become one query tile of
+    len * G rows against that kv head, so each program reads its slice of k and v once for all of them instead of
+    once per query head, and there are batch * kv_heads * num_splits programs instead of batch * heads, each over
+    kv_len / num_splits keys: with one sequence and 8 kv heads `flash_attention` runs 32 programs over the whole
+    cache, this one 8 * num_splits programs over a slice each.
+    """
+    q_ids, kv_ids = _validate(q, k, v, False, segment_ids, sm_scale, interpret, block_sizes)
+    B, T, H, D = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    G = H // KVH
+    impl = _implementation(implementation, interpret)
+    if num_splits is None:
+        num_splits = _decode_splits(impl, B * KVH, S)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1 or S % num_splits:
+        raise ValueError(f"num_splits={num_splits!r}; expected None or a positive int dividing kv_len={S}")
+    P = num_splits
+    if q_ids is None:  # one id for every query and key: the split code below always masks by ids
+        q_ids, kv_ids = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+    # Query heads of one kv head as rows: [B, T, KVH, G, D] -> [B, T * G, KVH, D]; each split repeats them.
+    rows = q.reshape(B, T, KVH, G, D).transpose(0, 1, 3, 2, 4).reshape(B, T * G, KVH, D)
+    rows = jnp.broadcast_to(rows[:, None], (B, P, T * G, KVH, D)).reshape(B * P, T * G, KVH, D)
+    row_ids = jnp.broadcast_to(jnp.repeat(q_ids.astype(jnp.int32), G, axis=1)[:, None], (B, P, T * G))
+    split = lambda a: a.reshape(B * P, S // P, *a.shape[2:])  # noqa: E731  contiguous slices of the cache
+    out, lse = _forward_with_lse(rows, split(k), split(v), row_ids.reshape(B * P, T * G),
+                                 split(kv_ids.astype(jnp.int32)), impl, sm_scale, interpret, block_sizes)
+    # Merge the splits: weights exp(lse_p - max lse); a split that saw no key (lse -inf) weighs 0.
+    out, lse = out.reshape(B, P, T * G, KVH, D), lse.reshape(B, P, T * G, KVH)
+    top = jnp.max(lse, axis=1, keepdims=True)
+    weight = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    total = jnp.sum(weight, axis=1)
+    merged = jnp.sum(weight[..., None] * out.astype(jnp.float32), axis=1) / jnp.where(total > 0, total, 1.0)[..., None]
+    return merged.reshape(B, T, G, KVH, D).transpose(0, 1, 3, 2, 4).reshape(B, T, H, D).astype(q.dtype)
+
+
+# Programs `decode_attention` aims for on GPU: about two waves of an H100/H200's 132 SMs.
+_DECODE_PROGRAMS = 256
+# Fewest keys per split: below a few tiles a split's fixed cost (its query tile, its partial output) dominates.
+_DECODE_MIN_SPLIT = 512
+
+
+def _decode_splits(impl, programs, kv_len):
+    """The default num_splits: a power of two dividing kv_len, up to _DECODE_PROGRAMS / programs, each split at
+    least _DECODE_MIN_SPLIT keys. 1 off GPU: a TPU core runs the grid in order and the 'xla' path is one scan."""
+    if impl != "triton":
+        return 1
+    splits = 1
+    while (programs * splits * 2 <= _DECODE_PROGRAMS and kv_len % (splits * 2) == 0
+           and kv_len // (splits * 2) >= _DECODE_MIN_SPLIT):
+        splits *= 2
+    return splits
+
+
+def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes):
+    """(out [B, T, H, D], lse [B, T, H] float32, natural log, -inf where a query sees no key) of the forward kernel,
+    on the ambient mesh's rows and heads like `flash_attention`."""
+    B, T, H, D = q.shape
+    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, False, sm_scale, interpret, block_sizes)
+    module = _IMPLEMENTATIONS[impl]
+
+    def run(q, k, v, q_ids, kv_ids):
+        out, lse = module.forward(q, k, v, q_ids, kv_ids, None, plan)
+        return out, module.lse_rows(lse, q.shape)
+
+    axes = _partition.auto_axes(impl)
+    b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
+    P = jax.sharding.PartitionSpec
+    seq, ids = P(b, None, m, None), P(b, None)
+    out, lse = _partition.shard(run, (q, k, v, q_ids, kv_ids), (seq, seq, seq, ids, ids), (seq, P(b, None, m)),
+                                impl)
+    lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)  # the kernels' +inf (no visible key) as the merge needs it
+    return out[:, :T, :, :D], lse[:, :T]
 
 
 def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):

@@ -255,6 +255,12 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
     return _heads_major(out), lse
 
 
+def lse_rows(lse, shape):
+    """`forward`'s lse as [B, T, H], natural log (+inf where a query saw no key); shape: q's [B, T, H, D]."""
+    del shape
+    return jnp.swapaxes(lse[..., 0], 1, 2)
+
+
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]

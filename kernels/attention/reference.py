@@ -196,6 +196,12 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
     return out, lse
 
 
+def lse_rows(lse, shape):
+    """`forward`'s lse as [B, T, H], natural log (+inf where a query saw no key); shape: q's [B, T, H, D]."""
+    B, T, H, _ = shape
+    return jnp.swapaxes(lse.reshape(B, H, T), 1, 2)
+
+
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     """Returns (dq, dk, dv) by recomputing each kv block's probabilities from the saved lse.
 

@@ -25,6 +25,7 @@ AVAILABLE = plgpu is not None
 # JAX 0.10 and 0.11 export `CompilerParams`; releases before 0.7 called it `TritonCompilerParams`.
 _CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams", None)
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)  # base-2 lse to natural
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 
 
@@ -237,6 +238,12 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
         interpret=plan.interpret,
         name="flash_attention_fwd",
     )(q, k, v, *ids, *key_ops)
+
+
+def lse_rows(lse, shape):
+    """`forward`'s lse as [B, T, H], natural log (+inf where a query saw no key); shape: q's [B, T, H, D]."""
+    del shape
+    return jnp.swapaxes(lse, 1, 2) * _LN2
 
 
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
