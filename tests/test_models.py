@@ -308,7 +308,7 @@ def test_fused_mlp_kernels_match_plain_path(family):
 # whose broadcast check then fails: its case runs the layers unscanned. Compiled Mosaic kernels have no callbacks.
 @pytest.mark.parametrize("family,implementation,remat,scan", [
     ("llama", "triton", "full", True), pytest.param("gptj", "triton", "full", True, marks=pytest.mark.slow),
-    ("llama", "mosaic_tpu", "none", False)])
+    pytest.param("llama", "mosaic_tpu", "none", False, marks=pytest.mark.slow)])
 def test_pallas_kernels_inside_the_model_match_plain_path(family, implementation, remat, scan):
     """The accelerator path of a model (Triton or Mosaic attention and MLP kernels, run in Pallas's interpreter):
     the loss and gradients of the plain path (blockwise 'xla' attention, jnp MLP)."""
@@ -320,8 +320,8 @@ def test_pallas_kernels_inside_the_model_match_plain_path(family, implementation
 
 
 @pytest.mark.parametrize("family,scan,rate", [
-    *((family, scan, "dropout_rate") for family, scan in (("llama", True), ("gptj", False), ("opt", True),
-                                                          ("t5", False))),
+    *((family, scan, "dropout_rate") for family, scan in (("llama", True), ("gptj", False), ("opt", True))),
+    pytest.param("t5", False, "dropout_rate", marks=pytest.mark.slow),
     ("llama", True, "attention_dropout_rate"), ("t5", False, "attention_dropout_rate"),
     *(pytest.param(family, scan, "attention_dropout_rate", marks=pytest.mark.slow)
       for family, scan in (("gptj", False), ("opt", True)))])

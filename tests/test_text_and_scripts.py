@@ -124,7 +124,7 @@ _TIED = {"tie_word_embeddings": True}
 
 
 @pytest.mark.parametrize("family,overrides,implementation", [
-    ("llama", {}, "xla"), pytest.param("gptj", {}, "xla", marks=_SLOW), ("t5", {}, "xla"),
+    ("llama", {}, "xla"), pytest.param("gptj", {}, "xla", marks=_SLOW), pytest.param("t5", {}, "xla", marks=_SLOW),
     pytest.param("opt", {}, "triton", marks=_SLOW),
     pytest.param("llama", _TIED, "xla", marks=_SLOW), pytest.param("llama", {}, "triton", marks=_SLOW),
     pytest.param("gptj", {}, "triton", marks=_SLOW), pytest.param("opt", {}, "xla", marks=_SLOW),

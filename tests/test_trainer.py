@@ -357,6 +357,7 @@ def test_multi_transform_optimizer_state_is_split_like_its_parameters():
                                                      dict(trainer.mesh.shape))
 
 
+@pytest.mark.slow  # CI time: tests/test_models.py checks remat's logits and gradients by default
 def test_remat_gives_the_same_update():
     a = _trainer(optimizer=optax.sgd(0.5))
     a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
