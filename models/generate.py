@@ -15,14 +15,15 @@ def _bucket(n):
 
 
 def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None,
-             top_p=None, eos_token_id=None, pad_token_id=None, rng=None):
+             top_p=None, eos_token_id=None, pad_token_id=None, rng=None, kv_cache_dtype=None):
     """Generates up to `max_new_tokens` tokens per row.
 
     input_ids, attention_mask: int [B, T]; decoder-only prompts are left-padded (mask 0 on the padding).
     temperature 0 is greedy; otherwise sampling from softmax(logits / temperature), optionally restricted to the
     top_k tokens and/or the smallest set with probability >= top_p. rng: a PRNG key for sampling.
     A row that emits eos_token_id is then filled with pad_token_id (default: eos_token_id); the loop stops once
-    every row is done.
+    every row is done. kv_cache_dtype: the KV cache's storage (default the model's compute dtype); 'int8' keeps
+    keys and values as int8 with a scale per token and head (`layers.empty_cache`), half of bf16's bytes.
     Returns int32 [B, T + max_new_tokens] (prompt then new tokens) for decoder-only models, and the decoder ids
     [B, 1 + max_new_tokens] (start token then new tokens) for T5.
     """
@@ -43,7 +44,17 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
     ids, mask = jnp.pad(ids, widths), jnp.pad(mask, widths)
     if pad_token_id is None:
         pad_token_id = 0 if eos_token_id is None else eos_token_id
-    run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id)
+    cache_dtype = None
+    if kv_cache_dtype is not None:
+        try:
+            cache_dtype = jnp.dtype(kv_cache_dtype).name
+        except TypeError:
+            cache_dtype = repr(kv_cache_dtype)
+        if cache_dtype not in ("int8", "bfloat16", "float16", "float32"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected None, 'int8', 'bfloat16', 'float16' or "
+                             "'float32'")
+    run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id,
+                    cache_dtype)
     mesh = _mesh_of(params)
     # Traced under the parameters' mesh, Pallas kernels run on each device's own block (kernels/_partition.py).
     with kernels.under_mesh(mesh):
@@ -66,7 +77,7 @@ def _mesh_of(params):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(model, max_new, temperature, top_k, top_p, eos, pad):
+def _compiled(model, max_new, temperature, top_k, top_p, eos, pad, cache_dtype):
     def select(logits, rng):
         if temperature == 0.0:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -92,12 +103,13 @@ def _compiled(model, max_new, temperature, top_k, top_p, eos, pad):
                 return model.apply(variables, tokens[:, None], encoder_out, mask, cache=cache, method="decode")
 
             start = jnp.full((B,), model.config.decoder_start_token_id, jnp.int32)
-            logits, cache = step(start, model.init_cache(B, max_new))
+            logits, cache = step(start, model.init_cache(B, max_new, cache_dtype))
         else:
             def step(tokens, cache):
                 return model.apply(variables, tokens[:, None], jnp.ones((B, 1), jnp.int32), cache=cache)
 
-            logits, cache = model.apply(variables, ids, mask, cache=model.init_cache(B, ids.shape[1] + max_new))
+            logits, cache = model.apply(variables, ids, mask,
+                                        cache=model.init_cache(B, ids.shape[1] + max_new, cache_dtype))
         rng, sub = jax.random.split(rng)
         token = select(logits[:, -1], sub)
         done = jnp.zeros((B,), bool) if eos is None else token == eos

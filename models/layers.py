@@ -450,20 +450,30 @@ class Attention(nn.Module):
                          kv_segment_ids=ctx["encoder_segment_ids"].astype(jnp.int32), **opts)
         else:
             k, v = project_kv(x)
+            quantized = cache is not None and "k_scale" in cache  # an int8 cache (`empty_cache`)
             if cache is not None:
                 idx = ctx["cache_index"]
-                cache = {**cache,
-                         "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, idx, 0, 0)),
-                         "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, idx, 0, 0))}
+                write = lambda buf, x: jax.lax.dynamic_update_slice(  # noqa: E731
+                    buf, x.astype(buf.dtype), (0, idx) + (0,) * (buf.ndim - 2))
+                if quantized:
+                    (k8, k_scale), (v8, v_scale) = kernels.quantize_kv(k), kernels.quantize_kv(v)
+                    cache = {**cache, "k": write(cache["k"], k8), "v": write(cache["v"], v8),
+                             "k_scale": write(cache["k_scale"], k_scale), "v_scale": write(cache["v_scale"], v_scale)}
+                else:
+                    cache = {**cache, "k": write(cache["k"], k), "v": write(cache["v"], v)}
             if cache is not None and T == 1 and bias is None:  # decode step: every filled slot of the cache, the
                 # cache split across programs and a kv head's query heads read together (kernels.decode_attention)
+                scales = dict(k_scale=cache["k_scale"], v_scale=cache["v_scale"]) if quantized else {}
                 out = kernels.decode_attention(
-                    q, cache["k"].astype(self.dtype), cache["v"].astype(self.dtype),
+                    q, *((cache["k"], cache["v"]) if quantized else (cache["k"].astype(self.dtype),
+                                                                    cache["v"].astype(self.dtype))),
                     segment_ids=(ctx["segment_ids"], ctx["kv_segment_ids"]), sm_scale=self.sm_scale,
-                    implementation=self.implementation, interpret=self.interpret)
+                    implementation=self.implementation, interpret=self.interpret, **scales)
             elif cache is not None and T == 1:  # T5's decoder: its relative position bias goes through `attend`
-                out = attend(q, cache["k"].astype(self.dtype), cache["v"].astype(self.dtype), causal=False,
-                             q_segment_ids=ctx["segment_ids"], kv_segment_ids=ctx["kv_segment_ids"], **opts)
+                read = (lambda n: (cache[n].astype(jnp.float32) * cache[f"{n}_scale"][..., None]).astype(self.dtype)
+                        ) if quantized else (lambda n: cache[n].astype(self.dtype))
+                out = attend(q, read("k"), read("v"), causal=False, q_segment_ids=ctx["segment_ids"],
+                             kv_segment_ids=ctx["kv_segment_ids"], **opts)
             else:  # training / prefill (a prefill starts at cache index 0, so the fresh keys are all there is)
                 out = attend(q, k, v, causal=self.causal, q_segment_ids=ctx["segment_ids"], **opts)
         out = out.reshape(B, T, H * D)
@@ -617,10 +627,15 @@ def decoder_context(input_ids, attention_mask, positions, cache):
 
 
 def empty_cache(num_layers, batch, max_len, kv_heads, head_dim, dtype):
-    """Zeroed decoder cache (see the module docstring for the layout)."""
+    """Zeroed decoder cache (see the module docstring for the layout). dtype int8: keys and values stored as int8
+    with a float32 scale per token and head (`k_scale`, `v_scale` [layers, batch, max_len, kv_heads];
+    `kernels.quantize_kv`), half of bf16's bytes, read as int8 by `kernels.decode_attention`."""
     shape = (num_layers, batch, max_len, kv_heads, head_dim)
-    return {"layers": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)},
-            "index": jnp.zeros((), jnp.int32), "segment_ids": jnp.zeros((batch, max_len), jnp.int32)}
+    layer = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if jnp.dtype(dtype) == jnp.int8:
+        layer.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
+    return {"layers": layer, "index": jnp.zeros((), jnp.int32),
+            "segment_ids": jnp.zeros((batch, max_len), jnp.int32)}
 
 
 # ----------------------------------------------------------------------------------------------------- ends

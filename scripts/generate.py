@@ -32,6 +32,9 @@ flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all)
 flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this total probability (1: all).")
 flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
 flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory applied to the model (merged into it).")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "bfloat16", "float32"], "Storage of the KV cache: "
+                  "auto = the model's compute dtype; int8 = int8 keys and values with a scale per token and head "
+                  "(half of bf16's bytes, read as int8 by kernels.decode_attention).")
 flags.DEFINE_enum("quantize", "none", ["none", "int8", "nf4"], "Generate with the attention and MLP projections "
                   "stored quantised (models.quantize; LoRA adapters merged first): int8, a quarter of float32's "
                   "memory, or nf4, about a seventh.")
@@ -75,7 +78,8 @@ def main(argv):
         outs = text.generate_texts(model, params, tokenizer, batch, max_new_tokens=FLAGS.max_new_tokens,
                                    temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
                                    top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start,
-                                   after_prompt=after_prompt)
+                                   after_prompt=after_prompt,
+                                   kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype)
         if jax.process_index() == 0:
             for prompt, out in zip(batch, outs):
                 print(f"--- {prompt!r}:\n{out}", flush=True)

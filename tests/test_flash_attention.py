@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernels.attention import (BlockSizes, decode_attention, dropout_keys, dropout_multiplier, flash_attention,
-                               mha_reference)
+                               mha_reference, quantize_kv)
 from tests.targets import for_gpu
 
 # Max |error| relative to max |reference|, per dtype: (forward, gradients). The reference runs in float32 on the
@@ -418,6 +418,28 @@ def test_decode_attention_equals_flash_attention_over_the_filled_cache(variant):
             np.testing.assert_array_equal(np.asarray(got[2], np.float32), 0.0)  # row 2: an empty cache
 
 
+@pytest.mark.parametrize("variant", ["xla", "triton", pytest.param("mosaic_tpu", marks=pytest.mark.slow)])
+def test_decode_attention_reads_an_int8_cache(variant):
+    """k, v int8 with a scale per token and head (kernels.quantize_kv), converted in the kernel, the scales on the
+    logits' and probabilities' columns: equal to attention over the dequantised cache, and within 2% of the float
+    cache's output."""
+    kwargs, _, _ = VARIANTS[variant]
+    kwargs = dict(kwargs, block_sizes=None if variant == "mosaic_tpu" else kwargs["block_sizes"])
+    S = 512 if variant == "mosaic_tpu" else 128
+    k, v, kv_ids = _cache(2, S, 2, 64, [(3, S // 2), (0, S - 5)])
+    q = jax.random.normal(jax.random.key(5), (2, 1, 8, 64), jnp.float32)
+    q_ids = jnp.ones((2, 1), jnp.int32)
+    (k8, k_scale), (v8, v_scale) = quantize_kv(k), quantize_kv(v)
+    assert k8.dtype == jnp.int8 and k_scale.shape == (2, S, 2)
+    dequantised = [a.astype(jnp.float32) * s[..., None] for a, s in ((k8, k_scale), (v8, v_scale))]
+    want = mha_reference(q, *dequantised, segment_ids=(q_ids, kv_ids))
+    got = jax.jit(lambda *a: decode_attention(q, a[0], a[1], k_scale=a[2], v_scale=a[3], segment_ids=(q_ids, kv_ids),
+                                              num_splits=2, **kwargs))(k8, v8, k_scale, v_scale)
+    np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    exact = mha_reference(q, k, v, segment_ids=(q_ids, kv_ids))
+    assert float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact))) < 0.02
+
+
 def test_decode_attention_default_splits_and_bad_input():
     from kernels.attention.api import _decode_splits
     assert _decode_splits("triton", 8, 32768) == 32 and _decode_splits("triton", 64, 32768) == 4
@@ -430,6 +452,14 @@ def test_decode_attention_default_splits_and_bad_input():
             jax.eval_shape(lambda *a: decode_attention(*a, num_splits=bad), q, kv, kv)
     with pytest.raises(ValueError, match="divisible"):
         jax.eval_shape(lambda *a: decode_attention(*a), _array((2, 1, 3, 16)), kv, kv)
+    kv8, scale = _array((2, 12, 2, 16), jnp.int8), _array((2, 12, 2))
+    for args, kwargs, match in [((q, kv8, kv8), {}, r"k_scale=None; int8 k and v need float scales \[batch, kv_len, "
+                                                     r"kv_heads\] = \(2, 12, 2\)"),
+                                ((q, kv8, kv8), dict(k_scale=scale, v_scale=_array((2, 12))), r"v_scale=\(\(2, 12\)"),
+                                ((q, kv8, kv), dict(k_scale=scale, v_scale=scale), "expected both int8"),
+                                ((q, kv, kv), dict(k_scale=scale), "k_scale / v_scale with k.dtype=float32")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(lambda *a: decode_attention(*a, **kwargs), *args)
 
 
 @pytest.mark.parametrize("implementation, platform, custom_call",
@@ -441,10 +471,14 @@ def test_decode_attention_lowers_for_the_accelerator(implementation, platform, c
     q, kv = _array((B, 1, H, D), jnp.bfloat16), _array((B, S, KVH, D), jnp.bfloat16)
     ids = (_array((B, 1), jnp.int32), _array((B, S), jnp.int32))
     splits = 4 if implementation == "triton" else 1
-    with for_gpu() if platform == "cuda" else contextlib.nullcontext():
-        text = jax.jit(lambda q, k, v, a, b: decode_attention(q, k, v, segment_ids=(a, b),
-                                                              implementation=implementation)).trace(
-            q, kv, kv, *ids).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(f"@{custom_call}(") == 1 and "flash_attention_fwd" in text
-    sliced = f"{B * splits}x{S // splits}x{KVH}x{D}xbf16" if platform == "cuda" else f"{B}x{KVH}x{S}x{D}xbf16"
-    assert sliced in text
+    for dtype, scales in (("bf16", {}), ("i8", dict(k_scale=_array((B, S, KVH)), v_scale=_array((B, S, KVH))))):
+        cache = kv if not scales else _array(kv.shape, jnp.int8)
+        with for_gpu() if platform == "cuda" else contextlib.nullcontext():
+            text = jax.jit(lambda q, k, v, a, b, s: decode_attention(q, k, v, segment_ids=(a, b), **s,
+                                                                     implementation=implementation)).trace(
+                q, cache, cache, *ids, scales).lower(lowering_platforms=(platform,)).as_text()
+        assert text.count(f"@{custom_call}(") == 1 and "flash_attention_fwd" in text
+        sliced = (f"{B * splits}x{S // splits}x{KVH}x{D}x{dtype}" if platform == "cuda"
+                  else f"{B}x{KVH}x{S}x{D}x{dtype}")
+        assert sliced in text, dtype  # the cache reaches the kernel in its own dtype (int8: no bf16 copy)
+        assert not scales or sliced.replace("i8", "bf16") not in text

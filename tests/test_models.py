@@ -210,17 +210,27 @@ def _assert_same_loss_and_grads(params, model, reference, rtol=1e-6, atol=1e-6):
         np.testing.assert_allclose(g, h, atol=atol)
 
 
-def test_kv_cache_decoding_matches_full_forward():
-    """Prefill + one-token steps through the cache give the logits of one full forward pass (padded batch)."""
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_kv_cache_decoding_matches_full_forward(cache_dtype):
+    """Prefill + one-token steps through the cache give the logits of one full forward pass (padded batch); with
+    an int8 cache (keys and values rounded per token and head, read as int8 by kernels.decode_attention) within 1%
+    of the logits' range, and its buffers are int8."""
     model, params = _tiny("llama")
     v, apply = {"params": params}, jax.jit(model.apply)
     full = np.asarray(apply(v, jnp.asarray(IDS), jnp.asarray(MASK)))
-    logits, cache = apply(v, jnp.asarray(IDS[:, :5]), jnp.asarray(MASK[:, :5]), cache=model.init_cache(B, T))
+    cache = model.init_cache(B, T, cache_dtype)
+    logits, cache = apply(v, jnp.asarray(IDS[:, :5]), jnp.asarray(MASK[:, :5]), cache=cache)
     steps = [logits]
     for t in range(5, T):
         logits, cache = apply(v, jnp.asarray(IDS[:, t:t + 1]), jnp.asarray(MASK[:, t:t + 1]), cache=cache)
         steps.append(logits)
-    np.testing.assert_allclose(np.concatenate(steps, axis=1)[MASK.astype(bool)], full[MASK.astype(bool)], atol=1e-5)
+    got, want = np.concatenate(steps, axis=1)[MASK.astype(bool)], full[MASK.astype(bool)]
+    if cache_dtype is None:
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        return
+    assert cache["layers"]["k"].dtype == jnp.int8 and cache["layers"]["k_scale"].shape == (2, B, T, 2)
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < error < 0.01, error
 
 
 def test_generate_eos_sampling_and_one_compile_per_bucket():
@@ -232,7 +242,13 @@ def test_generate_eos_sampling_and_one_compile_per_bucket():
     assert greedy.shape == (B, 5 + new) and (greedy[:, :5] == IDS[:, :5]).all()
     # prompts of 5 and 7 tokens share the length-8 bucket: one compilation
     models.generate(model, params, jnp.asarray(IDS[:, :7]), max_new_tokens=new)
-    assert _compiled(model, new, 0.0, None, None, None, 0)._cache_size() == 1
+    assert _compiled(model, new, 0.0, None, None, None, 0, None)._cache_size() == 1
+    # an int8 KV cache: the same greedy tokens on this model (its logits move < 1%: the cache test above)
+    np.testing.assert_array_equal(models.generate(model, params, prompt, max_new_tokens=new, kv_cache_dtype="int8"),
+                                  greedy)
+    for bad in ("int4", "float8"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{bad}'; expected None, 'int8'"):
+            models.generate(model, params, prompt, max_new_tokens=new, kv_cache_dtype=bad)
     # sampling restricted to the top token (top_k=1, and top_p below any second token's share) is greedy
     sampled = models.generate(model, params, prompt, max_new_tokens=new, temperature=2.0, top_k=1, top_p=0.5,
                               rng=jax.random.PRNGKey(3))

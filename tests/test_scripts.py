@@ -252,7 +252,7 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
     before = re.search(r"eval response loss before training: ([0-9.]+)", out.stdout)
     assert before and abs(float(before[1]) - float(after[1])) < 1e-3, (before[1], after[1])
     gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", f"--init_adapter={tmp_path / 'adapter'}",
-               "--quantize=int8", "--prompts=owl cat", "--max_new_tokens=3")
+               "--quantize=int8", "--kv_cache_dtype=int8", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
     bad = _run("export_hf.py", f"--workdir={tmp_path / 'b'}", f"--out={tmp_path / 'x'}", "--adapter_only", ok=False)
     assert bad.returncode == 2 and "without LoRA adapters" in bad.stderr

@@ -3,5 +3,5 @@
 
 Layout [batch, len, heads, head_dim] as in `jax.nn.dot_product_attention`; see `flash_attention` for the contract.
 """
-from kernels.attention.api import BlockSizes, decode_attention, flash_attention
+from kernels.attention.api import BlockSizes, decode_attention, flash_attention, quantize_kv
 from kernels.attention.reference import dropout_keys, dropout_multiplier, mha_reference

@@ -182,8 +182,8 @@ def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_s
     return q, k, v, q_ids, kv_ids, plan
 
 
-def decode_attention(q, k, v, *, segment_ids=None, sm_scale=None, num_splits=None, implementation=None,
-                     interpret=False, block_sizes=None):
+def decode_attention(q, k, v, *, segment_ids=None, k_scale=None, v_scale=None, sm_scale=None, num_splits=None,
+                     implementation=None, interpret=False, block_sizes=None):
     """Attention of a decoding step's few queries to a long KV cache, split along the cache (flash-decoding).
 
     Args:
@@ -191,6 +191,9 @@ def decode_attention(q, k, v, *, segment_ids=None, sm_scale=None, num_splits=Non
         head_dim], the cache; dtypes and head rules as `flash_attention`. Not causal: `segment_ids` masks.
       segment_ids: None or a pair (int [batch, len], int [batch, kv_len]): a query sees the keys with its id (a
         cache's unfilled slots and left padding carry id 0, which no query has; blocks of them are skipped).
+      k_scale, v_scale: with an int8 cache (`quantize_kv`), float [batch, kv_len, kv_heads]: k = k_int8 * k_scale
+        per key and head, likewise v. The kernels read int8 tiles (half of bf16's bytes) and apply the scales to
+        the logits' and probabilities' columns.
       num_splits: parts of the cache attended in parallel, each a contiguous kv_len / num_splits slice, merged by
         their log-sum-exps; None picks enough for about `_DECODE_PROGRAMS` programs on GPU (1 elsewhere).
       sm_scale, implementation, interpret, block_sizes: as `flash_attention`.
@@ -204,7 +207,10 @@ def decode_attention(q, k, v, *, segment_ids=None, sm_scale=None, num_splits=Non
     kv_len / num_splits keys: with one sequence and 8 kv heads `flash_attention` runs 32 programs over the whole
     cache, this one 8 * num_splits programs over a slice each.
     """
-    q_ids, kv_ids = _validate(q, k, v, False, segment_ids, sm_scale, interpret, block_sizes)
+    scales = _validate_kv_scales(q, k, v, k_scale, v_scale)
+    as_q = lambda a: jax.ShapeDtypeStruct(a.shape, q.dtype)  # noqa: E731  (an int8 cache: checked as q's dtype)
+    q_ids, kv_ids = _validate(q, *((k, v) if scales is None else (as_q(k), as_q(v))), False, segment_ids, sm_scale,
+                              interpret, block_sizes)
     B, T, H, D = q.shape
     S, KVH = k.shape[1], k.shape[2]
     G = H // KVH
@@ -221,8 +227,9 @@ def decode_attention(q, k, v, *, segment_ids=None, sm_scale=None, num_splits=Non
     rows = jnp.broadcast_to(rows[:, None], (B, P, T * G, KVH, D)).reshape(B * P, T * G, KVH, D)
     row_ids = jnp.broadcast_to(jnp.repeat(q_ids.astype(jnp.int32), G, axis=1)[:, None], (B, P, T * G))
     split = lambda a: a.reshape(B * P, S // P, *a.shape[2:])  # noqa: E731  contiguous slices of the cache
+    scales = None if scales is None else tuple(split(s.astype(jnp.float32)) for s in scales)
     out, lse = _forward_with_lse(rows, split(k), split(v), row_ids.reshape(B * P, T * G),
-                                 split(kv_ids.astype(jnp.int32)), impl, sm_scale, interpret, block_sizes)
+                                 split(kv_ids.astype(jnp.int32)), impl, sm_scale, interpret, block_sizes, scales)
     # Merge the splits: weights exp(lse_p - max lse); a split that saw no key (lse -inf) weighs 0.
     out, lse = out.reshape(B, P, T * G, KVH, D), lse.reshape(B, P, T * G, KVH)
     top = jnp.max(lse, axis=1, keepdims=True)
@@ -250,23 +257,26 @@ def _decode_splits(impl, programs, kv_len):
     return splits
 
 
-def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes):
+def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes, kv_scales=None):
     """(out [B, T, H, D], lse [B, T, H] float32, natural log, -inf where a query sees no key) of the forward kernel,
-    on the ambient mesh's rows and heads like `flash_attention`."""
+    on the ambient mesh's rows and heads like `flash_attention`; kv_scales: an int8 k and v's (k_scale, v_scale)."""
     B, T, H, D = q.shape
     q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, False, sm_scale, interpret, block_sizes)
     module = _IMPLEMENTATIONS[impl]
+    scales = () if kv_scales is None else tuple(_pad(s, 1, k.shape[1]) for s in kv_scales)
 
-    def run(q, k, v, q_ids, kv_ids):
-        out, lse = module.forward(q, k, v, q_ids, kv_ids, None, plan)
+    def run(q, k, v, q_ids, kv_ids, *scales):
+        out, lse = module.forward(q, k, v, q_ids, kv_ids, None, plan, scales or None)
         return out, module.lse_rows(lse, q.shape)
 
     axes = _partition.auto_axes(impl)
     b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
     P = jax.sharding.PartitionSpec
     seq, ids = P(b, None, m, None), P(b, None)
-    out, lse = _partition.shard(run, (q, k, v, q_ids, kv_ids), (seq, seq, seq, ids, ids), (seq, P(b, None, m)),
+    out, lse = _partition.shard(run, (q, k, v, q_ids, kv_ids, *scales),
+                                (seq, seq, seq, ids, ids, *[P(b, None, m)] * len(scales)), (seq, P(b, None, m)),
                                 impl)
+
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)  # the kernels' +inf (no visible key) as the merge needs it
     return out[:, :T, :, :D], lse[:, :T]
 
@@ -351,6 +361,31 @@ def _fit_length(impl, length):
     if impl == "triton":
         return max(_MIN_BLOCK[impl], 1 << (length - 1).bit_length())
     return _round_up(length, _MIN_BLOCK[impl])
+
+
+def _validate_kv_scales(q, k, v, k_scale, v_scale):
+    """None for a float cache; (k_scale, v_scale) for an int8 one, whose scales must be float [B, S, KVH]."""
+    if getattr(k, "dtype", None) != jnp.int8 and getattr(v, "dtype", None) != jnp.int8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale with k.dtype={k.dtype}; expected int8 k and v with them")
+        return None
+    if k.dtype != jnp.int8 or v.dtype != jnp.int8:
+        raise ValueError(f"k.dtype={k.dtype}, v.dtype={v.dtype}; expected both int8 (a quantised cache) or neither")
+    want = tuple(k.shape[:3])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or tuple(s.shape) != want or not jnp.issubdtype(s.dtype, jnp.floating):
+            raise ValueError(f"{name}={None if s is None else (tuple(s.shape), str(s.dtype))}; int8 k and v need "
+                             f"float scales [batch, kv_len, kv_heads] = {want}")
+    return k_scale, v_scale
+
+
+def quantize_kv(x):
+    """(int8 [..., D], float32 scale [...]) of keys or values [..., D]: per row (token and head) absmax / 127, the
+    format `decode_attention` reads."""
+    x = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
 
 
 def _validate_dropout(rate, rng):

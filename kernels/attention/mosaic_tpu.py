@@ -12,6 +12,8 @@ Per-row statistics (lse, delta) and q segment ids are stored as columns [len, 1]
 and as rows [1, len] for the dk/dv kernel, which works on transposed [kv, q] blocks so that every matmul is
 A @ B or A @ B^T.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,10 +58,12 @@ def _block_needed(plan, ranges, b, q_block, kv_block, bq, bk):
     return result
 
 
-def _masked_logits(q, k, plan, q_start, k_start, qid_ref, kid_ref, transposed):
+def _masked_logits(q, k, plan, q_start, k_start, qid_ref, kid_ref, transposed, k_scale=None):
     """Scaled logits q @ k^T ([bq, bk]) or k @ q^T ([bk, bq] when transposed), masked entries set to NEG_INF.
-    The id refs (or None) hold the blocks' segment ids already shaped to broadcast in that orientation."""
+    The id refs (or None) hold the blocks' segment ids already shaped to broadcast in that orientation; k_scale
+    (int8 keys, [1, bk], not transposed) multiplies the columns before the mask."""
     s = (_dot_nt(k, q) if transposed else _dot_nt(q, k)) * plan.sm_scale
+    s = s if k_scale is None else s * k_scale
     q_axis = 1 if transposed else 0
     mask = attention_mask(
         q_start + lax.broadcasted_iota(jnp.int32, s.shape, q_axis),
@@ -93,7 +97,11 @@ def _unpack(refs, has_ids, has_keys, num_inputs, num_outputs):
     return ranges, keys, inputs, ids, outputs, refs
 
 
-def _fwd_kernel(*refs, plan, has_ids, has_keys):
+def _fwd_kernel(*refs, plan, has_ids, has_keys, has_scales=False):
+    if has_scales:  # int8 k and v with their per-row scales, after the ids
+        refs = list(refs)
+        at = 4 * has_ids + has_keys + 3 + 2 * has_ids
+        ks_ref, vs_ref = refs.pop(at), refs.pop(at)
     ranges, keys_ref, (q_ref, k_ref, v_ref), (qid_ref, kid_ref), (o_ref, lse_ref), (m_scr, l_scr, acc_scr) = _unpack(
         refs, has_ids, has_keys, 3, 2
     )
@@ -108,7 +116,11 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys):
 
     @pl.when(_block_needed(plan, ranges, b, i, j, bq, bk))
     def _visit():
-        s = _masked_logits(q_ref[...], k_ref[...], plan, i * bq, j * bk, qid_ref, kid_ref, transposed=False)
+        k, v = k_ref[...], v_ref[...]
+        if has_scales:  # int8 tiles converted where read; scales on the logits' and p's columns
+            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
+        s = _masked_logits(q_ref[...], k, plan, i * bq, j * bk, qid_ref, kid_ref, transposed=False,
+                           k_scale=ks_ref[...] if has_scales else None)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
@@ -116,7 +128,8 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys):
         l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
         keep = _dropout(plan, keys_ref, b, h, s.shape, i * bq, j * bk, transposed=False)
         p = p if keep is None else p * keep  # the sum above is the softmax's own; only kept terms reach the output
-        acc_scr[...] = alpha * acc_scr[...] + _dot(p.astype(v_ref.dtype), v_ref[...])
+        p = p * vs_ref[...] if has_scales else p
+        acc_scr[...] = alpha * acc_scr[...] + _dot(p.astype(v.dtype), v)
         m_scr[...] = m_new
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -229,8 +242,8 @@ def _q_major_specs(plan, D, G, bq, bk, has_ids):
     return q_spec, kv_spec, row_spec, id_specs
 
 
-def forward(q, k, v, q_ids, kv_ids, keys, plan):
-    """Returns (out [B, T, H, D], lse [B, H, T, 1] float32)."""
+def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
+    """Returns (out [B, T, H, D], lse [B, H, T, 1] float32). kv_scales: see `reference.forward`."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
@@ -238,20 +251,25 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
     q_spec, kv_spec, row_spec, id_specs = _q_major_specs(plan, D, H // Hkv, bq, bk, has_ids)
     prefetch = _prefetch(q_ids, kv_ids, keys, bq, bk)
     ids = [q_ids[:, :, None], kv_ids[:, None, :]] if has_ids else []
+    scales, scale_specs = [], []
+    if kv_scales is not None:  # [B, S, Hkv] -> [B, Hkv, 1, S]: a (1, bk) row per kv block
+        scales = [jnp.transpose(s, (0, 2, 1))[:, :, None, :] for s in kv_scales]
+        index = lambda b, h, i, j, *_: (b, lax.div(h, H // Hkv), 0, kv_spec.index_map(b, h, i, j)[2])  # noqa: E731
+        scale_specs = [pl.BlockSpec((None, None, 1, bk), index)] * 2
     out, lse = _call(
-        _fwd_kernel,
+        functools.partial(_fwd_kernel, has_scales=bool(scales)),
         plan,
         has_ids,
         keys is not None,
         grid=(B, H, T // bq, pl.cdiv(plan.kv_len or S, bk)),
         num_prefetch_args=len(prefetch),
-        in_specs=[q_spec, kv_spec, kv_spec, *id_specs],
+        in_specs=[q_spec, kv_spec, kv_spec, *id_specs, *scale_specs],
         out_specs=[q_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, T, D), q.dtype), jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
         scratch=[(bq, 1), (bq, 1), (bq, D)],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_attention_fwd",
-    )(*prefetch, _heads_major(q), _heads_major(k), _heads_major(v), *ids)
+    )(*prefetch, _heads_major(q), _heads_major(k), _heads_major(v), *ids, *scales)
     return _heads_major(out), lse
 
 

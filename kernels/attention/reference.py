@@ -133,10 +133,11 @@ def _kv_blocks(x, block_k):
     return jnp.swapaxes(x.reshape(B, S // block_k, block_k, *x.shape[2:]), 0, 1)
 
 
-def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan):
-    """Scaled logits [B, Hkv, G, T, bk] of one kv block, masked entries set to NEG_INF."""
+def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None):
+    """Scaled logits [B, Hkv, G, T, bk] of one kv block (times the keys' int8 scales), masked entries NEG_INF."""
     T, bk = qg.shape[1], k_blk.shape[1]
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k_blk, preferred_element_type=jnp.float32) * plan.sm_scale
+    s = s if k_scale is None else s * k_scale
     mask = attention_mask(
         jnp.arange(T)[:, None],
         j * bk + jnp.arange(bk)[None, :],
@@ -156,8 +157,10 @@ def _block_dropout(keys, T, j, block_k, plan):
                               plan.dropout_rate)
 
 
-def forward(q, k, v, q_ids, kv_ids, keys, plan):
-    """Returns (out [B, T, H, D], lse [B, Hkv, G, T] float32); S must be a multiple of plan.blocks.block_k."""
+def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
+    """Returns (out [B, T, H, D], lse [B, Hkv, G, T] float32); S must be a multiple of plan.blocks.block_k.
+    kv_scales: None, or (k_scale, v_scale) float32 [B, S, Hkv] of an int8 k and v (each key's and value's row
+    scale: logits are (q . k) * k_scale, and p * v_scale multiplies v)."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
@@ -165,11 +168,15 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
     keys = None if keys is None else keys.reshape(B, Hkv, G)
     block_k = plan.blocks.block_k
     ids_blocks = None if kv_ids is None else _kv_blocks(kv_ids, block_k)
+    scale_blocks = (None, None) if kv_scales is None else tuple(_kv_blocks(s, block_k) for s in kv_scales)
+    as_columns = lambda s: jnp.transpose(s, (0, 2, 1))[:, :, None, None, :]  # noqa: E731  [B, bk, Hkv] -> logits'
 
     def step(carry, xs):
         acc, m, l = carry
-        j, k_blk, v_blk, ids_blk = xs
-        s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
+        j, k_blk, v_blk, ids_blk, (k_scale, v_scale) = xs
+        if k_scale is not None:
+            k_blk, v_blk = k_blk.astype(q.dtype), v_blk.astype(q.dtype)
+        s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, None if k_scale is None else as_columns(k_scale))
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         # Rows with no visible key so far get p = 1 on masked entries; alpha = 0 wipes that once a visible key
@@ -178,7 +185,8 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
         l = alpha * l + p.sum(axis=-1)  # the softmax's own sum: dropout rescales the kept terms, not the sum
         keep = _block_dropout(keys, T, j, block_k, plan)
         p = p if keep is None else p * keep
-        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+        p = p if v_scale is None else p * as_columns(v_scale)
+        pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         return (alpha[..., None] * acc + pv, m_new, l), None
 
     nk = k.shape[1] // block_k
@@ -187,7 +195,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
         jnp.full((B, Hkv, G, T), NEG_INF, jnp.float32),
         jnp.zeros((B, Hkv, G, T), jnp.float32),
     )
-    xs = (jnp.arange(nk), _kv_blocks(k, block_k), _kv_blocks(v, block_k), ids_blocks)
+    xs = (jnp.arange(nk), _kv_blocks(k, block_k), _kv_blocks(v, block_k), ids_blocks, scale_blocks)
     (acc, m, l), _ = jax.lax.scan(step, init, xs)
     visible = m > NEG_INF / 2
     out = jnp.where(visible[..., None], acc / jnp.where(visible, l, 1.0)[..., None], 0.0)

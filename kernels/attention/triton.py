@@ -87,7 +87,10 @@ def _split_refs(refs, has_ids, has_keys, num_inputs):
     return inputs, ids, keys_ref, refs
 
 
-def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
+def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False):
+    if has_scales:  # int8 k and v with their per-row scales, after the other inputs
+        refs = list(refs)
+        ks_ref, vs_ref = refs.pop(3 + 2 * has_ids + has_keys), refs.pop(3 + 2 * has_ids + has_keys)
     (q_ref, k_ref, v_ref), (qid_ref, kid_ref), keys_ref, (o_ref, lse_ref) = _split_refs(refs, has_ids, has_keys, 3)
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
     i = pl.program_id(0)
@@ -100,16 +103,23 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
     def visit(j, carry, causal):
         acc, m, l = carry
         kv_slice = pl.ds(j * bk, bk)
-        v = v_ref[kv_slice, :]
+        v, k = v_ref[kv_slice, :], k_ref[kv_slice, :]
+        if has_scales:  # int8 tiles converted where read; the key scales multiply the logits' columns
+            v, k = v.astype(q.dtype), k.astype(q.dtype)
+            qk = qk_scale * ks_ref[kv_slice][None, :]
+        else:
+            qk = qk_scale
         kv_ids = None if kid_ref is None else kid_ref[kv_slice][None, :]
         k_pos = (j * bk + jnp.arange(bk))[None, :]
-        s = _masked_logits(q, k_ref[kv_slice, :], qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, causal)
+        s = _masked_logits(q, k, qk, q_pos, k_pos, q_ids, kv_ids, plan, causal)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
         p = jnp.exp2(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         if key is not None:  # the sum above is the softmax's own; only the kept terms reach the output
             p = p * dropout_multiplier(key, q_pos, k_pos, plan.dropout_rate)
+        if has_scales:
+            p = p * vs_ref[kv_slice][None, :]
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
@@ -213,8 +223,8 @@ def _optional_operands(arrays, specs):
     return ([], []) if arrays[0] is None else (list(arrays), list(specs))
 
 
-def forward(q, k, v, q_ids, kv_ids, keys, plan):
-    """Returns (out [B, T, H, D], lse [B, H, T] float32, base 2)."""
+def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
+    """Returns (out [B, T, H, D], lse [B, H, T] float32, base 2). kv_scales: see `reference.forward`."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -225,19 +235,22 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan):
         (q_ids, kv_ids), (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                           pl.BlockSpec((None, S), lambda i, b, h: (b, 0))))
     key_ops, key_specs = _optional_operands([keys], [pl.BlockSpec((None, None), lambda i, b, h: (b, h))])
+    scales = [] if kv_scales is None else list(kv_scales)
+    scale_specs = [pl.BlockSpec((None, S, None), lambda i, b, h: (b, 0, lax.div(h, G)))] * len(scales)
     kernel = lambda *refs: _fwd_kernel(
-        *refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops), num_kv_blocks=pl.cdiv(plan.kv_len or S, bk)
+        *refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops), num_kv_blocks=pl.cdiv(plan.kv_len or S, bk),
+        has_scales=bool(scales)
     )
     return pl.pallas_call(
         kernel,
         grid=(T // bq, B, H),
-        in_specs=[q_block, kv_full, kv_full, *id_specs, *key_specs],
+        in_specs=[q_block, kv_full, kv_full, *id_specs, *key_specs, *scale_specs],
         out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
         compiler_params=_compiler_params(plan),
         interpret=plan.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, *ids, *key_ops)
+    )(q, k, v, *ids, *key_ops, *scales)
 
 
 def lse_rows(lse, shape):
