@@ -51,7 +51,9 @@ class PPOConfig:
     penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for the value
     change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; unfinished_reward: when
     set, the reward of a response cut off at max_new_tokens before its EOS (TRL's non-EOS penalty): a learnt reward
-    model has only seen finished responses and may score unfinished ones highly, which PPO then exploits."""
+    model has only seen finished responses and may score unfinished ones highly, which PPO then exploits.
+    kv_cache_dtype: the rollouts' KV cache storage (None: the actor's compute dtype; 'int8': half of bf16's bytes,
+    `models.generate`); the rows are scored by full forward passes, so only the sampling sees its rounding."""
     max_new_tokens: int = 16
     temperature: float = 1.0
     kl_coef: float = 0.05
@@ -61,6 +63,7 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     unfinished_reward: Optional[float] = None
+    kv_cache_dtype: Optional[str] = None
 
     def __post_init__(self):
         checks = {"max_new_tokens": isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -68,12 +71,14 @@ class PPOConfig:
                   "clip_ratio": 0 < self.clip_ratio < 1, "value_clip": self.value_clip > 0,
                   "value_coef": self.value_coef >= 0, "gamma": 0 < self.gamma <= 1, "lam": 0 <= self.lam <= 1,
                   "unfinished_reward": self.unfinished_reward is None or isinstance(self.unfinished_reward,
-                                                                                    (int, float))}
+                                                                                    (int, float)),
+                  "kv_cache_dtype": self.kv_cache_dtype in (None, "int8", "bfloat16", "float16", "float32")}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "
                                  ">= 1, temperature > 0, kl_coef >= 0, 0 < clip_ratio < 1, value_clip > 0, value_coef "
-                                 ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, unfinished_reward None or a number")
+                                 ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, unfinished_reward None or a number, "
+                                 "kv_cache_dtype None, 'int8', 'bfloat16', 'float16' or 'float32'")
 
 
 def advantages_and_returns(rewards, values, mask, *, gamma, lam):
@@ -222,7 +227,7 @@ class PPO:
                   for n, p in enumerate(prompts)]
         responses = text.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
                                          max_new_tokens=self.config.max_new_tokens, temperature=temperature,
-                                         seed=seed)
+                                         seed=seed, kv_cache_dtype=self.config.kv_cache_dtype)
         rows = []
         for n, (prompt, response) in enumerate(zip(tokens, responses)):
             ids, labels, segments, cut = preference.token_row(prompt, response, self.seq_len)

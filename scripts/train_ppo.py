@@ -56,6 +56,8 @@ flags.DEFINE_float("critic_learning_rate", None, "Peak learning rate of the crit
 flags.DEFINE_float("unfinished_reward", -5.0, "The reward of a response cut off at --max_new_tokens before its EOS, "
                    "replacing its score (a reward model never learnt to score unfinished responses, and PPO finds "
                    "those it overrates); keep it below the scores of bad finished responses.")
+flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "bfloat16", "float32"], "The rollouts' KV cache: auto "
+                  "= the actor's compute dtype; int8 = int8 keys and values, a scale per token and head.")
 flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily before and after training (0: none).",
                      lower_bound=0)
 FLAGS.set_default("per_device_batch_size", 16)
@@ -110,7 +112,8 @@ def main(argv):
     seq_len = longest + FLAGS.max_new_tokens - 1
     config = ppo.PPOConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, kl_coef=FLAGS.kl_coef,
                            clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
-                           unfinished_reward=FLAGS.unfinished_reward)
+                           unfinished_reward=FLAGS.unfinished_reward,
+                           kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype)
     rewards = {}
     if FLAGS.reward_from:
         if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
