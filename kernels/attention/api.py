@@ -19,6 +19,7 @@ from kernels import _partition
 from kernels._dispatch import resolve_implementation
 from kernels.attention import mosaic_tpu, reference, triton
 from kernels.attention.reference import dropout_keys
+from kernels.matmul.formats import quantize_int8
 
 _IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -276,7 +277,6 @@ def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_s
     out, lse = _partition.shard(run, (q, k, v, q_ids, kv_ids, *scales),
                                 (seq, seq, seq, ids, ids, *[P(b, None, m)] * len(scales)), (seq, P(b, None, m)),
                                 impl)
-
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)  # the kernels' +inf (no visible key) as the merge needs it
     return out[:, :T, :, :D], lse[:, :T]
 
@@ -382,10 +382,7 @@ def _validate_kv_scales(q, k, v, k_scale, v_scale):
 def quantize_kv(x):
     """(int8 [..., D], float32 scale [...]) of keys or values [..., D]: per row (token and head) absmax / 127, the
     format `decode_attention` reads."""
-    x = x.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+    return quantize_int8(x, axis=-1)
 
 
 def _validate_dropout(rate, rng):

@@ -23,14 +23,15 @@ def _xp(w):
     return np if isinstance(w, np.ndarray) else jnp
 
 
-def quantize_int8(w):
-    """(int8 q, float32 scale) of a float weight [..., K, N] (numpy or jax) in the format `fused_matmul` and
-    `gated_mlp` take: symmetric per output column, q = round(w / scale), scale = max|w[:, j]| / 127."""
+def quantize_int8(w, axis=-2):
+    """(int8 q, float32 scale) of a float array (numpy or jax), symmetric along `axis`: q = round(w / scale),
+    scale = max |w| / 127 over `axis` (which the scale lacks). The default, a weight [..., K, N] per output column,
+    is the format `fused_matmul` and `gated_mlp` take; `kernels.quantize_kv` is axis -1 (per token and head)."""
     xp = _xp(w)
     w = w.astype(xp.float32)
-    absmax = xp.max(xp.abs(w), axis=-2)
+    absmax = xp.max(xp.abs(w), axis=axis)
     scale = xp.where(absmax > 0, absmax / 127.0, 1.0).astype(xp.float32)
-    q = xp.clip(xp.round(w / scale[..., None, :]), -127, 127).astype(xp.int8)
+    q = xp.clip(xp.round(w / xp.expand_dims(scale, axis)), -127, 127).astype(xp.int8)
     return q, scale
 
 
