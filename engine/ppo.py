@@ -39,6 +39,7 @@ import models
 from engine import preference, reward, text
 from engine.predictor import Predictor
 from engine.trainer import global_batch_size
+from models.generate import KV_CACHE_DTYPES
 
 EXPERIENCE_FILE = "ppo_experience.npz"
 _KEYS = ("input_ids", "labels", "segment_ids", "old_log_probs", "old_values", "advantages", "returns")
@@ -72,7 +73,7 @@ class PPOConfig:
                   "value_coef": self.value_coef >= 0, "gamma": 0 < self.gamma <= 1, "lam": 0 <= self.lam <= 1,
                   "unfinished_reward": self.unfinished_reward is None or isinstance(self.unfinished_reward,
                                                                                     (int, float)),
-                  "kv_cache_dtype": self.kv_cache_dtype in (None, "int8", "bfloat16", "float16", "float32")}
+                  "kv_cache_dtype": self.kv_cache_dtype is None or self.kv_cache_dtype in KV_CACHE_DTYPES}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "

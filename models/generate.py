@@ -14,6 +14,9 @@ def _bucket(n):
     return max(8, 1 << (n - 1).bit_length()) if n <= 1024 else -(-n // 1024) * 1024
 
 
+KV_CACHE_DTYPES = ("int8", "bfloat16", "float16", "float32")  # what `generate(kv_cache_dtype=)` stores a cache in
+
+
 def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None,
              top_p=None, eos_token_id=None, pad_token_id=None, rng=None, kv_cache_dtype=None):
     """Generates up to `max_new_tokens` tokens per row.
@@ -50,7 +53,7 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
             cache_dtype = jnp.dtype(kv_cache_dtype).name
         except TypeError:
             cache_dtype = repr(kv_cache_dtype)
-        if cache_dtype not in ("int8", "bfloat16", "float16", "float32"):
+        if cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected None, 'int8', 'bfloat16', 'float16' or "
                              "'float32'")
     run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id,

@@ -11,11 +11,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul.formats import dequantize_nf4, quantize_int8, quantize_nf4
+from kernels.matmul.formats import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from models.layers import LORA_TARGETS
 
 __all__ = ["QUANTIZERS", "dequantize", "is_quantized_kernel", "quantize", "quantize_int8", "quantize_nf4"]
 QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4}
+_DEQUANTIZERS = {"int8": dequantize_int8, "nf4": dequantize_nf4}
 
 
 def is_quantized_kernel(path):
@@ -55,10 +56,7 @@ def dequantize(model, params):
     dtype = jnp.dtype(model.config.param_dtype)
 
     def one(node):
-        if model.config.quantize == "nf4":
-            kernel = dequantize_nf4(node["kernel"], node["kernel_scale"], dtype)
-        else:
-            kernel = (node["kernel"].astype(jnp.float32) * node["kernel_scale"][..., None, :]).astype(dtype)
+        kernel = _DEQUANTIZERS[model.config.quantize](node["kernel"], node["kernel_scale"], dtype)
         return {**{k: v for k, v in node.items() if k != "kernel_scale"}, "kernel": kernel}
 
     return model.clone(config=dataclasses.replace(model.config, quantize=None)), _map_projections(params, one)

@@ -35,6 +35,11 @@ def quantize_int8(w, axis=-2):
     return q, scale
 
 
+def dequantize_int8(q, scale, dtype=jnp.float32):
+    """The float array in `dtype` of `quantize_int8`'s (q, scale) for a weight [..., K, N] (scale per column)."""
+    return (q.astype(jnp.float32) * scale[..., None, :].astype(jnp.float32)).astype(dtype)
+
+
 def quantize_nf4(w):
     """(packed uint8 [..., K/2, N], float32 absmax [..., K/NF4_BLOCK, N]) of a float weight [..., K, N] (numpy or
     jax); K must be a multiple of NF4_BLOCK."""
