@@ -11,10 +11,11 @@ from absl import logging
 
 
 class Checkpointer:
-    """`workdir/checkpoints/<step>/{state, meta}`: `state` is a pytree of arrays, `meta` a JSON dict."""
+    """`workdir/<name>/<step>/{state, meta}`: `state` is a pytree of arrays, `meta` a JSON dict. The Trainer keeps
+    its last `keep` states under 'checkpoints' and, with `fit(save_best=...)`, the best evaluated one under 'best'."""
 
-    def __init__(self, workdir, *, keep=3, async_save=True):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    def __init__(self, workdir, *, keep=3, async_save=True, name="checkpoints"):
+        self.directory = os.path.abspath(os.path.join(workdir, name))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=True, create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))

@@ -47,8 +47,9 @@ def define_flags():
     flags.DEFINE_integer("seed", 0, "Fixes initialisation, shuffling and dropout.")
 
 
-def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, log_every, save_every):
-    """The training-loop flags of the training scripts (each script chooses its defaults)."""
+def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, log_every, save_every, evals=True):
+    """The training-loop flags of the training scripts (each script chooses its defaults); evals: the script
+    evaluates on held-out data during `fit` (--eval_every, --save_best)."""
     define_flags()
     flags.DEFINE_string("workdir", workdir, "Checkpoints, TensorBoard scalars and the model description "
                         "(run.json) go here; re-running the same command resumes.")
@@ -59,6 +60,11 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
     flags.DEFINE_integer("log_every", log_every, "Updates between log lines (the only host syncs of the loop).")
     flags.DEFINE_integer("save_every", save_every, "Updates between checkpoints (one is always written at the end).")
+    if evals:
+        flags.DEFINE_integer("eval_every", 0, "Updates between evals on the held-out data (0: after each epoch "
+                             "only).")
+        flags.DEFINE_string("save_best", None, "METRIC:min or METRIC:max, e.g. loss:min: keep the state of the best "
+                            "eval so far under workdir/best (generate.py / export_hf.py --checkpoint=best read it).")
     flags.DEFINE_list("profile_steps", [], "START,END: write a jax.profiler trace of those steps to "
                       "workdir/tensorboard (TensorBoard's profile tab).")
     flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS],
@@ -173,6 +179,8 @@ def start():
     if FLAGS.pipeline_microbatches < 0:
         raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
     _check_diloco_flags()
+    if "save_best" in FLAGS:
+        eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
     return engine.make_mesh(stage=FLAGS.pipeline_stages, **parse_mesh(FLAGS.mesh))
 
 
@@ -189,6 +197,19 @@ def trainer_kwargs():
     return kwargs
 
 
+def eval_kwargs():
+    """`fit`'s eval_every and save_best from --eval_every and --save_best."""
+    if FLAGS.eval_every < 0:
+        raise ValueError(f"--eval_every={FLAGS.eval_every}; expected an integer >= 0 (0: after each epoch only)")
+    save_best = None
+    if FLAGS.save_best:
+        metric, _, mode = FLAGS.save_best.rpartition(":")
+        if not metric or mode not in ("min", "max"):
+            raise ValueError(f"--save_best={FLAGS.save_best}; expected METRIC:min or METRIC:max, e.g. loss:min")
+        save_best = (metric, mode)
+    return dict(eval_every=FLAGS.eval_every or None, save_best=save_best)
+
+
 def optimizer(learning_rate=None):
     """AdamW with global-norm clipping, linear warm-up and cosine decay to 10% at --max_steps, from the training
     flags (learning_rate: a peak other than --learning_rate); every training script builds its optimizer here."""
@@ -203,12 +224,20 @@ def optimizer(learning_rate=None):
 
 def progress_lines(trainer, log_every):
     """The lines a training script prints after `fit`: one per `log_every` steps of the history (loss, and token
-    accuracy when the loss reports it), then the throughput of the last logged steps."""
+    accuracy when the loss reports it), one per eval, the best checkpoint kept (`--save_best`), then the throughput
+    of the last logged steps."""
     lines = []
     for record in trainer.history:
         if "loss" in record and record["step"] % log_every == 0:
             accuracy = f"  token accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""
             lines.append(f"step {record['step']:5d}  loss {record['loss']:.4f}{accuracy}")
+        elif "eval_loss" in record:
+            results = " | ".join(f"{k[len('eval_'):]} {v:.4f}" for k, v in record.items() if k != "step")
+            lines.append(f"eval at step {record['step']}: {results}")
+    if trainer.best is not None:
+        best = trainer.best
+        lines.append(f"best eval {best['metric']} {best['value']:.4f} at step {best['step']} "
+                     f"(kept under {trainer.workdir}/best; --checkpoint=best reads it)")
     fig = trainer.throughput
     if fig:
         flops = ""
@@ -519,10 +548,17 @@ def _read_run(workdir, tasks):
     return run
 
 
-def restore_run(workdir, mesh, tasks=None, **options):
-    """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir, the parameters
-    sharded over `mesh` (the layout engine.auto_shard picks for this mesh, whatever mesh trained them). tasks: as
-    in load_run. The model of a 'reward' run is its `engine.reward.RewardModel`; of a 'ppo' run, the policy."""
+def define_checkpoint_flag():
+    """--checkpoint: which checkpoint of a workdir a reading script (generate.py, export_hf.py) takes."""
+    flags.DEFINE_enum("checkpoint", "latest", ["latest", "best"], "The workdir's checkpoint to read: the latest, "
+                      "or the best eval's (kept by a training script's --save_best).")
+
+
+def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
+    """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir (checkpoint='best':
+    the one --save_best kept), the parameters sharded over `mesh` (the layout engine.auto_shard picks for this mesh,
+    whatever mesh trained them). tasks: as in load_run. The model of a 'reward' run is its
+    `engine.reward.RewardModel`; of a 'ppo' run, the policy."""
     task, model, tokenizer = load_run(workdir, tasks, **options)
     if task == "reward":
         model = reward.RewardModel(model)
@@ -542,11 +578,12 @@ def restore_run(workdir, mesh, tasks=None, **options):
     # The Trainer restores the parameters in its constructor, whatever optimizer (or DiLoCo) trained them.
     floating = jax.tree.map(lambda x: bool(jnp.issubdtype(x.dtype, jnp.inexact)), abstract)  # int8 bases never train
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract, optimizer=optax.sgd(0.0),
-                             workdir=workdir, restore_params_only=True, trainable=floating)
+                             workdir=workdir, restore_params_only=True, trainable=floating,
+                             restore_checkpoint=checkpoint)
     trainer.close()
     if trainer.step == 0:
         raise FileNotFoundError(f"--workdir={workdir} has no checkpoint yet")
-    logging.info("restored step %d of %s", trainer.step, workdir)
+    logging.info("restored step %d of %s (%s checkpoint)", trainer.step, workdir, checkpoint)
     return task, model, trainer.params["actor"] if task == "ppo" else trainer.params, tokenizer
 
 

@@ -11,6 +11,7 @@ compiled step scans over the micro-batches, accumulates gradients (sharded like 
 `data` with ZeRO-2), applies the optimizer and returns the donated state.
 """
 import functools
+import os
 import re
 import signal
 import threading
@@ -35,6 +36,8 @@ import kernels
 
 _NAN_POLICIES = ("raise", "skip")
 _STEPS = ("auto", "shard_map", "jit")
+_RESTORE_CHECKPOINTS = ("latest", "best")
+_BEST_MODES = ("min", "max")
 
 
 def _validate(name, value, ok, expected):
@@ -154,6 +157,9 @@ class Trainer:
         checkpoint, with a fresh optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it.
         Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size and
         fragments.
+      restore_checkpoint: which of the workdir's checkpoints the constructor restores: 'latest' (default) or 'best'
+        (the one `fit(save_best=...)` kept, under `workdir/best`; with restore_params_only=True only, and such a
+        Trainer neither trains nor saves: it would write over the later checkpoints' steps).
       offload_optimizer: keep the optimizer state in pinned host memory between steps (ZeRO-Offload's placement, as
         MaxText's optimizer_memory_host_offload): each step brings it to the device for the update and writes it
         back, trading two host-link transfers of it per step for its device memory (Adam: 8 bytes per parameter,
@@ -167,7 +173,7 @@ class Trainer:
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
                  nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None, diloco=None,
-                 restore_params_only=False, offload_optimizer=False, trainable=None):
+                 restore_params_only=False, offload_optimizer=False, trainable=None, restore_checkpoint="latest"):
         _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
@@ -196,6 +202,11 @@ class Trainer:
         self.diloco = diloco
         _validate("restore_params_only", restore_params_only, isinstance(restore_params_only, bool), "a bool")
         self._restore_params_only = restore_params_only
+        _validate("restore_checkpoint", restore_checkpoint, restore_checkpoint in _RESTORE_CHECKPOINTS,
+                  f"one of {_RESTORE_CHECKPOINTS}")
+        if restore_checkpoint == "best":
+            _validate("restore_checkpoint", restore_checkpoint, restore_params_only and workdir is not None,
+                      "'latest', or 'best' with restore_params_only=True and a workdir")
         _validate("offload_optimizer", offload_optimizer, isinstance(offload_optimizer, bool), "a bool")
         if offload_optimizer:
             _validate("offload_optimizer", offload_optimizer, diloco is None, "False with diloco (its optimizer "
@@ -242,8 +253,18 @@ class Trainer:
         self._key = jax.random.key(seed)
         self.workdir = workdir
         self._checkpointer = Checkpointer(workdir, keep=keep_checkpoints) if workdir else None
+        self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore_checkpoint='best'
+        self.best = None  # {'step', 'metric', 'mode', 'value'} of the checkpoint fit(save_best=...) keeps
+        self._restored_best = restore_checkpoint == "best"
+        self._last_eval_step = None
         self._writer = None
-        if self._checkpointer is not None and self._checkpointer.latest_step() is not None:
+        if self._restored_best:
+            source = None if not os.path.isdir(os.path.join(workdir, "best")) else self._open_best()
+            if source is None or source.latest_step() is None:
+                raise FileNotFoundError(f"restore_checkpoint='best': workdir={workdir} has no best checkpoint; "
+                                        "expected a workdir trained with fit(save_best=...) (--save_best)")
+            self._restore(source.latest_step(), source)
+        elif self._checkpointer is not None and self._checkpointer.latest_step() is not None:
             self._restore(self._checkpointer.latest_step())
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -288,7 +309,7 @@ class Trainer:
         trace_fn = lambda p: split_loss(self.loss_fn(p, example, self._key, True))[0]  # noqa: E731
         return auto_shard(params, self.mesh, trace_fn=trace_fn, rules=rules)
 
-    def _setup(self, restore_step=None):
+    def _setup(self, restore_step=None, checkpointer=None):
         """Decides the layout, compiles nothing yet, and places (or restores) the state."""
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
         abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._init_params)
@@ -343,16 +364,17 @@ class Trainer:
             opt_state = jax.jit(init_opt, out_shardings=self._opt_sh)(params)
             self._state = {"params": params, "opt_state": opt_state}
         elif self._restore_params_only:
-            params = self._checkpointer.restore_params(restore_step, abstract_like(abstract_params, self._param_sh))
+            params = checkpointer.restore_params(restore_step, abstract_like(abstract_params, self._param_sh))
             self._state = {"params": params, "opt_state": jax.jit(init_opt, out_shardings=self._opt_sh)(params)}
         else:
             target = {"params": abstract_like(abstract_params, self._param_sh),
                       "opt_state": abstract_like(abstract_opt, self._opt_sh)}
-            self._state, _ = self._checkpointer.restore(restore_step, target)
+            self._state, _ = checkpointer.restore(restore_step, target)
         self._init_params = None  # the master copy lives on the mesh from here on
 
-    def _restore(self, step):
-        meta = self._checkpointer.read_meta(step)
+    def _restore(self, step, checkpointer=None):
+        checkpointer = checkpointer or self._checkpointer
+        meta = checkpointer.read_meta(step)
         if meta.get("seed") != self.seed:
             logging.warning("restoring a checkpoint made with seed=%s into a Trainer with seed=%s",
                             meta.get("seed"), self.seed)
@@ -369,10 +391,11 @@ class Trainer:
             raise ValueError(f"workdir={self.workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
                              f"expected DiLoCo(fragments={saved}) to resume it (each part has its own outer "
                              "optimizer state), or restore_params_only=True to take its parameters only")
-        self._setup(restore_step=step)
+        self._setup(restore_step=step, checkpointer=checkpointer)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        self.best = meta.get("best")
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
-                     self._batch_in_epoch, self._checkpointer.directory)
+                     self._batch_in_epoch, checkpointer.directory)
 
     def _note_batch(self, batch):
         """Records the shapes of one global micro-batch (drops the micro-batch axis) and sets up on first sight."""
@@ -423,14 +446,19 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
             eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
-            save_every=None, profile_steps=None, checkpoint_at_end=True):
+            save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None, save_best=None):
         """Trains until `n_epochs` epochs or `max_steps` optimizer updates in total (both counted over the Trainer's
         life, resumes included: calling `fit` again continues where training stopped).
 
         The global batch of one update is `per_device_batch_size x data x fsdp x accumulate_grad_batches` examples.
         `train_examples`: a list (shuffled each epoch from `seed`) or any iterable (streamed in order; it is iterated
         once per epoch). The last incomplete global batch of an epoch is dropped. Eval (after each epoch): the mean
-        `eval_loss` and, with `eval_predictor` and `eval_metric_fn(examples, predictions) -> dict`, its metrics.
+        `eval_loss` and, with `eval_predictor` and `eval_metric_fn(examples, predictions) -> dict`, its metrics;
+        `eval_every`: also every that many updates (counted over the Trainer's life, so a resume keeps the schedule).
+        `save_best=(metric, 'min' | 'max')`, e.g. `('loss', 'min')` or `('exact_match', 'max')` (a name the eval
+        reports): after each eval that improves on the best so far, the whole state is saved under `workdir/best`
+        (one checkpoint, kept apart from the last `keep_checkpoints`; a resume reads the best value back). `best`
+        then holds its step and value; `Trainer(..., restore_params_only=True, restore_checkpoint='best')` reads it.
         `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
         caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
         `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard` (TensorBoard's
@@ -458,6 +486,24 @@ class Trainer:
         self._total_steps = total  # for the progress line; None when streaming without max_steps
         if (eval_predictor is None) != (eval_metric_fn is None):
             raise ValueError("eval_predictor and eval_metric_fn go together; got only one of them")
+        _validate("eval_every", eval_every, eval_every is None or (
+            isinstance(eval_every, int) and not isinstance(eval_every, bool) and eval_every >= 1 and
+            eval_examples is not None), "None or an integer >= 1, with eval_examples")
+        if save_best is not None:
+            ok = (isinstance(save_best, (tuple, list)) and len(save_best) == 2 and isinstance(save_best[0], str)
+                  and save_best[1] in _BEST_MODES)
+            _validate("save_best", save_best, ok, "None or (metric, 'min' | 'max'), e.g. ('loss', 'min')")
+            _validate("save_best", save_best, eval_examples is not None and self.workdir is not None,
+                      "None without eval_examples and a workdir (the best is chosen by eval and saved there)")
+            _validate("save_best", save_best, save_best[0] == "loss" or eval_metric_fn is not None,
+                      "('loss', mode) without eval_metric_fn (the eval reports only its loss)")
+            self._check_best_matches(tuple(save_best))
+        if self._restored_best:
+            raise ValueError("fit: this Trainer restored the best checkpoint (restore_checkpoint='best'), whose step "
+                             "lies before the workdir's later checkpoints; expected its params passed to a Trainer "
+                             "with another workdir to train on from them")
+        evaluate = functools.partial(self._evaluate, eval_examples, eval_per_device_batch_size or per_device_batch_size,
+                                     eval_predictor, eval_metric_fn, None if save_best is None else tuple(save_best))
         if profile_steps is not None:
             ok = (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
                   and all(isinstance(x, int) for x in profile_steps) and 0 <= profile_steps[0] < profile_steps[1])
@@ -504,6 +550,10 @@ class Trainer:
                             last_log = self._flush(pending, last_log, rows, batch)
                         if save_every and self._step % save_every == 0:
                             self.save_checkpoint()
+                        if eval_every and self._step % eval_every == 0:
+                            if pending:
+                                last_log = self._flush(pending, last_log, rows, batch)
+                            evaluate()
                         if stop.is_set() or (max_steps is not None and self._step >= max_steps):
                             break
                 finally:
@@ -517,9 +567,8 @@ class Trainer:
                 self._epoch, self._batch_in_epoch = self._epoch + 1, 0
                 if pending:
                     last_log = self._flush(pending, last_log, rows, None)
-                if eval_examples is not None:
-                    self._evaluate(eval_examples, eval_per_device_batch_size or per_device_batch_size,
-                                   eval_predictor, eval_metric_fn)
+                if eval_examples is not None and self._last_eval_step != self._step:
+                    evaluate()
             if pending:
                 self._flush(pending, last_log, rows, None)
         finally:
@@ -533,6 +582,8 @@ class Trainer:
         if self._checkpointer is not None and self._state is not None and (checkpoint_at_end or stop.is_set()):
             self.save_checkpoint()
             self._checkpointer.wait()
+        if self._best_checkpointer is not None:
+            self._best_checkpointer.wait()
         return self.history
 
     def _install_signal_handlers(self, stop):
@@ -653,16 +704,53 @@ class Trainer:
             raise ValueError("eval_loss: examples is empty; expected at least one example")
         return total / count
 
-    def _evaluate(self, examples, per_device_batch_size, predictor, metric_fn):
+    def _evaluate(self, examples, per_device_batch_size, predictor, metric_fn, save_best=None):
         results = {"loss": self.eval_loss(examples, per_device_batch_size=per_device_batch_size)}
         if predictor is not None:
             preds = predictor.predict(examples, per_device_batch_size=per_device_batch_size, params=self.params)
             results.update({k: float(v) for k, v in metric_fn(examples, preds).items()})
-        logging.info("eval after epoch %d (step %d): %s", self._epoch, self._step,
+        self._last_eval_step = self._step
+        logging.info("eval at step %d (epoch %d, batch %d): %s", self._step, self._epoch, self._batch_in_epoch,
                      " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
         self.history.append({"step": self._step, **{f"eval_{k}": v for k, v in results.items()}})
         self.write_scalars("eval", results)
+        if save_best is not None:
+            self._maybe_save_best(save_best, results)
         return results
+
+    def _open_best(self):
+        if self._best_checkpointer is None:
+            self._best_checkpointer = Checkpointer(self.workdir, keep=1, name="best")
+        return self._best_checkpointer
+
+    def _check_best_matches(self, save_best):
+        """Reads the workdir's best so far (a resume) and refuses a different criterion: replacing a best chosen by
+        another metric would lose it."""
+        best = self._open_best()
+        if self.best is None and best.latest_step() is not None:
+            self.best = best.read_meta(best.latest_step()).get("best")
+        if self.best is not None and (self.best["metric"], self.best["mode"]) != save_best:
+            raise ValueError(f"save_best={save_best!r}: workdir={self.workdir} keeps the best checkpoint by "
+                             f"{(self.best['metric'], self.best['mode'])!r} (step {self.best['step']}); expected "
+                             "the same save_best, or another workdir")
+
+    def _maybe_save_best(self, save_best, results):
+        metric, mode = save_best
+        if metric not in results:
+            raise ValueError(f"save_best={save_best!r}: the eval reports no {metric!r}; expected one of "
+                             f"{sorted(results)}")
+        value = results[metric]
+        if not np.isfinite(value):
+            return
+        if self.best is not None:
+            better = value < self.best["value"] if mode == "min" else value > self.best["value"]
+            if not better:
+                return
+        self.best = {"step": self._step, "metric": metric, "mode": mode, "value": value}
+        self._open_best().save(self._step, self._state, {**self._meta(), "best": self.best})
+        logging.info("best %s so far: %.4f at step %d (saved under %s)", metric, value, self._step,
+                     self._best_checkpointer.directory)
+        self.write_scalars("eval", {f"best_{metric}": value})
 
     def write_scalars(self, group, scalars):
         """Writes host numbers `{name: value}` to TensorBoard as `group/name` at the current step (process 0 with a
@@ -678,17 +766,22 @@ class Trainer:
         """Starts an asynchronous save of parameters, optimizer state, step, rng seed and data position."""
         if self._checkpointer is None:
             raise ValueError("save_checkpoint: this Trainer has workdir=None; pass workdir= to save checkpoints")
+        if self._restored_best:
+            raise ValueError("save_checkpoint: this Trainer restored the best checkpoint (restore_checkpoint='best'); "
+                             "a save would write over the workdir's later steps")
         if self._state is None:
             raise ValueError("save_checkpoint: nothing to save before the first batch fixed the sharding")
         if self._checkpointer.latest_step() == self._step:
             return
         started = time.perf_counter()
-        meta = {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
+        self._checkpointer.save(self._step, self._state, self._meta())
+        self._timers["checkpoint"] += time.perf_counter() - started
+
+    def _meta(self):
+        return {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
                 "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
                 "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments}
-        self._checkpointer.save(self._step, self._state, meta)
-        self._timers["checkpoint"] += time.perf_counter() - started
 
     def _diloco_replicas(self):
         return None if self.diloco is None else self.mesh.shape["data"]
@@ -697,6 +790,8 @@ class Trainer:
         """Waits for pending checkpoint writes and closes the TensorBoard writer."""
         if self._checkpointer is not None:
             self._checkpointer.close()
+        if self._best_checkpointer is not None:
+            self._best_checkpointer.close()
         if self._writer is not None:
             self._writer.close()
 

@@ -27,6 +27,7 @@ from engine import cli, reward  # noqa: E402
 FLAGS = flags.FLAGS
 cli.define_flags()
 flags.DEFINE_string("workdir", "workdir", "A training script's workdir (its run.json and latest checkpoint).")
+cli.define_checkpoint_flag()
 flags.DEFINE_string("out", None, "The directory to write (created; its safetensors files are replaced).")
 flags.DEFINE_bool("adapter_only", False, "Write only the run's LoRA adapters, as a PEFT adapter directory.")
 
@@ -36,7 +37,7 @@ def main(argv):
     if not FLAGS.out:
         raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
     mesh = cli.start()
-    task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh)
+    task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh, checkpoint=FLAGS.checkpoint)
     if FLAGS.adapter_only:
         if task == "reward" or not models.has_lora(params):
             raise ValueError(f"--adapter_only: {FLAGS.workdir} holds a {task} run without LoRA adapters; expected "

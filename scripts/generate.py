@@ -22,6 +22,7 @@ FLAGS = flags.FLAGS
 cli.define_flags()
 flags.DEFINE_string("workdir", "workdir", "A training script's workdir: its run.json rebuilds the model and its "
                     "latest checkpoint gives the parameters (ignored with --init_from).")
+cli.define_checkpoint_flag()
 flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors; tokenizer.json, "
                     "else byte-level tokens) instead of a workdir.")
 flags.DEFINE_list("prompts", [], "Comma-separated prompts.")
@@ -65,8 +66,8 @@ def main(argv):
     if FLAGS.init_from:
         model, params, tokenizer = cli.load_hf(FLAGS.init_from, families=["llama", "gptj", "opt", "t5"], mesh=mesh)
     else:
-        task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh,
-                                                         tasks=("lm", "seq2seq", "sft", "dpo", "ppo"))
+        tasks = ("lm", "seq2seq", "sft", "dpo", "ppo")
+        task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh, tasks=tasks, checkpoint=FLAGS.checkpoint)
     model, params = cli.merge_adapter(model, params, FLAGS.init_adapter, mesh)
     if FLAGS.quantize != "none":
         model, params = models.quantize(*models.merge_lora(model, params), FLAGS.quantize)

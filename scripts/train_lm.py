@@ -88,7 +88,8 @@ def main(argv):
     print(f"eval loss before training: {start_loss:.4f}")
     trainer.fit(train_rows, per_device_batch_size=FLAGS.per_device_batch_size, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
-                save_every=FLAGS.save_every, profile_steps=profile)
+                save_every=FLAGS.save_every, profile_steps=profile,
+                **cli.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=FLAGS.per_device_batch_size)

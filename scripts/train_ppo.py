@@ -32,7 +32,7 @@ from engine import cli, ppo, preference, reward, text  # noqa: E402
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_ppo", max_steps=320, learning_rate=1e-3, warmup_steps=4, log_every=8,
-                          save_every=10)
+                          save_every=10, evals=False)
 FLAGS["save_every"].help = "Iterations between checkpoints (one is always written at the end)."
 cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
                          "checkpoint and tokenizer) or a Hugging Face model directory: the policy starts there and "

@@ -61,12 +61,14 @@ def _stdlib_txt(path):
 
 def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_path):
     """The main job from a Hugging Face directory (made by models.save_pretrained): loss falls, TensorBoard, trace,
-    checkpoints, run.json; the same command resumes (here with the fused loss: same parameters, no logits, under
-    the model axis); generate.py reads the workdir and the Hugging Face directory on other meshes."""
+    checkpoints, run.json, evals every 3 steps keeping the best one's state; the same command resumes (here with the
+    fused loss: same parameters, no logits, under the model axis); generate.py reads the workdir's best checkpoint
+    and the Hugging Face directory on other meshes."""
     _tiny_hf("llama", tmp_path / "hf")
     workdir = tmp_path / "work"
     args = [f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt').parent}/*.txt",
-            f"--workdir={workdir}", "--mesh=-1,1,2", "--learning_rate=1e-2", "--warmup_steps=2", *TINY_LM]
+            f"--workdir={workdir}", "--mesh=-1,1,2", "--learning_rate=1e-2", "--warmup_steps=2", *TINY_LM,
+            "--eval_every=3", "--save_best=loss:min"]
     out = _run("train_lm.py", "--max_steps=6", "--profile_steps=2,4", *args)
     before, after = _eval_losses(out.stdout)
     assert after < 0.95 * before and "--- sample for 'def '" in out.stdout
@@ -79,9 +81,16 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
     again = _run("train_lm.py", "--max_steps=9", "--prompts=", "--loss_implementation=xla", *args)
     assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(workdir)[-1] == 9
     assert _eval_losses(again.stdout)[1] < after
+    evals = re.findall(r"^eval at step (\d+): loss ([0-9.]+)$", out.stdout + again.stdout, re.M)
+    assert [int(s) for s, _ in evals] == [3, 6, 9], out.stdout + again.stdout
+    best_step, best_loss = min(evals, key=lambda e: float(e[1]))
+    assert f"best eval loss {best_loss} at step {best_step}" in again.stdout
+    assert os.listdir(workdir / "best") == [best_step]
 
-    gen = _run("generate.py", f"--workdir={workdir}", "--prompts=def,class", "--max_new_tokens=5", "--mesh=2,2,2")
+    gen = _run("generate.py", f"--workdir={workdir}", "--checkpoint=best", "--prompts=def,class", "--max_new_tokens=5",
+               "--mesh=2,2,2")
     assert re.findall(r"^--- '(\w+)':$", gen.stdout, re.M) == ["def", "class"]
+    assert f"restored step {best_step} of {workdir} (best checkpoint)" in gen.stderr
     gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--prompts=the", "--max_new_tokens=3",
                "--mesh=1,1,-1")
     assert "--- 'the':" in gen.stdout
@@ -336,6 +345,8 @@ def _bad_inputs(tmp_path, slow):
                                                                     "fields 'prompt', 'chosen' and 'rejected'",
             ("train_ppo.py", f"--data={tmp_path / 'bad.jsonl'}"): "--reward_from is empty",
             ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
+            ("train_lm.py", "--save_best=loss"): "--save_best=loss; expected METRIC:min or METRIC:max",
+            ("train_sft.py", "--eval_every=-2"): "--eval_every=-2; expected an integer >= 0",
         }
     return {
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",

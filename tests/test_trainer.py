@@ -213,6 +213,70 @@ def test_predictor_keeps_order_and_drops_padding():
     assert predictor.compile_count == 1
 
 
+def _scored_eval(scores):
+    """fit's eval_predictor and eval_metric_fn reporting `scores` in turn as 'score' (a metric whose best step the
+    test chooses)."""
+    predictor = engine.Predictor(mesh=engine.make_mesh(data=4, model=2), collate_fn=task.collate_fn,
+                                 pred_fn=lambda params, batch, rng: {"first": batch["input_ids"][:, 0]})
+    scores = iter(scores)
+    return dict(eval_examples=EXAMPLES[:8], eval_predictor=predictor,
+                eval_metric_fn=lambda examples, predictions: {"score": next(scores)})
+
+
+def test_eval_every_keeps_the_best_checkpoint_across_a_resume(tmp_path):
+    fit = dict(per_device_batch_size=2, log_every=2, eval_every=2, save_best=("score", "max"))
+    trainer = _trainer(workdir=str(tmp_path))
+    trainer.fit(EXAMPLES, max_steps=6, **fit, **_scored_eval([0.1, 0.5, 0.3]))
+    trainer.close()
+    assert [h["step"] for h in trainer.history if "eval_score" in h] == [2, 4, 6]  # mid-epoch (8 steps an epoch)
+    assert trainer.best == {"step": 4, "metric": "score", "mode": "max", "value": 0.5}
+    assert sorted(os.listdir(tmp_path / "best")) == ["4"]
+    # The best checkpoint holds step 4's state: equal to a run stopped there.
+    reference = _trainer()
+    reference.fit(EXAMPLES, per_device_batch_size=2, max_steps=4)
+    best = _trainer(workdir=str(tmp_path), restore_params_only=True, restore_checkpoint="best")
+    assert best.step == 4 and best.best["value"] == 0.5
+    _assert_trees_close(best.params, reference.params, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"fit: this Trainer restored the best checkpoint"):
+        best.fit(EXAMPLES, per_device_batch_size=2, max_steps=8)
+    # A resume reads the best value back: 0.45 at step 8 does not replace it (nor does the epoch's end, the same
+    # step), 0.9 at step 10 does; the eval schedule goes on by step number.
+    resumed = _trainer(workdir=str(tmp_path))
+    assert resumed.step == 6
+    resumed.fit(EXAMPLES, max_steps=10, n_epochs=2, **fit, **_scored_eval([0.45, 0.9]))
+    resumed.close()
+    assert [h["step"] for h in resumed.history if "eval_score" in h] == [8, 10]
+    assert resumed.best["step"] == 10 and sorted(os.listdir(tmp_path / "best")) == ["10"]
+    with pytest.raises(ValueError, match=r"save_best=\('loss', 'min'\): workdir=.* keeps the best checkpoint by "
+                                         r"\('score', 'max'\) \(step 10\)"):
+        _trainer(workdir=str(tmp_path)).fit(EXAMPLES, per_device_batch_size=2, max_steps=12,
+                                            eval_examples=EXAMPLES[:8], save_best=("loss", "min"))
+
+
+def test_bad_eval_and_best_checkpoint_settings(tmp_path):
+    fit = dict(per_device_batch_size=2, max_steps=2)
+    with pytest.raises(ValueError, match=r"eval_every=0; expected None or an integer >= 1, with eval_examples"):
+        _trainer().fit(EXAMPLES, eval_every=0, eval_examples=EXAMPLES[:8], **fit)
+    with pytest.raises(ValueError, match=r"eval_every=2; expected None or an integer >= 1, with eval_examples"):
+        _trainer().fit(EXAMPLES, eval_every=2, **fit)
+    with pytest.raises(ValueError, match=r"save_best=\('loss', 'lowest'\); expected None or \(metric, 'min' \| "
+                                         r"'max'\)"):
+        _trainer(workdir=str(tmp_path)).fit(EXAMPLES, eval_examples=EXAMPLES[:8], save_best=("loss", "lowest"), **fit)
+    with pytest.raises(ValueError, match=r"expected None without eval_examples and a workdir"):
+        _trainer().fit(EXAMPLES, eval_examples=EXAMPLES[:8], save_best=("loss", "min"), **fit)
+    with pytest.raises(ValueError, match=r"expected \('loss', mode\) without eval_metric_fn"):
+        _trainer(workdir=str(tmp_path)).fit(EXAMPLES, eval_examples=EXAMPLES[:8], save_best=("bleu", "max"), **fit)
+    with pytest.raises(ValueError, match=r"the eval reports no 'bleu'; expected one of \['loss', 'score'\]"):
+        _trainer(workdir=str(tmp_path)).fit(EXAMPLES, eval_every=1, save_best=("bleu", "max"), **fit,
+                                            **_scored_eval([0.1]))
+    with pytest.raises(ValueError, match=r"restore_checkpoint='best'; expected 'latest', or 'best' with "
+                                         r"restore_params_only=True and a workdir"):
+        _trainer(workdir=str(tmp_path), restore_checkpoint="best")
+    with pytest.raises(FileNotFoundError, match=r"has no best checkpoint"):
+        _trainer(workdir=str(tmp_path / "empty"), restore_params_only=True, restore_checkpoint="best")
+    assert not os.path.exists(tmp_path / "empty" / "best")
+
+
 def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"train_examples has 5 examples, fewer than one global batch of 8"):
         _trainer().fit(EXAMPLES[:5], per_device_batch_size=2)
