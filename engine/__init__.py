@@ -4,7 +4,8 @@ from engine.distributed import initialize_distributed
 from engine.mesh import AXES, make_mesh
 from engine.predictor import Predictor
 from engine.sharding import add_axis, auto_shard, describe_sharding
+from engine.step import LossScale
 from engine.trainer import Trainer, global_batch_size
 
 __all__ = ["AXES", "make_mesh", "auto_shard", "describe_sharding", "add_axis", "initialize_distributed", "Trainer",
-           "Predictor", "global_batch_size", "DiLoCo"]
+           "Predictor", "global_batch_size", "DiLoCo", "LossScale"]

@@ -4,7 +4,12 @@
 `batch` leaves are `[accumulate, global_micro_batch, ...]`; `step` is the int32 update number (the per-step rng is
 `fold_in(key, step)`, micro-batch i uses `fold_in(that, i)`). A non-finite loss or gradient norm leaves params and
 optimizer state unchanged; `metrics['finite']` tells the Trainer.
+
+With a `LossScale` (float16 compute) the optimizer state is `{'optimizer': the optimizer's state, 'loss_scale':
+{'scale', 'good_steps'}}`: the loss is multiplied by the scale before differentiation, so float16 cotangents that would
+underflow to zero stay representable, and the float32 gradients are divided by it before the update.
 """
+import dataclasses
 import functools
 import math
 
@@ -47,6 +52,53 @@ def find_learning_rate(opt_state):
     return found[0] if found else None
 
 
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """Loss scaling for float16 compute (PyTorch's GradScaler, DeepSpeed's fp16 `loss_scale: 0`): the loss is scaled
+    by `scale` before the backward pass and the gradients unscaled after it. Dynamic (default): a step whose
+    gradients overflow (inf / NaN) is skipped and the scale divided by `factor` (not below `minimum`); after
+    `growth_interval` finite steps in a row it is multiplied by `factor`. `dynamic=False`: a fixed scale `initial`.
+    float16's gradients underflow below 6e-8 (2^-24) and overflow above 65504, so without a scale the small ones
+    vanish: the toy test's gradients were exactly zero (tests/test_trainer.py)."""
+    initial: float = 2.0 ** 15
+    growth_interval: int = 2000
+    factor: float = 2.0
+    minimum: float = 1.0
+    dynamic: bool = True
+
+    def __post_init__(self):
+        for name, ok in (("initial", self.initial >= 1), ("growth_interval", self.growth_interval >= 1),
+                         ("factor", self.factor > 1), ("minimum", 1 <= self.minimum <= self.initial)):
+            if not ok:
+                raise ValueError(f"LossScale({name}={getattr(self, name)!r}); expected initial >= minimum >= 1, "
+                                 "growth_interval >= 1 and factor > 1")
+
+    def init(self):
+        return {"scale": jnp.float32(self.initial), "good_steps": jnp.int32(0)}
+
+    def next(self, state, finite):
+        """The state after a step whose unscaled loss and gradients were `finite` (or not)."""
+        if not self.dynamic:
+            return state
+        grow = finite & (state["good_steps"] + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, state["scale"] * self.factor, state["scale"]),
+                          jnp.maximum(state["scale"] / self.factor, self.minimum))
+        return {"scale": scale.astype(jnp.float32),
+                "good_steps": jnp.where(finite & ~grow, state["good_steps"] + 1, 0).astype(jnp.int32)}
+
+
+def init_opt_state(optimizer, trained, loss_scale=None):
+    """The optimizer state of the trained parameters, with the loss scale's beside it when there is one."""
+    if loss_scale is None:
+        return optimizer.init(trained)
+    return {"optimizer": optimizer.init(trained), "loss_scale": loss_scale.init()}
+
+
+def current_loss_scale(opt_state, loss_scale):
+    """The float32 scale this step multiplies the loss by (None without loss scaling)."""
+    return None if loss_scale is None else opt_state["loss_scale"]["scale"]
+
+
 def cast_floating(tree, dtype):
     if dtype is None:
         return tree
@@ -78,14 +130,29 @@ def combine(trained, frozen, trainable):
     return jax.tree.map(lambda m, a, b: a if m else b, trainable, trained, frozen, is_leaf=lambda x: x is None)
 
 
-def trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable):
+def trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable, scale=None):
     """`value_and_grad` of the micro-batch loss with respect to the trained parameters only (None leaves where
-    frozen): the frozen ones enter as constants, so no weight gradient is computed for them."""
+    frozen): the frozen ones enter as constants, so no weight gradient is computed for them. scale: the loss scale
+    (the gradients come out multiplied by it; the loss does not)."""
     micro_loss = micro_loss_fn(loss_fn, compute_dtype)
     if trainable is not None:
         full = micro_loss
         micro_loss = lambda trained, batch, rng: full(combine(trained, frozen, trainable), batch, rng)  # noqa: E731
-    return jax.value_and_grad(jax.checkpoint(micro_loss) if remat else micro_loss, has_aux=True)
+    micro_loss = jax.checkpoint(micro_loss) if remat else micro_loss
+    if scale is None:
+        return jax.value_and_grad(micro_loss, has_aux=True)
+
+    def scaled(trained, batch, rng):
+        loss, metrics = micro_loss(trained, batch, rng)
+        return loss * scale, (loss, metrics)
+
+    grad_fn = jax.value_and_grad(scaled, has_aux=True)
+
+    def unscaled_value(trained, batch, rng):
+        (_, aux), grads = grad_fn(trained, batch, rng)
+        return aux, grads
+
+    return unscaled_value
 
 
 def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g):
@@ -111,12 +178,19 @@ def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lamb
     return loss * scale, jax.tree.map(lambda m: m * scale, metrics), grads
 
 
-def apply_update(optimizer, params, opt_state, grads, loss, metrics):
+def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None):
     """The optimizer update, applied only when loss and gradient norm are finite; returns (params, opt_state, metrics).
 
     The guard is a `lax.cond` around the whole update rather than a `where` on its result: the where keeps old and
     new state alive together (+1 gradient-sized temporary per device: 3.4 GB for LLaMA-7B on 8 devices), the cond
-    lets the update run in place in the donated buffers."""
+    lets the update run in place in the donated buffers. loss_scale: the `LossScale` the gradients were computed
+    under (they are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's)."""
+    if loss_scale is not None:
+        state, opt_state = opt_state["loss_scale"], opt_state["optimizer"]
+        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / state["scale"]).astype(g.dtype), grads)
+        params, opt_state, metrics = apply_update(optimizer, params, opt_state, grads, loss, metrics)
+        metrics["loss_scale"] = state["scale"]
+        return params, {"optimizer": opt_state, "loss_scale": loss_scale.next(state, metrics["finite"])}, metrics
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -133,18 +207,21 @@ def apply_update(optimizer, params, opt_state, grads, loss, metrics):
     return new_params, new_opt_state, out
 
 
-def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key, trainable=None):
+def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key, trainable=None,
+                   loss_scale=None):
     """The reference step: plain `jax.jit` semantics, the compiler's partitioner does every collective.
     trainable: None (every parameter trains) or a tree of bools of the parameters' structure; the optimizer state
-    and `grad_shardings` then cover the trained leaves only (`partition(...)[0]`), the frozen ones pass through."""
+    and `grad_shardings` then cover the trained leaves only (`partition(...)[0]`), the frozen ones pass through.
+    loss_scale: None or a `LossScale` (its state in the optimizer state, see `init_opt_state`)."""
     constrain = lambda g: jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)  # noqa: E731
 
     def step(params, opt_state, batch, step):
         rng = jax.random.fold_in(key, step)
         trained, frozen = partition(params, trainable)
-        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable)
+        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable,
+                                  current_loss_scale(opt_state, loss_scale))
         loss, metrics, grads = accumulate_gradients(grad_fn, trained, batch, rng, accumulate, constrain)
-        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale)
         return combine(trained, frozen, trainable), opt_state, metrics
 
     return step
@@ -612,7 +689,8 @@ def _reduce(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None):
 
 
 def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
-                         compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None):
+                         compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None,
+                         loss_scale=None):
     """The overlapped step: a `jax.shard_map` manual over `data` and `fsdp` (the `model` axis stays automatic, split by
     the compiler from the parameter specs) computes the gradients with explicit collectives; the optimizer update
     then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
@@ -639,9 +717,10 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
       summed, which reproduces the global-batch values of `jit_train_step` exactly.
     `trainable`: as in `jit_train_step`. A frozen parameter is gathered like any other but never differentiated:
       no weight gradient, no reduction.
-    Metrics, the NaN/inf guard and the learning rate are those of `jit_train_step`. rng: micro-batch i of update
-    `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are several shards
-    (so that dropout masks of different shards are independent).
+    Metrics, the NaN/inf guard, the learning rate and `loss_scale` are those of `jit_train_step` (the scale enters
+    the manual region as a replicated scalar; gradients are reduced scaled, unscaled in the update). rng: micro-batch
+    i of update `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are
+    several shards (so that dropout masks of different shards are independent).
     """
     if jnp.dtype(reduce_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"reduce_dtype={reduce_dtype!r}; expected jnp.float32 or jnp.bfloat16")
@@ -668,7 +747,7 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
         trained_plans = pick(plans)
         full_abstract = [jax.ShapeDtypeStruct(x.shape, compute_type(x)) for x in leaves]
 
-        def local(local_params, local_batch, step):
+        def local(local_params, local_batch, step, scale):
             rng = jax.random.fold_in(key, step)
             shard = jax.lax.axis_index(live) if live else None
             first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local_batch)
@@ -688,7 +767,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                 else:
                     w = jax.lax.stop_gradient(metrics[weight_metric])
                     weight = w / (jax.lax.psum(w, live) if live else w)
-                return loss * weight, (loss, metrics, weight)
+                scaled = loss * weight if scale is None else loss * weight * scale
+                return scaled, (loss, metrics, weight)
 
             grad_fn = jax.value_and_grad(jax.checkpoint(shard_loss) if remat else shard_loss, has_aux=True)
 
@@ -728,15 +808,15 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
         leaves_of = lambda tree: jax.tree.leaves(tree)  # noqa: E731
         fn = _shard_map(local, mesh, in_specs=(treedef.unflatten([pl.in_spec for pl in plans]),
                                                 jax.sharding.PartitionSpec(None, MANUAL_AXES),
-                                                jax.sharding.PartitionSpec()),
+                                                jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec()),
                         out_specs=([pl.out_spec for pl in trained_plans], jax.sharding.PartitionSpec(),
                                    jax.sharding.PartitionSpec()))
-        grads, loss, metrics = fn(params, batch, step)
+        grads, loss, metrics = fn(params, batch, step, current_loss_scale(opt_state, loss_scale))
         trained, frozen = partition(params, trainable)
         grads = [jax.lax.with_sharding_constraint(g, sh)
                  for g, sh in zip(grads, pick(treedef.flatten_up_to(update_sh)))]
         grads = jax.tree.structure(trained).unflatten(grads)
-        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale)
         return combine(trained, frozen, trainable), opt_state, metrics
 
     return step

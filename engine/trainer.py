@@ -76,6 +76,25 @@ def _state_specs(state, param_specs, param_shapes, scalar):
     return jax.tree_util.tree_map_with_path(spec_of, state)
 
 
+def _resolve_loss_scale(loss_scale, compute_dtype, diloco):
+    """Trainer's `loss_scale` argument -> None or an `engine.LossScale`."""
+    number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+    _validate("loss_scale", loss_scale, loss_scale in (None, "auto", "dynamic") or (number and loss_scale >= 1)
+              or isinstance(loss_scale, step_lib.LossScale),
+              "None, 'auto', 'dynamic', a number >= 1 (a fixed scale) or an engine.LossScale")
+    if loss_scale == "auto":
+        loss_scale = "dynamic" if compute_dtype == jnp.dtype(jnp.float16) else None
+    if loss_scale is None:
+        return None
+    if diloco is not None:
+        raise ValueError(f"loss_scale={loss_scale!r} with diloco: DiLoCo's step does not scale the loss; expected "
+                         "compute_dtype bfloat16 or float32 with diloco, or loss_scale=None to train float16 unscaled")
+    if loss_scale == "dynamic":
+        return step_lib.LossScale()
+    return loss_scale if isinstance(loss_scale, step_lib.LossScale) else step_lib.LossScale(float(loss_scale),
+                                                                                             dynamic=False)
+
+
 def _trainable_mask(trainable, params):
     """Trainer's `trainable` argument -> None (everything trains) or a tree of bools of `params`' structure."""
     if trainable is None:
@@ -157,6 +176,11 @@ class Trainer:
         checkpoint, with a fresh optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it.
         Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size and
         fragments.
+      loss_scale: loss scaling for float16 compute (`engine.LossScale`): 'auto' (default: 'dynamic' when compute_dtype
+        is float16, else None), 'dynamic' (`LossScale()`: start at 2^15, halve and skip the step on an overflow,
+        double after 2000 finite steps), a number >= 1 (a fixed scale), an `engine.LossScale`, or None. Its state
+        rides in the optimizer state (checkpointed, so a resume continues it); each step's scale is the
+        `loss_scale` metric. A skipped overflow step is logged, not an error, until the scale reaches its minimum.
       restore_checkpoint: which of the workdir's checkpoints the constructor restores: 'latest' (default) or 'best'
         (the one `fit(save_best=...)` kept, under `workdir/best`; with restore_params_only=True only, and such a
         Trainer neither trains nor saves: it would write over the later checkpoints' steps).
@@ -173,7 +197,8 @@ class Trainer:
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
                  zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
                  nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None, diloco=None,
-                 restore_params_only=False, offload_optimizer=False, trainable=None, restore_checkpoint="latest"):
+                 restore_params_only=False, offload_optimizer=False, trainable=None, restore_checkpoint="latest",
+                 loss_scale="auto"):
         _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
         _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
         _validate("accumulate_grad_batches", accumulate_grad_batches,
@@ -231,6 +256,7 @@ class Trainer:
         self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
         self.zero_stage, self.accumulate = zero_stage, accumulate_grad_batches
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        self._loss_scale = _resolve_loss_scale(loss_scale, self.compute_dtype, diloco)
         self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
         self._sharding_rules = sharding_rules
         if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
@@ -310,7 +336,9 @@ class Trainer:
         return auto_shard(params, self.mesh, trace_fn=trace_fn, rules=rules)
 
     def _setup(self, restore_step=None, checkpointer=None):
-        """Decides the layout, compiles nothing yet, and places (or restores) the state."""
+        """Decides the layout, compiles nothing yet, and places (or restores from `checkpointer`, by default the
+        workdir's) the state."""
+        checkpointer = checkpointer or self._checkpointer
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
         abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._init_params)
         mask = self._trainable
@@ -329,7 +357,8 @@ class Trainer:
                            if self.zero_stage >= 1 else self._param_specs)
         self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
         if self.diloco is None:
-            init_opt = lambda p: self.optimizer.init(partition(p, mask)[0])  # noqa: E731
+            init_opt = lambda p: step_lib.init_opt_state(self.optimizer, partition(p, mask)[0],  # noqa: E731
+                                                         self._loss_scale)
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
             self._opt_specs = _state_specs(abstract_opt, opt_param_specs, shapes, P())
         else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
@@ -433,9 +462,10 @@ class Trainer:
             elif self._step_kind == "shard_map":
                 impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
-                    zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None), **common)
+                    zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None),
+                    loss_scale=self._loss_scale, **common)
             else:
-                impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, **common)
+                impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, loss_scale=self._loss_scale, **common)
             self._step_impls[sync] = impl  # the traceable body, for tests and tools
             batch_sh = data_lib.batch_sharding(self.mesh, 2)
             self._step_fn[sync] = jax.jit(functools.partial(self._train_step, impl),
@@ -612,6 +642,11 @@ class Trainer:
                       **{k: float(np.all(v) if k == "finite" else np.mean(v)) for k, v in metrics.items()}}
             self.history.append(record)
             if not record.pop("finite"):
+                scaled = self._loss_scale
+                if scaled is not None and scaled.dynamic and record["loss_scale"] > scaled.minimum:
+                    logging.warning("step %d: gradients overflowed at loss scale %g; update skipped, scale lowered",
+                                    step, record["loss_scale"])
+                    continue
                 if self.nan_policy == "raise":
                     raise FloatingPointError(f"non-finite loss or gradient at step {step} (loss={record['loss']}); "
                                              "the update was not applied. Pass nan_policy='skip' to skip such steps")

@@ -21,8 +21,9 @@ EXAMPLES = task.make_examples(64)
 
 def _trainer(mesh=None, **kwargs):
     kwargs.setdefault("optimizer", optax.adam(1e-2))
+    kwargs.setdefault("loss_fn", task.loss_fn)
     return engine.Trainer(mesh=mesh or engine.make_mesh(data=4, model=2), collate_fn=task.collate_fn,
-                          loss_fn=task.loss_fn, params=task.init_params(), **kwargs)
+                          params=task.init_params(), **kwargs)
 
 
 def _host(tree):
@@ -91,6 +92,60 @@ def test_bf16_compute_trains_with_fp32_masters():
     history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, log_every=8)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
     assert history[-1]["loss"] < 0.8 * history[0]["loss"]
+
+
+def _tiny_loss_fn(params, batch, rng, is_training):
+    """The task's loss times 2^-24: its float16 cotangents (about 2^-31) lie below float16's smallest subnormal."""
+    loss, metrics = task.loss_fn(params, batch, rng, is_training)
+    return loss * 2.0**-24, metrics
+
+
+def _norms(trainer):
+    return np.array([h["grad_norm"] for h in trainer.history if "grad_norm" in h])
+
+
+def test_float16_compute_scales_the_loss_so_small_gradients_survive():
+    fit = dict(per_device_batch_size=2, max_steps=3, log_every=1)
+    runs = {}
+    for name, kwargs in [("fp32", {}), ("fp16 unscaled", dict(compute_dtype=jnp.float16, loss_scale=None)),
+                         ("fp16", dict(compute_dtype=jnp.float16)),  # 'auto': dynamic for float16
+                         ("fp16 shard_map", dict(compute_dtype=jnp.float16, step="shard_map"))]:
+        mesh = engine.make_mesh(data=2, fsdp=2, model=2) if name == "fp16 shard_map" else None
+        runs[name] = _trainer(mesh, loss_fn=_tiny_loss_fn, optimizer=optax.sgd(2.0**23), **kwargs)
+        runs[name].fit(EXAMPLES, **fit)
+    reference = _norms(runs["fp32"])
+    assert np.all(_norms(runs["fp16 unscaled"]) < 0.1 * reference)  # the gradients underflowed
+    np.testing.assert_allclose(_norms(runs["fp16"]), reference, rtol=2e-3)
+    np.testing.assert_allclose(_norms(runs["fp16 shard_map"]), reference, rtol=2e-3)  # ZeRO-3 on 2x2x2
+    _assert_trees_close(runs["fp16 shard_map"].params, runs["fp32"].params, rtol=1e-2, atol=2e-3)
+    _assert_trees_close(runs["fp16"].params, runs["fp32"].params, rtol=1e-2, atol=2e-3)
+    assert [h["loss_scale"] for h in runs["fp16"].history] == [2.0**15] * 3
+    assert {k: int(v) for k, v in _host(runs["fp16"].opt_state["loss_scale"]).items()} == {"scale": 2**15,
+                                                                                           "good_steps": 3}
+
+
+def test_dynamic_loss_scale_skips_overflows_lowers_and_grows():
+    """From 2^52 the scaled gradients overflow float16: each such step is skipped (logged, not an error under
+    nan_policy='raise') and the scale divided by 16; two finite steps in a row multiply it by 16."""
+    scale = engine.LossScale(initial=2.0**52, factor=16.0, growth_interval=2)
+    trainer = _trainer(loss_fn=_tiny_loss_fn, compute_dtype=jnp.float16, loss_scale=scale, nan_policy="raise")
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=8, log_every=1)
+    want, good = 2.0**52, 0
+    for record in trainer.history:
+        assert record["loss_scale"] == want
+        if np.isfinite(record["grad_norm"]):
+            good = (good + 1) % 2
+            want = want * 16 if good == 0 else want
+        else:
+            want, good = max(want / 16, 1.0), 0
+    finite = [bool(np.isfinite(h["grad_norm"])) for h in trainer.history]
+    assert finite[0] is False and any(finite) and trainer.history[-1]["loss"] > 0
+    with pytest.raises(ValueError, match=r"loss_scale='static'; expected None, 'auto', 'dynamic', a number >= 1"):
+        _trainer(loss_scale="static")
+    with pytest.raises(ValueError, match=r"LossScale\(factor=1.0\); expected initial >= minimum >= 1"):
+        engine.LossScale(factor=1.0)
+    with pytest.raises(ValueError, match=r"with diloco: DiLoCo's step does not scale the loss"):
+        _trainer(compute_dtype=jnp.float16, diloco=engine.DiLoCo())
 
 
 def test_resume_is_bit_exact(tmp_path):
