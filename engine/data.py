@@ -4,6 +4,7 @@ A training batch has a leading micro-batch axis: `[accumulate, global_micro_batc
 (`data` x `fsdp`) along its second axis. Each process collates only the rows its own devices hold and the global
 array is assembled with `jax.make_array_from_process_local_data`, so no host ever collates the whole global batch.
 """
+import collections.abc
 import itertools
 import queue
 import threading
@@ -63,24 +64,32 @@ def check_batch(batch, rows, where):
                              f"batch dimension of {rows} (one row per example)")
 
 
+def is_random_access(examples):
+    """Whether `examples` is shuffled per epoch (a list, tuple or other `collections.abc.Sequence`, such as
+    `engine.text.TokenWindows`) rather than streamed in order."""
+    return isinstance(examples, collections.abc.Sequence) and not isinstance(examples, (str, bytes))
+
+
 def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumulate=1, seed=0, epoch=0,
                     start_batch=0, shuffle=True, drop_remainder=True):
     """Yields `(batch_index, placed_batch)` for one epoch, starting at `start_batch`.
 
-    Lists are shuffled with a permutation drawn from `(seed, epoch)`; other iterables are streamed in order (and
-    skipped to `start_batch` on resume). The last incomplete global batch is dropped when `drop_remainder`, so the
-    step compiles once; otherwise it is padded by repeating its last example (callers drop the padded outputs).
+    Sequences (lists, `engine.text.TokenWindows`, ...) are shuffled with a permutation drawn from `(seed, epoch)`,
+    and each process reads only the rows its devices hold; other iterables are streamed in order (and skipped to
+    `start_batch` on resume). The last incomplete global batch is dropped when `drop_remainder`, so the step compiles
+    once; otherwise it is padded by repeating its last example (callers drop the padded outputs).
     """
     micro_rows = per_device_batch_size * data_parallel_size(mesh)
     rows_per_batch = micro_rows * accumulate
     lo, hi = _local_rows(mesh, micro_rows)
-    if isinstance(examples, (list, tuple)):
+    if is_random_access(examples):  # the source yields indices; only this process's rows are read
         order = np.arange(len(examples))
         if shuffle:
             order = np.random.default_rng([seed, epoch]).permutation(len(examples))
-        source = (examples[i] for i in order[start_batch * rows_per_batch:])
+        source, fetch = iter(order[start_batch * rows_per_batch:]), examples.__getitem__
     else:
         source = itertools.islice(iter(examples), start_batch * rows_per_batch, None)
+        fetch = lambda example: example  # noqa: E731
     index = start_batch
     while True:
         chunk = list(itertools.islice(source, rows_per_batch))
@@ -90,7 +99,7 @@ def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumu
         chunk += [chunk[-1]] * (rows_per_batch - n_real)
         micro = []
         for m in range(accumulate):
-            rows = chunk[m * micro_rows:(m + 1) * micro_rows][lo:hi]
+            rows = [fetch(x) for x in chunk[m * micro_rows:(m + 1) * micro_rows][lo:hi]]
             batch = collate_fn(rows)
             check_batch(batch, hi - lo, "collate_fn")
             micro.append(batch)

@@ -11,6 +11,7 @@ hidden states and `kernels.linear_cross_entropy` applies the output head blockwi
 [tokens, vocab] logits never exist (for a 128k vocabulary they are the largest activation of a step); token accuracy
 is then not reported, as it would need them.
 """
+import collections.abc
 import glob
 import json
 import os
@@ -71,9 +72,9 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
     @classmethod
-    def from_dir(cls, path, vocab_size):
+    def from_dir(cls, path, vocab_size=None):
         """The tokenizer of a Hugging Face directory (tokenizer.json, special ids from config.json), or None when it
-        has no tokenizer.json."""
+        has no tokenizer.json. vocab_size: the model's (None: config.json's, else the tokenizer's own)."""
         file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(file):
             return None
@@ -84,8 +85,10 @@ class HFTokenizer:
             with open(os.path.join(path, "config.json")) as f:
                 config = json.load(f)
         eos = config.get("eos_token_id")
-        return cls(tokenizers.Tokenizer.from_file(file), vocab_size, bos_id=config.get("bos_token_id"),
-                   eos_id=eos[0] if isinstance(eos, list) else eos, pad_id=config.get("pad_token_id"))
+        tok = tokenizers.Tokenizer.from_file(file)
+        return cls(tok, vocab_size or config.get("vocab_size") or tok.get_vocab_size(),
+                   bos_id=config.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
+                   pad_id=config.get("pad_token_id"))
 
 
 def tokenizer_spec(tokenizer, directory):
@@ -142,7 +145,11 @@ def _jsonl(path):
 def read_texts(patterns):
     """Documents from `.txt` files (one document per file) and `.jsonl` files (one per line: a string, or an object
     with a 'text' field). `patterns`: paths or globs."""
-    docs = []
+    return list(iter_texts(patterns))
+
+
+def iter_texts(patterns):
+    """`read_texts`, one document at a time (a corpus larger than memory streams through `write_tokens`)."""
     for path in _expand(patterns):
         if path.endswith(".jsonl"):
             for n, item in _jsonl(path):
@@ -151,13 +158,120 @@ def read_texts(patterns):
                         raise ValueError(f"data: {path}:{n} has no 'text' field; expected a string or "
                                          "{\"text\": ...}")
                     item = item["text"]
-                docs.append(str(item))
+                yield str(item)
         elif path.endswith(".txt"):
             with open(path, encoding="utf-8", errors="replace") as f:
-                docs.append(f.read())
+                yield f.read()
         else:
             raise ValueError(f"data: {path!r} is neither .txt nor .jsonl")
-    return docs
+
+
+# A tokenised corpus on disk (`write_tokens`, scripts/prepare_data.py): what `TokenWindows` reads.
+TOKENS_FILE, TOKENS_META = "tokens.bin", "meta.json"
+
+
+def write_tokens(docs, tokenizer, directory, *, chunk_tokens=1 << 20):
+    """Tokenises `docs` (any iterable of strings, streamed) into `directory`: `tokens.bin`, every document followed
+    by EOS laid end to end (uint16 when the vocabulary fits, else uint32; nanoGPT's train.bin), `meta.json` (dtype,
+    token and document counts, the largest id, EOS, the tokenizer) and, for a Hugging Face tokenizer, its
+    tokenizer.json. meta.json is written last, so a directory holding it is complete. Returns the meta dict."""
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TOKENS_FILE)
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    n_tokens = n_docs = max_id = 0
+    with open(path + ".tmp", "wb") as f:
+        pending = []
+        for doc in docs:
+            ids = tokenizer.encode(doc) + eos
+            pending += ids
+            n_docs += 1
+            if len(pending) >= chunk_tokens:
+                max_id = max(max_id, max(pending))
+                f.write(np.asarray(pending, dtype).tobytes())
+                n_tokens, pending = n_tokens + len(pending), []
+        if pending:
+            max_id = max(max_id, max(pending))
+            f.write(np.asarray(pending, dtype).tobytes())
+            n_tokens += len(pending)
+    os.replace(path + ".tmp", path)
+    meta = {"dtype": dtype.name, "num_tokens": n_tokens, "num_documents": n_docs, "max_id": int(max_id),
+            "eos_id": tokenizer.eos_id, "tokenizer": tokenizer_spec(tokenizer, directory)}
+    with open(os.path.join(directory, TOKENS_META + ".tmp"), "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(os.path.join(directory, TOKENS_META + ".tmp"), os.path.join(directory, TOKENS_META))
+    return meta
+
+
+def is_token_dir(path):
+    """Whether `path` is a directory written by `write_tokens`."""
+    return os.path.isfile(os.path.join(path, TOKENS_META))
+
+
+def read_token_meta(directory):
+    if not is_token_dir(directory):
+        raise FileNotFoundError(f"data: {directory} has no {TOKENS_META}; expected a directory written by "
+                                "scripts/prepare_data.py (engine.text.write_tokens)")
+    with open(os.path.join(directory, TOKENS_META)) as f:
+        return json.load(f)
+
+
+def check_token_dir(directory, tokenizer, vocab_size):
+    """ValueError unless the tokens of `directory` were written with `tokenizer` and fit a vocabulary of
+    `vocab_size` (a model's)."""
+    meta = read_token_meta(directory)
+    spec = meta["tokenizer"]
+    same = {"byte": lambda: isinstance(tokenizer, ByteTokenizer),
+            "words": lambda: isinstance(tokenizer, WordTokenizer) and tokenizer.words == spec["words"],
+            "tokenizer.json": lambda: isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id == spec["eos_id"] and (
+                _tokenizer_json(directory) == tokenizer._tok.to_str())}.get(spec.get("kind"), lambda: False)()
+    if not same:
+        raise ValueError(f"data: {directory} was tokenised with a {spec.get('kind')} tokenizer that is not this "
+                         f"model's ({type(tokenizer).__name__}); expected scripts/prepare_data.py run with the "
+                         "model's tokenizer (--tokenizer_from=<its Hugging Face directory>)")
+    if meta["max_id"] >= vocab_size:
+        raise ValueError(f"data: {directory} holds token id {meta['max_id']}; expected ids below the model's "
+                         f"vocab_size={vocab_size}")
+
+
+def _tokenizer_json(directory):
+    import tokenizers  # noqa: PLC0415
+
+    return tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")).to_str()
+
+
+class TokenWindows(collections.abc.Sequence):
+    """Training rows in `pack`'s format ({'tokens', 'segment_ids'} [seq_len + 1]) read from a `write_tokens`
+    directory through a memory map, so a corpus larger than memory trains with only the rows of a batch read.
+    Window i is tokens[i·seq_len : i·seq_len + seq_len + 1] (neighbours share one token, so every next-token pair
+    is a label once); segment ids number the documents within the window (1 + the EOS tokens before a position,
+    EOS ending its own document), so attention stays within a document as with `pack`. A Sequence (len, indexing,
+    contiguous slices as views): the Trainer shuffles it like a list and each process reads only its own rows."""
+
+    def __init__(self, directory, seq_len, *, _range=None):
+        if not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"seq_len={seq_len!r}; expected an integer >= 2")
+        self.directory, self.seq_len = directory, seq_len
+        self.meta = read_token_meta(directory)
+        self._tokens = np.memmap(os.path.join(directory, TOKENS_FILE), dtype=self.meta["dtype"], mode="r",
+                                 shape=(self.meta["num_tokens"],))
+        self._range = _range if _range is not None else range(max(0, (self.meta["num_tokens"] - 1) // seq_len))
+
+    def __len__(self):
+        return len(self._range)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            part = self._range[i]
+            if part.step != 1:
+                raise ValueError(f"TokenWindows[{i}]: only contiguous slices (step 1)")
+            return TokenWindows(self.directory, self.seq_len, _range=part)
+        start = self._range[i] * self.seq_len
+        tokens = np.asarray(self._tokens[start:start + self.seq_len + 1], np.int32)
+        eos = self.meta["eos_id"]
+        ends = np.zeros_like(tokens) if eos is None else (tokens == eos).astype(np.int32)
+        segments = 1 + np.concatenate([[0], np.cumsum(ends)[:-1]]).astype(np.int32)
+        return {"tokens": tokens, "segment_ids": segments}
 
 
 def default_corpus(max_bytes=600_000):

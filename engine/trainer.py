@@ -481,9 +481,10 @@ class Trainer:
         life, resumes included: calling `fit` again continues where training stopped).
 
         The global batch of one update is `per_device_batch_size x data x fsdp x accumulate_grad_batches` examples.
-        `train_examples`: a list (shuffled each epoch from `seed`) or any iterable (streamed in order; it is iterated
-        once per epoch). The last incomplete global batch of an epoch is dropped. Eval (after each epoch): the mean
-        `eval_loss` and, with `eval_predictor` and `eval_metric_fn(examples, predictions) -> dict`, its metrics;
+        `train_examples`: a list or other Sequence, e.g. `engine.text.TokenWindows` (shuffled each epoch from `seed`),
+        or any iterable (streamed in order; it is iterated once per epoch). The last incomplete global batch of an
+        epoch is dropped. Eval (after each epoch): the mean `eval_loss` and, with `eval_predictor` and
+        `eval_metric_fn(examples, predictions) -> dict`, its metrics;
         `eval_every`: also every that many updates (counted over the Trainer's life, so a resume keeps the schedule).
         `save_best=(metric, 'min' | 'max')`, e.g. `('loss', 'min')` or `('exact_match', 'max')` (a name the eval
         reports): after each eval that improves on the best so far, the whole state is saved under `workdir/best`
@@ -505,12 +506,12 @@ class Trainer:
         _validate("save_every", save_every, save_every is None or (isinstance(save_every, int) and save_every >= 1),
                   "None or an integer >= 1")
         rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
-        if isinstance(train_examples, (list, tuple)) and len(train_examples) < rows:
+        if data_lib.is_random_access(train_examples) and len(train_examples) < rows:
             raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
                              f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
                              f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
         total = max_steps
-        if isinstance(train_examples, (list, tuple)):
+        if data_lib.is_random_access(train_examples):
             remaining = max(0, n_epochs - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
             total = self._step + remaining if total is None else min(total, self._step + remaining)
         self._total_steps = total  # for the progress line; None when streaming without max_steps

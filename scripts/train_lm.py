@@ -29,7 +29,8 @@ flags.DEFINE_string("model_config", "tiny", "Named config of the family (tiny, l
                     "file of config fields (ignored with --init_from).")
 flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
-flags.DEFINE_list("data", [], ".txt or .jsonl files or globs; empty: the embedded Python-stdlib corpus.")
+flags.DEFINE_list("data", [], ".txt or .jsonl files or globs, or one directory of tokens written by "
+                  "scripts/prepare_data.py (read through a memory map); empty: the embedded Python-stdlib corpus.")
 flags.DEFINE_string("model_overrides", '{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4}',
                     "JSON object of config fields that replace the named config's (ignored with --init_from); "
                     "the default makes the tiny config a little larger for the embedded job.")
@@ -60,23 +61,30 @@ def build_model(mesh):
 def main(argv):
     del argv
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
-    docs = text.read_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
-    if not any(doc.strip() for doc in docs):
-        raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
+    token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text.is_token_dir(FLAGS.data[0]) else None
+    if token_dir is None:
+        docs = text.read_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
+        if not any(doc.strip() for doc in docs):
+            raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
     mesh = cli.start()
     model, params, tokenizer = build_model(mesh)
     model, params = cli.with_flags(model, params)
-    rows = text.pack(docs, tokenizer, FLAGS.seq_len)
+    if token_dir is None:
+        rows = text.pack(docs, tokenizer, FLAGS.seq_len)
+    else:  # a memory-mapped Sequence of windows: only each batch's rows are read
+        text.check_token_dir(token_dir, tokenizer, model.config.vocab_size)
+        rows = text.TokenWindows(token_dir, FLAGS.seq_len)
     global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
-    n_eval = max(global_batch // FLAGS.accumulate_grad_batches, len(rows) // 50)
+    # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch.
+    n_eval = max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024))
     if len(rows) < n_eval + global_batch:
         raise ValueError(f"the data packs into {len(rows)} rows of {FLAGS.seq_len + 1} tokens; at least "
                          f"{n_eval + global_batch} are needed for one eval and one global batch (more data, or a "
                          "smaller --seq_len or --per_device_batch_size)")
     cli.save_run(FLAGS.workdir, "lm", model, tokenizer)
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
-    logging.info("%d documents -> %d train rows and %d eval rows of %d tokens; global batch %d", len(docs),
-                 len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
+    logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
+                 token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
     trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,

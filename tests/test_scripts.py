@@ -97,6 +97,26 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
 
 
 @pytest.mark.slow
+def test_prepare_data_then_train_lm_reads_the_tokens_through_a_memory_map(tmp_path):
+    txt = _stdlib_txt(tmp_path / "data" / "a.txt")
+    out = _run("prepare_data.py", f"--data={txt}", f"--out={tmp_path / 'tokens'}")
+    assert re.search(r"^1 documents -> 12001 tokens \(uint16, largest id 258\) in ", out.stdout, re.M), out.stdout
+    args = [f"--data={tmp_path / 'tokens'}", f"--workdir={tmp_path / 'work'}", "--learning_rate=1e-2",
+            "--warmup_steps=2", *TINY_LM, "--prompts="]
+    out = _run("train_lm.py", "--max_steps=6", *args)
+    before, after = _eval_losses(out.stdout)
+    assert after < 0.95 * before
+    again = _run("train_lm.py", "--max_steps=9", *args)  # resumes mid-epoch in the same shuffled windows
+    assert "resumed from" in again.stdout and _steps(tmp_path / "work")[-1] == 9
+    for bad, message in [((f"--data={txt}", f"--out={tmp_path / 'tokens'}"), "already holds tokens"),
+                         ((f"--data={txt}", "--out="), "--out is empty"),
+                         ((f"--data={txt}", f"--out={tmp_path / 'x'}", f"--tokenizer_from={tmp_path}"),
+                          "has no tokenizer.json")]:
+        failed = _run("prepare_data.py", *bad, ok=False)
+        assert failed.returncode == 2 and message in failed.stderr.splitlines()[-1], failed.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_path):
     data = f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}"
     common = [data, *TINY_LM, "--max_steps=6", "--log_every=2", "--prompts="]

@@ -35,6 +35,46 @@ def test_read_texts_and_errors(tmp_path):
         text.read_texts(str(tmp_path / "c.jsonl"))
 
 
+def test_token_windows_read_a_tokenised_corpus_as_packed_rows(tmp_path):
+    """write_tokens streams documents into tokens.bin; TokenWindows reads windows of it in pack's row format (here
+    the same first row as pack's), slices are views, and engine.data batches it exactly like the list of its rows."""
+    tok, out = text.ByteTokenizer(), str(tmp_path / "tokens")
+    meta = text.write_tokens(iter(["abc", "defgh", "ij"]), tok, out, chunk_tokens=4)
+    assert meta == {"dtype": "uint16", "num_tokens": 13, "num_documents": 3, "max_id": 258, "eos_id": 258,
+                    "tokenizer": {"kind": "byte"}}
+    rows = text.TokenWindows(out, seq_len=5)  # a b c E d e f g h E i j E: windows [0:6], [5:11]
+    assert len(rows) == 2 and rows[-1]["tokens"].tolist() == [101, 102, 103, 104, 258, 105]
+    assert rows[0]["tokens"].tolist() == text.pack(["abc", "defgh", "ij"], tok, 5)[0]["tokens"].tolist()
+    assert [r["segment_ids"].tolist() for r in rows] == [[1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 2]]
+    assert text.collate_lm(list(rows))["labels"].tolist() == [[98, 99, 258, -100, 101], [102, 103, 104, 258, -100]]
+    assert len(rows[1:]) == 1 and rows[1:][0]["tokens"].tolist() == rows[1]["tokens"].tolist()
+    with pytest.raises(ValueError, match=r"only contiguous slices"):
+        rows[::2]
+    text.check_token_dir(out, tok, vocab_size=320)
+    with pytest.raises(ValueError, match=r"tokenised with a byte tokenizer that is not this model's \(WordTokenizer"):
+        text.check_token_dir(out, text.WordTokenizer(["a"]), vocab_size=320)
+    with pytest.raises(ValueError, match=r"holds token id 258; expected ids below the model's vocab_size=256"):
+        text.check_token_dir(out, tok, vocab_size=256)
+    with pytest.raises(FileNotFoundError, match=r"has no meta.json; expected a directory written by"):
+        text.TokenWindows(str(tmp_path), seq_len=5)
+
+    import engine  # noqa: PLC0415
+    from engine import data  # noqa: PLC0415
+
+    text.write_tokens(text.default_corpus(max_bytes=4000), tok, str(tmp_path / "big"))
+    windows = text.TokenWindows(str(tmp_path / "big"), seq_len=16)
+    mesh = engine.make_mesh(data=4, model=2)
+    for epoch in (0, 1):
+        batches = [data.iterate_batches(mesh, source, text.collate_lm, per_device_batch_size=2, accumulate=2,
+                                        seed=3, epoch=epoch, start_batch=1) for source in (windows, list(windows))]
+        pairs = list(zip(*batches))
+        assert len(pairs) == len(windows) // 16 - 1
+        for (i, n, a), (j, m, b) in pairs:
+            assert (i, n) == (j, m)
+            for k in a:
+                np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+
+
 def test_default_corpus_is_local_and_sized():
     docs = text.default_corpus(max_bytes=50_000)
     assert sum(map(len, docs)) == 50_000 and "import" in "".join(docs)

@@ -1,0 +1,53 @@
+"""Tokenises a text corpus once into a directory that `train_lm.py --data=DIR` reads through a memory map: for a
+corpus larger than memory, or to stop re-tokenising it on every run. Documents stream from the files one at a time.
+
+  python scripts/prepare_data.py --data='corpus/*.jsonl' --out=tokens                 # byte-level tokens
+  python scripts/prepare_data.py --data='corpus/*.txt' --tokenizer_from=/path/to/hf_llama --out=tokens
+  python scripts/train_lm.py --data=tokens --init_from=/path/to/hf_llama
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import flags  # noqa: E402
+
+from engine import cli, text  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("data", [], ".txt or .jsonl files or globs (as train_lm.py's --data); empty: the embedded "
+                  "Python-stdlib corpus.")
+flags.DEFINE_string("out", None, "The directory to write (tokens.bin, meta.json; created).")
+flags.DEFINE_string("tokenizer_from", None, "A Hugging Face model directory whose tokenizer.json (and config.json's "
+                    "special tokens) to use; default: byte-level tokens, as train_lm.py's fresh models.")
+
+
+def tokenizer():
+    if not FLAGS.tokenizer_from:
+        return text.ByteTokenizer()
+    found = text.HFTokenizer.from_dir(FLAGS.tokenizer_from)
+    if found is None:
+        raise FileNotFoundError(f"--tokenizer_from={FLAGS.tokenizer_from} has no tokenizer.json; expected a Hugging "
+                                "Face model directory")
+    return found
+
+
+def main(argv):
+    del argv
+    if not FLAGS.out:
+        raise ValueError("--out is empty; expected the directory to write the tokens to")
+    if text.is_token_dir(FLAGS.out):
+        raise ValueError(f"--out={FLAGS.out} already holds tokens ({text.TOKENS_META}); expected a new directory")
+    tok = tokenizer()
+    docs = text.iter_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
+    meta = text.write_tokens(docs, tok, FLAGS.out)
+    if meta["num_tokens"] == (meta["num_documents"] if tok.eos_id is not None else 0):  # nothing but EOS tokens
+        for name in (text.TOKENS_META, text.TOKENS_FILE):
+            os.remove(os.path.join(FLAGS.out, name))
+        raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
+    print(f"{meta['num_documents']} documents -> {meta['num_tokens']} tokens ({meta['dtype']}, largest id "
+          f"{meta['max_id']}) in {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    cli.run(main)
