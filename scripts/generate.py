@@ -32,6 +32,10 @@ flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
 flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this total probability (1: all).")
 flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
+flags.DEFINE_integer("num_beams", 1, "Beam search with this many beams per prompt (1: greedy or sampling); "
+                     "deterministic, so not with --temperature > 0.")
+flags.DEFINE_float("length_penalty", 1.0, "Beam search: a hypothesis scores its summed log-probability / its length "
+                   "** length_penalty (0: the plain sum; larger favours longer answers).")
 flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory applied to the model (merged into it).")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "bfloat16", "float32"], "Storage of the KV cache: "
                   "auto = the model's compute dtype; int8 = int8 keys and values with a scale per token and head "
@@ -58,9 +62,12 @@ def main(argv):
     prompts = read_prompts()
     for name, ok in (("max_new_tokens", FLAGS.max_new_tokens >= 1), ("batch_size", FLAGS.batch_size >= 1),
                      ("temperature", FLAGS.temperature >= 0), ("top_k", FLAGS.top_k >= 0),
-                     ("top_p", 0 < FLAGS.top_p <= 1)):
+                     ("top_p", 0 < FLAGS.top_p <= 1), ("num_beams", FLAGS.num_beams >= 1)):
         if not ok:
             raise ValueError(f"--{name}={FLAGS[name].value} is out of range")
+    if FLAGS.num_beams > 1 and (FLAGS.temperature > 0 or FLAGS.top_k or FLAGS.top_p < 1):
+        raise ValueError(f"--num_beams={FLAGS.num_beams} with --temperature={FLAGS.temperature}, --top_k="
+                         f"{FLAGS.top_k}, --top_p={FLAGS.top_p}; expected beam search without sampling (temperature 0)")
     mesh = cli.start()
     task = None
     if FLAGS.init_from:
@@ -80,7 +87,8 @@ def main(argv):
                                    temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
                                    top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start,
                                    after_prompt=after_prompt,
-                                   kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype)
+                                   kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
+                                   num_beams=FLAGS.num_beams, length_penalty=FLAGS.length_penalty)
         if jax.process_index() == 0:
             for prompt, out in zip(batch, outs):
                 print(f"--- {prompt!r}:\n{out}", flush=True)

@@ -178,6 +178,40 @@ def test_greedy_generate_matches_transformers(hf_checkpoint, name):
     assert (ours[:, theirs.shape[1]:] == 0).all()  # transformers stops once every row has finished
 
 
+def _until_eos(rows, start, eos):
+    """Each row's generated tokens up to and including its first EOS (what follows is padding, which transformers'
+    beam search fills with EOS and ours with pad_token_id)."""
+    out = []
+    for row in np.asarray(rows)[:, start:].tolist():
+        out.append(row[:row.index(eos) + 1] if eos in row else row)
+    return out
+
+
+@pytest.mark.parametrize("name,length_penalty", [("llama-gqa", 1.0), pytest.param("gptj", 0.0, marks=pytest.mark.slow),
+                                                 pytest.param("t5-v1.0", 2.0, marks=pytest.mark.slow)])
+def test_beam_search_matches_transformers(hf_checkpoint, name, length_penalty):
+    """num_beams 2 and 3 against transformers' beam search with early_stopping=True, the EOS token chosen among
+    the greedy tokens so that hypotheses finish at different lengths (54 such cases of llama, GPT-J and T5 matched
+    when written)."""
+    import torch
+
+    hf_model, path = hf_checkpoint(name)
+    model, params = models.load_pretrained(path)
+    new, start = 8, 1 if name.startswith("t5") else T
+    greedy = np.asarray(models.generate(model, params, jnp.asarray(IDS), attention_mask=jnp.asarray(MASK),
+                                        max_new_tokens=new))
+    for eos in (2, int(greedy[0, start + 2])):
+        for beams in (2, 3):
+            ours = models.generate(model, params, jnp.asarray(IDS), attention_mask=jnp.asarray(MASK),
+                                   max_new_tokens=new, eos_token_id=eos, pad_token_id=0, num_beams=beams,
+                                   length_penalty=length_penalty)
+            theirs = hf_model.generate(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK),
+                                       max_new_tokens=new, do_sample=False, num_beams=beams, early_stopping=True,
+                                       length_penalty=length_penalty, eos_token_id=eos, pad_token_id=0).numpy()
+            assert ours.shape == greedy.shape
+            assert _until_eos(ours, start, eos) == _until_eos(theirs, start, eos), (eos, beams)
+
+
 # ------------------------------------------------------------------------------------------ without transformers
 
 def _tiny(family, **overrides):
@@ -260,6 +294,26 @@ def test_generate_eos_sampling_and_one_compile_per_bucket():
     assert stopped[0, 5] == eos and (stopped[0, 6:] == 127).all()
     if eos not in greedy[1, 5:]:
         np.testing.assert_array_equal(stopped[1], greedy[1])
+
+
+def test_beam_search_pads_after_eos_reorders_an_int8_cache_and_checks_its_settings():
+    model, params = _tiny("llama")
+    prompt, new = jnp.asarray(IDS[:, :5]), 6
+    greedy = np.asarray(models.generate(model, params, prompt, max_new_tokens=new))
+    eos = int(greedy[0, 6])
+    beams = np.asarray(models.generate(model, params, prompt, max_new_tokens=new, num_beams=3, eos_token_id=eos,
+                                       pad_token_id=127))
+    assert beams.shape == greedy.shape and (beams[:, :5] == IDS[:, :5]).all()
+    for row in beams[:, 5:].tolist():
+        if eos in row:
+            assert set(row[row.index(eos) + 1:]) <= {127}
+    # the cache rows follow their beams with an int8 cache too (same tokens: its logits move < 1%)
+    np.testing.assert_array_equal(models.generate(model, params, prompt, max_new_tokens=new, num_beams=3,
+                                                  eos_token_id=eos, pad_token_id=127, kv_cache_dtype="int8"), beams)
+    with pytest.raises(ValueError, match=r"num_beams=0; expected an integer >= 1"):
+        models.generate(model, params, prompt, max_new_tokens=new, num_beams=0)
+    with pytest.raises(ValueError, match=r"num_beams=2 with temperature=0.7, .*beam search is deterministic"):
+        models.generate(model, params, prompt, max_new_tokens=new, num_beams=2, temperature=0.7)
 
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
