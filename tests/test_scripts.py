@@ -328,7 +328,7 @@ def test_finetune_seq2seq_resumes_and_generate_reads_its_workdir(tmp_path):
     again = _run("finetune_seq2seq.py", "--max_steps=12", *args)
     assert "resumed from" in again.stdout and "at step 12" in again.stdout and _steps(tmp_path)[-1] == 12
 
-    gen = _run("generate.py", f"--workdir={tmp_path}", "--prompts=owl cat yak", "--max_new_tokens=4")
+    gen = _run("generate.py", f"--workdir={tmp_path}", "--prompts=owl cat yak", "--max_new_tokens=4", "--num_beams=2")
     words = gen.stdout.split("--- 'owl cat yak':\n")[1].split()
     assert 1 <= len(words) <= 4 and set(words) <= set(text.TOY_WORDS) | {"<unk>"}
 
@@ -367,6 +367,8 @@ def _bad_inputs(tmp_path, slow):
             ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
             ("train_lm.py", "--save_best=loss"): "--save_best=loss; expected METRIC:min or METRIC:max",
             ("train_sft.py", "--eval_every=-2"): "--eval_every=-2; expected an integer >= 0",
+            ("generate.py", "--prompts=x", "--num_beams=2", "--temperature=0.5"): "expected beam search without "
+                                                                                  "sampling",
         }
     return {
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",
