@@ -55,9 +55,17 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                         "(run.json) go here; re-running the same command resumes.")
     flags.DEFINE_integer("max_steps", max_steps, "Optimizer updates in total (resumes included).")
     flags.DEFINE_integer("n_epochs", 1000, "Passes over the data at most.")
-    flags.DEFINE_float("learning_rate", learning_rate, "Peak learning rate (linear warm-up, cosine decay to 10%).")
+    flags.DEFINE_float("learning_rate", learning_rate, "Peak learning rate (after a linear warm-up; --lr_schedule).")
     flags.DEFINE_integer("warmup_steps", warmup_steps, "Warm-up updates.")
+    flags.DEFINE_enum("lr_schedule", "cosine", list(_SCHEDULES), "After the warm-up: cosine or linear decay to "
+                      "--min_learning_rate_ratio of the peak at --max_steps, or constant.")
+    flags.DEFINE_float("min_learning_rate_ratio", 0.1, "The decayed schedules' last learning rate / the peak.")
     flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
+    flags.DEFINE_float("adam_b1", 0.9, "AdamW's first-moment decay.")
+    flags.DEFINE_float("adam_b2", 0.999, "AdamW's second-moment decay (0.95 is common for large models).")
+    flags.DEFINE_float("adam_eps", 1e-8, "AdamW's epsilon.")
+    flags.DEFINE_float("max_grad_norm", 1.0, "Clip the global gradient norm to this before the update (0: no "
+                       "clipping).")
     flags.DEFINE_integer("log_every", log_every, "Updates between log lines (the only host syncs of the loop).")
     flags.DEFINE_integer("save_every", save_every, "Updates between checkpoints (one is always written at the end).")
     if evals:
@@ -65,6 +73,8 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                              "only).")
         flags.DEFINE_string("save_best", None, "METRIC:min or METRIC:max, e.g. loss:min: keep the state of the best "
                             "eval so far under workdir/best (generate.py / export_hf.py --checkpoint=best read it).")
+        flags.DEFINE_integer("early_stopping_patience", 0, "With --save_best: stop after this many evals in a row "
+                             "without a new best (0: never).")
     flags.DEFINE_list("profile_steps", [], "START,END: write a jax.profiler trace of those steps to "
                       "workdir/tensorboard (TensorBoard's profile tab).")
     flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS],
@@ -181,6 +191,8 @@ def start():
     _check_diloco_flags()
     if "save_best" in FLAGS:
         eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
+    if "lr_schedule" in FLAGS:
+        _check_optimizer_flags()
     return engine.make_mesh(stage=FLAGS.pipeline_stages, **parse_mesh(FLAGS.mesh))
 
 
@@ -198,7 +210,7 @@ def trainer_kwargs():
 
 
 def eval_kwargs():
-    """`fit`'s eval_every and save_best from --eval_every and --save_best."""
+    """`fit`'s eval_every, save_best and early_stopping_patience from their flags."""
     if FLAGS.eval_every < 0:
         raise ValueError(f"--eval_every={FLAGS.eval_every}; expected an integer >= 0 (0: after each epoch only)")
     save_best = None
@@ -207,19 +219,48 @@ def eval_kwargs():
         if not metric or mode not in ("min", "max"):
             raise ValueError(f"--save_best={FLAGS.save_best}; expected METRIC:min or METRIC:max, e.g. loss:min")
         save_best = (metric, mode)
-    return dict(eval_every=FLAGS.eval_every or None, save_best=save_best)
+    if FLAGS.early_stopping_patience < 0 or (FLAGS.early_stopping_patience and save_best is None):
+        raise ValueError(f"--early_stopping_patience={FLAGS.early_stopping_patience}; expected 0, or an integer >= 1 "
+                         "with --save_best (the metric it watches)")
+    return dict(eval_every=FLAGS.eval_every or None, save_best=save_best,
+                early_stopping_patience=FLAGS.early_stopping_patience or None)
+
+
+_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def _check_optimizer_flags():
+    for name, ok, expected in (
+            ("learning_rate", FLAGS.learning_rate > 0, "> 0"), ("warmup_steps", FLAGS.warmup_steps >= 0, ">= 0"),
+            ("min_learning_rate_ratio", 0 <= FLAGS.min_learning_rate_ratio <= 1, "in [0, 1]"),
+            ("weight_decay", FLAGS.weight_decay >= 0, ">= 0"), ("adam_b1", 0 <= FLAGS.adam_b1 < 1, "in [0, 1)"),
+            ("adam_b2", 0 <= FLAGS.adam_b2 < 1, "in [0, 1)"), ("adam_eps", FLAGS.adam_eps > 0, "> 0"),
+            ("max_grad_norm", FLAGS.max_grad_norm >= 0, ">= 0 (0: no clipping)")):
+        if not ok:
+            raise ValueError(f"--{name}={FLAGS[name].value}; expected {expected}")
+
+
+def lr_schedule(peak):
+    """The learning rate by update number from the flags (see `optimizer`), peaking at `peak`."""
+    warmup, total = max(1, FLAGS.warmup_steps), max(FLAGS.max_steps, FLAGS.warmup_steps + 1)
+    end = peak * FLAGS.min_learning_rate_ratio
+    if FLAGS.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, end_value=end)
+    after = (optax.linear_schedule(peak, end, total - warmup) if FLAGS.lr_schedule == "linear"
+             else optax.constant_schedule(peak))
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
 def optimizer(learning_rate=None):
-    """AdamW with global-norm clipping, linear warm-up and cosine decay to 10% at --max_steps, from the training
-    flags (learning_rate: a peak other than --learning_rate); every training script builds its optimizer here."""
-    max_steps = FLAGS.max_steps
-    learning_rate = FLAGS.learning_rate if learning_rate is None else learning_rate
-    warmup_steps, weight_decay = FLAGS.warmup_steps, FLAGS.weight_decay
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, warmup_steps),
-                                                  max(max_steps, warmup_steps + 1), end_value=learning_rate / 10)
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(
-        learning_rate=schedule, weight_decay=weight_decay))
+    """AdamW (--adam_b1/b2/eps, --weight_decay) after global-norm clipping (--max_grad_norm), on a linear warm-up
+    (--warmup_steps) then --lr_schedule: cosine (default) or linear decay to --min_learning_rate_ratio of the peak at
+    --max_steps, or constant. learning_rate: a peak other than --learning_rate. Every training script builds its
+    optimizer here."""
+    _check_optimizer_flags()
+    schedule = lr_schedule(FLAGS.learning_rate if learning_rate is None else learning_rate)
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=FLAGS.adam_b1, b2=FLAGS.adam_b2,
+                                                  eps=FLAGS.adam_eps, weight_decay=FLAGS.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(FLAGS.max_grad_norm), adamw) if FLAGS.max_grad_norm else adamw
 
 
 def progress_lines(trainer, log_every):

@@ -283,6 +283,7 @@ class Trainer:
         self.best = None  # {'step', 'metric', 'mode', 'value'} of the checkpoint fit(save_best=...) keeps
         self._restored_best = restore_checkpoint == "best"
         self._last_eval_step = None
+        self._evals_since_best = 0  # evals since the best improved (early stopping); checkpointed
         self._writer = None
         if self._restored_best:
             source = None if not os.path.isdir(os.path.join(workdir, "best")) else self._open_best()
@@ -423,6 +424,7 @@ class Trainer:
         self._setup(restore_step=step, checkpointer=checkpointer)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         self.best = meta.get("best")
+        self._evals_since_best = meta.get("evals_since_best", 0)
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
                      self._batch_in_epoch, checkpointer.directory)
 
@@ -476,7 +478,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
             eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
-            save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None, save_best=None):
+            save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None, save_best=None,
+            early_stopping_patience=None):
         """Trains until `n_epochs` epochs or `max_steps` optimizer updates in total (both counted over the Trainer's
         life, resumes included: calling `fit` again continues where training stopped).
 
@@ -490,6 +493,8 @@ class Trainer:
         reports): after each eval that improves on the best so far, the whole state is saved under `workdir/best`
         (one checkpoint, kept apart from the last `keep_checkpoints`; a resume reads the best value back). `best`
         then holds its step and value; `Trainer(..., restore_params_only=True, restore_checkpoint='best')` reads it.
+        `early_stopping_patience=N` (with save_best): training stops after N evals in a row that did not improve on
+        the best (the count is checkpointed, so re-running a stopped job does not train on).
         `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
         caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
         `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard` (TensorBoard's
@@ -529,6 +534,14 @@ class Trainer:
             _validate("save_best", save_best, save_best[0] == "loss" or eval_metric_fn is not None,
                       "('loss', mode) without eval_metric_fn (the eval reports only its loss)")
             self._check_best_matches(tuple(save_best))
+        _validate("early_stopping_patience", early_stopping_patience, early_stopping_patience is None or (
+            isinstance(early_stopping_patience, int) and not isinstance(early_stopping_patience, bool)
+            and early_stopping_patience >= 1 and save_best is not None), "None or an integer >= 1, with save_best")
+        exhausted = lambda: (early_stopping_patience is not None  # noqa: E731
+                             and self._evals_since_best >= early_stopping_patience)
+        if exhausted():
+            logging.info("early stopping: %s; not training on", self._early_stop_note())
+            return self.history
         if self._restored_best:
             raise ValueError("fit: this Trainer restored the best checkpoint (restore_checkpoint='best'), whose step "
                              "lies before the workdir's later checkpoints; expected its params passed to a Trainer "
@@ -585,11 +598,11 @@ class Trainer:
                             if pending:
                                 last_log = self._flush(pending, last_log, rows, batch)
                             evaluate()
-                        if stop.is_set() or (max_steps is not None and self._step >= max_steps):
+                        if stop.is_set() or exhausted() or (max_steps is not None and self._step >= max_steps):
                             break
                 finally:
                     prefetch.close()
-                if stop.is_set():
+                if stop.is_set() or exhausted():
                     break
                 if max_steps is not None and self._step >= max_steps:
                     break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
@@ -600,6 +613,8 @@ class Trainer:
                     last_log = self._flush(pending, last_log, rows, None)
                 if eval_examples is not None and self._last_eval_step != self._step:
                     evaluate()
+                    if exhausted():
+                        break
             if pending:
                 self._flush(pending, last_log, rows, None)
         finally:
@@ -610,6 +625,8 @@ class Trainer:
         if stop.is_set():
             self.stopped_by_signal = True
             logging.warning("signal received: stopping after step %d", self._step)
+        if exhausted():
+            logging.info("early stopping at step %d: %s", self._step, self._early_stop_note())
         if self._checkpointer is not None and self._state is not None and (checkpoint_at_end or stop.is_set()):
             self.save_checkpoint()
             self._checkpointer.wait()
@@ -754,6 +771,11 @@ class Trainer:
             self._maybe_save_best(save_best, results)
         return results
 
+    def _early_stop_note(self):
+        best = "no finite value yet" if self.best is None else \
+            f"the best {self.best['metric']} {self.best['value']:.4f} at step {self.best['step']}"
+        return f"{self._evals_since_best} evals in a row without improving on {best}"
+
     def _open_best(self):
         if self._best_checkpointer is None:
             self._best_checkpointer = Checkpointer(self.workdir, keep=1, name="best")
@@ -776,12 +798,12 @@ class Trainer:
             raise ValueError(f"save_best={save_best!r}: the eval reports no {metric!r}; expected one of "
                              f"{sorted(results)}")
         value = results[metric]
-        if not np.isfinite(value):
+        better = bool(np.isfinite(value)) and (self.best is None or (
+            value < self.best["value"] if mode == "min" else value > self.best["value"]))
+        if not better:
+            self._evals_since_best += 1
             return
-        if self.best is not None:
-            better = value < self.best["value"] if mode == "min" else value > self.best["value"]
-            if not better:
-                return
+        self._evals_since_best = 0
         self.best = {"step": self._step, "metric": metric, "mode": mode, "value": value}
         self._open_best().save(self._step, self._state, {**self._meta(), "best": self.best})
         logging.info("best %s so far: %.4f at step %d (saved under %s)", metric, value, self._step,
@@ -817,7 +839,8 @@ class Trainer:
         return {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
                 "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
                 "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas(),
-                "diloco_fragments": None if self.diloco is None else self.diloco.fragments}
+                "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
+                "evals_since_best": self._evals_since_best}
 
     def _diloco_replicas(self):
         return None if self.diloco is None else self.mesh.shape["data"]

@@ -367,6 +367,9 @@ def _bad_inputs(tmp_path, slow):
             ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
             ("train_lm.py", "--save_best=loss"): "--save_best=loss; expected METRIC:min or METRIC:max",
             ("train_sft.py", "--eval_every=-2"): "--eval_every=-2; expected an integer >= 0",
+            ("train_dpo.py", "--early_stopping_patience=3"): "--early_stopping_patience=3; expected 0, or an "
+                                                             "integer >= 1 with --save_best",
+            ("train_reward.py", "--adam_b2=1"): "--adam_b2=1.0; expected in [0, 1)",
             ("generate.py", "--prompts=x", "--num_beams=2", "--temperature=0.5"): "expected beam search without "
                                                                                   "sampling",
         }

@@ -1,6 +1,7 @@
 """engine.text (packing, pairs, the plain and fused losses) and engine.cli (flags, models, workdirs) in process; the
 scripts end to end are in tests/test_scripts.py."""
 import json
+import re
 
 import jax
 import numpy as np
@@ -258,6 +259,39 @@ def test_create_model_and_run_json(tmp_path):
     adapted = model.clone(config=model.config.__class__(**{**vars(model.config), "lora_rank": 4}))
     with pytest.raises(ValueError, match=r"fields \['lora_rank'\] differ"):
         cli.save_run(str(tmp_path / "w"), "lm", adapted, tok)
+
+
+def test_optimizer_flags_schedules_and_errors():
+    from absl import flags  # noqa: PLC0415
+
+    FLAGS = flags.FLAGS
+    if "lr_schedule" not in FLAGS:
+        cli.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
+                                  save_every=1)
+    try:
+        for args, want in [([], {0: 0.0, 1: 0.5, 2: 1.0, 10: 0.1}),  # cosine to 10%
+                           (["--lr_schedule=linear"], {1: 0.5, 2: 1.0, 6: 0.55, 10: 0.1}),
+                           (["--lr_schedule=linear", "--min_learning_rate_ratio=0"], {6: 0.5, 10: 0.0}),
+                           (["--lr_schedule=constant"], {1: 0.5, 2: 1.0, 10: 1.0, 50: 1.0})]:
+            FLAGS.unparse_flags()
+            FLAGS(["prog", "--max_steps=10", "--learning_rate=1.0", "--warmup_steps=2", *args])
+            schedule = cli.lr_schedule(1.0)
+            for step, lr in want.items():
+                assert float(schedule(step)) == pytest.approx(lr, abs=1e-6), (args, step)
+        FLAGS.unparse_flags()
+        FLAGS(["prog", "--max_grad_norm=0", "--adam_b2=0.95"])
+        state = cli.optimizer().init({"w": np.zeros(2, np.float32)})
+        assert type(state) is not tuple  # AdamW alone, not a chain behind a clip
+        assert float(state.hyperparams["b2"]) == pytest.approx(0.95)
+        for bad, message in [("--adam_b2=1.0", "--adam_b2=1.0; expected in [0, 1)"),
+                             ("--max_grad_norm=-1", "--max_grad_norm=-1.0; expected >= 0 (0: no clipping)"),
+                             ("--min_learning_rate_ratio=2", "--min_learning_rate_ratio=2.0; expected in [0, 1]")]:
+            FLAGS.unparse_flags()
+            FLAGS(["prog", bad])
+            with pytest.raises(ValueError, match=re.escape(message)):
+                cli.optimizer()
+    finally:
+        FLAGS.unparse_flags()
 
 
 def test_parse_flags_helpers():

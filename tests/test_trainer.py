@@ -317,6 +317,21 @@ def test_eval_every_keeps_the_best_checkpoint_across_a_resume(tmp_path):
                                             eval_examples=EXAMPLES[:8], save_best=("loss", "min"))
 
 
+def test_early_stopping_after_evals_without_improvement_survives_a_restart(tmp_path):
+    fit = dict(per_device_batch_size=2, max_steps=8, eval_every=1, save_best=("score", "max"),
+               early_stopping_patience=2)
+    trainer = _trainer(workdir=str(tmp_path))
+    trainer.fit(EXAMPLES, **fit, **_scored_eval([0.1, 0.5, 0.4, 0.3, 0.9]))
+    trainer.close()
+    assert trainer.step == 4 and trainer.best["step"] == 2  # evals 3 and 4 did not improve on step 2's 0.5
+    again = _trainer(workdir=str(tmp_path))
+    again.fit(EXAMPLES, **fit, **_scored_eval([0.9]))  # the count came back with the checkpoint: nothing to do
+    assert again.step == 4
+    with pytest.raises(ValueError, match=r"early_stopping_patience=2; expected None or an integer >= 1, with "
+                                         r"save_best"):
+        _trainer().fit(EXAMPLES, per_device_batch_size=2, eval_examples=EXAMPLES[:8], early_stopping_patience=2)
+
+
 def test_bad_eval_and_best_checkpoint_settings(tmp_path):
     fit = dict(per_device_batch_size=2, max_steps=2)
     with pytest.raises(ValueError, match=r"eval_every=0; expected None or an integer >= 1, with eval_examples"):
