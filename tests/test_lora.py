@@ -284,7 +284,7 @@ def test_int8_base_through_the_fused_kernels_equals_the_plain_path(implementatio
         (got, got_grads), (want, want_grads) = run(floats, fused), run(floats, model)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
         for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # 1e-5 of the largest
 
 
 @pytest.mark.slow
