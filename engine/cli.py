@@ -33,6 +33,9 @@ def define_flags():
                         "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel.")
     flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
                          "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe schedule.")
+    flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
+                         "over (the mesh's `context` axis; the devices are context x stages x the --mesh product). "
+                         "Attention exchanges sequence for heads (all-to-all), so heads / model must divide by it.")
     flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches each pipeline step cuts its rows into (0: one "
                          "per stage); the idle share of a stage is (stages - 1) / (micro-batches + stages - 1).")
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
@@ -182,7 +185,7 @@ def _check_diloco_flags():
 
 def start():
     """Joins the multi-process runtime (if asked) and builds the mesh from the flags."""
-    for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages"):
+    for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages", "context_parallel"):
         if FLAGS[name].value < 1:
             raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
     engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
@@ -193,7 +196,7 @@ def start():
         eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
     if "lr_schedule" in FLAGS:
         _check_optimizer_flags()
-    return engine.make_mesh(stage=FLAGS.pipeline_stages, **parse_mesh(FLAGS.mesh))
+    return engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
 
 
 def trainer_kwargs():

@@ -1,14 +1,17 @@
-"""The device mesh: four named axes, `('data', 'fsdp', 'stage', 'model')`.
+"""The device mesh: five named axes, `('data', 'fsdp', 'stage', 'context', 'model')`.
 
 - `data`: pure data parallelism; weights replicated (ZeRO-1/2 may still split optimizer state / gradients over it).
 - `fsdp`: ZeRO-3 / fully sharded data parallelism; weights, gradients and optimizer state split.
 - `stage`: pipeline parallelism; each stage holds a contiguous block of the layer stack (GPipe schedule in
   `models.pipeline`, weights placed by `engine.auto_shard`). Size 1 unless asked for.
+- `context`: context (sequence) parallelism: each device of a group holds a contiguous slice of every row's tokens;
+  attention exchanges sequence slices for head slices (DeepSpeed-Ulysses, `kernels.flash_attention`), and the
+  weights are split over it like over `fsdp` (ZeRO-3). Size 1 unless asked for.
 - `model`: tensor parallelism (Megatron layout chosen by `engine.auto_shard`).
 
-The `model` axis is innermost so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
+The `model` and `context` axes are innermost (their all-to-alls and all-reduces sit on every layer's path) so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
 and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout): devices are
-placed stage-major, then data, fsdp, model. The axes' order in the mesh differs from that placement because XLA
+placed stage-major, then data, fsdp, context, model. The axes' order in the mesh differs from that placement because XLA
 (JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.
 """
 import math
@@ -19,8 +22,8 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-AXES = ("data", "fsdp", "stage", "model")
-_PLACEMENT = ("stage", "data", "fsdp", "model")  # the device grid's order, outermost first
+AXES = ("data", "fsdp", "stage", "context", "model")
+_PLACEMENT = ("stage", "data", "fsdp", "context", "model")  # the device grid's order, outermost first
 
 
 def _resolve_sizes(sizes, n_devices):
@@ -32,8 +35,8 @@ def _resolve_sizes(sizes, n_devices):
     if len(fill) > 1:
         raise ValueError(f"make_mesh: only one axis size may be -1, got {' and '.join(f'{n}=-1' for n in fill)}")
     known = math.prod(size for size in sizes if size != -1)
-    # The messages leave out a stage axis of 1 (no pipeline: the usual case).
-    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n != "stage" or s != 1)
+    # The messages leave out stage and context axes of 1 (no pipeline, no context parallelism: the usual case).
+    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n not in ("stage", "context") or s != 1)
     if fill:
         if n_devices % known:
             raise ValueError(f"make_mesh: {n_devices} devices cannot be split into {shown} ({known} does not divide "
@@ -48,8 +51,9 @@ def _device_grid(shape, devices):
     """Places devices on the `_PLACEMENT`-ordered grid `shape`: per-host blocks for the stage and data axes, the
     model axis inside a host."""
     n_hosts = len({d.process_index for d in devices})
-    stage, data, fsdp, model = shape
+    stage, data, fsdp, context, model = shape
     data *= stage  # the stages split the outer (data) block: stage-major, then data
+    model *= context  # context and model share the inner (in-host) block: context-major, then model
     if n_hosts > 1:
         per_host = len(devices) // n_hosts
         # Spread hosts over the outer (data, then fsdp) axes; each host keeps a whole inner block.
@@ -72,9 +76,9 @@ def _device_grid(shape, devices):
         return np.array(devices, dtype=object).reshape(shape)
 
 
-def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, devices=None):
-    """Builds a `Mesh` with axes `('data', 'fsdp', 'stage', 'model')`; one size may be -1 to take the remaining
-    devices.
+def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, context=1, devices=None):
+    """Builds a `Mesh` with axes `('data', 'fsdp', 'stage', 'context', 'model')`; one size may be -1 to take the
+    remaining devices.
 
     `devices` defaults to all devices of all processes (`jax.devices()`). Raises `ValueError` when the sizes do not
     multiply to the device count, when more than one size is -1, or a size is 0 or negative.
@@ -82,7 +86,7 @@ def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: devices is empty; expected at least one device")
-    shape = _resolve_sizes((data, fsdp, stage, model), len(devices))
+    shape = _resolve_sizes((data, fsdp, stage, context, model), len(devices))
     placed = tuple(shape[AXES.index(a)] for a in _PLACEMENT)
     grid = np.transpose(_device_grid(placed, devices), [_PLACEMENT.index(a) for a in AXES])
     return Mesh(grid, AXES)

@@ -188,7 +188,8 @@ class _AbstractRestore:
 def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
          loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-         pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32"):
+         pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
+         context=1):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
@@ -198,7 +199,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
     per stage) of each micro-batch's rows. diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
-    collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends."""
+    collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
+    context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
+    axis, on top of the others; the jit step, the only one that runs it)."""
     import engine
     import models
     from engine import text
@@ -206,10 +209,12 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     data, fsdp, tp = _parse_mesh(mesh)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages={stages!r}; expected a positive integer")
-    if stages * data * fsdp * tp != num_devices:
-        with_stages = f" with stages={stages}" if stages > 1 else ""
-        raise ValueError(f"mesh={data},{fsdp},{tp}{with_stages} has {stages * data * fsdp * tp} devices; expected "
-                         f"num_devices={num_devices}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context={context!r}; expected a positive integer")
+    if stages * context * data * fsdp * tp != num_devices:
+        extra = "".join(f" with {n}={v}" for n, v in (("stages", stages), ("context", context)) if v > 1)
+        raise ValueError(f"mesh={data},{fsdp},{tp}{extra} has {stages * context * data * fsdp * tp} devices; "
+                         f"expected num_devices={num_devices}")
     if num_devices > jax.device_count():
         raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
@@ -246,7 +251,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
                                outer_dtype=diloco_outer_dtype)
         step = "auto"  # DiLoCo has its own step
     trainer = engine.Trainer(
-        mesh=engine.make_mesh(stage=stages, data=data, fsdp=fsdp, model=tp, devices=jax.devices()[:num_devices]),
+        mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
+                              devices=jax.devices()[:num_devices]),
         collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=optax.adamw(1e-4),
         zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
         trainable=trainable, diloco=diloco)
@@ -272,7 +278,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         outer = [collective_bytes(hlo, num_devices, root=b) for b in switches[0][1:]]
         comm = {k: v - sum(o[k] for o in outer) for k, v in comm.items()}  # an inner step's
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
-              "stages": stages, "pipeline_microbatches": pipeline_microbatches or stages,
+              "stages": stages, "context": context, "pipeline_microbatches": pipeline_microbatches or stages,
               "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
               "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,

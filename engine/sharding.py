@@ -29,7 +29,7 @@ from absl import logging
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-MODEL, FSDP, STAGE = "model", "fsdp", "stage"
+MODEL, FSDP, STAGE, CONTEXT = "model", "fsdp", "stage", "context"
 # Parameters smaller than this (elements) stay replicated over `fsdp`: splitting norms and small biases saves
 # nothing and costs a gather each.
 FSDP_MIN_ELEMENTS = 1024
@@ -611,7 +611,8 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     A dimension is split only if the axis size divides it (else the other rule is tried, else the parameter is
     replicated). With `stage > 1`, stacked layer weights are split over `stage` along their layer dim (see the module
     docstring). With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
-    divisible dimension split over `fsdp`.
+    divisible dimension split over `fsdp`; with `context > 1`, over `context` too (a context group computes on the
+    same rows, so, like ZeRO-3, it holds one copy of the weights between its devices, gathered where used).
     """
     sizes = _axis_sizes(mesh)
     compiled_rules = _check_rules(rules)
@@ -650,7 +651,7 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
         if (stage_size > 1 and layer_dim is not None and entries[layer_dim] is None
                 and not shape[layer_dim] % stage_size):
             entries[layer_dim] = STAGE
-        specs[key] = add_axis(P(*entries), shape, FSDP, sizes)
+        specs[key] = add_axis(add_axis(P(*entries), shape, FSDP, sizes), shape, CONTEXT, sizes)
     return jax.tree_util.tree_map_with_path(lambda p, _: specs[path_str(p)], params)
 
 

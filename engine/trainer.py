@@ -162,8 +162,10 @@ class Trainer:
         simulated devices' collectives are memory copies and the jit step measured 5-8% faster (bench_step.py);
         'jit' for a pipeline (mesh `stage` > 1) with `fsdp` > 1, where the shard_map step's ZeRO-3 gathers all of a
         stage's layers at once (7B, stage 4 x fsdp 2: 46.7 GB per device against 22.3; with stage 4 x data 2 and
-        ZeRO-1 the shard_map step sends 13.3 GB against 55.9 in the same memory). Both give the same results
-        (tests/test_step.py, tests/test_pipeline.py).
+        ZeRO-1 the shard_map step sends 13.3 GB against 55.9 in the same memory); 'jit' with context parallelism
+        (mesh `context` > 1), the only step that runs it (XLA 0.10.2's partitioner aborts on the attention's manual
+        all-to-all region nested in the shard_map step's). Both give the same results (tests/test_step.py,
+        tests/test_pipeline.py).
       flops_per_example: model FLOPs of one training example, forward and backward (for the native models:
         `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a
         device of known peak (`engine.flops.PEAK_TFLOPS`), the model FLOPs utilisation (MFU); `throughput` holds the
@@ -259,10 +261,15 @@ class Trainer:
         self._loss_scale = _resolve_loss_scale(loss_scale, self.compute_dtype, diloco)
         self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
         self._sharding_rules = sharding_rules
+        context = dict(mesh.shape).get("context", 1)
+        if step == "shard_map" and context > 1:
+            raise ValueError(f"step='shard_map' on a mesh with context={context}; expected step='jit' or 'auto' "
+                             "(context parallelism runs in the jit step)")
         if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
             sizes = dict(mesh.shape)
             pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
-            step = "jit" if mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp else "shard_map"
+            jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
+            step = "jit" if jit else "shard_map"
         self._step_kind = step
         self._init_params = params
         self._state = None            # {'params', 'opt_state'} on the mesh once set up

@@ -5,15 +5,22 @@ gathers every input onto every device and each device computes the whole op. Whe
 (`jax.set_mesh(mesh)`, or inside the engine's shard_map step, whose `model` axis stays automatic), each op instead
 runs its kernel in a `jax.shard_map` over the mesh's automatic axes, on the blocks the engine's layout gives it
 (engine/sharding.py): rows (batch) over `data` and `fsdp`, attention heads and output features over `model`, each
-only where the size divides. Outside a mesh, or on axes that are already manual, nothing changes.
+only where the size divides. Outside a mesh, or on axes that
+are already manual, nothing changes. A `context` axis (context parallelism: each device holds a slice of every row's
+tokens) is manual around attention for every implementation ('xla' too), which trades sequence slices for head
+slices (`kernels.attention.api`).
 """
 import contextlib
 import math
 
 import jax
 
+# Not `context`: with a matmul's token rows split over it too, the gate / up gradients of a scanned LLaMA whose
+# attention ran the context exchange came out wrong on data 2 x context 2 x model 2 (XLA 0.10.2, CPU; right
+# unscanned, and for the kernel alone in a scan), so the matmul kernels see each context group's whole rows.
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
+CONTEXT_AXIS = "context"  # context parallelism: tokens of a row split over it
 STAGE_AXIS = "stage"  # pipeline stages (models/pipeline.py): a kernel runs inside a vmap over them
 
 
@@ -35,12 +42,34 @@ def under_mesh(mesh):
 def auto_axes(implementation):
     """{axis name: size} of the ambient mesh's automatic axes larger than 1 that a kernel of `implementation` must be
     split over by hand: {} outside a mesh, and for 'xla' (plain JAX, which the compiler partitions itself)."""
+    return {} if implementation == "xla" else automatic_axes()
+
+
+def automatic_axes():
+    """{axis name: size} of the ambient mesh's automatic axes larger than 1 ({} outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if implementation == "xla" or mesh is None or mesh.empty:
+    if mesh is None or mesh.empty:
         return {}
     auto = jax.sharding.AxisType.Auto
     return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
             if kind == auto and size > 1}
+
+
+def auto_axis_size(name):
+    """Size of the ambient mesh's axis `name` when it is automatic; 1 outside a mesh, where the mesh lacks it and
+    where it is manual (inside a shard_map over it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or name not in mesh.axis_names:
+        return 1
+    i = mesh.axis_names.index(name)
+    return mesh.axis_sizes[i] if mesh.axis_types[i] == jax.sharding.AxisType.Auto else 1
+
+
+def context_size(*lengths):
+    """Size of the ambient mesh's automatic `context` axis when it is larger than 1 and divides every length, else
+    1. Any implementation: the sequence split is not the partitioner's to undo."""
+    size = auto_axis_size(CONTEXT_AXIS)
+    return size if all(n % size == 0 for n in lengths) else 1
 
 
 def batch_axes(axes, rows):

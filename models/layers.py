@@ -526,6 +526,18 @@ class MLP(nn.Module):
                       **_lora(self, "down"))(h)
 
 
+def split_tokens(x):
+    """x [B, T, ...] with its token dim over the ambient mesh's automatic `context` axis (context parallelism) when
+    that axis is larger than 1 and divides T; x unchanged otherwise. Called on a stack's input: every op until
+    attention is per token, so the split then holds through the layers (attention exchanges it for heads inside
+    `kernels.flash_attention`), and the weights are the only thing a device holds whole."""
+    if kernels.context_size(x.shape[1]) == 1:
+        return x
+    spec = jax.sharding.PartitionSpec(jax.sharding.PartitionSpec.UNCONSTRAINED, kernels.CONTEXT_AXIS,
+                                      *[jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 2))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 # ----------------------------------------------------------------------------------------------------- stacks
 
 def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, **block_kwargs):
@@ -720,7 +732,7 @@ class DecoderLM(nn.Module):
             x = x + table(ctx["positions"] + self.position_offset)
         if self.embed_dropout:
             x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
-        x, layer_cache = apply_layers(self.block, x, ctx, cache, c, owner=self, deterministic=not train)
+        x, layer_cache = apply_layers(self.block, split_tokens(x), ctx, cache, c, owner=self, deterministic=not train)
         if getattr(c, "final_layer_norm", True):
             x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
         if embed_dim != c.hidden_size:

@@ -17,16 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import kernels
+
 STAGE_AXIS = "stage"
 
 
 def num_stages():
     """Size of the ambient mesh's automatic `stage` axis; 1 outside a mesh or where it is manual."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or STAGE_AXIS not in mesh.axis_names:
-        return 1
-    i = mesh.axis_names.index(STAGE_AXIS)
-    return mesh.axis_sizes[i] if mesh.axis_types[i] == jax.sharding.AxisType.Auto else 1
+    return kernels.auto_axis_size(STAGE_AXIS)
 
 
 def _on_stages(x):

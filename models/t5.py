@@ -141,7 +141,7 @@ class T5Stack(nn.Module):
         if self.decoder:
             ctx.update(encoder_out=encoder_out, encoder_segment_ids=(
                 jnp.ones(encoder_out.shape[:2], jnp.int32) if encoder_mask is None else encoder_mask))
-        x, layer_cache = layers.apply_layers(T5Block, drop(self.embed(input_ids)), ctx, cache, c,
+        x, layer_cache = layers.apply_layers(T5Block, layers.split_tokens(drop(self.embed(input_ids))), ctx, cache, c,
                                              decoder=self.decoder, deterministic=not train,
                                              num_layers=c.decoder_layers if self.decoder else c.num_layers)
         x = drop(layers.Norm("rms", c.layer_norm_eps, name="final_norm", dtype=jnp.dtype(c.dtype),

@@ -4,7 +4,8 @@
       --zero_stage=0 --per_device_batch_size=1 --seq_len=2048 --remat=full --compute_dtype=bfloat16
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
-per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--diloco_inner_steps`
+per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--context_parallel`
+splits each row's tokens, `--diloco_inner_steps`
 DiLoCo (with `--diloco_fragments`, `--diloco_outer_dtype`: what each part's outer step sends). `--sweep` compiles
 every mesh factorisation and zero stage for `--num_devices` (with `--sweep_max_stages`, pipelines too), prints a JSON
 line for each and a table ranked by memory, then bytes sent. The logic lives in engine/plan.py.
@@ -36,6 +37,9 @@ flags.DEFINE_enum("loss_implementation", "xla", ["plain", "xla"], "plain: materi
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
 flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
                      "--mesh product).", lower_bound=1)
+flags.DEFINE_integer("context_parallel", 1, "Context parallelism: devices each row's tokens are split over (the "
+                     "mesh's `context` axis; devices = context x stages x the --mesh product; the jit step).",
+                     lower_bound=1)
 flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
 flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: plan DiLoCo over `data` (needs --zero_stage=0): bytes of an "
                      "inner step, and of each part's outer step.", lower_bound=0)
@@ -74,7 +78,7 @@ def main(argv):
         print(plan.format_table(results))
         return
     print(json.dumps(plan.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
-                               pipeline_microbatches=FLAGS.pipeline_microbatches,
+                               pipeline_microbatches=FLAGS.pipeline_microbatches, context=FLAGS.context_parallel,
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
                                diloco_outer_dtype=FLAGS.diloco_outer_dtype, **kwargs)), flush=True)
 

@@ -135,13 +135,76 @@ def flash_attention(
     q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
     impl = _implementation(implementation, interpret)
-    B, T, H, D = q.shape
+    keys = dropout_keys(dropout_rng, q.shape[0], q.shape[2]) if dropout_rate else None
+    core = functools.partial(_padded_attention, impl=impl, causal=causal, sm_scale=sm_scale, interpret=interpret,
+                             block_sizes=block_sizes, dropout_rate=dropout_rate)
+    context = _partition.context_size(q.shape[1], k.shape[1])
+    if context > 1:
+        return _context_parallel(core, q, k, v, q_ids, kv_ids, keys, context, impl)
+    return core(q, k, v, q_ids, kv_ids, keys)
+
+
+def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, interpret, block_sizes, dropout_rate):
+    """The attention of `flash_attention` on inputs of any length: padded to whole tiles, run on the ambient mesh's
+    rows and heads, the padding cut off."""
+    T, D = q.shape[1], q.shape[3]
     q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes,
                                              dropout_rate)
-    keys = None
-    if dropout_rate:
-        keys = dropout_keys(dropout_rng, B, H)
     return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
+
+
+def _context_parallel(core, q, k, v, q_ids, kv_ids, keys, context, impl):
+    """`core` (the attention) on sequences split over the mesh's `context` axis (DeepSpeed-Ulysses, Jacobs et al.,
+    2023): an all-to-all turns each device's slice of the tokens of its heads into every token of 1/context of those
+    heads, the unchanged attention runs on whole sequences, and the inverse all-to-all returns the output's slice.
+    Causal masks, segment ids (all-gathered: a few ints per token) and dropout (the keys of the device's heads) mean
+    what they mean without the split, so results equal the unsplit attention. The region is manual over the rows'
+    and heads' axes too (each device's block of rows and of `model` heads is its own; partly automatic, the
+    partitioner gathered rows and heads onto every device before each all-to-all), for every implementation.
+    Grouped-query k and v go through the same all-to-all when their heads per device divide by `context`; otherwise
+    they are all-gathered and each device keeps the one kv head its query heads read (k and v are heads / kv_heads
+    times smaller than q)."""
+    B, T, H, D = q.shape
+    KVH = k.shape[2]
+    auto = {a: n for a, n in _partition.automatic_axes().items() if a != _partition.CONTEXT_AXIS}
+    b, m = _partition.batch_axes(auto, B), _partition.model_axis(auto, H, KVH)
+    M = auto[m] if m else 1
+    if (H // M) % context:
+        raise ValueError(f"flash_attention on a mesh with context={context}: {H // M} query heads per device "
+                         f"({H} heads, model={M}); expected a multiple of context (each device attends with "
+                         "heads / context of them over the whole sequence)")
+    hq, G = H // M // context, H // KVH  # query heads per device after the exchange; query heads per kv head
+    kv_to_heads = (KVH // M) % context == 0
+    if not kv_to_heads and G % hq:
+        raise ValueError(f"flash_attention on a mesh with context={context}: {KVH} kv heads and {H} query heads "
+                         f"(model={M}) leave {hq} query heads per device that read parts of several kv heads; "
+                         f"expected kv heads per device divisible by context, or a multiple of {hq} query heads "
+                         "per kv head")
+    axis = _partition.CONTEXT_AXIS
+    to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731  [b, T/C, h, D] -> [b, T, h/C, D]
+
+    def run(q, k, v, *rest):
+        c = jax.lax.axis_index(axis)
+        if kv_to_heads:
+            k, v = to_heads(k), to_heads(v)
+        else:
+            k, v = (jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x, axis, axis=1, tiled=True), c * hq // G, 1,
+                                                 axis=2) for x in (k, v))
+        ids = [jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in rest[:2]] if q_ids is not None else [None] * 2
+        row_keys = rest[-1] if keys is not None else None
+        if row_keys is not None:
+            row_keys = jax.lax.dynamic_slice_in_dim(row_keys, c * hq, hq, axis=1)
+        out = core(to_heads(q), k, v, *ids, row_keys)  # [b, T, hq, D]
+        return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
+
+    P = jax.sharding.PartitionSpec
+    split = P(b, axis, m, None)
+    args, specs = [q, k, v], [split] * 3
+    if q_ids is not None:
+        args, specs = args + [q_ids, kv_ids], specs + [P(b, axis)] * 2
+    if keys is not None:
+        args, specs = args + [keys], specs + [P(b, m)]
+    return _partition.shard(run, tuple(args), tuple(specs), split, impl)
 
 
 def _implementation(implementation, interpret):

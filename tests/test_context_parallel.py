@@ -1,0 +1,176 @@
+"""Context parallelism (the mesh's `context` axis): each row's tokens split over a group of devices, attention
+exchanging sequence slices for head slices (kernels.attention.api._context_parallel). Results equal the unsplit
+computation; the compiled program exchanges per-device blocks only."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import engine
+import kernels
+import models
+from engine import text
+from tests.targets import triton_operands_of_train_step
+from tests.test_step import _packed_rows
+
+
+def _normal(key, shape):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _attention_case(kv_heads, q_len=64, kv_len=64):
+    B, H, D = 2, 8, 16
+    seg = np.repeat(np.array([[1, 1, 2, 2]]), q_len // 4, axis=1).repeat(B, axis=0)
+    q, k, v = _normal(0, (B, q_len, H, D)), _normal(1, (B, kv_len, kv_heads, D)), _normal(2, (B, kv_len, kv_heads, D))
+    return q, k, v, jnp.asarray(seg, jnp.int32)
+
+
+def _grads(fn, args):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2)))(*args)
+
+
+@pytest.mark.parametrize("impl, kv_heads, mesh, dropout", [
+    ("xla", 4, dict(data=2, context=2, model=2), 0.0),      # k, v through the all-to-all
+    ("xla", 1, dict(data=1, context=4, model=2), 0.3),      # one kv head: gathered, each device picks it
+    ("triton", 2, dict(data=2, context=2, model=2), 0.3),
+    ("triton", 8, dict(data=1, context=8), 0.0),
+])
+def test_attention_on_a_context_mesh_equals_the_unsplit_attention(impl, kv_heads, mesh, dropout):
+    q, k, v, seg = _attention_case(kv_heads)
+    opts = dict(implementation=impl, interpret=impl != "xla")
+
+    def attend(q, k, v, **impl_opts):
+        return kernels.flash_attention(q, k, v, causal=True, segment_ids=seg, dropout_rate=dropout,
+                                       dropout_rng=jax.random.key(3) if dropout else None, **impl_opts)
+
+    want = _grads(lambda *a: attend(*a, implementation="xla"), (q, k, v))
+    mesh = engine.make_mesh(**mesh)
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+        got = _grads(lambda *a: attend(*a, **opts), placed)
+    value_scale = float(jnp.abs(want[0]))
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5, atol=1e-5 * value_scale)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_cross_attention_of_different_lengths_on_a_context_mesh():
+    q, k, v, _ = _attention_case(4, q_len=32, kv_len=64)
+    want = _grads(lambda *a: kernels.flash_attention(*a, implementation="xla"), (q, k, v))
+    mesh = engine.make_mesh(data=2, context=4)
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+        got = _grads(lambda *a: kernels.flash_attention(*a, implementation="xla"), placed)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-4)
+
+
+def test_the_compiled_exchange_moves_per_device_blocks_only():
+    """On data 2 x context 2 x model 2 every all-to-all carries one device's rows and model heads (B/2, H/2), q, k
+    and v are never all-gathered (only the int32 segment ids are), and nothing is gathered over rows or heads."""
+    q, k, v, seg = _attention_case(4)
+    mesh = engine.make_mesh(data=2, context=2, model=2)
+    spec = NamedSharding(mesh, P("data", "context", "model"))
+    placed = [jax.device_put(x, spec) for x in (q, k, v)]
+    loss = lambda *a: jnp.sum(kernels.flash_attention(*a, causal=True, segment_ids=seg, implementation="xla"))  # noqa
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*placed).compile().as_text()
+    exchanges = re.findall(r"= \((.*?)\) all-to-all\(", hlo)
+    assert exchanges
+    for operands in exchanges:  # pieces of [B/2, T/2 or T, heads/2/2 or heads/2, D]: never the whole rows
+        for shape in re.findall(r"f32\[([\d,]+)\]", operands):
+            b, t, h, d = map(int, shape.split(","))
+            assert b == 1 and d == 16 and h <= 2 and t <= 32, operands
+    gathered = re.findall(r"= (\w+)\[[\d,]*\]\{[^}]*\} all-gather\(", hlo)
+    assert gathered and set(gathered) == {"s32"}, gathered
+
+
+def test_heads_that_do_not_divide_by_context_are_refused():
+    q, k, v, _ = _attention_case(2)
+    mesh = engine.make_mesh(data=1, context=8)
+    message = r"context=8: 4 query heads per device \(4 heads, model=1\); expected a multiple"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
+        jax.jit(lambda q, k, v: kernels.flash_attention(q[:, :, :4], k, v, implementation="xla")).lower(q, k, v)
+
+
+def test_lengths_that_do_not_divide_run_unsplit():
+    """A prompt of a length the context size does not divide (a prefill, say) runs the plain attention."""
+    q, k, v, _ = _attention_case(4, q_len=62, kv_len=62)
+    want = kernels.flash_attention(q, k, v, causal=True, implementation="xla")
+    mesh = engine.make_mesh(data=2, context=4)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: kernels.flash_attention(*a, causal=True, implementation="xla"))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _llama_trainer(mesh, **options):
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", **options)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    return engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=text.lm_loss_fn(model), params=params,
+                          optimizer=optax.sgd(0.5))
+
+
+def test_trainer_on_a_context_mesh_equals_the_run_without_it():
+    """A packed LLaMA batch on data 2 x context 2 x model 2 (jit step) gives the losses and parameters of data 2 x
+    model 2, and the weights are split over `context` as well (ZeRO-3 within each context group)."""
+    rows = _packed_rows(16, seq=32)
+    ref = _llama_trainer(engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    ref.fit(rows, per_device_batch_size=2, max_steps=2, log_every=1)
+    got = _llama_trainer(engine.make_mesh(data=2, context=2, model=2))
+    got.fit(rows, per_device_batch_size=2, max_steps=2, log_every=1)
+    assert got._step_kind == "jit"
+    np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in ref.history], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(got.params))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+    specs = {engine.sharding.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        got._param_specs, is_leaf=lambda s: isinstance(s, P))[0]}
+    assert "context" in str(specs["layers/mlp/up/kernel"]) and "model" in str(specs["layers/mlp/up/kernel"])
+
+
+def test_llama_with_triton_kernels_on_a_context_mesh_has_the_unsplit_gradients():
+    """A scanned LLaMA with interpreted Triton attention and gated-MLP kernels: loss and every gradient on data 2 x
+    context 2 x model 2 equal those without a mesh (with the MLP kernels' token rows split over `context` too, the
+    gate and up gradients did not: kernels/_partition.py)."""
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
+                                mlp_implementation="triton", kernel_interpret=True)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    tokens = np.random.RandomState(0).randint(0, 120, (4, 33)).astype(np.int32)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": np.ones((4, 32), np.int32)}
+    loss_fn = text.lm_loss_fn(model)
+    grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, jax.random.key(0), False)[0]))
+    want = grads(params, batch)
+    mesh = engine.make_mesh(data=2, context=2, model=2)
+    specs = engine.auto_shard(params, mesh)
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                 is_leaf=lambda s: isinstance(s, P)))
+    with jax.set_mesh(mesh):
+        got = grads(placed, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want[1])[0], jax.tree.leaves(got[1])):
+        scale = max(float(np.abs(np.asarray(w)).max()), 1e-3)
+        assert float(np.abs(np.asarray(g) - np.asarray(w)).max()) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+def test_shard_map_step_refuses_a_context_mesh():
+    with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2; expected step='jit'"):
+        engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=text.collate_lm, loss_fn=lambda *a: 0.0,
+                       params={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1), step="shard_map")
+
+
+def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads():
+    """The Trainer's step for a Triton LLaMA on data 2 x context 2 x model 2, lowered for cuda: the attention kernel
+    sees its row (2 rows / data 2), every token (32) of it and 1 of the 4 query heads (4 / model 2 / context 2),
+    with the one kv head that head reads."""
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton")
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=text.collate_lm,
+                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+    operands = triton_operands_of_train_step(trainer, 2, 32)
+    attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
+    assert attention and all(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t) == ["1x32x1x16"] * 3 for t in attention[:1])
+    assert all(set(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t)) == {"1x32x1x16"} for t in attention), attention
