@@ -38,7 +38,7 @@ def _grads(fn, args):
     ("xla", 4, dict(data=2, context=2, model=2), 0.0),      # k, v through the all-to-all
     ("xla", 1, dict(data=1, context=4, model=2), 0.3),      # one kv head: gathered, each device picks it
     ("triton", 2, dict(data=2, context=2, model=2), 0.3),
-    ("triton", 8, dict(data=1, context=8), 0.0),
+    pytest.param("triton", 8, dict(data=1, context=8), 0.0, marks=pytest.mark.slow),  # CI time: xla has it
 ])
 def test_attention_on_a_context_mesh_equals_the_unsplit_attention(impl, kv_heads, mesh, dropout):
     q, k, v, seg = _attention_case(kv_heads)
@@ -179,6 +179,7 @@ def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads
     assert all(set(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t)) == {"1x32x1x16"} for t in attention), attention
 
 
+@pytest.mark.slow  # CI time (~15 s); the LLaMA cases above run by default
 def test_t5_on_a_context_mesh_has_the_unsplit_gradients():
     """T5: both stacks' tokens split over `context` (the biased self-attention left to the partitioner, the
     cross-attention of 8 decoder to 16 encoder tokens through the exchange); loss and gradients unchanged."""
