@@ -9,7 +9,8 @@
   weights are split over it like over `fsdp` (ZeRO-3). Size 1 unless asked for.
 - `model`: tensor parallelism (Megatron layout chosen by `engine.auto_shard`).
 
-The `model` and `context` axes are innermost (their all-to-alls and all-reduces sit on every layer's path) so that, on several hosts, it stays inside one host's fast interconnect (NVLink / ICI)
+The `model` and `context` axes are innermost (their all-reduces and all-to-alls sit on every layer's path) so that,
+on several hosts, they stay inside one host's fast interconnect (NVLink / ICI)
 and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout): devices are
 placed stage-major, then data, fsdp, context, model. The axes' order in the mesh differs from that placement because XLA
 (JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.

@@ -261,12 +261,12 @@ class Trainer:
         self._loss_scale = _resolve_loss_scale(loss_scale, self.compute_dtype, diloco)
         self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
         self._sharding_rules = sharding_rules
-        context = dict(mesh.shape).get("context", 1)
+        sizes = dict(mesh.shape)
+        context = sizes.get("context", 1)
         if step == "shard_map" and context > 1:
             raise ValueError(f"step='shard_map' on a mesh with context={context}; expected step='jit' or 'auto' "
                              "(context parallelism runs in the jit step)")
         if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
-            sizes = dict(mesh.shape)
             pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
             jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
             step = "jit" if jit else "shard_map"

@@ -530,7 +530,7 @@ def split_tokens(x):
     """x [B, T, ...] with its token dim over the ambient mesh's automatic `context` axis (context parallelism) when
     that axis is larger than 1 and divides T; x unchanged otherwise. Called on a stack's input: every op until
     attention is per token, so the split then holds through the layers (attention exchanges it for heads inside
-    `kernels.flash_attention`), and the weights are the only thing a device holds whole."""
+    `kernels.flash_attention`)."""
     if kernels.context_size(x.shape[1]) == 1:
         return x
     spec = jax.sharding.PartitionSpec(jax.sharding.PartitionSpec.UNCONSTRAINED, kernels.CONTEXT_AXIS,
