@@ -1,8 +1,10 @@
 """Every test sees 8 simulated CPU devices. XLA reads the flag once, when JAX initialises its backend, so it is set
-here, before any test module imports jax."""
+here, before any test module imports jax (with the compile-time flags of tests/xla_flags.py)."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.xla_flags import cpu_devices
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_devices(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import engine
 from tests import toy_models as tm
+from tests.xla_flags import cpu_devices
 
 IDS = (np.arange(32, dtype=np.int32).reshape(4, 8) * 7) % 64
 
@@ -130,6 +131,6 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
 
 if __name__ == "__main__":
     # JAX creates its backends on first use, so setting these after `import jax` is early enough.
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = cpu_devices(4)
     os.environ["JAX_PLATFORMS"] = "cpu"
     main(*sys.argv[1:])

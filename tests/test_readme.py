@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+from tests.xla_flags import FAST_COMPILE, cpu_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
 
@@ -18,7 +20,7 @@ def test_quickstart_is_two_lines():
 
 def test_three_function_example_runs():
     code = re.search(r"## The three-function API\s+```python\n(.*?)```", README, re.S).group(1)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -43,6 +45,7 @@ def test_two_process_cpu_example_runs(tmp_path):
     for assignment in block[0].removeprefix("export ").split():
         key, value = assignment.split("=", 1)
         env[key] = value
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]

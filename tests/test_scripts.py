@@ -14,9 +14,10 @@ import pytest
 import engine
 import models
 from engine import cli, reward, text
+from tests.xla_flags import cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu")
 
 
 def _run(script, *args, ok=True):

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import engine
 from tests import trainer_task as task
 from tests.test_distributed import ROOT, _free_port, _worker
+from tests.xla_flags import cpu_devices
 
 EXAMPLES = task.make_examples(64)
 
@@ -203,7 +204,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
 
 SIGTERM_SCRIPT = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = "%s"
 os.environ["JAX_PLATFORMS"] = "cpu"
 from absl import logging
 import optax, engine
@@ -220,7 +221,7 @@ trainer = engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_
                          params=task.init_params(), optimizer=optax.adam(1e-3), workdir=sys.argv[1])
 trainer.fit(Examples(), per_device_batch_size=1, log_every=1)
 print("STOPPED", trainer.stopped_by_signal, trainer.step, flush=True)
-"""
+""" % cpu_devices(8)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
