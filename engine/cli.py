@@ -91,6 +91,10 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                        "attn_pdrop, T5 dropout_rate; else 0).", lower_bound=0.0, upper_bound=0.95)
     flags.DEFINE_bool("offload_optimizer", False, "Keep the optimizer state in pinned host memory between steps "
                       "(ZeRO-Offload's placement): less device memory, two host transfers of it per step.")
+    flags.DEFINE_bool("zero_quantized_weights", False, "ZeRO++'s qwZ: the shard_map step all-gathers every ZeRO-3 "
+                      "weight matrix over fsdp as int8 with per-row scales (needs fsdp > 1).")
+    flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s qgZ: the ZeRO-3 gradients are reduce-scattered over "
+                      "fsdp as int8 chunks by an all-to-all (needs fsdp > 1).")
     flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: DiLoCo (engine.DiLoCo): every position along the mesh's "
                          "data axis trains its own replica and they communicate once every this many steps; 0: "
                          "plain data parallelism.", lower_bound=0)
@@ -203,7 +207,8 @@ def trainer_kwargs():
     """The Trainer arguments the shared flags set."""
     kwargs = dict(zero_stage=FLAGS.zero_stage, compute_dtype=_DTYPES[FLAGS.compute_dtype],
                   accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed,
-                  offload_optimizer=FLAGS.offload_optimizer)
+                  offload_optimizer=FLAGS.offload_optimizer, zero_quantized_weights=FLAGS.zero_quantized_weights,
+                  zero_quantized_gradients=FLAGS.zero_quantized_gradients)
     if FLAGS.diloco_inner_steps:
         kwargs["diloco"] = engine.DiLoCo(
             inner_steps=FLAGS.diloco_inner_steps, fragments=FLAGS.diloco_fragments,

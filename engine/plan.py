@@ -189,7 +189,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
          loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
          pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
-         context=1):
+         context=1, zero_quantized_weights=False, zero_quantized_gradients=False):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
@@ -201,7 +201,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
     collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
-    axis, on top of the others; the jit step, the only one that runs it)."""
+    axis, on top of the others; the jit step, the only one that runs it). zero_quantized_weights /
+    zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options)."""
     import engine
     import models
     from engine import text
@@ -255,7 +256,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
                               devices=jax.devices()[:num_devices]),
         collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=optax.adamw(1e-4),
         zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
-        trainable=trainable, diloco=diloco)
+        trainable=trainable, diloco=diloco, zero_quantized_weights=zero_quantized_weights,
+        zero_quantized_gradients=zero_quantized_gradients)
     rows = per_device_batch_size * data * fsdp
     trainer._batch_spec = {k: ((rows, seq_len), "int32") for k in ("input_ids", "labels", "segment_ids")}
     trainer._checkpointer = _AbstractRestore()
@@ -280,7 +282,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
               "stages": stages, "context": context, "pipeline_microbatches": pipeline_microbatches or stages,
               "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
-              "zero_stage": zero_stage, "step": step, "per_device_batch_size": per_device_batch_size,
+              "zero_stage": zero_stage, "step": step,
+              "zero_quantized": {"weights": zero_quantized_weights, "gradients": zero_quantized_gradients},
+              "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,
               "param_bytes": n_bytes,

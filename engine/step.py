@@ -12,6 +12,7 @@ underflow to zero stay representable, and the float32 gradients are divided by i
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -270,52 +271,94 @@ class _LeafPlan:
         self.reduce = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1 and a not in used)
 
 
-def _all_gather(x, dims, dtype):
-    """A shard `x` all-gathered in `dtype` over `dims` ((dim, axes), ...)."""
-    y = x.astype(dtype)
-    for dim, axes in dims:
-        y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
-    return y
+class Int8(NamedTuple):
+    """ZeRO++'s quantized communication (Wang et al., 2023) in the shard_map step, for every ZeRO-3 parameter of two
+    or more dims (vectors, such as norm scales, travel as before). `weights` (qwZ): each shard is all-gathered as
+    int8 codes with a float32 absmax scale per row of its last dim (half the bytes of a bf16 gather), so the
+    forward and backward passes see the dequantised weights (an error of at most 1/254 of a row's largest value,
+    the same in both, so the recompute is consistent). `gradients` (qgZ): the gradient's reduce-scatter becomes an
+    all-to-all of int8 chunks with per-row scales, summed in float32 on the receiving device (a quarter of a float32
+    reduce-scatter's bytes). The optimizer's master weights and state are untouched."""
+
+    weights: bool = False
+    gradients: bool = False
 
 
-def _reduce_scatter(g, dims, reduce_dtype, dtype):
+def _int8_rows(x):
+    """x (float) -> int8 codes and float32 scales [..., 1]: round(x / s) with s = max|x| / 127 per row of the last
+    dim (a zero row gets s = 0 and codes 0)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127
+    return jnp.round(x / jnp.where(scale > 0, scale, 1)).astype(jnp.int8), scale
+
+
+def _all_gather(x, dims, dtype, int8=False):
+    """A shard `x` all-gathered in `dtype` over `dims` ((dim, axes), ...); with `int8` (and two or more dims) as
+    codes and row scales (`Int8.weights`; floating shards only: an int8 base weight already travels as int8)."""
+    if not (int8 and x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)):
+        y = x.astype(dtype)
+        for dim, axes in dims:
+            y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
+        return y
+    q, scale = _int8_rows(x)
+    for dim, axes in dims:  # gathered along the last dim, the scales become one column per shard
+        q, scale = (jax.lax.all_gather(a, axes, axis=dim, tiled=True) for a in (q, scale))
+    shards = scale.shape[-1]
+    blocks = q.reshape(*q.shape[:-1], shards, q.shape[-1] // shards).astype(jnp.float32)
+    return (blocks * scale[..., None]).reshape(q.shape).astype(dtype)
+
+
+def _reduce_scatter(g, dims, reduce_dtype, dtype, int8=False):
     """The transpose of `_all_gather`: a full-size gradient summed in `reduce_dtype` and scattered back to the shard
-    layout, returned in `dtype`."""
-    g = g.astype(reduce_dtype)
+    layout, returned in `dtype`. With `int8` (and two or more dims; `Int8.gradients`): per axis group, the gradient
+    cut into one chunk per device, each chunk sent as int8 codes and row scales by an all-to-all, the received
+    chunks dequantised and summed in float32."""
+    if not (int8 and g.ndim >= 2):
+        g = g.astype(reduce_dtype)
+        for dim, axes in reversed(dims):
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+        return g.astype(dtype)
+    g = g.astype(jnp.float32)
     for dim, axes in reversed(dims):
-        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+        n = math.prod(jax.lax.axis_size(a) for a in axes)
+        chunks = jnp.moveaxis(g.reshape(*g.shape[:dim], n, g.shape[dim] // n, *g.shape[dim + 1:]), dim, 0)
+        q, scale = (jax.lax.all_to_all(a, axes, 0, 0, tiled=True) for a in _int8_rows(chunks))
+        g = jnp.sum(q.astype(jnp.float32) * scale, axis=0)  # chunk i from device i: this device's part
     return g.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(x, dims, dtype, reduce_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(x, dims, dtype, reduce_dtype, int8):
     """ZeRO-3 all-gather of a parameter shard in `dtype` (the compute dtype: bf16 gathers move half the bytes of
-    fp32); its backward reduce-scatters the gradient in `reduce_dtype` and returns it in the shard's dtype."""
-    return _all_gather(x, dims, dtype)
+    fp32); its backward reduce-scatters the gradient in `reduce_dtype` and returns it in the shard's dtype. `int8`:
+    an `Int8`."""
+    return _all_gather(x, dims, dtype, int8.weights)
 
 
-def _gather_fwd(x, dims, dtype, reduce_dtype):
-    return _gather(x, dims, dtype, reduce_dtype), jnp.zeros((0,), x.dtype)
+def _gather_fwd(x, dims, dtype, reduce_dtype, int8):
+    return _gather(x, dims, dtype, reduce_dtype, int8), jnp.zeros((0,), x.dtype)
 
 
-def _gather_bwd(dims, dtype, reduce_dtype, res, g):
-    return (_reduce_scatter(g, dims, reduce_dtype, res.dtype),)
+def _gather_bwd(dims, dtype, reduce_dtype, int8, res, g):
+    return (_reduce_scatter(g, dims, reduce_dtype, res.dtype, int8.gradients),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 class _Sharded:
-    """A parameter still split over manual axes inside the traced loss: the local shard, how to gather it, and the
-    element-wise casts the loss applied to it (deferred to after the gather, so the gather moves the fewest bytes)."""
+    """A parameter still split over manual axes inside the traced loss: the local shard, how to gather it (`int8`: an
+    `Int8`), and the element-wise casts the loss applied to it (deferred to after the gather, so the gather moves the
+    fewest bytes)."""
 
-    def __init__(self, local, dims, dtype, reduce_dtype, casts=()):
+    def __init__(self, local, dims, dtype, reduce_dtype, casts=(), int8=Int8()):
         self.local, self.dims, self.dtype, self.reduce_dtype, self.casts = local, dims, dtype, reduce_dtype, casts
+        self.int8 = int8
 
     def full(self):
         from jax.ad_checkpoint import checkpoint_name
-        return self.apply_casts(checkpoint_name(_gather(self.local, self.dims, self.dtype, self.reduce_dtype),
-                                                GATHERED))
+        return self.apply_casts(checkpoint_name(
+            _gather(self.local, self.dims, self.dtype, self.reduce_dtype, self.int8), GATHERED))
 
     def apply_casts(self, y):
         """The loss's element-wise casts of this parameter, applied to `y` (gathered, or any part of it)."""
@@ -324,10 +367,15 @@ class _Sharded:
         return y
 
     def rebuild(self, local):
-        return _Sharded(local, self.dims, self.dtype, self.reduce_dtype, self.casts)
+        return _Sharded(local, self.dims, self.dtype, self.reduce_dtype, self.casts, self.int8)
 
     def cast(self, eqn):
-        return _Sharded(self.local, self.dims, self.dtype, self.reduce_dtype, self.casts + (eqn,))
+        return _Sharded(self.local, self.dims, self.dtype, self.reduce_dtype, self.casts + (eqn,), self.int8)
+
+    def layer(self):
+        """How one slice along the (unsplit) leading dim of this stacked parameter is gathered: a scan's layer."""
+        return _Sharded(None, tuple((dim - 1, axes) for dim, axes in self.dims), self.dtype, self.reduce_dtype,
+                        self.casts, self.int8)
 
 
 def _full(x):
@@ -462,8 +510,7 @@ def _scan_gathering(eqn, invals, in_remat):
         # A weight stacked along the scanned axis slices locally when that axis is not itself split.
         if isinstance(x, _Sharded) and all(dim > 0 for dim, _ in x.dims):
             xs.append(x.local)
-            slots.append(_Sharded(None, tuple((dim - 1, axes) for dim, axes in x.dims), x.dtype, x.reduce_dtype,
-                                  x.casts))
+            slots.append(x.layer())
         else:
             xs.append(_full(x))
             slots.append(None)
@@ -525,15 +572,14 @@ def _pipelined_scan(eqn, invals, in_remat):
     init = [_full(x) for x in invals[n_consts:n_consts + n_carry]]
     xs = invals[n_consts + n_carry:]
     is_w = [isinstance(x, _Sharded) for x in xs]
-    slots = [_Sharded(None, tuple((d - 1, a) for d, a in x.dims), x.dtype, x.reduce_dtype, x.casts)
-             for x in xs if isinstance(x, _Sharded)]
+    slots = [x.layer() for x in xs if isinstance(x, _Sharded)]
     plain = [x for x in xs if not isinstance(x, _Sharded)]
     stacked = [x.local for x in xs if isinstance(x, _Sharded)]
     position = lambda t: n - 1 - t if reverse else t  # noqa: E731 - iteration t runs layer position(t)
     at = lambda x, t: jax.lax.dynamic_index_in_dim(x, position(t), 0, keepdims=False)  # noqa: E731
 
     def gather(ws, t):
-        return [_all_gather(at(w, t), s.dims, s.dtype) for w, s in zip(ws, slots)]
+        return [_all_gather(at(w, t), s.dims, s.dtype, s.int8.weights) for w, s in zip(ws, slots)]
 
     def layer(consts, carry, x_plain, gathered):
         x_plain, gathered, x = iter(x_plain), iter(gathered), []
@@ -579,7 +625,8 @@ def _pipelined_scan(eqn, invals, in_remat):
         grad_slots = [s for s, m in zip(slots, w_perturbed) if m]
 
         def scatter(gs):
-            return [_reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype) for g, w, s in zip(gs, ws, grad_slots)]
+            return [_reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype, s.int8.gradients)
+                    for g, w, s in zip(gs, ws, grad_slots)]
         y_mask = [jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in body.jaxpr.outvars[n_carry:]]
         pick = lambda xs, mask: [x for x, m in zip(xs, mask) if m]  # noqa: E731
 
@@ -690,7 +737,7 @@ def _reduce(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None):
 
 def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
                          compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None,
-                         loss_scale=None):
+                         loss_scale=None, int8=Int8()):
     """The overlapped step: a `jax.shard_map` manual over `data` and `fsdp` (the `model` axis stays automatic, split by
     the compiler from the parameter specs) computes the gradients with explicit collectives; the optimizer update
     then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
@@ -717,6 +764,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
       summed, which reproduces the global-batch values of `jit_train_step` exactly.
     `trainable`: as in `jit_train_step`. A frozen parameter is gathered like any other but never differentiated:
       no weight gradient, no reduction.
+    `int8`: an `Int8`, ZeRO++'s int8 weight gathers and / or gradient reduce-scatters of the ZeRO-3 parameters
+      (the remaining data-parallel reductions stay in `reduce_dtype`).
     Metrics, the NaN/inf guard, the learning rate and `loss_scale` are those of `jit_train_step` (the scale enters
     the manual region as a replicated scalar; gradients are reduced scaled, unscaled in the update). rng: micro-batch
     i of update `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are
@@ -726,6 +775,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
         raise ValueError(f"reduce_dtype={reduce_dtype!r}; expected jnp.float32 or jnp.bfloat16")
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
+    if not isinstance(int8, Int8):
+        raise ValueError(f"int8={int8!r}; expected an engine.step.Int8")
     reduce_dtype = jnp.dtype(reduce_dtype)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     live = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1)
@@ -758,7 +809,7 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
             def shard_loss(trained_leaves, frozen_leaves, micro_batch, micro_rng):
                 trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
                 local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in mask]
-                args = [_Sharded(x, pl.gather, compute_type(x), reduce_dtype) if pl.gather
+                args = [_Sharded(x, pl.gather, compute_type(x), reduce_dtype, int8=int8) if pl.gather
                         else x.astype(compute_type(x)) for x, pl in zip(local_leaves, plans)]
                 flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
                 loss, metrics = out_tree.unflatten(_eval_gathering(closed.jaxpr, closed.consts, flat_in, remat))

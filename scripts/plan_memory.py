@@ -46,6 +46,8 @@ flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: plan DiLoCo over `data` (nee
 flags.DEFINE_integer("diloco_fragments", 1, "Streaming DiLoCo's parts.", lower_bound=1)
 flags.DEFINE_enum("diloco_outer_dtype", "float32", ["float32", "bfloat16", "int8", "int4"], "DiLoCo's outer "
                   "gradients on the wire.")
+flags.DEFINE_bool("zero_quantized_weights", False, "ZeRO++'s int8 weight all-gathers (the shard_map step).")
+flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s int8 gradient reduce-scatters (the shard_map step).")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
                      "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
@@ -80,7 +82,9 @@ def main(argv):
     print(json.dumps(plan.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
                                pipeline_microbatches=FLAGS.pipeline_microbatches, context=FLAGS.context_parallel,
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
-                               diloco_outer_dtype=FLAGS.diloco_outer_dtype, **kwargs)), flush=True)
+                               diloco_outer_dtype=FLAGS.diloco_outer_dtype,
+                               zero_quantized_weights=FLAGS.zero_quantized_weights,
+                               zero_quantized_gradients=FLAGS.zero_quantized_gradients, **kwargs)), flush=True)
 
 
 if __name__ == "__main__":

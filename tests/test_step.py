@@ -342,3 +342,92 @@ def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
                      re.findall(r"= f32\[([\d,]+)\][^ ]* reduce-scatter\(", hlo.as_text())]
         # A shard of an MLP matrix (64 x 96 over 8 devices) is the only one with a dimension of 12.
         assert scattered and any(96 // 8 in s for s in scattered) != frozen_mlp, scattered
+
+
+# ---- ZeRO++'s int8 collectives (engine.step.Int8; Trainer(zero_quantized_weights=..., zero_quantized_gradients=...))
+
+def _on_mesh(fn, x, in_spec, out_spec, mesh):
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False)(x)
+
+
+@pytest.mark.parametrize("dim,axes", [(0, ("fsdp",)), (1, ("fsdp",)), (1, ("data", "fsdp"))])
+def test_int8_gather_and_reduce_scatter_are_exact_on_their_grid_and_bounded_off_it(dim, axes):
+    """Values an int8 row grid holds exactly (integers, every row of every shard or chunk reaching 127) pass both
+    collectives bit for bit, so the codes and scales travel in the exact collectives' device order; off the grid each
+    gathered value is within 1/254 of its shard row's largest value."""
+    mesh = engine.make_mesh(data=2, fsdp=4)
+    P = jax.sharding.PartitionSpec
+    spec = P(*[axes if d == dim else None for d in range(2)])
+    dims = ((dim, axes),)
+    rng = np.random.RandomState(0)
+    grid = rng.randint(-127, 128, (16, 16)).astype(np.float32)
+    grid[:, ::2] = 127  # every row of every (at most 8-way) column shard holds 127
+
+    def gather(int8, x):
+        return _on_mesh(lambda a: step_lib._all_gather(a, dims, jnp.float32, int8), x, spec, P(), mesh)
+    np.testing.assert_array_equal(gather(True, grid), grid)
+    x = rng.randn(16, 16).astype(np.float32)
+    shards = np.stack(np.split(x, 8 if axes == ("data", "fsdp") else 4, axis=dim))
+    row_max = np.abs(shards).max(axis=-1, keepdims=True)
+    err = np.abs(np.stack(np.split(np.asarray(gather(True, x)) - x, shards.shape[0], axis=dim)))
+    assert (err <= row_max / 254 + 1e-6).all() and err.max() > 0
+
+    full = rng.randint(-127, 128, (8, 16, 16)).astype(np.float32)  # one full-size gradient per device
+    full[:, :, ::2] = 127
+
+    def scatter(int8):
+        return _on_mesh(lambda g: step_lib._reduce_scatter(g[0], dims, jnp.float32, jnp.float32, int8)[None], full,
+                        P(("data", "fsdp")), P(("data", "fsdp")), mesh)
+    np.testing.assert_array_equal(scatter(True), scatter(False))
+
+
+# The hand-pipelined layer stack on fsdp 8; the per-layer gathers with the model axis automatic beside fsdp.
+@pytest.mark.parametrize("mesh,remat", [("1x8x1", "full"), ("1x4x2", "none")])
+def test_int8_zero3_step_trains_like_the_exact_one_and_sends_int8(mesh, remat):
+    """A scanned LLaMA with ZeRO-3: 'auto' picks the shard_map step; losses and parameters stay close to the exact
+    step's (the forward sees dequantised weights, the gradients come rounded); in the compiled step the weight
+    matrices' gathers and their gradients' exchanges are int8 and no float32 reduce-scatter is left."""
+    model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat=remat))
+    params = models.init_params(model, jax.random.PRNGKey(0))
+
+    def run(**kwargs):
+        trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm,
+                                 loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5), **kwargs)
+        trainer.fit(_packed_rows(32), per_device_batch_size=1, max_steps=3, log_every=1)
+        return trainer
+
+    ref = run(step="shard_map")
+    got = run(zero_quantized_weights=True, zero_quantized_gradients=True)
+    assert got._step_kind == "shard_map" and got.compile_count == 1
+    np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in ref.history], rtol=2e-3)
+    # Each parameter's 3-step move within 5% of the exact move's largest entry.
+    for (path, x0), x, y in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(
+            jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(got.params))):
+        moved = np.abs(np.asarray(x) - np.asarray(x0)).max()
+        assert np.abs(np.asarray(y) - np.asarray(x)).max() <= 5e-2 * moved, jax.tree_util.keystr(path)
+    rows = MESHES[mesh].get("data", 1) * MESHES[mesh].get("fsdp", 1)
+    batch = {k: jax.ShapeDtypeStruct((1, rows, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    hlo = got._compiled_step().lower(got.params, got.opt_state, batch, np.int32(0)).compile().as_text()
+    ops = lambda name: [line for line in hlo.splitlines() if f" {name}(" in line]  # noqa: E731
+    assert any("= s8[" in line for line in ops("all-gather")) and any("s8[" in line for line in ops("all-to-all"))
+    # What may be left of the reduce-scatters: the vocab-parallel lookup's [1, tokens, hidden] vectors, no gradient.
+    assert {len(m.split(",")) for line in ops("reduce-scatter") for m in re.findall(r"= f32\[([\d,]+)\]", line)} <= {3}
+
+
+def test_int8_collectives_bad_input():
+    mesh = engine.make_mesh(fsdp=8)
+    common = dict(collate_fn=text.collate_lm, loss_fn=lambda *a: 0.0, params={"w": jnp.zeros((8, 8))},
+                  optimizer=optax.sgd(0.1))
+    for kwargs, message in [
+            (dict(zero_quantized_weights=True, step="jit"), r"zero_quantized_weights=True; expected False unless "
+                                                            r"the step is 'shard_map'"),
+            (dict(zero_quantized_gradients=1), r"zero_quantized_gradients=1; expected a bool"),
+            (dict(zero_quantized_gradients=True, diloco=engine.DiLoCo(inner_steps=2)),
+             r"zero_quantized_gradients=True; expected False unless")]:
+        with pytest.raises(ValueError, match=message):
+            engine.Trainer(mesh=mesh, **common, **kwargs)
+    with pytest.raises(ValueError, match=r"zero_quantized_weights=True; expected False on a mesh with fsdp=1"):
+        engine.Trainer(mesh=engine.make_mesh(data=8), zero_quantized_weights=True, **common)
+    with pytest.raises(ValueError, match=r"int8=True; expected an engine.step.Int8"):
+        step_lib.shard_map_train_step(loss_fn=None, optimizer=None, mesh=mesh, param_specs=None, update_specs=None,
+                                      zero_stage=0, accumulate=1, compute_dtype=None, remat=False, key=None, int8=True)
