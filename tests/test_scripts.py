@@ -461,14 +461,21 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
 
 
 def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
-    """scripts/check_kernels.py (the on-device correctness check), in Pallas's interpreter on CPU."""
+    """scripts/check_kernels.py (the on-device correctness check), in Pallas's interpreter on CPU. Its absl flags
+    are removed again, so that a later test in this process can define the engine's (`--seed` is in both)."""
     import importlib.util
 
     import jax.numpy as jnp
     import kernels
+    from absl import flags
+    before = set(flags.FLAGS)
     spec = importlib.util.spec_from_file_location("check_kernels", os.path.join(ROOT, "scripts", "check_kernels.py"))
     check_kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check_kernels)
+    try:
+        spec.loader.exec_module(check_kernels)
+    finally:
+        for name in set(flags.FLAGS) - before:
+            delattr(flags.FLAGS, name)
     impl = {"implementation": "triton", "interpret": True}
     key = jax.random.key(0)
     gated = lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl)  # noqa: E731
