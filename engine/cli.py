@@ -200,7 +200,12 @@ def start():
         eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
     if "lr_schedule" in FLAGS:
         _check_optimizer_flags()
-    return engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
+    mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
+    if "zero_quantized_weights" in FLAGS:  # the training scripts': checked before any workdir file is written
+        engine.trainer.check_zero_quantized(engine.step.Int8(FLAGS.zero_quantized_weights,
+                                                             FLAGS.zero_quantized_gradients),
+                                            mesh, diloco=bool(FLAGS.diloco_inner_steps))
+    return mesh
 
 
 def trainer_kwargs():

@@ -130,6 +130,21 @@ def _fetch(tree):
     return jax.tree.map(get, tree)
 
 
+def check_zero_quantized(int8, mesh, step="auto", diloco=False):
+    """Raises a one-line ValueError unless the `engine.step.Int8` settings (`Trainer(zero_quantized_weights=,
+    zero_quantized_gradients=)`) can run on `mesh` with `step` (and DiLoCo when `diloco`)."""
+    sizes = dict(mesh.shape)
+    for name, value in zip(("zero_quantized_weights", "zero_quantized_gradients"), int8):
+        _validate(name, value, isinstance(value, bool), "a bool")
+        if value:
+            _validate(name, value, step in ("auto", "shard_map") and not diloco and sizes.get("context", 1) == 1,
+                      "False unless the step is 'shard_map' or 'auto' without diloco or context parallelism "
+                      "(it quantizes the shard_map step's own collectives)")
+            _validate(name, value, sizes.get("fsdp", 1) > 1,
+                      f"False on a mesh with fsdp={sizes.get('fsdp', 1)}: it quantizes the ZeRO-3 collectives "
+                      "over fsdp; expected fsdp > 1")
+
+
 class Trainer:
     """Trains `params` with `loss_fn` on a mesh; see the module docstring for the user functions.
 
@@ -274,15 +289,7 @@ class Trainer:
             raise ValueError(f"step='shard_map' on a mesh with context={context}; expected step='jit' or 'auto' "
                              "(context parallelism runs in the jit step)")
         int8 = step_lib.Int8(weights=zero_quantized_weights, gradients=zero_quantized_gradients)
-        for name, value in zip(("zero_quantized_weights", "zero_quantized_gradients"), int8):
-            _validate(name, value, isinstance(value, bool), "a bool")
-            if value:
-                _validate(name, value, step in ("auto", "shard_map") and diloco is None and context == 1,
-                          "False unless the step is 'shard_map' or 'auto' without diloco or context parallelism "
-                          "(it quantizes the shard_map step's own collectives)")
-                _validate(name, value, sizes.get("fsdp", 1) > 1,
-                          f"False on a mesh with fsdp={sizes.get('fsdp', 1)}: it quantizes the ZeRO-3 collectives "
-                          "over fsdp; expected fsdp > 1")
+        check_zero_quantized(int8, mesh, step, diloco is not None)
         self._int8 = int8
         if step == "auto" and any(int8):
             step = "shard_map"
