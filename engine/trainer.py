@@ -215,7 +215,8 @@ class Trainer:
         two or more dims is all-gathered over `fsdp` as int8 codes with per-row scales (the weights the forward and
         backward passes compute with are the dequantised ones; the master weights stay exact), and / or its gradient
         is reduce-scattered as int8 chunks by an all-to-all. LLaMA-7B on 1 x 8 x 1 (bf16, plan_memory.py): 46.0 GB
-        sent per device and step, 34.7 with int8 weights, 17.7 with both. Needs fsdp > 1; not with diloco or context parallelism.
+        sent per device and step, 34.7 with int8 weights, 17.7 with both. Needs fsdp > 1; not with diloco or
+        context parallelism.
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
