@@ -285,11 +285,10 @@ class Int8(NamedTuple):
 
 
 def _int8_rows(x):
-    """x (float) -> int8 codes and float32 scales [..., 1]: round(x / s) with s = max|x| / 127 per row of the last
-    dim (a zero row gets s = 0 and codes 0)."""
-    x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127
-    return jnp.round(x / jnp.where(scale > 0, scale, 1)).astype(jnp.int8), scale
+    """x (float) -> int8 codes and float32 scales [..., 1], absmax per row of the last dim (`kernels.quantize_int8`'s
+    format along axis -1, the scales kept as a trailing dim so that they gather and exchange like the codes)."""
+    q, scale = kernels.quantize_int8(x, axis=-1)
+    return q, scale[..., None]
 
 
 def _all_gather(x, dims, dtype, int8=False):
