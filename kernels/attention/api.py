@@ -197,14 +197,8 @@ def _context_parallel(core, q, k, v, q_ids, kv_ids, keys, context, impl):
         out = core(to_heads(q), k, v, *ids, row_keys)  # [b, T, hq, D]
         return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
-    P = jax.sharding.PartitionSpec
-    split = P(b, axis, m, None)
-    args, specs = [q, k, v], [split] * 3
-    if q_ids is not None:
-        args, specs = args + [q_ids, kv_ids], specs + [P(b, axis)] * 2
-    if keys is not None:
-        args, specs = args + [keys], specs + [P(b, m)]
-    return _partition.shard(run, tuple(args), tuple(specs), split, impl)
+    args, specs, split = _operands(q, k, v, q_ids, kv_ids, keys, b, axis, m)
+    return _partition.shard(run, args, specs, split, impl)
 
 
 def _implementation(implementation, interpret):
@@ -349,19 +343,26 @@ def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):
     heads of the dropout keys."""
     axes = _partition.auto_axes(plan.implementation)
     b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
-    P = jax.sharding.PartitionSpec
-    seq = P(b, None, m, None)
-    args, specs = [q, k, v], [seq] * 3
-    if q_ids is not None:
-        args, specs = args + [q_ids, kv_ids], specs + [P(b, None)] * 2
-    if keys is not None:
-        args, specs = args + [keys], specs + [P(b, m)]
+    args, specs, seq = _operands(q, k, v, q_ids, kv_ids, keys, b, None, m)
 
     def run(q, k, v, *rest):
         ids = rest[:2] if q_ids is not None else (None, None)
         return _attention(q, k, v, *ids, rest[-1] if keys is not None else None, plan)
 
-    return _partition.shard(run, tuple(args), tuple(specs), seq, plan.implementation)
+    return _partition.shard(run, args, specs, seq, plan.implementation)
+
+
+def _operands(q, k, v, q_ids, kv_ids, keys, rows, tokens, heads):
+    """(args, in_specs, the q / k / v / output spec) of an attention shard_map: q, k, v [B, T, H, D] split by `rows`,
+    `tokens` and `heads` (axis names or None), then the segment ids [B, T] and dropout keys [B, H] where given."""
+    P = jax.sharding.PartitionSpec
+    qkv = P(rows, tokens, heads, None)
+    args, specs = [q, k, v], [qkv] * 3
+    if q_ids is not None:
+        args, specs = args + [q_ids, kv_ids], specs + [P(rows, tokens)] * 2
+    if keys is not None:
+        args, specs = args + [keys], specs + [P(rows, heads)]
+    return tuple(args), tuple(specs), qkv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
