@@ -14,9 +14,6 @@ import math
 
 import jax
 
-# Not `context`: with a matmul's token rows split over it too, the gate / up gradients of a scanned LLaMA whose
-# attention ran the context exchange came out wrong on data 2 x context 2 x model 2 (XLA 0.10.2, CPU; right
-# unscanned, and for the kernel alone in a scan), so the matmul kernels see each context group's whole rows.
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
 CONTEXT_AXIS = "context"  # context parallelism: tokens of a row split over it

@@ -149,8 +149,8 @@ def _assert_unsplit_gradients(loss_fn, params, batch, mesh):
 
 def test_llama_with_triton_kernels_on_a_context_mesh_has_the_unsplit_gradients():
     """A scanned LLaMA with interpreted Triton attention and gated-MLP kernels: loss and every gradient on data 2 x
-    context 2 x model 2 equal those without a mesh (with the MLP kernels' token rows split over `context` too, the
-    gate and up gradients did not: kernels/_partition.py)."""
+    context 2 x model 2 equal those without a mesh. Two rows per data position, the case where flattening the
+    context-split tokens into kernel rows outside the kernel gave wrong gradients (kernels/matmul `_rows`)."""
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
                                 mlp_implementation="triton", kernel_interpret=True)
     params = models.init_params(model, jax.random.PRNGKey(0))
@@ -177,6 +177,19 @@ def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t) == ["1x32x1x16"] * 3 for t in attention[:1])
     assert all(set(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t)) == {"1x32x1x16"} for t in attention), attention
+
+
+def test_train_step_lowered_for_cuda_runs_the_mlp_kernels_on_local_tokens():
+    """The gated-MLP kernels of a Triton LLaMA's step on data 2 x context 2 x model 2, lowered for cuda, see their
+    device's tokens only: 2 rows (4 / data 2) x 16 tokens (32 / context 2) = 32 rows of 64 features, and 64 of the
+    128 hidden columns (model 2); whole rows would be 64."""
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", mlp_implementation="triton")
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=text.collate_lm,
+                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+    operands = triton_operands_of_train_step(trainer, 4, 32)
+    assert len(operands) >= 3 and all(t.startswith("tensor<32x64xf32>, ") for t in operands), operands
+    assert sum("tensor<64x64xf32>, tensor<64x64xf32>" in t for t in operands) >= 2, operands  # gate and up halves
 
 
 @pytest.mark.slow  # CI time (~15 s); the LLaMA cases above run by default

@@ -103,20 +103,42 @@ def fused_matmul(x, w, bias=None, *, w_scale=None, activation=None, implementati
             raise ValueError(f"bias.shape={tuple(bias.shape)}; expected ({w.shape[1]},)")
     _check_activation(activation, allow_none=True)
     cfg = _config(implementation, interpret, block_sizes, "matmul")
-    rows, cols, col_spec = _column_specs(cfg, x, w.shape[1])
-    out = _partition.shard(lambda x, w, bias, scale: _fused_matmul(x, w, bias, scale, activation, cfg),
-                           (x.reshape(-1, x.shape[-1]), w, bias, w_scale), (rows, cols, col_spec, col_spec),
-                           _P(rows[0], cols[1]), cfg.implementation)
+    (view, row_spec), m = _rows(cfg, x), _model_axis(cfg, w.shape[1])
+    out = _partition.shard(_on_rows(lambda x, w, bias, scale: _fused_matmul(x, w, bias, scale, activation, cfg)),
+                           (view, w, bias, w_scale), (_P(*row_spec, None), _P(None, m), _P(m), _P(m)),
+                           _P(*row_spec, m), cfg.implementation)
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 
-def _column_specs(cfg, x, n):
-    """Layouts a Pallas matmul runs in on a mesh (kernels/_partition.py): x's rows over the batch axes, the weight's
-    columns (and the bias) over `model` (column parallelism, as auto_shard splits up/gate/fc1)."""
+def _rows(cfg, x):
+    """x's rows as a Pallas matmul's operand on a mesh (kernels/_partition.py), and the spec of its leading dims:
+    [B, T, K] with B over the batch axes and T over `context` when an automatic context axis splits the tokens
+    (x [..., T, K]), else [rows, K] over the batch axes. The weight's columns (and the bias) go over `model`
+    (column parallelism, as auto_shard splits up/gate/fc1). Context-split tokens are not flattened into rows
+    outside the kernel: with more than one row per device that reshape is a reshard, and in a scanned LLaMA
+    (data 2 x context 2 x model 2, two rows per device) the partitioner's reshard gave wrong gradients (XLA of JAX
+    0.10.2 and 0.11.2, CPU; right with one row per device or one layer) — `_on_rows` flattens each block instead."""
     axes = _partition.auto_axes(cfg.implementation)
-    rows = x.size // x.shape[-1]
-    b, m = _partition.batch_axes(axes, rows), _partition.model_axis(axes, n)
-    return _P(b, None), _P(None, m), _P(m)
+    context = axes.get(_partition.CONTEXT_AXIS)
+    if context and x.ndim >= 3 and x.shape[-2] % context == 0:
+        view = x.reshape(-1, *x.shape[-2:])
+        return view, (_partition.batch_axes(axes, view.shape[0]), _partition.CONTEXT_AXIS)
+    view = x.reshape(-1, x.shape[-1])
+    return view, (_partition.batch_axes(axes, view.shape[0]),)
+
+
+def _model_axis(cfg, n):
+    """`'model'` when a Pallas matmul of n output columns is split over it on the ambient mesh, else None."""
+    return _partition.model_axis(_partition.auto_axes(cfg.implementation), n)
+
+
+def _on_rows(kernel):
+    """`kernel(x [rows, K], *rest) -> [rows, ...]` on a block of `_rows`' view: its leading dims flattened into
+    rows and restored on the output."""
+    def call(x, *rest):
+        out = kernel(x.reshape(-1, x.shape[-1]), *rest)
+        return out.reshape(*x.shape[:-1], *out.shape[1:])
+    return call
 
 
 def _marked(fwd, num_diff=3):
@@ -202,10 +224,11 @@ def gated_mlp(x, w_gate, w_up, *, w_gate_scale=None, w_up_scale=None, activation
         raise ValueError("w_gate_scale and w_up_scale: expected both or neither")
     _check_activation(activation, allow_none=False)
     cfg = _config(implementation, interpret, block_sizes, "gated")
-    rows, cols, col_spec = _column_specs(cfg, x, w_gate.shape[1])
-    out = _partition.shard(lambda *a: _gated_mlp(*a, activation, cfg),
-                           (x.reshape(-1, x.shape[-1]), w_gate, w_up, w_gate_scale, w_up_scale),
-                           (rows, cols, cols, col_spec, col_spec), _P(rows[0], cols[1]), cfg.implementation)
+    (view, row_spec), m = _rows(cfg, x), _model_axis(cfg, w_gate.shape[1])
+    out = _partition.shard(_on_rows(lambda *a: _gated_mlp(*a, activation, cfg)),
+                           (view, w_gate, w_up, w_gate_scale, w_up_scale),
+                           (_P(*row_spec, None), _P(None, m), _P(None, m), _P(m), _P(m)), _P(*row_spec, m),
+                           cfg.implementation)
     return out.reshape(*x.shape[:-1], w_gate.shape[1])
 
 
@@ -267,10 +290,14 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None
         raise ValueError(f"ignore_index={ignore_index!r}; expected an int")
     cfg = _config(implementation, interpret, block_sizes, "loss")
     # On a mesh only the rows are split: a vocabulary split over `model` would need a log-sum-exp across devices.
-    rows, _, _ = _column_specs(cfg, x, 1)
-    loss = _partition.shard(_loss_call(ignore_index, cfg),
-                            (x.reshape(-1, x.shape[-1]), w, labels.reshape(-1).astype(jnp.int32)),
-                            (rows, _P(), _P(rows[0])), _P(rows[0]), cfg.implementation)
+    view, row_spec = _rows(cfg, x)
+    call = _loss_call(ignore_index, cfg)
+
+    def on_block(x, w, labels):  # x [..., D], labels [...]: one block of the view
+        return call(x.reshape(-1, x.shape[-1]), w, labels.reshape(-1)).reshape(labels.shape)
+
+    loss = _partition.shard(on_block, (view, w, labels.reshape(view.shape[:-1]).astype(jnp.int32)),
+                            (_P(*row_spec, None), _P(), _P(*row_spec)), _P(*row_spec), cfg.implementation)
     return loss.reshape(labels.shape)
 
 
