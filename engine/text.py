@@ -545,10 +545,10 @@ def exact_match(examples, predictions, eos_id):
 
 
 def generate_tokens(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                    seed=0, kv_cache_dtype=None, num_beams=1, length_penalty=1.0):
+                    seed=0, kv_cache_dtype=None, num_beams=1, length_penalty=1.0, early_stopping=False):
     """`models.generate` on token-id prompts (lists; decoder prompts left-padded, T5 inputs right-padded): each
     row's new token ids up to and including its first EOS (all `max_new_tokens` when there is none); num_beams > 1:
-    beam search. Every process must call it with the same prompts (the parameters may span hosts); every process
+    beam search (`early_stopping`: True, False or 'never', as in `models.generate`). Every process must call it with the same prompts (the parameters may span hosts); every process
     gets every row."""
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
@@ -559,14 +559,15 @@ def generate_tokens(model, params, tokenizer, prompts, *, max_new_tokens, temper
     out = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p, rng=jax.random.PRNGKey(seed),
                           eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, kv_cache_dtype=kv_cache_dtype,
-                          num_beams=num_beams, length_penalty=length_penalty)
+                          num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
     out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
     new = out[:, 1:] if encoder_decoder else out[:, ids.shape[1]:]
     return [until_eos(row, tokenizer.eos_id) for row in new]
 
 
 def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                   seed=0, after_prompt=(), kv_cache_dtype=None, num_beams=1, length_penalty=1.0):
+                   seed=0, after_prompt=(), kv_cache_dtype=None, num_beams=1, length_penalty=1.0,
+                   early_stopping=False):
     """Continuations of `prompts` (strings) with `generate_tokens`, decoded up to EOS. T5 inputs get EOS appended, as
     in training; decoder prompts `after_prompt`, token ids appended to every prompt (the prompt/response separator
     of a model tuned on `engine.preference` rows)."""
@@ -580,7 +581,7 @@ def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, tempera
             raise ValueError(f"prompt {n} ({prompt!r}) has no tokens; expected a non-empty prompt")
     new = generate_tokens(model, params, tokenizer, encoded, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_k=top_k, top_p=top_p, seed=seed, kv_cache_dtype=kv_cache_dtype, num_beams=num_beams,
-                          length_penalty=length_penalty)
+                          length_penalty=length_penalty, early_stopping=early_stopping)
     return [tokenizer.decode([i for i in row if i != tokenizer.eos_id]) for row in new]
 
 

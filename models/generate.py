@@ -4,9 +4,11 @@ per (model, settings, shape bucket). Works on sharded parameters (the jit follow
 Beam search (`num_beams` > 1) keeps K hypotheses a row as K cache rows: each step scores every beam's continuations
 by summed log-probability, takes the best 2K candidates, moves those ending in EOS among the first K to the row's
 pool of finished hypotheses (score: sum / generated_tokens ** length_penalty, EOS counted) and continues the best K
-others, reordering the cache rows to their source beams. A row is done once its pool holds K hypotheses (Hugging
-Face's `early_stopping=True`); at `max_new_tokens` the running beams join the pool, and the best hypothesis is
-returned."""
+others, reordering the cache rows to their source beams. When a row is done follows Hugging Face's `early_stopping`:
+True, once its pool holds K hypotheses; False (their default), once it is full and the best running beam, scored at
+its current length, cannot beat the pool's worst; 'never', the same bound taken at `max_new_tokens` when
+length_penalty > 0 (the longest a beam can get: the exact bound). A done row adds nothing more to its pool; at
+`max_new_tokens` the running beams of rows not done join it, and the best hypothesis is returned."""
 import functools
 
 import jax
@@ -26,7 +28,7 @@ KV_CACHE_DTYPES = ("int8", "bfloat16", "float16", "float32")  # what `generate(k
 
 def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None,
              top_p=None, eos_token_id=None, pad_token_id=None, rng=None, kv_cache_dtype=None, num_beams=1,
-             length_penalty=1.0):
+             length_penalty=1.0, early_stopping=False):
     """Generates up to `max_new_tokens` tokens per row.
 
     input_ids, attention_mask: int [B, T]; decoder-only prompts are left-padded (mask 0 on the padding).
@@ -36,7 +38,9 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
     every row is done. kv_cache_dtype: the KV cache's storage (default the model's compute dtype); 'int8' keeps
     keys and values as int8 with a scale per token and head (`layers.empty_cache`), half of bf16's bytes.
     num_beams > 1: beam search (see the module docstring; greedy, no sampling), the best hypothesis per row, scored
-    by summed log-probability / generated_tokens ** length_penalty (0: plain sum; > 0 favours longer ones).
+    by summed log-probability / generated_tokens ** length_penalty (0: plain sum; > 0 favours longer ones);
+    early_stopping: True, False or 'never', when a row's search ends (Hugging Face's meanings, see the module
+    docstring; their default False).
     Returns int32 [B, T + max_new_tokens] (prompt then new tokens) for decoder-only models, and the decoder ids
     [B, 1 + max_new_tokens] (start token then new tokens) for T5.
     """
@@ -52,6 +56,8 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
     if num_beams > 1 and (temperature > 0 or top_k is not None or top_p is not None):
         raise ValueError(f"num_beams={num_beams} with temperature={temperature}, top_k={top_k}, top_p={top_p}; "
                          "beam search is deterministic: expected temperature 0 and no top_k / top_p")
+    if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
+        raise ValueError(f"early_stopping={early_stopping!r}; expected True, False or 'never'")
     B, T = input_ids.shape
     mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
     ids = jnp.asarray(input_ids, jnp.int32)
@@ -72,8 +78,8 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected None, 'int8', 'bfloat16', 'float16' or "
                              "'float32'")
     if num_beams > 1:
-        run = _compiled_beam(model, max_new_tokens, num_beams, float(length_penalty), eos_token_id, pad_token_id,
-                             cache_dtype)
+        run = _compiled_beam(model, max_new_tokens, num_beams, float(length_penalty), early_stopping, eos_token_id,
+                             pad_token_id, cache_dtype)
     else:
         run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id,
                         cache_dtype)
@@ -126,7 +132,7 @@ def _reorder_cache(cache, rows):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_beam(model, max_new, K, length_penalty, eos, pad, cache_dtype):
+def _compiled_beam(model, max_new, K, length_penalty, early_stopping, eos, pad, cache_dtype):
     neg = jnp.float32(-1e30)  # a dead beam's score; finite, so sums and top_k never see inf - inf
 
     def run(params, ids, mask, rng):
@@ -172,7 +178,11 @@ def _compiled_beam(model, max_new, K, length_penalty, eos, pad, cache_dtype):
             seqs = jnp.take_along_axis(history, keep[:, :, None], axis=1)
             rows = (jnp.arange(B)[:, None] * K + jnp.take_along_axis(source, keep, axis=1)).reshape(-1)
             cache = _reorder_cache(cache, rows)
-            done = done | (pool[2] >= K)
+            full = pool[2] >= K
+            if early_stopping is not True:  # can the best running beam still beat the worst of a full pool?
+                longest = max_new if early_stopping == "never" and length_penalty > 0 else i + 1
+                full = full & (norm(scores[:, 0], longest) <= pool[0][:, -1])
+            done = done | full
             return scores, seqs, cache, pool, done, jnp.take_along_axis(token, keep, axis=1).reshape(-1), keep
 
         pool = (pool_scores, pool_seqs, pool_count)

@@ -36,6 +36,10 @@ flags.DEFINE_integer("num_beams", 1, "Beam search with this many beams per promp
                      "deterministic, so not with --temperature > 0.")
 flags.DEFINE_float("length_penalty", 1.0, "Beam search: a hypothesis scores its summed log-probability / its length "
                    "** length_penalty (0: the plain sum; larger favours longer answers).")
+flags.DEFINE_enum("early_stopping", "false", ["true", "false", "never"], "Beam search: when a prompt's search "
+                  "ends, as in transformers: true, once it has --num_beams finished hypotheses; false (their "
+                  "default), once no running beam can still beat the worst of them at its current length; never, "
+                  "the same bound at --max_new_tokens when --length_penalty > 0.")
 flags.DEFINE_string("init_adapter", None, "A PEFT LoRA adapter directory applied to the model (merged into it).")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "bfloat16", "float32"], "Storage of the KV cache: "
                   "auto = the model's compute dtype; int8 = int8 keys and values with a scale per token and head "
@@ -88,7 +92,8 @@ def main(argv):
                                    top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start,
                                    after_prompt=after_prompt,
                                    kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
-                                   num_beams=FLAGS.num_beams, length_penalty=FLAGS.length_penalty)
+                                   num_beams=FLAGS.num_beams, length_penalty=FLAGS.length_penalty,
+                                   early_stopping={"true": True, "false": False}.get(FLAGS.early_stopping, "never"))
         if jax.process_index() == 0:
             for prompt, out in zip(batch, outs):
                 print(f"--- {prompt!r}:\n{out}", flush=True)

@@ -329,7 +329,8 @@ def test_finetune_seq2seq_resumes_and_generate_reads_its_workdir(tmp_path):
     again = _run("finetune_seq2seq.py", "--max_steps=12", *args)
     assert "resumed from" in again.stdout and "at step 12" in again.stdout and _steps(tmp_path)[-1] == 12
 
-    gen = _run("generate.py", f"--workdir={tmp_path}", "--prompts=owl cat yak", "--max_new_tokens=4", "--num_beams=2")
+    gen = _run("generate.py", f"--workdir={tmp_path}", "--prompts=owl cat yak", "--max_new_tokens=4", "--num_beams=2",
+               "--early_stopping=never")
     words = gen.stdout.split("--- 'owl cat yak':\n")[1].split()
     assert 1 <= len(words) <= 4 and set(words) <= set(text.TOY_WORDS) | {"<unk>"}
 
