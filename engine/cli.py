@@ -36,6 +36,9 @@ def define_flags():
     flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
                          "over (the mesh's `context` axis; the devices are context x stages x the --mesh product). "
                          "Attention exchanges sequence for heads (all-to-all), so heads / model must divide by it.")
+    flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelism with --mesh's model > 1: the "
+                      "residual stream between the tensor-parallel attention and MLP blocks holds 1/model of the "
+                      "tokens per device (each block all-gathers them; its output is reduce-scattered).")
     flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches each pipeline step cuts its rows into (0: one "
                          "per stage); the idle share of a stage is (stages - 1) / (micro-batches + stages - 1).")
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
@@ -122,8 +125,10 @@ def with_flags(model, params):
 
 
 def with_pipeline(model, params):
-    """(model, params) ready for --pipeline_stages: unchanged for 1; else the layers stacked (`models.stack_layers`)
-    and --pipeline_microbatches set."""
+    """(model, params) laid out for the mesh flags: --sequence_parallel set; for --pipeline_stages > 1 the layers
+    stacked (`models.stack_layers`) and --pipeline_microbatches set."""
+    if FLAGS.sequence_parallel:
+        model = model.clone(config=dataclasses.replace(model.config, sequence_parallel=True))
     if FLAGS.pipeline_stages == 1:
         return model, params
     try:

@@ -189,7 +189,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
          loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
          pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
-         context=1, zero_quantized_weights=False, zero_quantized_gradients=False):
+         context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
@@ -202,7 +202,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
     axis, on top of the others; the jit step, the only one that runs it). zero_quantized_weights /
-    zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options)."""
+    zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
+    sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`)."""
     import engine
     import models
     from engine import text
@@ -226,7 +227,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     dtype = jnp.dtype(compute_dtype)
     config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name,
                                lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize,
-                               pipeline_microbatches=pipeline_microbatches)
+                               pipeline_microbatches=pipeline_microbatches, sequence_parallel=sequence_parallel)
     network = models.FAMILIES[model].Model(config)
     abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
     if not lora_rank:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
@@ -284,6 +285,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
               "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
               "zero_stage": zero_stage, "step": step,
               "zero_quantized": {"weights": zero_quantized_weights, "gradients": zero_quantized_gradients},
+              "sequence_parallel": sequence_parallel,
               "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,

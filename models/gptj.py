@@ -48,10 +48,10 @@ class GPTJBlock(nn.Module):
                                     std=c.initializer_range, implementation=c.attention_implementation,
                                     interpret=c.kernel_interpret, dropout_rate=c.attention_dropout_rate,
                                     deterministic=self.deterministic, name="attn", **kw,
-                                    **layers.lora_options(c))(h, ctx, cache)
+                                    **layers.sublayer_options(c))(h, ctx, cache)
         m = layers.MLP(c.intermediate_size or 4 * c.hidden_size, c.activation, gated=False, use_bias=True,
                        std=c.initializer_range, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
-                       name="mlp", deterministic=self.deterministic, **kw, **layers.lora_options(c))(h)
+                       name="mlp", deterministic=self.deterministic, **kw, **layers.sublayer_options(c))(h)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         return x + drop(a) + drop(m), cache
 

@@ -9,6 +9,7 @@ The KV cache of a decoder is a dict {'layers': {'k', 'v': [layers, batch, max_le
 with a cache writes its tokens at `index`; a call with more than one token is a prefill and must start at index 0.
 """
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -54,6 +55,11 @@ class ModelOptions:
     Unlike the other options these fields change the parameters, so training scripts record them.
     pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
     (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (M + S - 1) of each stage's time.
+    sequence_parallel: under a mesh whose automatic `model` axis divides the tokens, the residual stream between
+    the tensor-parallel attention and MLP blocks (and the norms and dropouts on it) holds T / model tokens per
+    device (Megatron-LM's sequence parallelism, Korthikanti et al., 2022): each block all-gathers its input's tokens
+    and its row-parallel output is reduce-scattered over them instead of all-reduced (`split_tokens`,
+    `gather_tokens`). Same values; less activation memory at the same bytes sent.
     """
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -70,6 +76,7 @@ class ModelOptions:
     lora_dropout: float = 0.0
     quantize: str | None = None
     pipeline_microbatches: int = 0
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.quantize not in QUANTIZE_FORMATS:
@@ -227,10 +234,12 @@ class Linear(nn.Module):
         return y if act is None else activation(act)(y)
 
 
-def lora_options(config):
-    """Attention / MLP keyword arguments of a config's LoRA and quantisation fields (`ModelOptions`)."""
+def sublayer_options(config):
+    """Attention / MLP keyword arguments of a config's LoRA, quantisation and sequence-parallel fields
+    (`ModelOptions`)."""
     return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
-                lora_dropout=config.lora_dropout, quantize=config.quantize)
+                lora_dropout=config.lora_dropout, quantize=config.quantize,
+                sequence_parallel=config.sequence_parallel)
 
 
 def _lora(module, name):
@@ -411,11 +420,15 @@ class Attention(nn.Module):
     lora_targets: tuple = ()
     lora_dropout: float = 0.0
     quantize: str | None = None
+    sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x, ctx, cache=None, kv_input=None, bias=None):
+        x = gather_tokens(x, self.sequence_parallel)
+        if kv_input is not None:
+            kv_input = gather_tokens(kv_input, self.sequence_parallel)
         B, T, d_model = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         kw = dict(std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -478,8 +491,9 @@ class Attention(nn.Module):
                 out = attend(q, k, v, causal=self.causal, q_segment_ids=ctx["segment_ids"], **opts)
         out = out.reshape(B, T, H * D)
         out_bias = self.use_bias if self.out_bias is None else self.out_bias
-        return Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std},
-                      **_lora(self, "o"))(out), cache
+        out = Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std},
+                     **_lora(self, "o"))(out)
+        return split_tokens(out, self.sequence_parallel), cache
 
 
 class MLP(nn.Module):
@@ -502,11 +516,13 @@ class MLP(nn.Module):
     lora_dropout: float = 0.0
     deterministic: bool = True  # False: training call (LoRA dropout, with a 'dropout' rng)
     quantize: str | None = None
+    sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x):
+        x = gather_tokens(x, self.sequence_parallel)
         d = x.shape[-1]
         kw = dict(use_bias=self.use_bias, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
         fused = dict(implementation=self.implementation, interpret=self.interpret)
@@ -522,20 +538,69 @@ class MLP(nn.Module):
                                       **fused)
             else:
                 h = gate(x, act=self.act, **fused) * up(x, **fused)
-        return Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std},
-                      **_lora(self, "down"))(h)
+        out = Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std}, **_lora(self, "down"))(h)
+        return split_tokens(out, self.sequence_parallel)
 
 
-def split_tokens(x):
-    """x [B, T, ...] with its token dim over the ambient mesh's automatic `context` axis (context parallelism) when
-    that axis is larger than 1 and divides T; x unchanged otherwise. Called on a stack's input: every op until
-    attention is per token, so the split then holds through the layers (attention exchanges it for heads inside
-    `kernels.flash_attention`)."""
-    if kernels.context_size(x.shape[1]) == 1:
+def _token_axes(x, sequence_parallel):
+    """(the mesh axes x [B, T, ...]'s tokens are split over between blocks, whether `model` is among them):
+    `context` when the ambient mesh's automatic context axis is larger than 1 and divides T (context parallelism),
+    then with `sequence_parallel` `model` when that axis is automatic, larger than 1 and divides what is left."""
+    context = kernels.context_size(x.shape[1])
+    axes = (kernels.CONTEXT_AXIS,) if context > 1 else ()
+    model = kernels.auto_axis_size(kernels.MODEL_AXIS) if sequence_parallel else 1
+    split = model > 1 and x.shape[1] % (context * model) == 0
+    return axes + ((kernels.MODEL_AXIS,) if split else ()), split
+
+
+def split_tokens(x, sequence_parallel=False):
+    """x [B, T, ...] with its token dim over `_token_axes` (nothing to do when there are none). Called on a
+    stack's input: every op until attention is per token, so the split then holds through the layers (attention
+    exchanges the context split for heads inside `kernels.flash_attention`); with sequence_parallel also on the
+    row-parallel output of each attention and MLP block, which the partitioner then reduce-scatters over `model`
+    instead of all-reducing (its gradient is all-gathered back: `_reshard`)."""
+    axes, split = _token_axes(x, sequence_parallel)
+    if not axes:
         return x
-    spec = jax.sharding.PartitionSpec(jax.sharding.PartitionSpec.UNCONSTRAINED, kernels.CONTEXT_AXIS,
-                                      *[jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 2))
-    return jax.lax.with_sharding_constraint(x, spec)
+    if not split:
+        unconstrained = jax.sharding.PartitionSpec.UNCONSTRAINED
+        return jax.lax.with_sharding_constraint(
+            x, jax.sharding.PartitionSpec(unconstrained, axes, *[unconstrained] * (x.ndim - 2)))
+    return _reshard(x, _token_spec(x, axes[:-1]), _token_spec(x, axes))
+
+
+def gather_tokens(x, sequence_parallel):
+    """x [B, T, ...] with whole tokens over `model` again (the context split kept) where `split_tokens` split
+    them over it: the input of a tensor-parallel attention or MLP block, and of the head, under sequence
+    parallelism (an all-gather; its gradient is reduce-scattered)."""
+    axes, split = _token_axes(x, sequence_parallel)
+    return _reshard(x, _token_spec(x, axes), _token_spec(x, axes[:-1])) if split else x
+
+
+def _token_spec(x, axes):
+    """x's layout with its tokens over `axes` (whole when there are none), its rows as they are and every other dim
+    whole."""
+    return jax.sharding.PartitionSpec(jax.sharding.PartitionSpec.UNCONSTRAINED, axes or None, *[None] * (x.ndim - 2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _reshard(x, source, target):
+    """x laid out as `source`, then as `target` (a sequence-parallel gather or split of its tokens); the gradient
+    takes the same two layouts in reverse. Stated for the backward pass too: left to itself, the partitioner met a
+    token-split cotangent at a row-parallel weight's transposed matmul with all-to-alls and weight gathers (tiny
+    LLaMA, data 4 x model 2: 12 MB of all-to-all, +11% temporaries)."""
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, source), target)
+
+
+def _reshard_fwd(x, source, target):
+    return _reshard(x, source, target), None
+
+
+def _reshard_bwd(source, target, _, g):
+    return (jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(g, target), source),)
+
+
+_reshard.defvjp(_reshard_fwd, _reshard_bwd)
 
 
 # ----------------------------------------------------------------------------------------------------- stacks
@@ -732,9 +797,11 @@ class DecoderLM(nn.Module):
             x = x + table(ctx["positions"] + self.position_offset)
         if self.embed_dropout:
             x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
-        x, layer_cache = apply_layers(self.block, split_tokens(x), ctx, cache, c, owner=self, deterministic=not train)
+        x, layer_cache = apply_layers(self.block, split_tokens(x, c.sequence_parallel), ctx, cache, c, owner=self,
+                                      deterministic=not train)
         if getattr(c, "final_layer_norm", True):
             x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
+        x = gather_tokens(x, c.sequence_parallel)
         if embed_dim != c.hidden_size:
             x = Linear(c.hidden_size, embed_dim, name="project_out", **lin)(x)
         return lm_output(x, embed, c.tie_word_embeddings, new_cache, layer_cache, return_hidden,

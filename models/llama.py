@@ -71,13 +71,13 @@ class LlamaBlock(nn.Module):
                                     rotary=rotary, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
                                     dropout_rate=c.attention_dropout_rate, deterministic=self.deterministic,
-                                    name="attn", **kw, **layers.lora_options(c))(h, ctx, cache)
+                                    name="attn", **kw, **layers.sublayer_options(c))(h, ctx, cache)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         x = x + drop(h)
         h = layers.Norm("rms", c.norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw,
-                       deterministic=self.deterministic, **layers.lora_options(c))(h)
+                       deterministic=self.deterministic, **layers.sublayer_options(c))(h)
         return x + drop(h), cache
 
 

@@ -66,14 +66,14 @@ class OPTBlock(nn.Module):
                                     use_bias=c.enable_bias, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
                                     dropout_rate=c.attention_dropout_rate, deterministic=self.deterministic,
-                                    name="attn", **kw, **layers.lora_options(c))(attn_norm(x) if pre else x, ctx,
+                                    name="attn", **kw, **layers.sublayer_options(c))(attn_norm(x) if pre else x, ctx,
                                                                                   cache)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = drop(h)
         x = x + h if pre else attn_norm(x + h)
         h = layers.MLP(c.ffn_dim, c.activation, gated=False, use_bias=c.enable_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp",
-                       deterministic=self.deterministic, **kw, **layers.lora_options(c))(mlp_norm(x) if pre else x)
+                       deterministic=self.deterministic, **kw, **layers.sublayer_options(c))(mlp_norm(x) if pre else x)
         h = drop(h)
         return (x + h if pre else mlp_norm(x + h)), cache
 

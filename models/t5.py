@@ -97,7 +97,7 @@ class T5Block(nn.Module):
                     std=f * c.d_model ** -0.5, q_std=f * (c.d_model * c.d_kv) ** -0.5,
                     out_std=f * (c.num_heads * c.d_kv) ** -0.5, implementation=c.attention_implementation,
                     interpret=c.kernel_interpret, dropout_rate=c.attention_dropout_rate,
-                    deterministic=self.deterministic, **kw, **layers.lora_options(c))
+                    deterministic=self.deterministic, **kw, **layers.sublayer_options(c))
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         h = layers.Norm("rms", c.layer_norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(causal=self.decoder, name="attn", **attn)(h, ctx, cache, bias=ctx["position_bias"])
@@ -110,7 +110,7 @@ class T5Block(nn.Module):
         h = layers.Norm("rms", c.layer_norm_eps, name="mlp_norm", **kw)(x)
         h = layers.MLP(c.d_ff, c.act, gated=c.gated, use_bias=False, std=f * c.d_model ** -0.5,
                        out_std=f * c.d_ff ** -0.5, implementation=c.mlp_implementation, interpret=c.kernel_interpret,
-                       name="mlp", deterministic=self.deterministic, **kw, **layers.lora_options(c))(h)
+                       name="mlp", deterministic=self.deterministic, **kw, **layers.sublayer_options(c))(h)
         return x + drop(h), cache
 
 
@@ -141,11 +141,12 @@ class T5Stack(nn.Module):
         if self.decoder:
             ctx.update(encoder_out=encoder_out, encoder_segment_ids=(
                 jnp.ones(encoder_out.shape[:2], jnp.int32) if encoder_mask is None else encoder_mask))
-        x, layer_cache = layers.apply_layers(T5Block, layers.split_tokens(drop(self.embed(input_ids))), ctx, cache, c,
-                                             decoder=self.decoder, deterministic=not train,
+        x = layers.split_tokens(drop(self.embed(input_ids)), c.sequence_parallel)
+        x, layer_cache = layers.apply_layers(T5Block, x, ctx, cache, c, decoder=self.decoder, deterministic=not train,
                                              num_layers=c.decoder_layers if self.decoder else c.num_layers)
         x = drop(layers.Norm("rms", c.layer_norm_eps, name="final_norm", dtype=jnp.dtype(c.dtype),
                              param_dtype=jnp.dtype(c.param_dtype))(x))
+        x = layers.gather_tokens(x, c.sequence_parallel)
         return x if cache is None else (x, {**new_cache, "layers": layer_cache})
 
 

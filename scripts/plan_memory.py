@@ -48,6 +48,8 @@ flags.DEFINE_enum("diloco_outer_dtype", "float32", ["float32", "bfloat16", "int8
                   "gradients on the wire.")
 flags.DEFINE_bool("zero_quantized_weights", False, "ZeRO++'s int8 weight all-gathers (the shard_map step).")
 flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s int8 gradient reduce-scatters (the shard_map step).")
+flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelism: the residual stream between the "
+                  "tensor-parallel blocks split by tokens over `model`.")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
                      "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
@@ -84,7 +86,8 @@ def main(argv):
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
                                diloco_outer_dtype=FLAGS.diloco_outer_dtype,
                                zero_quantized_weights=FLAGS.zero_quantized_weights,
-                               zero_quantized_gradients=FLAGS.zero_quantized_gradients, **kwargs)), flush=True)
+                               zero_quantized_gradients=FLAGS.zero_quantized_gradients,
+                               sequence_parallel=FLAGS.sequence_parallel, **kwargs)), flush=True)
 
 
 if __name__ == "__main__":

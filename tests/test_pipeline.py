@@ -54,6 +54,9 @@ def _on_mesh(loss, params, ids, mesh):
     pytest.param("gptj", dict(stage=4, data=2), dict(remat="none"), marks=pytest.mark.slow),
     pytest.param("opt", dict(stage=2, fsdp=2, model=2), dict(remat="dots", pipeline_microbatches=2),
                  marks=pytest.mark.slow),
+    # Sequence parallelism inside the stages: the token constraints gain the stages' `stage` dim.
+    pytest.param("llama", dict(stage=2, data=2, model=2), dict(remat="full", pipeline_microbatches=2,
+                                                              sequence_parallel=True), marks=pytest.mark.slow),
     # The Pallas kernels inside the stages (interpreted): their shard_map takes `stage` as a manual axis.
     pytest.param("llama", dict(stage=2, data=2, model=2), dict(
         remat="full", pipeline_microbatches=2, attention_implementation="triton", mlp_implementation="triton",
