@@ -415,7 +415,7 @@ class Attention(nn.Module):
     interpret: bool = False
     dropout_rate: float = 0.0
     deterministic: bool = True
-    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `lora_options`)
+    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `sublayer_options`)
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
     lora_dropout: float = 0.0
@@ -510,7 +510,7 @@ class MLP(nn.Module):
     out_std: float | None = None  # the down projection's initial standard deviation (None: std)
     implementation: str | None = None
     interpret: bool = False
-    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `lora_options`)
+    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `sublayer_options`)
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
     lora_dropout: float = 0.0
