@@ -96,8 +96,9 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                       "(ZeRO-Offload's placement): less device memory, two host transfers of it per step.")
     flags.DEFINE_bool("zero_quantized_weights", False, "ZeRO++'s qwZ: the shard_map step all-gathers every ZeRO-3 "
                       "weight matrix over fsdp as int8 with per-row scales (needs fsdp > 1).")
-    flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s qgZ: the ZeRO-3 gradients are reduce-scattered over "
-                      "fsdp as int8 chunks by an all-to-all (needs fsdp > 1).")
+    flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s qgZ, on every gradient reduction: reduce-scatters "
+                      "(ZeRO-3's over fsdp, ZeRO-1/2's over data) as int8 chunks by an all-to-all, all-reduces over "
+                      "data as that plus an int8 all-gather (the shard_map step; needs data or fsdp > 1).")
     flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: DiLoCo (engine.DiLoCo): every position along the mesh's "
                          "data axis trains its own replica and they communicate once every this many steps; 0: "
                          "plain data parallelism.", lower_bound=0)

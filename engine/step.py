@@ -276,9 +276,11 @@ class Int8(NamedTuple):
     or more dims (vectors, such as norm scales, travel as before). `weights` (qwZ): each shard is all-gathered as
     int8 codes with a float32 absmax scale per row of its last dim (half the bytes of a bf16 gather), so the
     forward and backward passes see the dequantised weights (an error of at most 1/254 of a row's largest value,
-    the same in both, so the recompute is consistent). `gradients` (qgZ): the gradient's reduce-scatter becomes an
-    all-to-all of int8 chunks with per-row scales, summed in float32 on the receiving device (a quarter of a float32
-    reduce-scatter's bytes). The optimizer's master weights and state are untouched."""
+    the same in both, so the recompute is consistent). `gradients` (qgZ): every gradient reduction of a parameter of
+    two or more dims: a reduce-scatter (ZeRO-3's over `fsdp`, ZeRO-1/2's over `data`) becomes an all-to-all of int8
+    chunks with per-row scales, summed in float32 on the receiving device (a quarter of a float32 reduce-scatter's
+    bytes), and an all-reduce (ZeRO-0's over `data`) that exchange followed by an int8 all-gather of the summed
+    chunks (`_all_reduce_int8`). The optimizer's master weights and state are untouched."""
 
     weights: bool = False
     gradients: bool = False
@@ -710,15 +712,31 @@ def _shard_map(fn, mesh, in_specs, out_specs):
                          axis_names=set(MANUAL_AXES), check_vma=False)
 
 
-def _reduce(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None):
+def _all_reduce_int8(g, axes):
+    """`psum(g, axes)` in float32 with int8 traffic: the int8 reduce-scatter of `_reduce_scatter` along the first dim
+    the group size divides, then this device's summed chunk all-gathered as int8 rows (`_all_gather`), so each value
+    is rounded twice (to 1/254 of its chunk row's largest, then of the sum's). Exact psum when no dim divides."""
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    dim = next((d for d in range(g.ndim) if g.shape[d] % n == 0), None)
+    if dim is None:
+        return jax.lax.psum(g.astype(jnp.float32), axes)
+    part = _reduce_scatter(g, ((dim, axes),), jnp.float32, jnp.float32, int8=True)
+    return _all_gather(part, ((dim, axes),), jnp.float32, int8=True)
+
+
+def _reduce(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None, int8=False):
     """Sums a local gradient over the data-parallel shards: reduce-scatter over `plan_scatter`, all-reduce over
-    `plan_reduce`, in `reduce_dtype`, back in fp32. A gradient split over `model` (`auto_spec`) is reduced block by
-    block in a shard_map over `model` too: left to the partitioner, a reduce-scatter over `data` first gathered the
-    whole `model` dimension (2.9 GB per MLP stack for LLaMA-7B on 2x2x2 with ZeRO-1)."""
+    `plan_reduce`, in `reduce_dtype`, back in fp32; with `int8` (`Int8.gradients`, gradients of two or more dims)
+    both as int8 exchanges (`_reduce_scatter`, `_all_reduce_int8`). A gradient split over `model` (`auto_spec`) is
+    reduced block by block in a shard_map over `model` too: left to the partitioner, a reduce-scatter over `data`
+    first gathered the whole `model` dimension (2.9 GB per MLP stack for LLaMA-7B on 2x2x2 with ZeRO-1)."""
     if not plan_scatter and not plan_reduce:
         return g
 
     def reduce(g):
+        if int8 and g.ndim >= 2:
+            g = _reduce_scatter(g, plan_scatter, jnp.float32, jnp.float32, int8=True)
+            return _all_reduce_int8(g, plan_reduce) if plan_reduce else g
         g = g.astype(reduce_dtype)
         for dim, axes in plan_scatter:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
@@ -763,8 +781,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
       summed, which reproduces the global-batch values of `jit_train_step` exactly.
     `trainable`: as in `jit_train_step`. A frozen parameter is gathered like any other but never differentiated:
       no weight gradient, no reduction.
-    `int8`: an `Int8`, ZeRO++'s int8 weight gathers and / or gradient reduce-scatters of the ZeRO-3 parameters
-      (the remaining data-parallel reductions stay in `reduce_dtype`).
+    `int8`: an `Int8`, ZeRO++'s int8 weight gathers of the ZeRO-3 parameters and / or int8 gradient reductions
+      (every reduce-scatter and all-reduce of a gradient of two or more dims; the others stay in `reduce_dtype`).
     Metrics, the NaN/inf guard, the learning rate and `loss_scale` are those of `jit_train_step` (the scale enters
     the manual region as a replicated scalar; gradients are reduced scaled, unscaled in the update). rng: micro-batch
     i of update `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are
@@ -830,7 +848,7 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                                                               micro_batch, micro_rng)
                 grads = [g.astype(jnp.float32) for g in grads]
                 if zero_stage == 2:  # ZeRO-2: partial sums leave each micro-batch already split over `data`
-                    grads = [_reduce(g, pl.scatter, (), reduce_dtype, pl.auto_spec)
+                    grads = [_reduce(g, pl.scatter, (), reduce_dtype, pl.auto_spec, int8.gradients)
                              for g, pl in zip(grads, trained_plans)]
                 metrics = {k: v if k == weight_metric else v * weight for k, v in metrics.items()}
                 return grads, loss * weight, metrics
@@ -849,8 +867,8 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
                 (grads, loss, metrics), _ = jax.lax.scan(body, (zeros(g0), zeros(l0), zeros(m0)),
                                                          (local_batch, jnp.arange(accumulate)))
             scale = 1.0 / accumulate
-            grads = [_reduce(g, () if zero_stage == 2 else pl.scatter, pl.reduce, reduce_dtype, pl.auto_spec) * scale
-                     for g, pl in zip(grads, trained_plans)]
+            grads = [_reduce(g, () if zero_stage == 2 else pl.scatter, pl.reduce, reduce_dtype, pl.auto_spec,
+                             int8.gradients) * scale for g, pl in zip(grads, trained_plans)]
             grads = [g.astype(x.dtype) for g, x in zip(grads, pick(leaves_of(local_params)))]
             loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, live) if live else v) * scale, (loss, metrics))
             return grads, loss, metrics

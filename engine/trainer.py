@@ -140,9 +140,13 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
             _validate(name, value, step in ("auto", "shard_map") and not diloco and sizes.get("context", 1) == 1,
                       "False unless the step is 'shard_map' or 'auto' without diloco or context parallelism "
                       "(it quantizes the shard_map step's own collectives)")
-            _validate(name, value, sizes.get("fsdp", 1) > 1,
-                      f"False on a mesh with fsdp={sizes.get('fsdp', 1)}: it quantizes the ZeRO-3 collectives "
-                      "over fsdp; expected fsdp > 1")
+    if int8.weights:
+        _validate("zero_quantized_weights", True, sizes.get("fsdp", 1) > 1,
+                  f"False on a mesh with fsdp={sizes.get('fsdp', 1)}: it quantizes the ZeRO-3 weight gathers over "
+                  "fsdp; expected fsdp > 1")
+    if int8.gradients:
+        _validate("zero_quantized_gradients", True, sizes.get("data", 1) * sizes.get("fsdp", 1) > 1,
+                  "False on a mesh with data=1 and fsdp=1: no gradient is reduced; expected data or fsdp > 1")
 
 
 class Trainer:
@@ -213,9 +217,11 @@ class Trainer:
       zero_quantized_weights, zero_quantized_gradients: ZeRO++'s quantized communication (DeepSpeed's options of
         these names; `engine.step.Int8`) in the shard_map step, which 'auto' then picks: every ZeRO-3 parameter of
         two or more dims is all-gathered over `fsdp` as int8 codes with per-row scales (the weights the forward and
-        backward passes compute with are the dequantised ones; the master weights stay exact), and / or its gradient
-        is reduce-scattered as int8 chunks by an all-to-all. LLaMA-7B on 1 x 8 x 1 (bf16, plan_memory.py): 46.0 GB
-        sent per device and step, 34.7 with int8 weights, 17.7 with both. Needs fsdp > 1; not with diloco or
+        backward passes compute with are the dequantised ones; the master weights stay exact; needs fsdp > 1), and /
+        or every gradient of two or more dims is reduced as int8: reduce-scatters (over `fsdp`, and ZeRO-1/2's over
+        `data`) as int8 chunks by an all-to-all, all-reduces (ZeRO-0's over `data`) as that plus an int8
+        all-gather. LLaMA-7B on 1 x 8 x 1 (bf16, plan_memory.py): 46.0 GB sent per device and step, 34.7 with int8
+        weights, 17.7 with both. Not with diloco or
         context parallelism.
     """
 

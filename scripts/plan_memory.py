@@ -47,7 +47,8 @@ flags.DEFINE_integer("diloco_fragments", 1, "Streaming DiLoCo's parts.", lower_b
 flags.DEFINE_enum("diloco_outer_dtype", "float32", ["float32", "bfloat16", "int8", "int4"], "DiLoCo's outer "
                   "gradients on the wire.")
 flags.DEFINE_bool("zero_quantized_weights", False, "ZeRO++'s int8 weight all-gathers (the shard_map step).")
-flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s int8 gradient reduce-scatters (the shard_map step).")
+flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s int8 gradient reductions, over fsdp and data (the "
+                  "shard_map step).")
 flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelism: the residual stream between the "
                   "tensor-parallel blocks split by tokens over `model`.")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")

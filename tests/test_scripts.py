@@ -399,8 +399,8 @@ def _bad_inputs(tmp_path, slow):
                                                                     "lora_targets=('q', 'qkv'); expected",
         ("train_dpo.py", "--quantize=int8"): "--quantize=int8 with --lora_rank=0; expected --lora_rank > 0",
         ("train_lm.py", "--pipeline_stages=0"): "--pipeline_stages=0; expected an integer >= 1",
-        ("train_lm.py", "--zero_quantized_gradients"): "zero_quantized_gradients=True; expected False on a mesh with "
-                                                       "fsdp=1",
+        ("train_lm.py", "--zero_quantized_weights"): "zero_quantized_weights=True; expected False on a mesh with "
+                                                     "fsdp=1",
         ("train_lm.py", "--diloco_fragments=2"): "--diloco_fragments=2 --diloco_outer_dtype=float32 "
                                                  "--diloco_overlap=False; expected --diloco_inner_steps > 0",
         ("train_sft.py", "--diloco_inner_steps=2", "--diloco_fragments=3"): "--diloco_fragments=3; expected at most "

@@ -381,26 +381,77 @@ def test_int8_gather_and_reduce_scatter_are_exact_on_their_grid_and_bounded_off_
     np.testing.assert_array_equal(scatter(True), scatter(False))
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_int8_data_axis_reductions_are_exact_on_their_grid_and_bounded_off_it(zero_stage):
+    """The data-axis reductions with int8 traffic (`Int8.gradients`): ZeRO-1/2's reduce-scatter and ZeRO-0's
+    all-reduce (reduce-scatter, then the summed chunks all-gathered as int8) equal the float32 collectives bit for
+    bit when every device's gradient lies on the int8 row grid (the sums too: the same integers on every device),
+    and stay within two roundings of them otherwise."""
+    mesh = engine.make_mesh(data=8)
+    P = jax.sharding.PartitionSpec
+    scatter, reduce = (((0, ("data",)),), ()) if zero_stage else ((), ("data",))
+    out = P(("data",)) if zero_stage else P()
+
+    def run(int8, full):
+        def fn(g):
+            y = step_lib._reduce(g[0], scatter, reduce, jnp.float32, None, int8)
+            return y if zero_stage else y[None]
+        return np.asarray(_on_mesh(fn, full, P("data"), out if zero_stage else P("data"), mesh))
+
+    rng = np.random.RandomState(0)
+    grid = rng.randint(-127, 128, (16, 24)).astype(np.float32)
+    grid[:, ::3] = 127
+    same = np.broadcast_to(grid, (8, 16, 24)).copy()
+    np.testing.assert_array_equal(run(True, same), run(False, same))
+    full = rng.randn(8, 16, 24).astype(np.float32)
+    exact, got = run(False, full), run(True, full)
+    # each device's chunk row rounds to 1/254 of its largest entry; the sum's row once more
+    bound = 8 * np.abs(full).max() / 254 + np.abs(exact).max() / 254
+    assert np.abs(got - exact).max() <= bound and np.abs(got - exact).max() > 0
+
+
 # The hand-pipelined layer stack on fsdp 8; the per-layer gathers with the model axis automatic beside fsdp.
 @pytest.mark.parametrize("mesh,remat", [("1x8x1", "full"), ("1x4x2", "none")])
 def test_int8_zero3_step_trains_like_the_exact_one_and_sends_int8(mesh, remat):
     """A scanned LLaMA with ZeRO-3: 'auto' picks the shard_map step; losses and parameters stay close to the exact
     step's (the forward sees dequantised weights, the gradients come rounded); in the compiled step the weight
     matrices' gathers and their gradients' exchanges are int8 and no float32 reduce-scatter is left."""
+    ops = _int8_run_like_the_exact_one(mesh, remat, 0, zero_quantized_weights=True, zero_quantized_gradients=True)
+    assert any("= s8[" in line for line in ops("all-gather")) and any("s8[" in line for line in ops("all-to-all"))
+    # What may be left of the reduce-scatters: the vocab-parallel lookup's [1, tokens, hidden] vectors, no gradient.
+    assert {len(m.split(",")) for line in ops("reduce-scatter") for m in re.findall(r"= f32\[([\d,]+)\]", line)} <= {3}
+
+
+@pytest.mark.parametrize("mesh,zero_stage", [("8x1x1", 0), pytest.param("2x2x2", 2, marks=pytest.mark.slow)])
+def test_int8_data_parallel_step_trains_like_the_exact_one_and_sends_int8(mesh, zero_stage):
+    """zero_quantized_gradients on data-parallel meshes (no fsdp needed): the LLaMA's losses and moves stay close to
+    the exact step's, and no float32 all-reduce or reduce-scatter of a gradient matrix is left in the compiled
+    step (int8 all-to-alls and all-gathers instead)."""
+    ops = _int8_run_like_the_exact_one(mesh, "full", zero_stage, zero_quantized_gradients=True)
+    assert any("s8[" in line for line in ops("all-to-all")) and any("= s8[" in line for line in ops("all-gather"))
+    # (On 2x2x2 the tensor-parallel activations, [1 row, 16 tokens, ...], are all-reduced over `model` as before.)
+    float_matrices = [m for name in ("all-reduce", "reduce-scatter") for line in ops(name)
+                      for m in re.findall(r"= f32\[(\d+,\d+[\d,]*)\]", line) if not m.startswith("1,16")]
+    assert not float_matrices, float_matrices
+
+
+def _int8_run_like_the_exact_one(mesh, remat, zero_stage, **int8):
+    """Trains a scanned LLaMA 3 steps with the exact shard_map step and with the `int8` Trainer options; asserts
+    'auto' picked the shard_map step, the losses agree (rtol 2e-3) and each parameter's move is within 5% of the
+    exact move's largest entry. Returns ops(name): the compiled int8 step's lines of that collective."""
     model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat=remat))
     params = models.init_params(model, jax.random.PRNGKey(0))
 
     def run(**kwargs):
         trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm,
-                                 loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5), **kwargs)
+                                 loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5),
+                                 zero_stage=zero_stage, **kwargs)
         trainer.fit(_packed_rows(32), per_device_batch_size=1, max_steps=3, log_every=1)
         return trainer
 
-    ref = run(step="shard_map")
-    got = run(zero_quantized_weights=True, zero_quantized_gradients=True)
+    ref, got = run(step="shard_map"), run(**int8)
     assert got._step_kind == "shard_map" and got.compile_count == 1
     np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in ref.history], rtol=2e-3)
-    # Each parameter's 3-step move within 5% of the exact move's largest entry.
     for (path, x0), x, y in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(
             jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(got.params))):
         moved = np.abs(np.asarray(x) - np.asarray(x0)).max()
@@ -408,10 +459,7 @@ def test_int8_zero3_step_trains_like_the_exact_one_and_sends_int8(mesh, remat):
     rows = MESHES[mesh].get("data", 1) * MESHES[mesh].get("fsdp", 1)
     batch = {k: jax.ShapeDtypeStruct((1, rows, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
     hlo = got._compiled_step().lower(got.params, got.opt_state, batch, np.int32(0)).compile().as_text()
-    ops = lambda name: [line for line in hlo.splitlines() if f" {name}(" in line]  # noqa: E731
-    assert any("= s8[" in line for line in ops("all-gather")) and any("s8[" in line for line in ops("all-to-all"))
-    # What may be left of the reduce-scatters: the vocab-parallel lookup's [1, tokens, hidden] vectors, no gradient.
-    assert {len(m.split(",")) for line in ops("reduce-scatter") for m in re.findall(r"= f32\[([\d,]+)\]", line)} <= {3}
+    return lambda name: [line for line in hlo.splitlines() if f" {name}(" in line]
 
 
 def test_int8_collectives_bad_input():
@@ -428,6 +476,9 @@ def test_int8_collectives_bad_input():
             engine.Trainer(mesh=mesh, **common, **kwargs)
     with pytest.raises(ValueError, match=r"zero_quantized_weights=True; expected False on a mesh with fsdp=1"):
         engine.Trainer(mesh=engine.make_mesh(data=8), zero_quantized_weights=True, **common)
+    with pytest.raises(ValueError, match=r"zero_quantized_gradients=True; expected False on a mesh with data=1 and "
+                                         r"fsdp=1"):
+        engine.Trainer(mesh=engine.make_mesh(data=1, model=8), zero_quantized_gradients=True, **common)
     with pytest.raises(ValueError, match=r"int8=True; expected an engine.step.Int8"):
         step_lib.shard_map_train_step(loss_fn=None, optimizer=None, mesh=mesh, param_specs=None, update_specs=None,
                                       zero_stage=0, accumulate=1, compute_dtype=None, remat=False, key=None, int8=True)
