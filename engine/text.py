@@ -548,8 +548,8 @@ def generate_tokens(model, params, tokenizer, prompts, *, max_new_tokens, temper
                     seed=0, kv_cache_dtype=None, num_beams=1, length_penalty=1.0, early_stopping=False):
     """`models.generate` on token-id prompts (lists; decoder prompts left-padded, T5 inputs right-padded): each
     row's new token ids up to and including its first EOS (all `max_new_tokens` when there is none); num_beams > 1:
-    beam search (`early_stopping`: True, False or 'never', as in `models.generate`). Every process must call it with the same prompts (the parameters may span hosts); every process
-    gets every row."""
+    beam search (`early_stopping`: True, False or 'never', as in `models.generate`). Every process must call it
+    with the same prompts (the parameters may span hosts); every process gets every row."""
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     if not prompts:

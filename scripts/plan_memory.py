@@ -50,7 +50,7 @@ flags.DEFINE_bool("zero_quantized_weights", False, "ZeRO++'s int8 weight all-gat
 flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s int8 gradient reductions, over fsdp and data (the "
                   "shard_map step).")
 flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelism: the residual stream between the "
-                  "tensor-parallel blocks split by tokens over `model`.")
+                  "tensor-parallel blocks split by tokens over `model` (with --sweep: in every layout with model > 1).")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
                      "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
@@ -75,6 +75,7 @@ def main(argv):
                   compute_dtype=FLAGS.compute_dtype, accumulate=FLAGS.accumulate, step=FLAGS.train_step,
                   hbm_gb=FLAGS.hbm_gb, lora_rank=FLAGS.lora_rank, param_dtype=FLAGS.param_dtype,
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
+                  sequence_parallel=FLAGS.sequence_parallel,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
         results = plan.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
@@ -87,8 +88,7 @@ def main(argv):
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
                                diloco_outer_dtype=FLAGS.diloco_outer_dtype,
                                zero_quantized_weights=FLAGS.zero_quantized_weights,
-                               zero_quantized_gradients=FLAGS.zero_quantized_gradients,
-                               sequence_parallel=FLAGS.sequence_parallel, **kwargs)), flush=True)
+                               zero_quantized_gradients=FLAGS.zero_quantized_gradients, **kwargs)), flush=True)
 
 
 if __name__ == "__main__":
