@@ -41,7 +41,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import kernels
-from engine.step import accumulate_gradients, apply_update, combine, partition, trained_grad_fn
+from engine.step import (accumulate_gradients, apply_update, combine, current_loss_scale, init_opt_state, partition,
+                         trained_grad_fn)
 
 
 def _paper_outer_optimizer():
@@ -195,14 +196,16 @@ def replicate(tree, replicas):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas,) + x.shape), tree)
 
 
-def init_state(diloco, optimizer, params, replicas, plan=None):
-    """{'replicas': params [R, ...], 'inner': the inner optimizer's state per replica, 'outer': the outer
-    optimizer's state of the global params (with fragments > 1: a list of one state per part of `plan`)}."""
+def init_state(diloco, optimizer, params, replicas, plan=None, loss_scale=None):
+    """{'replicas': params [R, ...], 'inner': the inner optimizer's state per replica (with `loss_scale`, an
+    `engine.LossScale`, each replica's own scale beside it), 'outer': the outer optimizer's state of the global
+    params (with fragments > 1: a list of one state per part of `plan`)}."""
     reps = replicate(params, replicas)
     outer = diloco.outer_optimizer
     states = (outer.init(params) if diloco.fragments == 1 else
               [outer.init(fragment(params, plan, p, diloco.fragments)) for p in range(diloco.fragments)])
-    return {"replicas": reps, "inner": jax.vmap(optimizer.init)(reps), "outer": states}
+    inner = jax.vmap(lambda p: init_opt_state(optimizer, p, loss_scale))(reps)
+    return {"replicas": reps, "inner": inner, "outer": states}
 
 
 def _encode(x, dtype):
@@ -261,7 +264,7 @@ def _mean_delta(global_part, replicas_part, specs, mesh, dtype, replicas):
 
 
 def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key,
-                      trainable=None, plan=None, mesh=None, specs=None, sync=False):
+                      trainable=None, plan=None, mesh=None, specs=None, sync=False, loss_scale=None):
     """`step(global_params, state, batch, step) -> (global_params, state, metrics)`: one inner step on every replica
     and the outer step of each part whose offset `step + 1` reaches. The batch [accumulate, rows, ...] is split
     into replicas along its data-major rows; every metric is per replica, [R]. trainable: as in
@@ -272,13 +275,18 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
     With `diloco.overlap` the step has no conditional: sync=False is the inner step alone, sync=True also the outer
     step of the part that fell due the step before (`DiLoCo.syncs_at`), whose exchange reads the step's input
     replicas, so nothing of the inner step feeds it and the compiler may run it under the inner step's compute;
-    the part's replicas then take the new global part plus the inner update they made meanwhile."""
+    the part's replicas then take the new global part plus the inner update they made meanwhile.
+
+    loss_scale: an `engine.LossScale` (float16 compute): each replica scales its loss by its own scale (in its inner
+    state) and skips and lowers it on its own overflows, as `jit_train_step` does for the whole model; the outer
+    step sees the replicas' parameters only."""
     parts = diloco.fragments
 
     def inner(params, opt_state, batch, rng, frozen):
-        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable)
+        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable,
+                                  current_loss_scale(opt_state, loss_scale))
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, accumulate)
-        return apply_update(optimizer, params, opt_state, grads, loss, metrics)
+        return apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale)
 
     def outer(args):  # fragments=1: the whole trees
         global_params, reps, outer_state = args

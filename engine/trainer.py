@@ -76,7 +76,7 @@ def _state_specs(state, param_specs, param_shapes, scalar):
     return jax.tree_util.tree_map_with_path(spec_of, state)
 
 
-def _resolve_loss_scale(loss_scale, compute_dtype, diloco):
+def _resolve_loss_scale(loss_scale, compute_dtype):
     """Trainer's `loss_scale` argument -> None or an `engine.LossScale`."""
     number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
     _validate("loss_scale", loss_scale, loss_scale in (None, "auto", "dynamic") or (number and loss_scale >= 1)
@@ -86,9 +86,6 @@ def _resolve_loss_scale(loss_scale, compute_dtype, diloco):
         loss_scale = "dynamic" if compute_dtype == jnp.dtype(jnp.float16) else None
     if loss_scale is None:
         return None
-    if diloco is not None:
-        raise ValueError(f"loss_scale={loss_scale!r} with diloco: DiLoCo's step does not scale the loss; expected "
-                         "compute_dtype bfloat16 or float32 with diloco, or loss_scale=None to train float16 unscaled")
     if loss_scale == "dynamic":
         return step_lib.LossScale()
     return loss_scale if isinstance(loss_scale, step_lib.LossScale) else step_lib.LossScale(float(loss_scale),
@@ -203,6 +200,7 @@ class Trainer:
         double after 2000 finite steps), a number >= 1 (a fixed scale), an `engine.LossScale`, or None. Its state
         rides in the optimizer state (checkpointed, so a resume continues it); each step's scale is the
         `loss_scale` metric. A skipped overflow step is logged, not an error, until the scale reaches its minimum.
+        With diloco every replica keeps, applies and adjusts its own scale.
       restore_checkpoint: which of the workdir's checkpoints the constructor restores: 'latest' (default) or 'best'
         (the one `fit(save_best=...)` kept, under `workdir/best`; with restore_params_only=True only, and such a
         Trainer neither trains nor saves: it would write over the later checkpoints' steps).
@@ -287,7 +285,7 @@ class Trainer:
         self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
         self.zero_stage, self.accumulate = zero_stage, accumulate_grad_batches
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        self._loss_scale = _resolve_loss_scale(loss_scale, self.compute_dtype, diloco)
+        self._loss_scale = _resolve_loss_scale(loss_scale, self.compute_dtype)
         self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
         self._sharding_rules = sharding_rules
         sizes = dict(mesh.shape)
@@ -408,7 +406,7 @@ class Trainer:
             trained_specs, trained_shapes = partition(self._param_specs, mask)[0], partition(shapes, mask)[0]
             plan = self._diloco_plan = diloco_lib.fragment_plan(self.diloco, trained_shapes, trained_specs, sizes)
             init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, partition(p, mask)[0],  # noqa
-                                                       replicas, plan)
+                                                       replicas, plan, self._loss_scale)
             abstract_opt = jax.eval_shape(init_opt, abstract_params)
             replica_specs = jax.tree.map(lambda spec: P("data", *spec), trained_specs, is_leaf=is_spec)
             replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), trained_shapes,
@@ -501,7 +499,8 @@ class Trainer:
             if self._step_kind == "diloco":
                 impl = diloco_lib.diloco_train_step(
                     diloco=self.diloco, replicas=self._diloco_replicas(), plan=self._diloco_plan, mesh=self.mesh,
-                    specs=partition(self._param_specs, self._trainable)[0], sync=sync, **common)
+                    specs=partition(self._param_specs, self._trainable)[0], sync=sync, loss_scale=self._loss_scale,
+                    **common)
             elif self._step_kind == "shard_map":
                 impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
@@ -696,13 +695,16 @@ class Trainer:
         now = time.perf_counter()
         seconds = (now - last_log[0]) / max(1, steps[-1] - last_log[1])
         for step, metrics in zip(steps, host):
-            # Metrics of a DiLoCo step are per replica: the mean (every replica finite) on the host.
+            # Metrics of a DiLoCo step are per replica: the mean (every replica finite) on the host. An overflow is
+            # the loss scale's to handle where every replica that overflowed could still lower its own scale.
+            scaled = self._loss_scale
+            lowered = scaled is not None and scaled.dynamic and bool(np.all(
+                np.atleast_1d(metrics["loss_scale"])[~np.atleast_1d(metrics["finite"])] > scaled.minimum))
             record = {"step": step,
                       **{k: float(np.all(v) if k == "finite" else np.mean(v)) for k, v in metrics.items()}}
             self.history.append(record)
             if not record.pop("finite"):
-                scaled = self._loss_scale
-                if scaled is not None and scaled.dynamic and record["loss_scale"] > scaled.minimum:
+                if lowered:
                     logging.warning("step %d: gradients overflowed at loss scale %g; update skipped, scale lowered",
                                     step, record["loss_scale"])
                     continue
