@@ -381,7 +381,7 @@ def test_int8_gather_and_reduce_scatter_are_exact_on_their_grid_and_bounded_off_
     np.testing.assert_array_equal(scatter(True), scatter(False))
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.slow)])  # 0: both collectives
 def test_int8_data_axis_reductions_are_exact_on_their_grid_and_bounded_off_it(zero_stage):
     """The data-axis reductions with int8 traffic (`Int8.gradients`): ZeRO-1/2's reduce-scatter and ZeRO-0's
     all-reduce (reduce-scatter, then the summed chunks all-gathered as int8) equal the float32 collectives bit for
