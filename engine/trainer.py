@@ -219,8 +219,7 @@ class Trainer:
         or every gradient of two or more dims is reduced as int8: reduce-scatters (over `fsdp`, and ZeRO-1/2's over
         `data`) as int8 chunks by an all-to-all, all-reduces (ZeRO-0's over `data`) as that plus an int8
         all-gather. LLaMA-7B on 1 x 8 x 1 (bf16, plan_memory.py): 46.0 GB sent per device and step, 34.7 with int8
-        weights, 17.7 with both. Not with diloco or
-        context parallelism.
+        weights, 17.7 with both. Not with diloco or context parallelism.
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,

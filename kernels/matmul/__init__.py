@@ -113,8 +113,7 @@ def fused_matmul(x, w, bias=None, *, w_scale=None, activation=None, implementati
 def _rows(cfg, x):
     """x's rows as a Pallas matmul's operand on a mesh (kernels/_partition.py), and the spec of its leading dims:
     [B, T, K] with B over the batch axes and T over `context` when an automatic context axis splits the tokens
-    (x [..., T, K]), else [rows, K] over the batch axes. The weight's columns (and the bias) go over `model`
-    (column parallelism, as auto_shard splits up/gate/fc1). Context-split tokens are not flattened into rows
+    (x [..., T, K]), else [rows, K] over the batch axes. Context-split tokens are not flattened into rows
     outside the kernel: with more than one row per device that reshape is a reshard, and in a scanned LLaMA
     (data 2 x context 2 x model 2, two rows per device) the partitioner's reshard gave wrong gradients (XLA of JAX
     0.10.2 and 0.11.2, CPU; right with one row per device or one layer) — `_on_rows` flattens each block instead."""
@@ -128,7 +127,8 @@ def _rows(cfg, x):
 
 
 def _model_axis(cfg, n):
-    """`'model'` when a Pallas matmul of n output columns is split over it on the ambient mesh, else None."""
+    """`'model'` when a Pallas matmul of n output columns is split over it on the ambient mesh (the weight's
+    columns and the bias: column parallelism, as auto_shard splits up/gate/fc1), else None."""
     return _partition.model_axis(_partition.auto_axes(cfg.implementation), n)
 
 
