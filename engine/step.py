@@ -393,7 +393,7 @@ def _bind(eqn, invals):
     subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
     with eqn.ctx.manager:
         outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    return outs if eqn.primitive.multiple_results else [outs]
+    return list(outs) if eqn.primitive.multiple_results else [outs]  # shard_map's bind returns a FlatTree
 
 
 def _open(values, fn):

@@ -17,7 +17,6 @@ import jax
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
 CONTEXT_AXIS = "context"  # context parallelism: tokens of a row split over it
-STAGE_AXIS = "stage"  # pipeline stages (models/pipeline.py): a kernel runs inside a vmap over them
 
 
 def tracing_mesh(mesh):
@@ -43,12 +42,16 @@ def auto_axes(implementation):
 
 def automatic_axes():
     """{axis name: size} of the ambient mesh's automatic axes larger than 1 ({} outside a mesh)."""
+    return _automatic_axes(include_size_one=False)
+
+
+def _automatic_axes(include_size_one):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return {}
     auto = jax.sharding.AxisType.Auto
     return {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if kind == auto and size > 1}
+            if kind == auto and (size > 1 or include_size_one)}
 
 
 def auto_axis_size(name):
@@ -86,16 +89,19 @@ def model_axis(axes, *sizes):
 def shard(fn, args, in_specs, out_specs, implementation):
     """`fn(*args)`, in a `jax.shard_map` over the axes the specs name (directly when they name none). Pallas outputs
     carry no varying-axes type, hence `check_vma=False`; the backward pass still sums the gradients of inputs that
-    are replicated over an axis (the weights over the batch axes). For a Pallas `implementation` a pipeline's
-    `stage` axis is manual too: inside the pipeline's `vmap(spmd_axis_name='stage')` the batching adds it to the
-    specs of the stacked dim (each stage runs its own block); elsewhere the inputs are the same on every stage.
-    ('xla' is left to the partitioner, like everywhere else.)"""
+    are replicated over an axis (the weights over the batch axes). For a Pallas `implementation` every automatic
+    axis of the ambient mesh is manual, those the specs do not name holding the inputs whole (what the partitioner
+    does around a custom call it cannot split): Mosaic refuses a custom call in a region with any automatic axis
+    ("cannot be automatically partitioned"; every engine mesh has some of size 1), and so do interpret mode's
+    callbacks; a pipeline's `stage` axis is among them, since inside the pipeline's `vmap(spmd_axis_name='stage')`
+    the batching adds it to the specs of the stacked dim (each stage runs its own block). ('xla' is left to the
+    partitioner, like everywhere else.)"""
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
-    if STAGE_AXIS in auto_axes(implementation):
-        named.add(STAGE_AXIS)
+    if implementation != "xla":
+        named.update(_automatic_axes(include_size_one=True))
     if not named:
         return fn(*args)
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=named, check_vma=False)(*args)

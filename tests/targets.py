@@ -16,9 +16,10 @@ def for_gpu(mesh=None):
     return jax.sharding.use_abstract_mesh(abstract.update(abstract_device=H200))
 
 
-def triton_operands_of_train_step(trainer, rows, seq_len):
-    """The operand types of every Triton custom call in `trainer`'s step (an LM batch of `rows` x `seq_len` tokens,
-    its state laid out abstractly, nothing allocated) lowered for cuda on an H200."""
+def kernel_operands_of_train_step(trainer, rows, seq_len, platform="cuda"):
+    """The operand types of every Pallas custom call (Triton for `cuda`, Mosaic for `tpu`) in `trainer`'s step (an
+    LM batch of `rows` x `seq_len` tokens, its state laid out abstractly, nothing allocated) lowered for `platform`
+    (on an H200 for cuda)."""
     import re
 
     import jax.numpy as jnp
@@ -31,7 +32,9 @@ def triton_operands_of_train_step(trainer, rows, seq_len):
     trainer._setup(restore_step=0)
     batch = {k: jax.ShapeDtypeStruct((1, rows, seq_len), jnp.int32) for k in names}
     state = trainer._state
-    with for_gpu(trainer.mesh):
+    target = for_gpu(trainer.mesh) if platform == "cuda" else jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh)
+    with target:
         lowered = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\).*?: \((.*?)\) ->", lowered)
+            lowering_platforms=(platform,)).as_text()
+    call = r"__gpu\$xla\.gpu\.triton" if platform == "cuda" else "tpu_custom_call"
+    return re.findall(rf"custom_call @{call}\(.*?\).*?: \((.*?)\) ->", lowered)

@@ -15,7 +15,7 @@ import engine
 import kernels
 import models
 from engine import text
-from tests.targets import triton_operands_of_train_step
+from tests.targets import for_gpu, kernel_operands_of_train_step
 from tests.test_step import _packed_rows
 
 
@@ -90,12 +90,96 @@ def test_the_compiled_exchange_moves_per_device_blocks_only():
     assert gathered and set(gathered) == {"s32"}, gathered
 
 
-def test_heads_that_do_not_divide_by_context_are_refused():
-    q, k, v, _ = _attention_case(2)
+def _ring_case(heads, kv_heads, q_len, kv_len, dtype=jnp.float32):
+    B, D = 2, 16
+    q, k, v = (_normal(i, (B, n, h, D)).astype(dtype) for i, n, h in ((0, q_len, heads), (1, kv_len, kv_heads),
+                                                                       (2, kv_len, kv_heads)))
+    seg = np.repeat(np.array([[1, 1, 2, 2]]), q_len // 4, axis=1).repeat(B, axis=0)
+    return q, k, v, (jnp.asarray(seg, jnp.int32) if q_len == kv_len else None)
+
+
+@pytest.mark.parametrize("impl, heads, kv_heads, mesh, causal, lengths", [
+    ("xla", 4, 2, dict(data=1, context=8), True, (64, 64)),          # 4 heads per device, context 8
+    ("xla", 2, 2, dict(data=2, context=2, model=2), True, (64, 64)),  # 1 head per model shard, context 2
+    ("xla", 4, 2, dict(data=2, context=4), False, (32, 64)),          # cross attention, 8 queries to 16 keys a block
+    ("triton", 4, 2, dict(data=2, context=4), True, (64, 64)),        # 16 tokens a block: one tile with padding
+    # The TPU interpreter runs a kernel only when every device runs it, so the causal ring's per-device branches
+    # (diagonal, visible, future blocks) deadlock it; non-causal, every device runs the same kernels.
+    pytest.param("mosaic_tpu", 2, 1, dict(data=2, context=4), False, (512, 512), marks=pytest.mark.slow),  # ~30 s
+])
+def test_ring_attention_on_a_context_mesh_equals_the_unsplit_attention(impl, heads, kv_heads, mesh, causal, lengths):
+    """Heads per device that do not divide by context: the k / v blocks go round the ring (`api._ring`)."""
+    q, k, v, seg = _ring_case(heads, kv_heads, *lengths)
+    attend = lambda *a, **o: kernels.flash_attention(*a, causal=causal, segment_ids=seg, **o)  # noqa: E731
+    want = _grads(lambda *a: attend(*a, implementation="xla"), (q, k, v))
+    mesh = engine.make_mesh(**mesh, devices=jax.devices()[:int(np.prod(list(mesh.values())))])
+    spec = NamedSharding(mesh, P("data", "context", "model" if "model" in mesh.shape else None))
+    with jax.set_mesh(mesh):
+        got = _grads(lambda *a: attend(*a, implementation=impl, interpret=impl != "xla"),
+                     [jax.device_put(x, spec) for x in (q, k, v)])
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5, atol=1e-5 * float(jnp.abs(want[0])))
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_ring_attention_in_bfloat16_is_within_its_rounding():
+    """bf16 inputs: each block's partial output and gradients are rounded to bf16 before the float32 merge, so the
+    ring's error against float32 attention is a small multiple of the unsplit kernel's (about 1.6x here)."""
+    q, k, v, seg = _ring_case(4, 2, 64, 64, jnp.bfloat16)
+    attend = lambda *a: kernels.flash_attention(*a, causal=True, segment_ids=seg, implementation="xla")  # noqa: E731
+    want = _grads(attend, [x.astype(jnp.float32) for x in (q, k, v)])
+    unsplit = _grads(attend, (q, k, v))
     mesh = engine.make_mesh(data=1, context=8)
-    message = r"context=8: 4 query heads per device \(4 heads, model=1\); expected a multiple"
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
-        jax.jit(lambda q, k, v: kernels.flash_attention(q[:, :, :4], k, v, implementation="xla")).lower(q, k, v)
+    with jax.set_mesh(mesh):
+        got = _grads(attend, [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (q, k, v)])
+    for g, u, w in zip(got[1], unsplit[1], want[1]):
+        w = np.asarray(w)
+        error = lambda x: float(np.abs(np.asarray(x, np.float32) - w).max() / np.abs(w).max())  # noqa: E731
+        assert error(g) < 2e-2 and error(g) < 3 * error(u), (error(g), error(u))
+
+
+def test_the_compiled_ring_passes_kv_blocks_only():
+    """data 2 x context 4, 2 heads: every collective is a collective-permute of one device's block (1 row, 16 of the
+    64 tokens): k, v and their ids forward, and dk, dv in float32 backward; no all-to-all, no all-gather."""
+    q, k, v, seg = _ring_case(2, 2, 64, 64)
+    mesh = engine.make_mesh(data=2, context=4, devices=jax.devices()[:8])
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    loss = lambda *a: jnp.sum(kernels.flash_attention(*a, causal=True, segment_ids=seg, implementation="xla"))  # noqa
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*placed).compile().as_text()
+    assert "all-to-all(" not in hlo and "all-gather(" not in hlo
+    passed = re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} collective-permute\(", hlo)
+    assert {"f32[1,16,2,16]", "s32[1,16]"} <= set(passed) and all(re.match(r"(f|s)32\[1,16[],]", x) for x in passed), \
+        passed
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_ring_attention_lowers_for_the_accelerators(platform):
+    """A causal 32k-token sequence of 4 heads (bf16, head_dim 128) over context 8: each device's kernels see its
+    4096 queries and one 4096-key block at a time."""
+    impl, custom_call = {"cuda": ("triton", "__gpu$xla.gpu.triton"), "tpu": ("mosaic_tpu", "tpu_custom_call")}[platform]
+    mesh = engine.make_mesh(data=1, context=8)
+    x = jax.ShapeDtypeStruct((1, 32768, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
+    loss = lambda *a: jnp.sum(kernels.flash_attention(*a, causal=True, implementation=impl).astype(jnp.float32))  # noqa
+    with for_gpu(mesh) if platform == "cuda" else jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=(platform,)).as_text()
+    assert "collective_permute" in text and "all_to_all" not in text
+    operands = " ".join(re.findall(rf"custom_call @{re.escape(custom_call)}\(.*?\).*?: \((.*?)\) ->", text))
+    shapes = set(re.findall(r"tensor<1x(\d+)x4x128xbf16>", operands) + re.findall(r"tensor<1x4x(\d+)x128x", operands))
+    assert shapes == {"4096"}, shapes
+
+
+def test_ring_attention_refuses_dropout_and_causal_cross_attention():
+    q, k, v, _ = _ring_case(4, 2, 64, 64)
+    mesh = engine.make_mesh(data=1, context=8)
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"dropout_rate=0.1 on a mesh with context=8 whose 4 query heads per "
+                                             r"device do not divide by it \(ring attention\); expected dropout_rate=0"):
+            jax.jit(lambda *a: kernels.flash_attention(*a, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                                                       implementation="xla")).lower(q, k, v)
+        with pytest.raises(ValueError, match=r"causal=True\) of 32 queries to 64 keys on a mesh with context=8 "
+                                             r"\(ring attention\); expected equal lengths"):
+            jax.jit(lambda *a: kernels.flash_attention(*a, causal=True, implementation="xla")).lower(q[:, :32], k, v)
 
 
 def test_lengths_that_do_not_divide_run_unsplit():
@@ -159,6 +243,17 @@ def test_llama_with_triton_kernels_on_a_context_mesh_has_the_unsplit_gradients()
     _assert_unsplit_gradients(text.lm_loss_fn(model), params, batch, engine.make_mesh(data=2, context=2, model=2))
 
 
+def test_llama_on_a_context_mesh_beyond_its_heads_has_the_unsplit_gradients():
+    """The tiny LLaMA's 4 query heads (2 kv heads) on context 8: 4 tokens per device, attention by ring; loss and
+    every gradient equal those without a mesh."""
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full")
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    tokens = np.random.RandomState(0).randint(0, 120, (2, 33)).astype(np.int32)
+    segments = np.repeat([[1, 2]], 16, axis=1).repeat(2, axis=0).astype(np.int32)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": segments}
+    _assert_unsplit_gradients(text.lm_loss_fn(model), params, batch, engine.make_mesh(data=1, context=8))
+
+
 def test_shard_map_step_refuses_a_context_mesh():
     with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2; expected step='jit'"):
         engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=text.collate_lm, loss_fn=lambda *a: 0.0,
@@ -173,7 +268,7 @@ def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
-    operands = triton_operands_of_train_step(trainer, 2, 32)
+    operands = kernel_operands_of_train_step(trainer, 2, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t) == ["1x32x1x16"] * 3 for t in attention[:1])
     assert all(set(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t)) == {"1x32x1x16"} for t in attention), attention
@@ -187,7 +282,7 @@ def test_train_step_lowered_for_cuda_runs_the_mlp_kernels_on_local_tokens():
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
-    operands = triton_operands_of_train_step(trainer, 4, 32)
+    operands = kernel_operands_of_train_step(trainer, 4, 32)
     assert len(operands) >= 3 and all(t.startswith("tensor<32x64xf32>, ") for t in operands), operands
     assert sum("tensor<64x64xf32>, tensor<64x64xf32>" in t for t in operands) >= 2, operands  # gate and up halves
 

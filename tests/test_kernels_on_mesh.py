@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import engine
 import kernels
-from tests.targets import for_gpu, triton_operands_of_train_step
+from tests.targets import for_gpu, kernel_operands_of_train_step
 
 
 def _mesh():
@@ -99,6 +99,36 @@ def test_lowering_for_cuda_runs_each_kernel_on_local_blocks(op, local, full):
     assert any(local in t for t in operand_types), operand_types
 
 
+@pytest.mark.parametrize("op", list(_cases()))
+def test_lowering_for_tpu_on_an_engine_mesh(op):
+    """Mosaic refuses a custom call in a region with an automatic axis, and every engine mesh has size-1 ones
+    (stage, context): the kernels' shard_map makes them manual, so each kernel lowers for TPU with its local blocks.
+    (Before, none lowered on any engine mesh.)"""
+    fn, inputs = _cases()[op]
+    mesh = _mesh()
+    args = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec)) for x, spec in inputs]
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(lambda *a: jnp.sum(fn(dict(implementation="mosaic_tpu"), *a).astype(jnp.float32)),
+                                argnums=tuple(range(len(args))))).trace(*args).lower(
+            lowering_platforms=("tpu",)).as_text()
+    operands = re.findall(r"custom_call @tpu_custom_call\(.*?\).*?: \((.*?)\) ->", text)
+    assert operands and all(not re.search(r"tensor<4x", t) for t in operands), operands  # 1 of the 4 rows
+
+
+@pytest.mark.parametrize("op", [
+    "fused_matmul",
+    *[pytest.param(op, marks=pytest.mark.slow) for op in ("attention", "gated_mlp", "linear_cross_entropy")],  # 9-18 s
+])
+def test_interpreted_mosaic_kernel_on_a_mesh_equals_the_reference(op):
+    fn, inputs = _cases()[op]
+    mesh = _mesh()
+    want = _value_and_grads(lambda *a: fn(dict(implementation="xla"), *a), [x for x, _ in inputs])
+    with jax.set_mesh(mesh):
+        got = _value_and_grads(lambda *a: fn(dict(implementation="mosaic_tpu", interpret=True), *a),
+                               [_put(mesh, x, spec) for x, spec in inputs])
+    _assert_close(got, want)
+
+
 def test_outside_a_mesh_nothing_changes():
     x, w = _normal(0, (8, 32)), _normal(1, (32, 64))
     with for_gpu():
@@ -121,10 +151,30 @@ def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=text.collate_lm,
                              loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1), step=step)
-    operands = triton_operands_of_train_step(trainer, 4, 32)
+    operands = kernel_operands_of_train_step(trainer, 4, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention
     assert all("64x128x" not in t for t in operands)  # the gate/up weights are never whole
+
+
+@pytest.mark.parametrize("step", ["shard_map", "jit"])
+def test_train_step_lowered_for_tpu_runs_mosaic_kernels(step):
+    """The same LLaMA with Mosaic attention, MLP and fused loss kernels lowers for TPU in both steps (before, the
+    mesh's size-1 automatic axes made every Mosaic kernel refuse), the attention on its row and half the heads
+    (heads-major: [1, 2, T, 16])."""
+    import optax
+
+    import models
+    from engine import text
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="mosaic_tpu",
+                                mlp_implementation="mosaic_tpu")
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=text.collate_lm,
+                             loss_fn=text.lm_loss_fn(model, implementation="mosaic_tpu"), params=params,
+                             optimizer=optax.sgd(0.1), step=step)
+    operands = kernel_operands_of_train_step(trainer, 4, 256, platform="tpu")
+    attention = [t for t in operands if re.search(r"tensor<\d+x\d+x256x16x", t)]
+    assert len(operands) > len(attention) > 0 and all(re.search(r"tensor<1x2x256x16x", t) for t in attention), operands
 
 
 def test_generate_traces_under_the_parameters_mesh(monkeypatch):

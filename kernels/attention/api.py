@@ -136,12 +136,12 @@ def flash_attention(
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
     impl = _implementation(implementation, interpret)
     keys = dropout_keys(dropout_rng, q.shape[0], q.shape[2]) if dropout_rate else None
-    core = functools.partial(_padded_attention, impl=impl, causal=causal, sm_scale=sm_scale, interpret=interpret,
-                             block_sizes=block_sizes, dropout_rate=dropout_rate)
+    settings = dict(impl=impl, causal=causal, sm_scale=sm_scale, interpret=interpret, block_sizes=block_sizes,
+                    dropout_rate=dropout_rate)
     context = _partition.context_size(q.shape[1], k.shape[1])
     if context > 1:
-        return _context_parallel(core, q, k, v, q_ids, kv_ids, keys, context, impl)
-    return core(q, k, v, q_ids, kv_ids, keys)
+        return _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings)
+    return _padded_attention(q, k, v, q_ids, kv_ids, keys, **settings)
 
 
 def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, interpret, block_sizes, dropout_rate):
@@ -153,34 +153,33 @@ def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, i
     return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
 
 
-def _context_parallel(core, q, k, v, q_ids, kv_ids, keys, context, impl):
-    """`core` (the attention) on sequences split over the mesh's `context` axis (DeepSpeed-Ulysses, Jacobs et al.,
-    2023): an all-to-all turns each device's slice of the tokens of its heads into every token of 1/context of those
-    heads, the unchanged attention runs on whole sequences, and the inverse all-to-all returns the output's slice.
-    Causal masks, segment ids (all-gathered: a few ints per token) and dropout (the keys of the device's heads) mean
-    what they mean without the split, so results equal the unsplit attention. The region is manual over the rows'
-    and heads' axes too (each device's block of rows and of `model` heads is its own; partly automatic, the
-    partitioner gathered rows and heads onto every device before each all-to-all), for every implementation.
-    Grouped-query k and v go through the same all-to-all when their heads per device divide by `context`; otherwise
-    they are all-gathered and each device keeps the one kv head its query heads read (k and v are heads / kv_heads
-    times smaller than q)."""
+def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
+    """The attention of `flash_attention` (its `settings`) on sequences split over the mesh's `context` axis, in a
+    shard_map manual over `context` and the rows' and heads' axes (each device's block of rows and of `model` heads
+    is its own; partly automatic, the partitioner gathered rows and heads onto every device before each exchange),
+    for every implementation. Results equal the unsplit attention.
+
+    DeepSpeed-Ulysses (Jacobs et al., 2023) where the heads allow: an all-to-all turns each device's slice of the
+    tokens of its heads into every token of 1/context of those heads, the unchanged attention runs on whole
+    sequences, and the inverse all-to-all returns the output's slice. Causal masks, segment ids (all-gathered: a few
+    ints per token) and dropout (the keys of the device's heads) mean what they mean without the split. Grouped-query
+    k and v go through the same all-to-all when their heads per device divide by `context`; otherwise they are
+    all-gathered and each device keeps the one kv head its query heads read (k and v are heads / kv_heads times
+    smaller than q). Where the heads per device do not divide by `context` (or the kv heads do not fit), ring
+    attention (`_ring`): no condition on heads."""
     B, T, H, D = q.shape
     KVH = k.shape[2]
     auto = {a: n for a, n in _partition.automatic_axes().items() if a != _partition.CONTEXT_AXIS}
     b, m = _partition.batch_axes(auto, B), _partition.model_axis(auto, H, KVH)
     M = auto[m] if m else 1
-    if (H // M) % context:
-        raise ValueError(f"flash_attention on a mesh with context={context}: {H // M} query heads per device "
-                         f"({H} heads, model={M}); expected a multiple of context (each device attends with "
-                         "heads / context of them over the whole sequence)")
+    axis = _partition.CONTEXT_AXIS
+    args, specs, split = _operands(q, k, v, q_ids, kv_ids, keys, b, axis, m)
     hq, G = H // M // context, H // KVH  # query heads per device after the exchange; query heads per kv head
     kv_to_heads = (KVH // M) % context == 0
-    if not kv_to_heads and G % hq:
-        raise ValueError(f"flash_attention on a mesh with context={context}: {KVH} kv heads and {H} query heads "
-                         f"(model={M}) leave {hq} query heads per device that read parts of several kv heads; "
-                         f"expected kv heads per device divisible by context, or a multiple of {hq} query heads "
-                         "per kv head")
-    axis = _partition.CONTEXT_AXIS
+    if (H // M) % context or (not kv_to_heads and G % hq):
+        return _partition.shard(functools.partial(_ring_attention, context=context, has_ids=q_ids is not None,
+                                                  **settings), args, specs, split, settings["impl"])
+    core = functools.partial(_padded_attention, **settings)
     to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731  [b, T/C, h, D] -> [b, T, h/C, D]
 
     def run(q, k, v, *rest):
@@ -197,8 +196,129 @@ def _context_parallel(core, q, k, v, q_ids, kv_ids, keys, context, impl):
         out = core(to_heads(q), k, v, *ids, row_keys)  # [b, T, hq, D]
         return jax.lax.all_to_all(out, axis, 1, 2, tiled=True)
 
-    args, specs, split = _operands(q, k, v, q_ids, kv_ids, keys, b, axis, m)
-    return _partition.shard(run, args, specs, split, impl)
+    return _partition.shard(run, args, specs, split, settings["impl"])
+
+
+def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate):
+    """Ring attention (Liu et al., 2023) on one device's blocks inside `_context_parallel`'s shard_map: q
+    [b, T/C, h, D] stays, the k / v blocks (and their segment ids) pass from device to device round the `context`
+    axis, each device attends its queries to every block and merges the partial results by their log-sum-exps. The
+    padding, plan and kernels are `flash_attention`'s, per block."""
+    if dropout_rate:
+        raise ValueError(f"flash_attention with dropout_rate={dropout_rate} on a mesh with context={context} whose "
+                         f"{q.shape[2]} query heads per device do not divide by it (ring attention); expected "
+                         "dropout_rate=0 or query heads per device divisible by context")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"flash_attention(causal=True) of {q.shape[1] * context} queries to {k.shape[1] * context} "
+                         f"keys on a mesh with context={context} (ring attention); expected equal lengths")
+    T, D = q.shape[1], q.shape[3]
+    q_ids, kv_ids = rest[:2] if has_ids else (None, None)
+    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes)
+    return _ring(q, k, v, q_ids, kv_ids, _RingPlan(plan, context))[:, :T, :, :D]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingPlan:
+    plan: _Plan  # the diagonal block's; the others' is the same without the causal mask
+    context: int
+
+    def block(self, kv_device, c):
+        """(switch index, plans) for the block of kv_device against device c's queries: 0 the diagonal (causal
+        within the block), 1 a block wholly visible, 2 (causal only) a block wholly in the future, skipped."""
+        full = dataclasses.replace(self.plan, causal=False)
+        if not self.plan.causal:
+            return 0, (full,)
+        return jnp.where(kv_device == c, 0, jnp.where(kv_device < c, 1, 2)), (self.plan, full)
+
+    def shift(self, *xs):
+        """Each device's xs passed to the next device round the ring."""
+        C = self.context
+        pairs = [(i, (i + 1) % C) for i in range(C)]
+        return tuple(None if x is None else jax.lax.ppermute(x, _partition.CONTEXT_AXIS, pairs) for x in xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, q_ids, kv_ids, ring):
+    return _ring_fwd(q, k, v, q_ids, kv_ids, ring)[0]
+
+
+def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
+    """Step s attends to the block of device c - s while the next block is already on its way (its send does not
+    depend on the step's work); the merge keeps the output in float32. Residuals: the inputs, the output and the
+    log-sum-exp [b, T, h] over every block."""
+    module = _IMPLEMENTATIONS[ring.plan.implementation]
+    c = jax.lax.axis_index(_partition.CONTEXT_AXIS)
+
+    def attend(s, k, v, kv_ids):
+        index, plans = ring.block((c - s) % ring.context, c)
+
+        def with_plan(plan):
+            def run(k, v, kv_ids):
+                out, lse = module.forward(q, k, v, q_ids, kv_ids, None, plan)
+                lse = module.lse_rows(lse, q.shape)
+                return out.astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
+            return run
+
+        def skipped(k, v, kv_ids):
+            return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+
+        branches = [with_plan(p) for p in plans] + ([skipped] if len(plans) > 1 else [])
+        return jax.lax.switch(index, branches, k, v, kv_ids) if len(branches) > 1 else branches[0](k, v, kv_ids)
+
+    def merge(acc, part):
+        (out, lse), (out_s, lse_s) = acc, part
+        new = jnp.logaddexp(lse, lse_s)
+        base = jnp.where(jnp.isfinite(new), new, 0.0)
+        weight = lambda x: jnp.where(jnp.isfinite(x), jnp.exp(x - base), 0.0)[..., None]  # noqa: E731
+        return weight(lse) * out + weight(lse_s) * out_s, new
+
+    def step(s, carry):
+        block, acc = carry
+        return ring.shift(*block), merge(acc, attend(s, *block))
+
+    own = (k, v, kv_ids)
+    block, acc = jax.lax.fori_loop(1, ring.context - 1, step, (ring.shift(*own), attend(0, *own)))
+    out, lse = merge(acc, attend(ring.context - 1, *block))
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _ring_bwd(ring, residuals, do):
+    """Step s differentiates device c - s's block with the global output and log-sum-exp (the FlashAttention
+    backward of one block needs nothing else); dk and dv of a block travel with it in float32, gathering every
+    device's part, and a last pass brings them home. The next block's send does not wait for the step's work."""
+    q, k, v, q_ids, kv_ids, out, lse = residuals
+    module = _IMPLEMENTATIONS[ring.plan.implementation]
+    c = jax.lax.axis_index(_partition.CONTEXT_AXIS)
+    lse = module.lse_from_rows(jnp.where(lse == -jnp.inf, jnp.inf, lse), k.shape[2])
+    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
+
+    def grads(s, k, v, kv_ids):
+        index, plans = ring.block((c - s) % ring.context, c)
+        branches = [lambda k, v, kv_ids, plan=plan: f32(*module.backward(q, k, v, q_ids, kv_ids, None, out, lse, do,
+                                                                         plan))
+                    for plan in plans]
+        if len(plans) > 1:
+            branches.append(lambda k, v, kv_ids: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+                                                  jnp.zeros(v.shape, jnp.float32)))
+        return jax.lax.switch(index, branches, k, v, kv_ids) if len(branches) > 1 else branches[0](k, v, kv_ids)
+
+    def step(s, carry):
+        block, (dk, dv), dq = carry
+        ahead = ring.shift(*block)
+        gq, gk, gv = grads(s, *block)
+        return ahead, ring.shift(dk + gk, dv + gv), dq + gq
+
+    own = (k, v, kv_ids)
+    dq, dk, dv = grads(0, *own)
+    carry = (ring.shift(*own), ring.shift(dk, dv), dq)
+    block, (dk, dv), dq = jax.lax.fori_loop(1, ring.context - 1, step, carry)
+    gq, gk, gv = grads(ring.context - 1, *block)
+    dk, dv = ring.shift(dk + gk, dv + gv)
+    return (dq + gq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _implementation(implementation, interpret):

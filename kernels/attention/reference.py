@@ -210,6 +210,12 @@ def lse_rows(lse, shape):
     return jnp.swapaxes(lse.reshape(B, H, T), 1, 2)
 
 
+def lse_from_rows(rows, kv_heads):
+    """`lse_rows`' inverse: [B, T, H] natural log (+inf where a query sees no key) as `backward` reads it."""
+    B, T, H = rows.shape
+    return jnp.swapaxes(rows, 1, 2).reshape(B, kv_heads, H // kv_heads, T)
+
+
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     """Returns (dq, dk, dv) by recomputing each kv block's probabilities from the saved lse.
 

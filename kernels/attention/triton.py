@@ -259,6 +259,12 @@ def lse_rows(lse, shape):
     return jnp.swapaxes(lse, 1, 2) * _LN2
 
 
+def lse_from_rows(rows, kv_heads):
+    """`lse_rows`' inverse: [B, T, H] natural log (+inf where a query sees no key) as `backward` reads it."""
+    del kv_heads
+    return jnp.swapaxes(rows, 1, 2) / _LN2
+
+
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
