@@ -102,13 +102,15 @@ def _ring_case(heads, kv_heads, q_len, kv_len, dtype=jnp.float32):
     ("xla", 4, 2, dict(data=1, context=8), True, (64, 64)),          # 4 heads per device, context 8
     ("xla", 2, 2, dict(data=2, context=2, model=2), True, (64, 64)),  # 1 head per model shard, context 2
     ("xla", 4, 2, dict(data=2, context=4), False, (32, 64)),          # cross attention, 8 queries to 16 keys a block
+    ("xla", 4, 2, dict(data=1, context=8), True, (72, 72)),           # 9 tokens a device: the contiguous causal ring
     ("triton", 4, 2, dict(data=2, context=4), True, (64, 64)),        # 16 tokens a block: one tile with padding
     # The TPU interpreter runs a kernel only when every device runs it, so the causal ring's per-device branches
     # (diagonal, visible, future blocks) deadlock it; non-causal, every device runs the same kernels.
     pytest.param("mosaic_tpu", 2, 1, dict(data=2, context=4), False, (512, 512), marks=pytest.mark.slow),  # ~30 s
 ])
 def test_ring_attention_on_a_context_mesh_equals_the_unsplit_attention(impl, heads, kv_heads, mesh, causal, lengths):
-    """Heads per device that do not divide by context: the k / v blocks go round the ring (`api._ring`)."""
+    """Heads per device that do not divide by context: the k / v blocks go round the ring (`api._ring`); causal with
+    an even number of tokens per device in the zigzag layout."""
     q, k, v, seg = _ring_case(heads, kv_heads, *lengths)
     attend = lambda *a, **o: kernels.flash_attention(*a, causal=causal, segment_ids=seg, **o)  # noqa: E731
     want = _grads(lambda *a: attend(*a, implementation="xla"), (q, k, v))
@@ -139,8 +141,9 @@ def test_ring_attention_in_bfloat16_is_within_its_rounding():
 
 
 def test_the_compiled_ring_passes_kv_blocks_only():
-    """data 2 x context 4, 2 heads: every collective is a collective-permute of one device's block (1 row, 16 of the
-    64 tokens): k, v and their ids forward, and dk, dv in float32 backward; no all-to-all, no all-gather."""
+    """data 2 x context 4, 2 heads, causal: every collective is a collective-permute of one device's block (1 row, 16
+    of the 64 tokens: k, v and their ids forward, dk, dv in float32 backward) or of a half-block (8 tokens: the
+    zigzag layout's exchange of q, k, v, ids and the output); no all-to-all, no all-gather."""
     q, k, v, seg = _ring_case(2, 2, 64, 64)
     mesh = engine.make_mesh(data=2, context=4, devices=jax.devices()[:8])
     placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
@@ -148,15 +151,32 @@ def test_the_compiled_ring_passes_kv_blocks_only():
     with jax.set_mesh(mesh):
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*placed).compile().as_text()
     assert "all-to-all(" not in hlo and "all-gather(" not in hlo
-    passed = re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} collective-permute\(", hlo)
-    assert {"f32[1,16,2,16]", "s32[1,16]"} <= set(passed) and all(re.match(r"(f|s)32\[1,16[],]", x) for x in passed), \
-        passed
+    passed = set(re.findall(r"= (\w+\[[\d,]*\])\{[^}]*\} collective-permute\(", hlo))
+    assert {"f32[1,16,2,16]", "f32[1,8,2,16]", "s32[1,16]"} <= passed, passed
+    assert passed <= {"f32[1,16,2,16]", "f32[1,8,2,16]", "s32[1,16]", "s32[1,8]"}, passed
+
+
+def test_the_zigzag_layout_gives_device_c_half_blocks_c_and_its_mirror():
+    """Causal ring attention's layout (`api._RingPlan.to_zigzag`) on context 4: device c holds half-blocks c and
+    7 - c of the sequence (so every device's causal work is the same), and `from_zigzag` restores the order."""
+    from kernels.attention.api import _RingPlan
+    ring = _RingPlan("xla", True, None, False, None, 4, True)
+    mesh = engine.make_mesh(data=2, context=4)
+    tokens = jnp.arange(2 * 32).reshape(2, 32)  # half-blocks of 4 tokens: token t is in half-block t // 4
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, "context"),  # noqa: E731
+                                          out_specs=P(None, "context")))(tokens)
+    half_blocks = np.asarray(run(ring.to_zigzag))[0].reshape(4, 2, 4) // 4  # [device, slot, token]
+    np.testing.assert_array_equal(half_blocks[:, 0, 0], [0, 1, 2, 3])
+    np.testing.assert_array_equal(half_blocks[:, 1, 0], [7, 6, 5, 4])
+    assert (half_blocks == half_blocks[..., :1]).all()
+    np.testing.assert_array_equal(run(lambda x: ring.from_zigzag(ring.to_zigzag(x))), tokens)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_ring_attention_lowers_for_the_accelerators(platform):
     """A causal 32k-token sequence of 4 heads (bf16, head_dim 128) over context 8: each device's kernels see its
-    4096 queries and one 4096-key block at a time."""
+    4096 queries with its own 4096 keys, or (zigzag) all its queries with half of another device's keys or half of
+    its queries with all of them: operands of 4096 and 2048 tokens, never more."""
     impl, custom_call = {"cuda": ("triton", "__gpu$xla.gpu.triton"), "tpu": ("mosaic_tpu", "tpu_custom_call")}[platform]
     mesh = engine.make_mesh(data=1, context=8)
     x = jax.ShapeDtypeStruct((1, 32768, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "context")))
@@ -166,7 +186,7 @@ def test_ring_attention_lowers_for_the_accelerators(platform):
     assert "collective_permute" in text and "all_to_all" not in text
     operands = " ".join(re.findall(rf"custom_call @{re.escape(custom_call)}\(.*?\).*?: \((.*?)\) ->", text))
     shapes = set(re.findall(r"tensor<1x(\d+)x4x128xbf16>", operands) + re.findall(r"tensor<1x4x(\d+)x128x", operands))
-    assert shapes == {"4096"}, shapes
+    assert shapes == {"4096", "2048"}, shapes
 
 
 def test_ring_attention_refuses_dropout_and_causal_cross_attention():

@@ -202,8 +202,15 @@ def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
 def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate):
     """Ring attention (Liu et al., 2023) on one device's blocks inside `_context_parallel`'s shard_map: q
     [b, T/C, h, D] stays, the k / v blocks (and their segment ids) pass from device to device round the `context`
-    axis, each device attends its queries to every block and merges the partial results by their log-sum-exps. The
-    padding, plan and kernels are `flash_attention`'s, per block."""
+    axis, each device attends its queries to every block and merges the partial results by their log-sum-exps.
+
+    Causal with an even number of tokens per device: the zigzag layout (as in Llama 3's context parallelism) so that
+    every device does the same work at every step. The tokens are cut into 2C half-blocks and device c attends with
+    half-blocks c and 2C - 1 - c (two collective-permutes there, two back for the output): its own pair is causal
+    within (the local causal mask is exactly right for [c, 2C - 1 - c]), an earlier device's pair is seen through
+    its first half by all of c's queries, a later device's pair wholly by c's second half, half a block of work
+    either way. In the contiguous layout (odd tokens per device) device c computes c + 1 of the C blocks and skips
+    the rest."""
     if dropout_rate:
         raise ValueError(f"flash_attention with dropout_rate={dropout_rate} on a mesh with context={context} whose "
                          f"{q.shape[2]} query heads per device do not divide by it (ring attention); expected "
@@ -211,30 +218,89 @@ def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, in
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"flash_attention(causal=True) of {q.shape[1] * context} queries to {k.shape[1] * context} "
                          f"keys on a mesh with context={context} (ring attention); expected equal lengths")
-    T, D = q.shape[1], q.shape[3]
     q_ids, kv_ids = rest[:2] if has_ids else (None, None)
-    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes)
-    return _ring(q, k, v, q_ids, kv_ids, _RingPlan(plan, context))[:, :T, :, :D]
+    ring = _RingPlan(impl, causal, sm_scale, interpret, block_sizes, context, causal and q.shape[1] % 2 == 0)
+    if not ring.zigzag:
+        return _ring(q, k, v, q_ids, kv_ids, ring)
+    out = _ring(*(None if x is None else ring.to_zigzag(x) for x in (q, k, v, q_ids, kv_ids)), ring)
+    return ring.from_zigzag(out)
 
 
 @dataclasses.dataclass(frozen=True)
 class _RingPlan:
-    plan: _Plan  # the diagonal block's; the others' is the same without the causal mask
+    implementation: str
+    causal: bool
+    sm_scale: float | None
+    interpret: bool
+    block_sizes: BlockSizes | None
     context: int
-
-    def block(self, kv_device, c):
-        """(switch index, plans) for the block of kv_device against device c's queries: 0 the diagonal (causal
-        within the block), 1 a block wholly visible, 2 (causal only) a block wholly in the future, skipped."""
-        full = dataclasses.replace(self.plan, causal=False)
-        if not self.plan.causal:
-            return 0, (full,)
-        return jnp.where(kv_device == c, 0, jnp.where(kv_device < c, 1, 2)), (self.plan, full)
+    zigzag: bool
 
     def shift(self, *xs):
         """Each device's xs passed to the next device round the ring."""
         C = self.context
         pairs = [(i, (i + 1) % C) for i in range(C)]
         return tuple(None if x is None else jax.lax.ppermute(x, _partition.CONTEXT_AXIS, pairs) for x in xs)
+
+    def _zigzag_moves(self):
+        """Where the contiguous layout's half-blocks 2d and 2d + 1 of device d go: half-block j belongs to device j
+        (slot 0) for j < C, else to device 2C - 1 - j (slot 1). Each list is a permutation of the devices, and an
+        even device receives its slot 0 from the first, an odd one from the second."""
+        C = self.context
+        owner = lambda j: j if j < C else 2 * C - 1 - j  # noqa: E731
+        return [(d, owner(2 * d)) for d in range(C)], [(d, owner(2 * d + 1)) for d in range(C)]
+
+    def to_zigzag(self, x):
+        """x [b, n, ...] in the contiguous layout -> device c's half-blocks c and 2C - 1 - c."""
+        h = x.shape[1] // 2
+        first, second = self._zigzag_moves()
+        a = jax.lax.ppermute(x[:, :h], _partition.CONTEXT_AXIS, first)
+        b = jax.lax.ppermute(x[:, h:], _partition.CONTEXT_AXIS, second)
+        even = jax.lax.axis_index(_partition.CONTEXT_AXIS) % 2 == 0
+        return jnp.concatenate([jnp.where(even, a, b), jnp.where(even, b, a)], axis=1)
+
+    def from_zigzag(self, y):
+        """`to_zigzag`'s inverse."""
+        h = y.shape[1] // 2
+        first, second = self._zigzag_moves()
+        even = jax.lax.axis_index(_partition.CONTEXT_AXIS) % 2 == 0
+        a = jnp.where(even, y[:, :h], y[:, h:])
+        b = jnp.where(even, y[:, h:], y[:, :h])
+        back = lambda x, moves: jax.lax.ppermute(x, _partition.CONTEXT_AXIS, [(j, i) for i, j in moves])  # noqa
+        return jnp.concatenate([back(a, first), back(b, second)], axis=1)
+
+    def _prepared(self, q, k, v, q_ids, kv_ids, causal):
+        return _prepared(q, k, v, q_ids, kv_ids, self.implementation, causal, self.sm_scale, self.interpret,
+                         self.block_sizes)
+
+    def forward(self, q, k, v, q_ids, kv_ids, causal):
+        """(out [b, T, h, D] float32, lse [b, T, h], -inf where a query sees no key) of one block pair."""
+        T, D = q.shape[1], q.shape[3]
+        module = _IMPLEMENTATIONS[self.implementation]
+        qp, kp, vp, qi, ki, plan = self._prepared(q, k, v, q_ids, kv_ids, causal)
+        out, lse = module.forward(qp, kp, vp, qi, ki, None, plan)
+        lse = module.lse_rows(lse, qp.shape)[:, :T]
+        return out[:, :T, :, :D].astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+    def backward(self, q, k, v, q_ids, kv_ids, out, lse, do, causal):
+        """float32 (dq, dk, dv) of one block pair, given the global output and lse rows of its queries."""
+        T, S, D = q.shape[1], k.shape[1], q.shape[3]
+        module = _IMPLEMENTATIONS[self.implementation]
+        qp, kp, vp, qi, ki, plan = self._prepared(q, k, v, q_ids, kv_ids, causal)
+        like_q = lambda x: _pad(_pad(x, 1, qp.shape[1]), 3, qp.shape[3])  # noqa: E731
+        lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # padded queries too: +inf makes every p 0
+        lse = jnp.pad(lse, ((0, 0), (0, qp.shape[1] - T), (0, 0)), constant_values=jnp.inf)
+        grads = module.backward(qp, kp, vp, qi, ki, None, like_q(out), module.lse_from_rows(lse, k.shape[2]),
+                                like_q(do), plan)
+        dq, dk, dv = (g[:, :n, :, :D].astype(jnp.float32) for g, n in zip(grads, (T, S, S)))
+        return dq, dk, dv
+
+    def step_kind(self, s):
+        """Which pair device c meets at step s (the block of device c - s): 0 its own, 1 an earlier device's, 2 a
+        later one's (causal only; without causal every pair is 1)."""
+        c = jax.lax.axis_index(_partition.CONTEXT_AXIS)
+        src = (c - s) % self.context
+        return jnp.where(src == c, 0, jnp.where(src < c, 1, 2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -246,24 +312,26 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
     """Step s attends to the block of device c - s while the next block is already on its way (its send does not
     depend on the step's work); the merge keeps the output in float32. Residuals: the inputs, the output and the
     log-sum-exp [b, T, h] over every block."""
-    module = _IMPLEMENTATIONS[ring.plan.implementation]
-    c = jax.lax.axis_index(_partition.CONTEXT_AXIS)
+    T = q.shape[1]
 
     def attend(s, k, v, kv_ids):
-        index, plans = ring.block((c - s) % ring.context, c)
+        if not ring.causal:
+            return ring.forward(q, k, v, q_ids, kv_ids, False)
+        own = lambda k, v, ids: ring.forward(q, k, v, q_ids, ids, True)  # noqa: E731
+        if ring.zigzag:
+            def earlier(k, v, ids):  # every query, the pair's first half
+                h = k.shape[1] // 2
+                return ring.forward(q, k[:, :h], v[:, :h], q_ids, None if ids is None else ids[:, :h], False)
 
-        def with_plan(plan):
-            def run(k, v, kv_ids):
-                out, lse = module.forward(q, k, v, q_ids, kv_ids, None, plan)
-                lse = module.lse_rows(lse, q.shape)
-                return out.astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
-            return run
-
-        def skipped(k, v, kv_ids):
-            return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-
-        branches = [with_plan(p) for p in plans] + ([skipped] if len(plans) > 1 else [])
-        return jax.lax.switch(index, branches, k, v, kv_ids) if len(branches) > 1 else branches[0](k, v, kv_ids)
+            def later(k, v, ids):  # the second half of the queries, the whole pair; the first half sees nothing
+                out, lse = ring.forward(q[:, T // 2:], k, v, None if q_ids is None else q_ids[:, T // 2:], ids, False)
+                return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
+                        jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
+        else:
+            earlier = lambda k, v, ids: ring.forward(q, k, v, q_ids, ids, False)  # noqa: E731
+            later = lambda k, v, ids: (jnp.zeros(q.shape, jnp.float32),  # noqa: E731
+                                       jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
+        return jax.lax.switch(ring.step_kind(s), [own, earlier, later], k, v, kv_ids)
 
     def merge(acc, part):
         (out, lse), (out_s, lse_s) = acc, part
@@ -288,20 +356,30 @@ def _ring_bwd(ring, residuals, do):
     backward of one block needs nothing else); dk and dv of a block travel with it in float32, gathering every
     device's part, and a last pass brings them home. The next block's send does not wait for the step's work."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
-    module = _IMPLEMENTATIONS[ring.plan.implementation]
-    c = jax.lax.axis_index(_partition.CONTEXT_AXIS)
-    lse = module.lse_from_rows(jnp.where(lse == -jnp.inf, jnp.inf, lse), k.shape[2])
-    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
+    T = q.shape[1]
 
     def grads(s, k, v, kv_ids):
-        index, plans = ring.block((c - s) % ring.context, c)
-        branches = [lambda k, v, kv_ids, plan=plan: f32(*module.backward(q, k, v, q_ids, kv_ids, None, out, lse, do,
-                                                                         plan))
-                    for plan in plans]
-        if len(plans) > 1:
-            branches.append(lambda k, v, kv_ids: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-                                                  jnp.zeros(v.shape, jnp.float32)))
-        return jax.lax.switch(index, branches, k, v, kv_ids) if len(branches) > 1 else branches[0](k, v, kv_ids)
+        full = lambda k, v, ids, causal=False: ring.backward(q, k, v, q_ids, ids, out, lse, do, causal)  # noqa: E731
+        if not ring.causal:
+            return full(k, v, kv_ids)
+        own = functools.partial(full, causal=True)
+        if ring.zigzag:
+            def earlier(k, v, ids):
+                h = k.shape[1] // 2
+                dq, dk, dv = ring.backward(q, k[:, :h], v[:, :h], q_ids, None if ids is None else ids[:, :h], out,
+                                           lse, do, False)
+                return dq, _pad(dk, 1, k.shape[1]), _pad(dv, 1, k.shape[1])
+
+            def later(k, v, ids):
+                second = lambda x: None if x is None else x[:, T // 2:]  # noqa: E731
+                dq, dk, dv = ring.backward(second(q), k, v, second(q_ids), ids, second(out), second(lse), second(do),
+                                           False)
+                return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+        else:
+            earlier = full
+            later = lambda k, v, ids: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),  # noqa
+                                       jnp.zeros(v.shape, jnp.float32))
+        return jax.lax.switch(ring.step_kind(s), [own, earlier, later], k, v, kv_ids)
 
     def step(s, carry):
         block, (dk, dv), dq = carry
