@@ -297,10 +297,40 @@ class _RingPlan:
 
     def step_kind(self, s):
         """Which pair device c meets at step s (the block of device c - s): 0 its own, 1 an earlier device's, 2 a
-        later one's (causal only; without causal every pair is 1)."""
+        later one's (causal only; without causal every pair is 0)."""
         c = jax.lax.axis_index(_partition.CONTEXT_AXIS)
         src = (c - s) % self.context
         return jnp.where(src == c, 0, jnp.where(src < c, 1, 2))
+
+    def pairs(self, T, S):
+        """Per `step_kind`: (query slice, key slice, causal) of what device c's T queries attend of a pair of S keys,
+        or None for nothing."""
+        every = slice(None)
+        if not self.causal:
+            return [(every, every, False)]
+        if self.zigzag:  # an earlier pair through its first half, a later one by the second half of the queries
+            return [(every, every, True), (every, slice(0, S // 2), False), (slice(T // 2, None), every, False)]
+        return [(every, every, True), (every, every, False), None]
+
+    def on_pairs(self, s, fn, queries, k, v, kv_ids):
+        """`fn(pair, k, v, kv_ids)` for the kind of pair met at step s by `queries` queries, a `lax.switch` when
+        there are several."""
+        branches = [functools.partial(fn, pair) for pair in self.pairs(queries, k.shape[1])]
+        if len(branches) == 1:
+            return branches[0](k, v, kv_ids)
+        return jax.lax.switch(self.step_kind(s), branches, k, v, kv_ids)
+
+
+def _rows(x, part):
+    return None if x is None else x[:, part]
+
+
+def _into(x, part, n, fill=0.0):
+    """x, the rows `part` of n along axis 1, with the other rows `fill`."""
+    start = part.start or 0
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (start, n - start - x.shape[1])
+    return jnp.pad(x, widths, constant_values=fill)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -314,24 +344,12 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
     log-sum-exp [b, T, h] over every block."""
     T = q.shape[1]
 
-    def attend(s, k, v, kv_ids):
-        if not ring.causal:
-            return ring.forward(q, k, v, q_ids, kv_ids, False)
-        own = lambda k, v, ids: ring.forward(q, k, v, q_ids, ids, True)  # noqa: E731
-        if ring.zigzag:
-            def earlier(k, v, ids):  # every query, the pair's first half
-                h = k.shape[1] // 2
-                return ring.forward(q, k[:, :h], v[:, :h], q_ids, None if ids is None else ids[:, :h], False)
-
-            def later(k, v, ids):  # the second half of the queries, the whole pair; the first half sees nothing
-                out, lse = ring.forward(q[:, T // 2:], k, v, None if q_ids is None else q_ids[:, T // 2:], ids, False)
-                return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
-                        jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
-        else:
-            earlier = lambda k, v, ids: ring.forward(q, k, v, q_ids, ids, False)  # noqa: E731
-            later = lambda k, v, ids: (jnp.zeros(q.shape, jnp.float32),  # noqa: E731
-                                       jnp.full(q.shape[:3], -jnp.inf, jnp.float32))
-        return jax.lax.switch(ring.step_kind(s), [own, earlier, later], k, v, kv_ids)
+    def attend(pair, k, v, kv_ids):
+        if pair is None:
+            return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        qs, ks, causal = pair
+        out, lse = ring.forward(q[:, qs], k[:, ks], v[:, ks], _rows(q_ids, qs), _rows(kv_ids, ks), causal)
+        return _into(out, qs, T), _into(lse, qs, T, -jnp.inf)
 
     def merge(acc, part):
         (out, lse), (out_s, lse_s) = acc, part
@@ -342,11 +360,11 @@ def _ring_fwd(q, k, v, q_ids, kv_ids, ring):
 
     def step(s, carry):
         block, acc = carry
-        return ring.shift(*block), merge(acc, attend(s, *block))
+        return ring.shift(*block), merge(acc, ring.on_pairs(s, attend, T, *block))
 
     own = (k, v, kv_ids)
-    block, acc = jax.lax.fori_loop(1, ring.context - 1, step, (ring.shift(*own), attend(0, *own)))
-    out, lse = merge(acc, attend(ring.context - 1, *block))
+    block, acc = jax.lax.fori_loop(1, ring.context - 1, step, (ring.shift(*own), ring.on_pairs(0, attend, T, *own)))
+    out, lse = merge(acc, ring.on_pairs(ring.context - 1, attend, T, *block))
     out = out.astype(q.dtype)
     return out, (q, k, v, q_ids, kv_ids, out, lse)
 
@@ -358,40 +376,25 @@ def _ring_bwd(ring, residuals, do):
     q, k, v, q_ids, kv_ids, out, lse = residuals
     T = q.shape[1]
 
-    def grads(s, k, v, kv_ids):
-        full = lambda k, v, ids, causal=False: ring.backward(q, k, v, q_ids, ids, out, lse, do, causal)  # noqa: E731
-        if not ring.causal:
-            return full(k, v, kv_ids)
-        own = functools.partial(full, causal=True)
-        if ring.zigzag:
-            def earlier(k, v, ids):
-                h = k.shape[1] // 2
-                dq, dk, dv = ring.backward(q, k[:, :h], v[:, :h], q_ids, None if ids is None else ids[:, :h], out,
-                                           lse, do, False)
-                return dq, _pad(dk, 1, k.shape[1]), _pad(dv, 1, k.shape[1])
-
-            def later(k, v, ids):
-                second = lambda x: None if x is None else x[:, T // 2:]  # noqa: E731
-                dq, dk, dv = ring.backward(second(q), k, v, second(q_ids), ids, second(out), second(lse), second(do),
-                                           False)
-                return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
-        else:
-            earlier = full
-            later = lambda k, v, ids: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),  # noqa
-                                       jnp.zeros(v.shape, jnp.float32))
-        return jax.lax.switch(ring.step_kind(s), [own, earlier, later], k, v, kv_ids)
+    def grads(pair, k, v, kv_ids):
+        if pair is None:
+            return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+        qs, ks, causal = pair
+        dq, dk, dv = ring.backward(q[:, qs], k[:, ks], v[:, ks], _rows(q_ids, qs), _rows(kv_ids, ks), out[:, qs],
+                                   lse[:, qs], do[:, qs], causal)
+        return _into(dq, qs, T), _into(dk, ks, k.shape[1]), _into(dv, ks, k.shape[1])
 
     def step(s, carry):
         block, (dk, dv), dq = carry
         ahead = ring.shift(*block)
-        gq, gk, gv = grads(s, *block)
+        gq, gk, gv = ring.on_pairs(s, grads, T, *block)
         return ahead, ring.shift(dk + gk, dv + gv), dq + gq
 
     own = (k, v, kv_ids)
-    dq, dk, dv = grads(0, *own)
+    dq, dk, dv = ring.on_pairs(0, grads, T, *own)
     carry = (ring.shift(*own), ring.shift(dk, dv), dq)
     block, (dk, dv), dq = jax.lax.fori_loop(1, ring.context - 1, step, carry)
-    gq, gk, gv = grads(ring.context - 1, *block)
+    gq, gk, gv = ring.on_pairs(ring.context - 1, grads, T, *block)
     dk, dv = ring.shift(dk + gk, dv + gv)
     return (dq + gq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
