@@ -275,12 +275,9 @@ class _RingPlan:
 
     def forward(self, q, k, v, q_ids, kv_ids, causal):
         """(out [b, T, h, D] float32, lse [b, T, h], -inf where a query sees no key) of one block pair."""
-        T, D = q.shape[1], q.shape[3]
-        module = _IMPLEMENTATIONS[self.implementation]
-        qp, kp, vp, qi, ki, plan = self._prepared(q, k, v, q_ids, kv_ids, causal)
-        out, lse = module.forward(qp, kp, vp, qi, ki, None, plan)
-        lse = module.lse_rows(lse, qp.shape)[:, :T]
-        return out[:, :T, :, :D].astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
+        out, lse = _forward_with_lse(q, k, v, q_ids, kv_ids, self.implementation, self.sm_scale, self.interpret,
+                                     self.block_sizes, causal=causal)
+        return out.astype(jnp.float32), lse
 
     def backward(self, q, k, v, q_ids, kv_ids, out, lse, do, causal):
         """float32 (dq, dk, dv) of one block pair, given the global output and lse rows of its queries."""
@@ -516,11 +513,11 @@ def _decode_splits(impl, programs, kv_len):
     return splits
 
 
-def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes, kv_scales=None):
+def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes, kv_scales=None, causal=False):
     """(out [B, T, H, D], lse [B, T, H] float32, natural log, -inf where a query sees no key) of the forward kernel,
     on the ambient mesh's rows and heads like `flash_attention`; kv_scales: an int8 k and v's (k_scale, v_scale)."""
     B, T, H, D = q.shape
-    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, False, sm_scale, interpret, block_sizes)
+    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes)
     module = _IMPLEMENTATIONS[impl]
     scales = () if kv_scales is None else tuple(_pad(s, 1, k.shape[1]) for s in kv_scales)
 
