@@ -17,6 +17,7 @@ import jax
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
 CONTEXT_AXIS = "context"  # context parallelism: tokens of a row split over it
+STAGE_AXIS = "stage"  # pipeline parallelism: a vmap over stages adds it to the specs of a shard_map inside
 
 
 def tracing_mesh(mesh):
@@ -93,15 +94,21 @@ def shard(fn, args, in_specs, out_specs, implementation):
     axis of the ambient mesh is manual, those the specs do not name holding the inputs whole (what the partitioner
     does around a custom call it cannot split): Mosaic refuses a custom call in a region with any automatic axis
     ("cannot be automatically partitioned"; every engine mesh has some of size 1), and so do interpret mode's
-    callbacks; a pipeline's `stage` axis is among them, since inside the pipeline's `vmap(spmd_axis_name='stage')`
-    the batching adds it to the specs of the stacked dim (each stage runs its own block). ('xla' is left to the
-    partitioner, like everywhere else.)"""
+    callbacks. A pipeline's `stage` axis is manual for every implementation ('xla' too, whose only shard_map is
+    context parallelism's), since inside the pipeline's `vmap(spmd_axis_name='stage')` the batching adds it to the
+    specs of the stacked dim (each stage runs its own block). Otherwise 'xla' is left to the partitioner, like
+    everywhere else."""
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
+    if not named and implementation == "xla":
+        return fn(*args)
+    automatic = _automatic_axes(include_size_one=True)
     if implementation != "xla":
-        named.update(_automatic_axes(include_size_one=True))
+        named.update(automatic)
+    elif STAGE_AXIS in automatic:  # 'xla' context parallelism inside a pipeline
+        named.add(STAGE_AXIS)
     if not named:
         return fn(*args)
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=named, check_vma=False)(*args)

@@ -61,6 +61,14 @@ def _on_mesh(loss, params, ids, mesh):
     pytest.param("llama", dict(stage=2, data=2, model=2), dict(
         remat="full", pipeline_microbatches=2, attention_implementation="triton", mlp_implementation="triton",
         kernel_interpret=True), marks=pytest.mark.slow),
+    # Context parallelism inside the stages: Ulysses (4 heads over context 2), the zigzag ring (1 head per model
+    # shard), interpreted Triton kernels; the exchange's shard_map takes `stage` as a manual axis ('xla' too).
+    ("llama", dict(stage=2, context=2, data=2), dict(remat="full", pipeline_microbatches=2)),
+    pytest.param("llama", dict(stage=2, context=2, model=2), dict(remat="full", pipeline_microbatches=2, num_heads=2),
+                 marks=pytest.mark.slow),
+    pytest.param("llama", dict(stage=2, context=2, data=2), dict(
+        remat="full", pipeline_microbatches=2, attention_implementation="triton", mlp_implementation="triton",
+        kernel_interpret=True), marks=pytest.mark.slow),
 ])
 def test_pipelined_stack_equals_the_plain_one(family, mesh, options):
     model = _model(family, **options)
@@ -104,6 +112,7 @@ def test_stacked_layers_split_over_stage_and_only_activations_move():
     # Streaming: the stacked layers are cut into 2 parts along the stage-split layer dim (4 layers = 2 stages x 2
     # parts), as without the pipeline.
     pytest.param(dict(stage=2, data=2, model=2), dict(diloco="streaming"), marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, context=2), dict(step="jit"), marks=pytest.mark.slow),
 ])
 def test_trainer_on_a_pipeline_trains_like_without(mesh, kwargs):
     model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2)
