@@ -104,10 +104,9 @@ def shard(fn, args, in_specs, out_specs, implementation):
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
     if not named and implementation == "xla":
         return fn(*args)
-    automatic = _automatic_axes(include_size_one=True)
     if implementation != "xla":
-        named.update(automatic)
-    elif STAGE_AXIS in automatic:  # 'xla' context parallelism inside a pipeline
+        named.update(_automatic_axes(include_size_one=True))
+    elif STAGE_AXIS in automatic_axes():  # 'xla' context parallelism inside a pipeline
         named.add(STAGE_AXIS)
     if not named:
         return fn(*args)
