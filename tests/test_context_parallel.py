@@ -320,3 +320,15 @@ def test_t5_on_a_context_mesh_has_the_unsplit_gradients():
     batch = {k: v.astype(np.int32) for k, v in batch.items()}
     _assert_unsplit_gradients(text.seq2seq_loss_fn(model), params, batch,
                               engine.make_mesh(data=2, context=2, model=2))
+
+
+def test_plan_of_a_context_mesh_compiles_in_bfloat16():
+    """The jit step of a bf16 LLaMA planned on context 8 (the exchange's shard_map once made the size-1 `stage`
+    axis manual, which aborted XLA:CPU's all-reduce promotion): it compiles, and the weights and optimizer state
+    are split over the context group (ZeRO-3 over it)."""
+    from engine import plan
+    tiny = dict(model="llama", model_config="tiny", mesh="1,1,1", seq_len=16, step="jit", compute_dtype="bfloat16")
+    split = plan.plan(num_devices=8, context=8, **tiny)
+    assert split["context"] == 8 and split["collective_bytes"]["collective-permute"] > 0  # the ring: 4 heads
+    # fp32 weights + two AdamW moments are 3x the weights' bytes unsplit, 3/8 of them split over 8.
+    assert split["bytes"]["arguments"] < 0.5 * split["param_bytes"]
