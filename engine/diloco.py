@@ -352,8 +352,9 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
         rngs = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(jnp.arange(replicas))
         global_params, frozen = partition(global_params, trainable)
-        reps, inner_state, metrics = jax.vmap(inner, in_axes=(0, 0, 0, 0, None), spmd_axis_name="data")(
-            state["replicas"], state["inner"], jax.tree.map(split, batch), rngs, frozen)
+        with kernels.vmapped("data"):  # each replica's kernels on its own rows
+            reps, inner_state, metrics = jax.vmap(inner, in_axes=(0, 0, 0, 0, None), spmd_axis_name="data")(
+                state["replicas"], state["inner"], jax.tree.map(split, batch), rngs, frozen)
         if diloco.overlap:
             outer_state = state["outer"]
             if sync:

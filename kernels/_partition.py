@@ -10,6 +10,7 @@ only where the size divides. Outside a mesh, or on axes that are already manual,
 slices (`kernels.attention.api`).
 """
 import contextlib
+import contextvars
 import math
 
 import jax
@@ -17,7 +18,8 @@ import jax
 BATCH_AXES = ("data", "fsdp")
 MODEL_AXIS = "model"
 CONTEXT_AXIS = "context"  # context parallelism: tokens of a row split over it
-STAGE_AXIS = "stage"  # pipeline parallelism: a vmap over stages adds it to the specs of a shard_map inside
+# Axes of the enclosing `jax.vmap(..., spmd_axis_name=...)`s being traced (`vmapped`).
+_VMAPPED = contextvars.ContextVar("vmapped_axes", default=())
 
 
 def tracing_mesh(mesh):
@@ -35,6 +37,19 @@ def under_mesh(mesh):
     return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(tracing_mesh(mesh))
 
 
+@contextlib.contextmanager
+def vmapped(axis):
+    """Context for tracing the body of a `jax.vmap(..., spmd_axis_name=axis)` over `axis`'s blocks (DiLoCo's
+    replicas over `data`, a pipeline's stages over `stage`). The batching adds `axis` to the specs of every
+    shard_map inside (each block runs on its own devices), so the kernels' specs must not name it (JAX refuses
+    that: "vmap spmd_axis_name cannot appear in shard_map in_specs") and their shard_map must make it manual."""
+    token = _VMAPPED.set(_VMAPPED.get() + (axis,))
+    try:
+        yield
+    finally:
+        _VMAPPED.reset(token)
+
+
 def auto_axes(implementation):
     """{axis name: size} of the ambient mesh's automatic axes larger than 1 that a kernel of `implementation` must be
     split over by hand: {} outside a mesh, and for 'xla' (plain JAX, which the compiler partitions itself)."""
@@ -42,8 +57,10 @@ def auto_axes(implementation):
 
 
 def automatic_axes():
-    """{axis name: size} of the ambient mesh's automatic axes larger than 1 ({} outside a mesh)."""
-    return _automatic_axes(include_size_one=False)
+    """{axis name: size} of the ambient mesh's automatic axes larger than 1 that a kernel may split its operands
+    over ({} outside a mesh): not those of an enclosing vmap (`vmapped`), whose blocks the batching splits."""
+    vmapped_axes = _VMAPPED.get()
+    return {name: size for name, size in _automatic_axes(include_size_one=False).items() if name not in vmapped_axes}
 
 
 def _automatic_axes(include_size_one):
@@ -94,10 +111,9 @@ def shard(fn, args, in_specs, out_specs, implementation):
     axis of the ambient mesh is manual, those the specs do not name holding the inputs whole (what the partitioner
     does around a custom call it cannot split): Mosaic refuses a custom call in a region with any automatic axis
     ("cannot be automatically partitioned"; every engine mesh has some of size 1), and so do interpret mode's
-    callbacks. A pipeline's `stage` axis is manual for every implementation ('xla' too, whose only shard_map is
-    context parallelism's), since inside the pipeline's `vmap(spmd_axis_name='stage')` the batching adds it to the
-    specs of the stacked dim (each stage runs its own block). Otherwise 'xla' is left to the partitioner, like
-    everywhere else."""
+    callbacks. The axis of an enclosing vmap over blocks (`vmapped`: a pipeline's `stage`, DiLoCo's `data`) is
+    manual for every implementation ('xla' too, whose only shard_map is context parallelism's), since the batching
+    adds it to the specs of the vmapped dim. Otherwise 'xla' is left to the partitioner, like everywhere else."""
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
@@ -106,8 +122,8 @@ def shard(fn, args, in_specs, out_specs, implementation):
         return fn(*args)
     if implementation != "xla":
         named.update(_automatic_axes(include_size_one=True))
-    elif STAGE_AXIS in automatic_axes():  # 'xla' context parallelism inside a pipeline
-        named.add(STAGE_AXIS)
+    else:  # 'xla' context parallelism inside a vmap over blocks
+        named.update(a for a in _VMAPPED.get() if a in _automatic_axes(include_size_one=False))
     if not named:
         return fn(*args)
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=named, check_vma=False)(*args)

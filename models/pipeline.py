@@ -74,7 +74,8 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches):
         h = _on_stages(jnp.where(first, fresh[None], jnp.roll(previous, 1, axis=0)))
         micro = jnp.clip(t - stage_ids, 0, microbatches - 1)
         c = jax.tree.map(lambda a: _on_stages(a[micro]), ctx_mb)
-        out = _on_stages(run(stage_params, h, c, stage_ids, micro))
+        with kernels.vmapped(STAGE_AXIS):
+            out = _on_stages(run(stage_params, h, c, stage_ids, micro))
         return out, out[stages - 1]
 
     start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))

@@ -11,9 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import engine
+import models
 from engine import diloco as diloco_lib
 from engine import plan as plan_lib
+from engine import text
 from tests import trainer_task as task
+from tests.targets import kernel_operands_of_train_step
 
 EXAMPLES = task.make_examples(64)
 
@@ -368,3 +371,55 @@ def test_outer_steps_send_a_part_each_in_the_wire_format(outer_dtype, payload):
             per = int(7 / 8 * padded * (payload + 4 / 256))
             assert abs(got["all-to-all"] - per) <= 8 and abs(got["all-gather"] - per) <= 8, (got, per)
             assert sum(got.values()) == got["all-to-all"] + got["all-gather"]
+
+
+def _llama_diloco(mesh, params=None, **options):
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", **options)
+    params = models.init_params(model, jax.random.PRNGKey(0)) if params is None else params
+    loss = text.lm_loss_fn(model, options.get("mlp_implementation"), interpret=options.get("kernel_interpret", False))
+    return engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss, params=params,
+                          optimizer=optax.adam(1e-2), diloco=engine.DiLoCo(inner_steps=2))
+
+
+def _lm_rows(n, seq=32):
+    rng = np.random.RandomState(0)
+    return [{"tokens": rng.randint(0, 120, seq + 1).astype(np.int32), "segment_ids": np.ones(seq + 1, np.int32)}
+            for _ in range(n)]
+
+
+def test_step_lowered_for_cuda_runs_each_replicas_kernels_on_its_rows():
+    """DiLoCo's replicas are a vmap over `data`: inside it the kernels must not split rows over `data` (JAX refuses
+    a vmap's spmd axis in a shard_map's specs; until stop 23 every Pallas kernel under DiLoCo failed so, i.e. DiLoCo
+    on any GPU). Lowered for cuda on data 2 x model 2, a Triton LLaMA's attention, gated MLP and fused loss kernels
+    see one replica's rows on its own devices: 2 rows (4 / data 2) x 32 tokens, half the heads and hidden columns
+    (whole rows would be 4)."""
+    model_kernels = dict(attention_implementation="triton", mlp_implementation="triton")
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", **model_kernels)
+    trainer = _llama_diloco(engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]),
+                            params=jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0))),
+                            **model_kernels)
+    operands = kernel_operands_of_train_step(trainer, 4, 32)
+    attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
+    # q: 2 of the 4 heads; k, v: 1 of the 2 kv heads.
+    assert attention and all(set(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t)) == {"2x32x2x16", "2x32x1x16"}
+                             for t in attention), attention
+    mlp = [t for t in operands if t.startswith("tensor<64x64xf32>, tensor<64x64xf32>")]  # gate and up halves
+    assert mlp and not [t for t in operands if t.startswith("tensor<128x64xf32>")], operands  # 2 x 32 token rows
+
+
+@pytest.mark.slow  # CI time (~25 s: interpreted kernels); the lowering above runs by default
+def test_pallas_kernels_and_context_parallelism_inside_the_replicas():
+    """DiLoCo with interpreted Triton kernels (attention, gated MLP, fused loss) trains like DiLoCo on 'xla'; on
+    data 2 x context 2 x model 2 (each replica's rows split over context) like data 2 x model 2."""
+    rows, four = _lm_rows(16), jax.devices()[:4]
+
+    def losses(mesh, **options):
+        trainer = _llama_diloco(mesh, **options)
+        trainer.fit(rows, per_device_batch_size=2, max_steps=3, log_every=1)
+        return [h["loss"] for h in trainer.history]
+
+    want = losses(engine.make_mesh(data=2, model=2, devices=four))
+    got = losses(engine.make_mesh(data=2, model=2, devices=four), attention_implementation="triton",
+                 mlp_implementation="triton", kernel_interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(losses(engine.make_mesh(data=2, context=2, model=2)), want, rtol=1e-5)
