@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels
 import models
 from models.layers import Linear
 
@@ -77,13 +78,18 @@ def save_pretrained(reward_model, params, path, *, pad_token_id=None):
 
 def _complete_rows(ids, segment_ids, labels):
     """Rows [N, T] of `engine.preference` (inputs = tokens[:-1], the next tokens as labels) -> the whole sequences
-    [N, T + 1], each row's last label (a response's EOS) appended after its inputs, and that token's index."""
+    [N, T + 1], each row's last label (a response's EOS) appended after its inputs, and that token's index. On a
+    context mesh the rows are padded on to a multiple of its size, so that they split over it like the policy's
+    [N, T] (the backbone is causal: padding after a token changes nothing before it); one program mixing split and
+    unsplit lengths of the same tokens (PPO's scores) failed XLA:CPU's verifier."""
     n = (segment_ids > 0).sum(-1)
     before = jnp.maximum(n - 1, 0)[:, None]
     last_label = jnp.take_along_axis(labels, before, axis=-1)[:, 0]
     last_segment = jnp.take_along_axis(segment_ids, before, axis=-1)[:, 0]
-    at = (jnp.arange(ids.shape[-1] + 1)[None] == n[:, None]) & (last_label >= 0)[:, None]
-    widen = lambda x: jnp.pad(x, ((0, 0), (0, 1)))  # noqa: E731
+    context = kernels.auto_axis_size(kernels.CONTEXT_AXIS)
+    width = -(-(ids.shape[-1] + 1) // context) * context
+    at = (jnp.arange(width)[None] == n[:, None]) & (last_label >= 0)[:, None]
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, width - x.shape[-1])))  # noqa: E731
     ids = jnp.where(at, last_label[:, None], widen(ids))
     segment_ids = jnp.where(at, last_segment[:, None], widen(segment_ids))
     return ids, segment_ids, jnp.where(last_label >= 0, n, before[:, 0])

@@ -311,3 +311,34 @@ def test_lora_ppo_refuses_to_train_what_the_shared_reference_reads(sft_params):
         ppo.PPO(**{**common, "actor": _backbone()}, ref_params=None)
     with pytest.raises(ValueError, match="no 'backbone'"):
         ppo.PPO(**{**common, "critic": reward.RewardModel(_backbone()), "ref_params": None})
+
+
+def test_scores_on_a_context_mesh_equal_the_unsplit_ones():
+    """PPO's scoring program reads a critic's values on the rows [B, T] and a reward model's scores on the rows with
+    their EOS appended, [B, T + 1]. On a context mesh T splits and T + 1 did not, and that mix failed XLA:CPU's
+    verifier ("Expected instruction to have shape equal to f32[2,13,32]"), i.e. `train_ppo.py --context_parallel`:
+    the appended rows are now padded on to a multiple of the context size. Values and scores on data 2 x context 2
+    x model 2 equal the unsplit ones."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    critic = reward.RewardModel(models.create_model("llama", "tiny", vocab_size=64))
+    params = reward.init_params(critic, models.init_params(critic.backbone, jax.random.PRNGKey(0)),
+                                jax.random.PRNGKey(2))
+    rng = np.random.RandomState(0)
+    rows = [{"input_ids": rng.randint(3, 60, 12).astype(np.int32), "segment_ids": np.ones(12, np.int32),
+             "labels": np.r_[np.full(11, -100), 5].astype(np.int32)} for _ in range(8)]
+    collate = lambda ex: {k: np.stack([e[k] for e in ex]) for k in ex[0]}  # noqa: E731
+
+    def score(p, batch, rng=None):
+        return {"values": critic.apply({"params": p["critic"]}, batch["input_ids"], batch["segment_ids"]),
+                "score": reward.sequence_rewards(critic, p["reward"], batch)}
+
+    want = score({"critic": params, "reward": params}, collate(rows))
+    mesh = engine.make_mesh(data=2, context=2, model=2)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: score({"critic": p, "reward": p}, collate(rows)))
+    place = lambda: jax.device_put(params, jax.tree.map(  # noqa: E731
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)))
+    got = engine.Predictor(mesh=mesh, collate_fn=collate, pred_fn=score).predict(
+        rows, per_device_batch_size=2, params={"critic": place(), "reward": place()})
+    np.testing.assert_allclose([g["score"] for g in got], want["score"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.stack([g["values"] for g in got]), want["values"], rtol=1e-5, atol=1e-6)
