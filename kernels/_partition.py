@@ -118,12 +118,10 @@ def shard(fn, args, in_specs, out_specs, implementation):
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
-    if not named and implementation == "xla":
-        return fn(*args)
     if implementation != "xla":
         named.update(_automatic_axes(include_size_one=True))
-    else:  # 'xla' context parallelism inside a vmap over blocks
-        named.update(a for a in _VMAPPED.get() if a in _automatic_axes(include_size_one=False))
+    elif named:  # 'xla' context parallelism, maybe inside a vmap over blocks
+        named.update(a for a in _VMAPPED.get() if a in _automatic_axes(include_size_one=True))
     if not named:
         return fn(*args)
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=named, check_vma=False)(*args)
