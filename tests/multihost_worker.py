@@ -2,13 +2,14 @@
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
-       [forward|train|diloco|streaming|ppo|pipeline]
+       [forward|train|diloco|streaming|ppo|pipeline|context]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
 `ppo` two PPO iterations (rollouts generated on the mesh, gathered to every process) and saves their stats and the
 parameters; `pipeline` a few Trainer steps of a 4-layer LLaMA pipelined over 2 stages, one per process, and saves
-the losses.
+the losses; `context` the same LLaMA with each row's tokens split over context 2 inside each process (data 2 x
+context 2 x model 2, data across the processes).
 """
 import os
 import sys
@@ -78,8 +79,9 @@ def ppo_run(mesh):
     return np.concatenate([[s["score"] for s in stats], [s["kl"] for s in stats], *flat])
 
 
-def pipeline_losses(mesh, steps=4):
-    """Losses of a short Trainer run of a native 4-layer LLaMA (scanned; a pipeline where `mesh` has stages)."""
+def llama_losses(mesh, steps=4):
+    """Losses of a short Trainer run of a native 4-layer LLaMA (scanned; a pipeline where `mesh` has stages, each
+    row's tokens split where it has `context`)."""
     import optax
 
     import models
@@ -107,9 +109,13 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     if mode == "pipeline":  # each process holds one stage: only activations cross between them
         mesh = engine.make_mesh(stage=2, data=2, model=2)
         assert [{d.process_index for d in mesh.devices[:, :, s].flat} for s in range(2)] == [{0}, {1}]
-    if mode in ("train", "diloco", "streaming", "ppo", "pipeline"):
+    if mode == "context":  # each context group inside one process
+        mesh = engine.make_mesh(data=2, context=2, model=2)
+        assert all(len({d.process_index for d in group.flat}) == 1 for group in mesh.devices.reshape(2, -1))
+    if mode in ("train", "diloco", "streaming", "ppo", "pipeline", "context"):
         result = {"train": lambda: train_losses(engine.make_mesh(data=4, model=2))[0],
-                  "pipeline": lambda: pipeline_losses(mesh),
+                  "pipeline": lambda: llama_losses(mesh),
+                  "context": lambda: llama_losses(mesh),
                   "diloco": lambda: np.concatenate(diloco_run(mesh)),
                   "streaming": lambda: np.concatenate(diloco_run(mesh, **STREAMING)),
                   "ppo": lambda: ppo_run(engine.make_mesh(data=4, model=2))}[mode]()

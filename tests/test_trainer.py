@@ -495,8 +495,18 @@ def test_pipeline_with_a_stage_per_process_matches_single_process_without(tmp_pa
     stage, so only activations (and the head's gradients) cross processes. The losses equal a single-process run of
     the same model without a pipeline (data 2 x model 2)."""
     from tests import multihost_worker
-    want = multihost_worker.pipeline_losses(engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    want = multihost_worker.llama_losses(engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
     np.testing.assert_allclose(_two_workers(tmp_path, "pipeline"), want, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_context_parallelism_over_two_processes_matches_single_process_without(tmp_path):
+    """Context parallelism as deployed: data 2 x context 2 x model 2 over 2 processes x 4 devices, each context group
+    inside a process (the rows of a data position read by both its context devices). The losses equal a
+    single-process run without it (data 2 x model 2)."""
+    from tests import multihost_worker
+    want = multihost_worker.llama_losses(engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    np.testing.assert_allclose(_two_workers(tmp_path, "context"), want, rtol=1e-5)
 
 
 @pytest.mark.slow
