@@ -134,6 +134,7 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
     assert "--- 'def':" in gen.stdout
     again = _run("train_lm.py", f"--workdir={tmp_path / 'pipe'}", "--mesh=4,1,2", *common, ok=False)
     assert again.returncode == 2 and "fields ['scan_layers'] differ" in again.stderr
+    assert again.stderr.strip().endswith("its layers are stacked for a pipeline, so --pipeline_stages > 1")
 
 
 @pytest.mark.slow
