@@ -571,9 +571,11 @@ def save_run(workdir, task, model, tokenizer, critic=None):
                 task, run["family"], new_config, _tuples(new_critic)):
             changed = sorted(k for k in set(old_config or {}) | set(new_config)
                              if (old_config or {}).get(k) != new_config.get(k))
-            layout = {True: ": its layers are stacked for a pipeline, so --pipeline_stages > 1",
-                      False: ": it ran without a pipeline, so --pipeline_stages=1"}
-            hint = layout[bool((old_config or {}).get("scan_layers"))] if "scan_layers" in changed else ""
+            hint = ""
+            if "scan_layers" in changed:
+                hint = (": its layers are stacked for a pipeline, so --pipeline_stages > 1"
+                        if (old_config or {}).get("scan_layers")
+                        else ": it ran without a pipeline, so --pipeline_stages=1")
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              f"flags of that run{hint}")

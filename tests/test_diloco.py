@@ -17,6 +17,7 @@ from engine import plan as plan_lib
 from engine import text
 from tests import trainer_task as task
 from tests.targets import kernel_operands_of_train_step
+from tests.test_step import _packed_rows
 
 EXAMPLES = task.make_examples(64)
 
@@ -381,12 +382,6 @@ def _llama_diloco(mesh, params=None, **options):
                           optimizer=optax.adam(1e-2), diloco=engine.DiLoCo(inner_steps=2))
 
 
-def _lm_rows(n, seq=32):
-    rng = np.random.RandomState(0)
-    return [{"tokens": rng.randint(0, 120, seq + 1).astype(np.int32), "segment_ids": np.ones(seq + 1, np.int32)}
-            for _ in range(n)]
-
-
 def test_step_lowered_for_cuda_runs_each_replicas_kernels_on_its_rows():
     """DiLoCo's replicas are a vmap over `data`: inside it the kernels must not split rows over `data` (JAX refuses
     a vmap's spmd axis in a shard_map's specs; until stop 23 every Pallas kernel under DiLoCo failed so, i.e. DiLoCo
@@ -411,7 +406,7 @@ def test_step_lowered_for_cuda_runs_each_replicas_kernels_on_its_rows():
 def test_pallas_kernels_and_context_parallelism_inside_the_replicas():
     """DiLoCo with interpreted Triton kernels (attention, gated MLP, fused loss) trains like DiLoCo on 'xla'; on
     data 2 x context 2 x model 2 (each replica's rows split over context) like data 2 x model 2."""
-    rows, four = _lm_rows(16), jax.devices()[:4]
+    rows, four = _packed_rows(16, seq=32), jax.devices()[:4]
 
     def losses(mesh, **options):
         trainer = _llama_diloco(mesh, **options)
