@@ -327,7 +327,7 @@ def test_scores_on_a_context_mesh_equal_the_unsplit_ones():
     rng = np.random.RandomState(0)
     rows = [{"input_ids": rng.randint(3, 60, 12).astype(np.int32), "segment_ids": np.ones(12, np.int32),
              "labels": np.r_[np.full(11, -100), 5].astype(np.int32)} for _ in range(8)]
-    collate = lambda ex: {k: np.stack([e[k] for e in ex]) for k in ex[0]}  # noqa: E731
+    collate = preference.collate_preferences  # what PPO's scorer collates its rows with
 
     def score(p, batch, rng=None):
         return {"values": critic.apply({"params": p["critic"]}, batch["input_ids"], batch["segment_ids"]),
