@@ -177,6 +177,18 @@ def mesh_shapes(num_devices):
     return [(d, f, num_devices // (d * f)) for d in divisors for f in divisors if num_devices % (d * f) == 0]
 
 
+def memory_per_device(compiled):
+    """{'arguments', 'outputs', 'aliased', 'temporaries', 'total'} bytes per device of a `jax.stages.Compiled`
+    (total: what the program holds at once, its donated arguments counted once), or None where the backend does
+    not report them."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return None
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    return {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+            "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total}
+
+
 class _AbstractRestore:
     """Stands in for the Trainer's Checkpointer: 'restores' the abstract, sharded target itself, so the Trainer lays
     out its state (real specs, real shardings) without allocating it."""
@@ -267,9 +279,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
              for k in ("input_ids", "labels", "segment_ids")}
     state = trainer._state
     compiled = trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile()
-    mem = compiled.memory_analysis()
-    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-             + mem.temp_size_in_bytes)
+    memory = memory_per_device(compiled)
     hlo = compiled.as_text()
     comm = collective_bytes(hlo, num_devices)
     outer = None
@@ -291,8 +301,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,
               "param_bytes": n_bytes,
               "lora_rank": lora_rank, "param_dtype": jnp.dtype(param_dtype).name, "quantize": quantize,
-              "bytes": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
-                        "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total},
+              "bytes": memory,
               "state_16psi_per_device": 16 * n_params // num_devices,
               "collective_bytes": comm, "collective_bytes_total": sum(comm.values())}
     if diloco is not None:
@@ -301,7 +310,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         result["outer_step_bytes"] = [sum(o.values()) for o in outer]
     if hbm_gb is not None:
         result["hbm_gb"] = hbm_gb
-        result["fits"] = total <= hbm_gb * 1e9
+        result["fits"] = memory["total"] <= hbm_gb * 1e9
     logging.info("plan %s", result)
     return result
 

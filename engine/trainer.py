@@ -31,6 +31,7 @@ from engine import step as step_lib
 from engine.step import cast_floating, partition, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.flops import peak_tflops
+from engine.plan import memory_per_device
 from engine.sharding import add_axis, auto_shard, log_sharding, path_str
 import kernels
 
@@ -144,6 +145,10 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
     if int8.gradients:
         _validate("zero_quantized_gradients", True, sizes.get("data", 1) * sizes.get("fsdp", 1) > 1,
                   "False on a mesh with data=1 and fsdp=1: no gradient is reduced; expected data or fsdp > 1")
+
+
+def _size_text(n_bytes):
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.2f} MB"
 
 
 class Trainer:
@@ -307,6 +312,7 @@ class Trainer:
         self._param_specs = None
         self._batch_spec = None       # {leaf path: (shape, dtype)} of one global micro-batch: fixes the trace
         self._step_fn = None
+        self._executables = {}        # {(sync, batch signature): the step compiled ahead of time}
         self._eval_fn = None
         self.compile_count = 0        # traces (= compilations) of the train step
         self.history = []             # per-step host metrics: {'step', 'loss', 'grad_norm', 'learning_rate', ...}
@@ -514,6 +520,27 @@ class Trainer:
                                           out_shardings=(self._param_sh, self._opt_sh, None), donate_argnums=(0, 1))
         return self._step_fn[sync]
 
+    def _executable(self, sync, params, opt_state, batch, step):
+        """`_compiled_step(sync)` compiled ahead of time for these arguments (one program per batch signature), so
+        its memory per device is known, and logged, before the first step runs (MaxText prints it the same way)."""
+        key = (sync, jax.tree.structure(batch), tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
+        if key not in self._executables:
+            compiled = self._compiled_step(sync).lower(params, opt_state, batch, step).compile()
+            memory = memory_per_device(compiled)
+            if memory is not None:
+                size = {k: _size_text(v) for k, v in memory.items()}
+                logging.info("train step compiled: %s per device (arguments %s, outputs %s, aliased %s, "
+                             "temporaries %s)", size["total"], size["arguments"], size["outputs"], size["aliased"],
+                             size["temporaries"])
+            self._executables[key] = compiled
+        return self._executables[key]
+
+    def compiled_step(self, sync=False):
+        """The train step as last compiled for `fit` (a `jax.stages.Compiled`: `as_text()`, `memory_analysis()`);
+        None before the first step. sync: DiLoCo's overlapped outer-step program."""
+        found = [c for (s, *_), c in self._executables.items() if s == sync]
+        return found[-1] if found else None
+
     # ------------------------------------------------------------------------------------------------ fit
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
             eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
@@ -618,8 +645,8 @@ class Trainer:
                             profiling = True
                         self._note_batch(batch)
                         sync = self.diloco is not None and self.diloco.syncs_at(self._step)
-                        params, opt_state, metrics = self._compiled_step(sync)(
-                            self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
+                        args = (self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
+                        params, opt_state, metrics = self._executable(sync, *args)(*args)
                         self._state = {"params": params, "opt_state": opt_state}
                         self._step, self._batch_in_epoch, seen = self._step + 1, index + 1, seen + 1
                         pending.append((self._step, metrics))

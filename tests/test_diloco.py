@@ -68,9 +68,7 @@ def test_inner_steps_send_nothing_across_data():
     mesh = engine.make_mesh(data=8)
     trainer = _trainer(mesh, optimizer=optax.adam(1e-2), diloco=engine.DiLoCo(inner_steps=4))
     trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=1)
-    rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
-    batch = {k: jax.ShapeDtypeStruct((1, *s), d, sharding=rows) for k, (s, d) in trainer._batch_spec.items()}
-    hlo = trainer._compiled_step().lower(trainer.params, trainer.opt_state, batch, np.int32(0)).compile().as_text()
+    hlo = trainer.compiled_step().as_text()
     comps = _computations(hlo)
     branches = [b for line in hlo.splitlines() for b in re.findall(r"branch_computations=\{([^}]*)\}", line)]
     assert len(branches) == 1, branches
@@ -342,9 +340,7 @@ def _copies_agree(tree):
 def _outer_branch_bytes(diloco, mesh):
     trainer = _trainer(mesh, optimizer=optax.sgd(0.1), diloco=diloco)
     trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=1)
-    rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
-    batch = {k: jax.ShapeDtypeStruct((1, *s), d, sharding=rows) for k, (s, d) in trainer._batch_spec.items()}
-    hlo = trainer._compiled_step().lower(trainer.params, trainer.opt_state, batch, np.int32(0)).compile().as_text()
+    hlo = trainer.compiled_step().as_text()
     (branches,) = plan_lib.conditional_branches(hlo)
     sizes = [plan_lib.collective_bytes(hlo, mesh.size, root=b) for b in branches]
     parts = [[x.size for x in jax.tree.leaves(diloco_lib.fragment(trainer.params, trainer._diloco_plan, p,

@@ -8,6 +8,7 @@ import pytest
 
 from engine import compiler, plan
 from tests.test_distributed import ROOT
+from tests.xla_flags import FAST_COMPILE
 
 TINY = dict(model="llama", model_config="tiny", num_devices=8, per_device_batch_size=1, seq_len=64)
 
@@ -113,8 +114,7 @@ def test_installed_xla_knows_every_gpu_flag():
 
 
 def test_script_prints_one_json_line_and_rejects_a_bad_mesh():
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=FAST_COMPILE)  # the script adds the device count
     cmd = [sys.executable, "scripts/plan_memory.py", "--model=llama", "--model_config=tiny", "--num_devices=4",
            "--seq_len=32"]
     out = subprocess.run(cmd + ["--mesh=1,2,2", "--zero_stage=0"], cwd=ROOT, env=env, capture_output=True,
