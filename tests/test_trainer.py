@@ -1,5 +1,4 @@
 """engine.Trainer and engine.Predictor on the 8 simulated devices."""
-import logging
 import os
 import re
 import signal
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl import logging
 from jax.sharding import PartitionSpec as P
 
 import engine
@@ -37,17 +37,17 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
-def test_loss_decreases_and_one_compile(caplog):
+def test_loss_decreases_and_one_compile(monkeypatch):
     trainer = _trainer(flops_per_example=3e9)
     assert trainer.compiled_step() is None
-    with caplog.at_level(logging.INFO):
-        history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=3, log_every=4,
-                              eval_examples=EXAMPLES[:10])
+    logged, info = [], logging.info  # absl's own verbosity may differ from test to test: record the calls
+    monkeypatch.setattr(logging, "info", lambda msg, *args, **kw: logged.append(msg % args) or info(msg, *args, **kw))
+    history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=3, log_every=4, eval_examples=EXAMPLES[:10])
     # Compiled before the first step, its memory per device logged: what it holds at once, donated state once.
     memory = engine.plan.memory_per_device(trainer.compiled_step())
     assert memory["total"] == memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
     assert 0 < memory["aliased"] <= memory["arguments"]
-    (line,) = [r.getMessage() for r in caplog.records if "train step compiled" in r.getMessage()]
+    (line,) = [m for m in logged if "train step compiled" in m]
     assert line.startswith(f"train step compiled: {memory['total'] / 1e6:.2f} MB per device (arguments "), line
     # The latest log line's figures: model FLOP/s per device from flops_per_example; no MFU on CPU (no known peak).
     rate = trainer.throughput["examples_per_second"]
