@@ -14,6 +14,7 @@ import pytest
 import engine
 import models
 from engine import cli, reward, text
+from tests.prewarmed import run_scripts
 from tests.xla_flags import cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -413,14 +414,11 @@ def _bad_inputs(tmp_path, slow):
 def _check_bad_inputs(tmp_path, slow):
     cases = _bad_inputs(tmp_path, slow)
     work = f"--workdir={tmp_path / 'w'}"
-    # All at once: each fails during start-up, so together they take little more than the slowest.
-    procs = {case: subprocess.Popen([sys.executable, f"scripts/{case[0]}", work, *case[1:]], cwd=ROOT, env=ENV,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for case in cases}
-    for case, proc in procs.items():
-        _, stderr = proc.communicate(timeout=300)
+    # Every case fails during start-up: one interpreter imports JAX and the engine once and forks a child per case.
+    results = run_scripts([(case[0], work, *case[1:]) for case in cases], env=ENV, cwd=ROOT)
+    for case, (returncode, _, stderr) in zip(cases, results):
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in stderr, (case, stderr[-2000:])
+        assert returncode == 2 and len(errors) == 1 and "Traceback" not in stderr, (case, stderr[-2000:])
         assert cases[case] in errors[0], (case, errors[0])
     assert not os.path.exists(tmp_path / "w" / "run.json")  # no failed start leaves a run behind
 
