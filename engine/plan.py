@@ -189,6 +189,16 @@ def memory_per_device(compiled):
             "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total}
 
 
+def device_memory_bytes(device):
+    """The bytes `device` can hold for a program (`memory_stats()['bytes_limit']`, what XLA's allocator may use on a
+    GPU or TPU), or None where the backend does not say (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
 class _AbstractRestore:
     """Stands in for the Trainer's Checkpointer: 'restores' the abstract, sharded target itself, so the Trainer lays
     out its state (real specs, real shardings) without allocating it."""

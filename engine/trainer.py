@@ -31,7 +31,7 @@ from engine import step as step_lib
 from engine.step import cast_floating, partition, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.flops import peak_tflops
-from engine.plan import memory_per_device
+from engine import plan as plan_lib
 from engine.sharding import add_axis, auto_shard, log_sharding, path_str
 import kernels
 
@@ -526,14 +526,34 @@ class Trainer:
         key = (sync, jax.tree.structure(batch), tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
         if key not in self._executables:
             compiled = self._compiled_step(sync).lower(params, opt_state, batch, step).compile()
-            memory = memory_per_device(compiled)
+            memory = plan_lib.memory_per_device(compiled)
             if memory is not None:
                 size = {k: _size_text(v) for k, v in memory.items()}
                 logging.info("train step compiled: %s per device (arguments %s, outputs %s, aliased %s, "
                              "temporaries %s)", size["total"], size["arguments"], size["outputs"], size["aliased"],
                              size["temporaries"])
+                self._check_fits(memory, size)
             self._executables[key] = compiled
         return self._executables[key]
+
+    def _check_fits(self, memory, size):
+        """Refuses, before the first step, a step that needs more memory than a device holds: XLA would fail on its
+        first allocation (after the data is loaded) with a less helpful message. Not with offload_optimizer: that
+        the device figures then leave out the host-resident state is not checked on a device yet."""
+        device = self.mesh.devices.flat[0]
+        limit = plan_lib.device_memory_bytes(device)
+        if limit is None or memory["total"] <= limit:
+            return
+        if self.offload_optimizer:
+            logging.warning("train step needs %s per device, above the %s %s holds (its optimizer state is "
+                            "offloaded to the host, which these figures may count)", size["total"],
+                            _size_text(limit), device.device_kind)
+            return
+        raise ValueError(
+            f"the train step needs {size['total']} per device (arguments {size['arguments']}, temporaries "
+            f"{size['temporaries']}) but a {device.device_kind} holds {_size_text(limit)}; expected a layout that "
+            "fits: a larger fsdp or zero_stage, remat, a smaller per_device_batch_size or offload_optimizer "
+            "(scripts/plan_memory.py --sweep ranks the layouts)")
 
     def compiled_step(self, sync=False):
         """The train step as last compiled for `fit` (a `jax.stages.Compiled`: `as_text()`, `memory_analysis()`);

@@ -62,6 +62,36 @@ def test_loss_decreases_and_one_compile(monkeypatch):
     assert spec == P("model")
 
 
+def test_a_step_that_does_not_fit_the_device_is_refused_before_it_runs(monkeypatch):
+    """The device's own limit (`memory_stats()['bytes_limit']` on GPU and TPU; CPUs report none) is checked against
+    the compiled step's memory before the first step: one clear error instead of XLA's failed allocation."""
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+
+    assert engine.plan.device_memory_bytes(jax.devices()[0]) is None  # CPU
+    assert engine.plan.device_memory_bytes(Device({"bytes_limit": 5, "bytes_in_use": 1})) == 5
+    assert engine.plan.device_memory_bytes(Device(None)) is None
+    assert engine.plan.device_memory_bytes(Device(NotImplementedError())) is None
+    monkeypatch.setattr(engine.plan, "device_memory_bytes", lambda device: 100_000)
+    trainer = _trainer()
+    with pytest.raises(ValueError, match=r"^the train step needs 0\.\d\d MB per device \(arguments .* but a cpu "
+                                         r"holds 0\.10 MB; expected a layout that fits: a larger fsdp or zero_stage"):
+        trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    assert trainer.step == 0 and not trainer.history
+    offloaded = _trainer(offload_optimizer=True)  # its device figures may count the host-resident state: a warning
+    offloaded.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+    assert offloaded.step == 1
+    monkeypatch.setattr(engine.plan, "device_memory_bytes", lambda device: 10**9)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)  # the same Trainer, on a device that holds it
+    assert trainer.step == 2
+
+
 def test_accumulation_equals_large_batch():
     """4 micro-batches of 2 give the update of one batch of 8 (mesh data=2, model=4)."""
     mesh = engine.make_mesh(data=2, model=4)
