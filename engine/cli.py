@@ -5,9 +5,11 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import app, flags, logging
 
@@ -30,7 +32,9 @@ def define_flags():
     if "mesh" in FLAGS:
         return
     flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model; one may be -1 (the rest of the "
-                        "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel.")
+                        "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. scripts/train_lm.py "
+                        "also takes 'auto': every layout compiled ahead of time, the one that fits and sends least "
+                        "chosen, --per_device_batch_size rows per device kept as the global batch.")
     flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
                          "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe schedule.")
     flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
@@ -193,8 +197,9 @@ def _check_diloco_flags():
                          f"{FLAGS.diloco_inner_steps} (each part takes its outer step at its own inner step)")
 
 
-def start():
-    """Joins the multi-process runtime (if asked) and builds the mesh from the flags."""
+def start(auto=False):
+    """Joins the multi-process runtime (if asked) and builds the mesh from the flags. auto: the script takes
+    --mesh=auto (then None is returned and the script calls `choose_mesh` once its model is described)."""
     for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages", "context_parallel"):
         if FLAGS[name].value < 1:
             raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
@@ -206,12 +211,54 @@ def start():
         eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
     if "lr_schedule" in FLAGS:
         _check_optimizer_flags()
+    if FLAGS.mesh == "auto":
+        if not auto:
+            raise ValueError("--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this script does "
+                             "not choose a layout: scripts/train_lm.py does)")
+        return None
     mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
     if "zero_quantized_weights" in FLAGS:  # the training scripts': checked before any workdir file is written
         engine.trainer.check_zero_quantized(engine.step.Int8(FLAGS.zero_quantized_weights,
                                                              FLAGS.zero_quantized_gradients),
                                             mesh, diloco=bool(FLAGS.diloco_inner_steps))
     return mesh
+
+
+def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None):
+    """--mesh=auto: the layout `engine.plan.rank_meshes` ranks first for one global batch of --per_device_batch_size
+    rows per device (those left after --pipeline_stages x --context_parallel), `example` (one training example)
+    standing for every row; the ranking is printed. make_trainer(mesh): the run's Trainer over abstract parameters
+    (no workdir). memory_gb: the per-device budget (default: the device's own limit; none on CPU). devices: default
+    all. Returns (mesh, rows per data position of that mesh)."""
+    stages, context = FLAGS.pipeline_stages, FLAGS.context_parallel
+    devices = jax.devices() if devices is None else list(devices)
+    positions = len(devices) // (stages * context)
+    rows = FLAGS.per_device_batch_size * positions
+    batch = {k: jax.ShapeDtypeStruct((FLAGS.accumulate_grad_batches, *np.shape(v)), np.asarray(v).dtype)
+             for k, v in collate_fn([example] * rows).items()}
+    budget = memory_gb * 1e9 if memory_gb else engine.plan.device_memory_bytes(devices[0])
+    started = time.perf_counter()
+    ranked = engine.plan.rank_meshes(make_trainer, batch, devices=devices, stages=stages, context=context,
+                                     memory_bytes=budget)
+    if jax.process_index() == 0:
+        print(f"--mesh=auto: {len(ranked)} layouts of {positions} devices for {rows} rows per step"
+              + (f", {budget / 1e9:.2f} GB per device" if budget else "")
+              + f" (compiled in {time.perf_counter() - started:.0f} s):")
+        print(engine.plan.format_table(ranked))
+    best = ranked[0]
+    if "error" in best:
+        raise ValueError(f"--mesh=auto: no layout of {positions} devices compiles (mesh {best['mesh']}: "
+                         f"{best['error']}); expected a model and flags that train on some --mesh")
+    if not best["fits"]:
+        least = min((r for r in ranked if "error" not in r), key=lambda r: r["bytes"]["total"])
+        raise ValueError(f"--mesh=auto: no layout fits {budget / 1e9:.2f} GB per device (the least, mesh "
+                         f"{','.join(map(str, least['mesh']))}, needs {least['bytes']['total'] / 1e9:.2f} GB); "
+                         "expected a larger budget, --remat, a smaller --per_device_batch_size or more devices")
+    data, fsdp, tp = best["mesh"]
+    if jax.process_index() == 0:
+        print(f"--mesh=auto chose {data},{fsdp},{tp}: {rows // (data * fsdp)} rows per data position")
+    mesh = engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp, devices=devices)
+    return mesh, rows // (data * fsdp)
 
 
 def trainer_kwargs():
@@ -527,15 +574,22 @@ def family_of(model):
     return next(name for name, fam in models.FAMILIES.items() if isinstance(model, fam.Model))
 
 
+def load_hf_model(path, *, families):
+    """The model of a Hugging Face directory, from its config alone; ValueError naming --init_from otherwise."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--init_from={path} is not a directory; expected a Hugging Face model directory")
+    model = models.load_model(path)
+    if family_of(model) not in families:
+        raise ValueError(f"--init_from={path} holds a {family_of(model)} model; this script takes {list(families)}")
+    return model
+
+
 def load_hf(path, *, families, mesh=None, byte_fallback=True):
     """(model, params, tokenizer) from a Hugging Face directory; params placed on `mesh`'s auto_shard shardings as
     they are read. The directory's tokenizer.json is used; without one, byte-level tokens when the vocabulary is
     large enough (byte_fallback)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--init_from={path} is not a directory; expected a Hugging Face model directory")
+    load_hf_model(path, families=families)  # bad input fails before any weight is read
     model, params = models.load_pretrained(path, mesh=mesh)
-    if family_of(model) not in families:
-        raise ValueError(f"--init_from={path} holds a {family_of(model)} model; this script takes {list(families)}")
     tokenizer = text.HFTokenizer.from_dir(path, model.config.vocab_size)
     if tokenizer is None:
         tokenizer = text.ByteTokenizer()

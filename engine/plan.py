@@ -1,5 +1,6 @@
 """Ahead-of-time plans: compile the Trainer's real train step for a named model config on a mesh of simulated devices,
-without allocating a parameter, and read per-device memory and communication off the compiled program.
+without allocating a parameter, and read per-device memory and communication off the compiled program; and the
+automatic choice of a layout (`rank_meshes`: the same measurements of any Trainer on every mesh of the devices).
 
 Memory comes from `compiled.memory_analysis()`: the per-device peak is arguments + outputs - aliased (donated) +
 temporaries. Communication is read off the compiled HLO: every collective, times the trip count of the loops it sits
@@ -207,6 +208,58 @@ class _AbstractRestore:
         return target, {}
 
 
+def abstract_state(trainer, batch):
+    """Lays out `trainer`'s state for `batch` ({name: jax.ShapeDtypeStruct [accumulate, rows, ...]}, one global
+    update) without allocating it: `trainer` holds abstract parameters (jax.ShapeDtypeStruct leaves) and no workdir.
+    Returns {'params', 'opt_state'}, abstract and sharded, the arguments its `_compiled_step()` lowers for."""
+    trainer._batch_spec = {k: (tuple(x.shape[1:]), str(x.dtype)) for k, x in batch.items()}
+    trainer._checkpointer = _AbstractRestore()
+    trainer._setup(restore_step=0)
+    return trainer._state
+
+
+def compile_step(trainer, batch):
+    """`trainer`'s train step compiled ahead of time for `batch` on its state's abstract layout (`abstract_state`)."""
+    state = abstract_state(trainer, batch)
+    return trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile()
+
+
+def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memory_bytes=None):
+    """The automatic choice of a layout (RedCoast's and Alpa's aim, by measurement rather than a cost model): the
+    train step of `make_trainer(mesh)` (an `engine.Trainer` over abstract parameters, no workdir) compiled for the
+    one global `batch` ({name: jax.ShapeDtypeStruct [accumulate, rows, ...]}) on every (data, fsdp, model) of the
+    `devices` (default all) left after `stages` x `context`, read off the compiled programs, best first: those whose
+    memory per device fits `memory_bytes` (None: any), then by bytes each device sends per step, then by memory.
+    With the global batch fixed every layout does the same useful work, so what differs is the communication
+    (and, for a memory limit, the fit). Each result: {'mesh': [data, fsdp, model], 'bytes' (memory_per_device),
+    'collective_bytes', 'collective_bytes_total', 'fits'}; a layout that does not compile (heads that `model` does
+    not divide, say) comes last with its 'error'."""
+    import engine
+
+    devices = list(jax.devices() if devices is None else devices)
+    results = []
+    for data, fsdp, tp in mesh_shapes(len(devices) // (stages * context)):
+        try:
+            mesh = engine.make_mesh(data=data, fsdp=fsdp, model=tp, stage=stages, context=context, devices=devices)
+            compiled = compile_step(make_trainer(mesh), batch)
+        except Exception as e:  # noqa: BLE001 - one layout that cannot run must not end the search
+            logging.info("mesh %s does not compile: %s", (data, fsdp, tp), e)
+            results.append({"mesh": [data, fsdp, tp], "error": str(e).splitlines()[0][:200]})
+            continue
+        comm = collective_bytes(compiled.as_text(), len(devices))
+        results.append({"mesh": [data, fsdp, tp], "bytes": memory_per_device(compiled), "collective_bytes": comm,
+                        "collective_bytes_total": sum(comm.values())})
+    return rank_layouts(results, memory_bytes)
+
+
+def rank_layouts(results, memory_bytes=None):
+    """`rank_meshes`'s order of its measured layouts, each marked 'fits' for the budget `memory_bytes` (None: any)."""
+    total = lambda r: r["bytes"]["total"] if r.get("bytes") else 0  # noqa: E731 - a backend without figures: 0
+    ok = [{**r, "fits": memory_bytes is None or total(r) <= memory_bytes} for r in results if "error" not in r]
+    ok.sort(key=lambda r: (not r["fits"], r["collective_bytes_total"], total(r)))
+    return ok + [r for r in results if "error" in r]
+
+
 def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
          loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
@@ -282,13 +335,9 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         trainable=trainable, diloco=diloco, zero_quantized_weights=zero_quantized_weights,
         zero_quantized_gradients=zero_quantized_gradients)
     rows = per_device_batch_size * data * fsdp
-    trainer._batch_spec = {k: ((rows, seq_len), "int32") for k in ("input_ids", "labels", "segment_ids")}
-    trainer._checkpointer = _AbstractRestore()
-    trainer._setup(restore_step=0)
     batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), jnp.int32)
              for k in ("input_ids", "labels", "segment_ids")}
-    state = trainer._state
-    compiled = trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile()
+    compiled = compile_step(trainer, batch)
     memory = memory_per_device(compiled)
     hlo = compiled.as_text()
     comm = collective_bytes(hlo, num_devices)
@@ -350,22 +399,24 @@ def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
 
 
 def format_table(results):
-    """A plain-text table of `sweep` results, best first."""
-    head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'stages':>6}  {'idle':>4}  {'zero':>4}  {'total GB':>9}  "
-            f"{'args GB':>8}  {'temp GB':>8}  {'sent GB':>8}  {'all-gather':>10}  {'red-scat':>9}  {'all-red':>8}  "
-            f"{'a2a':>6}  {'permute':>7}  fits")
+    """A plain-text table of `sweep` or `rank_meshes` results, best first (GB, or MB when a total is under 1 GB)."""
+    totals = [r["bytes"]["total"] for r in results if r.get("bytes")]
+    unit, scale = ("GB", 1e9) if not totals or min(totals) >= 1e9 else ("MB", 1e6)
+    head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'stages':>6}  {'idle':>4}  {'zero':>4}  {'total ' + unit:>9}  "
+            f"{'args ' + unit:>8}  {'temp ' + unit:>8}  {'sent ' + unit:>8}  {'all-gather':>10}  {'red-scat':>9}  "
+            f"{'all-red':>8}  {'a2a':>6}  {'permute':>7}  fits")
     lines = [head]
-    gb = lambda b: f"{b / 1e9:.2f}"  # noqa: E731
+    size = lambda b: f"{b / scale:.2f}"  # noqa: E731
     for i, r in enumerate(results, 1):
-        mesh, stages = ",".join(str(x) for x in r["mesh"]), r.get("stages", 1)
+        mesh, stages, zero = ",".join(str(x) for x in r["mesh"]), r.get("stages", 1), r.get("zero_stage", "")
         if "error" in r:
-            lines.append(f"{'-':>4}  {mesh:>15}  {stages:>6}  {'':>4}  {r['zero_stage']:>4}  error: {r['error']}")
+            lines.append(f"{'-':>4}  {mesh:>15}  {stages:>6}  {'':>4}  {zero:>4}  error: {r['error']}")
             continue
-        b, c = r["bytes"], r["collective_bytes"]
-        idle = f"{r['idle_share']:.2f}"
-        lines.append(f"{i:>4}  {mesh:>15}  {stages:>6}  {idle:>4}  {r['zero_stage']:>4}  {gb(b['total']):>9}  "
-                     f"{gb(b['arguments']):>8}  "
-                     f"{gb(b['temporaries']):>8}  {gb(r['collective_bytes_total']):>8}  {gb(c['all-gather']):>10}  "
-                     f"{gb(c['reduce-scatter']):>9}  {gb(c['all-reduce']):>8}  {gb(c['all-to-all']):>6}  "
-                     f"{gb(c['collective-permute']):>7}  {r.get('fits', '')}")
+        b, c = r["bytes"] or dict.fromkeys(("total", "arguments", "temporaries"), float("nan")), r["collective_bytes"]
+        idle = f"{r.get('idle_share', 0.0):.2f}"
+        lines.append(f"{i:>4}  {mesh:>15}  {stages:>6}  {idle:>4}  {zero:>4}  {size(b['total']):>9}  "
+                     f"{size(b['arguments']):>8}  "
+                     f"{size(b['temporaries']):>8}  {size(r['collective_bytes_total']):>8}  "
+                     f"{size(c['all-gather']):>10}  {size(c['reduce-scatter']):>9}  {size(c['all-reduce']):>8}  "
+                     f"{size(c['all-to-all']):>6}  {size(c['collective-permute']):>7}  {r.get('fits', '')}")
     return "\n".join(lines)

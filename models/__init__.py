@@ -8,8 +8,8 @@ attention_mask is 0 on padding, 1 on tokens, or per-sequence ids > 0 for packed 
 from models.flops import train_flops_per_example
 from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
-from models.hf import (FAMILIES, config_from_hf, init_params, load_pretrained, load_sequence_classifier, load_tokenizer,
-                       save_pretrained)
+from models.hf import (FAMILIES, config_from_hf, init_params, load_model, load_pretrained, load_sequence_classifier,
+                       load_tokenizer, save_pretrained)
 from models.layers import ModelOptions, stack_layers
 from models.quantize import dequantize, quantize
 from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,

@@ -131,23 +131,37 @@ def load_sequence_classifier(path, *, dtype=jnp.float32, mesh=None, **options):
     return _load(path, dtype, mesh, options, classifier=True)
 
 
-def _load(path, dtype, mesh, options, classifier):
+def load_model(path, *, dtype=jnp.float32, **options):
+    """The model a transformers directory holds, from its config.json alone (no weight is read): what
+    `load_pretrained` returns beside the parameters."""
+    return _model(_read_config(path), dtype, options)
+
+
+def _read_config(path):
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{path} has no config.json")
     with open(config_file) as f:
-        hf = json.load(f)
+        return json.load(f)
+
+
+def _model(hf, dtype, options):
+    name = jnp.dtype(dtype).name
+    return family(hf["model_type"]).Model(config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options}))
+
+
+def _load(path, dtype, mesh, options, classifier):
+    hf = _read_config(path)
     is_classifier = any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ())
     if is_classifier != classifier:
         raise ValueError(f"{path} holds a {(hf.get('architectures') or ['?'])[0]}; expected "
                          + ("a *ForSequenceClassification checkpoint" if classifier else
                             "a language model (a sequence classifier loads with load_sequence_classifier)"))
-    name = jnp.dtype(dtype).name
-    config = config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options})
     fam = family(hf["model_type"])
     if classifier and getattr(fam.Model, "is_encoder_decoder", False):
         raise ValueError(f"{path} holds a {hf['model_type']} classifier; expected a decoder-only family")
-    model = fam.Model(config)
+    model = _model(hf, dtype, options)
+    config = model.config
     abstract = jax.eval_shape(lambda: init_params(model))
     shardings = None if mesh is None else _shardings(model, abstract, mesh)
     reader, params = _Reader(path), {}

@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 import engine  # noqa: E402
@@ -40,12 +41,12 @@ flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sam
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")
 flags.DEFINE_float("temperature", 0.7, "Sampling temperature of the sample generations (0: greedy).")
 flags.DEFINE_integer("top_k", 20, "Sample among the k most likely tokens (0: all).")
+flags.DEFINE_float("mesh_memory_gb", None, "--mesh=auto's memory budget per device in GB (1e9 bytes); default: the "
+                   "device's own limit (GPU, TPU; a CPU has none).", lower_bound=0.0)
 
 
-def build_model(mesh):
-    """(model, params, tokenizer) from the flags."""
-    if FLAGS.init_from:
-        return cli.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
+def named_model():
+    """(model, tokenizer) of --model / --model_config (byte-level tokens)."""
     tokenizer = text.ByteTokenizer()
     overrides = {}
     if not FLAGS.model_config.endswith(".json"):
@@ -55,7 +56,33 @@ def build_model(mesh):
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size={model.config.vocab_size}; byte-level tokens need at least "
                          f"{tokenizer.vocab_size}")
-    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
+    return model, tokenizer
+
+
+def build_model(mesh):
+    """(model, params, tokenizer) from the flags."""
+    if FLAGS.init_from:
+        return cli.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
+    model, tokenizer = named_model()
+    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
+
+
+def auto_mesh():
+    """--mesh=auto: the run's model and Trainer over abstract parameters (no weight read or allocated) on every
+    layout; returns (mesh, rows per data position)."""
+    model = (cli.load_hf_model(FLAGS.init_from, families=FAMILIES) if FLAGS.init_from else named_model()[0])
+    described = {}
+
+    def laid_out():  # the parameters as cli.with_flags lays them out (a pipeline's stacked layers), shapes only
+        described["model"], params = cli.with_flags(model, models.init_params(model, jax.random.PRNGKey(0)))
+        return params
+
+    abstract = jax.eval_shape(laid_out)
+    loss_fn = text.lm_loss_fn(described["model"], cli.loss_implementation())
+    example = {"tokens": np.zeros(FLAGS.seq_len + 1, np.int32), "segment_ids": np.ones(FLAGS.seq_len + 1, np.int32)}
+    return cli.choose_mesh(lambda mesh: engine.Trainer(
+        mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=cli.optimizer(),
+        **cli.trainer_kwargs()), text.collate_lm, example, memory_gb=FLAGS.mesh_memory_gb)
 
 
 def main(argv):
@@ -66,7 +93,9 @@ def main(argv):
         docs = text.read_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
         if not any(doc.strip() for doc in docs):
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
-    mesh = cli.start()
+    mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
+    if mesh is None:
+        mesh, batch = auto_mesh()
     model, params, tokenizer = build_model(mesh)
     model, params = cli.with_flags(model, params)
     if token_dir is None:
@@ -74,7 +103,7 @@ def main(argv):
     else:  # a memory-mapped Sequence of windows: only each batch's rows are read
         text.check_token_dir(token_dir, tokenizer, model.config.vocab_size)
         rows = text.TokenWindows(token_dir, FLAGS.seq_len)
-    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch.
     n_eval = max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024))
     if len(rows) < n_eval + global_batch:
@@ -92,15 +121,15 @@ def main(argv):
                              **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
-    start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=FLAGS.per_device_batch_size)
+    start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
-    trainer.fit(train_rows, per_device_batch_size=FLAGS.per_device_batch_size, n_epochs=FLAGS.n_epochs,
+    trainer.fit(train_rows, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
                 save_every=FLAGS.save_every, profile_steps=profile,
                 **cli.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
-    end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=FLAGS.per_device_batch_size)
+    end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss after training: {end_loss:.4f} (was {start_loss:.4f}) at step {trainer.step}")
     if FLAGS.prompts:  # every process takes part (the parameters may span hosts); process 0 prints
         samples = text.generate_texts(model, trainer.params, tokenizer, FLAGS.prompts,

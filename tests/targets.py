@@ -26,12 +26,8 @@ def kernel_operands_of_train_step(trainer, rows, seq_len, platform="cuda"):
     import numpy as np
 
     from engine import plan
-    names = ("input_ids", "labels", "segment_ids")
-    trainer._batch_spec = {k: ((rows, seq_len), "int32") for k in names}
-    trainer._checkpointer = plan._AbstractRestore()
-    trainer._setup(restore_step=0)
-    batch = {k: jax.ShapeDtypeStruct((1, rows, seq_len), jnp.int32) for k in names}
-    state = trainer._state
+    batch = {k: jax.ShapeDtypeStruct((1, rows, seq_len), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
+    state = plan.abstract_state(trainer, batch)
     target = for_gpu(trainer.mesh) if platform == "cuda" else jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh)
     with target:
         lowered = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(

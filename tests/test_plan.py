@@ -168,3 +168,38 @@ def test_diloco_plan_counts_inner_and_outer_steps_apart():
     local = 90432 / 2  # a device's share of a replica (the norm scales, replicated over fsdp, are < 0.5%)
     assert all(abs(b - 2 * 3 / 4 * 4 * local / 2) < 0.01 * b for b in fp32["outer_step_bytes"])
     assert sum(fp32["outer_step_bytes"]) / sum(int4["outer_step_bytes"]) > 6
+
+
+def test_rank_meshes_puts_the_layouts_that_fit_first_then_the_least_communication():
+    """--mesh=auto's choice on 2 devices for one global batch of 8 rows (the Trainer task's model): every
+    (data, fsdp, model) is compiled and ranked by bytes sent; a layout whose Trainer cannot be built comes last with
+    its error; with a budget between the two layouts' memory the one that fits comes first, whatever it sends."""
+    import jax
+    import optax
+
+    import engine
+    from tests import trainer_task as task
+
+    abstract = jax.eval_shape(task.init_params)
+
+    def make_trainer(mesh):
+        if mesh.shape["model"] == 2:
+            raise ValueError("model=2: no layout for this test")
+        return engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn, params=abstract,
+                              optimizer=optax.adam(1e-2))
+
+    rows = task.collate_fn(task.make_examples(8))
+    batch = {k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in rows.items()}
+    ranked = plan.rank_meshes(make_trainer, batch, devices=jax.devices()[:2])
+    assert [tuple(r["mesh"]) for r in ranked][-1] == (1, 1, 2) and "model=2" in ranked[-1]["error"]
+    ok = ranked[:-1]
+    assert sorted(tuple(r["mesh"]) for r in ok) == [(1, 2, 1), (2, 1, 1)] and all(r["fits"] for r in ok)
+    assert ok[0]["collective_bytes_total"] <= ok[1]["collective_bytes_total"] and ok[0]["collective_bytes_total"] > 0
+    data, fsdp = (next(r for r in ok if r["mesh"] == m) for m in ([2, 1, 1], [1, 2, 1]))
+    assert fsdp["bytes"]["arguments"] < data["bytes"]["arguments"]  # ZeRO-3 holds half the state
+    budget = (fsdp["bytes"]["total"] + data["bytes"]["total"]) // 2
+    tight = plan.rank_layouts(ranked, budget)
+    assert [(r["mesh"], r["fits"]) for r in tight[:2]] == [([1, 2, 1], True), ([2, 1, 1], False)]
+    assert tight[-1] == ranked[-1]
+    table = plan.format_table(tight).splitlines()
+    assert "total MB" in table[0] and len(table) == 4 and "error: model=2" in table[-1]

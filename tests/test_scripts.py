@@ -98,6 +98,55 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
     assert "--- 'the':" in gen.stdout
 
 
+def _auto_mesh(workdir, devices, *args, ok=True):
+    """train_lm.py --mesh=auto on `devices` devices: (the process, the table's rows as (mesh, sent MB, fits), the
+    choice)."""
+    out = subprocess.run([sys.executable, "scripts/train_lm.py", f"--workdir={workdir}", "--mesh=auto", *TINY_LM,
+                          "--prompts=", "--log_every=1", *args], cwd=ROOT, env={**ENV, "XLA_FLAGS": cpu_devices(devices)},
+                         capture_output=True, text=True, timeout=300)
+    assert (out.returncode == 0) == ok, out.stderr[-3000:]
+    rows = re.findall(r"^ +\d+ +(\d,\d,\d) +1 +0\.00 +([\d.]+) +[\d.]+ +[\d.]+ +([\d.]+) .* (True|False)$",
+                      out.stdout, re.M)
+    chosen = re.search(r"^--mesh=auto chose (\d,\d,\d): (\d+) rows per data position$", out.stdout, re.M)
+    return out, [(m, float(sent), fits == "True") for m, _, sent, fits in rows], chosen
+
+
+@pytest.mark.slow
+def test_train_lm_chooses_its_mesh(tmp_path):
+    """--mesh=auto compiles the run's step on every layout of the 2 devices for the global batch of 2 rows per
+    device (4), prints the ranking and trains on its first: the least communication, its rows per data position
+    making up the same 4 rows."""
+    out, rows, chosen = _auto_mesh(tmp_path / "w", 2, "--max_steps=1")
+    _check_choice(out, rows, chosen, layouts=3, global_batch=4)
+    assert _steps(tmp_path / "w")[-1] == 1
+
+
+def _check_choice(out, rows, chosen, layouts, global_batch):
+    assert len(rows) == layouts and all(fits for *_, fits in rows), out.stdout
+    sent = [s for _, s, _ in rows]
+    assert sent == sorted(sent) and chosen.group(1) == rows[0][0], out.stdout
+    data, fsdp, model = map(int, chosen.group(1).split(","))
+    assert int(chosen.group(2)) * data * fsdp == global_batch
+    assert f"on mesh data={data} x fsdp={fsdp} x stage=1 x context=1 x model={model}" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_train_lm_auto_mesh_resumes_and_refuses_a_budget_nothing_fits(tmp_path):
+    """On 4 devices (6 layouts, 8 rows): the same choice again on resuming; a budget no layout fits ends in one
+    line naming the least any needs, before a workdir file is written."""
+    first, rows, chosen = _auto_mesh(tmp_path / "w", 4, "--max_steps=2")
+    _check_choice(first, rows, chosen, layouts=6, global_batch=8)
+    again, _, chosen_again = _auto_mesh(tmp_path / "w", 4, "--max_steps=3")
+    assert "resumed from" in again.stdout and chosen_again.groups() == chosen.groups()
+    assert _steps(tmp_path / "w")[-1] == 3
+    failed, rows, _ = _auto_mesh(tmp_path / "x", 4, "--mesh_memory_gb=0.0001", ok=False)
+    assert len(rows) == 6 and not any(fits for *_, fits in rows)
+    assert failed.returncode == 2 and re.search(r"^error: --mesh=auto: no layout fits 0\.00 GB per device \(the "
+                                                r"least, mesh \d,\d,\d, needs 0\.\d+ GB\); expected",
+                                                failed.stderr.splitlines()[-1]), failed.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "x" / "run.json")
+
+
 @pytest.mark.slow
 def test_prepare_data_then_train_lm_reads_the_tokens_through_a_memory_map(tmp_path):
     txt = _stdlib_txt(tmp_path / "data" / "a.txt")
@@ -385,6 +434,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--init_from=/nonexistent"): "--init_from=/nonexistent is not a directory",
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
+        ("train_sft.py", "--mesh=auto"): "--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this "
+                                         "script does not choose a layout: scripts/train_lm.py does)",
         ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three integers",
         ("finetune_seq2seq.py", "--dropout_rate=1.5"): "--dropout_rate=1.5: 1.5 is not a number in the range",
         ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",

@@ -211,12 +211,8 @@ def test_layer_loop_bodies_are_double_buffered():
     loss.weight_metric = "tokens"
     trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=8), collate_fn=text.collate_lm, loss_fn=loss,
                              params=params, optimizer=optax.sgd(0.1), step="shard_map")
-    trainer._batch_spec = {k: ((8, 16), "int32") for k in ("input_ids", "labels", "segment_ids")}
-    trainer._checkpointer = plan._AbstractRestore()
-    trainer._setup(restore_step=0)
     batch = {k: jax.ShapeDtypeStruct((1, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
-    state = trainer._state
-    hlo = trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile().as_text()
+    hlo = plan.compile_step(trainer, batch).as_text()
     comps, entry = plan._computations(hlo)
     kinds = []
     for name, lines in comps.items():

@@ -294,6 +294,43 @@ def test_optimizer_flags_schedules_and_errors():
         FLAGS.unparse_flags()
 
 
+def test_choose_mesh_trains_the_global_batch_on_the_first_layout(capsys):
+    """--mesh=auto's glue (train_lm.py's; the ranking itself: tests/test_plan.py): 2 rows per device on 2 devices
+    is one global batch of 4, laid out on the layout ranked first (printed) with its rows per data position; a
+    budget nothing fits ends in one error naming the least any layout needs."""
+    import optax
+    from absl import flags
+
+    import engine
+    from tests import trainer_task as task
+
+    FLAGS = flags.FLAGS
+    cli.define_flags()
+    abstract = jax.eval_shape(task.init_params)
+
+    def make_trainer(mesh):  # one layout compiles (its rank among others: tests/test_plan.py)
+        if mesh.shape["fsdp"] != 2:
+            raise ValueError("not in this test")
+        return engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn, params=abstract,
+                              optimizer=optax.adam(1e-2))
+
+    example = task.make_examples(1)[0]
+    try:
+        FLAGS.unparse_flags()
+        FLAGS(["prog", "--per_device_batch_size=2"])
+        mesh, rows = cli.choose_mesh(make_trainer, task.collate_fn, example, devices=jax.devices()[:2])
+        printed = capsys.readouterr().out
+        assert re.search(r"^ +1 +1,2,1 +1 ", printed, re.M) and printed.count("error: not in this test") == 2
+        assert (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["model"]) == (1, 2, 1) and mesh.devices.size == 2
+        assert rows == 2 and "3 layouts of 2 devices for 4 rows per step (compiled in " in printed
+        assert "--mesh=auto chose 1,2,1: 2 rows per data position" in printed
+        with pytest.raises(ValueError, match=r"^--mesh=auto: no layout fits 0\.00 GB per device \(the least, mesh "
+                                             r"1,2,1, needs 0\.\d\d GB\); expected a larger budget"):
+            cli.choose_mesh(make_trainer, task.collate_fn, example, memory_gb=1e-6, devices=jax.devices()[:2])
+    finally:
+        FLAGS.unparse_flags()
+
+
 def test_parse_flags_helpers():
     assert cli.parse_profile_steps([]) is None and cli.parse_profile_steps(["2", "5"]) == (2, 5)
     with pytest.raises(ValueError, match=r"--profile_steps=5,2; expected START,END"):
