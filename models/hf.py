@@ -147,7 +147,8 @@ def _read_config(path):
 
 def _model(hf, dtype, options):
     name = jnp.dtype(dtype).name
-    return family(hf["model_type"]).Model(config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options}))
+    config = config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options})  # checks model_type
+    return family(hf["model_type"]).Model(config)
 
 
 def _load(path, dtype, mesh, options, classifier):
@@ -157,10 +158,10 @@ def _load(path, dtype, mesh, options, classifier):
         raise ValueError(f"{path} holds a {(hf.get('architectures') or ['?'])[0]}; expected "
                          + ("a *ForSequenceClassification checkpoint" if classifier else
                             "a language model (a sequence classifier loads with load_sequence_classifier)"))
+    model = _model(hf, dtype, options)
     fam = family(hf["model_type"])
     if classifier and getattr(fam.Model, "is_encoder_decoder", False):
         raise ValueError(f"{path} holds a {hf['model_type']} classifier; expected a decoder-only family")
-    model = _model(hf, dtype, options)
     config = model.config
     abstract = jax.eval_shape(lambda: init_params(model))
     shardings = None if mesh is None else _shardings(model, abstract, mesh)
