@@ -208,6 +208,27 @@ class _AbstractRestore:
         return target, {}
 
 
+def diloco_bytes(hlo, fragments, num_devices):
+    """(an inner step's bytes per collective, [each part's outer step's]) of a DiLoCo step's HLO, read through its
+    outer steps' switch (a collective-free branch, then one per part); (all bytes, None) without one (the
+    overlapped program of the inner step alone)."""
+    comm = collective_bytes(hlo, num_devices)
+    switches = [b for b in conditional_branches(hlo) if len(b) == fragments + 1]
+    if len(switches) != 1:
+        return comm, None
+    outer = [collective_bytes(hlo, num_devices, root=b) for b in switches[0][1:]]
+    return {k: v - sum(o[k] for o in outer) for k, v in comm.items()}, outer
+
+
+def _bytes_per_step(trainer, hlo, num_devices):
+    """Bytes per collective one device sends per step, averaged over DiLoCo's rounds: each part's outer step runs
+    once every inner_steps steps (overlapped: the inner program alone, so its outer steps are not counted)."""
+    if trainer.diloco is None:
+        return collective_bytes(hlo, num_devices)
+    inner, outer = diloco_bytes(hlo, trainer.diloco.fragments, num_devices)
+    return {k: v + sum(o[k] for o in outer or ()) / trainer.diloco.inner_steps for k, v in inner.items()}
+
+
 def abstract_state(trainer, batch):
     """Lays out `trainer`'s state for `batch` ({name: jax.ShapeDtypeStruct [accumulate, rows, ...]}, one global
     update) without allocating it: `trainer` holds abstract parameters (jax.ShapeDtypeStruct leaves) and no workdir.
@@ -229,11 +250,12 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     train step of `make_trainer(mesh)` (an `engine.Trainer` over abstract parameters, no workdir) compiled for the
     one global `batch` ({name: jax.ShapeDtypeStruct [accumulate, rows, ...]}) on every (data, fsdp, model) of the
     `devices` (default all) left after `stages` x `context`, read off the compiled programs, best first: those whose
-    memory per device fits `memory_bytes` (None: any), then by bytes each device sends per step, then by memory.
+    memory per device fits `memory_bytes` (None: any), then by bytes each device sends per step (DiLoCo's outer
+    steps averaged over their rounds), then by memory.
     With the global batch fixed every layout does the same useful work, so what differs is the communication
-    (and, for a memory limit, the fit). Each result: {'mesh': [data, fsdp, model], 'bytes' (memory_per_device),
-    'collective_bytes', 'collective_bytes_total', 'fits'}; a layout that does not compile (heads that `model` does
-    not divide, say) comes last with its 'error'."""
+    (and, for a memory limit, the fit). Each result: {'mesh': [data, fsdp, model], 'stages', 'context', 'bytes'
+    (memory_per_device), 'collective_bytes', 'collective_bytes_total', 'fits'}; a layout that does not compile
+    (heads that `model` does not divide, say) comes last with its 'error'."""
     import engine
 
     devices = list(jax.devices() if devices is None else devices)
@@ -241,14 +263,19 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     for data, fsdp, tp in mesh_shapes(len(devices) // (stages * context)):
         try:
             mesh = engine.make_mesh(data=data, fsdp=fsdp, model=tp, stage=stages, context=context, devices=devices)
-            compiled = compile_step(make_trainer(mesh), batch)
+            trainer = make_trainer(mesh)
+            compiled = compile_step(trainer, batch)
         except Exception as e:  # noqa: BLE001 - one layout that cannot run must not end the search
             logging.info("mesh %s does not compile: %s", (data, fsdp, tp), e)
-            results.append({"mesh": [data, fsdp, tp], "error": str(e).splitlines()[0][:200]})
+            results.append({"mesh": [data, fsdp, tp], "stages": stages, "context": context,
+                            "error": str(e).splitlines()[0][:200]})
             continue
-        comm = collective_bytes(compiled.as_text(), len(devices))
-        results.append({"mesh": [data, fsdp, tp], "bytes": memory_per_device(compiled), "collective_bytes": comm,
-                        "collective_bytes_total": sum(comm.values())})
+        comm = _bytes_per_step(trainer, compiled.as_text(), len(devices))
+        memory = memory_per_device(compiled)
+        results.append({"mesh": [data, fsdp, tp], "stages": stages, "context": context, "bytes": memory,
+                        "collective_bytes": comm, "collective_bytes_total": sum(comm.values())})
+        logging.info("mesh %s: %s bytes per device, %d bytes sent per step", (data, fsdp, tp),
+                     memory and memory["total"], sum(comm.values()))  # a long search shows its progress
     return rank_layouts(results, memory_bytes)
 
 
@@ -342,13 +369,11 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     hlo = compiled.as_text()
     comm = collective_bytes(hlo, num_devices)
     outer = None
-    if diloco is not None:  # the outer steps' switch: a collective-free branch, then one per part
-        switches = [b for b in conditional_branches(hlo) if len(b) == diloco_fragments + 1]
-        if len(switches) != 1:
+    if diloco is not None:
+        comm, outer = diloco_bytes(hlo, diloco_fragments, num_devices)
+        if outer is None:
             raise RuntimeError(f"plan: expected one DiLoCo switch of {diloco_fragments + 1} branches in the compiled "
-                               f"step, found {len(switches)}")
-        outer = [collective_bytes(hlo, num_devices, root=b) for b in switches[0][1:]]
-        comm = {k: v - sum(o[k] for o in outer) for k, v in comm.items()}  # an inner step's
+                               "step")
     result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
               "stages": stages, "context": context, "pipeline_microbatches": pipeline_microbatches or stages,
               "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),

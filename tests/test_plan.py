@@ -203,3 +203,28 @@ def test_rank_meshes_puts_the_layouts_that_fit_first_then_the_least_communicatio
     assert tight[-1] == ranked[-1]
     table = plan.format_table(tight).splitlines()
     assert "total MB" in table[0] and len(table) == 4 and "error: model=2" in table[-1]
+
+
+def test_rank_meshes_averages_diloco_outer_steps_over_their_round():
+    """Under DiLoCo (2 replicas, 4 inner steps) the inner step sends nothing over `data`; its outer step all-reduces
+    the fp32 replica (2 x 1/2 x 4 bytes per parameter) once every 4 steps, which the ranking counts per step."""
+    import jax
+    import numpy as np
+    import optax
+
+    import engine
+    from tests import trainer_task as task
+
+    abstract = jax.eval_shape(task.init_params)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
+
+    def make_trainer(mesh):
+        if mesh.shape["data"] != 2:
+            raise ValueError("one layout")
+        return engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn, params=abstract,
+                              optimizer=optax.adam(1e-2), diloco=engine.DiLoCo(inner_steps=4))
+
+    rows = task.collate_fn(task.make_examples(8))
+    batch = {k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in rows.items()}
+    (ranked, *_) = plan.rank_meshes(make_trainer, batch, devices=jax.devices()[:2])
+    assert ranked["mesh"] == [2, 1, 1] and ranked["collective_bytes_total"] == 2 * 0.5 * 4 * n / 4
