@@ -236,7 +236,7 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None)
     rows = FLAGS.per_device_batch_size * positions
     batch = {k: jax.ShapeDtypeStruct((FLAGS.accumulate_grad_batches, *np.shape(v)), np.asarray(v).dtype)
              for k, v in collate_fn([example] * rows).items()}
-    budget = memory_gb * 1e9 if memory_gb else engine.plan.device_memory_bytes(devices[0])
+    budget = memory_gb * 1e9 if memory_gb is not None else engine.plan.device_memory_bytes(devices[0])
     started = time.perf_counter()
     ranked = engine.plan.rank_meshes(make_trainer, batch, devices=devices, stages=stages, context=context,
                                      memory_bytes=budget)

@@ -436,6 +436,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
         ("train_sft.py", "--mesh=auto"): "--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this "
                                          "script does not choose a layout: scripts/train_lm.py does)",
+        ("train_lm.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive budget "
+                                               "with --mesh=auto",
         ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three integers",
         ("finetune_seq2seq.py", "--dropout_rate=1.5"): "--dropout_rate=1.5: 1.5 is not a number in the range",
         ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",
