@@ -322,6 +322,7 @@ def test_t5_on_a_context_mesh_has_the_unsplit_gradients():
                               engine.make_mesh(data=2, context=2, model=2))
 
 
+@pytest.mark.slow
 def test_plan_of_a_context_mesh_compiles_in_bfloat16():
     """The jit step of a bf16 LLaMA planned on context 8 (the exchange's shard_map once made the size-1 `stage`
     axis manual, which aborted XLA:CPU's all-reduce promotion): it compiles, and the weights and optimizer state

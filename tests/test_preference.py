@@ -155,6 +155,7 @@ def test_sequence_log_probs_loss_and_metrics_match_the_formula():
         preference.with_reference(examples, [np.zeros(2)])
 
 
+@pytest.mark.slow
 def test_dpo_learns_the_toy_preference_on_a_mesh():
     """From a fresh model (policy = reference), one epoch of DPO on 8 devices takes the held-out preference accuracy
     on sorted lists against other orders from 0 (ties) to >= 0.9 and the DPO loss well below log 2."""

@@ -162,6 +162,7 @@ def _ppo(sft_params, mesh, **config):
     return task, jax.tree.map(jnp.asarray, params)
 
 
+@pytest.mark.slow
 def test_rollouts_with_an_int8_kv_cache_score_what_they_sample(sft_params):
     """PPOConfig(kv_cache_dtype='int8'): the rollouts sample through an int8 cache; the rows are scored by full
     forward passes, so each row's old log-probabilities are the reference's on its own tokens (KL 0), as with a
@@ -313,6 +314,7 @@ def test_lora_ppo_refuses_to_train_what_the_shared_reference_reads(sft_params):
         ppo.PPO(**{**common, "critic": reward.RewardModel(_backbone()), "ref_params": None})
 
 
+@pytest.mark.slow
 def test_scores_on_a_context_mesh_equal_the_unsplit_ones():
     """PPO's scoring program reads a critic's values on the rows [B, T] and a reward model's scores on the rows with
     their EOS appended, [B, T + 1]. On a context mesh T splits and T + 1 did not, and that mix failed XLA:CPU's
