@@ -252,9 +252,10 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     `devices` (default all) left after `stages` x `context`, read off the compiled programs, best first: those whose
     memory per device fits `memory_bytes` (None: any), then by bytes each device sends per step (DiLoCo's outer
     steps averaged over their rounds), then by memory. With the global batch fixed every layout does the same
-    useful work, so what differs is the communication (and, for a memory limit, the fit). Each result: {'mesh': [data, fsdp, model], 'stages', 'context', 'bytes'
-    (memory_per_device), 'collective_bytes', 'collective_bytes_total', 'fits'}; a layout that does not compile
-    (heads that `model` does not divide, say) comes last with its 'error'."""
+    useful work, so what differs is the communication (and, for a memory limit, the fit). Each result: {'mesh':
+    [data, fsdp, model], 'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes',
+    'collective_bytes_total', 'fits'}; a layout that does not compile (heads that `model` does not divide, say)
+    comes last with its 'error'."""
     import engine
 
     devices = list(jax.devices() if devices is None else devices)

@@ -2,10 +2,11 @@
 
 The bad-flag tests start some thirty scripts that each fail during start-up; as separate interpreters each paid
 the 4-8 s import of JAX, flax, optax and orbax (most of their cost on a 2-core machine). Here the import is paid once:
-this module, run as `python -m tests.prewarmed` with a JSON list of [script, arg, ...] on stdin, imports them
-without starting a JAX backend or a thread (so forking is safe), then forks one child per case, which runs the script
-as `__main__` with fresh absl flags (the script defines them after the fork) and its stdout / stderr in files. It
-prints one JSON list of {"returncode", "stdout", "stderr"} in the order of the cases.
+this module, run as `python -m tests.prewarmed` with JSON [[[script, arg, ...], ...], seconds each] on stdin,
+imports them without starting a JAX backend or a thread (so forking is safe), then forks one child per case, which
+runs the script as `__main__` with fresh absl flags (the script defines them after the fork) and its stdout / stderr
+in files, and ends by SIGALRM after its seconds. It prints one JSON list of {"returncode", "stdout", "stderr"} in the
+order of the cases.
 
 `run_scripts(cases, env, cwd)` is the tests' entry point.
 """
@@ -18,16 +19,18 @@ import tempfile
 
 def run_scripts(cases, env, cwd, timeout=300):
     """[(returncode, stdout, stderr)] of `python scripts/<case[0]> <case[1:]>` for each case, run as above."""
-    out = subprocess.run([sys.executable, "-m", "tests.prewarmed"], input=json.dumps([list(c) for c in cases]),
-                         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([sys.executable, "-m", "tests.prewarmed"], cwd=cwd, env=env, capture_output=True, text=True,
+                         input=json.dumps([[list(c) for c in cases], timeout - 30]), timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"tests.prewarmed failed ({out.returncode}): {out.stderr[-3000:]}")
     return [(r["returncode"], r["stdout"], r["stderr"]) for r in json.loads(out.stdout)]
 
 
-def _child(script, args, out_path, err_path):
+def _child(script, args, out_path, err_path, timeout):
     import runpy
+    import signal
     import traceback
+    signal.alarm(timeout)  # a hung start-up ends (SIGALRM) instead of outliving the tests
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
@@ -51,7 +54,7 @@ def _child(script, args, out_path, err_path):
 
 
 def main():
-    cases = json.loads(sys.stdin.read())
+    cases, timeout = json.loads(sys.stdin.read())
     import threading
 
     import flax  # noqa: F401
@@ -64,7 +67,8 @@ def main():
     import models  # noqa: F401
     from engine import cli, ppo, preference, reward, text  # noqa: F401
     from jax._src import xla_bridge
-    assert threading.active_count() == 1 and not getattr(xla_bridge, "_backends", None), "fork needs one thread and no JAX backend"
+    started = getattr(xla_bridge, "_backends", None)
+    assert threading.active_count() == 1 and not started, "fork needs one thread and no JAX backend"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         children = []
@@ -74,7 +78,7 @@ def main():
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(script, args, out_path, err_path)
+                _child(script, args, out_path, err_path, timeout)
             children.append((pid, out_path, err_path))
         for pid, out_path, err_path in children:
             _, status = os.waitpid(pid, 0)

@@ -102,8 +102,8 @@ def _auto_mesh(workdir, devices, *args, ok=True):
     """train_lm.py --mesh=auto on `devices` devices: (the process, the table's rows as (mesh, sent MB, fits), the
     choice)."""
     out = subprocess.run([sys.executable, "scripts/train_lm.py", f"--workdir={workdir}", "--mesh=auto", *TINY_LM,
-                          "--prompts=", "--log_every=1", *args], cwd=ROOT, env={**ENV, "XLA_FLAGS": cpu_devices(devices)},
-                         capture_output=True, text=True, timeout=300)
+                          "--prompts=", "--log_every=1", *args], cwd=ROOT, capture_output=True, text=True,
+                         env={**ENV, "XLA_FLAGS": cpu_devices(devices)}, timeout=300)
     assert (out.returncode == 0) == ok, out.stderr[-3000:]
     rows = re.findall(r"^ +\d+ +(\d,\d,\d) +1 +0\.00 +([\d.]+) +[\d.]+ +[\d.]+ +([\d.]+) .* (True|False)$",
                       out.stdout, re.M)
