@@ -32,9 +32,10 @@ def define_flags():
     if "mesh" in FLAGS:
         return
     flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model; one may be -1 (the rest of the "
-                        "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. scripts/train_lm.py "
-                        "also takes 'auto': every layout compiled ahead of time, the one that fits and sends least "
-                        "chosen, --per_device_batch_size rows per device kept as the global batch.")
+                        "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. train_lm.py, "
+                        "train_sft.py, train_dpo.py and train_reward.py also take 'auto': every layout compiled ahead "
+                        "of time, the one that fits and sends least chosen, --per_device_batch_size rows per device "
+                        "kept as the global batch.")
     flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
                          "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe schedule.")
     flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
@@ -197,9 +198,18 @@ def _check_diloco_flags():
                          f"{FLAGS.diloco_inner_steps} (each part takes its outer step at its own inner step)")
 
 
+def define_auto_mesh_flag():
+    """--mesh_memory_gb, of a script whose `start(auto=True)` takes --mesh=auto."""
+    flags.DEFINE_float("mesh_memory_gb", None, "--mesh=auto's memory budget per device in GB (1e9 bytes); unset: the "
+                       "device's own limit (GPU, TPU; a CPU has none).")
+
+
 def start(auto=False):
     """Joins the multi-process runtime (if asked) and builds the mesh from the flags. auto: the script takes
     --mesh=auto (then None is returned and the script calls `choose_mesh` once its model is described)."""
+    if auto and FLAGS.mesh_memory_gb is not None and (FLAGS.mesh != "auto" or FLAGS.mesh_memory_gb <= 0):
+        raise ValueError(f"--mesh_memory_gb={FLAGS.mesh_memory_gb} with --mesh={FLAGS.mesh}; expected a positive "
+                         "budget with --mesh=auto")
     for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages", "context_parallel"):
         if FLAGS[name].value < 1:
             raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
@@ -214,7 +224,7 @@ def start(auto=False):
     if FLAGS.mesh == "auto":
         if not auto:
             raise ValueError("--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this script does "
-                             "not choose a layout: scripts/train_lm.py does)")
+                             "not choose a layout: train_lm.py, train_sft.py, train_dpo.py and train_reward.py do)")
         return None
     mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
     if "zero_quantized_weights" in FLAGS:  # the training scripts': checked before any workdir file is written
@@ -259,6 +269,17 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None)
         print(f"--mesh=auto chose {data},{fsdp},{tp}: {rows // (data * fsdp)} rows per data position")
     mesh = engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp, devices=devices)
     return mesh, rows // (data * fsdp)
+
+
+def choose_decoder_mesh(make_trainer, collate_fn, encode, records, *, tasks):
+    """--mesh=auto for a script that starts from `start_decoder`: `choose_mesh` over `describe_decoder`'s model and
+    abstract parameters. make_trainer(mesh, model, params): the run's Trainer (no workdir needed); encode(records,
+    tokenizer, seq_len=) -> (examples, cut): the script's encoding, whose first record's example stands for every
+    row. Returns (mesh, rows per data position)."""
+    model, params, tokenizer = describe_decoder(tasks=tasks, seq_len=FLAGS.seq_len)
+    (example, *_), _ = encode(records[:1], tokenizer, seq_len=FLAGS.seq_len)
+    return choose_mesh(lambda mesh: make_trainer(mesh, model, params), collate_fn, example,
+                       memory_gb=FLAGS.mesh_memory_gb)
 
 
 def trainer_kwargs():
@@ -392,15 +413,17 @@ def load_train_eval(read, toy, *, key, what):
     return train, evals
 
 
-def encode_rows(encode, tokenizer, train_records, eval_records, mesh, *, what):
+def encode_rows(encode, tokenizer, train_records, eval_records, mesh, *, what, per_device_batch_size=None):
     """(train examples, eval examples) from `encode(records, tokenizer, seq_len=--seq_len) -> (examples, cut)` on
     both record lists: logs how many records were cut to --seq_len, and a ValueError when the training examples are
-    fewer than one global batch."""
+    fewer than one global batch (of per_device_batch_size rows per data position; default
+    --per_device_batch_size)."""
     (train, cut), (evals, eval_cut) = (encode(records, tokenizer, seq_len=FLAGS.seq_len)
                                        for records in (train_records, eval_records))
     if cut + eval_cut:
         logging.warning("%d %s were cut to --seq_len=%d tokens", cut + eval_cut, what, FLAGS.seq_len)
-    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    global_batch = engine.global_batch_size(mesh, per_device_batch_size or FLAGS.per_device_batch_size,
+                                            FLAGS.accumulate_grad_batches)
     if len(train) < global_batch:
         raise ValueError(f"{len(train)} training {what} are fewer than one global batch of {global_batch}")
     return train, evals
@@ -480,6 +503,11 @@ def _start_decoder(mesh, tasks, seq_len):
         if os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
             return restore_run(FLAGS.init_from, mesh, tasks=tasks)
         return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
+    model, tokenizer = _fresh_decoder(seq_len)
+    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
+
+
+def _fresh_decoder(seq_len):
     tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
     overrides = {}
     if not FLAGS.model_config.endswith(".json"):
@@ -488,7 +516,30 @@ def _start_decoder(mesh, tasks, seq_len):
     model = create_model(FLAGS.model, FLAGS.model_config, overrides, families=DECODER_FAMILIES)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
-    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
+    return model, tokenizer
+
+
+def describe_decoder(*, tasks, seq_len):
+    """(model, params, tokenizer) of `start_decoder`'s starting point with the --lora_* flags and `with_flags`
+    applied, the parameters as jax.ShapeDtypeStructs: no weight is read or allocated (--mesh=auto's description,
+    from a workdir's run.json, a Hugging Face directory's config.json and tokenizer, or the fresh model's flags).
+    --init_adapter is not read: merged into the weights, it changes no shape."""
+    if FLAGS.init_from and os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
+        _, model, tokenizer = load_run(FLAGS.init_from, tasks)
+    elif FLAGS.init_from:
+        model = load_hf_model(FLAGS.init_from, families=DECODER_FAMILIES)
+        tokenizer = _hf_tokenizer(FLAGS.init_from, model)
+    else:
+        model, tokenizer = _fresh_decoder(seq_len)
+    described = {}
+
+    def laid_out():  # the real start's functions, traced for shapes
+        params = models.init_params(model, jax.random.PRNGKey(0))
+        described["model"], params = with_flags(*with_lora(model, params, None))
+        return params
+
+    params = jax.eval_shape(laid_out)
+    return described["model"], params, tokenizer
 
 
 def with_lora(model, params, mesh):
@@ -590,13 +641,17 @@ def load_hf(path, *, families, mesh=None, byte_fallback=True):
     large enough (byte_fallback)."""
     load_hf_model(path, families=families)  # bad input fails before any weight is read
     model, params = models.load_pretrained(path, mesh=mesh)
+    return model, params, _hf_tokenizer(path, model, byte_fallback)
+
+
+def _hf_tokenizer(path, model, byte_fallback=True):
     tokenizer = text.HFTokenizer.from_dir(path, model.config.vocab_size)
     if tokenizer is None:
         tokenizer = text.ByteTokenizer()
         if not byte_fallback or model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"--init_from={path} has no tokenizer.json and a vocabulary of {model.config.vocab_size} "
                              f"< {tokenizer.vocab_size} needed for byte-level tokens")
-    return model, params, tokenizer
+    return tokenizer
 
 
 def _model_fields(model):

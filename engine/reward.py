@@ -41,7 +41,8 @@ class RewardModel(nn.Module):
 def init_params(reward_model, backbone_params, rng):
     """Parameters of `reward_model` whose backbone is `backbone_params` (e.g. an SFT checkpoint's) and whose score
     head is fresh (host arrays, which a Trainer or a Predictor places on any mesh). The backbone's arrays are used
-    as they are (same placement, no copy)."""
+    as they are (same placement, no copy). Abstract backbone parameters (jax.ShapeDtypeStructs: --mesh=auto's
+    description) get an abstract head."""
     abstract = jax.eval_shape(reward_model.init, rng, jnp.zeros((1, 8), jnp.int32))["params"]
     want = jax.tree.structure(abstract["backbone"])
     if jax.tree.structure(backbone_params) != want:
@@ -51,6 +52,8 @@ def init_params(reward_model, backbone_params, rng):
     c = reward_model.backbone.config
     width = abstract["score"]["kernel"].shape[0]
     head = _score_head(width, c)
+    if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(backbone_params)):
+        return {"backbone": backbone_params, "score": jax.eval_shape(head.init, rng, jnp.zeros((1, width)))["params"]}
     return {"backbone": backbone_params, "score": jax.device_get(head.init(rng, jnp.zeros((1, width)))["params"])}
 
 

@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 import engine  # noqa: E402
@@ -38,6 +39,21 @@ flags.DEFINE_enum("dpo_loss", "sigmoid", list(preference.DPO_LOSSES), "sigmoid: 
                   "loss, which stays bounded on deterministic preferences.")
 flags.DEFINE_float("label_smoothing", 0.0, "Conservative DPO: the preference labels' assumed flip probability "
                    "(sigmoid loss only).", lower_bound=0.0, upper_bound=0.49)
+cli.define_auto_mesh_flag()
+TASKS = ("lm", "sft", "dpo")
+
+
+def make_trainer(mesh, model, params, **kwargs):
+    loss_fn = preference.dpo_loss_fn(model, beta=FLAGS.beta, loss_type=FLAGS.dpo_loss,
+                                     label_smoothing=FLAGS.label_smoothing, implementation=cli.loss_implementation())
+    return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=loss_fn, params=params,
+                          optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
+
+
+def encode_with_reference(triples, tokenizer, *, seq_len):
+    """encode_preferences's rows with zero reference log-probabilities: --mesh=auto's example (the same shapes)."""
+    rows, cut = preference.encode_preferences(triples, tokenizer, seq_len=seq_len)
+    return preference.with_reference(rows, [np.zeros(2, np.float32)] * len(rows)), cut
 
 
 def main(argv):
@@ -45,28 +61,25 @@ def main(argv):
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
     train_triples, eval_triples = cli.load_train_eval(preference.read_preferences, preference.toy_preferences,
                                                       key="prompt", what="triples")
-    mesh = cli.start()
-    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft", "dpo"), seq_len=FLAGS.seq_len)
+    mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
+    if mesh is None:
+        mesh, batch = cli.choose_decoder_mesh(make_trainer, preference.collate_preferences, encode_with_reference,
+                                              train_triples, tasks=TASKS)
+    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
     model, params = cli.with_flags(model, params)
     train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
-                                   what="triples")
+                                   what="triples", per_device_batch_size=batch)
     cli.save_run(FLAGS.workdir, "dpo", model, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
 
     # The reference: the starting parameters (a resumed run recomputes the same numbers from the same start).
     implementation = cli.loss_implementation()
-    batch = FLAGS.per_device_batch_size
     train, evals = (preference.with_reference(ex, preference.reference_log_probs(
         model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation))
         for ex in (train, evals))
-    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                             loss_fn=preference.dpo_loss_fn(model, beta=FLAGS.beta, loss_type=FLAGS.dpo_loss,
-                                                            label_smoothing=FLAGS.label_smoothing,
-                                                            implementation=implementation),
-                             params=params, optimizer=cli.optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=2 * models.train_flops_per_example(model, FLAGS.seq_len),
-                             trainable=cli.trainable(), **cli.trainer_kwargs())
+    trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
+                           flops_per_example=2 * models.train_flops_per_example(model, FLAGS.seq_len))
     predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
                                  pred_fn=preference.preference_pred_fn(model, implementation=implementation))
     accuracy = lambda: preference.preference_accuracy(  # noqa: E731

@@ -41,8 +41,7 @@ flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sam
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")
 flags.DEFINE_float("temperature", 0.7, "Sampling temperature of the sample generations (0: greedy).")
 flags.DEFINE_integer("top_k", 20, "Sample among the k most likely tokens (0: all).")
-flags.DEFINE_float("mesh_memory_gb", None, "--mesh=auto's memory budget per device in GB (1e9 bytes); unset: the "
-                   "device's own limit (GPU, TPU; a CPU has none).")
+cli.define_auto_mesh_flag()
 
 
 def named_model():
@@ -93,9 +92,6 @@ def main(argv):
         docs = text.read_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
         if not any(doc.strip() for doc in docs):
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
-    if FLAGS.mesh_memory_gb is not None and (FLAGS.mesh != "auto" or FLAGS.mesh_memory_gb <= 0):
-        raise ValueError(f"--mesh_memory_gb={FLAGS.mesh_memory_gb} with --mesh={FLAGS.mesh}; expected a positive "
-                         "budget with --mesh=auto")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
     if mesh is None:
         mesh, batch = auto_mesh()

@@ -34,6 +34,17 @@ cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or sc
                          "--model_overrides).")
 cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
+cli.define_auto_mesh_flag()
+TASKS = ("lm", "sft")
+
+
+def make_trainer(mesh, backbone, backbone_params, **kwargs):
+    """The reward model's Trainer over a backbone and its parameters (a fresh score head is added)."""
+    model = reward.RewardModel(backbone)
+    params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
+    return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=reward.reward_loss_fn(model),
+                          params=params, optimizer=cli.optimizer(), trainable=cli.trainable(r"^score$"),
+                          **cli.trainer_kwargs(), **kwargs)
 
 
 def main(argv):
@@ -41,22 +52,20 @@ def main(argv):
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
     train_triples, eval_triples = cli.load_train_eval(preference.read_preferences, preference.toy_preferences,
                                                       key="prompt", what="triples")
-    mesh = cli.start()
-    _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
+    mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
+    if mesh is None:
+        mesh, batch = cli.choose_decoder_mesh(make_trainer, preference.collate_preferences,
+                                              preference.encode_preferences, train_triples, tasks=TASKS)
+    _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
     backbone, backbone_params = cli.with_flags(backbone, backbone_params)
     model = reward.RewardModel(backbone)
-    params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
     train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
-                                   what="triples")
+                                   what="triples", per_device_batch_size=batch)
     cli.save_run(FLAGS.workdir, "reward", backbone, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
-    batch = FLAGS.per_device_batch_size
-    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                             loss_fn=reward.reward_loss_fn(model), params=params, optimizer=cli.optimizer(),
-                             workdir=FLAGS.workdir,
-                             flops_per_example=2 * models.train_flops_per_example(backbone, FLAGS.seq_len),
-                             trainable=cli.trainable(r"^score$"), **cli.trainer_kwargs())
+    trainer = make_trainer(mesh, backbone, backbone_params, workdir=FLAGS.workdir,
+                           flops_per_example=2 * models.train_flops_per_example(backbone, FLAGS.seq_len))
     predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
                                  pred_fn=reward.reward_pred_fn(model))
     accuracy = lambda: reward.reward_accuracy(  # noqa: E731

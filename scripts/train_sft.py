@@ -34,6 +34,14 @@ cli.define_record_flags(what="pairs", fields=preference.SFT_FIELDS, toy_size=409
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens per greedy answer of the held-out exact match.")
 flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily for the exact match (0: none).")
+cli.define_auto_mesh_flag()
+TASKS = ("lm", "sft")
+
+
+def make_trainer(mesh, model, params, **kwargs):
+    return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
+                          loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
+                          optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
 
 def main(argv):
@@ -41,20 +49,19 @@ def main(argv):
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
     train_pairs, eval_pairs = cli.load_train_eval(preference.read_prompt_responses, preference.toy_prompt_responses,
                                                   key="prompt", what="pairs")
-    mesh = cli.start()
-    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=FLAGS.seq_len)
+    mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
+    if mesh is None:
+        mesh, batch = cli.choose_decoder_mesh(make_trainer, preference.collate_preferences,
+                                              preference.encode_prompt_responses, train_pairs, tasks=TASKS)
+    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
     model, params = cli.with_flags(model, params)
     train, evals = cli.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs, mesh,
-                                   what="pairs")
+                                   what="pairs", per_device_batch_size=batch)
     cli.save_run(FLAGS.workdir, "sft", model, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
           f"{train_pairs[0]['response']!r}")
-    batch = FLAGS.per_device_batch_size
-    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                             loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
-                             optimizer=cli.optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len),
-                             trainable=cli.trainable(), **cli.trainer_kwargs())
+    trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
+                           flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len))
     answered = eval_pairs[:FLAGS.eval_answers]
     exact = lambda: preference.answer_exact_match(  # noqa: E731
         model, trainer.params, tokenizer, answered, max_new_tokens=FLAGS.max_new_tokens) if answered else float("nan")

@@ -98,14 +98,15 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
     assert "--- 'the':" in gen.stdout
 
 
-def _auto_mesh(workdir, devices, *args, ok=True):
-    """train_lm.py --mesh=auto on `devices` devices: (the process, the table's rows as (mesh, sent MB, fits), the
+def _auto_mesh(workdir, devices, *args, ok=True, script="train_lm.py"):
+    """`script` --mesh=auto on `devices` devices: (the process, the table's rows as (mesh, sent MB, fits), the
     choice)."""
-    out = subprocess.run([sys.executable, "scripts/train_lm.py", f"--workdir={workdir}", "--mesh=auto", *TINY_LM,
-                          "--prompts=", "--log_every=1", *args], cwd=ROOT, capture_output=True, text=True,
-                         env={**ENV, "XLA_FLAGS": cpu_devices(devices)}, timeout=300)
+    tiny = [*TINY_LM, "--prompts=", "--log_every=1"] if script == "train_lm.py" else []
+    out = subprocess.run([sys.executable, f"scripts/{script}", f"--workdir={workdir}", "--mesh=auto", *tiny, *args],
+                         cwd=ROOT, capture_output=True, text=True, env={**ENV, "XLA_FLAGS": cpu_devices(devices)},
+                         timeout=300)
     assert (out.returncode == 0) == ok, out.stderr[-3000:]
-    rows = re.findall(r"^ +\d+ +(\d,\d,\d) +1 +0\.00 +([\d.]+) +[\d.]+ +[\d.]+ +([\d.]+) .* (True|False)$",
+    rows = re.findall(r"^ +\d+ +(\d,\d,\d) +\d+ +[\d.]+ +([\d.]+) +[\d.]+ +[\d.]+ +([\d.]+) .* (True|False)$",
                       out.stdout, re.M)
     chosen = re.search(r"^--mesh=auto chose (\d,\d,\d): (\d+) rows per data position$", out.stdout, re.M)
     return out, [(m, float(sent), fits == "True") for m, _, sent, fits in rows], chosen
@@ -121,13 +122,13 @@ def test_train_lm_chooses_its_mesh(tmp_path):
     assert _steps(tmp_path / "w")[-1] == 1
 
 
-def _check_choice(out, rows, chosen, layouts, global_batch):
+def _check_choice(out, rows, chosen, layouts, global_batch, stages=1):
     assert len(rows) == layouts and all(fits for *_, fits in rows), out.stdout
     sent = [s for _, s, _ in rows]
     assert sent == sorted(sent) and chosen.group(1) == rows[0][0], out.stdout
     data, fsdp, model = map(int, chosen.group(1).split(","))
     assert int(chosen.group(2)) * data * fsdp == global_batch
-    assert f"on mesh data={data} x fsdp={fsdp} x stage=1 x context=1 x model={model}" in out.stdout + out.stderr
+    assert f"on mesh data={data} x fsdp={fsdp} x stage={stages} x context=1 x model={model}" in out.stdout + out.stderr
 
 
 @pytest.mark.slow
@@ -145,6 +146,26 @@ def test_train_lm_auto_mesh_resumes_and_refuses_a_budget_nothing_fits(tmp_path):
                                                 r"least, mesh \d,\d,\d, needs 0\.\d+ GB\); expected",
                                                 failed.stderr.splitlines()[-1]), failed.stderr[-2000:]
     assert not os.path.exists(tmp_path / "x" / "run.json")
+
+
+@pytest.mark.slow
+def test_sft_dpo_and_reward_choose_their_mesh(tmp_path):
+    """--mesh=auto in the RLHF scripts, each on 4 devices from its own kind of start (described without reading a
+    weight): SFT of a fresh model with LoRA adapters, DPO from that workdir (adapters merged), a reward model
+    whose backbone is a 2-stage pipeline (3 layouts of the 2 positions). Each trains on the layout it ranked
+    first, for the global batch of --per_device_batch_size rows per device."""
+    toy = ["--toy_size=64", "--eval_size=16", "--log_every=2", "--seq_len=24"]
+    sft = tmp_path / "sft"
+    out, rows, chosen = _auto_mesh(sft, 4, "--max_steps=2", "--eval_answers=2", "--max_new_tokens=4",
+                                   "--lora_rank=2", "--per_device_batch_size=2", *toy, script="train_sft.py")
+    _check_choice(out, rows, chosen, layouts=6, global_batch=8)
+    assert _steps(sft)[-1] == 2
+    out, rows, chosen = _auto_mesh(tmp_path / "dpo", 4, f"--init_from={sft}", "--max_steps=1",
+                                   "--per_device_batch_size=2", *toy, script="train_dpo.py")
+    _check_choice(out, rows, chosen, layouts=6, global_batch=8)
+    out, rows, chosen = _auto_mesh(tmp_path / "rm", 4, "--max_steps=1", "--pipeline_stages=2",
+                                   "--per_device_batch_size=1", *toy, script="train_reward.py")
+    _check_choice(out, rows, chosen, layouts=3, global_batch=2, stages=2)
 
 
 @pytest.mark.slow
@@ -434,8 +455,11 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--init_from=/nonexistent"): "--init_from=/nonexistent is not a directory",
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
-        ("train_sft.py", "--mesh=auto"): "--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this "
-                                         "script does not choose a layout: scripts/train_lm.py does)",
+        ("train_ppo.py", "--mesh=auto"): "--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this "
+                                         "script does not choose a layout: train_lm.py, train_sft.py, train_dpo.py "
+                                         "and train_reward.py do)",
+        ("train_sft.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive "
+                                                "budget with --mesh=auto",
         ("train_lm.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive budget "
                                                "with --mesh=auto",
         ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three integers",

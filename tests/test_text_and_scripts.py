@@ -338,3 +338,48 @@ def test_parse_flags_helpers():
     assert cli.parse_json("model_overrides", '{"a": 1}') == {"a": 1}
     with pytest.raises(ValueError, match=r"--model_overrides='\[1\]'; expected a JSON object"):
         cli.parse_json("model_overrides", "[1]")
+
+
+def _define_decoder_script_flags():
+    """The flags of train_sft.py in this process (each group once: other tests may have defined some)."""
+    from absl import flags  # noqa: PLC0415
+
+    FLAGS = flags.FLAGS
+    if "lr_schedule" not in FLAGS:
+        cli.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
+                                  save_every=1)
+    if "init_from" not in FLAGS:
+        cli.define_decoder_flags(init_from_help="")
+    if "toy_size" not in FLAGS:
+        cli.define_record_flags(what="pairs", fields=("prompt", "response"), toy_size=8)
+    return FLAGS
+
+
+@pytest.mark.parametrize("args", [["--lora_rank=4", "--quantize=int8"], ["--pipeline_stages=2"],
+                                  ["hf", "--lora_rank=2"]])
+def test_describe_decoder_has_the_model_and_shapes_of_the_real_start(tmp_path, args):
+    """--mesh=auto's description of train_sft/dpo/reward's starting point reads no weight, yet holds the very model
+    and parameter shapes and dtypes that start_decoder + with_flags build: a fresh model (quantised LoRA; stacked for
+    a pipeline) and a Hugging Face directory (its tokenizer too)."""
+    import engine  # noqa: PLC0415
+
+    FLAGS = _define_decoder_script_flags()
+    if args[0] == "hf":
+        model = models.create_model("llama", "tiny", vocab_size=320)
+        models.save_pretrained(model, models.init_params(model), str(tmp_path / "hf"))
+        args = [f"--init_from={tmp_path / 'hf'}", *args[1:]]
+    try:
+        FLAGS.unparse_flags()
+        FLAGS(["prog", *args])
+        model, params, tokenizer = cli.describe_decoder(tasks=("lm",), seq_len=32)
+        mesh = engine.make_mesh(data=1, fsdp=2 if FLAGS.pipeline_stages == 1 else 1, stage=FLAGS.pipeline_stages,
+                                devices=jax.devices()[:2])
+        _, real_model, real_params, real_tokenizer = cli.start_decoder(mesh, tasks=("lm",), seq_len=32)
+        real_model, real_params = cli.with_flags(real_model, real_params)
+        assert model == real_model and type(tokenizer) is type(real_tokenizer)
+        assert tokenizer.vocab_size == real_tokenizer.vocab_size
+        shapes = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)  # noqa: E731
+        assert shapes(params) == shapes(real_params)
+        assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
+    finally:
+        FLAGS.unparse_flags()
