@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 
 import engine
 import kernels
@@ -256,6 +257,10 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None)
               + f" (compiled in {time.perf_counter() - started:.0f} s):")
         print(engine.plan.format_table(ranked))
     best = ranked[0]
+    if jax.process_count() > 1:  # every process ranked the same programs; one choice still binds them all (two
+        # processes on different meshes would wait for each other's collectives for ever)
+        chosen = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray(best["mesh"], np.int32)))
+        best = next(r for r in ranked if tuple(r["mesh"]) == chosen)
     if "error" in best:
         raise ValueError(f"--mesh=auto: no layout of {positions} devices compiles (mesh {best['mesh']}: "
                          f"{best['error']}); expected a model and flags that train on some --mesh")

@@ -106,10 +106,15 @@ def _auto_mesh(workdir, devices, *args, ok=True, script="train_lm.py"):
                          cwd=ROOT, capture_output=True, text=True, env={**ENV, "XLA_FLAGS": cpu_devices(devices)},
                          timeout=300)
     assert (out.returncode == 0) == ok, out.stderr[-3000:]
+    return (out, *_ranking(out.stdout))
+
+
+def _ranking(stdout):
+    """--mesh=auto's printed table as rows (mesh, sent MB, fits), and the match of its choice line."""
     rows = re.findall(r"^ +\d+ +(\d,\d,\d) +\d+ +[\d.]+ +([\d.]+) +[\d.]+ +[\d.]+ +([\d.]+) .* (True|False)$",
-                      out.stdout, re.M)
-    chosen = re.search(r"^--mesh=auto chose (\d,\d,\d): (\d+) rows per data position$", out.stdout, re.M)
-    return out, [(m, float(sent), fits == "True") for m, _, sent, fits in rows], chosen
+                      stdout, re.M)
+    chosen = re.search(r"^--mesh=auto chose (\d,\d,\d): (\d+) rows per data position$", stdout, re.M)
+    return [(m, float(sent), fits == "True") for m, _, sent, fits in rows], chosen
 
 
 @pytest.mark.slow
@@ -146,6 +151,24 @@ def test_train_lm_auto_mesh_resumes_and_refuses_a_budget_nothing_fits(tmp_path):
                                                 r"least, mesh \d,\d,\d, needs 0\.\d+ GB\); expected",
                                                 failed.stderr.splitlines()[-1]), failed.stderr[-2000:]
     assert not os.path.exists(tmp_path / "x" / "run.json")
+
+
+@pytest.mark.slow
+def test_train_lm_auto_mesh_across_two_processes(tmp_path):
+    """2 processes x 2 devices: both rank the 6 layouts of the 4 devices, take process 0's first (broadcast) and
+    train on it as one run: the same losses on both."""
+    from tests.test_distributed import _free_port  # noqa: PLC0415
+
+    args = [sys.executable, "scripts/train_lm.py", "--mesh=auto", f"--workdir={tmp_path / 'w'}", *TINY_LM,
+            "--prompts=", "--max_steps=2", "--log_every=1", "--per_device_batch_size=1",
+            f"--coordinator_address=localhost:{_free_port()}", "--num_processes=2"]
+    procs = [subprocess.Popen([*args, f"--process_id={i}"], cwd=ROOT, env={**ENV, "XLA_FLAGS": cpu_devices(2)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    _check_choice(subprocess.CompletedProcess(args, 0, *outs[0]), *_ranking(outs[0][0]), layouts=6, global_batch=4)
+    losses = [re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M) for out, _ in outs]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses
 
 
 @pytest.mark.slow
