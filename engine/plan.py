@@ -6,7 +6,7 @@ Memory comes from `compiled.memory_analysis()`: the per-device peak is arguments
 temporaries. Communication is read off the compiled HLO: every collective, times the trip count of the loops it sits
 in, converted to bytes one device sends with ring algorithms over its replica group of n devices:
 all-gather (n-1)/n x output, reduce-scatter (n-1)/n x input, all-reduce 2(n-1)/n x size, all-to-all (n-1)/n x size,
-collective-permute 1 x size. The XLA CPU compiler widens bf16 all-gathers to f32 (it computes bf16 matmuls in
+collective-permute 1 x size (a group's devices: `replica_groups`). The XLA CPU compiler widens bf16 all-gathers to f32 (it computes bf16 matmuls in
 f32 and moves the up-convert in front of the gather); an f32 all-gather of an up-converted bf16 value is counted at
 its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
 """
@@ -103,21 +103,45 @@ def _narrow_source(comps, comp, operand):
     return None
 
 
-def _group_size(line, num_devices):
-    # Newer XLA names the groups by mesh axes: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (a group per
-    # position of the other axes); a sub-axis reads 'axis_1':(1)2 (offset, size).
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+def replica_groups(line, num_devices):
+    """The replica groups of a collective's HLO line as arrays of logical device ids (positions in the program's
+    device assignment), in any of XLA's three spellings: explicit ({{0,2},{1,3}}), iota ([2,4]<=[4,2]T(1,0): the ids
+    arange(8).reshape(4,2).T, then one group per row of [2,4]) and by mesh axes (mesh['axis_0'=2,'axis_1'=4]
+    {'axis_1'}: the ids laid out row-major over the axes, or in the order of its `device_ids=(...)` (an iota as
+    above, or a list), a group per position of the axes not named; a sub-axis 'axis_1':(m)k is the middle k of that
+    axis split major to minor as [m, k, rest], Shardy's pre-size notation)."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^{]*)\))?\s*\{([^}]*)\}", line)
     if mesh:
-        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
-        return math.prod(int(sub) if sub else sizes[name]
-                         for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", mesh.group(2)))
-    groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-    if groups:
-        return len(groups.group(1).split("}")[0].strip("{").split(","))
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+        names = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        parts, grouped = [], []  # every axis as its [pre, size, rest] parts; the grouped parts' positions
+        named = {name: (int(pre), int(sub)) if sub else None
+                 for name, pre, sub in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", mesh.group(3))}
+        for name, size in names:
+            size = int(size)
+            pre, sub = named[name] if named.get(name) else (1, size)
+            grouped += [len(parts) + 1] if name in named else []
+            parts += [pre, sub, size // (pre * sub)]
+        ids = np.arange(num_devices)
+        if mesh.group(2):
+            ids = _iota(mesh.group(2), num_devices) if "[" in mesh.group(2) else np.array(
+                [int(x) for x in mesh.group(2).split(",")])
+        ids = ids.reshape(parts)
+        rest = [i for i in range(len(parts)) if i not in grouped]
+        return list(ids.transpose(rest + grouped).reshape(-1, math.prod(parts[i] for i in grouped)))
+    explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if explicit:
+        return [np.array([int(x) for x in g.split(",") if x]) for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", line)
     if iota:
-        return int(iota.group(1).split(",")[-1])
-    return num_devices
+        return list(_iota(iota.group(2), num_devices).reshape(-1, int(iota.group(1).split(",")[-1])))
+    return [np.arange(num_devices)]
+
+
+def _iota(text, num_devices):
+    """The ids of an HLO iota `[4,2]T(1,0)` (arange reshaped, then transposed), flattened."""
+    m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    ids = np.arange(num_devices).reshape([int(x) for x in m.group(1).split(",")])
+    return (ids.transpose([int(x) for x in m.group(2).split(",")]) if m.group(2) else ids).reshape(-1)
 
 
 def conditional_branches(hlo):
@@ -125,10 +149,11 @@ def conditional_branches(hlo):
     return [re.findall(r"%([\w.\-]+)", b) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
 
 
-def collective_bytes(hlo, num_devices, root=None):
+def collective_bytes(hlo, num_devices, root=None, hosts=None):
     """{collective type: bytes one device sends per step} from compiled HLO text (see the module docstring); with
     `root` (a computation's name, e.g. one of `conditional_branches`), per run of that computation instead. Every
-    branch of a conditional counts as run (the sum over branches, not the one taken)."""
+    branch of a conditional counts as run (the sum over branches, not the one taken). hosts: the host of each
+    logical device id (`hosts_of`); then only the collectives whose replica groups span hosts are counted."""
     comps, entry = _computations(hlo)
     mult = _multiplicities(comps, root or entry)
     out = {c: 0 for c in COLLECTIVES}
@@ -141,7 +166,10 @@ def collective_bytes(hlo, num_devices, root=None):
             kind = m.group(3).removesuffix("-start")
             if kind not in COLLECTIVES:
                 continue
-            n = _group_size(line, num_devices)
+            groups = replica_groups(line, num_devices)
+            n = len(groups[0])
+            if hosts is not None and all(len({hosts[i] for i in g}) == 1 for g in groups):
+                continue
             shapes = _shapes(m.group(2))
             if m.group(3).endswith("-start") and kind in ("all-gather", "collective-permute") and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2:]  # (operands..., results...): count the results
@@ -208,24 +236,32 @@ class _AbstractRestore:
         return target, {}
 
 
-def diloco_bytes(hlo, fragments, num_devices):
+def diloco_bytes(hlo, fragments, num_devices, hosts=None):
     """(an inner step's bytes per collective, [each part's outer step's]) of a DiLoCo step's HLO, read through its
     outer steps' switch (a collective-free branch, then one per part); (all bytes, None) without one (the
     overlapped program of the inner step alone)."""
-    comm = collective_bytes(hlo, num_devices)
+    comm = collective_bytes(hlo, num_devices, hosts=hosts)
     switches = [b for b in conditional_branches(hlo) if len(b) == fragments + 1]
     if len(switches) != 1:
         return comm, None
-    outer = [collective_bytes(hlo, num_devices, root=b) for b in switches[0][1:]]
+    outer = [collective_bytes(hlo, num_devices, root=b, hosts=hosts) for b in switches[0][1:]]
     return {k: v - sum(o[k] for o in outer) for k, v in comm.items()}, outer
 
 
-def _bytes_per_step(trainer, hlo, num_devices):
-    """Bytes per collective one device sends per step, averaged over DiLoCo's rounds: each part's outer step runs
-    once every inner_steps steps (overlapped: the inner program alone, so its outer steps are not counted)."""
+def hosts_of(devices):
+    """The host of each device, for telling the fast links from the slow: a TPU's slice (ICI within, DCN between),
+    else its process (one per machine, as jax.distributed runs on GPUs and CPUs)."""
+    return [d.slice_index if d.platform == "tpu" and hasattr(d, "slice_index") else d.process_index
+            for d in devices]
+
+
+def _bytes_per_step(trainer, hlo, num_devices, hosts=None):
+    """Bytes per collective one device sends per step (hosts: only across hosts, see `collective_bytes`), averaged
+    over DiLoCo's rounds: each part's outer step runs once every inner_steps steps (overlapped: the inner program
+    alone, so its outer steps are not counted)."""
     if trainer.diloco is None:
-        return collective_bytes(hlo, num_devices)
-    inner, outer = diloco_bytes(hlo, trainer.diloco.fragments, num_devices)
+        return collective_bytes(hlo, num_devices, hosts=hosts)
+    inner, outer = diloco_bytes(hlo, trainer.diloco.fragments, num_devices, hosts=hosts)
     return {k: v + sum(o[k] for o in outer or ()) / trainer.diloco.inner_steps for k, v in inner.items()}
 
 
@@ -252,9 +288,11 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     `devices` (default all) left after `stages` x `context`, read off the compiled programs, best first: those whose
     memory per device fits `memory_bytes` (None: any), then by bytes each device sends per step (DiLoCo's outer
     steps averaged over their rounds), then by memory. With the global batch fixed every layout does the same
-    useful work, so what differs is the communication (and, for a memory limit, the fit). Each result: {'mesh':
-    [data, fsdp, model], 'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes',
-    'collective_bytes_total', 'fits'}; a layout that does not compile (heads that `model` does not divide, say)
+    useful work, so what differs is the communication (and, for a memory limit, the fit). Devices on more than one
+    host (`hosts_of`): the bytes of collectives whose groups span hosts are ranked first, before all bytes sent (the
+    links between hosts are the slow ones: MaxText's DCN against ICI). Each result: {'mesh': [data, fsdp, model],
+    'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes', 'collective_bytes_total', 'fits'}, and
+    across hosts 'cross_host_bytes'; a layout that does not compile (heads that `model` does not divide, say)
     comes last with its 'error'."""
     import engine
 
@@ -270,10 +308,14 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
             results.append({"mesh": [data, fsdp, tp], "stages": stages, "context": context,
                             "error": str(e).splitlines()[0][:200]})
             continue
-        comm = _bytes_per_step(trainer, compiled.as_text(), len(devices))
+        hlo = compiled.as_text()
+        comm = _bytes_per_step(trainer, hlo, len(devices))
         memory = memory_per_device(compiled)
         results.append({"mesh": [data, fsdp, tp], "stages": stages, "context": context, "bytes": memory,
                         "collective_bytes": comm, "collective_bytes_total": sum(comm.values())})
+        hosts = hosts_of(mesh.devices.flat)  # the program's logical ids are the mesh's devices in order
+        if len(set(hosts)) > 1:
+            results[-1]["cross_host_bytes"] = sum(_bytes_per_step(trainer, hlo, len(devices), hosts).values())
         logging.info("mesh %s: %s bytes per device, %d bytes sent per step", (data, fsdp, tp),
                      memory and memory["total"], sum(comm.values()))  # a long search shows its progress
     return rank_layouts(results, memory_bytes)
@@ -283,7 +325,7 @@ def rank_layouts(results, memory_bytes=None):
     """`rank_meshes`'s order of its measured layouts, each marked 'fits' for the budget `memory_bytes` (None: any)."""
     total = lambda r: r["bytes"]["total"] if r.get("bytes") else 0  # noqa: E731 - a backend without figures: 0
     ok = [{**r, "fits": memory_bytes is None or total(r) <= memory_bytes} for r in results if "error" not in r]
-    ok.sort(key=lambda r: (not r["fits"], r["collective_bytes_total"], total(r)))
+    ok.sort(key=lambda r: (not r["fits"], r.get("cross_host_bytes", 0), r["collective_bytes_total"], total(r)))
     return ok + [r for r in results if "error" in r]
 
 
@@ -427,9 +469,10 @@ def format_table(results):
     """A plain-text table of `sweep` or `rank_meshes` results, best first (GB, or MB when a total is under 1 GB)."""
     totals = [r["bytes"]["total"] for r in results if r.get("bytes")]
     unit, scale = ("GB", 1e9) if not totals or min(totals) >= 1e9 else ("MB", 1e6)
+    hosts = any("cross_host_bytes" in r for r in results)  # a column of its own only when it was measured
     head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'stages':>6}  {'idle':>4}  {'zero':>4}  {'total ' + unit:>9}  "
             f"{'args ' + unit:>8}  {'temp ' + unit:>8}  {'sent ' + unit:>8}  {'all-gather':>10}  {'red-scat':>9}  "
-            f"{'all-red':>8}  {'a2a':>6}  {'permute':>7}  fits")
+            f"{'all-red':>8}  {'a2a':>6}  {'permute':>7}  " + (f"{'x-host ' + unit:>10}  " if hosts else "") + "fits")
     lines = [head]
     size = lambda b: f"{b / scale:.2f}"  # noqa: E731
     for i, r in enumerate(results, 1):
@@ -443,5 +486,6 @@ def format_table(results):
                      f"{size(b['arguments']):>8}  "
                      f"{size(b['temporaries']):>8}  {size(r['collective_bytes_total']):>8}  "
                      f"{size(c['all-gather']):>10}  {size(c['reduce-scatter']):>9}  {size(c['all-reduce']):>8}  "
-                     f"{size(c['all-to-all']):>6}  {size(c['collective-permute']):>7}  {r.get('fits', '')}")
+                     f"{size(c['all-to-all']):>6}  {size(c['collective-permute']):>7}  "
+                     + (f"{size(r.get('cross_host_bytes', 0)):>10}  " if hosts else "") + f"{r.get('fits', '')}")
     return "\n".join(lines)

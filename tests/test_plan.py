@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from engine import compiler, plan
@@ -85,6 +86,60 @@ ENTRY %main (a: f32[4]) -> f32[4] {
     assert got["all-reduce"] == int(4 * 2 * 2 * 3 / 4)
     assert got["reduce-scatter"] == int(1 * 4 * 4 * 3 / 4)
     assert got["all-to-all"] == 24 // 2  # groups over axis_1 (2 devices), not all 4
+
+
+def test_replica_groups_in_every_spelling_and_the_bytes_across_hosts():
+    """XLA's four spellings of a collective's groups read as device ids; with the devices' hosts only the collectives
+    whose groups span hosts count; the ranking puts the least cross-host traffic first, before all bytes sent."""
+    groups = lambda text: [list(map(int, g)) for g in plan.replica_groups(f"x, replica_groups={text}, y", 8)]  # noqa
+    assert groups("{{0,2},{1,3}}") == [[0, 2], [1, 3]]
+    assert groups("[2,4]<=[4,2]T(1,0)") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups("[4,2]<=[8]") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups("mesh['axis_0'=2,'axis_1'=4] {'axis_1':(1)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # The mesh's devices in the order of an iota: [0, 2, 4, 6, 1, 3, 5, 7] as [2, 4].
+    assert groups("mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}") == [[0, 1], [2, 3], [4, 5],
+                                                                                          [6, 7]]
+    assert groups("{}") == [list(range(8))]
+    hlo = """HloModule m
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %ag = f32[8]{0} all-gather(%x), replica_groups={{0,1},{2,3}}, dimensions={0}
+  ROOT %ar = f32[4]{0} all-reduce(%a), replica_groups=[1,4]<=[4], to_apply=%add
+}
+"""
+    every = plan.collective_bytes(hlo, num_devices=4)
+    across = plan.collective_bytes(hlo, num_devices=4, hosts=[0, 0, 1, 1])
+    assert every["all-gather"] == 16 and across["all-gather"] == 0  # within each host
+    assert across["all-reduce"] == every["all-reduce"] == 24
+    assert plan.hosts_of(jax.devices()[:2]) == [0, 0]
+    rows = [{"mesh": [2, 1, 1], "collective_bytes_total": 10, "cross_host_bytes": 8, "bytes": {"total": 1}},
+            {"mesh": [1, 1, 2], "collective_bytes_total": 30, "cross_host_bytes": 2, "bytes": {"total": 1}}]
+    assert [r["mesh"] for r in plan.rank_layouts(rows)] == [[1, 1, 2], [2, 1, 1]]
+
+
+def test_groups_of_a_compiled_step_are_its_mesh_axes():
+    """In the jit step on data 4 x fsdp 2 (fsdp the inner axis: devices 2i, 2i+1), XLA spells its groups by mesh
+    axes over a permuted device order too; every all-gather (ZeRO-3's weights) reads as the fsdp pairs and every
+    collective's groups cover the 8 devices once."""
+    import optax
+
+    import engine
+    from tests import trainer_task as task
+
+    mesh = engine.make_mesh(data=4, fsdp=2)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                             params=jax.eval_shape(task.init_params), optimizer=optax.adam(1e-2), step="jit")
+    rows = task.collate_fn(task.make_examples(8))
+    hlo = plan.compile_step(trainer, {k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in rows.items()})
+    lines = [line for line in hlo.as_text().splitlines() if "replica_groups=" in line]
+    assert any("device_ids=" in line for line in lines)
+    for line in lines:
+        groups = [sorted(map(int, g)) for g in plan.replica_groups(line, 8)]
+        assert sorted(i for g in groups for i in g) == list(range(8)), line
+        if " all-gather(" in line or "all-gather-start(" in line:
+            assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]], line
 
 
 def test_compiler_flags_only_for_their_platform(monkeypatch):

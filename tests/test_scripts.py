@@ -110,11 +110,12 @@ def _auto_mesh(workdir, devices, *args, ok=True, script="train_lm.py"):
 
 
 def _ranking(stdout):
-    """--mesh=auto's printed table as rows (mesh, sent MB, fits), and the match of its choice line."""
-    rows = re.findall(r"^ +\d+ +(\d,\d,\d) +\d+ +[\d.]+ +([\d.]+) +[\d.]+ +[\d.]+ +([\d.]+) .* (True|False)$",
-                      stdout, re.M)
+    """--mesh=auto's printed table as rows (mesh, MB sent (across hosts where that column is printed: it ranks
+    first), fits), and the match of its choice line."""
+    rows = re.findall(r"^ +\d+ +(\d,\d,\d) +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)(?: +[\d.]+){5}"
+                      r"(?: +([\d.]+))? +(True|False)$", stdout, re.M)
     chosen = re.search(r"^--mesh=auto chose (\d,\d,\d): (\d+) rows per data position$", stdout, re.M)
-    return [(m, float(sent), fits == "True") for m, _, sent, fits in rows], chosen
+    return [(m, float(across or sent), fits == "True") for m, sent, across, fits in rows], chosen
 
 
 @pytest.mark.slow
@@ -155,8 +156,9 @@ def test_train_lm_auto_mesh_resumes_and_refuses_a_budget_nothing_fits(tmp_path):
 
 @pytest.mark.slow
 def test_train_lm_auto_mesh_across_two_processes(tmp_path):
-    """2 processes x 2 devices: both rank the 6 layouts of the 4 devices, take process 0's first (broadcast) and
-    train on it as one run: the same losses on both."""
+    """2 processes x 2 devices: both rank the 6 layouts of the 4 devices (by the bytes sent between the processes
+    first), take process 0's first (broadcast) and train on it as one run: the same losses on both. The first
+    keeps its model axis within a process."""
     from tests.test_distributed import _free_port  # noqa: PLC0415
 
     args = [sys.executable, "scripts/train_lm.py", "--mesh=auto", f"--workdir={tmp_path / 'w'}", *TINY_LM,
@@ -166,7 +168,9 @@ def test_train_lm_auto_mesh_across_two_processes(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "x-host MB" in outs[0][0]
     _check_choice(subprocess.CompletedProcess(args, 0, *outs[0]), *_ranking(outs[0][0]), layouts=6, global_batch=4)
+    assert _ranking(outs[0][0])[1].group(1) in ("2,1,2", "2,2,1"), outs[0][0]  # data (or fsdp) alone spans them
     losses = [re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M) for out, _ in outs]
     assert len(losses[0]) == 2 and losses[0] == losses[1], losses
 
