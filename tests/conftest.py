@@ -5,7 +5,8 @@ The suite also shares one persistent compilation cache, fresh for each pytest ru
 programs another test (or a resumed script) compiled before, and XLA:CPU compiling is most of the suite's time.
 pytest's own process creates the directory before the xdist workers start; they and every script the tests start
 inherit it through the environment (JAX_COMPILATION_CACHE_DIR). Its keys hold the whole HLO, compile options and
-XLA flags, so a hit is the program that would have been compiled. JAX_ENABLE_COMPILATION_CACHE=false turns it off."""
+XLA flags, so a hit is the program that would have been compiled (a read that races another process's write of
+the same entry is a warning and a fresh compile in JAX). JAX_ENABLE_COMPILATION_CACHE=false turns it off."""
 import atexit
 import os
 import shutil
