@@ -6,9 +6,9 @@ Memory comes from `compiled.memory_analysis()`: the per-device peak is arguments
 temporaries. Communication is read off the compiled HLO: every collective, times the trip count of the loops it sits
 in, converted to bytes one device sends with ring algorithms over its replica group of n devices:
 all-gather (n-1)/n x output, reduce-scatter (n-1)/n x input, all-reduce 2(n-1)/n x size, all-to-all (n-1)/n x size,
-collective-permute 1 x size (a group's devices: `replica_groups`). The XLA CPU compiler widens bf16 all-gathers to f32 (it computes bf16 matmuls in
-f32 and moves the up-convert in front of the gather); an f32 all-gather of an up-converted bf16 value is counted at
-its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
+collective-permute 1 x size (a group's devices: `replica_groups`). The XLA CPU compiler widens bf16 all-gathers to
+f32 (it computes bf16 matmuls in f32 and moves the up-convert in front of the gather); an f32 all-gather of an
+up-converted bf16 value is counted at its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
 """
 import dataclasses
 import itertools
@@ -105,7 +105,7 @@ def _narrow_source(comps, comp, operand):
 
 def replica_groups(line, num_devices):
     """The replica groups of a collective's HLO line as arrays of logical device ids (positions in the program's
-    device assignment), in any of XLA's three spellings: explicit ({{0,2},{1,3}}), iota ([2,4]<=[4,2]T(1,0): the ids
+    device assignment), in any of XLA's spellings: explicit ({{0,2},{1,3}}), iota ([2,4]<=[4,2]T(1,0): the ids
     arange(8).reshape(4,2).T, then one group per row of [2,4]) and by mesh axes (mesh['axis_0'=2,'axis_1'=4]
     {'axis_1'}: the ids laid out row-major over the axes, or in the order of its `device_ids=(...)` (an iota as
     above, or a list), a group per position of the axes not named; a sub-axis 'axis_1':(m)k is the middle k of that
