@@ -22,6 +22,8 @@ from engine import ppo, preference, reward, text
 
 FLAGS = flags.FLAGS
 
+# The scripts whose `start(auto=True)` takes --mesh=auto.
+AUTO_MESH_SCRIPTS = "train_lm.py, train_sft.py, train_dpo.py, train_reward.py and finetune_seq2seq.py"
 _DTYPES = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # User-input errors: reported in one line. Anything else (a bug) keeps its traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, app.UsageError, flags.Error)
@@ -33,10 +35,9 @@ def define_flags():
     if "mesh" in FLAGS:
         return
     flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model; one may be -1 (the rest of the "
-                        "devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. train_lm.py, "
-                        "train_sft.py, train_dpo.py and train_reward.py also take 'auto': every layout compiled ahead "
-                        "of time, the one that fits and sends least chosen, --per_device_batch_size rows per device "
-                        "kept as the global batch.")
+                        f"devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. {AUTO_MESH_SCRIPTS} "
+                        "also take 'auto': every layout compiled ahead of time, the one that fits and sends least "
+                        "chosen, --per_device_batch_size rows per device kept as the global batch.")
     flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
                          "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe schedule.")
     flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
@@ -225,7 +226,7 @@ def start(auto=False):
     if FLAGS.mesh == "auto":
         if not auto:
             raise ValueError("--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this script does "
-                             "not choose a layout: train_lm.py, train_sft.py, train_dpo.py and train_reward.py do)")
+                             f"not choose a layout: {AUTO_MESH_SCRIPTS} do)")
         return None
     mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
     if "zero_quantized_weights" in FLAGS:  # the training scripts': checked before any workdir file is written
@@ -533,18 +534,24 @@ def describe_decoder(*, tasks, seq_len):
         _, model, tokenizer = load_run(FLAGS.init_from, tasks)
     elif FLAGS.init_from:
         model = load_hf_model(FLAGS.init_from, families=DECODER_FAMILIES)
-        tokenizer = _hf_tokenizer(FLAGS.init_from, model)
+        tokenizer = hf_tokenizer(FLAGS.init_from, model)
     else:
         model, tokenizer = _fresh_decoder(seq_len)
+    return (*describe(model), tokenizer)
+
+
+def describe(model):
+    """(model, params) of a fresh `model` with the --lora_* flags (`with_lora`) and `with_flags` applied, the
+    parameters as jax.ShapeDtypeStructs (the functions of a script's real start, traced for shapes)."""
     described = {}
 
-    def laid_out():  # the real start's functions, traced for shapes
+    def laid_out():
         params = models.init_params(model, jax.random.PRNGKey(0))
         described["model"], params = with_flags(*with_lora(model, params, None))
         return params
 
     params = jax.eval_shape(laid_out)
-    return described["model"], params, tokenizer
+    return described["model"], params
 
 
 def with_lora(model, params, mesh):
@@ -646,10 +653,12 @@ def load_hf(path, *, families, mesh=None, byte_fallback=True):
     large enough (byte_fallback)."""
     load_hf_model(path, families=families)  # bad input fails before any weight is read
     model, params = models.load_pretrained(path, mesh=mesh)
-    return model, params, _hf_tokenizer(path, model, byte_fallback)
+    return model, params, hf_tokenizer(path, model, byte_fallback)
 
 
-def _hf_tokenizer(path, model, byte_fallback=True):
+def hf_tokenizer(path, model, byte_fallback=True):
+    """A Hugging Face directory's tokenizer.json for `model`'s vocabulary or, without one, byte-level tokens when
+    the vocabulary holds them (byte_fallback); ValueError naming --init_from otherwise."""
     tokenizer = text.HFTokenizer.from_dir(path, model.config.vocab_size)
     if tokenizer is None:
         tokenizer = text.ByteTokenizer()

@@ -41,6 +41,7 @@ flags.DEFINE_bool("pack_pairs", False, "Pack several training pairs into rows --
                   "wide (engine.text.pack_pairs; each target still sees only its own input): fewer rows, less "
                   "padding, the same per-token loss. A global batch counts rows.")
 flags.DEFINE_integer("samples", 4, "Held-out examples whose generations are printed at the end.")
+cli.define_auto_mesh_flag()
 
 
 def build_model(mesh):
@@ -52,6 +53,12 @@ def build_model(mesh):
 def _build_model(mesh):
     if FLAGS.init_from:
         return cli.load_hf(FLAGS.init_from, families=["t5"], mesh=mesh)
+    model, tokenizer = fresh_model()
+    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
+
+
+def fresh_model():
+    """(model, tokenizer) of --model_config / --model_overrides: byte-level tokens with --data, else the toy words."""
     tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
     overrides = {}
     if not FLAGS.model_config.endswith(".json"):
@@ -60,7 +67,42 @@ def _build_model(mesh):
     model = cli.create_model("t5", FLAGS.model_config, overrides, families=["t5"])
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
-    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
+    return model, tokenizer
+
+
+def describe_model():
+    """(model, params as jax.ShapeDtypeStructs, tokenizer) of build_model + cli.with_flags, no weight read
+    (--mesh=auto; --init_adapter, merged into the weights, changes no shape)."""
+    if FLAGS.init_from:
+        model = cli.load_hf_model(FLAGS.init_from, families=["t5"])
+        tokenizer = cli.hf_tokenizer(FLAGS.init_from, model)
+    else:
+        model, tokenizer = fresh_model()
+    return (*cli.describe(model), tokenizer)
+
+
+def encode(model, tokenizer, train_pairs, eval_pairs):
+    """(train rows, eval rows, training pairs, (input, target) row lengths, (input, target) tokens at most)."""
+    longest = lambda key: max(len(tokenizer.encode(p[key])) + 1 for p in train_pairs + eval_pairs)  # noqa: E731
+    in_len, out_len = min(FLAGS.max_input_len, longest("input")), min(FLAGS.max_target_len, longest("target"))
+    rows = lambda pairs: text.encode_pairs(pairs, tokenizer, max_input_len=in_len, max_target_len=out_len,  # noqa
+                                           decoder_start_id=model.config.decoder_start_token_id)
+    (train, cut), (evals, eval_cut) = rows(train_pairs), rows(eval_pairs)
+    if cut + eval_cut:
+        logging.warning("%d pairs were cut to --max_input_len=%d / --max_target_len=%d", cut + eval_cut, in_len,
+                        out_len)
+    n_pairs = len(train)
+    row_lens = (in_len, out_len)
+    if FLAGS.pack_pairs:
+        row_lens = (max(in_len, FLAGS.max_input_len), max(out_len, FLAGS.max_target_len))
+        train = text.pack_pairs(train, *row_lens)
+    return train, evals, n_pairs, row_lens, (in_len, out_len)
+
+
+def make_trainer(mesh, model, params, **kwargs):
+    return engine.Trainer(mesh=mesh, collate_fn=text.collate_seq2seq,
+                          loss_fn=text.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
+                          optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
 
 def load_pairs():
@@ -72,23 +114,16 @@ def main(argv):
     del argv
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
     train_pairs, eval_pairs = load_pairs()
-    mesh = cli.start()
+    mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
+    if mesh is None:  # the first training row stands for every row
+        model, params, tokenizer = describe_model()
+        first = encode(model, tokenizer, train_pairs, eval_pairs)[0][0]
+        mesh, batch = cli.choose_mesh(lambda mesh: make_trainer(mesh, model, params), text.collate_seq2seq, first,
+                                      memory_gb=FLAGS.mesh_memory_gb)
     model, params, tokenizer = build_model(mesh)
     model, params = cli.with_flags(model, params)
-    longest = lambda key: max(len(tokenizer.encode(p[key])) + 1 for p in train_pairs + eval_pairs)  # noqa: E731
-    in_len, out_len = min(FLAGS.max_input_len, longest("input")), min(FLAGS.max_target_len, longest("target"))
-    encode = lambda pairs: text.encode_pairs(pairs, tokenizer, max_input_len=in_len, max_target_len=out_len,  # noqa
-                                             decoder_start_id=model.config.decoder_start_token_id)
-    (train, cut), (evals, eval_cut) = encode(train_pairs), encode(eval_pairs)
-    if cut + eval_cut:
-        logging.warning("%d pairs were cut to --max_input_len=%d / --max_target_len=%d", cut + eval_cut, in_len,
-                        out_len)
-    n_pairs = len(train)
-    row_lens = (in_len, out_len)
-    if FLAGS.pack_pairs:
-        row_lens = (max(in_len, FLAGS.max_input_len), max(out_len, FLAGS.max_target_len))
-        train = text.pack_pairs(train, *row_lens)
-    global_batch = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    train, evals, n_pairs, row_lens, (in_len, out_len) = encode(model, tokenizer, train_pairs, eval_pairs)
+    global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     if len(train) < global_batch:
         raise ValueError(f"{len(train)} training rows are fewer than one global batch of {global_batch}")
     cli.save_run(FLAGS.workdir, "seq2seq", model, tokenizer)
@@ -96,27 +131,24 @@ def main(argv):
     print(f"{n_pairs} training{packed} and {len(evals)} held-out pairs, {in_len} input and {out_len} target tokens at "
           f"most; e.g. {train_pairs[0]['input']!r} -> {train_pairs[0]['target']!r}")
 
-    trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_seq2seq,
-                             loss_fn=text.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
-                             optimizer=cli.optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=models.train_flops_per_example(model, *row_lens),
-                             trainable=cli.trainable(), **cli.trainer_kwargs())
+    trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
+                           flops_per_example=models.train_flops_per_example(model, *row_lens))
     predictor = engine.Predictor(mesh=mesh, collate_fn=text.collate_seq2seq, pred_fn=text.seq2seq_pred_fn(
         model, max_new_tokens=out_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
     metric_fn = lambda examples, preds: text.exact_match(examples, preds, tokenizer.eos_id)  # noqa: E731
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
-    start_loss = trainer.eval_loss(evals, per_device_batch_size=FLAGS.per_device_batch_size)
+    start_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
-    trainer.fit(train, per_device_batch_size=FLAGS.per_device_batch_size, n_epochs=FLAGS.n_epochs,
+    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=evals, eval_predictor=predictor, eval_metric_fn=metric_fn,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **cli.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
-    end_loss = trainer.eval_loss(evals, per_device_batch_size=FLAGS.per_device_batch_size)
+    end_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
     print(f"eval loss after training: {end_loss:.4f} (was {start_loss:.4f}) at step {trainer.step}")
-    preds = predictor.predict(evals, per_device_batch_size=FLAGS.per_device_batch_size, params=trainer.params)
+    preds = predictor.predict(evals, per_device_batch_size=batch, params=trainer.params)
     print(f"eval exact match: {metric_fn(evals, preds)['exact_match']:.4f} on {len(evals)} held-out pairs")
     for pair, pred in list(zip(eval_pairs, preds))[:FLAGS.samples]:
         got = tokenizer.decode([i for i in text.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])

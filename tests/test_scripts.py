@@ -176,11 +176,11 @@ def test_train_lm_auto_mesh_across_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_dpo_and_reward_choose_their_mesh(tmp_path):
-    """--mesh=auto in the RLHF scripts, each on 4 devices from its own kind of start (described without reading a
-    weight): SFT of a fresh model with LoRA adapters, DPO from that workdir (adapters merged), a reward model
-    whose backbone is a 2-stage pipeline (3 layouts of the 2 positions). Each trains on the layout it ranked
-    first, for the global batch of --per_device_batch_size rows per device."""
+def test_fine_tuning_scripts_choose_their_mesh(tmp_path):
+    """--mesh=auto in the fine-tuning scripts, each on 4 devices from its own kind of start (described without
+    reading a weight): SFT of a fresh model with LoRA adapters, DPO from that workdir (adapters merged), a reward
+    model whose backbone is a 2-stage pipeline (3 layouts of the 2 positions), T5 with LoRA on packed pairs. Each
+    trains on the layout it ranked first, for the global batch of --per_device_batch_size rows per device."""
     toy = ["--toy_size=64", "--eval_size=16", "--log_every=2", "--seq_len=24"]
     sft = tmp_path / "sft"
     out, rows, chosen = _auto_mesh(sft, 4, "--max_steps=2", "--eval_answers=2", "--max_new_tokens=4",
@@ -193,6 +193,10 @@ def test_sft_dpo_and_reward_choose_their_mesh(tmp_path):
     out, rows, chosen = _auto_mesh(tmp_path / "rm", 4, "--max_steps=1", "--pipeline_stages=2",
                                    "--per_device_batch_size=1", *toy, script="train_reward.py")
     _check_choice(out, rows, chosen, layouts=3, global_batch=2, stages=2)
+    out, rows, chosen = _auto_mesh(tmp_path / "t5", 4, "--max_steps=1", "--per_device_batch_size=1", "--lora_rank=2",
+                                   "--pack_pairs", "--max_input_len=16", "--max_target_len=16", *toy[:3],
+                                   script="finetune_seq2seq.py")
+    _check_choice(out, rows, chosen, layouts=6, global_batch=4)
 
 
 @pytest.mark.slow
@@ -483,8 +487,7 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
         ("train_ppo.py", "--mesh=auto"): "--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this "
-                                         "script does not choose a layout: train_lm.py, train_sft.py, train_dpo.py "
-                                         "and train_reward.py do)",
+                                         f"script does not choose a layout: {cli.AUTO_MESH_SCRIPTS} do)",
         ("train_sft.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive "
                                                 "budget with --mesh=auto",
         ("train_lm.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive budget "
