@@ -515,14 +515,23 @@ def _start_decoder(mesh, tasks, seq_len):
 
 def _fresh_decoder(seq_len):
     tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
+    return fresh_model(tokenizer, {"max_position_embeddings": max(seq_len, 128)}, family=FLAGS.model,
+                       families=DECODER_FAMILIES), tokenizer
+
+
+def fresh_model(tokenizer, fields, *, family, families):
+    """A fresh model of --model_config for `tokenizer`: a named config with the tokenizer's vocab_size, `fields`
+    (the script's) and --model_overrides; a .json file of config fields as it is. ValueError when its vocabulary
+    is smaller than the tokenizer's."""
     overrides = {}
     if not FLAGS.model_config.endswith(".json"):
-        overrides = {"vocab_size": tokenizer.vocab_size, "max_position_embeddings": max(seq_len, 128),
+        overrides = {"vocab_size": tokenizer.vocab_size, **fields,
                      **parse_json("model_overrides", FLAGS.model_overrides)}
-    model = create_model(FLAGS.model, FLAGS.model_config, overrides, families=DECODER_FAMILIES)
+    model = create_model(family, FLAGS.model_config, overrides, families=families)
     if model.config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
-    return model, tokenizer
+        raise ValueError(f"vocab_size={model.config.vocab_size}; the {type(tokenizer).__name__} needs at least "
+                         f"{tokenizer.vocab_size}")
+    return model
 
 
 def describe_decoder(*, tasks, seq_len):

@@ -60,14 +60,8 @@ def _build_model(mesh):
 def fresh_model():
     """(model, tokenizer) of --model_config / --model_overrides: byte-level tokens with --data, else the toy words."""
     tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
-    overrides = {}
-    if not FLAGS.model_config.endswith(".json"):
-        overrides = {"vocab_size": tokenizer.vocab_size, "decoder_start_token_id": tokenizer.bos_id,
-                     **cli.parse_json("model_overrides", FLAGS.model_overrides)}
-    model = cli.create_model("t5", FLAGS.model_config, overrides, families=["t5"])
-    if model.config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"vocab_size={model.config.vocab_size}; the tokenizer needs at least {tokenizer.vocab_size}")
-    return model, tokenizer
+    return cli.fresh_model(tokenizer, {"decoder_start_token_id": tokenizer.bos_id}, family="t5",
+                           families=["t5"]), tokenizer
 
 
 def describe_model():

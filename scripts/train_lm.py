@@ -47,15 +47,8 @@ cli.define_auto_mesh_flag()
 def named_model():
     """(model, tokenizer) of --model / --model_config (byte-level tokens)."""
     tokenizer = text.ByteTokenizer()
-    overrides = {}
-    if not FLAGS.model_config.endswith(".json"):
-        overrides = {"vocab_size": tokenizer.vocab_size, "max_position_embeddings": max(FLAGS.seq_len, 128),
-                     **cli.parse_json("model_overrides", FLAGS.model_overrides)}
-    model = cli.create_model(FLAGS.model, FLAGS.model_config, overrides, families=FAMILIES)
-    if model.config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"vocab_size={model.config.vocab_size}; byte-level tokens need at least "
-                         f"{tokenizer.vocab_size}")
-    return model, tokenizer
+    return cli.fresh_model(tokenizer, {"max_position_embeddings": max(FLAGS.seq_len, 128)}, family=FLAGS.model,
+                           families=FAMILIES), tokenizer
 
 
 def build_model(mesh):

@@ -482,6 +482,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--model_config=huge"): "--model_config='huge' is not a config of llama",
         ("train_lm.py", f"--model_config={tmp_path / 'config.json'}"): "config.json is not JSON",
         ("train_lm.py", '--model_overrides={"width": 1}'): "llama config has no field(s) ['width']",
+        ("finetune_seq2seq.py", '--model_overrides={"vocab_size": 10}'): "vocab_size=10; the WordTokenizer needs at "
+                                                                          "least",
         ("train_lm.py", f"--data={tmp_path / 'bad.jsonl'}"): "bad.jsonl:2 is not JSON",
         ("train_lm.py", "--init_from=/nonexistent"): "--init_from=/nonexistent is not a directory",
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
