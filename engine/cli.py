@@ -550,13 +550,16 @@ def describe_decoder(*, tasks, seq_len):
 
 
 def describe(model):
-    """(model, params) of a fresh `model` with the --lora_* flags (`with_lora`) and `with_flags` applied, the
-    parameters as jax.ShapeDtypeStructs (the functions of a script's real start, traced for shapes)."""
+    """(model, params) of a fresh `model` with the --lora_* flags (`with_lora`, in a script that defines them) and
+    `with_flags` applied, the parameters as jax.ShapeDtypeStructs (the functions of a script's real start, traced
+    for shapes)."""
     described = {}
 
     def laid_out():
-        params = models.init_params(model, jax.random.PRNGKey(0))
-        described["model"], params = with_flags(*with_lora(model, params, None))
+        model_params = (model, models.init_params(model, jax.random.PRNGKey(0)))
+        if "lora_rank" in FLAGS:
+            model_params = with_lora(*model_params, None)
+        described["model"], params = with_flags(*model_params)
         return params
 
     params = jax.eval_shape(laid_out)

@@ -62,15 +62,9 @@ def build_model(mesh):
 def auto_mesh():
     """--mesh=auto: the run's model and Trainer over abstract parameters (no weight read or allocated) on every
     layout; returns (mesh, rows per data position)."""
-    model = (cli.load_hf_model(FLAGS.init_from, families=FAMILIES) if FLAGS.init_from else named_model()[0])
-    described = {}
-
-    def laid_out():  # the parameters as cli.with_flags lays them out (a pipeline's stacked layers), shapes only
-        described["model"], params = cli.with_flags(model, models.init_params(model, jax.random.PRNGKey(0)))
-        return params
-
-    abstract = jax.eval_shape(laid_out)
-    loss_fn = text.lm_loss_fn(described["model"], cli.loss_implementation())
+    model, abstract = cli.describe(cli.load_hf_model(FLAGS.init_from, families=FAMILIES) if FLAGS.init_from
+                                   else named_model()[0])
+    loss_fn = text.lm_loss_fn(model, cli.loss_implementation())
     example = {"tokens": np.zeros(FLAGS.seq_len + 1, np.int32), "segment_ids": np.ones(FLAGS.seq_len + 1, np.int32)}
     return cli.choose_mesh(lambda mesh: engine.Trainer(
         mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=cli.optimizer(),

@@ -169,8 +169,9 @@ def test_train_lm_auto_mesh_across_two_processes(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "x-host MB" in outs[0][0]
-    _check_choice(subprocess.CompletedProcess(args, 0, *outs[0]), *_ranking(outs[0][0]), layouts=6, global_batch=4)
-    assert _ranking(outs[0][0])[1].group(1) in ("2,1,2", "2,2,1"), outs[0][0]  # data (or fsdp) alone spans them
+    rows, chosen = _ranking(outs[0][0])
+    _check_choice(subprocess.CompletedProcess(args, 0, *outs[0]), rows, chosen, layouts=6, global_batch=4)
+    assert chosen.group(1) in ("2,1,2", "2,2,1"), outs[0][0]  # data (or fsdp) alone spans the processes
     losses = [re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M) for out, _ in outs]
     assert len(losses[0]) == 2 and losses[0] == losses[1], losses
 
