@@ -769,9 +769,11 @@ def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
                      "dpo": (preference.collate_preferences, preference.dpo_loss_fn),
                      "reward": (preference.collate_preferences, reward.reward_loss_fn),
                      "ppo": (preference.collate_preferences, ppo.ppo_loss_fn)}[task]
-    if task == "ppo":  # the checkpoint holds {'actor', 'critic'}
-        critic = reward.RewardModel(_model_of(_read_run(workdir, tasks)["critic"], options))
-        abstract = {"actor": abstract, "critic": jax.eval_shape(lambda: models.init_params(critic))}
+    if task == "ppo":  # the checkpoint holds {'actor', 'critic'}, or {'actor'} after GRPO (no critic)
+        critic_entry = _read_run(workdir, tasks).get("critic")
+        critic = critic_entry and reward.RewardModel(_model_of(critic_entry, options))
+        abstract = {"actor": abstract, **({"critic": jax.eval_shape(lambda: models.init_params(critic))}
+                                          if critic else {})}
         loss = loss(model, critic)
     else:
         loss = loss(model)

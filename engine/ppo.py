@@ -24,6 +24,13 @@ Chat and Colossal-AI's LoRA PPO keep one base model for actor and reference like
 weights instead of four; `fit_ppo` checks that those weights are frozen. The models run deterministically (no
 dropout), so the ratio of the first update is exactly 1. A run resumes exactly: each iteration's experience is
 written to the workdir before the updates.
+
+GRPO (Shao et al., 2024, DeepSeekMath; `PPOConfig(advantage_estimator='grpo', samples_per_prompt=G)`, the
+`adv_estimator` switch of OpenRLHF and verl): no critic. Each prompt is answered G times and a response's advantage,
+at every one of its tokens, is its score's standing in its group, (score - group mean) / (group std + 1e-4); the KL
+to the reference moves from the reward into the loss (the k3 estimator pi_ref/pi - log(pi_ref/pi) - 1 per token,
+weighted by kl_coef). The Trainer's parameters are then {'actor'} alone: one trained model with its optimizer state
+instead of two, the memory the paper drops the value model for.
 """
 import dataclasses
 import os
@@ -42,7 +49,7 @@ from engine.trainer import global_batch_size
 from models.generate import KV_CACHE_DTYPES
 
 EXPERIENCE_FILE = "ppo_experience.npz"
-_KEYS = ("input_ids", "labels", "segment_ids", "old_log_probs", "old_values", "advantages", "returns")
+ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 _STATS = ("score", "kl", "response_tokens", "ended")
 
 
@@ -54,7 +61,10 @@ class PPOConfig:
     set, the reward of a response cut off at max_new_tokens before its EOS (TRL's non-EOS penalty): a learnt reward
     model has only seen finished responses and may score unfinished ones highly, which PPO then exploits.
     kv_cache_dtype: the rollouts' KV cache storage (None: the actor's compute dtype; 'int8': half of bf16's bytes,
-    `models.generate`); the rows are scored by full forward passes, so only the sampling sees its rounding."""
+    `models.generate`); the rows are scored by full forward passes, so only the sampling sees its rounding.
+    advantage_estimator: 'gae' (a critic's values, the KL penalty in the rewards) or 'grpo' (no critic: each
+    response's score against its prompt's group, the KL in the loss; see the module's docstring);
+    samples_per_prompt: responses sampled per prompt in a rollout (GRPO's group size, at least 2 for it)."""
     max_new_tokens: int = 16
     temperature: float = 1.0
     kl_coef: float = 0.05
@@ -65,6 +75,8 @@ class PPOConfig:
     lam: float = 0.95
     unfinished_reward: Optional[float] = None
     kv_cache_dtype: Optional[str] = None
+    advantage_estimator: str = "gae"
+    samples_per_prompt: int = 1
 
     def __post_init__(self):
         checks = {"max_new_tokens": isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -73,13 +85,18 @@ class PPOConfig:
                   "value_coef": self.value_coef >= 0, "gamma": 0 < self.gamma <= 1, "lam": 0 <= self.lam <= 1,
                   "unfinished_reward": self.unfinished_reward is None or isinstance(self.unfinished_reward,
                                                                                     (int, float)),
-                  "kv_cache_dtype": self.kv_cache_dtype is None or self.kv_cache_dtype in KV_CACHE_DTYPES}
+                  "kv_cache_dtype": self.kv_cache_dtype is None or self.kv_cache_dtype in KV_CACHE_DTYPES,
+                  "advantage_estimator": self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+                  "samples_per_prompt": isinstance(self.samples_per_prompt, int) and self.samples_per_prompt >= (
+                      2 if self.advantage_estimator == "grpo" else 1)}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "
                                  ">= 1, temperature > 0, kl_coef >= 0, 0 < clip_ratio < 1, value_clip > 0, value_coef "
                                  ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, unfinished_reward None or a number, "
-                                 "kv_cache_dtype None, 'int8', 'bfloat16', 'float16' or 'float32'")
+                                 "kv_cache_dtype None, 'int8', 'bfloat16', 'float16' or 'float32', "
+                                 f"advantage_estimator one of {ADVANTAGE_ESTIMATORS}, samples_per_prompt >= 1 (>= 2 "
+                                 "with 'grpo': a group to compare with)")
 
 
 def advantages_and_returns(rewards, values, mask, *, gamma, lam):
@@ -97,6 +114,15 @@ def advantages_and_returns(rewards, values, mask, *, gamma, lam):
     return adv, np.where(mask, adv + values, 0.0).astype(np.float32)
 
 
+def group_advantages(scores, group_size):
+    """GRPO's advantages of float [N] `scores`, N / group_size consecutive groups of one prompt's responses: each
+    score minus its group's mean over its group's standard deviation (Bessel-corrected, + 1e-4, as TRL's), float32
+    [N]. A group of equal scores gives zeros (nothing to learn from it)."""
+    groups = np.asarray(scores, np.float32).reshape(-1, group_size)
+    mean, std = groups.mean(1, keepdims=True), groups.std(1, ddof=1, keepdims=True)
+    return ((groups - mean) / (std + 1e-4)).reshape(-1).astype(np.float32)
+
+
 def _log_probs(actor, params, batch, implementation, interpret):
     """log pi(label) [B, T] (0 where unlabelled) of `actor` with `params`."""
     out = actor.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
@@ -108,7 +134,8 @@ def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, inter
     """`loss_fn(params, batch, rng, is_training)` for a `Trainer` on params {'actor', 'critic'} and `PPO.rollout`'s
     experience rows: mean over response tokens of the clipped policy loss + value_coef x the clipped value loss;
     metrics policy_loss, value_loss, clip_fraction (tokens whose ratio was clipped), approx_kl (to the rollout's
-    policy) and tokens. implementation: as `PPO`'s."""
+    policy) and tokens. critic None (GRPO): params {'actor'}, and instead of the value loss kl_coef x the k3
+    estimate of the KL to the reference (the rows' ref_log_probs), metric kl. implementation: as `PPO`'s."""
     c = config
 
     def loss_fn(params, batch, rng, is_training):
@@ -121,15 +148,19 @@ def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, inter
         ratio = jnp.exp(log_ratio)
         adv = batch["advantages"]
         policy = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - c.clip_ratio, 1 + c.clip_ratio))
+        policy_loss = mean(policy)
+        metrics = {"policy_loss": policy_loss,
+                   "clip_fraction": mean((jnp.abs(ratio - 1) > c.clip_ratio).astype(jnp.float32)),
+                   "approx_kl": mean(ratio - 1 - log_ratio), "tokens": mask.sum().astype(jnp.float32)}
+        if critic is None:  # GRPO: the KL to the reference in the loss (k3: unbiased, never negative)
+            ref_ratio = jnp.where(mask, batch["ref_log_probs"] - log_probs, 0.0)
+            metrics["kl"] = mean(jnp.exp(ref_ratio) - ref_ratio - 1)
+            return policy_loss + c.kl_coef * metrics["kl"], metrics
         values = critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])
         old, ret = batch["old_values"], batch["returns"]
         clipped = old + jnp.clip(values - old, -c.value_clip, c.value_clip)
-        value = 0.5 * jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2)
-        policy_loss, value_loss = mean(policy), mean(value)
-        metrics = {"policy_loss": policy_loss, "value_loss": value_loss,
-                   "clip_fraction": mean((jnp.abs(ratio - 1) > c.clip_ratio).astype(jnp.float32)),
-                   "approx_kl": mean(ratio - 1 - log_ratio), "tokens": mask.sum().astype(jnp.float32)}
-        return policy_loss + c.value_coef * value_loss, metrics
+        metrics["value_loss"] = mean(0.5 * jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2))
+        return policy_loss + c.value_coef * metrics["value_loss"], metrics
     loss_fn.weight_metric = "tokens"
     return loss_fn
 
@@ -140,7 +171,8 @@ class PPO:
     Args:
       actor: the policy, a decoder-only model; its parameters are `params['actor']` of the Trainer.
       critic: an `engine.reward.RewardModel` of any backbone; `params['critic']` (usually a copy of the reward
-        model's parameters, or of the actor's backbone with a fresh score head).
+        model's parameters, or of the actor's backbone with a fresh score head). None with GRPO
+        (config.advantage_estimator='grpo'), which has none: the Trainer's params are then {'actor'}.
       ref_params: the frozen reference policy's parameters (the actor's starting point), for the KL penalty; None:
         the actor with its LoRA adapters off (the actor needs adapters, and only they may train).
       tokenizer: of the actor (and of the reward model: they read the same token rows).
@@ -148,7 +180,7 @@ class PPO:
       seq_len: row width; rows longer than seq_len + 1 tokens lose their end.
       reward_model, reward_params: a frozen learnt reward model (`engine.reward.RewardModel`; reward_params without
         'backbone', i.e. {'score': [d, 1]}: the critic's backbone with its LoRA adapters off under that score head,
-        the critic's backbone then frozen but for its adapters), or
+        the critic's backbone then frozen but for its adapters; GRPO: with a backbone of its own), or
       reward_fn: `reward_fn(prompt, response) -> float` on strings (the response decoded up to EOS): a rule or
         verifier instead of a learnt model. Exactly one of reward_model and reward_fn.
       config: a `PPOConfig`.
@@ -158,8 +190,16 @@ class PPO:
 
     def __init__(self, *, actor, critic, ref_params, tokenizer, mesh, seq_len, reward_model=None, reward_params=None,
                  reward_fn=None, config=PPOConfig(), implementation=None, interpret=False):
-        if not isinstance(critic, reward.RewardModel):
-            raise ValueError(f"critic={type(critic).__name__}; expected an engine.reward.RewardModel")
+        if not isinstance(config, PPOConfig):
+            raise ValueError(f"config={config!r}; expected an engine.ppo.PPOConfig")
+        grpo = config.advantage_estimator == "grpo"
+        if not isinstance(critic, reward.RewardModel) and not (grpo and critic is None):
+            raise ValueError(f"critic={type(critic).__name__} with advantage_estimator="
+                             f"{config.advantage_estimator!r}; expected an engine.reward.RewardModel ('gae'), or "
+                             "None ('grpo': no critic)")
+        if grpo and critic is not None:
+            raise ValueError("critic given with advantage_estimator='grpo'; expected None (GRPO's advantages come "
+                             "from each prompt's group of responses, not from a value model)")
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("reward_model and reward_fn: got both or neither; expected exactly one")
         if reward_model is not None and (not isinstance(reward_model, reward.RewardModel) or reward_params is None):
@@ -168,8 +208,6 @@ class PPO:
                              "and its parameters")
         if reward_fn is not None and not callable(reward_fn):
             raise ValueError(f"reward_fn={reward_fn!r}; expected a callable (prompt, response) -> float")
-        if not isinstance(config, PPOConfig):
-            raise ValueError(f"config={config!r}; expected an engine.ppo.PPOConfig")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
         text.check_implementation(implementation)
@@ -178,7 +216,7 @@ class PPO:
                              "actor with lora_rank > 0, or the reference's parameters")
         self.ref_from_actor = ref_params is None
         self.reward_from_critic = reward_model is not None and "backbone" not in reward_params
-        if self.reward_from_critic and (not critic.backbone.config.lora_rank or reward_model.backbone.config
+        if self.reward_from_critic and (critic is None or not critic.backbone.config.lora_rank or reward_model.backbone.config
                                         != critic.backbone.config or set(reward_params) != {"score"}):
             raise ValueError(f"reward_params with keys {sorted(reward_params)} (no 'backbone': the critic's backbone "
                              "with its adapters off); expected {'score'} with a critic of LoRA adapters (lora_rank "
@@ -194,8 +232,9 @@ class PPO:
         del rng
         log_probs = lambda p: _log_probs(self.actor, p, batch, self.implementation, self.interpret)  # noqa: E731
         ref = models.adapters_off(params["actor"]) if self.ref_from_actor else params["ref"]
-        out = {"log_probs": log_probs(params["actor"]), "ref_log_probs": log_probs(ref),
-               "values": self.critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])}
+        out = {"log_probs": log_probs(params["actor"]), "ref_log_probs": log_probs(ref)}
+        if self.critic is not None:
+            out["values"] = self.critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])
         if self.reward_model is not None:
             scorer = params["reward"]
             if self.reward_from_critic:
@@ -221,8 +260,8 @@ class PPO:
     def generate_and_score(self, params, prompts, *, seed, temperature=None, per_device_batch_size=8):
         """The actor's (`params['actor']`) responses to the string `prompts`, sampled at `temperature` (default the
         config's; 0: greedy), and their scoring: (responses: token lists up to EOS, rows: `preference.token_row`
-        examples, scored: one dict per row of log_probs, ref_log_probs, values [seq_len] and score [] (the reward,
-        or config.unfinished_reward for a response cut off before its EOS))."""
+        examples, scored: one dict per row of log_probs, ref_log_probs, values (with a critic) [seq_len] and score []
+        (the reward, or config.unfinished_reward for a response cut off before its EOS))."""
         temperature = self.config.temperature if temperature is None else temperature
         tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
                   for n, p in enumerate(prompts)]
@@ -240,8 +279,7 @@ class PPO:
         frozen = {} if self.ref_from_actor else {"ref": self.ref_params}
         if self.reward_model is not None:
             frozen["reward"] = self.reward_params
-        scored = self._scorer.predict(rows, per_device_batch_size=per_device_batch_size,
-                                      params={"actor": params["actor"], "critic": params["critic"], **frozen})
+        scored = self._scorer.predict(rows, per_device_batch_size=per_device_batch_size, params={**params, **frozen})
         eos = self.tokenizer.eos_id
         for prompt, response, s in zip(prompts, responses, scored):
             ended = bool(response) and response[-1] == eos
@@ -254,25 +292,34 @@ class PPO:
         return responses, rows, scored
 
     def rollout(self, params, prompts, *, seed, per_device_batch_size=8):
-        """Experience for one iteration from string `prompts`: (examples, stats). Each example holds the row's
-        input_ids, labels, segment_ids and old_log_probs, old_values, advantages, returns [seq_len]; stats: the mean
-        score, the mean KL to the reference per response (sum over its tokens), the mean response length and the
-        fraction of responses that ended with EOS."""
+        """Experience for one iteration from string `prompts`, each answered config.samples_per_prompt times (in
+        consecutive rows): (examples, stats). Each example holds the row's input_ids, labels, segment_ids,
+        old_log_probs and advantages [seq_len], and old_values and returns (GAE) or ref_log_probs (GRPO); stats: the
+        mean score, the mean KL to the reference per response (sum over its tokens), the mean response length and
+        the fraction of responses that ended with EOS."""
         c = self.config
+        prompts = [p for p in prompts for _ in range(c.samples_per_prompt)]
         responses, rows, scored = self.generate_and_score(params, prompts, seed=seed,
                                                           per_device_batch_size=per_device_batch_size)
         stack = lambda key: np.stack([s[key] for s in scored]).astype(np.float32)  # noqa: E731
-        log_probs, ref_log_probs, values, score = (stack(k) for k in ("log_probs", "ref_log_probs", "values", "score"))
+        log_probs, ref_log_probs, score = (stack(k) for k in ("log_probs", "ref_log_probs", "score"))
         mask = np.stack([r["labels"] for r in rows]) >= 0
         kl = np.where(mask, log_probs - ref_log_probs, 0.0)
-        rewards = -c.kl_coef * kl
-        last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-        rewards[np.arange(len(rows)), last] += score
-        adv, returns = advantages_and_returns(rewards, np.where(mask, values, 0.0), mask, gamma=c.gamma, lam=c.lam)
-        mean, std = adv[mask].mean(), adv[mask].std()
-        adv = np.where(mask, (adv - mean) / (std + 1e-8), 0.0).astype(np.float32)
-        examples = [{**row, "old_log_probs": log_probs[i], "old_values": np.where(mask[i], values[i], 0.0),
-                     "advantages": adv[i], "returns": returns[i]} for i, row in enumerate(rows)]
+        if c.advantage_estimator == "grpo":
+            adv = np.where(mask, group_advantages(score, c.samples_per_prompt)[:, None], 0.0).astype(np.float32)
+            extra = [{"ref_log_probs": np.where(m, r, 0.0)} for m, r in zip(mask, ref_log_probs)]
+        else:
+            values = stack("values")
+            rewards = -c.kl_coef * kl
+            last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+            rewards[np.arange(len(rows)), last] += score
+            adv, returns = advantages_and_returns(rewards, np.where(mask, values, 0.0), mask, gamma=c.gamma,
+                                                  lam=c.lam)
+            mean, std = adv[mask].mean(), adv[mask].std()
+            adv = np.where(mask, (adv - mean) / (std + 1e-8), 0.0).astype(np.float32)
+            extra = [{"old_values": np.where(m, v, 0.0), "returns": r} for m, v, r in zip(mask, values, returns)]
+        examples = [{**row, "old_log_probs": log_probs[i], "advantages": adv[i], **extra[i]}
+                    for i, row in enumerate(rows)]
         eos = self.tokenizer.eos_id
         stats = {"score": float(score.mean()), "kl": float(kl.sum(1).mean()),
                  "response_tokens": float(np.mean([len(r) for r in responses])),
@@ -294,7 +341,7 @@ def iteration_prompts(prompts, iteration, n, seed):
 
 def _save_experience(path, iteration, examples, stats):
     if jax.process_index() == 0:
-        arrays = {k: np.stack([e[k] for e in examples]) for k in _KEYS}
+        arrays = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
         with open(path + ".tmp", "wb") as f:
             np.savez(f, iteration=iteration, stats=np.array([stats[k] for k in sorted(stats)]), **arrays)
         os.replace(path + ".tmp", path)
@@ -307,9 +354,9 @@ def _load_experience(path, iteration, stat_names):
     with np.load(path) as z:
         if int(z["iteration"]) != iteration:
             return None
-        arrays = {k: z[k] for k in _KEYS}
+        arrays = {k: z[k] for k in z.files if k not in ("iteration", "stats")}
         stats = dict(zip(sorted(stat_names), z["stats"].tolist()))
-    return [{k: arrays[k][i] for k in _KEYS} for i in range(len(arrays["input_ids"]))], stats
+    return [{k: v[i] for k, v in arrays.items()} for i in range(len(arrays["input_ids"]))], stats
 
 
 def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
@@ -317,22 +364,24 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     """Runs PPO iterations until `max_steps` updates in total (resumes included: a Trainer restored from its
     workdir continues where it stopped, exactly, even mid-iteration). `trainer`: an `engine.Trainer` with
     `loss_fn=ppo.loss_fn()`, params {'actor', 'critic'} and `collate_fn=preference.collate_preferences`. prompts:
-    strings; each iteration takes `rollout_batch_size` of them (`iteration_prompts`), a multiple of the Trainer's
-    global batch, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between
+    strings; each iteration answers rollout_batch_size / samples_per_prompt of them (`iteration_prompts`), in
+    `rollout_batch_size` rows (responses), a multiple of the Trainer's global batch and of the config's
+    samples_per_prompt, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between
     checkpoints (and one at the end). After each whole iteration its rollout's stats go to TensorBoard
     (`rollout/score`, `rollout/kl`, ...) and to on_iteration(iteration, stats). Returns the stats of the whole
     iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
+    group = ppo.config.samples_per_prompt
     checks = {"max_steps": isinstance(max_steps, int) and max_steps >= 0,
               "rollout_batch_size": isinstance(rollout_batch_size, int) and rollout_batch_size >= rows
-              and rollout_batch_size % rows == 0,
+              and rollout_batch_size % rows == 0 and rollout_batch_size % group == 0,
               "ppo_epochs": isinstance(ppo_epochs, int) and ppo_epochs >= 1,
               "save_every": save_every is None or (isinstance(save_every, int) and save_every >= 1)}
     for name, ok in checks.items():
         if not ok:
             raise ValueError(f"{name}={locals()[name]!r}; expected max_steps >= 0, a rollout_batch_size that is a "
-                             f"positive multiple of the global batch ({rows} rows), ppo_epochs >= 1, save_every None "
-                             "or >= 1")
+                             f"positive multiple of the global batch ({rows} rows) and of samples_per_prompt "
+                             f"({group}), ppo_epochs >= 1, save_every None or >= 1")
     if not prompts:
         raise ValueError("prompts: none given; expected at least one prompt")
     trained = trainer.trainable_paths()
@@ -354,7 +403,8 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                 logging.warning("no saved experience of iteration %d: a fresh rollout from step %d, so this resume "
                                 "is not exact", it, trainer.step)
         if loaded is None:
-            examples, stats = ppo.rollout(trainer.params, iteration_prompts(prompts, it, rollout_batch_size, seed),
+            examples, stats = ppo.rollout(trainer.params, iteration_prompts(prompts, it, rollout_batch_size // group,
+                                                                            seed),
                                           seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size)
             if path:
                 _save_experience(path, it, examples, stats)

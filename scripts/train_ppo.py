@@ -11,11 +11,17 @@ iteration's mean reward and KL and, before and after, the held-out greedy answer
 exact match), and writes TensorBoard scalars and checkpoints under --workdir. Re-running the same command resumes
 exactly.
 
+--advantage_estimator=grpo trains by GRPO instead (engine/ppo.py): no critic; each prompt is answered
+--samples_per_prompt times and each response's advantage is its reward against its group's; the reward model, if
+any, is frozen with weights of its own.
+
   python scripts/train_sft.py --workdir=sft --max_steps=60
   python scripts/train_ppo.py --init_from=sft --workdir=ppo                    # the toy task's rule reward
   python scripts/train_reward.py --init_from=sft --workdir=rm
   python scripts/train_ppo.py --init_from=sft --reward_from=rm --workdir=ppo_rm
+  python scripts/train_ppo.py --init_from=sft --workdir=grpo --advantage_estimator=grpo
 """
+import math
 import os
 import sys
 
@@ -43,12 +49,19 @@ flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py o
                     "starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "
                     "list, else 0), and the critic starts from the policy.")
 cli.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
-flags.DEFINE_integer("rollout_batch_size", 0, "Prompts answered per iteration, a multiple of the global batch (0: "
-                     "four global batches).", lower_bound=0)
+flags.DEFINE_integer("rollout_batch_size", 0, "Responses sampled per iteration (--samples_per_prompt to each "
+                     "prompt), a multiple of the global batch and of --samples_per_prompt (0: four global batches, "
+                     "or their least multiple that --samples_per_prompt divides).", lower_bound=0)
+flags.DEFINE_enum("advantage_estimator", "gae", list(ppo.ADVANTAGE_ESTIMATORS), "gae: PPO with a critic (value "
+                  "model) and the KL penalty in the rewards; grpo: GRPO, no critic, each response's reward against "
+                  "its prompt's group of --samples_per_prompt responses, the KL to the reference in the loss.")
+flags.DEFINE_integer("samples_per_prompt", 0, "Responses sampled per prompt in each rollout (0: 1 with gae, 8 with "
+                     "grpo, which needs at least 2).", lower_bound=0)
 flags.DEFINE_integer("ppo_epochs", 1, "Epochs of updates on each iteration's experience.", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens per response at most.", lower_bound=1)
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts.", lower_bound=1e-3)
-flags.DEFINE_float("kl_coef", 0.05, "Per-token KL penalty towards the reference policy.", lower_bound=0.0)
+flags.DEFINE_float("kl_coef", 0.05, "Per-token KL penalty towards the reference policy (grpo: the weight of the "
+                   "KL term of the loss).", lower_bound=0.0)
 flags.DEFINE_float("clip_ratio", 0.2, "PPO's clipping of the probability ratio.", lower_bound=1e-3, upper_bound=0.999)
 flags.DEFINE_float("value_coef", 0.5, "Weight of the critic's loss.", lower_bound=0.0)
 flags.DEFINE_float("critic_learning_rate", None, "Peak learning rate of the critic (default: --learning_rate, one "
@@ -99,6 +112,14 @@ def _report(name, values):
 
 def main(argv):
     del argv
+    grpo = FLAGS.advantage_estimator == "grpo"
+    for name in ("critic_learning_rate", "value_coef"):
+        if grpo and FLAGS[name].present:
+            raise ValueError(f"--{name} with --advantage_estimator=grpo; expected neither (GRPO has no critic)")
+    samples = FLAGS.samples_per_prompt or (8 if grpo else 1)
+    if grpo and samples < 2:
+        raise ValueError(f"--samples_per_prompt={samples} with --advantage_estimator=grpo; expected at least 2 (a "
+                         "group to compare each response with)")
     if not FLAGS.reward_from and FLAGS.data:
         raise ValueError("--reward_from is empty; expected the workdir of scripts/train_reward.py (only the embedded "
                          "toy task, without --data, has a rule reward)")
@@ -113,7 +134,8 @@ def main(argv):
     config = ppo.PPOConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, kl_coef=FLAGS.kl_coef,
                            clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
                            unfinished_reward=FLAGS.unfinished_reward,
-                           kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype)
+                           kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
+                           advantage_estimator=FLAGS.advantage_estimator, samples_per_prompt=samples)
     rewards = {}
     if FLAGS.reward_from:
         if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
@@ -127,39 +149,47 @@ def main(argv):
         if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
             raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
                              "expected a reward model trained on the policy's tokens")
-        # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy of
-        # the reward model's weights (engine/ppo.py), frozen.
         backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
         critic, reward_params = reward.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
-        critic, critic_params = cli.with_lora(critic, reward_params, mesh)
-        rewards = {"reward_model": critic, "reward_params": (
-            {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
+        if grpo:  # no critic: the reward model frozen, with its own weights
+            rewards = {"reward_model": critic, "reward_params": reward_params}
+            critic = None
+        else:
+            # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy
+            # of the reward model's weights (engine/ppo.py), frozen.
+            critic, critic_params = cli.with_lora(critic, reward_params, mesh)
+            rewards = {"reward_model": critic, "reward_params": (
+                {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
     else:  # the toy task's rule; the critic starts from the policy with a fresh score head
-        critic = reward.RewardModel(actor)
-        critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
+        critic = critic_params = None
+        if not grpo:
+            critic = reward.RewardModel(actor)
+            critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
         rewards = {"reward_fn": preference.toy_reward}
     # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very
     # arrays the actor and the critic start from.
-    params = {"actor": actor_params, "critic": critic_params}
+    params = {"actor": actor_params, **({"critic": critic_params} if critic is not None else {})}
     # With --lora_rank the reference is the actor with its adapters off (no copy of the policy's weights).
     task = ppo.PPO(actor=actor, critic=critic, ref_params=None if FLAGS.lora_rank else actor_params,
                    tokenizer=tokenizer, mesh=mesh,
                    seq_len=seq_len, config=config, implementation=cli.loss_implementation(), **rewards)
     rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
-    rollout_batch_size = FLAGS.rollout_batch_size or 4 * rows
-    if rollout_batch_size % rows:
+    rollout_batch_size = FLAGS.rollout_batch_size or math.lcm(4 * rows, samples)
+    if rollout_batch_size % rows or rollout_batch_size % samples:
         raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
-                         f"global batch ({rows} rows)")
+                         f"global batch ({rows} rows) and of --samples_per_prompt ({samples})")
     steps_per_iteration = FLAGS.ppo_epochs * rollout_batch_size // rows
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
-    flops = models.train_flops_per_example(actor, seq_len) + models.train_flops_per_example(critic.backbone, seq_len)
+    flops = models.train_flops_per_example(actor, seq_len) + (
+        models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=_optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=flops, trainable=cli.trainable(r"^critic/score$"),
+                             flops_per_example=flops, trainable=cli.trainable(None if critic is None else r"^critic/score$"),
                              **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
-    print(f"{len(train_records)} training prompts; iterations of {rollout_batch_size} rollouts and "
+    group = f" ({rollout_batch_size // samples} prompts x {samples})" if samples > 1 else ""
+    print(f"{len(train_records)} training prompts; iterations of {rollout_batch_size} rollouts{group} and "
           f"{steps_per_iteration} updates, to step {FLAGS.max_steps}; rows of {seq_len} tokens")
     start = _evaluate(task, trainer.params, eval_records)
     print(_report("before training", start))

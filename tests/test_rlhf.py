@@ -230,11 +230,14 @@ def _run_ppo(task_and_params, workdir, max_steps, rollout_batch_size=32, ppo_epo
 
 
 @pytest.mark.slow  # CI time; PPO's first update is checked exactly by a fast test
-def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path):
-    """On a 2x1x2 mesh, a PPO run stopped mid-iteration (max_steps) and resumed by a new Trainer on its workdir ends
-    with the uninterrupted run's parameters bit for bit: the stopped iteration's experience is read back."""
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path, estimator):
+    """On a 2x1x2 mesh, a PPO (or GRPO) run stopped mid-iteration (max_steps) and resumed by a new Trainer on its
+    workdir ends with the uninterrupted run's parameters bit for bit: the stopped iteration's experience is read
+    back."""
     # One PPO (one compiled scoring pass) for the three runs, on 4 of the devices (a quicker compilation).
-    task = _ppo(sft_params, engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    task = {"gae": _ppo, "grpo": _grpo}[estimator](sft_params, engine.make_mesh(data=2, model=2,
+                                                                              devices=jax.devices()[:4]))
     run = lambda workdir, max_steps: _run_ppo(task, workdir, max_steps, rollout_batch_size=16)  # noqa: E731
     whole, stats = run(tmp_path / "whole", 8)  # 2 iterations of 2 epochs x 2 updates
     assert len(stats) == 2
@@ -246,6 +249,7 @@ def test_ppo_resumes_exactly_mid_iteration(sft_params, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     events = b"".join(p.read_bytes() for p in (tmp_path / "whole" / "tensorboard").glob("events.out.tfevents*"))
     assert b"rollout/score" in events and b"rollout/kl" in events and b"train/policy_loss" in events
+    assert (b"train/kl" if estimator == "grpo" else b"train/value_loss") in events
 
 
 @pytest.mark.slow
@@ -253,6 +257,15 @@ def test_ppo_raises_the_rule_reward():
     """On a 4x1x2 mesh, 20 iterations of PPO with the toy task's rule reward, from a model after 32 SFT steps, raise
     the sampled responses' mean reward."""
     _, stats = _run_ppo(_ppo(_sft(32), engine.make_mesh(data=4, model=2)), None, 80, rollout_batch_size=64,
+                        ppo_epochs=1)
+    scores = [s["score"] for s in stats]
+    assert np.mean(scores[-3:]) > np.mean(scores[:3]) + 0.08, scores
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_rule_reward():
+    """As above with GRPO (no critic): 20 iterations of 16 prompts x 4 responses raise the sampled mean reward."""
+    _, stats = _run_ppo(_grpo(_sft(32), engine.make_mesh(data=4, model=2)), None, 80, rollout_batch_size=64,
                         ppo_epochs=1)
     scores = [s["score"] for s in stats]
     assert np.mean(scores[-3:]) > np.mean(scores[:3]) + 0.08, scores
@@ -344,3 +357,115 @@ def test_scores_on_a_context_mesh_equal_the_unsplit_ones():
         rows, per_device_batch_size=2, params={"critic": place(), "reward": place()})
     np.testing.assert_allclose([g["score"] for g in got], want["score"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.stack([g["values"] for g in got]), want["values"], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------- GRPO
+
+def test_group_advantages_are_each_score_against_its_prompts_group():
+    scores = np.float32([1, 0, 0, 1, 0.5, 0.5, 0.5, 0.5, 3, 1, 2, 0])
+    adv = ppo.group_advantages(scores, 4)
+    for g in range(3):
+        s = scores[4 * g:4 * g + 4].astype(np.float64)
+        want = (s - s.mean()) / (s.std(ddof=1) + 1e-4)
+        np.testing.assert_allclose(adv[4 * g:4 * g + 4], want, rtol=1e-6, atol=1e-7)
+    assert adv.dtype == np.float32 and not adv[4:8].any()  # equal scores: nothing to learn
+
+
+def _grpo(sft_params, mesh, **config):
+    config = ppo.PPOConfig(max_new_tokens=8, advantage_estimator="grpo", samples_per_prompt=4, **config)
+    task = ppo.PPO(actor=_backbone(), critic=None, ref_params=sft_params, tokenizer=TOK, mesh=mesh, seq_len=7 + 8 - 1,
+                   reward_fn=preference.toy_reward, config=config)
+    return task, {"actor": jax.tree.map(jnp.asarray, sft_params)}
+
+
+def _log_probs_by_hand(actor, actor_params, batch):
+    out = actor.apply({"params": actor_params}, batch["input_ids"], batch["segment_ids"])
+    return -text.token_losses(actor, actor_params, out, batch["labels"])
+
+
+def test_grpo_rollout_groups_and_its_loss(sft_params):
+    """GRPO: each prompt is answered samples_per_prompt times in consecutive rows, every response token carries its
+    response's group advantage, and the rows hold the reference's log-probabilities (no values, no returns). At the
+    rollout's policy (the reference) the loss is -mean(advantage) and its gradient that of -mean(advantage x log
+    pi): the k3 KL term and its gradient vanish there. With the parameters moved and zero advantages the loss is
+    kl_coef x the mean over response tokens of pi_ref/pi - log(pi_ref/pi) - 1, computed by hand."""
+    mesh = engine.make_mesh(data=4, model=2)
+    task, params = _grpo(sft_params, mesh, kl_coef=0.1)
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(4, seed=7)]
+    examples, stats = task.rollout(params, prompts, seed=3)
+    responses, _, scored = task.generate_and_score(params, [p for p in prompts for _ in range(4)], seed=3)
+    assert len(examples) == 16 and stats["kl"] == 0.0
+    assert any(len({tuple(r) for r in responses[4 * g:4 * g + 4]}) > 1 for g in range(4))  # groups vary
+    adv = ppo.group_advantages([s["score"] for s in scored], 4)
+    for i, ex in enumerate(examples):
+        prompt = TOK.encode(prompts[i // 4]) + [TOK.bos_id]
+        assert ex["input_ids"][:len(prompt)].tolist() == prompt
+        mask = ex["labels"] >= 0
+        assert ex["labels"][mask].tolist() == responses[i][:mask.sum()]
+        np.testing.assert_allclose(ex["advantages"][mask], adv[i], rtol=1e-6)
+        assert not ex["advantages"][~mask].any() and not ex["ref_log_probs"][~mask].any()
+        np.testing.assert_array_equal(ex["ref_log_probs"], ex["old_log_probs"])  # the policy is the reference
+        assert "old_values" not in ex and "returns" not in ex
+    batch = preference.collate_preferences(examples)
+    mask = batch["labels"] >= 0
+    loss_fn = task.loss_fn()
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None, True)
+    np.testing.assert_allclose(loss, -batch["advantages"][mask].mean(), rtol=1e-5, atol=1e-6)
+    assert metrics["kl"] < 1e-6 and "value_loss" not in metrics and set(grads) == {"actor"}
+    surrogate = lambda p: -(batch["advantages"] * _log_probs_by_hand(task.actor, p, batch)).sum() / mask.sum()  # noqa: E731
+    for got, ref in zip(jax.tree.leaves(grads["actor"]), jax.tree.leaves(jax.grad(surrogate)(params["actor"]))):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
+    moved = jax.tree.map(lambda x: x * 1.1, params)
+    loss, metrics = loss_fn(moved, {**batch, "advantages": np.zeros_like(batch["advantages"])}, None, True)
+    d = np.asarray(batch["ref_log_probs"] - _log_probs_by_hand(task.actor, moved["actor"], batch))[mask]
+    want = (np.exp(d) - d - 1).mean()
+    assert want > 1e-3
+    np.testing.assert_allclose(metrics["kl"], want, rtol=1e-4)
+    np.testing.assert_allclose(loss, 0.1 * want, rtol=1e-4)
+
+
+def test_grpo_trains_the_actor_alone_and_its_workdir_restores(sft_params, tmp_path):
+    """fit_ppo with GRPO on a 2x1x2 mesh: iterations of rollout_batch_size / samples_per_prompt prompts, a Trainer
+    over {'actor'} only, and the workdir's policy read back by `cli.restore_run` (generate.py and export_hf.py)."""
+    from engine import cli
+    mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    task, params = _grpo(sft_params, mesh)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
+                             params=params, optimizer=optax.adam(1e-3), workdir=str(tmp_path))
+    cli.save_run(str(tmp_path), "ppo", task.actor, TOK)
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(64, seed=0)]
+    seen = []
+    original = task.rollout
+    task.rollout = lambda p, iteration_prompts, **kw: seen.append(iteration_prompts) or original(
+        p, iteration_prompts, **kw)
+    stats = ppo.fit_ppo(trainer, task, prompts, max_steps=4, rollout_batch_size=16, per_device_batch_size=4)
+    trainer.close()
+    assert len(stats) == 2 and [len(s) for s in seen] == [4, 4] and seen[0] != seen[1]
+    assert set(trainer.params) == {"actor"} and stats[1]["kl"] != 0.0
+    with np.load(tmp_path / ppo.EXPERIENCE_FILE) as z:
+        assert "ref_log_probs" in z.files and "old_values" not in z.files and z["input_ids"].shape[0] == 16
+    task_name, model, restored, _ = cli.restore_run(str(tmp_path), mesh)
+    assert task_name == "ppo" and model.config == task.actor.config
+    for a, b in zip(jax.tree.leaves(trainer.params["actor"]), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="rollout_batch_size=18; expected .* samples_per_prompt \\(4\\)"):
+        ppo.fit_ppo(trainer, task, prompts, max_steps=8, rollout_batch_size=18, per_device_batch_size=1)
+
+
+def test_grpo_refuses_a_critic_and_a_group_of_one(sft_params):
+    mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    common = dict(actor=_backbone(), ref_params=sft_params, tokenizer=TOK, mesh=mesh, seq_len=14,
+                  reward_fn=preference.toy_reward)
+    grpo = ppo.PPOConfig(advantage_estimator="grpo", samples_per_prompt=2)
+    with pytest.raises(ValueError, match="PPOConfig.samples_per_prompt=1 is out of range"):
+        ppo.PPOConfig(advantage_estimator="grpo")
+    with pytest.raises(ValueError, match="PPOConfig.advantage_estimator='rloo' is out of range"):
+        ppo.PPOConfig(advantage_estimator="rloo")
+    with pytest.raises(ValueError, match="critic given with advantage_estimator='grpo'"):
+        ppo.PPO(critic=reward.RewardModel(_backbone()), config=grpo, **common)
+    with pytest.raises(ValueError, match="critic=NoneType with advantage_estimator='gae'"):
+        ppo.PPO(critic=None, **common)
+    rm = reward.RewardModel(_backbone())
+    with pytest.raises(ValueError, match="no 'backbone'"):
+        ppo.PPO(critic=None, config=grpo, **{**common, "reward_fn": None}, reward_model=rm,
+                reward_params={"score": {"kernel": jnp.zeros((64, 1))}})

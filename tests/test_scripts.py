@@ -307,7 +307,7 @@ def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
 def test_sft_reward_model_ppo_and_generate(tmp_path):
     """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT with
     LoRA adapters, a reward model from the SFT checkpoint (its adapters merged), PPO from both (stopped
-    mid-iteration and resumed), PPO with the toy rule reward, PPO with LoRA adapters on actor and critic and the
+    mid-iteration and resumed), PPO with the toy rule reward, GRPO with the reward model, PPO with LoRA adapters on actor and critic and the
     reward model exported (export_hf.py) as a transformers sequence classifier, generate.py on the PPO workdir, and
     the PPO policy exported as a causal language model."""
     sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
@@ -342,6 +342,16 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     out = _run("train_ppo.py", f"--init_from={sft}", f"--workdir={rule}", "--rollout_batch_size=8", "--max_steps=2",
                "--max_new_tokens=6", "--eval_answers=4", *toy)
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
+    # GRPO: no critic, the reward model frozen with its own weights; generate.py reads the policy back.
+    grpo = tmp_path / "grpo"
+    out = _run("train_ppo.py", f"--init_from={sft}", f"--reward_from={rm}", f"--workdir={grpo}",
+               "--advantage_estimator=grpo", "--samples_per_prompt=2", "--rollout_batch_size=8", "--max_steps=2",
+               "--max_new_tokens=6", "--eval_answers=4", *toy)
+    assert "iterations of 8 rollouts (4 prompts x 2) and 2 updates" in out.stdout, out.stdout
+    assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
+    assert "critic" not in json.loads((grpo / "run.json").read_text())
+    gen = _run("generate.py", f"--workdir={grpo}", "--prompts=owl cat", "--max_new_tokens=3")
+    assert "--- 'owl cat':" in gen.stdout
     # The reward model exported as a transformers sequence classifier serves PPO the same way.
     out = _run("export_hf.py", f"--workdir={rm}", f"--out={tmp_path / 'rm_hf'}")
     assert "as a Hugging Face sequence classifier" in out.stdout
@@ -506,6 +516,13 @@ def _bad_inputs(tmp_path, slow):
         ("train_ppo.py", f"--reward_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['reward']",
         ("train_ppo.py", "--rollout_batch_size=12"): "--rollout_batch_size=12; expected a positive multiple of the "
                                                      "global batch (128 rows)",
+        ("train_ppo.py", "--advantage_estimator=grpo", "--samples_per_prompt=3", "--rollout_batch_size=128"):
+            "--rollout_batch_size=128; expected a positive multiple of the global batch (128 rows) and of "
+            "--samples_per_prompt (3)",
+        ("train_ppo.py", "--advantage_estimator=grpo", "--critic_learning_rate=1e-3"): "--critic_learning_rate with "
+            "--advantage_estimator=grpo; expected neither (GRPO has no critic)",
+        ("train_ppo.py", "--advantage_estimator=grpo", "--samples_per_prompt=1"): "--samples_per_prompt=1 with "
+            "--advantage_estimator=grpo; expected at least 2",
         ("generate.py", "--prompts=x", f"--workdir={tmp_path / 'rmrun'}"): "holds a reward run; expected one of",
         ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
                                                                     "lora_targets=('q', 'qkv'); expected",
