@@ -18,6 +18,11 @@ import kernels
 import models
 from models.layers import Linear
 
+# `Trainer(trainable=...)`'s regex of a RewardModel's score head, at the top of its parameters or under a key (PPO's
+# 'critic'): with LoRA the head is trained beside the adapters. The paths are '/'-joined down to the leaf
+# ('score/kernel'), so a pattern ending at 'score$' matches none of them.
+SCORE_TRAINABLE = r"(^|/)score/"
+
 
 class RewardModel(nn.Module):
     """`apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None, train=False) -> scores [B, T]` float32.

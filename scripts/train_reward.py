@@ -43,7 +43,7 @@ def make_trainer(mesh, backbone, backbone_params, **kwargs):
     model = reward.RewardModel(backbone)
     params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=reward.reward_loss_fn(model),
-                          params=params, optimizer=cli.optimizer(), trainable=cli.trainable(r"^score$"),
+                          params=params, optimizer=cli.optimizer(), trainable=cli.trainable(reward.SCORE_TRAINABLE),
                           **cli.trainer_kwargs(), **kwargs)
 
 

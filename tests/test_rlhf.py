@@ -130,6 +130,35 @@ def test_reward_loss_is_bradley_terry_and_training_ranks_the_sorted_list_first(s
     assert accuracy() >= 0.9 > before
 
 
+def test_with_lora_the_score_head_trains_beside_the_adapters(sft_params):
+    """`reward.SCORE_TRAINABLE` (train_reward.py's and train_ppo.py's head with --lora_rank) matches the head's leaf
+    paths, alone or under PPO's 'critic': with the adapters it trains while every base weight stays. The scripts'
+    patterns until stop 27 ('^score$', '^critic/score$') matched no leaf ('score/kernel'), so a LoRA reward model or
+    critic kept its fresh head."""
+    import re
+    backbone = models.create_model("llama", "tiny", vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128,
+                                   lora_rank=2)
+    model = reward.RewardModel(backbone)
+    params = reward.init_params(model, models.add_lora(backbone, sft_params, jax.random.PRNGKey(5)),
+                                jax.random.PRNGKey(1))
+    paths = [engine.sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert [p for p in paths if re.search(reward.SCORE_TRAINABLE, p)] == ["score/kernel"]
+    assert re.search(reward.SCORE_TRAINABLE, "critic/score/kernel")
+    assert not any(re.search(reward.SCORE_TRAINABLE, "actor/" + p) for p in paths if p != "score/kernel")
+    train, _ = preference.encode_preferences(preference.toy_preferences(64, seed=0), TOK, seq_len=16)
+    trainer = engine.Trainer(mesh=engine.make_mesh(devices=jax.devices()[:1]),
+                             collate_fn=preference.collate_preferences, loss_fn=reward.reward_loss_fn(model),
+                             params=params, optimizer=optax.adam(1e-2),
+                             trainable=f"{models.LORA_TRAINABLE}|{reward.SCORE_TRAINABLE}")
+    trainer.fit(train, per_device_batch_size=8, max_steps=2)
+    after = {engine.sharding.path_str(p): np.asarray(x)
+             for p, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = engine.sharding.path_str(path)
+        moved = not np.array_equal(after[path], np.asarray(x))
+        assert moved == (path == "score/kernel" or "/lora_" in path), path
+
+
 # ------------------------------------------------------------------------------------------------------------ PPO
 
 def test_gae_is_the_discounted_sum_of_td_errors_over_the_response():
@@ -303,11 +332,12 @@ def test_lora_ppo_shares_the_frozen_base_with_reference_and_reward_model(sft_par
     for task in (shared, copies):
         trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                                  params=params, optimizer=optax.adam(1e-2),
-                                 trainable=models.LORA_TRAINABLE + "|^critic/score$")
+                                 trainable=f"{models.LORA_TRAINABLE}|{reward.SCORE_TRAINABLE}")
         stats = ppo.fit_ppo(trainer, task, prompts, max_steps=4, rollout_batch_size=16, per_device_batch_size=4)
         runs.append((trainer.params, stats))
     (p1, s1), (p2, s2) = runs
     assert len(s1) == 2 and s1[0]["kl"] == 0.0 and s1[1]["kl"] != 0.0
+    assert not np.array_equal(p1["critic"]["score"]["kernel"], params["critic"]["score"]["kernel"])
     for a, b in zip(s1, s2):
         assert a.keys() == b.keys() and all(np.isclose(a[k], b[k], rtol=1e-5) for k in a), (a, b)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
