@@ -333,7 +333,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
          remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
          loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
          pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
-         context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False):
+         context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
+         rlhf=None):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
@@ -347,7 +348,11 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
     axis, on top of the others; the jit step, the only one that runs it). zero_quantized_weights /
     zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
-    sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`)."""
+    sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
+    rlhf='ppo' | 'grpo': the update step of `engine.ppo` on experience rows instead of the language-model loss: PPO
+    trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
+    under LoRA), GRPO {'actor'} alone. The frozen reference and reward model are not in that step: their weights
+    add their bytes (none with LoRA, where they are the trained models' frozen base)."""
     import engine
     import models
     from engine import text
@@ -368,6 +373,8 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         raise ValueError(f"model={model!r}; expected one of {sorted(models.FAMILIES)}")
     if zero_stage not in (0, 1, 2):
         raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
+    if rlhf not in (None, "ppo", "grpo"):
+        raise ValueError(f"rlhf={rlhf!r}; expected None, 'ppo' or 'grpo'")
     dtype = jnp.dtype(compute_dtype)
     config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name,
                                lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize,
@@ -381,13 +388,25 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
         jax.eval_shape(lambda: models.init_params(unquantized, jax.random.PRNGKey(0)))))
     trainable = models.LORA_TRAINABLE if lora_rank else None
-    n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]
-                    if trainable is None or re.search(trainable, engine.sharding.path_str(p)))
-
     # loss_implementation: None materialises [tokens, vocab] logits; 'xla' (default) is the blockwise
     # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
     loss_fn = text.lm_loss_fn(network, loss_implementation)
     loss_fn.weight_metric = "tokens"
+    params, rows_of = abstract, dict.fromkeys(("input_ids", "labels", "segment_ids"), jnp.int32)
+    if rlhf:
+        from engine import ppo, reward
+        critic = reward.RewardModel(network) if rlhf == "ppo" else None
+        params = {"actor": abstract}
+        if critic is not None:
+            params["critic"] = reward.init_params(critic, abstract, jax.random.PRNGKey(0))
+            trainable = trainable and f"{trainable}|{reward.SCORE_TRAINABLE}"
+        config = ppo.PPOConfig(advantage_estimator="gae" if critic is not None else "grpo", samples_per_prompt=2)
+        loss_fn = ppo.ppo_loss_fn(network, critic, config, implementation=loss_implementation)
+        rows_of.update(dict.fromkeys(("old_log_probs", "advantages") + (
+            ("old_values", "returns") if critic is not None else ("ref_log_probs",)), jnp.float32))
+    n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                    if trainable is None or re.search(trainable, engine.sharding.path_str(p)))
+
     if not diloco_inner_steps and (diloco_fragments != 1 or diloco_outer_dtype != "float32"):
         raise ValueError(f"diloco_fragments={diloco_fragments!r}, diloco_outer_dtype={diloco_outer_dtype!r}; expected "
                          "diloco_inner_steps > 0 with them")
@@ -399,13 +418,12 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     trainer = engine.Trainer(
         mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
                               devices=jax.devices()[:num_devices]),
-        collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=optax.adamw(1e-4),
+        collate_fn=text.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
         zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
         trainable=trainable, diloco=diloco, zero_quantized_weights=zero_quantized_weights,
         zero_quantized_gradients=zero_quantized_gradients)
     rows = per_device_batch_size * data * fsdp
-    batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), jnp.int32)
-             for k in ("input_ids", "labels", "segment_ids")}
+    batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), t) for k, t in rows_of.items()}
     compiled = compile_step(trainer, batch)
     memory = memory_per_device(compiled)
     hlo = compiled.as_text()
@@ -421,7 +439,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
               "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
               "zero_stage": zero_stage, "step": step,
               "zero_quantized": {"weights": zero_quantized_weights, "gradients": zero_quantized_gradients},
-              "sequence_parallel": sequence_parallel,
+              "sequence_parallel": sequence_parallel, "rlhf": rlhf,
               "per_device_batch_size": per_device_batch_size,
               "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
               "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,

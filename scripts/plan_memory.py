@@ -5,7 +5,7 @@
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
 per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--context_parallel`
-splits each row's tokens, `--diloco_inner_steps`
+splits each row's tokens, `--rlhf=ppo|grpo` plans an RLHF update step, `--diloco_inner_steps`
 DiLoCo (with `--diloco_fragments`, `--diloco_outer_dtype`: what each part's outer step sends). `--sweep` compiles
 every mesh factorisation and zero stage for `--num_devices` (with `--sweep_max_stages`, pipelines too), prints a JSON
 line for each and a table ranked by memory, then bytes sent. The logic lives in engine/plan.py.
@@ -51,6 +51,8 @@ flags.DEFINE_bool("zero_quantized_gradients", False, "ZeRO++'s int8 gradient red
                   "shard_map step).")
 flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelism: the residual stream between the "
                   "tensor-parallel blocks split by tokens over `model` (with --sweep: in every layout with model > 1).")
+flags.DEFINE_enum("rlhf", "none", ["none", "ppo", "grpo"], "Plan the update step of PPO (actor and critic trained) "
+                  "or GRPO (the actor alone) on experience rows instead of language-model training (engine/ppo.py).")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
                      "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
@@ -75,7 +77,7 @@ def main(argv):
                   compute_dtype=FLAGS.compute_dtype, accumulate=FLAGS.accumulate, step=FLAGS.train_step,
                   hbm_gb=FLAGS.hbm_gb, lora_rank=FLAGS.lora_rank, param_dtype=FLAGS.param_dtype,
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
-                  sequence_parallel=FLAGS.sequence_parallel,
+                  sequence_parallel=FLAGS.sequence_parallel, rlhf=None if FLAGS.rlhf == "none" else FLAGS.rlhf,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
         results = plan.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
