@@ -151,7 +151,10 @@ def main(argv):
                              "expected a reward model trained on the policy's tokens")
         backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
         critic, reward_params = reward.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
-        if grpo:  # no critic: the reward model frozen, with its own weights
+        if grpo:  # no critic: the reward model frozen, with its own weights (--quantize: stored like the base)
+            if FLAGS.lora_rank and FLAGS.quantize != "none":
+                backbone, backbone_params = models.quantize(backbone, backbone_params, FLAGS.quantize)
+                critic, reward_params = reward.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
             rewards = {"reward_model": critic, "reward_params": reward_params}
             critic = None
         else:

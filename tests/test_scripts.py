@@ -342,11 +342,11 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     out = _run("train_ppo.py", f"--init_from={sft}", f"--workdir={rule}", "--rollout_batch_size=8", "--max_steps=2",
                "--max_new_tokens=6", "--eval_answers=4", *toy)
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
-    # GRPO: no critic, the reward model frozen with its own weights; generate.py reads the policy back.
+    # GRPO: no critic, the reward model frozen with its own (here int8) weights; generate.py reads the policy back.
     grpo = tmp_path / "grpo"
     out = _run("train_ppo.py", f"--init_from={sft}", f"--reward_from={rm}", f"--workdir={grpo}",
                "--advantage_estimator=grpo", "--samples_per_prompt=2", "--rollout_batch_size=8", "--max_steps=2",
-               "--max_new_tokens=6", "--eval_answers=4", *toy)
+               "--max_new_tokens=6", "--eval_answers=4", "--lora_rank=2", "--quantize=int8", *toy)
     assert "iterations of 8 rollouts (4 prompts x 2) and 2 updates" in out.stdout, out.stdout
     assert re.findall(r"^iteration +1 +step +2 +reward -?[0-9.]+ ", out.stdout, re.M), out.stdout
     assert "critic" not in json.loads((grpo / "run.json").read_text())
