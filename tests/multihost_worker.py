@@ -2,12 +2,12 @@
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
-       [forward|train|diloco|streaming|ppo|pipeline|context]
+       [forward|train|diloco|streaming|ppo|grpo|pipeline|context]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
 `ppo` two PPO iterations (rollouts generated on the mesh, gathered to every process) and saves their stats and the
-parameters; `pipeline` a few Trainer steps of a 4-layer LLaMA pipelined over 2 stages, one per process, and saves
+parameters, `grpo` the same with GRPO; `pipeline` a few Trainer steps of a 4-layer LLaMA pipelined over 2 stages, one per process, and saves
 the losses; `context` the same LLaMA with each row's tokens split over context 2 inside each process (data 2 x
 context 2 x model 2, data across the processes).
 """
@@ -55,9 +55,10 @@ def diloco_run(mesh, **streaming):
 STREAMING = dict(fragments=2, outer_dtype="int8", overlap=True)
 
 
-def ppo_run(mesh):
-    """Rollout scores and KLs of two PPO iterations with the toy rule reward from a fresh tiny LLaMA (created on the
-    mesh), then the flat actor and critic parameters."""
+def ppo_run(mesh, estimator="gae"):
+    """Rollout scores and KLs of two PPO (or GRPO: estimator='grpo', 4 prompts x 2 responses an iteration)
+    iterations with the toy rule reward from a fresh tiny LLaMA (created on the mesh), then the flat actor and (PPO)
+    critic parameters."""
     import optax
 
     import models
@@ -65,13 +66,15 @@ def ppo_run(mesh):
     tok = text.WordTokenizer(text.TOY_WORDS)
     actor = models.create_model("llama", "tiny", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64)
     params = models.init_params(actor, jax.random.PRNGKey(0), mesh=mesh)
-    critic = reward.RewardModel(actor)
+    critic = reward.RewardModel(actor) if estimator == "gae" else None
+    config = ppo.PPOConfig(max_new_tokens=6, advantage_estimator=estimator, samples_per_prompt=1 + (critic is None))
     task = ppo.PPO(actor=actor, critic=critic, ref_params=params, tokenizer=tok, mesh=mesh, seq_len=7 + 6 - 1,
-                   reward_fn=preference.toy_reward, config=ppo.PPOConfig(max_new_tokens=6))
+                   reward_fn=preference.toy_reward, config=config)
+    both = {"actor": params}
+    if critic is not None:
+        both["critic"] = reward.init_params(critic, params, jax.random.PRNGKey(1))
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
-                             params={"actor": params, "critic": reward.init_params(critic, params,
-                                                                                   jax.random.PRNGKey(1))},
-                             optimizer=optax.adam(1e-3))
+                             params=both, optimizer=optax.adam(1e-3))
     prompts = [p["prompt"] for p in preference.toy_prompt_responses(64, seed=0)]
     stats = ppo.fit_ppo(trainer, task, prompts, max_steps=4, rollout_batch_size=8, per_device_batch_size=1)
     gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
@@ -112,13 +115,14 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     if mode == "context":  # each context group inside one process
         mesh = engine.make_mesh(data=2, context=2, model=2)
         assert all(len({d.process_index for d in group.flat}) == 1 for group in mesh.devices.reshape(2, -1))
-    if mode in ("train", "diloco", "streaming", "ppo", "pipeline", "context"):
+    if mode in ("train", "diloco", "streaming", "ppo", "grpo", "pipeline", "context"):
         result = {"train": lambda: train_losses(engine.make_mesh(data=4, model=2))[0],
                   "pipeline": lambda: llama_losses(mesh),
                   "context": lambda: llama_losses(mesh),
                   "diloco": lambda: np.concatenate(diloco_run(mesh)),
                   "streaming": lambda: np.concatenate(diloco_run(mesh, **STREAMING)),
-                  "ppo": lambda: ppo_run(engine.make_mesh(data=4, model=2))}[mode]()
+                  "ppo": lambda: ppo_run(engine.make_mesh(data=4, model=2)),
+                  "grpo": lambda: ppo_run(engine.make_mesh(data=4, model=2), "grpo")}[mode]()
         if jax.process_index() == 0:
             np.save(out, result)
         jax.distributed.shutdown()

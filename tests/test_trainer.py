@@ -549,13 +549,14 @@ def test_context_parallelism_over_two_processes_matches_single_process_without(t
 
 
 @pytest.mark.slow
-def test_ppo_on_two_processes_matches_single_process(tmp_path):
-    """PPO across processes (data 4 x model 2 over 2 processes x 4 devices): rollouts sampled on the mesh and
-    gathered to every process, the scoring pass, the host's advantages and the updates give the single-process
+@pytest.mark.parametrize("mode", ["ppo", "grpo"])
+def test_ppo_on_two_processes_matches_single_process(tmp_path, mode):
+    """PPO (and GRPO) across processes (data 4 x model 2 over 2 processes x 4 devices): rollouts sampled on the mesh
+    and gathered to every process, the scoring pass, the host's advantages and the updates give the single-process
     run's rollout stats and parameters."""
     from tests import multihost_worker
-    want = multihost_worker.ppo_run(engine.make_mesh(data=4, model=2))
-    np.testing.assert_allclose(_two_workers(tmp_path, "ppo"), want, rtol=1e-5, atol=1e-6)
+    want = multihost_worker.ppo_run(engine.make_mesh(data=4, model=2), {"ppo": "gae", "grpo": "grpo"}[mode])
+    np.testing.assert_allclose(_two_workers(tmp_path, mode), want, rtol=1e-5, atol=1e-6)
 
 
 def test_multi_transform_optimizer_state_is_split_like_its_parameters():
