@@ -55,16 +55,48 @@ def toy_preferences(n, seed, *, min_words=3, max_words=6, negatives=NEGATIVES):
 
 
 def toy_reward(prompt, response):
-    """The toy task's verifiable reward, with partial credit: 2 LCS / (len(response) + len(target)) over the names
-    of `response` and of the sorted `prompt` (LCS: their longest common subsequence), so right names in the right
-    order count and missing or extra ones cost; 1.0 exactly for the sorted list."""
-    got, want = response.split(), sorted(prompt.split())
+    """The toy task's verifiable reward, with partial credit: `lcs_reward` of `response` against the sorted names of
+    `prompt`, so right names in the right order count and missing or extra ones cost; 1.0 exactly for the sorted
+    list."""
+    return lcs_reward(response, " ".join(sorted(prompt.split())))
+
+
+def lcs_reward(response, target):
+    """Partial credit of a response against a reference answer: 2 LCS / (words of response + words of target) over
+    their white-space separated words (LCS: the longest common subsequence); 1.0 exactly when they are equal word
+    for word."""
+    got, want = response.split(), target.split()
     lcs = [0] * (len(want) + 1)  # one row of the LCS table at a time
     for a in got:
         diagonal = 0
         for j, b in enumerate(want):
             diagonal, lcs[j + 1] = lcs[j + 1], diagonal + 1 if a == b else max(lcs[j + 1], lcs[j])
     return 2 * lcs[-1] / (len(got) + len(want)) if got or want else 1.0
+
+
+VERIFIABLE_REWARDS = ("exact_match", "lcs")
+
+
+def verifiable_reward(rule, pairs):
+    """`reward_fn(prompt, response)` for `engine.ppo.PPO` from `{"prompt", "response"}` pairs whose response is the
+    prompt's reference answer (RL with verifiable rewards: a rule instead of a reward model). rule 'exact_match':
+    1.0 when the response is the reference (surrounding white space ignored), else 0.0; 'lcs': `lcs_reward`. A
+    prompt given two different references is refused; asking for one without a reference raises ValueError."""
+    if rule not in VERIFIABLE_REWARDS:
+        raise ValueError(f"rule={rule!r}; expected one of {VERIFIABLE_REWARDS}")
+    references = {}
+    for n, pair in enumerate(pairs):
+        known = references.setdefault(pair["prompt"], pair["response"].strip())
+        if known != pair["response"].strip():
+            raise ValueError(f"pair {n}: prompt {pair['prompt'][:60]!r} has two reference answers ({known[:40]!r} "
+                             f"and {pair['response'].strip()[:40]!r}); expected one answer per prompt")
+
+    def reward_fn(prompt, response):
+        if prompt not in references:
+            raise ValueError(f"prompt {prompt[:60]!r} has no reference answer; expected one of the pairs' prompts")
+        target = references[prompt]
+        return float(response.strip() == target) if rule == "exact_match" else lcs_reward(response, target)
+    return reward_fn
 
 
 SFT_FIELDS = ("prompt", "response")

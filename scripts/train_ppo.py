@@ -13,13 +13,16 @@ exactly.
 
 --advantage_estimator=grpo trains by GRPO instead (engine/ppo.py): no critic; each prompt is answered
 --samples_per_prompt times and each response's advantage is its reward against its group's; the reward model, if
-any, is frozen with weights of its own.
+any, is frozen with weights of its own. --verifiable_reward=exact_match|lcs scores responses against reference
+answers ({"prompt", "response"} lines of --data) instead of a reward model.
 
   python scripts/train_sft.py --workdir=sft --max_steps=60
   python scripts/train_ppo.py --init_from=sft --workdir=ppo                    # the toy task's rule reward
   python scripts/train_reward.py --init_from=sft --workdir=rm
   python scripts/train_ppo.py --init_from=sft --reward_from=rm --workdir=ppo_rm
   python scripts/train_ppo.py --init_from=sft --workdir=grpo --advantage_estimator=grpo
+  python scripts/train_ppo.py --init_from=sft --workdir=rlvr --advantage_estimator=grpo --data=answers.jsonl \
+      --verifiable_reward=exact_match
 """
 import math
 import os
@@ -46,8 +49,13 @@ cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or sc
                          "--model_overrides).")
 flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py or a Hugging Face "
                     "*ForSequenceClassification directory (one label): the reward model (frozen) and the critic's "
-                    "starting point. Empty (toy task only): the toy task's rule reward (1 for the sorted "
-                    "list, else 0), and the critic starts from the policy.")
+                    "starting point. Empty: a rule reward (--verifiable_reward; on the toy task by default its own "
+                    "rule, LCS partial credit, 1 for the sorted list), and the critic starts from the policy.")
+flags.DEFINE_enum("verifiable_reward", "none", ["none", *preference.VERIFIABLE_REWARDS], "Instead of a reward "
+                  "model, a rule against each prompt's reference answer (RL with verifiable rewards, e.g. GRPO on "
+                  "math or code answers): --data then holds {\"prompt\": ..., \"response\": ...} lines, the response "
+                  "being the reference; exact_match scores 1 or 0, lcs partial credit (2 x the longest common "
+                  "subsequence of words / the words of both).")
 cli.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
 flags.DEFINE_integer("rollout_batch_size", 0, "Responses sampled per iteration (--samples_per_prompt to each "
                      "prompt), a multiple of the global batch and of --samples_per_prompt (0: four global batches, "
@@ -77,7 +85,7 @@ FLAGS.set_default("per_device_batch_size", 16)
 
 
 def _read_prompts(patterns):
-    return text.read_records(patterns, ("prompt",))
+    return text.read_records(patterns, ("prompt",) if FLAGS.verifiable_reward == "none" else preference.SFT_FIELDS)
 
 
 def _evaluate(task, params, eval_records):
@@ -120,9 +128,14 @@ def main(argv):
     if grpo and samples < 2:
         raise ValueError(f"--samples_per_prompt={samples} with --advantage_estimator=grpo; expected at least 2 (a "
                          "group to compare each response with)")
-    if not FLAGS.reward_from and FLAGS.data:
-        raise ValueError("--reward_from is empty; expected the workdir of scripts/train_reward.py (only the embedded "
-                         "toy task, without --data, has a rule reward)")
+    rule = FLAGS.verifiable_reward != "none"
+    if not FLAGS.reward_from and FLAGS.data and not rule:
+        raise ValueError("--reward_from is empty; expected the workdir of scripts/train_reward.py, or "
+                         "--verifiable_reward with reference answers in --data (only the embedded toy task, without "
+                         "--data, has a rule reward of its own)")
+    if FLAGS.reward_from and rule:
+        raise ValueError(f"--reward_from={FLAGS.reward_from} with --verifiable_reward={FLAGS.verifiable_reward}; "
+                         "expected one of them (a reward model or a rule)")
     train_records, eval_records = cli.load_train_eval(_read_prompts, preference.toy_prompt_responses, key="prompt",
                                                       what="prompts")
     mesh = cli.start()
@@ -163,12 +176,13 @@ def main(argv):
             critic, critic_params = cli.with_lora(critic, reward_params, mesh)
             rewards = {"reward_model": critic, "reward_params": (
                 {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
-    else:  # the toy task's rule; the critic starts from the policy with a fresh score head
+    else:  # a rule: the toy task's, or against reference answers; the critic starts from the policy, a fresh head
         critic = critic_params = None
         if not grpo:
             critic = reward.RewardModel(actor)
             critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
-        rewards = {"reward_fn": preference.toy_reward}
+        rewards = {"reward_fn": preference.verifiable_reward(FLAGS.verifiable_reward, train_records + eval_records)
+                   if rule else preference.toy_reward}
     # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very
     # arrays the actor and the critic start from.
     params = {"actor": actor_params, **({"critic": critic_params} if critic is not None else {})}

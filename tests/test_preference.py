@@ -193,3 +193,25 @@ def test_generation_continues_after_the_separator():
     out = np.asarray(models.generate(model, params, ids, attention_mask=np.ones_like(ids), max_new_tokens=4,
                                      eos_token_id=TOK.eos_id, pad_token_id=TOK.pad_id))
     assert got == [TOK.decode([i for i in text.until_eos(out[0, ids.shape[1]:], TOK.eos_id) if i != TOK.eos_id])]
+
+
+def test_verifiable_rewards_score_responses_against_reference_answers():
+    """RL with verifiable rewards (train_ppo.py --verifiable_reward): exact match (white space around ignored) or
+    LCS partial credit against each prompt's reference; the toy task's rule is the LCS reward against its sorted
+    list; two references for one prompt are refused, and so is a prompt without one."""
+    assert preference.lcs_reward("a b c", "a b c") == 1.0 and preference.lcs_reward("", "") == 1.0
+    assert preference.lcs_reward("a c", "a b c") == 2 * 2 / 5  # LCS "a c" of 2 + 3 words
+    assert preference.lcs_reward("c b a", "a b c") == 2 * 1 / 6 and preference.lcs_reward("x y", "a b") == 0.0
+    pairs = preference.toy_prompt_responses(32, seed=0)
+    exact, lcs = (preference.verifiable_reward(rule, pairs + pairs[:3]) for rule in ("exact_match", "lcs"))
+    for p in pairs:
+        assert exact(p["prompt"], f" {p['response']}\n") == 1.0 and lcs(p["prompt"], p["response"]) == 1.0
+        wrong = " ".join(reversed(p["response"].split()))
+        assert exact(p["prompt"], wrong) == 0.0
+        assert lcs(p["prompt"], wrong) == preference.toy_reward(p["prompt"], wrong) < 1.0
+    with pytest.raises(ValueError, match="pair 1: prompt 'b a' has two reference answers \\('a b' and 'b a'\\)"):
+        preference.verifiable_reward("lcs", [{"prompt": "b a", "response": "a b"}, {"prompt": "b a", "response": "b a"}])
+    with pytest.raises(ValueError, match="prompt 'zzz' has no reference answer"):
+        exact("zzz", "a")
+    with pytest.raises(ValueError, match="rule='f1'; expected one of"):
+        preference.verifiable_reward("f1", pairs)

@@ -13,7 +13,7 @@ import pytest
 
 import engine
 import models
-from engine import cli, reward, text
+from engine import cli, preference, reward, text
 from tests.prewarmed import run_scripts
 from tests.xla_flags import cpu_devices
 
@@ -307,7 +307,8 @@ def test_train_lm_from_scratch_resumes_then_sft_then_dpo(tmp_path):
 def test_sft_reward_model_ppo_and_generate(tmp_path):
     """The RLHF pipeline on the toy task, each script reading the previous one's workdir on a 4x1x2 mesh: SFT with
     LoRA adapters, a reward model from the SFT checkpoint (its adapters merged), PPO from both (stopped
-    mid-iteration and resumed), PPO with the toy rule reward, GRPO with the reward model, PPO with LoRA adapters on actor and critic and the
+    mid-iteration and resumed), PPO with the toy rule reward, GRPO with the reward model and with exact-match
+    rewards on jsonl reference answers, PPO with LoRA adapters on actor and critic and the
     reward model exported (export_hf.py) as a transformers sequence classifier, generate.py on the PPO workdir, and
     the PPO policy exported as a causal language model."""
     sft, rm, ppo, rule = (tmp_path / name for name in ("sft", "rm", "ppo", "rule"))
@@ -352,6 +353,16 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     assert "critic" not in json.loads((grpo / "run.json").read_text())
     gen = _run("generate.py", f"--workdir={grpo}", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
+    # RL with verifiable rewards: GRPO on jsonl prompts with reference answers, scored by exact match.
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(p) + "\n" for p in preference.toy_prompt_responses(48, seed=5)))
+    out = _run("train_ppo.py", f"--init_from={sft}", f"--workdir={tmp_path / 'rlvr'}", f"--data={answers}",
+               "--verifiable_reward=exact_match", "--advantage_estimator=grpo", "--samples_per_prompt=2",
+               "--rollout_batch_size=8", "--max_steps=2", "--max_new_tokens=6", "--eval_answers=4", *toy)
+    assert "32 training prompts" in out.stdout, out.stdout
+    scores = re.findall(r"^iteration +1 +step +2 +reward (-?[0-9.]+) ", out.stdout, re.M)
+    assert scores and abs(float(scores[0]) * 8 - round(float(scores[0]) * 8)) < 0.01, out.stdout  # 8 of 1, 0 or -5
+    assert re.search(r"after training \(step 2\): greedy answers' mean reward -?[0-9.]+, exact match", out.stdout)
     # The reward model exported as a transformers sequence classifier serves PPO the same way.
     out = _run("export_hf.py", f"--workdir={rm}", f"--out={tmp_path / 'rm_hf'}")
     assert "as a Hugging Face sequence classifier" in out.stdout
@@ -459,6 +470,9 @@ def _bad_inputs(tmp_path, slow):
     (tmp_path / "t5run").mkdir()
     (tmp_path / "t5run" / "run.json").write_text('{"task": "seq2seq", "family": "t5", "config": {}}')
     (tmp_path / "rmrun").mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "cat owl"}\n')
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in (
+        ("cat owl", "cat owl"), ("dog", "dog"), ("cat owl", "owl cat"))))
     (tmp_path / "rmrun" / "run.json").write_text('{"task": "reward", "family": "llama", "config": {}}')
     if not slow:
         return {
@@ -523,6 +537,12 @@ def _bad_inputs(tmp_path, slow):
             "--advantage_estimator=grpo; expected neither (GRPO has no critic)",
         ("train_ppo.py", "--advantage_estimator=grpo", "--samples_per_prompt=1"): "--samples_per_prompt=1 with "
             "--advantage_estimator=grpo; expected at least 2",
+        ("train_ppo.py", "--verifiable_reward=lcs", "--reward_from=rm"): "--reward_from=rm with "
+            "--verifiable_reward=lcs; expected one of them",
+        ("train_ppo.py", f"--data={tmp_path / 'prompts.jsonl'}", "--verifiable_reward=exact_match"):
+            "prompts.jsonl:1 is not an object with string fields 'prompt' and 'response'",
+        ("train_ppo.py", f"--data={tmp_path / 'answers.jsonl'}", "--eval_size=1", "--verifiable_reward=lcs"):
+            "pair 2: prompt 'cat owl' has two reference answers",
         ("generate.py", "--prompts=x", f"--workdir={tmp_path / 'rmrun'}"): "holds a reward run; expected one of",
         ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
                                                                     "lora_targets=('q', 'qkv'); expected",
