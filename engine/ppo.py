@@ -64,7 +64,9 @@ class PPOConfig:
     `models.generate`); the rows are scored by full forward passes, so only the sampling sees its rounding.
     advantage_estimator: 'gae' (a critic's values, the KL penalty in the rewards) or 'grpo' (no critic: each
     response's score against its prompt's group, the KL in the loss; see the module's docstring);
-    samples_per_prompt: responses sampled per prompt in a rollout (GRPO's group size, at least 2 for it)."""
+    samples_per_prompt: responses sampled per prompt in a rollout (GRPO's group size, at least 2 for it);
+    scale_rewards: GRPO divides each group's centred scores by their standard deviation (False: Dr. GRPO, Liu et al.
+    2025: the division weights groups of nearly equal scores, too easy or too hard prompts, most)."""
     max_new_tokens: int = 16
     temperature: float = 1.0
     kl_coef: float = 0.05
@@ -77,6 +79,7 @@ class PPOConfig:
     kv_cache_dtype: Optional[str] = None
     advantage_estimator: str = "gae"
     samples_per_prompt: int = 1
+    scale_rewards: bool = True
 
     def __post_init__(self):
         checks = {"max_new_tokens": isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -88,7 +91,8 @@ class PPOConfig:
                   "kv_cache_dtype": self.kv_cache_dtype is None or self.kv_cache_dtype in KV_CACHE_DTYPES,
                   "advantage_estimator": self.advantage_estimator in ADVANTAGE_ESTIMATORS,
                   "samples_per_prompt": isinstance(self.samples_per_prompt, int) and self.samples_per_prompt >= (
-                      2 if self.advantage_estimator == "grpo" else 1)}
+                      2 if self.advantage_estimator == "grpo" else 1),
+                  "scale_rewards": isinstance(self.scale_rewards, bool)}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "
@@ -96,7 +100,7 @@ class PPOConfig:
                                  ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, unfinished_reward None or a number, "
                                  "kv_cache_dtype None, 'int8', 'bfloat16', 'float16' or 'float32', "
                                  f"advantage_estimator one of {ADVANTAGE_ESTIMATORS}, samples_per_prompt >= 1 (>= 2 "
-                                 "with 'grpo': a group to compare with)")
+                                 "with 'grpo': a group to compare with), scale_rewards a bool")
 
 
 def advantages_and_returns(rewards, values, mask, *, gamma, lam):
@@ -114,13 +118,15 @@ def advantages_and_returns(rewards, values, mask, *, gamma, lam):
     return adv, np.where(mask, adv + values, 0.0).astype(np.float32)
 
 
-def group_advantages(scores, group_size):
+def group_advantages(scores, group_size, scale=True):
     """GRPO's advantages of float [N] `scores`, N / group_size consecutive groups of one prompt's responses: each
-    score minus its group's mean over its group's standard deviation (Bessel-corrected, + 1e-4, as TRL's), float32
-    [N]. A group of equal scores gives zeros (nothing to learn from it)."""
+    score minus its group's mean, over its group's standard deviation (Bessel-corrected, + 1e-4, as TRL's) when
+    `scale`, float32 [N]. A group of equal scores gives zeros (nothing to learn from it)."""
     groups = np.asarray(scores, np.float32).reshape(-1, group_size)
-    mean, std = groups.mean(1, keepdims=True), groups.std(1, ddof=1, keepdims=True)
-    return ((groups - mean) / (std + 1e-4)).reshape(-1).astype(np.float32)
+    centred = groups - groups.mean(1, keepdims=True)
+    if scale:
+        centred = centred / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
+    return centred.reshape(-1).astype(np.float32)
 
 
 def _log_probs(actor, params, batch, implementation, interpret):
@@ -306,7 +312,7 @@ class PPO:
         mask = np.stack([r["labels"] for r in rows]) >= 0
         kl = np.where(mask, log_probs - ref_log_probs, 0.0)
         if c.advantage_estimator == "grpo":
-            adv = np.where(mask, group_advantages(score, c.samples_per_prompt)[:, None], 0.0).astype(np.float32)
+            adv = np.where(mask, group_advantages(score, c.samples_per_prompt, c.scale_rewards)[:, None], 0.0).astype(np.float32)
             extra = [{"ref_log_probs": np.where(m, r, 0.0)} for m, r in zip(mask, ref_log_probs)]
         else:
             values = stack("values")

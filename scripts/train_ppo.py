@@ -63,6 +63,9 @@ flags.DEFINE_integer("rollout_batch_size", 0, "Responses sampled per iteration (
 flags.DEFINE_enum("advantage_estimator", "gae", list(ppo.ADVANTAGE_ESTIMATORS), "gae: PPO with a critic (value "
                   "model) and the KL penalty in the rewards; grpo: GRPO, no critic, each response's reward against "
                   "its prompt's group of --samples_per_prompt responses, the KL to the reference in the loss.")
+flags.DEFINE_bool("scale_rewards", True, "grpo: divide each group's centred rewards by their standard deviation "
+                  "(--noscale_rewards: Dr. GRPO, which finds that the division favours prompts whose responses score "
+                  "alike).")
 flags.DEFINE_integer("samples_per_prompt", 0, "Responses sampled per prompt in each rollout (0: 1 with gae, 8 with "
                      "grpo, which needs at least 2).", lower_bound=0)
 flags.DEFINE_integer("ppo_epochs", 1, "Epochs of updates on each iteration's experience.", lower_bound=1)
@@ -124,6 +127,9 @@ def main(argv):
     for name in ("critic_learning_rate", "value_coef"):
         if grpo and FLAGS[name].present:
             raise ValueError(f"--{name} with --advantage_estimator=grpo; expected neither (GRPO has no critic)")
+    if not grpo and FLAGS["scale_rewards"].present:
+        raise ValueError("--scale_rewards with --advantage_estimator=gae; expected it with grpo only (GAE's "
+                         "advantages are whitened over the batch)")
     samples = FLAGS.samples_per_prompt or (8 if grpo else 1)
     if grpo and samples < 2:
         raise ValueError(f"--samples_per_prompt={samples} with --advantage_estimator=grpo; expected at least 2 (a "
@@ -148,7 +154,8 @@ def main(argv):
                            clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
                            unfinished_reward=FLAGS.unfinished_reward,
                            kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
-                           advantage_estimator=FLAGS.advantage_estimator, samples_per_prompt=samples)
+                           advantage_estimator=FLAGS.advantage_estimator, samples_per_prompt=samples,
+                           scale_rewards=FLAGS.scale_rewards)
     rewards = {}
     if FLAGS.reward_from:
         if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):

@@ -399,6 +399,8 @@ def test_group_advantages_are_each_score_against_its_prompts_group():
         want = (s - s.mean()) / (s.std(ddof=1) + 1e-4)
         np.testing.assert_allclose(adv[4 * g:4 * g + 4], want, rtol=1e-6, atol=1e-7)
     assert adv.dtype == np.float32 and not adv[4:8].any()  # equal scores: nothing to learn
+    unscaled = ppo.group_advantages(scores, 4, scale=False)  # Dr. GRPO: centred only
+    np.testing.assert_allclose(unscaled, scores - np.repeat(scores.reshape(3, 4).mean(1), 4), rtol=1e-6, atol=1e-7)
 
 
 def _grpo(sft_params, mesh, **config):
@@ -436,6 +438,10 @@ def test_grpo_rollout_groups_and_its_loss(sft_params):
         assert not ex["advantages"][~mask].any() and not ex["ref_log_probs"][~mask].any()
         np.testing.assert_array_equal(ex["ref_log_probs"], ex["old_log_probs"])  # the policy is the reference
         assert "old_values" not in ex and "returns" not in ex
+    task.config = dataclasses.replace(task.config, scale_rewards=False)  # Dr. GRPO: the same rollout, centred only
+    centred = ppo.group_advantages([s["score"] for s in scored], 4, scale=False)
+    for i, ex in enumerate(task.rollout(params, prompts, seed=3)[0]):
+        np.testing.assert_allclose(ex["advantages"][ex["labels"] >= 0], centred[i], rtol=1e-6)
     batch = preference.collate_preferences(examples)
     mask = batch["labels"] >= 0
     loss_fn = task.loss_fn()
@@ -489,6 +495,8 @@ def test_grpo_refuses_a_critic_and_a_group_of_one(sft_params):
     grpo = ppo.PPOConfig(advantage_estimator="grpo", samples_per_prompt=2)
     with pytest.raises(ValueError, match="PPOConfig.samples_per_prompt=1 is out of range"):
         ppo.PPOConfig(advantage_estimator="grpo")
+    with pytest.raises(ValueError, match="PPOConfig.scale_rewards=1 is out of range"):
+        ppo.PPOConfig(advantage_estimator="grpo", samples_per_prompt=2, scale_rewards=1)
     with pytest.raises(ValueError, match="PPOConfig.advantage_estimator='rloo' is out of range"):
         ppo.PPOConfig(advantage_estimator="rloo")
     with pytest.raises(ValueError, match="critic given with advantage_estimator='grpo'"):

@@ -537,6 +537,7 @@ def _bad_inputs(tmp_path, slow):
             "--advantage_estimator=grpo; expected neither (GRPO has no critic)",
         ("train_ppo.py", "--advantage_estimator=grpo", "--samples_per_prompt=1"): "--samples_per_prompt=1 with "
             "--advantage_estimator=grpo; expected at least 2",
+        ("train_ppo.py", "--noscale_rewards"): "--scale_rewards with --advantage_estimator=gae; expected it with grpo",
         ("train_ppo.py", "--verifiable_reward=lcs", "--reward_from=rm"): "--reward_from=rm with "
             "--verifiable_reward=lcs; expected one of them",
         ("train_ppo.py", f"--data={tmp_path / 'prompts.jsonl'}", "--verifiable_reward=exact_match"):
