@@ -222,8 +222,9 @@ class PPO:
                              "actor with lora_rank > 0, or the reference's parameters")
         self.ref_from_actor = ref_params is None
         self.reward_from_critic = reward_model is not None and "backbone" not in reward_params
-        if self.reward_from_critic and (critic is None or not critic.backbone.config.lora_rank or reward_model.backbone.config
-                                        != critic.backbone.config or set(reward_params) != {"score"}):
+        if self.reward_from_critic and (critic is None or not critic.backbone.config.lora_rank
+                                        or reward_model.backbone.config != critic.backbone.config
+                                        or set(reward_params) != {"score"}):
             raise ValueError(f"reward_params with keys {sorted(reward_params)} (no 'backbone': the critic's backbone "
                              "with its adapters off); expected {'score'} with a critic of LoRA adapters (lora_rank "
                              "> 0) whose backbone is the reward model's")
@@ -312,7 +313,8 @@ class PPO:
         mask = np.stack([r["labels"] for r in rows]) >= 0
         kl = np.where(mask, log_probs - ref_log_probs, 0.0)
         if c.advantage_estimator == "grpo":
-            adv = np.where(mask, group_advantages(score, c.samples_per_prompt, c.scale_rewards)[:, None], 0.0).astype(np.float32)
+            adv = group_advantages(score, c.samples_per_prompt, c.scale_rewards)
+            adv = np.where(mask, adv[:, None], 0.0).astype(np.float32)
             extra = [{"ref_log_probs": np.where(m, r, 0.0)} for m, r in zip(mask, ref_log_probs)]
         else:
             values = stack("values")
@@ -369,7 +371,8 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
             log_every=10, save_every=None, on_iteration=None):
     """Runs PPO iterations until `max_steps` updates in total (resumes included: a Trainer restored from its
     workdir continues where it stopped, exactly, even mid-iteration). `trainer`: an `engine.Trainer` with
-    `loss_fn=ppo.loss_fn()`, params {'actor', 'critic'} and `collate_fn=preference.collate_preferences`. prompts:
+    `loss_fn=ppo.loss_fn()`, params {'actor', 'critic'} ({'actor'} for GRPO) and
+    `collate_fn=preference.collate_preferences`. prompts:
     strings; each iteration answers rollout_batch_size / samples_per_prompt of them (`iteration_prompts`), in
     `rollout_batch_size` rows (responses), a multiple of the Trainer's global batch and of the config's
     samples_per_prompt, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between

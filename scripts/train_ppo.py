@@ -208,7 +208,8 @@ def main(argv):
         models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=_optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=flops, trainable=cli.trainable(None if critic is None else reward.SCORE_TRAINABLE),
+                             flops_per_example=flops,
+                             trainable=cli.trainable(None if critic is None else reward.SCORE_TRAINABLE),
                              **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")

@@ -2,7 +2,8 @@
 forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
-       [forward|train|diloco|streaming|ppo|grpo|pipeline|context]
+       [forward|train|diloco|streaming|ppo|grpo|
+       pipeline|context]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;

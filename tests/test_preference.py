@@ -210,7 +210,7 @@ def test_verifiable_rewards_score_responses_against_reference_answers():
         assert exact(p["prompt"], wrong) == 0.0
         assert lcs(p["prompt"], wrong) == preference.toy_reward(p["prompt"], wrong) < 1.0
     with pytest.raises(ValueError, match="pair 1: prompt 'b a' has two reference answers \\('a b' and 'b a'\\)"):
-        preference.verifiable_reward("lcs", [{"prompt": "b a", "response": "a b"}, {"prompt": "b a", "response": "b a"}])
+        preference.verifiable_reward("lcs", [{"prompt": "b a", "response": r} for r in ("a b", "b a")])
     with pytest.raises(ValueError, match="prompt 'zzz' has no reference answer"):
         exact("zzz", "a")
     with pytest.raises(ValueError, match="rule='f1'; expected one of"):

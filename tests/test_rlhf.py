@@ -448,7 +448,8 @@ def test_grpo_rollout_groups_and_its_loss(sft_params):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None, True)
     np.testing.assert_allclose(loss, -batch["advantages"][mask].mean(), rtol=1e-5, atol=1e-6)
     assert metrics["kl"] < 1e-6 and "value_loss" not in metrics and set(grads) == {"actor"}
-    surrogate = lambda p: -(batch["advantages"] * _log_probs_by_hand(task.actor, p, batch)).sum() / mask.sum()  # noqa: E731
+    def surrogate(actor_params):
+        return -(batch["advantages"] * _log_probs_by_hand(task.actor, actor_params, batch)).sum() / mask.sum()
     for got, ref in zip(jax.tree.leaves(grads["actor"]), jax.tree.leaves(jax.grad(surrogate)(params["actor"]))):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
     moved = jax.tree.map(lambda x: x * 1.1, params)
