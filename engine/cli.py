@@ -770,10 +770,11 @@ def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
                      "reward": (preference.collate_preferences, reward.reward_loss_fn),
                      "ppo": (preference.collate_preferences, ppo.ppo_loss_fn)}[task]
     if task == "ppo":  # the checkpoint holds {'actor', 'critic'}, or {'actor'} after GRPO (no critic)
-        critic_entry = _read_run(workdir, tasks).get("critic")
-        critic = critic_entry and reward.RewardModel(_model_of(critic_entry, options))
-        abstract = {"actor": abstract, **({"critic": jax.eval_shape(lambda: models.init_params(critic))}
-                                          if critic else {})}
+        entry = _read_run(workdir, tasks).get("critic")
+        critic = None if entry is None else reward.RewardModel(_model_of(entry, options))
+        abstract = {"actor": abstract}
+        if critic is not None:
+            abstract["critic"] = jax.eval_shape(lambda: models.init_params(critic))
         loss = loss(model, critic)
     else:
         loss = loss(model)
