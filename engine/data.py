@@ -66,7 +66,7 @@ def check_batch(batch, rows, where):
 
 def is_random_access(examples):
     """Whether `examples` is shuffled per epoch (a list, tuple or other `collections.abc.Sequence`, such as
-    `engine.text.TokenWindows`) rather than streamed in order."""
+    `engine.tasks.text_data.TokenWindows`) rather than streamed in order."""
     return isinstance(examples, collections.abc.Sequence) and not isinstance(examples, (str, bytes))
 
 
@@ -74,7 +74,7 @@ def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumu
                     start_batch=0, shuffle=True, drop_remainder=True):
     """Yields `(batch_index, placed_batch)` for one epoch, starting at `start_batch`.
 
-    Sequences (lists, `engine.text.TokenWindows`, ...) are shuffled with a permutation drawn from `(seed, epoch)`,
+    Sequences (lists, `engine.tasks.text_data.TokenWindows`, ...) are shuffled with a permutation drawn from `(seed, epoch)`,
     and each process reads only the rows its devices hold; other iterables are streamed in order (and skipped to
     `start_batch` on resume). The last incomplete global batch is dropped when `drop_remainder`, so the step compiles
     once; otherwise it is padded by repeating its last example (callers drop the padded outputs).

@@ -1,6 +1,7 @@
-"""Ahead-of-time plans: compile the Trainer's real train step for a named model config on a mesh of simulated devices,
-without allocating a parameter, and read per-device memory and communication off the compiled program; and the
-automatic choice of a layout (`rank_meshes`: the same measurements of any Trainer on every mesh of the devices).
+"""Ahead-of-time plans: compile a Trainer's real train step on a mesh of (simulated) devices without allocating a
+parameter, and read per-device memory and communication off the compiled program; and the automatic choice of a
+layout (`rank_meshes`: the same measurements of any Trainer on every mesh of the devices). Plans of a named model
+config live with the tasks (`engine.tasks.planning`).
 
 Memory comes from `compiled.memory_analysis()`: the per-device peak is arguments + outputs - aliased (donated) +
 temporaries. Communication is read off the compiled HLO: every collective, times the trip count of the loops it sits
@@ -10,16 +11,14 @@ collective-permute 1 x size (a group's devices: `replica_groups`). The XLA CPU c
 f32 (it computes bf16 matmuls in f32 and moves the up-convert in front of the gather); an f32 all-gather of an
 up-converted bf16 value is counted at its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
 """
-import dataclasses
-import itertools
 import math
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
+
+from engine.mesh import make_mesh
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -187,7 +186,7 @@ def collective_bytes(hlo, num_devices, root=None, hosts=None):
     return out
 
 
-def _parse_mesh(mesh):
+def parse_mesh(mesh):
     sizes = mesh
     if isinstance(mesh, str):
         try:
@@ -294,13 +293,11 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes', 'collective_bytes_total', 'fits'}, and
     across hosts 'cross_host_bytes'; a layout that does not compile (heads that `model` does not divide, say)
     comes last with its 'error'."""
-    import engine
-
     devices = list(jax.devices() if devices is None else devices)
     results = []
     for data, fsdp, tp in mesh_shapes(len(devices) // (stages * context)):
         try:
-            mesh = engine.make_mesh(data=data, fsdp=fsdp, model=tp, stage=stages, context=context, devices=devices)
+            mesh = make_mesh(data=data, fsdp=fsdp, model=tp, stage=stages, context=context, devices=devices)
             trainer = make_trainer(mesh)
             compiled = compile_step(trainer, batch)
         except Exception as e:  # noqa: BLE001 - one layout that cannot run must not end the search
@@ -326,160 +323,6 @@ def rank_layouts(results, memory_bytes=None):
     total = lambda r: r["bytes"]["total"] if r.get("bytes") else 0  # noqa: E731 - a backend without figures: 0
     ok = [{**r, "fits": memory_bytes is None or total(r) <= memory_bytes} for r in results if "error" not in r]
     ok.sort(key=lambda r: (not r["fits"], r.get("cross_host_bytes", 0), r["collective_bytes_total"], total(r)))
-    return ok + [r for r in results if "error" in r]
-
-
-def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
-         remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
-         loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-         pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
-         context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
-         rlhf=None):
-    """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
-    AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
-    per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
-    their sum, and, with `hbm_gb`, whether the total fits. lora_rank > 0: LoRA adapters (float32) on every
-    projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
-    quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
-    mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
-    per stage) of each micro-batch's rows. diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
-    `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
-    collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
-    context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
-    axis, on top of the others; the jit step, the only one that runs it). zero_quantized_weights /
-    zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
-    sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
-    rlhf='ppo' | 'grpo': the update step of `engine.ppo` on experience rows instead of the language-model loss: PPO
-    trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
-    under LoRA), GRPO {'actor'} alone. The frozen reference and reward model are not in that step: their weights
-    add their bytes (none with LoRA, where they are the trained models' frozen base)."""
-    import engine
-    import models
-    from engine import text
-
-    data, fsdp, tp = _parse_mesh(mesh)
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages={stages!r}; expected a positive integer")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context={context!r}; expected a positive integer")
-    if stages * context * data * fsdp * tp != num_devices:
-        extra = "".join(f" with {n}={v}" for n, v in (("stages", stages), ("context", context)) if v > 1)
-        raise ValueError(f"mesh={data},{fsdp},{tp}{extra} has {stages * context * data * fsdp * tp} devices; "
-                         f"expected num_devices={num_devices}")
-    if num_devices > jax.device_count():
-        raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
-    if model not in models.FAMILIES:
-        raise ValueError(f"model={model!r}; expected one of {sorted(models.FAMILIES)}")
-    if zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
-    if rlhf not in (None, "ppo", "grpo"):
-        raise ValueError(f"rlhf={rlhf!r}; expected None, 'ppo' or 'grpo'")
-    dtype = jnp.dtype(compute_dtype)
-    config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name,
-                               lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize,
-                               pipeline_microbatches=pipeline_microbatches, sequence_parallel=sequence_parallel)
-    network = models.FAMILIES[model].Model(config)
-    abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
-    if not lora_rank:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
-    n_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    unquantized = models.FAMILIES[model].Model(dataclasses.replace(config, quantize=None))  # nf4: 2 codes a byte
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
-        jax.eval_shape(lambda: models.init_params(unquantized, jax.random.PRNGKey(0)))))
-    trainable = models.LORA_TRAINABLE if lora_rank else None
-    # loss_implementation: None materialises [tokens, vocab] logits; 'xla' (default) is the blockwise
-    # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
-    loss_fn = text.lm_loss_fn(network, loss_implementation)
-    loss_fn.weight_metric = "tokens"
-    params, rows_of = abstract, dict.fromkeys(("input_ids", "labels", "segment_ids"), jnp.int32)
-    if rlhf:
-        from engine import ppo, reward
-        critic = reward.RewardModel(network) if rlhf == "ppo" else None
-        params = {"actor": abstract}
-        if critic is not None:
-            params["critic"] = reward.init_params(critic, abstract, jax.random.PRNGKey(0))
-            trainable = trainable and f"{trainable}|{reward.SCORE_TRAINABLE}"
-        config = ppo.PPOConfig(advantage_estimator="gae" if critic is not None else "grpo", samples_per_prompt=2)
-        loss_fn = ppo.ppo_loss_fn(network, critic, config, implementation=loss_implementation)
-        rows_of.update(dict.fromkeys(("old_log_probs", "advantages") + (
-            ("old_values", "returns") if critic is not None else ("ref_log_probs",)), jnp.float32))
-    n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-                    if trainable is None or re.search(trainable, engine.sharding.path_str(p)))
-
-    if not diloco_inner_steps and (diloco_fragments != 1 or diloco_outer_dtype != "float32"):
-        raise ValueError(f"diloco_fragments={diloco_fragments!r}, diloco_outer_dtype={diloco_outer_dtype!r}; expected "
-                         "diloco_inner_steps > 0 with them")
-    diloco = None
-    if diloco_inner_steps:
-        diloco = engine.DiLoCo(inner_steps=diloco_inner_steps, fragments=diloco_fragments,
-                               outer_dtype=diloco_outer_dtype)
-        step = "auto"  # DiLoCo has its own step
-    trainer = engine.Trainer(
-        mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
-                              devices=jax.devices()[:num_devices]),
-        collate_fn=text.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
-        zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
-        trainable=trainable, diloco=diloco, zero_quantized_weights=zero_quantized_weights,
-        zero_quantized_gradients=zero_quantized_gradients)
-    rows = per_device_batch_size * data * fsdp
-    batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), t) for k, t in rows_of.items()}
-    compiled = compile_step(trainer, batch)
-    memory = memory_per_device(compiled)
-    hlo = compiled.as_text()
-    comm = collective_bytes(hlo, num_devices)
-    outer = None
-    if diloco is not None:
-        comm, outer = diloco_bytes(hlo, diloco_fragments, num_devices)
-        if outer is None:
-            raise RuntimeError(f"plan: expected one DiLoCo switch of {diloco_fragments + 1} branches in the compiled "
-                               "step")
-    result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
-              "stages": stages, "context": context, "pipeline_microbatches": pipeline_microbatches or stages,
-              "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
-              "zero_stage": zero_stage, "step": step,
-              "zero_quantized": {"weights": zero_quantized_weights, "gradients": zero_quantized_gradients},
-              "sequence_parallel": sequence_parallel, "rlhf": rlhf,
-              "per_device_batch_size": per_device_batch_size,
-              "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
-              "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,
-              "param_bytes": n_bytes,
-              "lora_rank": lora_rank, "param_dtype": jnp.dtype(param_dtype).name, "quantize": quantize,
-              "bytes": memory,
-              "state_16psi_per_device": 16 * n_params // num_devices,
-              "collective_bytes": comm, "collective_bytes_total": sum(comm.values())}
-    if diloco is not None:
-        result["diloco"] = {"inner_steps": diloco_inner_steps, "fragments": diloco_fragments,
-                            "outer_dtype": diloco_outer_dtype}
-        result["outer_step_bytes"] = [sum(o.values()) for o in outer]
-    if hbm_gb is not None:
-        result["hbm_gb"] = hbm_gb
-        result["fits"] = memory["total"] <= hbm_gb * 1e9
-    logging.info("plan %s", result)
-    return result
-
-
-def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
-    """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), and, up to `max_stages`,
-    every pipeline stage count that divides the devices (one micro-batch per stage, `per_device_batch_size` x stages
-    rows per data position: the global batch the same mesh would have with its stages turned into data positions),
-    ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does).
-    A configuration that fails to compile comes back with its 'error'."""
-    results = []
-    stage_counts = [s for s in range(1, max_stages + 1) if num_devices % s == 0]
-    for stages in stage_counts:
-        for (data, fsdp, tp), zero in itertools.product(mesh_shapes(num_devices // stages), (0, 1, 2)):
-            if zero and data == 1:
-                continue
-            try:
-                results.append(plan(num_devices=num_devices, mesh=(data, fsdp, tp), zero_stage=zero, stages=stages,
-                                    per_device_batch_size=per_device_batch_size * stages, **kwargs))
-            except Exception as e:  # noqa: BLE001 - one bad layout (e.g. heads not divisible) must not end the sweep
-                logging.warning("sweep: stages %d mesh %s zero %d failed: %s", stages, (data, fsdp, tp), zero, e)
-                results.append({"mesh": [data, fsdp, tp], "stages": stages, "zero_stage": zero,
-                                "error": str(e).splitlines()[0][:200]})
-    ok = sorted((r for r in results if "error" not in r),
-                key=lambda r: (not r.get("fits", True), r["bytes"]["total"], r["collective_bytes_total"]))
     return ok + [r for r in results if "error" in r]
 
 

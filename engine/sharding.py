@@ -655,6 +655,16 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     return jax.tree_util.tree_map_with_path(lambda p, _: specs[path_str(p)], params)
 
 
+def auto_layout(mesh, *, rules=None):
+    """`auto_shard` as a layout for the models' loaders (`models.init_params`, `load_pretrained`, `add_lora`, ...):
+    `layout(abstract_params, apply_fn) -> NamedShardings` on `mesh`, the dataflow read from `apply_fn`. With it a
+    checkpoint's tensors go straight onto their shards as they are read."""
+    def layout(abstract, apply_fn):
+        specs = auto_shard(abstract, mesh, trace_fn=apply_fn, rules=rules)
+        return jax.tree_util.tree_map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+    return layout
+
+
 def describe_sharding(params, specs, mesh):
     """A table of path, shape, dtype, spec and bytes per device, with totals against full replication."""
     sizes = _axis_sizes(mesh)

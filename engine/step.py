@@ -776,7 +776,7 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
     `reduce_dtype`: jnp.float32 or jnp.bfloat16, the dtype of every gradient reduction (bf16 halves the bytes on
       GPU/TPU; the XLA CPU compiler of jaxlib 0.10.2 aborts on it, so CPU runs keep fp32).
     `weight_metric`: None (every shard's loss counts equally: exact for losses that are means over rows), or the name
-      of a metric of `loss_fn` holding what its loss is a mean over (e.g. 'tokens' for `engine.text.lm_loss_fn`):
+      of a metric of `loss_fn` holding what its loss is a mean over (e.g. 'tokens' for `engine.tasks.lm.lm_loss_fn`):
       loss, gradients and every other metric are then averaged with those weights across shards, and that metric is
       summed, which reproduces the global-batch values of `jit_train_step` exactly.
     `trainable`: as in `jit_train_step`. A frozen parameter is gathered like any other but never differentiated:

@@ -570,7 +570,7 @@ class Trainer:
         life, resumes included: calling `fit` again continues where training stopped).
 
         The global batch of one update is `per_device_batch_size x data x fsdp x accumulate_grad_batches` examples.
-        `train_examples`: a list or other Sequence, e.g. `engine.text.TokenWindows` (shuffled each epoch from `seed`),
+        `train_examples`: a list or other Sequence, e.g. `engine.tasks.text_data.TokenWindows` (shuffled each epoch from `seed`),
         or any iterable (streamed in order; it is iterated once per epoch). The last incomplete global batch of an
         epoch is dropped. Eval (after each epoch): the mean `eval_loss` and, with `eval_predictor` and
         `eval_metric_fn(examples, predictions) -> dict`, its metrics;

@@ -9,9 +9,11 @@ from models.flops import train_flops_per_example
 from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
 from models.hf import (FAMILIES, config_from_hf, init_params, load_model, load_pretrained, load_sequence_classifier,
-                       load_tokenizer, save_pretrained)
+                       load_tokenizer, param_shardings, save_pretrained)
 from models.layers import ModelOptions, stack_layers
 from models.quantize import dequantize, quantize
+from models.reward import (SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model,
+                           save_reward_model)
 from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,
                          save_lora_adapter)
 from models.llama import Llama, LlamaConfig

@@ -25,22 +25,21 @@ def family(model_type):
     return FAMILIES[model_type]
 
 
-def init_params(model, rng=None, *, mesh=None):
-    """Fresh random parameters (a nested dict) for `model`. With `mesh`, each is created directly on its
-    engine.auto_shard sharding (no whole copy on one device; every process of a multi-process run calls it)."""
+def init_params(model, rng=None, *, layout=None):
+    """Fresh random parameters (a nested dict) for `model`. With `layout` (e.g. `engine.auto_layout(mesh)`), each is
+    created directly on its sharding (no whole copy on one device; every process of a multi-process run calls it)."""
     rng = jax.random.PRNGKey(0) if rng is None else rng
     init = lambda r: model.init(r, *_example_inputs(model))["params"]  # noqa: E731
-    if mesh is None:
+    if layout is None:
         return jax.jit(init)(rng)
-    return jax.jit(init, out_shardings=_shardings(model, jax.eval_shape(init, rng), mesh))(rng)
+    return jax.jit(init, out_shardings=param_shardings(model, jax.eval_shape(init, rng), layout))(rng)
 
 
-def _shardings(model, abstract, mesh):
-    """NamedShardings of engine.auto_shard's layout of `model`'s parameters (shapes `abstract`) on `mesh`."""
-    import engine  # noqa: PLC0415 (engine imports models' users, not models)
-
-    specs = engine.auto_shard(abstract, mesh, trace_fn=lambda p: model.apply({"params": p}, *_example_inputs(model)))
-    return jax.tree_util.tree_map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+def param_shardings(model, abstract, layout):
+    """The shardings `layout(abstract, apply_fn)` gives `model`'s parameters (shapes `abstract`); `apply_fn(params)`
+    runs the model on example inputs, for a layout that reads the dataflow (`engine.auto_layout`). A layout is any
+    such function: models know nothing of how the engine splits them."""
+    return layout(abstract, lambda p: model.apply({"params": p}, *_example_inputs(model)))
 
 
 def _example_inputs(model):
@@ -111,24 +110,25 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def load_pretrained(path, *, dtype=jnp.float32, mesh=None, **options):
+def load_pretrained(path, *, dtype=jnp.float32, layout=None, **options):
     """Reads a transformers `save_pretrained` directory. Returns (model, params).
 
-    dtype: parameter and computation dtype. mesh: a jax Mesh; each tensor is placed directly onto its
-    engine.auto_shard sharding as it is read, so host memory peaks near one (layer-stacked) tensor, not the model.
+    dtype: parameter and computation dtype. layout: where parameters go (`param_shardings`; e.g.
+    `engine.auto_layout(mesh)`); each tensor is placed directly onto its sharding as it is read, so host memory peaks
+    near one (layer-stacked) tensor, not the model.
     options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation; lora_rank > 0
     adds fresh LoRA adapters, `models.add_lora`).
     """
-    model, params, _ = _load(path, dtype, mesh, options, classifier=False)
+    model, params, _ = _load(path, dtype, layout, options, classifier=False)
     return model, params
 
 
-def load_sequence_classifier(path, *, dtype=jnp.float32, mesh=None, **options):
+def load_sequence_classifier(path, *, dtype=jnp.float32, layout=None, **options):
     """Reads a transformers `*ForSequenceClassification` directory of a decoder family (LLaMA, GPT-J, OPT): the
     decoder under the classifier and its `score` weight. Returns (model, params, score): the decoder as
     `load_pretrained` gives it, its output head (absent from the checkpoint, unused by a classifier) zero-filled,
     and score float [d_model, num_labels]. Arguments as `load_pretrained`'s."""
-    return _load(path, dtype, mesh, options, classifier=True)
+    return _load(path, dtype, layout, options, classifier=True)
 
 
 def load_model(path, *, dtype=jnp.float32, **options):
@@ -151,7 +151,7 @@ def _model(hf, dtype, options):
     return family(hf["model_type"]).Model(config)
 
 
-def _load(path, dtype, mesh, options, classifier):
+def _load(path, dtype, layout, options, classifier):
     hf = _read_config(path)
     is_classifier = any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ())
     if is_classifier != classifier:
@@ -164,7 +164,7 @@ def _load(path, dtype, mesh, options, classifier):
         raise ValueError(f"{path} holds a {hf['model_type']} classifier; expected a decoder-only family")
     config = model.config
     abstract = jax.eval_shape(lambda: init_params(model))
-    shardings = None if mesh is None else _shardings(model, abstract, mesh)
+    shardings = None if layout is None else param_shardings(model, abstract, layout)
     reader, params = _Reader(path), {}
     for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
         expected = _get(abstract, our_path)
@@ -209,7 +209,7 @@ def _load(path, dtype, mesh, options, classifier):
                         unused[:10])
     if config.lora_rank:
         from models import lora  # noqa: PLC0415 (models.lora builds on this module)
-        params = lora.add_lora(model, params, mesh=mesh)
+        params = lora.add_lora(model, params, layout=layout)
     return model, params, score
 
 

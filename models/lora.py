@@ -73,17 +73,17 @@ def merge_lora(model, params):
     return without_lora(model), merge(params)
 
 
-def add_lora(model, params, rng=None, *, mesh=None):
+def add_lora(model, params, rng=None, *, layout=None):
     """Parameters of `model` (a config with lora_rank > 0) from `params` of the same model without adapters: fresh
     adapters (A random, B zero: the model computes what it computed before) beside every targeted kernel, on the
-    auto_shard layout of `mesh` when given. ValueError when `params` do not fit the model."""
+    shardings of `layout` when given (`models.param_shardings`). ValueError when `params` do not fit the model."""
     if not model.config.lora_rank:
         raise ValueError("add_lora: the model's config has lora_rank=0; expected a model built with lora_rank > 0")
     if has_lora(params):
         raise ValueError("add_lora: params already hold LoRA adapters; merge them first (models.merge_lora)")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     abstract = jax.eval_shape(lambda: hf.init_params(model))
-    shardings = None if mesh is None else hf._shardings(model, abstract, mesh)
+    shardings = None if layout is None else hf.param_shardings(model, abstract, layout)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     keys = [_path(p) for p, _ in flat]
     new = [i for i, key in enumerate(keys) if _ADAPTER.search(key)]
@@ -148,9 +148,9 @@ def save_lora_adapter(model, params, path):
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def load_lora_adapter(model, params, path, *, mesh=None):
+def load_lora_adapter(model, params, path, *, layout=None):
     """(model with the adapter's LoRA settings, params with its adapters) from a PEFT adapter directory and the base
-    model's `params` (without adapters); with `mesh`, the adapters are placed on their auto_shard layout. ValueError
+    model's `params` (without adapters); with `layout`, the adapters are placed on its shardings. ValueError
     for what this LoRA does not express (rsLoRA scaling, trained biases, extra trained modules, a regex target)."""
     config_file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.exists(config_file):
@@ -179,7 +179,7 @@ def load_lora_adapter(model, params, path, *, mesh=None):
             lora_targets=tuple(t for t in LORA_TARGETS if t in {ours[m] for m in peft["target_modules"]})))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{config_file}: r / lora_alpha: {e}") from None
-    params = add_lora(adapted, params, mesh=mesh)
+    params = add_lora(adapted, params, layout=layout)
     from safetensors import safe_open  # noqa: PLC0415
     with safe_open(os.path.join(path, ADAPTER_WEIGHTS), "np") as f:
         stored = set(f.keys())

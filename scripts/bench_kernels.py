@@ -16,24 +16,21 @@ one benchmark shape per op and prints them fastest first, the heuristic default 
 """
 import dataclasses
 import functools
-import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.flops import peak_tflops  # noqa: E402
-from kernels.attention import BlockSizes, decode_attention, flash_attention  # noqa: E402
-from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE  # noqa: E402
-from kernels.attention.api import choose_block_sizes  # noqa: E402
-from kernels._dispatch import resolve_implementation  # noqa: E402
-from kernels.matmul import _blocks as matmul_blocks  # noqa: E402
-from kernels.matmul import benchmark as matmul_benchmark  # noqa: E402
+from engine.flops import peak_tflops
+from kernels.attention import BlockSizes, decode_attention, flash_attention
+from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE
+from kernels.attention.api import choose_block_sizes
+from kernels._dispatch import resolve_implementation
+from kernels.matmul import _blocks as matmul_blocks
+from kernels.matmul import benchmark as matmul_benchmark
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("kernels", ["attention"], "Kernel families to benchmark.")

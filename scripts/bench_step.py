@@ -33,7 +33,6 @@ GLOBAL_BATCH, STEPS, WARMUP = 16, 20, 2
 def engine_worker(mesh_text, step_kind):
     """One measurement: prints STEADY <s>, COMPILE <s>, COMPILES <n>."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.abspath(FLAGS.peers_dir))
     from engine import compiler
     compiler.configure()  # the engine's overlap flags (none on CPU), before JAX starts its backend

@@ -10,13 +10,11 @@ matrix units run float32 dots as tf32, about 3e-4), 16-bit inputs 2e-2; a row al
 error of the plain 'xla' path run in the same dtype (shown beside it). A NaN or inf fails. The last row is a small
 LLaMA (scanned, rematerialised) with the kernels in its attention and MLP, its arguments every parameter.
 """
-import os
 import sys
 
 import numpy as np
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("interpret", False, "Run the Triton kernels in Pallas's interpreter (CPU smoke run).")
@@ -195,5 +193,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from engine import cli
+    from engine.tasks import cli
     cli.run(main)

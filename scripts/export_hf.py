@@ -14,15 +14,13 @@ on).
 """
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-from absl import flags  # noqa: E402
+import jax
+from absl import flags
 
-import models  # noqa: E402
-from engine import cli, reward  # noqa: E402
+import models
+from engine.tasks import cli
 
 FLAGS = flags.FLAGS
 cli.define_flags()
@@ -49,7 +47,7 @@ def main(argv):
         return
     if jax.process_index() == 0:
         if task == "reward":
-            reward.save_pretrained(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)
+            models.save_reward_model(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)
         else:
             models.save_pretrained(model, params, FLAGS.out)
         source = os.path.join(FLAGS.workdir, "tokenizer.json")

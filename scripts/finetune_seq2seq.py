@@ -10,17 +10,14 @@ lists and a few samples, and writes TensorBoard scalars (loss, eval loss, eval e
   python scripts/finetune_seq2seq.py --init_from=/path/to/hf_flan_t5 --data=train.jsonl --eval_data=dev.jsonl
   python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-from absl import flags, logging  # noqa: E402
+import jax
+from absl import flags, logging
 
-import engine  # noqa: E402
-import models  # noqa: E402
-from engine import cli, text  # noqa: E402
+import engine
+import models
+from engine.tasks import cli, lm, seq2seq, text_data
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_seq2seq", max_steps=400, learning_rate=3e-3, warmup_steps=30,
@@ -38,7 +35,7 @@ flags.DEFINE_integer("max_input_len", 128, "Input tokens at most (longer inputs 
                      "longest input up to this).")
 flags.DEFINE_integer("max_target_len", 128, "Target tokens at most, EOS included (also the generation length).")
 flags.DEFINE_bool("pack_pairs", False, "Pack several training pairs into rows --max_input_len / --max_target_len "
-                  "wide (engine.text.pack_pairs; each target still sees only its own input): fewer rows, less "
+                  "wide (engine.tasks.seq2seq.pack_pairs; each target still sees only its own input): fewer rows, less "
                   "padding, the same per-token loss. A global batch counts rows.")
 flags.DEFINE_integer("samples", 4, "Held-out examples whose generations are printed at the end.")
 cli.define_auto_mesh_flag()
@@ -59,7 +56,7 @@ def _build_model(mesh):
 
 def fresh_model():
     """(model, tokenizer) of --model_config / --model_overrides: byte-level tokens with --data, else the toy words."""
-    tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
+    tokenizer = text_data.ByteTokenizer() if FLAGS.data else text_data.WordTokenizer(text_data.TOY_WORDS)
     return cli.fresh_model(tokenizer, {"decoder_start_token_id": tokenizer.bos_id}, family="t5",
                            families=["t5"]), tokenizer
 
@@ -79,7 +76,7 @@ def encode(model, tokenizer, train_pairs, eval_pairs):
     """(train rows, eval rows, training pairs, (input, target) row lengths, (input, target) tokens at most)."""
     longest = lambda key: max(len(tokenizer.encode(p[key])) + 1 for p in train_pairs + eval_pairs)  # noqa: E731
     in_len, out_len = min(FLAGS.max_input_len, longest("input")), min(FLAGS.max_target_len, longest("target"))
-    rows = lambda pairs: text.encode_pairs(pairs, tokenizer, max_input_len=in_len, max_target_len=out_len,  # noqa
+    rows = lambda pairs: seq2seq.encode_pairs(pairs, tokenizer, max_input_len=in_len, max_target_len=out_len,  # noqa
                                            decoder_start_id=model.config.decoder_start_token_id)
     (train, cut), (evals, eval_cut) = rows(train_pairs), rows(eval_pairs)
     if cut + eval_cut:
@@ -89,19 +86,19 @@ def encode(model, tokenizer, train_pairs, eval_pairs):
     row_lens = (in_len, out_len)
     if FLAGS.pack_pairs:
         row_lens = (max(in_len, FLAGS.max_input_len), max(out_len, FLAGS.max_target_len))
-        train = text.pack_pairs(train, *row_lens)
+        train = seq2seq.pack_pairs(train, *row_lens)
     return train, evals, n_pairs, row_lens, (in_len, out_len)
 
 
 def make_trainer(mesh, model, params, **kwargs):
-    return engine.Trainer(mesh=mesh, collate_fn=text.collate_seq2seq,
-                          loss_fn=text.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
+    return engine.Trainer(mesh=mesh, collate_fn=seq2seq.collate_seq2seq,
+                          loss_fn=seq2seq.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
                           optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
 
 def load_pairs():
     """(train pairs, eval pairs) from the flags."""
-    return cli.load_train_eval(text.read_pairs, text.toy_pairs, key="input", what="pairs")
+    return cli.load_train_eval(seq2seq.read_pairs, seq2seq.toy_pairs, key="input", what="pairs")
 
 
 def main(argv):
@@ -112,7 +109,7 @@ def main(argv):
     if mesh is None:  # the first training row stands for every row
         model, params, tokenizer = describe_model()
         first = encode(model, tokenizer, train_pairs, eval_pairs)[0][0]
-        mesh, batch = cli.choose_mesh(lambda mesh: make_trainer(mesh, model, params), text.collate_seq2seq, first,
+        mesh, batch = cli.choose_mesh(lambda mesh: make_trainer(mesh, model, params), seq2seq.collate_seq2seq, first,
                                       memory_gb=FLAGS.mesh_memory_gb)
     model, params, tokenizer = build_model(mesh)
     model, params = cli.with_flags(model, params)
@@ -127,9 +124,9 @@ def main(argv):
 
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
                            flops_per_example=models.train_flops_per_example(model, *row_lens))
-    predictor = engine.Predictor(mesh=mesh, collate_fn=text.collate_seq2seq, pred_fn=text.seq2seq_pred_fn(
+    predictor = engine.Predictor(mesh=mesh, collate_fn=seq2seq.collate_seq2seq, pred_fn=seq2seq.seq2seq_pred_fn(
         model, max_new_tokens=out_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
-    metric_fn = lambda examples, preds: text.exact_match(examples, preds, tokenizer.eos_id)  # noqa: E731
+    metric_fn = lambda examples, preds: seq2seq.exact_match(examples, preds, tokenizer.eos_id)  # noqa: E731
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
@@ -145,7 +142,7 @@ def main(argv):
     preds = predictor.predict(evals, per_device_batch_size=batch, params=trainer.params)
     print(f"eval exact match: {metric_fn(evals, preds)['exact_match']:.4f} on {len(evals)} held-out pairs")
     for pair, pred in list(zip(eval_pairs, preds))[:FLAGS.samples]:
-        got = tokenizer.decode([i for i in text.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])
+        got = tokenizer.decode([i for i in lm.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])
         print(f"--- {pair['input']!r} -> {got!r} (target {pair['target']!r})")
     cli.finish(trainer, FLAGS.workdir)
 

@@ -8,15 +8,14 @@ prompt.
   python scripts/generate.py --init_from=/path/to/hf_llama --init_adapter=/path/to/peft_adapter --quantize=int8
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-from absl import flags  # noqa: E402
+import jax
+from absl import flags
 
-import models  # noqa: E402
-from engine import cli, preference, text  # noqa: E402
+import models
+from engine.tasks import cli, lm
+from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
 cli.define_flags()
@@ -87,7 +86,7 @@ def main(argv):
     after_prompt = () if sep is None else (sep,)
     for start in range(0, len(prompts), FLAGS.batch_size):
         batch = prompts[start:start + FLAGS.batch_size]
-        outs = text.generate_texts(model, params, tokenizer, batch, max_new_tokens=FLAGS.max_new_tokens,
+        outs = lm.generate_texts(model, params, tokenizer, batch, max_new_tokens=FLAGS.max_new_tokens,
                                    temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
                                    top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start,
                                    after_prompt=after_prompt,

@@ -12,13 +12,13 @@ line for each and a table ranked by memory, then bytes sent. The logic lives in 
 """
 import json
 import os
-import sys
 
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import cli, compiler  # noqa: E402
+from engine import compiler
+
+from engine.tasks import cli, planning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama", "Model family (models.FAMILIES).")
@@ -80,12 +80,12 @@ def main(argv):
                   sequence_parallel=FLAGS.sequence_parallel, rlhf=None if FLAGS.rlhf == "none" else FLAGS.rlhf,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
     if FLAGS.sweep:
-        results = plan.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
+        results = planning.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
         for r in results:
             print(json.dumps(r), flush=True)
         print(plan.format_table(results))
         return
-    print(json.dumps(plan.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
+    print(json.dumps(planning.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
                                pipeline_microbatches=FLAGS.pipeline_microbatches, context=FLAGS.context_parallel,
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
                                diloco_outer_dtype=FLAGS.diloco_outer_dtype,

@@ -6,13 +6,11 @@ corpus larger than memory, or to stop re-tokenising it on every run. Documents s
   python scripts/train_lm.py --data=tokens --init_from=/path/to/hf_llama
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags  # noqa: E402
+from absl import flags
 
-from engine import cli, text  # noqa: E402
+from engine.tasks import cli, text_data
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("data", [], ".txt or .jsonl files or globs (as train_lm.py's --data); empty: the embedded "
@@ -24,8 +22,8 @@ flags.DEFINE_string("tokenizer_from", None, "A Hugging Face model directory whos
 
 def tokenizer():
     if not FLAGS.tokenizer_from:
-        return text.ByteTokenizer()
-    found = text.HFTokenizer.from_dir(FLAGS.tokenizer_from)
+        return text_data.ByteTokenizer()
+    found = text_data.HFTokenizer.from_dir(FLAGS.tokenizer_from)
     if found is None:
         raise FileNotFoundError(f"--tokenizer_from={FLAGS.tokenizer_from} has no tokenizer.json; expected a Hugging "
                                 "Face model directory")
@@ -36,13 +34,13 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise ValueError("--out is empty; expected the directory to write the tokens to")
-    if text.is_token_dir(FLAGS.out):
-        raise ValueError(f"--out={FLAGS.out} already holds tokens ({text.TOKENS_META}); expected a new directory")
+    if text_data.is_token_dir(FLAGS.out):
+        raise ValueError(f"--out={FLAGS.out} already holds tokens ({text_data.TOKENS_META}); expected a new directory")
     tok = tokenizer()
-    docs = text.iter_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
-    meta = text.write_tokens(docs, tok, FLAGS.out)
+    docs = text_data.iter_texts(FLAGS.data) if FLAGS.data else text_data.default_corpus()
+    meta = text_data.write_tokens(docs, tok, FLAGS.out)
     if meta["num_tokens"] == (meta["num_documents"] if tok.eos_id is not None else 0):  # nothing but EOS tokens
-        for name in (text.TOKENS_META, text.TOKENS_FILE):
+        for name in (text_data.TOKENS_META, text_data.TOKENS_FILE):
             os.remove(os.path.join(FLAGS.out, name))
         raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
     print(f"{meta['num_documents']} documents -> {meta['num_tokens']} tokens ({meta['dtype']}, largest id "

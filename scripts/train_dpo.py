@@ -12,17 +12,15 @@ preference accuracy) and checkpoints under --workdir. Re-running the same comman
   python scripts/train_sft.py --workdir=sft && python scripts/train_dpo.py --init_from=sft --workdir=dpo
   python scripts/train_dpo.py --init_from=/path/to/hf_llama --data=prefs.jsonl --beta=0.1
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
+import numpy as np
+from absl import flags
 
-import engine  # noqa: E402
-import models  # noqa: E402
-from engine import cli, preference  # noqa: E402
+import engine
+import models
+from engine.tasks import cli
+from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_dpo", max_steps=200, learning_rate=1e-3, warmup_steps=10, log_every=20,

@@ -8,18 +8,15 @@ under --workdir. Re-running the same command resumes from the latest checkpoint;
   python scripts/train_lm.py --init_from=/path/to/hf_llama --data='corpus/*.jsonl' --mesh=1,-1,2 --compute_dtype=bfloat16
   tensorboard --logdir workdir/tensorboard
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import flags, logging  # noqa: E402
+import jax
+import numpy as np
+from absl import flags, logging
 
-import engine  # noqa: E402
-import models  # noqa: E402
-from engine import cli, text  # noqa: E402
+import engine
+import models
+from engine.tasks import cli, lm, text_data
 
 FAMILIES = ["llama", "gptj", "opt"]
 FLAGS = flags.FLAGS
@@ -46,7 +43,7 @@ cli.define_auto_mesh_flag()
 
 def named_model():
     """(model, tokenizer) of --model / --model_config (byte-level tokens)."""
-    tokenizer = text.ByteTokenizer()
+    tokenizer = text_data.ByteTokenizer()
     return cli.fresh_model(tokenizer, {"max_position_embeddings": max(FLAGS.seq_len, 128)}, family=FLAGS.model,
                            families=FAMILIES), tokenizer
 
@@ -56,7 +53,7 @@ def build_model(mesh):
     if FLAGS.init_from:
         return cli.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
     model, tokenizer = named_model()
-    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
+    return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh)), tokenizer
 
 
 def auto_mesh():
@@ -64,19 +61,19 @@ def auto_mesh():
     layout; returns (mesh, rows per data position)."""
     model, abstract = cli.describe(cli.load_hf_model(FLAGS.init_from, families=FAMILIES) if FLAGS.init_from
                                    else named_model()[0])
-    loss_fn = text.lm_loss_fn(model, cli.loss_implementation())
+    loss_fn = lm.lm_loss_fn(model, cli.loss_implementation())
     example = {"tokens": np.zeros(FLAGS.seq_len + 1, np.int32), "segment_ids": np.ones(FLAGS.seq_len + 1, np.int32)}
     return cli.choose_mesh(lambda mesh: engine.Trainer(
-        mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=cli.optimizer(),
-        **cli.trainer_kwargs()), text.collate_lm, example, memory_gb=FLAGS.mesh_memory_gb)
+        mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=cli.optimizer(),
+        **cli.trainer_kwargs()), lm.collate_lm, example, memory_gb=FLAGS.mesh_memory_gb)
 
 
 def main(argv):
     del argv
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
-    token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text.is_token_dir(FLAGS.data[0]) else None
+    token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text_data.is_token_dir(FLAGS.data[0]) else None
     if token_dir is None:
-        docs = text.read_texts(FLAGS.data) if FLAGS.data else text.default_corpus()
+        docs = text_data.read_texts(FLAGS.data) if FLAGS.data else text_data.default_corpus()
         if not any(doc.strip() for doc in docs):
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
@@ -85,10 +82,10 @@ def main(argv):
     model, params, tokenizer = build_model(mesh)
     model, params = cli.with_flags(model, params)
     if token_dir is None:
-        rows = text.pack(docs, tokenizer, FLAGS.seq_len)
+        rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
     else:  # a memory-mapped Sequence of windows: only each batch's rows are read
-        text.check_token_dir(token_dir, tokenizer, model.config.vocab_size)
-        rows = text.TokenWindows(token_dir, FLAGS.seq_len)
+        text_data.check_token_dir(token_dir, tokenizer, model.config.vocab_size)
+        rows = text_data.TokenWindows(token_dir, FLAGS.seq_len)
     global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch.
     n_eval = max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024))
@@ -100,8 +97,8 @@ def main(argv):
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
-    trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm,
-                             loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm,
+                             loss_fn=lm.lm_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len),
                              **cli.trainer_kwargs())
@@ -118,7 +115,7 @@ def main(argv):
     end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss after training: {end_loss:.4f} (was {start_loss:.4f}) at step {trainer.step}")
     if FLAGS.prompts:  # every process takes part (the parameters may span hosts); process 0 prints
-        samples = text.generate_texts(model, trainer.params, tokenizer, FLAGS.prompts,
+        samples = lm.generate_texts(model, trainer.params, tokenizer, FLAGS.prompts,
                                       max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                                       top_k=FLAGS.top_k or None, seed=FLAGS.seed)
         if jax.process_index() == 0:

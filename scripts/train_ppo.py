@@ -26,18 +26,17 @@ answers ({"prompt", "response"} lines of --data) instead of a reward model.
 """
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from absl import flags  # noqa: E402
+import jax
+import numpy as np
+import optax
+from absl import flags
 
-import engine  # noqa: E402
-import models  # noqa: E402
-from engine import cli, ppo, preference, reward, text  # noqa: E402
+import engine
+import models
+from engine.tasks import cli, text_data
+from engine.tasks.rlhf import ppo, preference
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_ppo", max_steps=320, learning_rate=1e-3, warmup_steps=4, log_every=8,
@@ -88,7 +87,7 @@ FLAGS.set_default("per_device_batch_size", 16)
 
 
 def _read_prompts(patterns):
-    return text.read_records(patterns, ("prompt",) if FLAGS.verifiable_reward == "none" else preference.SFT_FIELDS)
+    return text_data.read_records(patterns, ("prompt",) if FLAGS.verifiable_reward == "none" else preference.SFT_FIELDS)
 
 
 def _evaluate(task, params, eval_records):
@@ -161,8 +160,8 @@ def main(argv):
         if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
             _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
         elif os.path.isdir(FLAGS.reward_from):  # a transformers sequence classifier
-            critic, reward_params = reward.load_pretrained(FLAGS.reward_from, mesh=mesh)
-            reward_tokenizer = text.HFTokenizer.from_dir(FLAGS.reward_from, critic.config.vocab_size) or tokenizer
+            critic, reward_params = models.load_reward_model(FLAGS.reward_from, layout=engine.auto_layout(mesh))
+            reward_tokenizer = text_data.HFTokenizer.from_dir(FLAGS.reward_from, critic.config.vocab_size) or tokenizer
         else:
             raise FileNotFoundError(f"--reward_from={FLAGS.reward_from} is not a directory; expected a workdir of "
                                     "scripts/train_reward.py or a Hugging Face *ForSequenceClassification directory")
@@ -170,11 +169,11 @@ def main(argv):
             raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
                              "expected a reward model trained on the policy's tokens")
         backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
-        critic, reward_params = reward.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
+        critic, reward_params = models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
         if grpo:  # no critic: the reward model frozen, with its own weights (--quantize: stored like the base)
             if FLAGS.lora_rank and FLAGS.quantize != "none":
                 backbone, backbone_params = models.quantize(backbone, backbone_params, FLAGS.quantize)
-                critic, reward_params = reward.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
+                critic, reward_params = models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
             rewards = {"reward_model": critic, "reward_params": reward_params}
             critic = None
         else:
@@ -186,8 +185,8 @@ def main(argv):
     else:  # a rule: the toy task's, or against reference answers; the critic starts from the policy, a fresh head
         critic = critic_params = None
         if not grpo:
-            critic = reward.RewardModel(actor)
-            critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
+            critic = models.RewardModel(actor)
+            critic_params = models.init_reward_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
         rewards = {"reward_fn": preference.verifiable_reward(FLAGS.verifiable_reward, train_records + eval_records)
                    if rule else preference.toy_reward}
     # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very
@@ -209,7 +208,7 @@ def main(argv):
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=_optimizer(), workdir=FLAGS.workdir,
                              flops_per_example=flops,
-                             trainable=cli.trainable(None if critic is None else reward.SCORE_TRAINABLE),
+                             trainable=cli.trainable(None if critic is None else models.SCORE_TRAINABLE),
                              **cli.trainer_kwargs())
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")

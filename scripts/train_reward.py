@@ -1,7 +1,7 @@
 """Trains a reward model on preference triples: the second step of an RLHF pipeline (SFT -> reward model -> PPO).
 
 The reward model is a decoder-only language model whose output head is replaced by a scalar score
-(`engine.reward.RewardModel`); a response's reward is the score at its EOS. It starts from --init_from (a workdir of
+(`models.RewardModel`); a response's reward is the score at its EOS. It starts from --init_from (a workdir of
 scripts/train_sft.py or scripts/train_lm.py, or a Hugging Face directory) with a fresh score head or, without it,
 from a fresh small LLaMA, and learns the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on `{"prompt",
 "chosen", "rejected"}` jsonl triples (--data). With no --data it uses the embedded toy task (a list of animal names;
@@ -12,17 +12,15 @@ command resumes. scripts/train_ppo.py reads the workdir.
   python scripts/train_reward.py                                          # the toy task
   python scripts/train_sft.py --workdir=sft && python scripts/train_reward.py --init_from=sft --workdir=rm
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-from absl import flags  # noqa: E402
+import jax
+from absl import flags
 
-import engine  # noqa: E402
-import models  # noqa: E402
-from engine import cli, preference, reward  # noqa: E402
+import engine
+import models
+from engine.tasks import cli
+from engine.tasks.rlhf import preference, reward
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_reward", max_steps=200, learning_rate=1e-3, warmup_steps=10, log_every=20,
@@ -40,10 +38,10 @@ TASKS = ("lm", "sft")
 
 def make_trainer(mesh, backbone, backbone_params, **kwargs):
     """The reward model's Trainer over a backbone and its parameters (a fresh score head is added)."""
-    model = reward.RewardModel(backbone)
-    params = reward.init_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
+    model = models.RewardModel(backbone)
+    params = models.init_reward_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=reward.reward_loss_fn(model),
-                          params=params, optimizer=cli.optimizer(), trainable=cli.trainable(reward.SCORE_TRAINABLE),
+                          params=params, optimizer=cli.optimizer(), trainable=cli.trainable(models.SCORE_TRAINABLE),
                           **cli.trainer_kwargs(), **kwargs)
 
 
@@ -58,7 +56,7 @@ def main(argv):
                                               preference.encode_preferences, train_triples, tasks=TASKS)
     _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
     backbone, backbone_params = cli.with_flags(backbone, backbone_params)
-    model = reward.RewardModel(backbone)
+    model = models.RewardModel(backbone)
     train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
                                    what="triples", per_device_batch_size=batch)
     cli.save_run(FLAGS.workdir, "reward", backbone, tokenizer)

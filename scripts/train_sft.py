@@ -12,16 +12,14 @@ TensorBoard scalars and checkpoints under --workdir. Re-running the same command
   python scripts/train_sft.py --init_from=/path/to/hf_llama --data=pairs.jsonl --seq_len=512
   python scripts/train_sft.py --workdir=sft && python scripts/train_dpo.py --init_from=sft --workdir=dpo
 """
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import flags  # noqa: E402
+from absl import flags
 
-import engine  # noqa: E402
-import models  # noqa: E402
-from engine import cli, preference, text  # noqa: E402
+import engine
+import models
+from engine.tasks import cli, lm
+from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_sft", max_steps=200, learning_rate=3e-3, warmup_steps=10, log_every=20,
@@ -40,7 +38,7 @@ TASKS = ("lm", "sft")
 
 def make_trainer(mesh, model, params, **kwargs):
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                          loss_fn=text.lm_loss_fn(model, cli.loss_implementation()), params=params,
+                          loss_fn=lm.lm_loss_fn(model, cli.loss_implementation()), params=params,
                           optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
 

@@ -63,17 +63,18 @@ def ppo_run(mesh, estimator="gae"):
     import optax
 
     import models
-    from engine import ppo, preference, reward, text
-    tok = text.WordTokenizer(text.TOY_WORDS)
+    from engine.tasks import text_data
+    from engine.tasks.rlhf import ppo, preference
+    tok = text_data.WordTokenizer(text_data.TOY_WORDS)
     actor = models.create_model("llama", "tiny", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64)
-    params = models.init_params(actor, jax.random.PRNGKey(0), mesh=mesh)
-    critic = reward.RewardModel(actor) if estimator == "gae" else None
+    params = models.init_params(actor, jax.random.PRNGKey(0), layout=engine.auto_layout(mesh))
+    critic = models.RewardModel(actor) if estimator == "gae" else None
     config = ppo.PPOConfig(max_new_tokens=6, advantage_estimator=estimator, samples_per_prompt=1 + (critic is None))
     task = ppo.PPO(actor=actor, critic=critic, ref_params=params, tokenizer=tok, mesh=mesh, seq_len=7 + 6 - 1,
                    reward_fn=preference.toy_reward, config=config)
     both = {"actor": params}
     if critic is not None:
-        both["critic"] = reward.init_params(critic, params, jax.random.PRNGKey(1))
+        both["critic"] = models.init_reward_params(critic, params, jax.random.PRNGKey(1))
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=both, optimizer=optax.adam(1e-3))
     prompts = [p["prompt"] for p in preference.toy_prompt_responses(64, seed=0)]

@@ -65,7 +65,8 @@ def main():
     import engine  # noqa: F401
     import kernels  # noqa: F401
     import models  # noqa: F401
-    from engine import cli, ppo, preference, reward, text  # noqa: F401
+    from engine.tasks import cli, lm, planning, seq2seq, text_data  # noqa: F401
+    from engine.tasks.rlhf import ppo, preference, reward  # noqa: F401
     from jax._src import xla_bridge
     started = getattr(xla_bridge, "_backends", None)
     assert threading.active_count() == 1 and not started, "fork needs one thread and no JAX backend"

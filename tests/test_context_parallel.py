@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import engine
 import kernels
 import models
-from engine import text
+from engine.tasks import lm, planning, seq2seq
 from tests.targets import for_gpu, kernel_operands_of_train_step
 from tests.test_step import _packed_rows
 
@@ -215,7 +215,7 @@ def test_lengths_that_do_not_divide_run_unsplit():
 def _llama_trainer(mesh, **options):
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", **options)
     params = models.init_params(model, jax.random.PRNGKey(0))
-    return engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=text.lm_loss_fn(model), params=params,
+    return engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
                           optimizer=optax.sgd(0.5))
 
 
@@ -260,7 +260,7 @@ def test_llama_with_triton_kernels_on_a_context_mesh_has_the_unsplit_gradients()
     params = models.init_params(model, jax.random.PRNGKey(0))
     tokens = np.random.RandomState(0).randint(0, 120, (4, 33)).astype(np.int32)
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": np.ones((4, 32), np.int32)}
-    _assert_unsplit_gradients(text.lm_loss_fn(model), params, batch, engine.make_mesh(data=2, context=2, model=2))
+    _assert_unsplit_gradients(lm.lm_loss_fn(model), params, batch, engine.make_mesh(data=2, context=2, model=2))
 
 
 def test_llama_on_a_context_mesh_beyond_its_heads_has_the_unsplit_gradients():
@@ -271,12 +271,12 @@ def test_llama_on_a_context_mesh_beyond_its_heads_has_the_unsplit_gradients():
     tokens = np.random.RandomState(0).randint(0, 120, (2, 33)).astype(np.int32)
     segments = np.repeat([[1, 2]], 16, axis=1).repeat(2, axis=0).astype(np.int32)
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": segments}
-    _assert_unsplit_gradients(text.lm_loss_fn(model), params, batch, engine.make_mesh(data=1, context=8))
+    _assert_unsplit_gradients(lm.lm_loss_fn(model), params, batch, engine.make_mesh(data=1, context=8))
 
 
 def test_shard_map_step_refuses_a_context_mesh():
     with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2; expected step='jit'"):
-        engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=text.collate_lm, loss_fn=lambda *a: 0.0,
+        engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=lm.collate_lm, loss_fn=lambda *a: 0.0,
                        params={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1), step="shard_map")
 
 
@@ -286,8 +286,8 @@ def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads
     with the one kv head that head reads."""
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=text.collate_lm,
-                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=lm.collate_lm,
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
     operands = kernel_operands_of_train_step(trainer, 2, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t) == ["1x32x1x16"] * 3 for t in attention[:1])
@@ -300,8 +300,8 @@ def test_train_step_lowered_for_cuda_runs_the_mlp_kernels_on_local_tokens():
     128 hidden columns (model 2); whole rows would be 64."""
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", mlp_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=text.collate_lm,
-                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=lm.collate_lm,
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
     operands = kernel_operands_of_train_step(trainer, 4, 32)
     assert len(operands) >= 3 and all(t.startswith("tensor<32x64xf32>, ") for t in operands), operands
     assert sum("tensor<64x64xf32>, tensor<64x64xf32>" in t for t in operands) >= 2, operands  # gate and up halves
@@ -318,7 +318,7 @@ def test_t5_on_a_context_mesh_has_the_unsplit_gradients():
              "decoder_input_ids": rng.randint(1, 100, (4, 8)), "decoder_attention_mask": np.ones((4, 8)),
              "labels": rng.randint(1, 100, (4, 8))}
     batch = {k: v.astype(np.int32) for k, v in batch.items()}
-    _assert_unsplit_gradients(text.seq2seq_loss_fn(model), params, batch,
+    _assert_unsplit_gradients(seq2seq.seq2seq_loss_fn(model), params, batch,
                               engine.make_mesh(data=2, context=2, model=2))
 
 
@@ -327,9 +327,8 @@ def test_plan_of_a_context_mesh_compiles_in_bfloat16():
     """The jit step of a bf16 LLaMA planned on context 8 (the exchange's shard_map once made the size-1 `stage`
     axis manual, which aborted XLA:CPU's all-reduce promotion): it compiles, and the weights and optimizer state
     are split over the context group (ZeRO-3 over it)."""
-    from engine import plan
     tiny = dict(model="llama", model_config="tiny", mesh="1,1,1", seq_len=16, step="jit", compute_dtype="bfloat16")
-    split = plan.plan(num_devices=8, context=8, **tiny)
+    split = planning.plan(num_devices=8, context=8, **tiny)
     assert split["context"] == 8 and split["collective_bytes"]["collective-permute"] > 0  # the ring: 4 heads
     # fp32 weights + two AdamW moments are 3x the weights' bytes unsplit, 3/8 of them split over 8.
     assert split["bytes"]["arguments"] < 0.5 * split["param_bytes"]

@@ -14,7 +14,7 @@ import engine
 import models
 from engine import diloco as diloco_lib
 from engine import plan as plan_lib
-from engine import text
+from engine.tasks import lm
 from tests import trainer_task as task
 from tests.targets import kernel_operands_of_train_step
 from tests.test_step import _packed_rows
@@ -373,8 +373,8 @@ def test_outer_steps_send_a_part_each_in_the_wire_format(outer_dtype, payload):
 def _llama_diloco(mesh, params=None, **options):
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", **options)
     params = models.init_params(model, jax.random.PRNGKey(0)) if params is None else params
-    loss = text.lm_loss_fn(model, options.get("mlp_implementation"), interpret=options.get("kernel_interpret", False))
-    return engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss, params=params,
+    loss = lm.lm_loss_fn(model, options.get("mlp_implementation"), interpret=options.get("kernel_interpret", False))
+    return engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss, params=params,
                           optimizer=optax.adam(1e-2), diloco=engine.DiLoCo(inner_steps=2))
 
 

@@ -145,12 +145,12 @@ def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
     import optax
 
     import models
-    from engine import text
+    from engine.tasks import lm
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
                                 mlp_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=text.collate_lm,
-                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1), step=step)
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=lm.collate_lm,
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1), step=step)
     operands = kernel_operands_of_train_step(trainer, 4, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention
@@ -165,12 +165,12 @@ def test_train_step_lowered_for_tpu_runs_mosaic_kernels(step):
     import optax
 
     import models
-    from engine import text
+    from engine.tasks import lm
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="mosaic_tpu",
                                 mlp_implementation="mosaic_tpu")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=text.collate_lm,
-                             loss_fn=text.lm_loss_fn(model, implementation="mosaic_tpu"), params=params,
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=lm.collate_lm,
+                             loss_fn=lm.lm_loss_fn(model, implementation="mosaic_tpu"), params=params,
                              optimizer=optax.sgd(0.1), step=step)
     operands = kernel_operands_of_train_step(trainer, 4, 256, platform="tpu")
     attention = [t for t in operands if re.search(r"tensor<\d+x\d+x256x16x", t)]

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import engine
 import models
-from engine import text
+from engine.tasks import lm
 
 IDS = np.random.RandomState(0).randint(3, 120, (2, 9))
 
@@ -93,20 +93,20 @@ def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path
     the trained model's logits."""
     base = models.create_model("llama", "tiny", scan_layers=True, remat="full")
     mesh = engine.make_mesh(data=2, fsdp=2, model=2)
-    base_params = models.init_params(base, jax.random.PRNGKey(0), mesh=mesh)
+    base_params = models.init_params(base, jax.random.PRNGKey(0), layout=engine.auto_layout(mesh))
     if quantize:
         base, base_params = models.quantize(base, base_params, quantize)
     model = base.clone(config=base.config.__class__(**{**base.config.__dict__, "lora_rank": 8, "lora_alpha": 16.0}))
-    params = models.add_lora(model, base_params, mesh=mesh)
+    params = models.add_lora(model, base_params, layout=engine.auto_layout(mesh))
     before = jax.device_get(params)
     rng = np.random.RandomState(0)
     # Eight frequent tokens: learnable through the adapters (a random base's frozen head and final norm bound the
     # logits' range, so the loss stops near 4.4 however long it trains; full fine-tuning reaches log 8 = 2.1).
     rows = [{"tokens": rng.randint(3, 11, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
             for _ in range(64)]
-    loss_fn = text.lm_loss_fn(model)
+    loss_fn = lm.lm_loss_fn(model)
     loss_fn.weight_metric = "tokens"
-    trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=params,
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params,
                              optimizer=optax.adam(3e-2), step="shard_map", trainable=models.LORA_TRAINABLE)
     trainer.fit(rows, per_device_batch_size=2, max_steps=8, log_every=8)
     assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.2
@@ -251,7 +251,7 @@ def test_quantised_base_is_close_to_float_and_loads_quantised_as_read(tmp_path, 
     # Column splits: the scales follow (nf4's trace sees through the dequantisation to the matmul).
     assert specs[1]["layers/attn/q/kernel_scale"] == (P(None, "model") if fmt == "int8" else P(None, None, "model"))
     with pytest.raises(ValueError, match="integer parameter"):
-        engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=text.lm_loss_fn(q_model), params=q_params,
+        engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(q_model), params=q_params,
                        optimizer=optax.sgd(0.1))
 
 

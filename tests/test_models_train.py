@@ -8,13 +8,13 @@ import pytest
 
 import engine
 import models
-from engine import text
+from engine.tasks import lm
 
 SEQ = 16
 
 
 def _rows(n, seed=0):
-    """Packed rows as text.collate_lm takes them: one repeated short pattern, so a few updates visibly help."""
+    """Packed rows as lm.collate_lm takes them: one repeated short pattern, so a few updates visibly help."""
     rng = np.random.RandomState(seed)
     pattern = rng.randint(3, 120, 8)
     return [{"tokens": np.roll(np.tile(pattern, 3)[:SEQ + 1], -i % 8).astype(np.int32),
@@ -41,11 +41,11 @@ def test_load_sharded_train_and_generate(tmp_path, family):
     model = models.create_model(family, "tiny", scan_layers=True)
     models.save_pretrained(model, models.init_params(model, jax.random.PRNGKey(0)), str(tmp_path))
     mesh = engine.make_mesh(data=2, fsdp=2, model=2)
-    model, params = models.load_pretrained(str(tmp_path), mesh=mesh)
+    model, params = models.load_pretrained(str(tmp_path), layout=engine.auto_layout(mesh))
     assert any(not x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(params))
 
-    loss_fn = _seq2seq_loss(model) if family == "t5" else text.lm_loss_fn(model)
-    trainer = engine.Trainer(mesh=mesh, collate_fn=text.collate_lm, loss_fn=loss_fn, params=params,
+    loss_fn = _seq2seq_loss(model) if family == "t5" else lm.lm_loss_fn(model)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params,
                              optimizer=optax.adam(3e-3))
     trainer.fit(_rows(32), per_device_batch_size=1, max_steps=8, log_every=8)
     losses = [h["loss"] for h in trainer.history if "loss" in h]

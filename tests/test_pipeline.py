@@ -212,13 +212,13 @@ def test_stack_layers_keeps_the_function():
 def test_pipelined_train_step_with_triton_kernels_lowers_for_cuda():
     """The Trainer's step for a pipelined LLaMA with Triton attention and MLP kernels on stage 2 x data 2 x model 2,
     lowered for cuda: the kernels are there, each on its stage's rows and its `model` half of the heads/columns."""
-    from engine import text
+    from engine.tasks import lm
     from tests.targets import kernel_operands_of_train_step
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
                                 mlp_implementation="triton", pipeline_microbatches=2)
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-    trainer = engine.Trainer(mesh=engine.make_mesh(stage=2, data=2, model=2), collate_fn=text.collate_lm,
-                             loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+    trainer = engine.Trainer(mesh=engine.make_mesh(stage=2, data=2, model=2), collate_fn=lm.collate_lm,
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
     operands = kernel_operands_of_train_step(trainer, 8, 32)
     # attention q blocks: 8 rows / 2 data / 2 micro-batches = 2 rows, 32 tokens, 4 heads / model 2, 16 wide
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]

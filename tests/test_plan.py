@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from engine import compiler, plan
+from engine.tasks import planning
 from tests.test_distributed import ROOT
 from tests.xla_flags import FAST_COMPILE
 
@@ -18,7 +19,7 @@ def test_zero3_plan_matches_the_formulas():
     """1x8x1, bf16 compute: state is 16 bytes per sharded parameter; ZeRO-3 traffic is bf16 gathers (forward, and
     again for the remat'd layers in the backward pass) plus fp32 reduce-scatters, each x (N-1)/N. The embedding table
     is never gathered: its lookup moves the group's ids and looked-up vectors instead."""
-    r = plan.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **{**TINY, "seq_len": 16})
+    r = planning.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **{**TINY, "seq_len": 16})
     n, psi = 8, r["params"]
     assert psi == 90432
     b = r["bytes"]
@@ -43,7 +44,7 @@ def test_zero3_plan_matches_the_formulas():
 
 def test_embedding_table_is_gathered_when_the_lookups_outnumber_its_rows():
     """64 tokens per device against 16 table rows per device: gathering the table moves less than the vectors."""
-    r = plan.plan(mesh="1,8,1", zero_stage=0, **TINY)
+    r = planning.plan(mesh="1,8,1", zero_stage=0, **TINY)
     split, layers, n = 90432 - (64 + 2 * 2 * 64), 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128), 8
     want = (split + layers) * 2 * (n - 1) // n
     # JAX 0.10's CPU compiler gathers each layer weight twice (forward, remat'd backward); 0.11's gathers one MLP
@@ -54,13 +55,13 @@ def test_embedding_table_is_gathered_when_the_lookups_outnumber_its_rows():
 
 def test_bad_mesh_and_budget_are_reported():
     with pytest.raises(ValueError, match=r"mesh=2,2,1 has 4 devices; expected num_devices=8"):
-        plan.plan(mesh="2,2,1", **TINY)
+        planning.plan(mesh="2,2,1", **TINY)
     with pytest.raises(ValueError, match=r"mesh='1,x,1'; expected three positive sizes"):
-        plan.plan(mesh="1,x,1", **TINY)
+        planning.plan(mesh="1,x,1", **TINY)
     with pytest.raises(ValueError, match=r"diloco_fragments=2, diloco_outer_dtype='float32'; expected "
                                          r"diloco_inner_steps > 0"):
-        plan.plan(mesh="8,1,1", diloco_fragments=2, **TINY)
-    r = plan.plan(mesh="8,1,1", zero_stage=1, hbm_gb=1e-4, **TINY)
+        planning.plan(mesh="8,1,1", diloco_fragments=2, **TINY)
+    r = planning.plan(mesh="8,1,1", zero_stage=1, hbm_gb=1e-4, **TINY)
     assert r["fits"] is False  # a result, not a crash
 
 
@@ -189,7 +190,7 @@ def test_zero1_on_a_model_split_mesh_adds_only_the_weight_regather():
     updated shards gathered back): 66.6 KB here against a bound of 180.9 KB. A data-axis reduce-scatter left to the
     partitioner on `model`-split gradients gathered their whole `model` dimension first (201.7 KB here; 2.9 GB per
     MLP stack at LLaMA-7B on 2x2x2)."""
-    zero0, zero1 = (plan.plan(mesh="2,1,4", zero_stage=z, **TINY) for z in (0, 1))
+    zero0, zero1 = (planning.plan(mesh="2,1,4", zero_stage=z, **TINY) for z in (0, 1))
     extra = zero1["collective_bytes"]["all-gather"] - zero0["collective_bytes"]["all-gather"]
     assert 0 < extra <= 4 * zero1["params"] * (2 - 1) // 2, extra
 
@@ -200,15 +201,15 @@ def test_rlhf_plans_hold_the_critic_and_its_state_for_ppo_only():
     moments; fp32) plus PPO's one more float row array (old_values and returns against ref_log_probs); GRPO trains
     the language model's parameters. The score head trains with LoRA."""
     one = dict(TINY, num_devices=1, mesh="1,1,1")
-    ppo, grpo = (plan.plan(rlhf=r, **one) for r in ("ppo", "grpo"))
+    ppo, grpo = (planning.plan(rlhf=r, **one) for r in ("ppo", "grpo"))
     critic = ppo["trained_params"] - grpo["trained_params"]
     assert grpo["trained_params"] == grpo["params"] == 90432 and critic == 90432 + 64  # backbone + head [64, 1]
     assert ppo["bytes"]["arguments"] - grpo["bytes"]["arguments"] == 3 * 4 * critic + 4 * 64
     assert ppo["bytes"]["temporaries"] > grpo["bytes"]["temporaries"]  # the critic's forward and backward too
-    lora = plan.plan(rlhf="ppo", lora_rank=2, **one)
-    assert lora["trained_params"] == 2 * plan.plan(rlhf="grpo", lora_rank=2, **one)["trained_params"] + 64
+    lora = planning.plan(rlhf="ppo", lora_rank=2, **one)
+    assert lora["trained_params"] == 2 * planning.plan(rlhf="grpo", lora_rank=2, **one)["trained_params"] + 64
     with pytest.raises(ValueError, match="rlhf='dpo'; expected None, 'ppo' or 'grpo'"):
-        plan.plan(rlhf="dpo", **one)
+        planning.plan(rlhf="dpo", **one)
 
 
 @pytest.mark.slow
@@ -217,7 +218,7 @@ def test_sweep_ranks_pipeline_plans_beside_the_others():
     stages rows per data position (the batch of data parallelism over the same devices). On 2
     devices, a 2-stage pipeline of the 2-layer tiny model holds one layer per device: less than replicated data
     parallelism, and its stages exchange activations (collective-permutes), not weights."""
-    results = plan.sweep(**{**TINY, "num_devices": 2, "seq_len": 16}, max_stages=2)
+    results = planning.sweep(**{**TINY, "num_devices": 2, "seq_len": 16}, max_stages=2)
     by_layout = {(tuple(r["mesh"]), r["stages"], r["zero_stage"]): r for r in results}
     assert not any("error" in r for r in results) and len(results) == 6
     piped, replicated = by_layout[((1, 1, 1), 2, 0)], by_layout[((2, 1, 1), 1, 0)]
@@ -234,7 +235,7 @@ def test_diloco_plan_counts_inner_and_outer_steps_apart():
     outer steps' (the same for both wire formats); each of 2 parts' fp32 outer step all-reduces its half of a device's
     replica shard over the 4 replicas, int4 sends 4 / (0.5 + 4 / 256) times less plus the padding of each leaf."""
     kwargs = dict(mesh="4,2,1", diloco_inner_steps=4, diloco_fragments=2, **TINY)
-    fp32, int4 = (plan.plan(diloco_outer_dtype=d, **kwargs) for d in ("float32", "int4"))
+    fp32, int4 = (planning.plan(diloco_outer_dtype=d, **kwargs) for d in ("float32", "int4"))
     assert fp32["diloco"] == {"inner_steps": 4, "fragments": 2, "outer_dtype": "float32"}
     assert fp32["collective_bytes"] == int4["collective_bytes"]  # the inner step's, whatever the outer format
     local = 90432 / 2  # a device's share of a replica (the norm scales, replicated over fsdp, are < 0.5%)

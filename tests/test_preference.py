@@ -1,4 +1,4 @@
-"""engine.preference: the prompt/response rows of SFT and DPO, sequence log-probabilities, DPO's loss, and short
+"""engine.tasks.rlhf.preference: the prompt/response rows of SFT and DPO, sequence log-probabilities, DPO's loss, and short
 SFT and DPO runs."""
 import jax
 import jax.numpy as jnp
@@ -8,9 +8,10 @@ import pytest
 
 import engine
 import models
-from engine import preference, text
+from engine.tasks import lm, text_data
+from engine.tasks.rlhf import preference
 
-TOK = text.WordTokenizer(text.TOY_WORDS)
+TOK = text_data.WordTokenizer(text_data.TOY_WORDS)
 
 
 def _model():
@@ -57,13 +58,13 @@ def test_sft_rows_are_the_chosen_rows_of_the_preference_layout():
 
 
 def test_sft_loss_is_the_response_loss():
-    """The SFT loss (text.lm_loss_fn on these rows) is the mean cross-entropy of the response tokens only: it equals
+    """The SFT loss (lm.lm_loss_fn on these rows) is the mean cross-entropy of the response tokens only: it equals
     the hand-computed mean over the labelled positions, fewer than the row's tokens."""
     model = _model()
     params = models.init_params(model, jax.random.PRNGKey(0))
     rows, _ = preference.encode_prompt_responses(preference.toy_prompt_responses(4, seed=0), TOK, seq_len=16)
     batch = preference.collate_preferences(rows)
-    loss, metrics = text.lm_loss_fn(model)(params, batch, None, False)
+    loss, metrics = lm.lm_loss_fn(model)(params, batch, None, False)
     logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"])
     logp = jax.nn.log_softmax(logits)
     want = [-logp[b, t, batch["labels"][b, t]] for b in range(4) for t in range(16) if batch["labels"][b, t] >= 0]
@@ -78,7 +79,7 @@ def test_sft_learns_to_answer_on_a_mesh():
     params = models.init_params(model, jax.random.PRNGKey(0))
     rows, _ = preference.encode_prompt_responses(preference.toy_prompt_responses(1024, seed=0), TOK, seq_len=16)
     mesh = engine.make_mesh(data=4, model=2)
-    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=text.lm_loss_fn(model),
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=lm.lm_loss_fn(model),
                              params=params, optimizer=optax.adam(3e-3))
     held_out = preference.toy_prompt_responses(32, seed=1)
     assert preference.answer_exact_match(model, trainer.params, TOK, held_out, max_new_tokens=8) == 0.0
@@ -183,16 +184,16 @@ def test_dpo_learns_the_toy_preference_on_a_mesh():
 
 def test_generation_continues_after_the_separator():
     """A preference-tuned model answers after prompt + separator, the layout it was trained on:
-    `text.generate_texts(after_prompt=...)` (what generate.py passes for a DPO workdir) generates from exactly those
+    `lm.generate_texts(after_prompt=...)` (what generate.py passes for a DPO workdir) generates from exactly those
     tokens."""
     model = _model()
     params = models.init_params(model, jax.random.PRNGKey(0))
     sep = preference.separator(TOK)
-    got = text.generate_texts(model, params, TOK, ["owl cat yak"], max_new_tokens=4, after_prompt=(sep,))
+    got = lm.generate_texts(model, params, TOK, ["owl cat yak"], max_new_tokens=4, after_prompt=(sep,))
     ids = np.array([TOK.encode("owl cat yak") + [sep]], np.int32)
     out = np.asarray(models.generate(model, params, ids, attention_mask=np.ones_like(ids), max_new_tokens=4,
                                      eos_token_id=TOK.eos_id, pad_token_id=TOK.pad_id))
-    assert got == [TOK.decode([i for i in text.until_eos(out[0, ids.shape[1]:], TOK.eos_id) if i != TOK.eos_id])]
+    assert got == [TOK.decode([i for i in lm.until_eos(out[0, ids.shape[1]:], TOK.eos_id) if i != TOK.eos_id])]
 
 
 def test_verifiable_rewards_score_responses_against_reference_answers():

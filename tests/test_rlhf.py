@@ -1,5 +1,5 @@
-"""The RLHF pipeline after SFT: engine.reward (the score head at the sequence's final token, the Bradley-Terry loss)
-and engine.ppo (GAE, the clipped losses, rollouts, learning, exact resume), with short runs from a briefly
+"""The RLHF pipeline after SFT: engine.tasks.rlhf.reward (the score head at the sequence's final token, the Bradley-Terry loss)
+and engine.tasks.rlhf.ppo (GAE, the clipped losses, rollouts, learning, exact resume), with short runs from a briefly
 supervised-fine-tuned tiny LLaMA."""
 import dataclasses
 
@@ -11,9 +11,10 @@ import pytest
 
 import engine
 import models
-from engine import ppo, preference, reward, text
+from engine.tasks import lm, text_data
+from engine.tasks.rlhf import ppo, preference, reward
 
-TOK = text.WordTokenizer(text.TOY_WORDS)
+TOK = text_data.WordTokenizer(text_data.TOY_WORDS)
 
 
 def _backbone():
@@ -25,7 +26,7 @@ def _sft(steps):
     model = _backbone()
     rows, _ = preference.encode_prompt_responses(preference.toy_prompt_responses(1024, seed=0), TOK, seq_len=16)
     trainer = engine.Trainer(mesh=engine.make_mesh(devices=jax.devices()[:1]),
-                             collate_fn=preference.collate_preferences, loss_fn=text.lm_loss_fn(model),
+                             collate_fn=preference.collate_preferences, loss_fn=lm.lm_loss_fn(model),
                              params=models.init_params(model, jax.random.PRNGKey(0)),
                              optimizer=optax.adam(3e-3))
     trainer.fit(rows, per_device_batch_size=16, max_steps=steps)
@@ -44,8 +45,8 @@ def test_reward_is_the_score_head_at_the_final_token():
     backbone's parameters are used as they are."""
     backbone = _backbone()
     lm_params = models.init_params(backbone, jax.random.PRNGKey(0))
-    model = reward.RewardModel(backbone)
-    params = reward.init_params(model, lm_params, jax.random.PRNGKey(1))
+    model = models.RewardModel(backbone)
+    params = models.init_reward_params(model, lm_params, jax.random.PRNGKey(1))
     assert params["backbone"] is lm_params and params["score"]["kernel"].shape == (64, 1)
     examples, _ = preference.encode_preferences(preference.toy_preferences(3, seed=0), TOK, seq_len=16)
     batch = preference.collate_preferences(examples)
@@ -62,8 +63,8 @@ def test_reward_is_the_score_head_at_the_final_token():
     want = [hidden[i, len(tokens) - 1] @ params["score"]["kernel"][:, 0] for i, tokens in enumerate(sequences)]
     np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="backbone_params do not fit"):
-        reward.init_params(model, {"embed": lm_params["embed"]}, jax.random.PRNGKey(1))
-    with pytest.raises(ValueError, match="expected an engine.reward.RewardModel"):
+        models.init_reward_params(model, {"embed": lm_params["embed"]}, jax.random.PRNGKey(1))
+    with pytest.raises(ValueError, match="expected an models.RewardModel"):
         reward.reward_loss_fn(backbone)
 
 
@@ -86,16 +87,16 @@ def test_reward_models_read_and_write_transformers_sequence_classifiers(tmp_path
     hf.save_pretrained(tmp_path / "hf")
     ids = np.array([[5, 9, 17, 3, 4, 8, 0, 0], [7, 7, 2, 30, 31, 40, 41, 6]], np.int32)
     seg = (ids > 0).astype(np.int32)
-    # engine.preference rows: inputs = tokens[:-1], the last token a label
+    # engine.tasks.rlhf.preference rows: inputs = tokens[:-1], the last token a label
     last = seg.sum(1) - 1
     batch = {"input_ids": np.where(np.arange(8) < last[:, None], ids, 0), "segment_ids": (np.arange(8) < last[:, None])
              .astype(np.int32), "labels": np.where(np.arange(8) == last[:, None] - 1, ids[np.arange(2), last][:, None],
                                                    -100)}
     with torch.no_grad():
         want = hf(torch.tensor(ids, dtype=torch.long)).logits[:, 0].numpy()
-    model, params = reward.load_pretrained(str(tmp_path / "hf"))
+    model, params = models.load_reward_model(str(tmp_path / "hf"))
     np.testing.assert_allclose(reward.sequence_rewards(model, params, batch), want, rtol=1e-4, atol=1e-5)
-    reward.save_pretrained(model, params, str(tmp_path / "ours"), pad_token_id=0)
+    models.save_reward_model(model, params, str(tmp_path / "ours"), pad_token_id=0)
     with torch.no_grad():
         again = tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ours").eval()
         np.testing.assert_allclose(again(torch.tensor(ids, dtype=torch.long)).logits[:, 0].numpy(), want, rtol=1e-4,
@@ -107,8 +108,8 @@ def test_reward_models_read_and_write_transformers_sequence_classifiers(tmp_path
 def test_reward_loss_is_bradley_terry_and_training_ranks_the_sorted_list_first(sft_params):
     """The loss is mean -log sigmoid(r_chosen - r_rejected) with its metrics; from the SFT backbone, 32 steps on a
     4x1x2 mesh rank held-out sorted lists over other orders of the same names."""
-    model = reward.RewardModel(_backbone())
-    params = reward.init_params(model, sft_params, jax.random.PRNGKey(1))
+    model = models.RewardModel(_backbone())
+    params = models.init_reward_params(model, sft_params, jax.random.PRNGKey(1))
     reorders = lambda n, seed: preference.toy_preferences(n, seed, negatives=("order",))  # noqa: E731
     train, _ = preference.encode_preferences(reorders(1024, 0), TOK, seq_len=16)
     evals, _ = preference.encode_preferences(reorders(64, 1), TOK, seq_len=16)
@@ -131,25 +132,25 @@ def test_reward_loss_is_bradley_terry_and_training_ranks_the_sorted_list_first(s
 
 
 def test_with_lora_the_score_head_trains_beside_the_adapters(sft_params):
-    """`reward.SCORE_TRAINABLE` (train_reward.py's and train_ppo.py's head with --lora_rank) matches the head's leaf
+    """`models.SCORE_TRAINABLE` (train_reward.py's and train_ppo.py's head with --lora_rank) matches the head's leaf
     paths, alone or under PPO's 'critic': with the adapters it trains while every base weight stays. The scripts'
     patterns until stop 27 ('^score$', '^critic/score$') matched no leaf ('score/kernel'), so a LoRA reward model or
     critic kept its fresh head."""
     import re
     backbone = models.create_model("llama", "tiny", vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128,
                                    lora_rank=2)
-    model = reward.RewardModel(backbone)
-    params = reward.init_params(model, models.add_lora(backbone, sft_params, jax.random.PRNGKey(5)),
+    model = models.RewardModel(backbone)
+    params = models.init_reward_params(model, models.add_lora(backbone, sft_params, jax.random.PRNGKey(5)),
                                 jax.random.PRNGKey(1))
     paths = [engine.sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    assert [p for p in paths if re.search(reward.SCORE_TRAINABLE, p)] == ["score/kernel"]
-    assert re.search(reward.SCORE_TRAINABLE, "critic/score/kernel")
-    assert not any(re.search(reward.SCORE_TRAINABLE, "actor/" + p) for p in paths if p != "score/kernel")
+    assert [p for p in paths if re.search(models.SCORE_TRAINABLE, p)] == ["score/kernel"]
+    assert re.search(models.SCORE_TRAINABLE, "critic/score/kernel")
+    assert not any(re.search(models.SCORE_TRAINABLE, "actor/" + p) for p in paths if p != "score/kernel")
     train, _ = preference.encode_preferences(preference.toy_preferences(64, seed=0), TOK, seq_len=16)
     trainer = engine.Trainer(mesh=engine.make_mesh(devices=jax.devices()[:1]),
                              collate_fn=preference.collate_preferences, loss_fn=reward.reward_loss_fn(model),
                              params=params, optimizer=optax.adam(1e-2),
-                             trainable=f"{models.LORA_TRAINABLE}|{reward.SCORE_TRAINABLE}")
+                             trainable=f"{models.LORA_TRAINABLE}|{models.SCORE_TRAINABLE}")
     trainer.fit(train, per_device_batch_size=8, max_steps=2)
     after = {engine.sharding.path_str(p): np.asarray(x)
              for p, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
@@ -183,11 +184,11 @@ def test_gae_is_the_discounted_sum_of_td_errors_over_the_response():
 
 def _ppo(sft_params, mesh, **config):
     actor = _backbone()
-    critic = reward.RewardModel(actor)
+    critic = models.RewardModel(actor)
     task = ppo.PPO(actor=actor, critic=critic, ref_params=sft_params, tokenizer=TOK, mesh=mesh, seq_len=7 + 8 - 1,
                    reward_fn=preference.toy_reward, config=ppo.PPOConfig(max_new_tokens=8, **config))
     params = {"actor": sft_params,
-              "critic": reward.init_params(critic, sft_params, jax.random.PRNGKey(1))}
+              "critic": models.init_reward_params(critic, sft_params, jax.random.PRNGKey(1))}
     return task, jax.tree.map(jnp.asarray, params)
 
 
@@ -238,7 +239,7 @@ def test_rollout_rows_rewards_and_the_first_update_of_the_clipped_loss(sft_param
 
     def surrogate(actor_params):
         out = task.actor.apply({"params": actor_params}, batch["input_ids"], batch["segment_ids"])
-        log_probs = -text.token_losses(task.actor, actor_params, out, batch["labels"])
+        log_probs = -lm.token_losses(task.actor, actor_params, out, batch["labels"])
         return -(batch["advantages"] * log_probs).sum() / mask.sum()
     want = jax.grad(surrogate)(params["actor"])
     for got, ref in zip(jax.tree.leaves(grads["actor"]), jax.tree.leaves(want)):
@@ -305,9 +306,9 @@ def _lora_ppo(sft_params, mesh):
     the frozen weights, and the same with separate copies of them."""
     actor = models.create_model("llama", "tiny", vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128,
                                 lora_rank=4)
-    critic = reward.RewardModel(actor)
+    critic = models.RewardModel(actor)
     actor_params = models.add_lora(actor, sft_params, jax.random.PRNGKey(5))
-    critic_params = reward.init_params(critic, actor_params, jax.random.PRNGKey(1))
+    critic_params = models.init_reward_params(critic, actor_params, jax.random.PRNGKey(1))
     score = {"score": jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(2), x.shape),
                                    critic_params["score"])}
     config = ppo.PPOConfig(max_new_tokens=8)
@@ -332,7 +333,7 @@ def test_lora_ppo_shares_the_frozen_base_with_reference_and_reward_model(sft_par
     for task in (shared, copies):
         trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                                  params=params, optimizer=optax.adam(1e-2),
-                                 trainable=f"{models.LORA_TRAINABLE}|{reward.SCORE_TRAINABLE}")
+                                 trainable=f"{models.LORA_TRAINABLE}|{models.SCORE_TRAINABLE}")
         stats = ppo.fit_ppo(trainer, task, prompts, max_steps=4, rollout_batch_size=16, per_device_batch_size=4)
         runs.append((trainer.params, stats))
     (p1, s1), (p2, s2) = runs
@@ -354,7 +355,7 @@ def test_lora_ppo_refuses_to_train_what_the_shared_reference_reads(sft_params):
     with pytest.raises(ValueError, match="ref_params=None"):
         ppo.PPO(**{**common, "actor": _backbone()}, ref_params=None)
     with pytest.raises(ValueError, match="no 'backbone'"):
-        ppo.PPO(**{**common, "critic": reward.RewardModel(_backbone()), "ref_params": None})
+        ppo.PPO(**{**common, "critic": models.RewardModel(_backbone()), "ref_params": None})
 
 
 @pytest.mark.slow
@@ -366,8 +367,8 @@ def test_scores_on_a_context_mesh_equal_the_unsplit_ones():
     x model 2 equal the unsplit ones."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    critic = reward.RewardModel(models.create_model("llama", "tiny", vocab_size=64))
-    params = reward.init_params(critic, models.init_params(critic.backbone, jax.random.PRNGKey(0)),
+    critic = models.RewardModel(models.create_model("llama", "tiny", vocab_size=64))
+    params = models.init_reward_params(critic, models.init_params(critic.backbone, jax.random.PRNGKey(0)),
                                 jax.random.PRNGKey(2))
     rng = np.random.RandomState(0)
     rows = [{"input_ids": rng.randint(3, 60, 12).astype(np.int32), "segment_ids": np.ones(12, np.int32),
@@ -412,7 +413,7 @@ def _grpo(sft_params, mesh, **config):
 
 def _log_probs_by_hand(actor, actor_params, batch):
     out = actor.apply({"params": actor_params}, batch["input_ids"], batch["segment_ids"])
-    return -text.token_losses(actor, actor_params, out, batch["labels"])
+    return -lm.token_losses(actor, actor_params, out, batch["labels"])
 
 
 def test_grpo_rollout_groups_and_its_loss(sft_params):
@@ -464,7 +465,7 @@ def test_grpo_rollout_groups_and_its_loss(sft_params):
 def test_grpo_trains_the_actor_alone_and_its_workdir_restores(sft_params, tmp_path):
     """fit_ppo with GRPO on a 2x1x2 mesh: iterations of rollout_batch_size / samples_per_prompt prompts, a Trainer
     over {'actor'} only, and the workdir's policy read back by `cli.restore_run` (generate.py and export_hf.py)."""
-    from engine import cli
+    from engine.tasks import cli
     mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
     task, params = _grpo(sft_params, mesh)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
@@ -501,10 +502,10 @@ def test_grpo_refuses_a_critic_and_a_group_of_one(sft_params):
     with pytest.raises(ValueError, match="PPOConfig.advantage_estimator='rloo' is out of range"):
         ppo.PPOConfig(advantage_estimator="rloo")
     with pytest.raises(ValueError, match="critic given with advantage_estimator='grpo'"):
-        ppo.PPO(critic=reward.RewardModel(_backbone()), config=grpo, **common)
+        ppo.PPO(critic=models.RewardModel(_backbone()), config=grpo, **common)
     with pytest.raises(ValueError, match="critic=NoneType with advantage_estimator='gae'"):
         ppo.PPO(critic=None, **common)
-    rm = reward.RewardModel(_backbone())
+    rm = models.RewardModel(_backbone())
     with pytest.raises(ValueError, match="no 'backbone'"):
         ppo.PPO(critic=None, config=grpo, **{**common, "reward_fn": None}, reward_model=rm,
                 reward_params={"score": {"kernel": jnp.zeros((64, 1))}})

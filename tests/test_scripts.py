@@ -13,7 +13,8 @@ import pytest
 
 import engine
 import models
-from engine import cli, preference, reward, text
+from engine.tasks import cli, seq2seq, text_data
+from engine.tasks.rlhf import preference
 from tests.prewarmed import run_scripts
 from tests.xla_flags import cpu_devices
 
@@ -57,7 +58,7 @@ def _tiny_hf(family, path):
 
 def _stdlib_txt(path):
     path.parent.mkdir(exist_ok=True)
-    path.write_text("".join(text.default_corpus(max_bytes=12_000)))
+    path.write_text("".join(text_data.default_corpus(max_bytes=12_000)))
     return path
 
 
@@ -367,7 +368,7 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     out = _run("export_hf.py", f"--workdir={rm}", f"--out={tmp_path / 'rm_hf'}")
     assert "as a Hugging Face sequence classifier" in out.stdout
     _, rm_model, rm_params, _ = cli.restore_run(str(rm), engine.make_mesh(), tasks=("reward",))
-    again_model, again = reward.load_pretrained(str(tmp_path / "rm_hf"))
+    again_model, again = models.load_reward_model(str(tmp_path / "rm_hf"))
     assert again_model.config.hidden_size == rm_model.config.hidden_size
     used = lambda p: {"score": p["score"], **{k: v for k, v in p["backbone"].items() if k != "lm_head"}}  # noqa
     for a, b in zip(jax.tree.leaves(used(rm_params)), jax.tree.leaves(used(again))):  # the LM head is not exported
@@ -457,7 +458,7 @@ def test_finetune_seq2seq_resumes_and_generate_reads_its_workdir(tmp_path):
     gen = _run("generate.py", f"--workdir={tmp_path}", "--prompts=owl cat yak", "--max_new_tokens=4", "--num_beams=2",
                "--early_stopping=never")
     words = gen.stdout.split("--- 'owl cat yak':\n")[1].split()
-    assert 1 <= len(words) <= 4 and set(words) <= set(text.TOY_WORDS) | {"<unk>"}
+    assert 1 <= len(words) <= 4 and set(words) <= set(text_data.TOY_WORDS) | {"<unk>"}
 
 
 def _bad_inputs(tmp_path, slow):
@@ -585,7 +586,7 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     """T5 from a Hugging Face directory (byte-level tokens: it has no tokenizer.json) on jsonl pairs, packed several
     to a row."""
     _tiny_hf("t5", tmp_path / "hf")
-    pairs = text.toy_pairs(48, seed=3)
+    pairs = seq2seq.toy_pairs(48, seed=3)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", f"--data={data}", f"--workdir={tmp_path / 'w'}",

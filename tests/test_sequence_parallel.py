@@ -11,7 +11,7 @@ import pytest
 
 import engine
 import models
-from engine import plan, text
+from engine.tasks import lm, planning, seq2seq
 from tests.test_context_parallel import _assert_unsplit_gradients
 from tests.test_step import _assert_same_run, _packed_rows
 
@@ -41,15 +41,15 @@ def test_loss_and_gradients_equal_the_unsplit_model(family, mesh, options):
     model = models.create_model(family, "tiny", scan_layers=family != "t5", remat="full", sequence_parallel=True,
                                 **options)
     params = models.init_params(model, jax.random.PRNGKey(0))
-    loss = text.seq2seq_loss_fn(model) if family == "t5" else text.lm_loss_fn(model)
+    loss = seq2seq.seq2seq_loss_fn(model) if family == "t5" else lm.lm_loss_fn(model)
     _assert_unsplit_gradients(loss, params, _batch(family), engine.make_mesh(**mesh))
 
 
 def _llama_trainer(step, sequence_parallel):
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", sequence_parallel=sequence_parallel)
-    loss_fn = text.lm_loss_fn(model)
+    loss_fn = lm.lm_loss_fn(model)
     loss_fn.weight_metric = "tokens"
-    return engine.Trainer(mesh=engine.make_mesh(data=2, model=4), collate_fn=text.collate_lm, loss_fn=loss_fn,
+    return engine.Trainer(mesh=engine.make_mesh(data=2, model=4), collate_fn=lm.collate_lm, loss_fn=loss_fn,
                           params=models.init_params(model, jax.random.PRNGKey(0)), optimizer=optax.sgd(0.5),
                           step=step)
 
@@ -75,7 +75,7 @@ def test_plan_needs_less_memory():
     all-reduce + slice, so the all-reduce bytes stay)."""
     kwargs = dict(model="llama", model_config="tiny", num_devices=8, mesh="4,1,2", per_device_batch_size=4,
                   seq_len=512, remat="dots", step="jit")
-    base, split = plan.plan(**kwargs), plan.plan(sequence_parallel=True, **kwargs)
+    base, split = planning.plan(**kwargs), planning.plan(sequence_parallel=True, **kwargs)
     assert split["sequence_parallel"] and not base["sequence_parallel"]
     # (temporaries: 33.3 -> 31.6 MB under JAX 0.10.2, 32.0 -> 31.4 MB under 0.11.2)
     assert split["bytes"]["temporaries"] < 0.99 * base["bytes"]["temporaries"], (base["bytes"], split["bytes"])

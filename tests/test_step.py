@@ -11,7 +11,7 @@ import engine
 import kernels
 import models
 from engine import step as step_lib
-from engine import text
+from engine.tasks import lm
 from tests import trainer_task as task
 
 EXAMPLES = task.make_examples(64)
@@ -60,7 +60,7 @@ def test_shard_map_step_equals_jit_step(mesh, accumulate, zero_stage):
 def _llama_trainer(kind, mesh, loss_fn, **kwargs):
     model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat="full"))
     params = models.init_params(model, jax.random.PRNGKey(0))
-    return engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm, loss_fn=loss_fn(model),
+    return engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm, loss_fn=loss_fn(model),
                           params=params, optimizer=optax.sgd(0.5), step=kind, **kwargs)
 
 
@@ -81,12 +81,12 @@ def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
     """LLaMA with scan-over-layers and remat on a 1x4x2 mesh: with `weight_metric='tokens'` the token-weighted loss,
     metrics and updates equal the reference's; every ZeRO-3 gather inside the layer loop is one layer's weight."""
     def weighted(model):
-        fn = text.lm_loss_fn(model)
+        fn = lm.lm_loss_fn(model)
         fn.weight_metric = "tokens"
         return fn
 
     rows = _packed_rows(32)
-    ref = _llama_trainer("jit", "1x4x2", text.lm_loss_fn, accumulate_grad_batches=2)
+    ref = _llama_trainer("jit", "1x4x2", lm.lm_loss_fn, accumulate_grad_batches=2)
     ref.fit(rows, per_device_batch_size=1, max_steps=3, log_every=3)
     got = _llama_trainer("shard_map", "1x4x2", weighted, accumulate_grad_batches=2)
     got.fit(rows, per_device_batch_size=1, max_steps=3, log_every=3)
@@ -114,8 +114,8 @@ def test_dropout_masks_survive_the_pipelined_stack():
         if not pipelined:
             step_lib._is_remat_layer_stack = lambda *a: False
         try:
-            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=text.collate_lm,
-                                     loss_fn=text.lm_loss_fn(model), params=models.init_params(
+            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=lm.collate_lm,
+                                     loss_fn=lm.lm_loss_fn(model), params=models.init_params(
                                          model, jax.random.PRNGKey(1)), optimizer=optax.sgd(0.5), step="shard_map")
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
         finally:
@@ -150,9 +150,9 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
     try:
         runs = []
         for kind in ("jit", "shard_map"):
-            loss = text.lm_loss_fn(model, "xla" if family == "llama" else None)
+            loss = lm.lm_loss_fn(model, "xla" if family == "llama" else None)
             loss.weight_metric = "tokens"
-            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm, loss_fn=loss,
+            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm, loss_fn=loss,
                                      params=params, optimizer=optax.sgd(0.5), step=kind, accumulate_grad_batches=2)
             # 10 tokens per row: the gathered group rows [8 x 10, 64] differ from every weight's shape.
             trainer.fit(_packed_rows(32, seq=10, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
@@ -207,9 +207,9 @@ def test_layer_loop_bodies_are_double_buffered():
     from engine import plan
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=4, intermediate_size=96)
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-    loss = text.lm_loss_fn(model)
+    loss = lm.lm_loss_fn(model)
     loss.weight_metric = "tokens"
-    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=8), collate_fn=text.collate_lm, loss_fn=loss,
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=8), collate_fn=lm.collate_lm, loss_fn=loss,
                              params=params, optimizer=optax.sgd(0.1), step="shard_map")
     batch = {k: jax.ShapeDtypeStruct((1, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
     hlo = plan.compile_step(trainer, batch).as_text()
@@ -318,9 +318,9 @@ def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
         real = step_lib._pipelined_scan
         step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
         try:
-            loss = text.lm_loss_fn(model)
+            loss = lm.lm_loss_fn(model)
             loss.weight_metric = "tokens"
-            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=text.collate_lm,
+            trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=lm.collate_lm,
                                      loss_fn=loss, params=params, optimizer=optax.sgd(0.5), step=kind,
                                      trainable=trainable)
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
@@ -437,8 +437,8 @@ def _int8_run_like_the_exact_one(mesh, remat, zero_stage, **int8):
     params = models.init_params(model, jax.random.PRNGKey(0))
 
     def run(**kwargs):
-        trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=text.collate_lm,
-                                 loss_fn=text.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5),
+        trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm,
+                                 loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5),
                                  zero_stage=zero_stage, **kwargs)
         trainer.fit(_packed_rows(32), per_device_batch_size=1, max_steps=3, log_every=1)
         return trainer
@@ -456,7 +456,7 @@ def _int8_run_like_the_exact_one(mesh, remat, zero_stage, **int8):
 
 def test_int8_collectives_bad_input():
     mesh = engine.make_mesh(fsdp=8)
-    common = dict(collate_fn=text.collate_lm, loss_fn=lambda *a: 0.0, params={"w": jnp.zeros((8, 8))},
+    common = dict(collate_fn=lm.collate_lm, loss_fn=lambda *a: 0.0, params={"w": jnp.zeros((8, 8))},
                   optimizer=optax.sgd(0.1))
     for kwargs, message in [
             (dict(zero_quantized_weights=True, step="jit"), r"zero_quantized_weights=True; expected False unless "

@@ -1,4 +1,4 @@
-"""engine.text (packing, pairs, the plain and fused losses) and engine.cli (flags, models, workdirs) in process; the
+"""engine.text (packing, pairs, the plain and fused losses) and engine.tasks.cli (flags, models, workdirs) in process; the
 scripts end to end are in tests/test_scripts.py."""
 import json
 import re
@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 import models
-from engine import cli, text
+from engine.tasks import cli, lm, seq2seq, text_data
 
 
 def test_pack_segments_and_labels():
-    tok = text.ByteTokenizer()
-    rows = text.pack(["abc", "defgh", "ij"], tok, seq_len=5)
+    tok = text_data.ByteTokenizer()
+    rows = text_data.pack(["abc", "defgh", "ij"], tok, seq_len=5)
     # abc<eos> def | gh<eos> ij<eos> | padding
     assert [r["tokens"].tolist() for r in rows] == [
         [97, 98, 99, 258, 100, 101], [102, 103, 104, 258, 105, 106], [258, 256, 256, 256, 256, 256]]
     assert [r["segment_ids"].tolist() for r in rows] == [[1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 2], [1, 0, 0, 0, 0, 0]]
-    batch = text.collate_lm(rows)
+    batch = lm.collate_lm(rows)
     assert batch["input_ids"].shape == (3, 5)
     # Labels stop at document boundaries and padding.
     assert batch["labels"][0].tolist() == [98, 99, 258, -100, 101]
@@ -28,45 +28,45 @@ def test_pack_segments_and_labels():
 def test_read_texts_and_errors(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.jsonl").write_text('{"text": "x"}\n"y"\n\n')
-    assert text.read_texts([str(tmp_path / "*")]) == ["hello", "x", "y"]
+    assert text_data.read_texts([str(tmp_path / "*")]) == ["hello", "x", "y"]
     with pytest.raises(FileNotFoundError, match=r"data: '/nonexistent/\*.txt' matches no file"):
-        text.read_texts("/nonexistent/*.txt")
+        text_data.read_texts("/nonexistent/*.txt")
     (tmp_path / "c.jsonl").write_text('{"body": 1}\n')
     with pytest.raises(ValueError, match=r"c.jsonl:1 has no 'text' field"):
-        text.read_texts(str(tmp_path / "c.jsonl"))
+        text_data.read_texts(str(tmp_path / "c.jsonl"))
 
 
 def test_token_windows_read_a_tokenised_corpus_as_packed_rows(tmp_path):
     """write_tokens streams documents into tokens.bin; TokenWindows reads windows of it in pack's row format (here
     the same first row as pack's), slices are views, and engine.data batches it exactly like the list of its rows."""
-    tok, out = text.ByteTokenizer(), str(tmp_path / "tokens")
-    meta = text.write_tokens(iter(["abc", "defgh", "ij"]), tok, out, chunk_tokens=4)
+    tok, out = text_data.ByteTokenizer(), str(tmp_path / "tokens")
+    meta = text_data.write_tokens(iter(["abc", "defgh", "ij"]), tok, out, chunk_tokens=4)
     assert meta == {"dtype": "uint16", "num_tokens": 13, "num_documents": 3, "max_id": 258, "eos_id": 258,
                     "tokenizer": {"kind": "byte"}}
-    rows = text.TokenWindows(out, seq_len=5)  # a b c E d e f g h E i j E: windows [0:6], [5:11]
+    rows = text_data.TokenWindows(out, seq_len=5)  # a b c E d e f g h E i j E: windows [0:6], [5:11]
     assert len(rows) == 2 and rows[-1]["tokens"].tolist() == [101, 102, 103, 104, 258, 105]
-    assert rows[0]["tokens"].tolist() == text.pack(["abc", "defgh", "ij"], tok, 5)[0]["tokens"].tolist()
+    assert rows[0]["tokens"].tolist() == text_data.pack(["abc", "defgh", "ij"], tok, 5)[0]["tokens"].tolist()
     assert [r["segment_ids"].tolist() for r in rows] == [[1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 2]]
-    assert text.collate_lm(list(rows))["labels"].tolist() == [[98, 99, 258, -100, 101], [102, 103, 104, 258, -100]]
+    assert lm.collate_lm(list(rows))["labels"].tolist() == [[98, 99, 258, -100, 101], [102, 103, 104, 258, -100]]
     assert len(rows[1:]) == 1 and rows[1:][0]["tokens"].tolist() == rows[1]["tokens"].tolist()
     with pytest.raises(ValueError, match=r"only contiguous slices"):
         rows[::2]
-    text.check_token_dir(out, tok, vocab_size=320)
+    text_data.check_token_dir(out, tok, vocab_size=320)
     with pytest.raises(ValueError, match=r"tokenised with a byte tokenizer that is not this model's \(WordTokenizer"):
-        text.check_token_dir(out, text.WordTokenizer(["a"]), vocab_size=320)
+        text_data.check_token_dir(out, text_data.WordTokenizer(["a"]), vocab_size=320)
     with pytest.raises(ValueError, match=r"holds token id 258; expected ids below the model's vocab_size=256"):
-        text.check_token_dir(out, tok, vocab_size=256)
+        text_data.check_token_dir(out, tok, vocab_size=256)
     with pytest.raises(FileNotFoundError, match=r"has no meta.json; expected a directory written by"):
-        text.TokenWindows(str(tmp_path), seq_len=5)
+        text_data.TokenWindows(str(tmp_path), seq_len=5)
 
     import engine  # noqa: PLC0415
     from engine import data  # noqa: PLC0415
 
-    text.write_tokens(text.default_corpus(max_bytes=4000), tok, str(tmp_path / "big"))
-    windows = text.TokenWindows(str(tmp_path / "big"), seq_len=16)
+    text_data.write_tokens(text_data.default_corpus(max_bytes=4000), tok, str(tmp_path / "big"))
+    windows = text_data.TokenWindows(str(tmp_path / "big"), seq_len=16)
     mesh = engine.make_mesh(data=4, model=2)
     for epoch in (0, 1):
-        batches = [data.iterate_batches(mesh, source, text.collate_lm, per_device_batch_size=2, accumulate=2,
+        batches = [data.iterate_batches(mesh, source, lm.collate_lm, per_device_batch_size=2, accumulate=2,
                                         seed=3, epoch=epoch, start_batch=1) for source in (windows, list(windows))]
         pairs = list(zip(*batches))
         assert len(pairs) == len(windows) // 16 - 1
@@ -77,7 +77,7 @@ def test_token_windows_read_a_tokenised_corpus_as_packed_rows(tmp_path):
 
 
 def test_default_corpus_is_local_and_sized():
-    docs = text.default_corpus(max_bytes=50_000)
+    docs = text_data.default_corpus(max_bytes=50_000)
     assert sum(map(len, docs)) == 50_000 and "import" in "".join(docs)
 
 
@@ -89,26 +89,26 @@ def test_parse_mesh():
 
 def test_read_pairs_and_errors(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"input": "x y", "target": "y x"}\n\n')
-    assert text.read_pairs(str(tmp_path / "a.jsonl")) == [{"input": "x y", "target": "y x"}]
+    assert seq2seq.read_pairs(str(tmp_path / "a.jsonl")) == [{"input": "x y", "target": "y x"}]
     (tmp_path / "b.jsonl").write_text('{"input": "x"}\n')
     with pytest.raises(ValueError, match=r"b.jsonl:1 is not an object with string fields 'input' and 'target'"):
-        text.read_pairs(str(tmp_path / "b.jsonl"))
+        seq2seq.read_pairs(str(tmp_path / "b.jsonl"))
     (tmp_path / "c.jsonl").write_text('{"input": "x", "target": "y"}\n{oops\n')
     with pytest.raises(ValueError, match=r"c.jsonl:2 is not JSON"):
-        text.read_pairs(str(tmp_path / "c.jsonl"))
+        seq2seq.read_pairs(str(tmp_path / "c.jsonl"))
 
 
 def test_toy_pairs_encode_collate_and_exact_match():
-    pairs = text.toy_pairs(50, seed=3)
-    assert pairs == text.toy_pairs(50, seed=3) and pairs != text.toy_pairs(50, seed=4)
+    pairs = seq2seq.toy_pairs(50, seed=3)
+    assert pairs == seq2seq.toy_pairs(50, seed=3) and pairs != seq2seq.toy_pairs(50, seed=4)
     for p in pairs:
         words = p["input"].split()
         assert 3 <= len(words) <= 6 and len(set(words)) == len(words) and p["target"].split() == sorted(words)
-    tok = text.WordTokenizer(text.TOY_WORDS)
+    tok = text_data.WordTokenizer(text_data.TOY_WORDS)
     assert tok.decode(tok.encode(pairs[0]["target"])) == pairs[0]["target"]
-    examples, cut = text.encode_pairs(pairs[:2], tok, max_input_len=8, max_target_len=4, decoder_start_id=tok.bos_id)
+    examples, cut = seq2seq.encode_pairs(pairs[:2], tok, max_input_len=8, max_target_len=4, decoder_start_id=tok.bos_id)
     target = tok.encode(pairs[0]["target"]) + [tok.eos_id]
-    batch = text.collate_seq2seq(examples)
+    batch = seq2seq.collate_seq2seq(examples)
     assert batch["input_ids"].shape == (2, 8) and batch["labels"].shape == (2, 4)
     assert cut == sum(len(p["target"].split()) + 1 > 4 for p in pairs[:2])
     n = min(len(target), 4)
@@ -116,20 +116,20 @@ def test_toy_pairs_encode_collate_and_exact_match():
     assert batch["decoder_input_ids"][0, :n].tolist() == ([tok.bos_id] + target)[:n]  # shifted right
     assert batch["attention_mask"][0].sum() == len(pairs[0]["input"].split()) + 1
     good = [np.r_[e["labels"][e["labels"] >= 0], [tok.pad_id] * 3] for e in examples]
-    assert text.exact_match(examples, good, tok.eos_id) == {"exact_match": 1.0}
+    assert seq2seq.exact_match(examples, good, tok.eos_id) == {"exact_match": 1.0}
     bad = [good[0], np.roll(good[1], 1)]
-    assert text.exact_match(examples, bad, tok.eos_id) == {"exact_match": 0.5}
+    assert seq2seq.exact_match(examples, bad, tok.eos_id) == {"exact_match": 0.5}
 
 
 def test_pack_pairs_keeps_whole_pairs_apart_and_t5_loss_unchanged():
     """Packed pairs (several per row, numbered segments) give T5 the same per-token losses as one pair per row: each
     target attends to its own input (cross-attention by segment) and its own earlier tokens only, and the relative
     position bias depends on distances within a pair only. Training mode (dropout off) and the eval path agree."""
-    tok = text.WordTokenizer(text.TOY_WORDS)
+    tok = text_data.WordTokenizer(text_data.TOY_WORDS)
     model = models.create_model("t5", "tiny", dropout_rate=0.0)
-    examples, _ = text.encode_pairs(text.toy_pairs(12, seed=5), tok, max_input_len=16, max_target_len=16,
+    examples, _ = seq2seq.encode_pairs(seq2seq.toy_pairs(12, seed=5), tok, max_input_len=16, max_target_len=16,
                                     decoder_start_id=model.config.decoder_start_token_id)
-    rows = text.pack_pairs(examples)
+    rows = seq2seq.pack_pairs(examples)
     assert 3 <= len(rows) < len(examples)  # pairs of 4-7 tokens: two or three per 16-token row
     for key in ("input_ids", "labels", "decoder_input_ids"):  # every pair's tokens, whole and in order
         real = lambda e, k=key: e[k][(e["attention_mask"] if k == "input_ids" else e["labels"] + 100) != 0]
@@ -138,26 +138,26 @@ def test_pack_pairs_keeps_whole_pairs_apart_and_t5_loss_unchanged():
     assert first["attention_mask"].max() >= 2 and first["decoder_attention_mask"].max() == first["attention_mask"].max()
     assert np.all((first["labels"] == -100) == (first["decoder_attention_mask"] == 0))
     params = models.init_params(model, jax.random.PRNGKey(0))
-    loss_fn = jax.jit(text.seq2seq_loss_fn(model), static_argnums=3)
+    loss_fn = jax.jit(seq2seq.seq2seq_loss_fn(model), static_argnums=3)
     (packed, packed_metrics), (plain, plain_metrics) = (
-        loss_fn(params, text.collate_seq2seq(batch), jax.random.key(0), True) for batch in (rows, examples))
+        loss_fn(params, seq2seq.collate_seq2seq(batch), jax.random.key(0), True) for batch in (rows, examples))
     assert packed_metrics["tokens"] == plain_metrics["tokens"]
     np.testing.assert_allclose(packed, plain, rtol=1e-5)
-    assert text.pack_pairs([]) == []
+    assert seq2seq.pack_pairs([]) == []
 
 
 def _decoder_batch(vocab):
     rng = np.random.RandomState(0)
     seg = np.array([1] * 9 + [2] * 6 + [0] * 2, np.int32)
-    return text.collate_lm([{"tokens": rng.randint(0, vocab, 17).astype(np.int32), "segment_ids": seg}
+    return lm.collate_lm([{"tokens": rng.randint(0, vocab, 17).astype(np.int32), "segment_ids": seg}
                             for _ in range(3)])
 
 
 def _seq2seq_batch(model):
-    tok = text.WordTokenizer(text.TOY_WORDS)
-    examples, _ = text.encode_pairs(text.toy_pairs(3, 0), tok, max_input_len=8, max_target_len=8,
+    tok = text_data.WordTokenizer(text_data.TOY_WORDS)
+    examples, _ = seq2seq.encode_pairs(seq2seq.toy_pairs(3, 0), tok, max_input_len=8, max_target_len=8,
                                     decoder_start_id=model.config.decoder_start_token_id)
-    return text.collate_seq2seq(examples)
+    return seq2seq.collate_seq2seq(examples)
 
 
 _SLOW = pytest.mark.slow
@@ -180,8 +180,8 @@ def test_fused_loss_matches_plain_logits(family, overrides, implementation):
     params = models.init_params(model, jax.random.PRNGKey(1))
     if family == "gptj":  # a non-zero head bias, so that folding it into the kernel is tested
         params["lm_head"]["bias"] = jax.random.normal(jax.random.PRNGKey(2), params["lm_head"]["bias"].shape)
-    make, batch = ((text.seq2seq_loss_fn, _seq2seq_batch(model)) if family == "t5"
-                   else (text.lm_loss_fn, _decoder_batch(model.config.vocab_size)))
+    make, batch = ((seq2seq.seq2seq_loss_fn, _seq2seq_batch(model)) if family == "t5"
+                   else (lm.lm_loss_fn, _decoder_batch(model.config.vocab_size)))
     results = []
     for impl in (None, implementation):
         loss_fn = make(model, impl, interpret=True)
@@ -215,14 +215,14 @@ def test_fused_loss_has_no_logits_forward_or_backward():
     def logits_like(shapes):
         return [s for s in shapes if V in s and (B * T in s or (B in s and T in s))]
     for implementation, expect_logits in ((None, True), ("xla", False)):
-        loss_fn = text.lm_loss_fn(model, implementation)
+        loss_fn = lm.lm_loss_fn(model, implementation)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, batch, None, True)[0]))(params)
         assert bool(logits_like(_all_shapes(jaxpr.jaxpr))) == expect_logits, implementation
 
 
 def test_loss_implementation_is_checked():
     with pytest.raises(ValueError, match=r"loss implementation='cuda'; expected one of"):
-        text.lm_loss_fn(models.create_model("llama", "tiny"), "cuda")
+        lm.lm_loss_fn(models.create_model("llama", "tiny"), "cuda")
 
 
 def test_create_model_and_run_json(tmp_path):
@@ -239,7 +239,7 @@ def test_create_model_and_run_json(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"--model_config=/nope.json: no such file"):
         cli.create_model("llama", "/nope.json", families=["llama"])
 
-    tok = text.WordTokenizer(["a", "b"])
+    tok = text_data.WordTokenizer(["a", "b"])
     cli.save_run(str(tmp_path / "w"), "lm", model, tok)
     cli.save_run(str(tmp_path / "w"), "lm", model, tok)  # the same run again: fine
     task, again, tok2 = cli.load_run(str(tmp_path / "w"), scan_layers=True)

@@ -3,8 +3,8 @@ learns to write responses that a frozen reward model scores highly, held near a 
 per-token KL penalty, with a critic (value model) for the advantages.
 
 One iteration (`fit_ppo`):
-1. Rollout: the actor samples a response to each of `rollout_batch_size` prompts (`text.generate_tokens`, with its
-   KV cache). Each prompt + response becomes an `engine.preference` row (only the response labelled).
+1. Rollout: the actor samples a response to each of `rollout_batch_size` prompts (`lm.generate_tokens`, with its
+   KV cache). Each prompt + response becomes an `engine.tasks.rlhf.preference` row (only the response labelled).
 2. Scoring, one compiled pass of an `engine.Predictor`: the actor's and the reference's log-probabilities of the
    response tokens, the critic's values at every position and the reward model's score of the whole sequence (or,
    instead of a reward model, `reward_fn(prompt, response)` on the host: a rule or a verifier).
@@ -43,7 +43,8 @@ import numpy as np
 from absl import logging
 
 import models
-from engine import preference, reward, text
+from engine.tasks import lm
+from engine.tasks.rlhf import preference, reward
 from engine.predictor import Predictor
 from engine.trainer import global_batch_size
 from models.generate import KV_CACHE_DTYPES
@@ -133,7 +134,7 @@ def _log_probs(actor, params, batch, implementation, interpret):
     """log pi(label) [B, T] (0 where unlabelled) of `actor` with `params`."""
     out = actor.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
                       return_hidden=implementation is not None)
-    return -text.token_losses(actor, params, out, batch["labels"], implementation, interpret)
+    return -lm.token_losses(actor, params, out, batch["labels"], implementation, interpret)
 
 
 def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, interpret=False):
@@ -176,7 +177,7 @@ class PPO:
 
     Args:
       actor: the policy, a decoder-only model; its parameters are `params['actor']` of the Trainer.
-      critic: an `engine.reward.RewardModel` of any backbone; `params['critic']` (usually a copy of the reward
+      critic: an `models.RewardModel` of any backbone; `params['critic']` (usually a copy of the reward
         model's parameters, or of the actor's backbone with a fresh score head). None with GRPO
         (config.advantage_estimator='grpo'), which has none: the Trainer's params are then {'actor'}.
       ref_params: the frozen reference policy's parameters (the actor's starting point), for the KL penalty; None:
@@ -184,39 +185,39 @@ class PPO:
       tokenizer: of the actor (and of the reward model: they read the same token rows).
       mesh: the scoring pass's mesh (the Trainer's).
       seq_len: row width; rows longer than seq_len + 1 tokens lose their end.
-      reward_model, reward_params: a frozen learnt reward model (`engine.reward.RewardModel`; reward_params without
+      reward_model, reward_params: a frozen learnt reward model (`models.RewardModel`; reward_params without
         'backbone', i.e. {'score': [d, 1]}: the critic's backbone with its LoRA adapters off under that score head,
         the critic's backbone then frozen but for its adapters; GRPO: with a backbone of its own), or
       reward_fn: `reward_fn(prompt, response) -> float` on strings (the response decoded up to EOS): a rule or
         verifier instead of a learnt model. Exactly one of reward_model and reward_fn.
       config: a `PPOConfig`.
       implementation: None (plain logits) or a kernel implementation for the fused head of the log-probabilities
-        (`text.token_losses`).
+        (`lm.token_losses`).
     """
 
     def __init__(self, *, actor, critic, ref_params, tokenizer, mesh, seq_len, reward_model=None, reward_params=None,
                  reward_fn=None, config=PPOConfig(), implementation=None, interpret=False):
         if not isinstance(config, PPOConfig):
-            raise ValueError(f"config={config!r}; expected an engine.ppo.PPOConfig")
+            raise ValueError(f"config={config!r}; expected an engine.tasks.rlhf.ppo.PPOConfig")
         grpo = config.advantage_estimator == "grpo"
-        if not isinstance(critic, reward.RewardModel) and not (grpo and critic is None):
+        if not isinstance(critic, models.RewardModel) and not (grpo and critic is None):
             raise ValueError(f"critic={type(critic).__name__} with advantage_estimator="
-                             f"{config.advantage_estimator!r}; expected an engine.reward.RewardModel ('gae'), or "
+                             f"{config.advantage_estimator!r}; expected an models.RewardModel ('gae'), or "
                              "None ('grpo': no critic)")
         if grpo and critic is not None:
             raise ValueError("critic given with advantage_estimator='grpo'; expected None (GRPO's advantages come "
                              "from each prompt's group of responses, not from a value model)")
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("reward_model and reward_fn: got both or neither; expected exactly one")
-        if reward_model is not None and (not isinstance(reward_model, reward.RewardModel) or reward_params is None):
+        if reward_model is not None and (not isinstance(reward_model, models.RewardModel) or reward_params is None):
             raise ValueError(f"reward_model={type(reward_model).__name__} with reward_params "
-                             f"{'None' if reward_params is None else 'given'}; expected an engine.reward.RewardModel "
+                             f"{'None' if reward_params is None else 'given'}; expected an models.RewardModel "
                              "and its parameters")
         if reward_fn is not None and not callable(reward_fn):
             raise ValueError(f"reward_fn={reward_fn!r}; expected a callable (prompt, response) -> float")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len={seq_len!r}; expected an int >= 2")
-        text.check_implementation(implementation)
+        lm.check_implementation(implementation)
         if ref_params is None and not actor.config.lora_rank:
             raise ValueError("ref_params=None (the reference is the actor with its LoRA adapters off); expected an "
                              "actor with lora_rank > 0, or the reference's parameters")
@@ -272,7 +273,7 @@ class PPO:
         temperature = self.config.temperature if temperature is None else temperature
         tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
                   for n, p in enumerate(prompts)]
-        responses = text.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
+        responses = lm.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
                                          max_new_tokens=self.config.max_new_tokens, temperature=temperature,
                                          seed=seed, kv_cache_dtype=self.config.kv_cache_dtype)
         rows = []

@@ -18,7 +18,8 @@ import engine
 import kernels
 import models
 from engine import diloco as diloco_lib
-from engine import ppo, preference, reward, text
+from engine.tasks import lm, seq2seq, text_data
+from engine.tasks.rlhf import ppo, preference, reward
 
 FLAGS = flags.FLAGS
 
@@ -501,7 +502,8 @@ def merge_adapter(model, params, adapter, mesh):
         return model, params
     if not os.path.isdir(adapter):
         raise FileNotFoundError(f"--init_adapter={adapter} is not a directory; expected a PEFT adapter directory")
-    return models.merge_lora(*models.load_lora_adapter(*models.merge_lora(model, params), adapter, mesh=mesh))
+    return models.merge_lora(*models.load_lora_adapter(*models.merge_lora(model, params), adapter,
+                                                         layout=engine.auto_layout(mesh)))
 
 
 def _start_decoder(mesh, tasks, seq_len):
@@ -510,11 +512,11 @@ def _start_decoder(mesh, tasks, seq_len):
             return restore_run(FLAGS.init_from, mesh, tasks=tasks)
         return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
     model, tokenizer = _fresh_decoder(seq_len)
-    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), mesh=mesh), tokenizer
+    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh)), tokenizer
 
 
 def _fresh_decoder(seq_len):
-    tokenizer = text.ByteTokenizer() if FLAGS.data else text.WordTokenizer(text.TOY_WORDS)
+    tokenizer = text_data.ByteTokenizer() if FLAGS.data else text_data.WordTokenizer(text_data.TOY_WORDS)
     return fresh_model(tokenizer, {"max_position_embeddings": max(seq_len, 128)}, family=FLAGS.model,
                        families=DECODER_FAMILIES), tokenizer
 
@@ -569,10 +571,10 @@ def describe(model):
 def with_lora(model, params, mesh):
     """(model, params) with --lora_rank / --lora_alpha / --lora_targets applied: any adapters `params` hold are
     merged into their kernels, then (--lora_rank > 0) fresh ones are added, placed on `mesh`. `model` may be an
-    `engine.reward.RewardModel` (params {'backbone', 'score'}): its backbone gets them."""
-    if isinstance(model, reward.RewardModel):
+    `models.RewardModel` (params {'backbone', 'score'}): its backbone gets them."""
+    if isinstance(model, models.RewardModel):
         backbone, inner = with_lora(model.backbone, params["backbone"], mesh)
-        return reward.RewardModel(backbone), {**params, "backbone": inner}
+        return models.RewardModel(backbone), {**params, "backbone": inner}
     model, params = models.merge_lora(model, params)
     if FLAGS.quantize != "none" and not FLAGS.lora_rank:
         raise ValueError(f"--quantize={FLAGS.quantize} with --lora_rank=0; expected --lora_rank > 0 (quantised "
@@ -587,7 +589,7 @@ def with_lora(model, params, mesh):
     except ValueError as e:
         raise ValueError(f"--lora_rank/--lora_alpha/--lora_targets: {e}") from None
     model = model.clone(config=config)
-    return model, models.add_lora(model, params, jax.random.PRNGKey(FLAGS.seed), mesh=mesh)
+    return model, models.add_lora(model, params, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh))
 
 
 def trainable(also=None):
@@ -664,16 +666,16 @@ def load_hf(path, *, families, mesh=None, byte_fallback=True):
     they are read. The directory's tokenizer.json is used; without one, byte-level tokens when the vocabulary is
     large enough (byte_fallback)."""
     load_hf_model(path, families=families)  # bad input fails before any weight is read
-    model, params = models.load_pretrained(path, mesh=mesh)
+    model, params = models.load_pretrained(path, layout=engine.auto_layout(mesh))
     return model, params, hf_tokenizer(path, model, byte_fallback)
 
 
 def hf_tokenizer(path, model, byte_fallback=True):
     """A Hugging Face directory's tokenizer.json for `model`'s vocabulary or, without one, byte-level tokens when
     the vocabulary holds them (byte_fallback); ValueError naming --init_from otherwise."""
-    tokenizer = text.HFTokenizer.from_dir(path, model.config.vocab_size)
+    tokenizer = text_data.HFTokenizer.from_dir(path, model.config.vocab_size)
     if tokenizer is None:
-        tokenizer = text.ByteTokenizer()
+        tokenizer = text_data.ByteTokenizer()
         if not byte_fallback or model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(f"--init_from={path} has no tokenizer.json and a vocabulary of {model.config.vocab_size} "
                              f"< {tokenizer.vocab_size} needed for byte-level tokens")
@@ -687,7 +689,7 @@ def _model_fields(model):
 
 def save_run(workdir, task, model, tokenizer, critic=None):
     """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
-    that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `engine.reward.RewardModel`
+    that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `models.RewardModel`
     (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
     ValueError: its checkpoints would not fit."""
     run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
@@ -717,7 +719,7 @@ def save_run(workdir, task, model, tokenizer, critic=None):
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
-    run["tokenizer"] = text.tokenizer_spec(tokenizer, workdir)
+    run["tokenizer"] = text_data.tokenizer_spec(tokenizer, workdir)
     with open(path + ".tmp", "w") as f:
         json.dump(run, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
@@ -727,7 +729,7 @@ def load_run(workdir, tasks=None, **options):
     """(task, model, tokenizer) of a workdir written by a training script (see save_run). tasks: the tasks the
     caller accepts (None: any). options: ModelOptions fields (scan_layers, attention_implementation, ...)."""
     run = _read_run(workdir, tasks)
-    return run["task"], _model_of(run, options), text.tokenizer_from_spec(run["tokenizer"], workdir)
+    return run["task"], _model_of(run, options), text_data.tokenizer_from_spec(run["tokenizer"], workdir)
 
 
 def _model_of(entry, options):
@@ -758,20 +760,20 @@ def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
     """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir (checkpoint='best':
     the one --save_best kept), the parameters sharded over `mesh` (the layout engine.auto_shard picks for this mesh,
     whatever mesh trained them). tasks: as in load_run. The model of a 'reward' run is its
-    `engine.reward.RewardModel`; of a 'ppo' run, the policy."""
+    `models.RewardModel`; of a 'ppo' run, the policy."""
     task, model, tokenizer = load_run(workdir, tasks, **options)
     if task == "reward":
-        model = reward.RewardModel(model)
+        model = models.RewardModel(model)
     abstract = jax.eval_shape(lambda: models.init_params(model))
-    collate, loss = {"lm": (text.collate_lm, text.lm_loss_fn),
-                     "seq2seq": (text.collate_seq2seq, text.seq2seq_loss_fn),
-                     "sft": (preference.collate_preferences, text.lm_loss_fn),
+    collate, loss = {"lm": (lm.collate_lm, lm.lm_loss_fn),
+                     "seq2seq": (seq2seq.collate_seq2seq, seq2seq.seq2seq_loss_fn),
+                     "sft": (preference.collate_preferences, lm.lm_loss_fn),
                      "dpo": (preference.collate_preferences, preference.dpo_loss_fn),
                      "reward": (preference.collate_preferences, reward.reward_loss_fn),
                      "ppo": (preference.collate_preferences, ppo.ppo_loss_fn)}[task]
     if task == "ppo":  # the checkpoint holds {'actor', 'critic'}, or {'actor'} after GRPO (no critic)
         entry = _read_run(workdir, tasks).get("critic")
-        critic = None if entry is None else reward.RewardModel(_model_of(entry, options))
+        critic = None if entry is None else models.RewardModel(_model_of(entry, options))
         abstract = {"actor": abstract}
         if critic is not None:
             abstract["critic"] = jax.eval_shape(lambda: models.init_params(critic))

@@ -2,7 +2,7 @@
 (Rafailov et al., 2023, "Direct Preference Optimization").
 
 An SFT pair {"prompt", "response"} becomes one row, prompt + separator + response + EOS, with only the response (and
-its EOS) labelled: `text.lm_loss_fn` on it is the response's cross-entropy given the prompt. A DPO triple {"prompt",
+its EOS) labelled: `lm.lm_loss_fn` on it is the response's cross-entropy given the prompt. A DPO triple {"prompt",
 "chosen", "rejected"} becomes two such rows, so a response's log-probability is the sum of its tokens'
 log-probabilities given the prompt. The frozen reference model's log-probabilities are computed once, before training
 (`reference_log_probs`), and travel with the examples: the reference parameters never sit in device memory beside the
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import text
+from engine.tasks import lm, text_data
 from engine.predictor import Predictor
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -23,14 +23,14 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 def read_preferences(patterns):
     """`{"prompt", "chosen", "rejected"}` string triples from `.jsonl` files (paths or globs), one per line."""
-    return text.read_records(patterns, FIELDS)
+    return text_data.read_records(patterns, FIELDS)
 
 
 NEGATIVES = ("order", "dropped", "added", "replaced")
 
 
 def toy_preferences(n, seed, *, min_words=3, max_words=6, negatives=NEGATIVES):
-    """The embedded preference task: a list of distinct animal names (`text.TOY_WORDS`), the chosen response sorted
+    """The embedded preference task: a list of distinct animal names (`text_data.TOY_WORDS`), the chosen response sorted
     alphabetically. The rejected one is, in equal shares, each kind of `negatives`: 'order' (another order of the
     same names) or the sorted list with one name 'dropped', 'added' or 'replaced' (so that a reward model learnt
     from all four cannot be satisfied by any sorted list). Deterministic in `seed`."""
@@ -39,7 +39,7 @@ def toy_preferences(n, seed, *, min_words=3, max_words=6, negatives=NEGATIVES):
     rng = random.Random(seed)
     triples = []
     for _ in range(n):
-        words = rng.sample(text.TOY_WORDS, rng.randint(min_words, max_words))
+        words = rng.sample(text_data.TOY_WORDS, rng.randint(min_words, max_words))
         chosen = sorted(words)
         kind = negatives[rng.randrange(len(negatives))]
         if kind == "order":
@@ -47,7 +47,7 @@ def toy_preferences(n, seed, *, min_words=3, max_words=6, negatives=NEGATIVES):
             while rejected == chosen:
                 rejected = rng.sample(words, len(words))
         else:
-            dropped, added = rng.choice(chosen), rng.choice([w for w in text.TOY_WORDS if w not in words])
+            dropped, added = rng.choice(chosen), rng.choice([w for w in text_data.TOY_WORDS if w not in words])
             rejected = sorted(([w for w in chosen if w != dropped] if kind != "added" else chosen)
                               + ([added] if kind != "dropped" else []))
         triples.append({"prompt": " ".join(words), "chosen": " ".join(chosen), "rejected": " ".join(rejected)})
@@ -78,7 +78,7 @@ VERIFIABLE_REWARDS = ("exact_match", "lcs")
 
 
 def verifiable_reward(rule, pairs):
-    """`reward_fn(prompt, response)` for `engine.ppo.PPO` from `{"prompt", "response"}` pairs whose response is the
+    """`reward_fn(prompt, response)` for `engine.tasks.rlhf.ppo.PPO` from `{"prompt", "response"}` pairs whose response is the
     prompt's reference answer (RL with verifiable rewards: a rule instead of a reward model). rule 'exact_match':
     1.0 when the response is the reference (surrounding white space ignored), else 0.0; 'lcs': `lcs_reward`. A
     prompt given two different references is refused; asking for one without a reference raises ValueError."""
@@ -104,7 +104,7 @@ SFT_FIELDS = ("prompt", "response")
 
 def read_prompt_responses(patterns):
     """`{"prompt", "response"}` string pairs from `.jsonl` files (paths or globs), one per line."""
-    return text.read_records(patterns, SFT_FIELDS)
+    return text_data.read_records(patterns, SFT_FIELDS)
 
 
 def toy_prompt_responses(n, seed):
@@ -163,7 +163,7 @@ def _check_seq_len(seq_len):
 
 def encode_prompt_responses(pairs, tokenizer, *, seq_len):
     """Supervised fine-tuning rows: `{"prompt", "response"}` pairs -> (examples, cut). Each example holds
-    'input_ids', 'labels' and 'segment_ids' int32 [seq_len] (a `text.lm_loss_fn` batch row once stacked by
+    'input_ids', 'labels' and 'segment_ids' int32 [seq_len] (a `lm.lm_loss_fn` batch row once stacked by
     `collate_preferences`): prompt + separator + response + EOS with only the response and its EOS labelled, so the
     loss is the response's next-token cross-entropy given the prompt. Longer pairs lose their end (`cut` counts
     them)."""
@@ -202,12 +202,12 @@ def collate_preferences(examples):
 
 def sequence_log_probs(model, params, batch, *, implementation=None, interpret=False, train=False, rng=None):
     """log p(response | prompt) of both rows of each example: float32 [B, 2]. implementation: None (plain logits)
-    or a kernel implementation for the fused head (`text.token_losses`)."""
+    or a kernel implementation for the fused head (`lm.token_losses`)."""
     B, R, T = batch["input_ids"].shape
     flat = lambda x: x.reshape(B * R, T)  # noqa: E731
     out = model.apply({"params": params}, flat(batch["input_ids"]), flat(batch["segment_ids"]),
-                      return_hidden=implementation is not None, train=train, rngs=text.dropout_rngs(rng))
-    losses = text.token_losses(model, params, out, flat(batch["labels"]), implementation, interpret)
+                      return_hidden=implementation is not None, train=train, rngs=lm.dropout_rngs(rng))
+    losses = lm.token_losses(model, params, out, flat(batch["labels"]), implementation, interpret)
     return -losses.sum(-1).reshape(B, R)
 
 
@@ -251,7 +251,7 @@ def dpo_loss_fn(model, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, im
     if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "sigmoid"):
         raise ValueError(f"label_smoothing={label_smoothing!r}; expected 0 <= label_smoothing < 0.5, with "
                          "loss_type='sigmoid'")
-    text.check_implementation(implementation)
+    lm.check_implementation(implementation)
 
     def loss_fn(params, batch, rng, is_training):
         if "ref_log_probs" not in batch:
@@ -275,7 +275,7 @@ def answer(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0
     """Each prompt's answer (a string, up to EOS) by a model tuned on this module's rows: generated after prompt +
     separator, the layout it was trained on (greedy by default)."""
     sep = separator(tokenizer)
-    return text.generate_texts(model, params, tokenizer, prompts, max_new_tokens=max_new_tokens,
+    return lm.generate_texts(model, params, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                temperature=temperature, seed=seed, after_prompt=() if sep is None else (sep,))
 
 

@@ -1,0 +1,161 @@
+"""Causal language modelling on packed rows: collation, the next-token loss (plain logits or the fused head + loss
+kernel), and generation of token ids and texts.
+
+Losses: with `implementation=None` the model computes the logits [B, T, vocab] and the loss is taken from them.
+With a kernel implementation ('xla', 'triton', 'mosaic_tpu', or 'auto' for the backend's best) the model returns its
+hidden states and `kernels.linear_cross_entropy` applies the output head blockwise over the vocabulary, so the
+[tokens, vocab] logits never exist (for a 128k vocabulary they are the largest activation of a step); token accuracy
+is then not reported, as it would need them.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kernels
+import models
+
+
+def collate_lm(examples):
+    """Rows of `pack` -> {'input_ids', 'labels', 'segment_ids'} [B, seq_len]; labels are -100 where the next token
+    is padding or starts another document."""
+    tokens = np.stack([e["tokens"] for e in examples])
+    seg = np.stack([e["segment_ids"] for e in examples])
+    labels = np.where((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), tokens[:, 1:], -100).astype(np.int32)
+    return {"input_ids": tokens[:, :-1], "labels": labels, "segment_ids": seg[:, :-1]}
+
+
+LOSS_IMPLEMENTATIONS = (None, "auto") + kernels.IMPLEMENTATIONS
+
+
+def head_weight(model, params):
+    """The output head of `model` as `(w [d_model, vocab], bias [vocab] | None)`: the embedding table transposed
+    when the head is tied to it (LLaMA/OPT/T5 `tie_word_embeddings`), else the untied `lm_head` (with GPT-J's bias)."""
+    if model.config.tie_word_embeddings:
+        table = params["shared" if getattr(model, "is_encoder_decoder", False) else "embed"]["embedding"]
+        return table.T, None
+    return params["lm_head"]["kernel"], params["lm_head"].get("bias")
+
+
+def check_implementation(implementation):
+    if implementation not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"loss implementation={implementation!r}; expected one of {LOSS_IMPLEMENTATIONS} (None: "
+                         "plain logits; otherwise kernels.linear_cross_entropy)")
+
+
+def token_losses(model, params, out, labels, implementation=None, interpret=False):
+    """Per-token cross-entropy [B, T] (float32, 0 where labels < 0) from the model's output `out`: logits [B, T, V]
+    (implementation None) or hidden states [B, T, D] fed to kernels.linear_cross_entropy with the model's head, so
+    the logits never exist. A token's log-probability is minus its loss."""
+    valid = labels >= 0
+    if implementation is None:
+        losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), jnp.maximum(labels, 0))
+    else:
+        w, bias = head_weight(model, params)
+        x, w = out, w.astype(out.dtype)
+        if bias is not None:
+            # x @ w + b == [x, 1] @ [w; b]; padded with zeros to a multiple of 128 so the kernel's tiles stay whole.
+            extra = 128 - x.shape[-1] % 128
+            ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
+            x = jnp.concatenate([x, ones, jnp.zeros(x.shape[:-1] + (extra - 1,), x.dtype)], axis=-1)
+            w = jnp.concatenate([w, bias.astype(w.dtype)[None], jnp.zeros((extra - 1, w.shape[1]), w.dtype)], axis=0)
+        losses = kernels.linear_cross_entropy(x, w, jnp.where(valid, labels, -100), ignore_index=-100,
+                                              implementation=None if implementation == "auto" else implementation,
+                                              interpret=interpret)
+    return jnp.where(valid, losses, 0.0)
+
+
+def loss_and_metrics(model, params, out, labels, implementation, interpret):
+    """Mean cross-entropy over labels >= 0 (`token_losses`), the token count and, with plain logits, accuracy."""
+    valid = labels >= 0
+    n = jnp.maximum(valid.sum(), 1)
+    metrics = {"tokens": valid.sum().astype(jnp.float32)}
+    if implementation is None:
+        metrics["accuracy"] = jnp.where(valid, out.argmax(-1) == labels, False).sum() / n
+    return token_losses(model, params, out, labels, implementation, interpret).sum() / n, metrics
+
+
+def dropout_rngs(rng):
+    """Flax `rngs` for a model call: the step's key as the 'dropout' stream (none without a key)."""
+    return {} if rng is None else {"dropout": rng}
+
+
+def lm_loss_fn(model, implementation=None, *, interpret=False):
+    """`loss_fn(params, batch, rng, is_training)` for a decoder-only model on `collate_lm` batches: mean
+    next-token cross-entropy over the labelled positions, plus the number of tokens and (with plain logits) token
+    accuracy. implementation: None (plain logits) or a kernel implementation for the fused head + loss ('xla',
+    'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter.
+    Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`."""
+    check_implementation(implementation)
+
+    def loss_fn(params, batch, rng, is_training):
+        out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
+                          return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
+        return loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+    loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
+    return loss_fn
+
+
+def until_eos(ids, eos_id):
+    """Token ids up to and including the first EOS (all of them when there is none); -100 labels dropped."""
+    out = []
+    for i in np.asarray(ids).tolist():
+        if i < 0:
+            break
+        out.append(i)
+        if i == eos_id:
+            break
+    return out
+
+
+def generate_tokens(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                    seed=0, kv_cache_dtype=None, num_beams=1, length_penalty=1.0, early_stopping=False):
+    """`models.generate` on token-id prompts (lists; decoder prompts left-padded, T5 inputs right-padded): each
+    row's new token ids up to and including its first EOS (all `max_new_tokens` when there is none); num_beams > 1:
+    beam search (`early_stopping`: True, False or 'never', as in `models.generate`). Every process must call it
+    with the same prompts (the parameters may span hosts); every process gets every row."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    if not prompts:
+        raise ValueError("prompts: none given; expected at least one prompt")
+    encoder_decoder = getattr(model, "is_encoder_decoder", False)
+    ids, mask = left_pad(prompts, tokenizer, right=encoder_decoder)
+    out = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, rng=jax.random.PRNGKey(seed),
+                          eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, kv_cache_dtype=kv_cache_dtype,
+                          num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping)
+    out = np.asarray(multihost_utils.process_allgather(out, tiled=True))
+    new = out[:, 1:] if encoder_decoder else out[:, ids.shape[1]:]
+    return [until_eos(row, tokenizer.eos_id) for row in new]
+
+
+def generate_texts(model, params, tokenizer, prompts, *, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                   seed=0, after_prompt=(), kv_cache_dtype=None, num_beams=1, length_penalty=1.0,
+                   early_stopping=False):
+    """Continuations of `prompts` (strings) with `generate_tokens`, decoded up to EOS. T5 inputs get EOS appended, as
+    in training; decoder prompts `after_prompt`, token ids appended to every prompt (the prompt/response separator
+    of a model tuned on `engine.tasks.rlhf.preference` rows)."""
+    encoder_decoder = getattr(model, "is_encoder_decoder", False)
+    suffix = [tokenizer.eos_id] if encoder_decoder and tokenizer.eos_id is not None else list(after_prompt)
+    if not prompts:
+        raise ValueError("prompts: none given; expected at least one prompt")
+    encoded = [tokenizer.encode(p) + suffix for p in prompts]
+    for n, (prompt, tokens) in enumerate(zip(prompts, encoded)):
+        if not tokens:
+            raise ValueError(f"prompt {n} ({prompt!r}) has no tokens; expected a non-empty prompt")
+    new = generate_tokens(model, params, tokenizer, encoded, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_k=top_k, top_p=top_p, seed=seed, kv_cache_dtype=kv_cache_dtype, num_beams=num_beams,
+                          length_penalty=length_penalty, early_stopping=early_stopping)
+    return [tokenizer.decode([i for i in row if i != tokenizer.eos_id]) for row in new]
+
+
+def left_pad(prompts, tokenizer, *, right=False):
+    """Token lists -> (ids [B, T], mask [B, T]) left-padded for a decoder's generation (right-padded with
+    right=True, for an encoder)."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        cols = slice(0, len(p)) if right else slice(width - len(p), width)
+        ids[i, cols], mask[i, cols] = p, 1
+    return jnp.asarray(ids), jnp.asarray(mask)
