@@ -14,7 +14,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA_AXES = ("data", "fsdp")
+from kernels.axes import BATCH
+
+DATA_AXES = BATCH
 
 
 def data_parallel_size(mesh):

@@ -23,8 +23,9 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-AXES = ("data", "fsdp", "stage", "context", "model")
-_PLACEMENT = ("stage", "data", "fsdp", "context", "model")  # the device grid's order, outermost first
+from kernels.axes import AXES, CONTEXT, DATA, FSDP, MODEL, STAGE
+
+_PLACEMENT = (STAGE, DATA, FSDP, CONTEXT, MODEL)  # the device grid's order, outermost first
 
 
 def _resolve_sizes(sizes, n_devices):
@@ -37,7 +38,7 @@ def _resolve_sizes(sizes, n_devices):
         raise ValueError(f"make_mesh: only one axis size may be -1, got {' and '.join(f'{n}=-1' for n in fill)}")
     known = math.prod(size for size in sizes if size != -1)
     # The messages leave out stage and context axes of 1 (no pipeline, no context parallelism: the usual case).
-    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n not in ("stage", "context") or s != 1)
+    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n not in (STAGE, CONTEXT) or s != 1)
     if fill:
         if n_devices % known:
             raise ValueError(f"make_mesh: {n_devices} devices cannot be split into {shown} ({known} does not divide "

@@ -15,9 +15,11 @@ import math
 
 import jax
 
-BATCH_AXES = ("data", "fsdp")
-MODEL_AXIS = "model"
-CONTEXT_AXIS = "context"  # context parallelism: tokens of a row split over it
+from kernels import axes
+
+BATCH_AXES = axes.BATCH
+MODEL_AXIS = axes.MODEL
+CONTEXT_AXIS = axes.CONTEXT  # context parallelism: tokens of a row split over it
 # Axes of the enclosing `jax.vmap(..., spmd_axis_name=...)`s being traced (`vmapped`).
 _VMAPPED = contextvars.ContextVar("vmapped_axes", default=())
 

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import kernels
+from kernels import axes
 
-STAGE_AXIS = "stage"
+STAGE_AXIS = axes.STAGE
 
 
 def num_stages():
