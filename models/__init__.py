@@ -8,9 +8,10 @@ attention_mask is 0 on padding, 1 on tokens, or per-sequence ids > 0 for packed 
 from models.flops import train_flops_per_example
 from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
-from models.hf import (FAMILIES, config_from_hf, init_params, load_model, load_pretrained, load_sequence_classifier,
-                       load_tokenizer, param_shardings, save_pretrained)
+from models.hf import (config_from_hf, load_model, load_pretrained, load_sequence_classifier, load_tokenizer,
+                       save_pretrained)
 from models.layers import ModelOptions, stack_layers
+from models.registry import FAMILIES, create_model, get_config, init_params, param_shardings
 from models.quantize import dequantize, quantize
 from models.reward import (SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model,
                            save_reward_model)
@@ -20,18 +21,3 @@ from models.llama import Llama, LlamaConfig
 from models.opt import OPT, OPTConfig
 from models.t5 import T5, T5Config
 
-
-def get_config(family, name="tiny", **overrides):
-    """Named config of a family ('llama', 'gptj', 'opt', 't5'), e.g. get_config('llama', 'llama3-8b',
-    scan_layers=True). `overrides` replace any config field."""
-    if family not in FAMILIES:
-        raise ValueError(f"family {family!r} is unknown; expected one of {sorted(FAMILIES)}")
-    named = FAMILIES[family].NAMED_CONFIGS
-    if name not in named:
-        raise ValueError(f"{family} has no config named {name!r}; expected one of {sorted(named)}")
-    return FAMILIES[family].Config(**{**named[name], **overrides})
-
-
-def create_model(family, name="tiny", **overrides):
-    """The model module for a named config (see get_config)."""
-    return FAMILIES[family].Model(get_config(family, name, **overrides))

@@ -9,7 +9,7 @@ output head (tied); a lookup costs nothing.
 """
 import jax
 
-from models.hf import init_params
+from models.registry import init_params
 
 
 def _kernel_sizes(params):

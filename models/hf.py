@@ -11,48 +11,20 @@ from absl import logging
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import gptj, llama, opt, t5
+from models import checkpoint, lora, registry
+from models.quantize import QUANTIZERS, dequantize
 
-# model_type -> family module (each has Config, Model, NAMED_CONFIGS, config_from_hf, config_to_hf, hf_tensor_map).
-FAMILIES = {"llama": llama, "gptj": gptj, "opt": opt, "t5": t5}
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
-
-
-def family(model_type):
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
-
-
-def init_params(model, rng=None, *, layout=None):
-    """Fresh random parameters (a nested dict) for `model`. With `layout` (e.g. `engine.auto_layout(mesh)`), each is
-    created directly on its sharding (no whole copy on one device; every process of a multi-process run calls it)."""
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-    init = lambda r: model.init(r, *_example_inputs(model))["params"]  # noqa: E731
-    if layout is None:
-        return jax.jit(init)(rng)
-    return jax.jit(init, out_shardings=param_shardings(model, jax.eval_shape(init, rng), layout))(rng)
-
-
-def param_shardings(model, abstract, layout):
-    """The shardings `layout(abstract, apply_fn)` gives `model`'s parameters (shapes `abstract`); `apply_fn(params)`
-    runs the model on example inputs, for a layout that reads the dataflow (`engine.auto_layout`). A layout is any
-    such function: models know nothing of how the engine splits them."""
-    return layout(abstract, lambda p: model.apply({"params": p}, *_example_inputs(model)))
-
-
-def _example_inputs(model):
-    ids = jnp.zeros((1, 8), jnp.int32)
-    return (ids, ids) if getattr(model, "is_encoder_decoder", False) else (ids,)
 
 
 def config_from_hf(hf, **options):
     """A transformers config dict -> our config for its family (options: ModelOptions fields such as dtype)."""
     model_type = hf.get("model_type")
     if model_type is None:
-        raise ValueError(f"config has no 'model_type' (keys: {sorted(hf)}); expected one of {sorted(FAMILIES)}")
-    fam = family(model_type)
+        raise ValueError(f"config has no 'model_type' (keys: {sorted(hf)}); expected one of "
+                         f"{sorted(registry.FAMILIES)}")
+    fam = registry.family(model_type)
     return fam.config_from_hf(hf, hf_config=json.dumps(hf, sort_keys=True), **options)
 
 
@@ -78,36 +50,6 @@ class _Reader:
         self.used.add(name)
         with safe_open(self.where[name], "np") as f:
             return f.get_tensor(name)
-
-
-def _path_str(path):
-    return "".join(f"[{p!r}]" for p in path)
-
-
-def _entries(config, tensor_map):
-    """Expands the family's map to (our path, [hf names], transpose, stacked) with layer loops unrolled the way
-    the model stores them (one stacked array under scan_layers, `layers_{i}` sub-trees otherwise)."""
-    for path, name, transpose, num_layers in tensor_map:
-        if num_layers is None:
-            yield path, [name], transpose, False
-        elif config.scan_layers:
-            yield path, [name.format(i=i) for i in range(num_layers)], transpose, True
-        else:
-            at = path.index("layers")
-            for i in range(num_layers):
-                yield path[:at] + (f"layers_{i}",) + path[at + 1:], [name.format(i=i)], transpose, False
-
-
-def _get(tree, path):
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def _set(tree, path, value):
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    tree[path[-1]] = value
 
 
 def load_pretrained(path, *, dtype=jnp.float32, layout=None, **options):
@@ -148,7 +90,7 @@ def _read_config(path):
 def _model(hf, dtype, options):
     name = jnp.dtype(dtype).name
     config = config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options})  # checks model_type
-    return family(hf["model_type"]).Model(config)
+    return registry.family(hf["model_type"]).Model(config)
 
 
 def _load(path, dtype, layout, options, classifier):
@@ -159,15 +101,15 @@ def _load(path, dtype, layout, options, classifier):
                          + ("a *ForSequenceClassification checkpoint" if classifier else
                             "a language model (a sequence classifier loads with load_sequence_classifier)"))
     model = _model(hf, dtype, options)
-    fam = family(hf["model_type"])
+    fam = registry.family(hf["model_type"])
     if classifier and getattr(fam.Model, "is_encoder_decoder", False):
         raise ValueError(f"{path} holds a {hf['model_type']} classifier; expected a decoder-only family")
     config = model.config
-    abstract = jax.eval_shape(lambda: init_params(model))
-    shardings = None if layout is None else param_shardings(model, abstract, layout)
+    abstract = jax.eval_shape(lambda: registry.init_params(model))
+    shardings = None if layout is None else registry.param_shardings(model, abstract, layout)
     reader, params = _Reader(path), {}
-    for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
-        expected = _get(abstract, our_path)
+    for our_path, names, transpose, stacked in checkpoint.tensor_entries(config, fam.hf_tensor_map(config)):
+        expected = checkpoint.get_path(abstract, our_path)
         quantized = config.quantize if jnp.issubdtype(expected.dtype, jnp.integer) else None
         if quantized == "nf4":  # stored two codes a byte: the checkpoint's tensor has twice the rows
             expected = jax.ShapeDtypeStruct((*expected.shape[:-2], 2 * expected.shape[-2], expected.shape[-1]),
@@ -179,22 +121,22 @@ def _load(path, dtype, layout, options, classifier):
             want_stored = tuple(reversed(want)) if transpose else tuple(want)
             arrays = []
             for hf_name in names:
-                a = reader.get(hf_name, _path_str(our_path))
+                a = reader.get(hf_name, checkpoint.path_str(our_path))
                 if a.shape != want_stored:
                     raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs "
-                                     f"{want_stored} (params{_path_str(our_path)})")
+                                     f"{want_stored} (params{checkpoint.path_str(our_path)})")
                 arrays.append(a.T if transpose else a)
             host = np.stack(arrays) if stacked else arrays[0]
             del arrays
             host = host.astype(np.float32 if quantized else expected.dtype)
         values = {our_path[-1]: host}
         if quantized:  # quantised as read, never whole in float on a device
-            from models.quantize import QUANTIZERS  # noqa: PLC0415
             values = dict(zip(("kernel", "kernel_scale"), QUANTIZERS[quantized](host)))
         for name, array in values.items():
             where = our_path[:-1] + (name,)
-            value = jnp.asarray(array) if shardings is None else jax.device_put(array, _get(shardings, where))
-            _set(params, where, value)
+            value = (jnp.asarray(array) if shardings is None
+                     else jax.device_put(array, checkpoint.get_path(shardings, where)))
+            checkpoint.set_path(params, where, value)
         del host, values
     score = None
     if classifier:
@@ -208,7 +150,6 @@ def _load(path, dtype, layout, options, classifier):
         logging.warning("load_pretrained(%s): ignored %d tensors not used by the model: %s", path, len(unused),
                         unused[:10])
     if config.lora_rank:
-        from models import lora  # noqa: PLC0415 (models.lora builds on this module)
         params = lora.add_lora(model, params, layout=layout)
     return model, params, score
 
@@ -220,12 +161,10 @@ def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=Non
     num_labels] (a decoder family), a `*ForSequenceClassification` checkpoint instead: the decoder without its
     output head, and `score.weight`; `pad_token_id` tells transformers where a right-padded row ends (its score is
     read at the last token that is not padding)."""
-    from models.lora import merge_lora  # noqa: PLC0415 (models.lora builds on this module)
-    from models.quantize import dequantize  # noqa: PLC0415
     # A transformers checkpoint has the adapters folded in and float weights.
-    model, params = merge_lora(*dequantize(model, params))
+    model, params = lora.merge_lora(*dequantize(model, params))
     config = model.config
-    fam = family(_model_type(model))
+    fam = registry.family(registry.model_type(model))
     os.makedirs(path, exist_ok=True)
     hf = json.loads(config.hf_config) if config.hf_config else {}
     for stale in ("rope_scaling", "rope_theta", "torch_dtype", "architectures", "num_labels", "id2label",
@@ -241,10 +180,10 @@ def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=Non
         if pad_token_id is not None:
             hf["pad_token_id"] = int(pad_token_id)
         tensors["score.weight"] = np.ascontiguousarray(score.T)
-    for our_path, names, transpose, stacked in _entries(config, fam.hf_tensor_map(config)):
+    for our_path, names, transpose, stacked in checkpoint.model_entries(model):
         if score is not None and our_path[0] == "lm_head":
             continue
-        value = np.asarray(jax.device_get(_get(params, our_path)))
+        value = np.asarray(jax.device_get(checkpoint.get_path(params, our_path)))
         for i, hf_name in enumerate(names):
             a = value[i] if stacked else value
             tensors[hf_name] = np.ascontiguousarray(a.T if transpose else a)
@@ -272,13 +211,6 @@ def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=Non
     with open(os.path.join(path, _INDEX), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
                   f, indent=2, sort_keys=True)
-
-
-def _model_type(model):
-    for model_type, fam in FAMILIES.items():
-        if isinstance(model, fam.Model):
-            return model_type
-    raise TypeError(f"{type(model).__name__} is not one of the model classes {[f.Model for f in FAMILIES.values()]}")
 
 
 def load_tokenizer(path):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import hf
+from models import checkpoint, registry
 from models.layers import LORA_TARGETS, lora_a_init
 from models.quantize import dequantize
 
@@ -82,8 +82,8 @@ def add_lora(model, params, rng=None, *, layout=None):
     if has_lora(params):
         raise ValueError("add_lora: params already hold LoRA adapters; merge them first (models.merge_lora)")
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    abstract = jax.eval_shape(lambda: hf.init_params(model))
-    shardings = None if layout is None else hf.param_shardings(model, abstract, layout)
+    abstract = jax.eval_shape(lambda: registry.init_params(model))
+    shardings = None if layout is None else registry.param_shardings(model, abstract, layout)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     keys = [_path(p) for p, _ in flat]
     new = [i for i, key in enumerate(keys) if _ADAPTER.search(key)]
@@ -116,8 +116,7 @@ def _adapted_modules(model):
     """(our module path as stored, [transformers module names, one per layer], stacked) of every projection that
     `model`'s config adapts, from the family's checkpoint map."""
     config = model.config
-    fam = hf.family(hf._model_type(model))
-    for path, names, transpose, stacked in hf._entries(config, fam.hf_tensor_map(config)):
+    for path, names, transpose, stacked in checkpoint.model_entries(model):
         if path[-1] == "kernel" and path[-2] in config.lora_targets and transpose:
             yield path[:-1], [n[:-len(".weight")] for n in names], stacked
 
@@ -130,7 +129,7 @@ def save_lora_adapter(model, params, path):
     from safetensors.numpy import save_file  # noqa: PLC0415
     tensors, modules = {}, set()
     for module, names, stacked in _adapted_modules(model):
-        node = hf._get(params, module)
+        node = checkpoint.get_path(params, module)
         a, b = (np.asarray(jax.device_get(node[k]), np.float32) for k in ("lora_a", "lora_b"))
         for i, name in enumerate(names):
             tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray((a[i] if stacked else a).T)
@@ -171,7 +170,7 @@ def load_lora_adapter(model, params, path, *, layout=None):
     unknown = sorted(set(peft["target_modules"]) - set(ours))
     if unknown:
         raise ValueError(f"{config_file}: target_modules {unknown} are not projections of this "
-                         f"{hf._model_type(model)} model (those are {sorted(ours)})")
+                         f"{registry.model_type(model)} model (those are {sorted(ours)})")
     try:
         adapted = model.clone(config=dataclasses.replace(
             model.config, lora_rank=int(peft["r"]), lora_alpha=float(peft["lora_alpha"]),
@@ -184,7 +183,7 @@ def load_lora_adapter(model, params, path, *, layout=None):
     with safe_open(os.path.join(path, ADAPTER_WEIGHTS), "np") as f:
         stored = set(f.keys())
         for module, names, stacked in _adapted_modules(adapted):
-            node = hf._get(params, module)
+            node = checkpoint.get_path(params, module)
             for key, kind in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
                 parts = []
                 for name in names:

@@ -20,17 +20,15 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from kernels import axes
 
-STAGE_AXIS = axes.STAGE
-
 
 def num_stages():
     """Size of the ambient mesh's automatic `stage` axis; 1 outside a mesh or where it is manual."""
-    return kernels.auto_axis_size(STAGE_AXIS)
+    return kernels.auto_axis_size(axes.STAGE)
 
 
 def _on_stages(x):
     """x [S, ...] with its leading dim over `stage` (the other dims as the compiler likes)."""
-    return jax.lax.with_sharding_constraint(x, P(STAGE_AXIS, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, P(axes.STAGE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
 
 
 def bubble_fraction(stages, microbatches):
@@ -65,7 +63,7 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches):
             return layer_fn(w, h, c, stage * per_stage + j, micro), None
         return jax.lax.scan(body, h, (p, jnp.arange(per_stage)))[0]
 
-    run = jax.vmap(run_stage, spmd_axis_name=STAGE_AXIS)
+    run = jax.vmap(run_stage, spmd_axis_name=axes.STAGE)
 
     def tick(previous, t):
         # Stage s > 0 takes what stage s - 1 produced last tick (the roll is the collective-permute); stage 0 the
@@ -75,7 +73,7 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches):
         h = _on_stages(jnp.where(first, fresh[None], jnp.roll(previous, 1, axis=0)))
         micro = jnp.clip(t - stage_ids, 0, microbatches - 1)
         c = jax.tree.map(lambda a: _on_stages(a[micro]), ctx_mb)
-        with kernels.vmapped(STAGE_AXIS):
+        with kernels.vmapped(axes.STAGE):
             out = _on_stages(run(stage_params, h, c, stage_ids, micro))
         return out, out[stages - 1]
 
@@ -88,5 +86,5 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches):
     # What follows the stack (final norm, head, loss) would run on every row in every stage: give each stage every
     # S-th row instead (row r to stage r mod S keeps a device's rows within its data position).
     out = out.reshape(rows // stages, stages, *x.shape[1:])
-    out = jax.lax.with_sharding_constraint(out, P(P.UNCONSTRAINED, STAGE_AXIS, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+    out = jax.lax.with_sharding_constraint(out, P(P.UNCONSTRAINED, axes.STAGE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
     return out.reshape(x.shape)

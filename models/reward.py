@@ -66,8 +66,9 @@ def _score_head(width, config):
 
 def load_reward_model(path, *, layout=None, dtype=jnp.float32, **options):
     """(RewardModel, params) from a transformers `*ForSequenceClassification` directory with one label (LLaMA,
-    GPT-J or OPT; `models.load_sequence_classifier`), placed by `layout` when given (`models.load_pretrained`'s). Its reward is the score at the
-    sequence's last token, as transformers reads it at the last token that is not padding."""
+    GPT-J or OPT; `models.load_sequence_classifier`), placed by `layout` when given (`models.load_pretrained`'s).
+    Its reward is the score at the sequence's last token, as transformers reads it at the last token that is not
+    padding."""
     backbone, params, score = load_sequence_classifier(path, dtype=dtype, layout=layout, **options)
     if score.shape[1] != 1:
         raise ValueError(f"{path} is a classifier of {score.shape[1]} labels; expected a reward model (1 label)")
@@ -78,4 +79,4 @@ def save_reward_model(reward_model, params, path, *, pad_token_id=None):
     """Writes a transformers `*ForSequenceClassification` directory (one label) that `load_reward_model` and
     transformers' `AutoModelForSequenceClassification` read back; `pad_token_id` as `models.save_pretrained`'s."""
     save_pretrained(reward_model.backbone, params["backbone"], path, score=params["score"]["kernel"],
-                           pad_token_id=pad_token_id)
+                    pad_token_id=pad_token_id)

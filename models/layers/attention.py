@@ -1,0 +1,169 @@
+"""Attention: `attend` (the one attention helper), the `Attention` block and its KV cache (`empty_cache`).
+
+The KV cache of a decoder is a dict {'layers': {'k', 'v': [layers, batch, max_len, kv_heads, head_dim]},
+'index': int32 scalar (slots written so far), 'segment_ids': int32 [batch, max_len] (0 = empty or padding)}. A call
+with a cache writes its tokens at `index`; a call with more than one token is a prefill and must start at index 0.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import kernels
+from models.layers.linear import Linear, projection_options
+from models.layers.options import Dtype
+from models.layers.parallel import gather_tokens, split_tokens
+from models.layers.rotary import Rotary
+
+
+def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=None, sm_scale=None,
+           implementation=None, interpret=False, dropout_rate=0.0, dropout_rng=None):
+    """The one attention helper. q [B, T, H, D]; k, v [B, S, KVH, D] (H a multiple of KVH); segment ids int32
+    [B, T] / [B, S]: a query sees only keys with its id. dropout_rate > 0 (with a `dropout_rng` key) drops attention
+    probabilities. Returns [B, T, H, D].
+
+    Without `bias` everything goes through kernels.flash_attention. T5's relative position bias is an additive
+    [1 or B, H, T, S] term the kernel does not take, so that case runs here in plain jnp (float32 softmax), with the
+    kernels' dropout mask.
+    """
+    if bias is None:
+        seg = None if q_segment_ids is None else (
+            q_segment_ids if kv_segment_ids is None else (q_segment_ids, kv_segment_ids))
+        return kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
+                                       implementation=implementation, interpret=interpret,
+                                       dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    B, T, H, D = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    qg = q.reshape(B, T, KVH, H // KVH, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = scores + bias.reshape(bias.shape[0], KVH, H // KVH, T, S).astype(jnp.float32)
+    mask = jnp.ones((1, T, S), bool)
+    if causal:
+        mask = jnp.tril(jnp.ones((T, S), bool))[None]  # top-left aligned, as kernels.flash_attention
+    if q_segment_ids is not None:
+        kv_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (q_segment_ids[:, :, None] == kv_ids[:, None, :])
+    scores = jnp.where(mask[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if dropout_rate:
+        keys = kernels.dropout_keys(dropout_rng, B, H).reshape(B, KVH, H // KVH, 1, 1)
+        probs = probs * kernels.dropout_multiplier(keys, jnp.arange(T)[:, None], jnp.arange(S)[None, :], dropout_rate)
+    return jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v).reshape(B, T, H, D)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention with projections q, k, v, o and an optional KV cache.
+
+    Call: (x [B, T, d_model], ctx, cache=None, kv_input=None, bias=None) -> (out [B, T, d_model], cache).
+    ctx (from `decoder_context`) holds 'positions' and 'segment_ids' [B, T], and with a cache 'cache_index' and
+    'kv_segment_ids' [B, max_len]. kv_input [B, S, d] makes it cross-attention (keys from the encoder, whose
+    padding is ctx['encoder_segment_ids']); its keys are computed once and kept in the cache as cross_k / cross_v.
+    bias: additive [1 or B, heads, T, keys] (T5), which takes the plain-jnp path of `attend`. dropout_rate drops
+    attention probabilities in training calls (deterministic=False, with a 'dropout' rng).
+    """
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool = True
+    use_bias: bool = False
+    out_bias: bool | None = None  # None: same as use_bias
+    rotary: Rotary | None = None
+    sm_scale: float | None = None  # None: head_dim ** -0.5
+    std: float = 0.02  # initial weights' standard deviation; q_std and out_std (None: std) for q and o (T5)
+    q_std: float | None = None
+    out_std: float | None = None
+    implementation: str | None = None
+    interpret: bool = False
+    dropout_rate: float = 0.0
+    deterministic: bool = True
+    lora_rank: int = 0  # LoRA on the projections in lora_targets, int8 kernels (see `sublayer_options`)
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ()
+    lora_dropout: float = 0.0
+    quantize: str | None = None
+    sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, ctx, cache=None, kv_input=None, bias=None):
+        x = gather_tokens(x, self.sequence_parallel)
+        if kv_input is not None:
+            kv_input = gather_tokens(kv_input, self.sequence_parallel)
+        B, T, d_model = x.shape
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        kw = dict(std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
+        q = Linear(d_model, H * D, self.use_bias, name="q", **{**kw, "std": self.q_std or self.std},
+                   **projection_options(self, "q"))(x)
+        q = q.reshape(B, T, H, D)
+        if self.rotary is not None:
+            q = self.rotary(q, ctx["positions"])
+
+        def project_kv(src):
+            k = Linear(src.shape[-1], KVH * D, self.use_bias, name="k", **kw, **projection_options(self, "k"))(src)
+            v = Linear(src.shape[-1], KVH * D, self.use_bias, name="v", **kw, **projection_options(self, "v"))(src)
+            k, v = k.reshape(*src.shape[:2], KVH, D), v.reshape(*src.shape[:2], KVH, D)
+            if self.rotary is not None:
+                k = self.rotary(k, ctx["positions"])
+            return k, v
+
+        opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, interpret=self.interpret, bias=bias)
+        if self.dropout_rate and not self.deterministic:
+            opts.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
+        if kv_input is not None:
+            # Cross-attention: a query of sequence s sees the encoder tokens of sequence s (ids > 0; 0 is padding)
+            # so packed pairs stay apart; with 0/1 masks every query, padding included as in transformers, sees
+            # every encoder token.
+            if cache is not None and "cross_k" in cache:
+                k, v = cache["cross_k"], cache["cross_v"]
+            else:
+                k, v = project_kv(kv_input)
+            if cache is not None:
+                cache = {**cache, "cross_k": k, "cross_v": v}
+            out = attend(q, k, v, causal=False, q_segment_ids=jnp.maximum(ctx["segment_ids"], 1),
+                         kv_segment_ids=ctx["encoder_segment_ids"].astype(jnp.int32), **opts)
+        else:
+            k, v = project_kv(x)
+            quantized = cache is not None and "k_scale" in cache  # an int8 cache (`empty_cache`)
+            if cache is not None:
+                idx = ctx["cache_index"]
+                write = lambda buf, x: jax.lax.dynamic_update_slice(  # noqa: E731
+                    buf, x.astype(buf.dtype), (0, idx) + (0,) * (buf.ndim - 2))
+                if quantized:
+                    (k8, k_scale), (v8, v_scale) = kernels.quantize_kv(k), kernels.quantize_kv(v)
+                    cache = {**cache, "k": write(cache["k"], k8), "v": write(cache["v"], v8),
+                             "k_scale": write(cache["k_scale"], k_scale), "v_scale": write(cache["v_scale"], v_scale)}
+                else:
+                    cache = {**cache, "k": write(cache["k"], k), "v": write(cache["v"], v)}
+            if cache is not None and T == 1 and bias is None:  # decode step: every filled slot of the cache, the
+                # cache split across programs and a kv head's query heads read together (kernels.decode_attention)
+                scales = dict(k_scale=cache["k_scale"], v_scale=cache["v_scale"]) if quantized else {}
+                out = kernels.decode_attention(
+                    q, *((cache["k"], cache["v"]) if quantized else (cache["k"].astype(self.dtype),
+                                                                    cache["v"].astype(self.dtype))),
+                    segment_ids=(ctx["segment_ids"], ctx["kv_segment_ids"]), sm_scale=self.sm_scale,
+                    implementation=self.implementation, interpret=self.interpret, **scales)
+            elif cache is not None and T == 1:  # T5's decoder: its relative position bias goes through `attend`
+                read = (lambda n: (cache[n].astype(jnp.float32) * cache[f"{n}_scale"][..., None]).astype(self.dtype)
+                        ) if quantized else (lambda n: cache[n].astype(self.dtype))
+                out = attend(q, read("k"), read("v"), causal=False, q_segment_ids=ctx["segment_ids"],
+                             kv_segment_ids=ctx["kv_segment_ids"], **opts)
+            else:  # training / prefill (a prefill starts at cache index 0, so the fresh keys are all there is)
+                out = attend(q, k, v, causal=self.causal, q_segment_ids=ctx["segment_ids"], **opts)
+        out = out.reshape(B, T, H * D)
+        out_bias = self.use_bias if self.out_bias is None else self.out_bias
+        out = Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std},
+                     **projection_options(self, "o"))(out)
+        return split_tokens(out, self.sequence_parallel), cache
+
+
+def empty_cache(num_layers, batch, max_len, kv_heads, head_dim, dtype):
+    """Zeroed decoder cache (see the module docstring for the layout). dtype int8: keys and values stored as int8
+    with a float32 scale per token and head (`k_scale`, `v_scale` [layers, batch, max_len, kv_heads];
+    `kernels.quantize_kv`), half of bf16's bytes, read as int8 by `kernels.decode_attention`."""
+    shape = (num_layers, batch, max_len, kv_heads, head_dim)
+    layer = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if jnp.dtype(dtype) == jnp.int8:
+        layer.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
+    return {"layers": layer, "index": jnp.zeros((), jnp.int32),
+            "segment_ids": jnp.zeros((batch, max_len), jnp.int32)}

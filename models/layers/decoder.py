@@ -1,0 +1,132 @@
+"""The decoder-only shell every decoder family shares (`DecoderLM`), its ends (token embedding, output head) and
+per-call context, and `stack_layers` (an unscanned decoder's parameters in the scanned layout a pipeline splits)."""
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.layers.attention import empty_cache
+from models.layers.linear import Linear
+from models.layers.norms import Norm
+from models.layers.parallel import gather_tokens, split_tokens
+from models.layers.rotary import segment_positions
+from models.layers.stack import apply_layers
+
+
+def decoder_context(input_ids, attention_mask, positions, cache):
+    """Builds the per-call context for a (cached) decoder.
+
+    attention_mask int [B, T]: 0 = padding, 1 = token; larger ids mark packed sequences (a token sees only its own
+    sequence). Positions default to the position within the sequence, counting the tokens already in the cache.
+    Returns (ctx, cache without 'layers' but with index / segment ids advanced, or None)."""
+    B, T = input_ids.shape
+    seg = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+    ctx = {"segment_ids": seg}
+    if cache is None:
+        ctx["positions"] = segment_positions(seg) if positions is None else positions
+        return ctx, None
+    idx = cache["index"]
+    if positions is None:
+        seen = jnp.sum(cache["segment_ids"] > 0, axis=1, dtype=jnp.int32)
+        positions = seen[:, None] + segment_positions(seg)
+    kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], seg, (0, idx))
+    ctx.update(positions=positions, cache_index=idx, kv_segment_ids=kv_seg)
+    return ctx, {"index": idx + T, "segment_ids": kv_seg}
+
+
+def token_embedding(vocab_size, features, *, std=0.02, name=None, dtype=jnp.float32, param_dtype=jnp.float32):
+    """Token embedding table 'embedding' [vocab, features]."""
+    return nn.Embed(vocab_size, features, embedding_init=nn.initializers.normal(std), dtype=dtype,
+                    param_dtype=param_dtype, name=name)
+
+
+def lm_output(x, embed, tied, new_cache, layer_cache, return_hidden, *, head_bias=False, std=0.02,
+              dtype=jnp.float32, param_dtype=jnp.float32):
+    """Final projection of a decoder (call from its compact method). Tied heads reuse the embedding table; an untied
+    head is 'lm_head' [d_model, vocab]. Returns float32 logits [B, T, vocab] (or the hidden states [B, T, d_model]
+    when return_hidden, for a fused linear + cross-entropy), plus the updated cache when there is one."""
+    if tied:
+        head = embed.attend
+    else:
+        linear = Linear(x.shape[-1], embed.num_embeddings, head_bias, std=std, dtype=dtype, param_dtype=param_dtype,
+                        name="lm_head")
+        _ = linear.kernel  # create the head's parameters even when only hidden states are returned
+        head = linear
+    out = x if return_hidden else head(x).astype(jnp.float32)
+    if new_cache is None:
+        return out
+    return out, {**new_cache, "layers": layer_cache}
+
+
+class DecoderLM(nn.Module):
+    """The shell every decoder-only family shares: token (+ learned position) embeddings -> blocks -> final norm ->
+    head. A family subclasses it and sets `block` (its layer), `norm_kind`, `head_bias` and, for OPT,
+    `position_offset`; its config provides num_layers, hidden_size, vocab_size, norm_eps, initializer_range,
+    tie_word_embeddings, kv_heads and dim_per_head (and optionally embed_dim, final_layer_norm,
+    layer_norm_elementwise_affine, max_position_embeddings).
+
+    __call__(input_ids [B, T], attention_mask [B, T] | None, *, positions, cache, return_hidden, train) -> logits
+    [B, T, vocab] float32, or (logits, cache) when a cache (from init_cache) is passed; see decoder_context for the
+    mask and the positions. train=True applies dropout (config.dropout_rate) and needs a 'dropout' rng. Blocks take
+    a `deterministic` attribute (False in training calls)."""
+    config: Any
+    block = None
+    norm_kind = "rms"
+    head_bias = False
+    position_offset = None  # learned absolute positions, read at position + offset (OPT)
+    embed_dropout = False  # dropout after the embeddings in training calls (OPT, GPT-J)
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache=None, return_hidden=False,
+                 train=False):
+        c = self.config
+        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        lin = dict(std=c.initializer_range, **kw)
+        embed_dim = getattr(c, "embed_dim", c.hidden_size)
+        affine = getattr(c, "layer_norm_elementwise_affine", True)
+        ctx, new_cache = decoder_context(input_ids, attention_mask, positions, cache)
+        embed = token_embedding(c.vocab_size, embed_dim, name="embed", **lin)
+        x = embed(input_ids)
+        if embed_dim != c.hidden_size:
+            x = Linear(embed_dim, c.hidden_size, name="project_in", **lin)(x)
+        if self.position_offset is not None:
+            table = token_embedding(c.max_position_embeddings + self.position_offset, c.hidden_size,
+                                    name="embed_positions", **lin)
+            x = x + table(ctx["positions"] + self.position_offset)
+        if self.embed_dropout:
+            x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
+        x, layer_cache = apply_layers(self.block, split_tokens(x, c.sequence_parallel), ctx, cache, c, owner=self,
+                                      deterministic=not train)
+        if getattr(c, "final_layer_norm", True):
+            x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
+        x = gather_tokens(x, c.sequence_parallel)
+        if embed_dim != c.hidden_size:
+            x = Linear(c.hidden_size, embed_dim, name="project_out", **lin)(x)
+        return lm_output(x, embed, c.tie_word_embeddings, new_cache, layer_cache, return_hidden,
+                         head_bias=self.head_bias, **lin)
+
+    def init_cache(self, batch, max_len, dtype=None):
+        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt + generated)."""
+        c = self.config
+        return empty_cache(c.num_layers, batch, max_len, c.kv_heads, c.dim_per_head, dtype or c.dtype)
+
+
+def stack_layers(model, params):
+    """(model with scan_layers=True, params with its `layers_{i}` sub-trees stacked into one [num_layers, ...] tree
+    under `layers`): the layout a pipeline splits over stages. Unchanged when already scanned. Decoder-only
+    families (a `DecoderLM`); ValueError otherwise."""
+    if not isinstance(model, DecoderLM):
+        raise ValueError(f"a pipeline needs a decoder-only model (LLaMA, GPT-J, OPT); got {type(model).__name__}")
+    if model.config.scan_layers:
+        return model, params
+    n = model.config.num_layers
+    params = dict(params)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[params.pop(f"layers_{i}") for i in range(n)])
+    # The stack sits where the unscanned model creates its first layer (creation order decides auto_shard's names
+    # fallback and the tables it logs).
+    params = {**{k: v for k, v in params.items() if k in ("embed", "embed_positions", "project_in")},
+              "layers": stacked, **{k: v for k, v in params.items() if k not in ("embed", "embed_positions",
+                                                                                  "project_in")}}
+    return model.clone(config=dataclasses.replace(model.config, scan_layers=True)), params

@@ -1,0 +1,127 @@
+"""Projections: `Linear` (float, int8 or NF4 kernels, LoRA adapters, the fused-matmul path) and the activations."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels
+from kernels.matmul.formats import NF4_BLOCK, NF4_LEVELS, dequantize_nf4
+from models.layers.options import Dtype
+
+_NF4_STD = float(np.std(NF4_LEVELS))  # of a uniformly random NF4 code: a fresh kernel's scale divides by it
+
+# Hugging Face activation names -> the fused kernels' names.
+_KERNEL_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "swish": "silu"}
+
+
+def activation(name):
+    """Hugging Face activation names -> functions. 'gelu_new' is GPT-2's tanh approximation."""
+    table = {
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    }
+    if name not in table:
+        raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(table)}")
+    return table[name]
+
+
+def kernel_activation(name):
+    """The fused kernels' name of a Hugging Face activation name."""
+    return _KERNEL_ACTIVATION.get(name, name)
+
+
+def lora_a_init(key, shape, dtype=jnp.float32):
+    """LoRA's A [..., in, rank]: uniform in +-1/sqrt(in) (PEFT's kaiming_uniform(a=sqrt(5))); B starts at zero, so
+    a fresh adapter changes nothing."""
+    bound = shape[-2] ** -0.5
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class Linear(nn.Module):
+    """y = act(x @ kernel + bias), kernel [in, out]. With `implementation` the matmul, bias and activation run fused in
+    kernels.fused_matmul. `weight()` gives the kernel as the fused gated MLP reads it; `.bias` the bias.
+    lora_rank > 0 adds LoRA's float32 `lora_a` [in, rank] and `lora_b` [rank, out]: (x A) B * lora_scale joins the
+    product before the activation. quantize='int8' stores the kernel as int8 with a float32 `kernel_scale` [out]:
+    y = (x q) * scale, the scale applied to the product (a per-column scale commutes with it), so the dequantised
+    weight never exists; the kernel path reads q as int8 and scales in its epilogue. With LoRA the kernel path
+    computes (x q) s alone and the rest follows in plain jnp."""
+    in_features: int
+    features: int
+    use_bias: bool = False
+    std: float = 0.02
+    lora_rank: int = 0
+    lora_scale: float = 1.0
+    lora_dropout: float = 0.0
+    deterministic: bool = True
+    quantize: str | None = None
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        shape = (self.in_features, self.features)
+        # Fresh quantised kernels: uniformly random codes scaled to the float init's standard deviation. A real base
+        # comes quantised from a float checkpoint (`models.quantize`, `load_pretrained(quantize=...)`).
+        if self.quantize == "int8":
+            self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), shape)
+            self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std * 3 ** 0.5 / 127),
+                                           (self.features,))
+        elif self.quantize == "nf4":
+            if self.in_features % NF4_BLOCK:
+                raise ValueError(f"quantize='nf4' on a projection of {self.in_features} inputs ({self.name}); "
+                                 f"expected a multiple of {NF4_BLOCK}")
+            self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, 0, 256).astype(jnp.uint8),
+                                     (self.in_features // 2, self.features))
+            self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std / _NF4_STD),
+                                           (self.in_features // NF4_BLOCK, self.features))
+        else:
+            self.kernel = self.param("kernel", nn.initializers.normal(self.std), shape, self.param_dtype)
+        self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \
+            if self.use_bias else None
+        if self.lora_rank:
+            self.lora_a = self.param("lora_a", lora_a_init, (self.in_features, self.lora_rank), jnp.float32)
+            self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features), jnp.float32)
+
+    def weight(self):
+        """(kernel, scale): the int8 kernel and its column scale, or the (nf4: dequantised) float kernel in the
+        compute dtype and None."""
+        if self.quantize == "int8":
+            return self.kernel, self.kernel_scale
+        if self.quantize == "nf4":
+            return dequantize_nf4(self.kernel, self.kernel_scale, self.dtype), None
+        return self.kernel.astype(self.dtype), None
+
+    def __call__(self, x, act=None, implementation=None, interpret=False):
+        x = x.astype(self.dtype)
+        w, scale = self.weight()
+        b = None if self.bias is None else self.bias.astype(self.dtype)
+        if implementation is not None and not self.lora_rank:
+            return kernels.fused_matmul(x, w, b, w_scale=scale, activation=kernel_activation(act),
+                                        implementation=implementation, interpret=interpret)
+        if implementation is not None:
+            y = kernels.fused_matmul(x, w, w_scale=scale, implementation=implementation, interpret=interpret)
+        else:
+            y = jnp.dot(x, w.astype(self.dtype))
+            if scale is not None:
+                y = y * scale.astype(self.dtype)
+        if b is not None:
+            y = y + b
+        if self.lora_rank:
+            if self.lora_dropout and not self.deterministic:  # the adapters' input only (PEFT's lora_dropout)
+                keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora_dropout, x.shape)
+                x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(self.dtype)
+            low = jnp.dot(x, self.lora_a.astype(self.dtype))
+            y = y + jnp.dot(low, self.lora_b.astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
+        return y if act is None else activation(act)(y)
+
+
+def projection_options(module, name):
+    """Linear's LoRA and quantisation arguments for projection `name` of an Attention or MLP `module`."""
+    out = {} if module.quantize is None else {"quantize": module.quantize}
+    if not module.lora_rank or name not in module.lora_targets:
+        return out
+    return dict(out, lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank,
+                lora_dropout=module.lora_dropout, deterministic=module.deterministic)

@@ -1,0 +1,92 @@
+"""The runtime options every family's config carries (`ModelOptions`), and what of them the attention and MLP blocks
+take (`sublayer_options`)."""
+import dataclasses
+from typing import Any
+
+Dtype = Any
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections of Attention and MLP
+QUANTIZE_FORMATS = (None, "int8", "nf4")  # frozen projections' storage (kernels.matmul.formats)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Runtime options every family's config carries (not part of a checkpoint).
+
+    dtype: computation dtype; param_dtype: storage dtype of the parameters. scan_layers: one nn.scan over stacked
+    layer weights (a leading [layers] axis), so a deep model compiles one layer. remat: 'none', 'full' (recompute the
+    whole layer in the backward pass) or 'dots' (save the outputs of weight matmuls, recompute the rest).
+    attention_implementation: passed to kernels.flash_attention (None = best for the backend). mlp_implementation:
+    None = plain jnp MLP; a name ('xla', 'triton', ...) routes the MLP through the fused kernels. kernel_interpret:
+    run those Pallas kernels in Pallas's interpreter (to test a model's GPU kernels on CPU). dropout_rate: dropout
+    in training calls (`train=True`, with a 'dropout' rng) on each attention and MLP output before its residual add
+    and where the family's Hugging Face model has it (OPT and GPT-J after the embeddings; T5 also after each stack's
+    embeddings and final norm). attention_dropout_rate: dropout on the attention probabilities in training calls
+    (inside the flash kernels: `kernels.flash_attention`'s dropout_rate), read from the family's Hugging Face config
+    (LLaMA and OPT `attention_dropout`, GPT-J `attn_pdrop`, T5 `dropout_rate`). lora_rank > 0: LoRA (Hu et al.,
+    2021) on the projections named in lora_targets (of q, k, v, o, gate, up, down): y = x W + (x A) B alpha / rank
+    with A [in, rank] random and B [rank, out] zeros, both float32 (`models.lora`: the trainable set, merging);
+    lora_dropout drops the adapters' input in training calls (PEFT's lora_dropout; a runtime option).
+    quantize='int8': the same projections store their kernels as int8 with a float32 scale per output column
+    (`kernel_scale`; `models.quantize`), a frozen base for LoRA in a quarter of float32's memory: y = (x q) s.
+    quantize='nf4': QLoRA's 4-bit NormalFloat, two per byte, a float32 absmax per 64 rows of a column
+    (`kernels.matmul.formats`), dequantised before each matmul; an eighth of float32's memory (plus 1/16 in scales).
+    Unlike the other options these fields change the parameters, so training scripts record them.
+    pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
+    (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (M + S - 1) of each stage's time.
+    sequence_parallel: under a mesh whose automatic `model` axis divides the tokens, the residual stream between
+    the tensor-parallel attention and MLP blocks (and the norms and dropouts on it) holds T / model tokens per
+    device (Megatron-LM's sequence parallelism, Korthikanti et al., 2022): each block all-gathers its input's tokens
+    and its row-parallel output is reduce-scattered over them instead of all-reduced (`split_tokens`,
+    `gather_tokens`). Same values; less activation memory at the same bytes sent.
+    """
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_implementation: str | None = None
+    mlp_implementation: str | None = None
+    kernel_interpret: bool = False
+    dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = LORA_TARGETS
+    lora_dropout: float = 0.0
+    quantize: str | None = None
+    pipeline_microbatches: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        if self.quantize not in QUANTIZE_FORMATS:
+            raise ValueError(f"quantize={self.quantize!r}; expected one of {QUANTIZE_FORMATS}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
+        if (isinstance(self.pipeline_microbatches, bool) or not isinstance(self.pipeline_microbatches, int)
+                or self.pipeline_microbatches < 0):
+            raise ValueError(f"pipeline_microbatches={self.pipeline_microbatches!r}; expected an integer >= 0 "
+                             "(0: one per stage)")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout!r}; expected a rate in [0, 1)")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha!r}; expected a number > 0")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if isinstance(self.lora_targets, str) or unknown or not self.lora_targets:
+            raise ValueError(f"lora_targets={self.lora_targets!r}; expected a non-empty tuple of {LORA_TARGETS}")
+
+    # Attention geometry of the decoder families (fields num_heads, hidden_size, optional num_kv_heads / head_dim).
+    @property
+    def kv_heads(self):
+        return getattr(self, "num_kv_heads", None) or self.num_heads
+
+    @property
+    def dim_per_head(self):
+        return getattr(self, "head_dim", None) or self.hidden_size // self.num_heads
+
+
+def sublayer_options(config):
+    """Attention / MLP keyword arguments of a config's LoRA, quantisation and sequence-parallel fields
+    (`ModelOptions`)."""
+    return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
+                lora_dropout=config.lora_dropout, quantize=config.quantize,
+                sequence_parallel=config.sequence_parallel)
