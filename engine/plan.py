@@ -227,14 +227,6 @@ def device_memory_bytes(device):
     return (stats or {}).get("bytes_limit")
 
 
-class _AbstractRestore:
-    """Stands in for the Trainer's Checkpointer: 'restores' the abstract, sharded target itself, so the Trainer lays
-    out its state (real specs, real shardings) without allocating it."""
-
-    def restore(self, step, target):
-        return target, {}
-
-
 def diloco_bytes(hlo, fragments, num_devices, hosts=None):
     """(an inner step's bytes per collective, [each part's outer step's]) of a DiLoCo step's HLO, read through its
     outer steps' switch (a collective-free branch, then one per part); (all bytes, None) without one (the
@@ -264,20 +256,10 @@ def _bytes_per_step(trainer, hlo, num_devices, hosts=None):
     return {k: v + sum(o[k] for o in outer or ()) / trainer.diloco.inner_steps for k, v in inner.items()}
 
 
-def abstract_state(trainer, batch):
-    """Lays out `trainer`'s state for `batch` ({name: jax.ShapeDtypeStruct [accumulate, rows, ...]}, one global
-    update) without allocating it: `trainer` holds abstract parameters (jax.ShapeDtypeStruct leaves) and no workdir.
-    Returns {'params', 'opt_state'}, abstract and sharded, the arguments its `_compiled_step()` lowers for."""
-    trainer._batch_spec = {k: (tuple(x.shape[1:]), str(x.dtype)) for k, x in batch.items()}
-    trainer._checkpointer = _AbstractRestore()
-    trainer._setup(restore_step=0)
-    return trainer._state
-
-
 def compile_step(trainer, batch):
-    """`trainer`'s train step compiled ahead of time for `batch` on its state's abstract layout (`abstract_state`)."""
-    state = abstract_state(trainer, batch)
-    return trainer._compiled_step().lower(state["params"], state["opt_state"], batch, np.int32(0)).compile()
+    """`trainer`'s train step compiled ahead of time for `batch` on its state's abstract layout
+    (`Trainer.compile`)."""
+    return trainer.compile(batch)
 
 
 def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memory_bytes=None):

@@ -30,20 +30,14 @@ from engine import diloco as diloco_lib
 from engine import step as step_lib
 from engine.step import cast_floating, partition, split_loss
 from engine.checkpoint import Checkpointer, abstract_like
+from engine.config import RESTORE_CHECKPOINTS, Checkpointing, Logging, Parallelism, Precision, check
 from engine.flops import peak_tflops
 from engine import plan as plan_lib
 from engine.sharding import add_axis, auto_shard, log_sharding, path_str
 import kernels
 
-_NAN_POLICIES = ("raise", "skip")
-_STEPS = ("auto", "shard_map", "jit")
-_RESTORE_CHECKPOINTS = ("latest", "best")
 _BEST_MODES = ("min", "max")
-
-
-def _validate(name, value, ok, expected):
-    if not ok:
-        raise ValueError(f"{name}={value!r}; expected {expected}")
+_validate = check
 
 
 def _place(x, sharding):
@@ -77,26 +71,22 @@ def _state_specs(state, param_specs, param_shapes, scalar):
     return jax.tree_util.tree_map_with_path(spec_of, state)
 
 
-def _resolve_loss_scale(loss_scale, compute_dtype):
-    """Trainer's `loss_scale` argument -> None or an `engine.LossScale`."""
-    number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
-    _validate("loss_scale", loss_scale, loss_scale in (None, "auto", "dynamic") or (number and loss_scale >= 1)
-              or isinstance(loss_scale, step_lib.LossScale),
-              "None, 'auto', 'dynamic', a number >= 1 (a fixed scale) or an engine.LossScale")
-    if loss_scale == "auto":
-        loss_scale = "dynamic" if compute_dtype == jnp.dtype(jnp.float16) else None
-    if loss_scale is None:
-        return None
-    if loss_scale == "dynamic":
-        return step_lib.LossScale()
-    return loss_scale if isinstance(loss_scale, step_lib.LossScale) else step_lib.LossScale(float(loss_scale),
-                                                                                             dynamic=False)
-
-
 def _trainable_mask(trainable, params):
-    """Trainer's `trainable` argument -> None (everything trains) or a tree of bools of `params`' structure."""
-    if trainable is None:
-        return None
+    """Trainer's `trainable` argument -> None (everything trains) or a tree of bools of `params`' structure. Refuses
+    a selection that holds an integer parameter (quantised weights cannot train)."""
+    mask = None if trainable is None else _mask_of(trainable, params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    wants = jax.tree.leaves(mask) if mask is not None else [True] * len(leaves)
+    integer = [path_str(p) for (p, x), m in zip(leaves, wants) if m and not jnp.issubdtype(x.dtype, jnp.inexact)]
+    if integer:
+        raise ValueError(f"trainable={trainable!r} selects integer parameter {integer[0]} (and {len(integer) - 1} "
+                         "more), which cannot train (quantised weights); expected a trainable set of floating "
+                         "parameters, e.g. models.LORA_TRAINABLE")
+    return mask
+
+
+def _mask_of(trainable, params):
+    """A regex or a tree of bools -> a tree of bools of `params`' structure that selects at least one parameter."""
     if isinstance(trainable, str):
         try:
             pattern = re.compile(trainable)
@@ -147,6 +137,60 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
                   "False on a mesh with data=1 and fsdp=1: no gradient is reduced; expected data or fsdp > 1")
 
 
+def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulate_grad_batches, precision,
+                     parallelism, checkpointing, logging, diloco):
+    """The Trainer's argument checks across its groups (each config checked its own fields when built). Returns
+    the step it runs: 'jit', 'shard_map' or 'diloco'."""
+    _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
+    for name, value, kind in (("precision", precision, Precision), ("parallelism", parallelism, Parallelism),
+                              ("checkpointing", checkpointing, Checkpointing), ("logging", logging, Logging)):
+        _validate(name, value, isinstance(value, kind), f"an engine.{kind.__name__}")
+    _validate("accumulate_grad_batches", accumulate_grad_batches,
+              isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
+    _validate("optimizer", optimizer, hasattr(optimizer, "init") and hasattr(optimizer, "update"),
+              "an optax.GradientTransformation")
+    for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
+        _validate(name, fn, callable(fn), "a callable")
+    _validate("diloco", diloco, diloco is None or isinstance(diloco, diloco_lib.DiLoCo), "None or an engine.DiLoCo")
+    step, offload = parallelism.step, parallelism.offload_optimizer
+    if diloco is not None:
+        _validate("zero_stage", parallelism.zero_stage, parallelism.zero_stage == 0, "0 with diloco (each data "
+                  "position keeps a whole replica and its optimizer state)")
+        _validate("step", step, step == "auto", "'auto' with diloco (DiLoCo has its own step)")
+        _validate("offload_optimizer", offload, not offload, "False with diloco (its optimizer state holds the "
+                  "replicas the steps compute with)")
+    if checkpointing.restore == "best":
+        _validate("restore_checkpoint", checkpointing.restore, checkpointing.params_only and workdir is not None,
+                  "'latest', or 'best' with restore_params_only=True and a workdir")
+    if offload:
+        kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+        _validate("offload_optimizer", offload, "pinned_host" in kinds, f"False on {mesh.devices.flat[0].platform}, "
+                  f"whose devices have no pinned_host memory (only {sorted(kinds)})")
+    sizes = dict(mesh.shape)
+    context = sizes.get("context", 1)
+    if step == "shard_map" and context > 1:
+        raise ValueError(f"step='shard_map' on a mesh with context={context}; expected step='jit' or 'auto' "
+                         "(context parallelism runs in the jit step)")
+    check_zero_quantized(parallelism.int8, mesh, step, diloco is not None)
+    if diloco is not None:
+        return "diloco"
+    if step == "auto" and any(parallelism.int8):
+        return "shard_map"
+    if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
+        pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
+        jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
+        return "jit" if jit else "shard_map"
+    return step
+
+
+def _auto_specs(params, mesh, loss_fn, batch_spec, rules=None):
+    """`engine.auto_shard`'s PartitionSpecs of `params` for `loss_fn` traced (abstractly) on one global micro-batch
+    of `batch_spec` ({name: (shape, dtype)}): the layout a Trainer picks."""
+    example = {k: np.zeros(s, d) for k, (s, d) in batch_spec.items()}
+    trace_fn = lambda p: split_loss(loss_fn(p, example, jax.random.key(0), True))[0]  # noqa: E731
+    return auto_shard(params, mesh, trace_fn=trace_fn, rules=rules)
+
+
 def _size_text(n_bytes):
     return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.2f} MB"
 
@@ -162,156 +206,53 @@ class Trainer:
       optimizer: an `optax.GradientTransformation`; build it with `optax.inject_hyperparams` to log the learning rate.
       workdir: where checkpoints and TensorBoard scalars go; a Trainer on a workdir that holds a checkpoint restores
         the latest one here, in the constructor.
-      sharding_rules: `[(regex, PartitionSpec)]` overrides for `engine.auto_shard` (the rest is automatic), or a
-        full pytree of `PartitionSpec`s.
-      zero_stage: 0, 1 (optimizer state also split over `data`) or 2 (gradients too). The `fsdp` axis always splits
-        weights, gradients and optimizer state (ZeRO-3).
-      compute_dtype: e.g. `jnp.bfloat16`: forward and backward in that dtype; master weights and optimizer state stay
-        in the parameters' dtype.
-      accumulate_grad_batches: micro-batches per optimizer update (scanned inside the one compiled step).
-      remat: rematerialise `loss_fn`'s forward in the backward pass.
-      seed: fixes shuffling and the per-step rngs (`fold_in(key(seed), step)`, so a resume reproduces them).
-      nan_policy: 'raise' (stop with an error naming the step) or 'skip' (drop that update). Either way a non-finite
-        update is never applied.
-      keep_checkpoints: how many recent checkpoints to keep.
-      step: 'shard_map' (`engine.step.shard_map_train_step`: explicit ZeRO gathers and gradient reductions over
-        `data` x `fsdp`, each device running `loss_fn` on its own rows; when `loss_fn` averages over something other
-        than rows, name that count in `loss_fn.weight_metric`, e.g. 'tokens', to get the global-batch mean) or 'jit'
-        (`engine.step.jit_train_step`: the reference, `loss_fn` on the global micro-batch, the compiler partitions).
-        'auto' (default): 'shard_map' on GPU and TPU, where its explicit collectives send less (LLaMA-7B, 8 devices,
-        ZeRO-3: 46.7 GB per device per step against 103 GB, scripts/plan_memory.py); 'jit' on CPU, where the
-        simulated devices' collectives are memory copies and the jit step measured 5-8% faster (bench_step.py);
-        'jit' for a pipeline (mesh `stage` > 1) with `fsdp` > 1, where the shard_map step's ZeRO-3 gathers all of a
-        stage's layers at once (7B, stage 4 x fsdp 2: 46.7 GB per device against 22.3; with stage 4 x data 2 and
-        ZeRO-1 the shard_map step sends 13.3 GB against 55.9 in the same memory); 'jit' with context parallelism
-        (mesh `context` > 1), the only step that runs it (XLA 0.10.2's partitioner aborts on the attention's manual
-        all-to-all region nested in the shard_map step's); 'shard_map' whenever zero_quantized_weights or
-        zero_quantized_gradients is set (they quantize its own collectives). Both give the same results
-        (tests/test_step.py, tests/test_pipeline.py).
-      flops_per_example: model FLOPs of one training example, forward and backward (for the native models:
-        `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a
-        device of known peak (`engine.flops.PEAK_TFLOPS`), the model FLOPs utilisation (MFU); `throughput` holds the
-        latest figures.
-      diloco: an `engine.DiLoCo`: low-communication data parallelism (engine/diloco.py). Every position along `data`
-        trains its own replica and talks to the others once every `diloco.inner_steps` steps; `params` is then the
-        global model, updated at those outer steps (with `diloco.fragments` > 1, part by part: Streaming DiLoCo).
-        Needs zero_stage=0 and step='auto' (DiLoCo has its own step).
-      restore_params_only: restore only the parameters (and the step and data position) of the workdir's latest
-        checkpoint, with a fresh optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it.
-        Otherwise a restore takes the whole state, and a DiLoCo checkpoint needs the same DiLoCo data size and
-        fragments.
-      loss_scale: loss scaling for float16 compute (`engine.LossScale`): 'auto' (default: 'dynamic' when compute_dtype
-        is float16, else None), 'dynamic' (`LossScale()`: start at 2^15, halve and skip the step on an overflow,
-        double after 2000 finite steps), a number >= 1 (a fixed scale), an `engine.LossScale`, or None. Its state
-        rides in the optimizer state (checkpointed, so a resume continues it); each step's scale is the
-        `loss_scale` metric. A skipped overflow step is logged, not an error, until the scale reaches its minimum.
-        With diloco every replica keeps, applies and adjusts its own scale.
-      restore_checkpoint: which of the workdir's checkpoints the constructor restores: 'latest' (default) or 'best'
-        (the one `fit(save_best=...)` kept, under `workdir/best`; with restore_params_only=True only, and such a
-        Trainer neither trains nor saves: it would write over the later checkpoints' steps).
-      offload_optimizer: keep the optimizer state in pinned host memory between steps (ZeRO-Offload's placement, as
-        MaxText's optimizer_memory_host_offload): each step brings it to the device for the update and writes it
-        back, trading two host-link transfers of it per step for its device memory (Adam: 8 bytes per parameter,
-        split like the parameters or, with zero_stage >= 1, over `data` too). Not with diloco.
       trainable: None (every parameter trains), a regex matched with `re.search` against each '/'-joined parameter
         path (e.g. `models.LORA_TRAINABLE`: only the low-rank adapters), or a tree of bools of the parameters'
         structure. Frozen parameters keep their values and get no gradient (none is computed), no optimizer state
         and no DiLoCo replicas; the optimizer sees the trained parameters only (None at the frozen ones).
-      zero_quantized_weights, zero_quantized_gradients: ZeRO++'s quantized communication (DeepSpeed's options of
-        these names; `engine.step.Int8`) in the shard_map step, which 'auto' then picks: every ZeRO-3 parameter of
-        two or more dims is all-gathered over `fsdp` as int8 codes with per-row scales (the weights the forward and
-        backward passes compute with are the dequantised ones; the master weights stay exact; needs fsdp > 1), and /
-        or every gradient of two or more dims is reduced as int8: reduce-scatters (over `fsdp`, and ZeRO-1/2's over
-        `data`) as int8 chunks by an all-to-all, all-reduces (ZeRO-0's over `data`) as that plus an int8
-        all-gather. LLaMA-7B on 1 x 8 x 1 (bf16, plan_memory.py): 46.0 GB sent per device and step, 34.7 with int8
-        weights, 17.7 with both. Not with diloco or context parallelism.
+      seed: fixes shuffling and the per-step rngs (`fold_in(key(seed), step)`, so a resume reproduces them).
+      accumulate_grad_batches: micro-batches per optimizer update (scanned inside the one compiled step).
+      precision: an `engine.Precision` (compute dtype, loss scaling, what a non-finite step does).
+      parallelism: an `engine.Parallelism` (the step, ZeRO stage, remat, sharding rules, optimizer offload, ZeRO++).
+      checkpointing: an `engine.Checkpointing` (how many to keep; what the constructor restores).
+      logging: an `engine.Logging` (model FLOPs per example for the TFLOP/s and MFU of each log line).
+      diloco: an `engine.DiLoCo`: low-communication data parallelism (engine/diloco.py). Every position along `data`
+        trains its own replica and talks to the others once every `diloco.inner_steps` steps; `params` is then the
+        global model, updated at those outer steps (with `diloco.fragments` > 1, part by part: Streaming DiLoCo).
+        Needs zero_stage=0, step='auto' and no offload_optimizer (DiLoCo has its own step).
     """
 
-    def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, sharding_rules=None,
-                 zero_stage=0, compute_dtype=None, accumulate_grad_batches=1, remat=False, seed=0,
-                 nan_policy="raise", keep_checkpoints=3, step="auto", flops_per_example=None, diloco=None,
-                 restore_params_only=False, offload_optimizer=False, trainable=None, restore_checkpoint="latest",
-                 loss_scale="auto", zero_quantized_weights=False, zero_quantized_gradients=False):
-        _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
-        _validate("zero_stage", zero_stage, zero_stage in (0, 1, 2), "0, 1 or 2")
-        _validate("accumulate_grad_batches", accumulate_grad_batches,
-                  isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
-        _validate("nan_policy", nan_policy, nan_policy in _NAN_POLICIES, f"one of {_NAN_POLICIES}")
-        _validate("step", step, step in _STEPS, f"one of {_STEPS}")
-        _validate("optimizer", optimizer, hasattr(optimizer, "init") and hasattr(optimizer, "update"),
-                  "an optax.GradientTransformation")
-        _validate("keep_checkpoints", keep_checkpoints, isinstance(keep_checkpoints, int) and keep_checkpoints >= 1,
-                  "an integer >= 1")
-        if compute_dtype is not None:
-            _validate("compute_dtype", compute_dtype, jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating),
-                      "a floating dtype such as jnp.bfloat16")
-        for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
-            _validate(name, fn, callable(fn), "a callable")
-        _validate("flops_per_example", flops_per_example, flops_per_example is None or (
-            isinstance(flops_per_example, (int, float)) and not isinstance(flops_per_example, bool)
-            and flops_per_example > 0), "None or a positive number")
-        self.flops_per_example = flops_per_example
-        _validate("diloco", diloco, diloco is None or isinstance(diloco, diloco_lib.DiLoCo), "None or an engine.DiLoCo")
-        if diloco is not None:
-            _validate("zero_stage", zero_stage, zero_stage == 0, "0 with diloco (each data position keeps a whole "
-                      "replica and its optimizer state)")
-            _validate("step", step, step == "auto", "'auto' with diloco (DiLoCo has its own step)")
-            step = "diloco"
-        self.diloco = diloco
-        _validate("restore_params_only", restore_params_only, isinstance(restore_params_only, bool), "a bool")
-        self._restore_params_only = restore_params_only
-        _validate("restore_checkpoint", restore_checkpoint, restore_checkpoint in _RESTORE_CHECKPOINTS,
-                  f"one of {_RESTORE_CHECKPOINTS}")
-        if restore_checkpoint == "best":
-            _validate("restore_checkpoint", restore_checkpoint, restore_params_only and workdir is not None,
-                      "'latest', or 'best' with restore_params_only=True and a workdir")
-        _validate("offload_optimizer", offload_optimizer, isinstance(offload_optimizer, bool), "a bool")
-        if offload_optimizer:
-            _validate("offload_optimizer", offload_optimizer, diloco is None, "False with diloco (its optimizer "
-                      "state holds the replicas the steps compute with)")
-            kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
-            _validate("offload_optimizer", offload_optimizer, "pinned_host" in kinds,
-                      f"False on {mesh.devices.flat[0].platform}, whose devices have no pinned_host memory "
-                      f"(only {sorted(kinds)})")
-        self.offload_optimizer = offload_optimizer
-        mask = _trainable_mask(trainable, params)  # bad input fails here, before anything is placed
-        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        wants = jax.tree.leaves(mask) if mask is not None else [True] * len(leaves)
-        integer = [path_str(p) for (p, x), m in zip(leaves, wants) if m and not jnp.issubdtype(x.dtype, jnp.inexact)]
-        if integer:
-            raise ValueError(f"trainable={trainable!r} selects integer parameter {integer[0]} (and {len(integer) - 1} "
-                             "more), which cannot train (quantised weights); expected a trainable set of floating "
-                             "parameters, e.g. models.LORA_TRAINABLE")
-        self._trainable = mask  # None, or a tree of bools of the parameters' structure
+    def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, trainable=None, seed=0,
+                 accumulate_grad_batches=1, precision=None, parallelism=None, checkpointing=None, logging=None,
+                 diloco=None):
+        precision = Precision() if precision is None else precision
+        parallelism = Parallelism() if parallelism is None else parallelism
+        checkpointing = Checkpointing() if checkpointing is None else checkpointing
+        logging = Logging() if logging is None else logging  # noqa: F811 - the argument; the module is _log here
+        self._step_kind = _check_arguments(mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, optimizer=optimizer,
+                                           workdir=workdir, accumulate_grad_batches=accumulate_grad_batches,
+                                           precision=precision, parallelism=parallelism,
+                                           checkpointing=checkpointing, logging=logging, diloco=diloco)
+        self._trainable = _trainable_mask(trainable, params)  # None, or a tree of bools of the parameters' structure
+        self.precision, self.parallelism, self.checkpointing, self.logging = (precision, parallelism, checkpointing,
+                                                                              logging)
+        self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
+        self.workdir, self.seed, self.diloco, self.accumulate = workdir, seed, diloco, accumulate_grad_batches
+        # The settings the step reads, under their own names.
+        self.zero_stage, self.remat = parallelism.zero_stage, parallelism.remat
+        self.offload_optimizer, self._int8 = parallelism.offload_optimizer, parallelism.int8
+        self.compute_dtype, self.nan_policy = precision.compute_dtype, precision.nan_policy
+        self._loss_scale = precision.resolved_loss_scale()
+        self.flops_per_example = logging.flops_per_example
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
         # model_tflops_per_device and mfu (None where the device's peak is unknown).
         self.throughput = {}
-        self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
-        self.zero_stage, self.accumulate = zero_stage, accumulate_grad_batches
-        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        self._loss_scale = _resolve_loss_scale(loss_scale, self.compute_dtype)
-        self.remat, self.seed, self.nan_policy = remat, seed, nan_policy
-        self._sharding_rules = sharding_rules
-        sizes = dict(mesh.shape)
-        context = sizes.get("context", 1)
-        if step == "shard_map" and context > 1:
-            raise ValueError(f"step='shard_map' on a mesh with context={context}; expected step='jit' or 'auto' "
-                             "(context parallelism runs in the jit step)")
-        int8 = step_lib.Int8(weights=zero_quantized_weights, gradients=zero_quantized_gradients)
-        check_zero_quantized(int8, mesh, step, diloco is not None)
-        self._int8 = int8
-        if step == "auto" and any(int8):
-            step = "shard_map"
-        if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
-            pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
-            jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
-            step = "jit" if jit else "shard_map"
-        self._step_kind = step
         self._init_params = params
         self._state = None            # {'params', 'opt_state'} on the mesh once set up
+        self._layout = None           # the abstract state and its shardings, once the first batch fixed them
         self._param_specs = None
         self._batch_spec = None       # {leaf path: (shape, dtype)} of one global micro-batch: fixes the trace
-        self._step_fn = None
+        self._step_fn, self._step_impls = {}, {}
         self._executables = {}        # {(sync, batch signature): the step compiled ahead of time}
         self._eval_fn = None
         self.compile_count = 0        # traces (= compilations) of the train step
@@ -321,18 +262,21 @@ class Trainer:
         self._total_steps = None
         self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
         self._key = jax.random.key(seed)
-        self.workdir = workdir
-        self._checkpointer = Checkpointer(workdir, keep=keep_checkpoints) if workdir else None
-        self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore_checkpoint='best'
+        self._checkpointer = Checkpointer(workdir, keep=checkpointing.keep) if workdir else None
+        self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore='best'
         self.best = None  # {'step', 'metric', 'mode', 'value'} of the checkpoint fit(save_best=...) keeps
-        self._restored_best = restore_checkpoint == "best"
+        self._restored_best = checkpointing.restore == "best"
         self._last_eval_step = None
         self._evals_since_best = 0  # evals since the best improved (early stopping); checkpointed
         self._writer = None
+        self._restore_from_workdir()
+
+    def _restore_from_workdir(self):
+        """Restores the workdir's latest checkpoint (or its best, with Checkpointing(restore='best')), if any."""
         if self._restored_best:
-            source = None if not os.path.isdir(os.path.join(workdir, "best")) else self._open_best()
+            source = None if not os.path.isdir(os.path.join(self.workdir, "best")) else self._open_best()
             if source is None or source.latest_step() is None:
-                raise FileNotFoundError(f"restore_checkpoint='best': workdir={workdir} has no best checkpoint; "
+                raise FileNotFoundError(f"restore_checkpoint='best': workdir={self.workdir} has no best checkpoint; "
                                         "expected a workdir trained with fit(save_best=...) (--save_best)")
             self._restore(source.latest_step(), source)
         elif self._checkpointer is not None and self._checkpointer.latest_step() is not None:
@@ -361,89 +305,126 @@ class Trainer:
     def param_specs(self):
         return self._param_specs
 
+    @property
+    def state_shardings(self):
+        """{'params', 'opt_state'}: the `NamedSharding` of every leaf of the state where it rests between steps (the
+        optimizer state in pinned host memory with offload_optimizer); None before the layout is decided."""
+        if self._layout is None:
+            return None
+        return jax.tree.map(lambda x: x.sharding, self._layout)
+
+    @property
+    def batch_spec(self):
+        """{name: jax.ShapeDtypeStruct [rows, ...]} of one global micro-batch as the first batch (or the restored
+        checkpoint) fixed it; None before."""
+        if self._batch_spec is None:
+            return None
+        return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in self._batch_spec.items()}
+
     def trainable_paths(self):
         """The '/'-joined paths of the parameters this Trainer trains (every one without `trainable`)."""
         flat = jax.tree_util.tree_flatten_with_path(self.params)[0]
         wants = jax.tree.leaves(self._trainable) if self._trainable is not None else [True] * len(flat)
         return [path_str(p) for (p, _), m in zip(flat, wants) if m]
 
+    # ------------------------------------------------------------------------------------------------ the state
+    def abstract_state(self, batch):
+        """Lays out the state for `batch` ({name: array or jax.ShapeDtypeStruct [accumulate, rows, ...]}, one global
+        update) without allocating it (the parameters may be `jax.ShapeDtypeStruct`s). Returns {'params',
+        'opt_state'} of `jax.ShapeDtypeStruct`s with their shardings: the arguments `lower` compiles the step for.
+        The first batch (or a restored checkpoint) fixes the layout; later calls return it."""
+        if self._batch_spec is None:
+            self._batch_spec = {k: (tuple(x.shape[1:]), str(x.dtype)) for k, x in batch.items()}
+        return self._lay_out()
+
+    def lower(self, batch, *, sync=False, platforms=None):
+        """The train step lowered ahead of time for `batch` (as in `abstract_state`) on the state's abstract layout:
+        nothing is allocated. sync: DiLoCo's overlapped outer-step program. platforms: lower for these backends (e.g.
+        ('cuda',)) instead of this machine's."""
+        state = self.abstract_state(batch)
+        traced = self._compiled_step(sync).trace(state["params"], state["opt_state"], batch, np.int32(0))
+        return traced.lower(lowering_platforms=tuple(platforms)) if platforms else traced.lower()
+
+    def compile(self, batch, *, sync=False):
+        """`lower(batch, sync=sync)` compiled: a `jax.stages.Compiled` (`memory_analysis()`, `as_text()`)."""
+        return self.lower(batch, sync=sync).compile()
+
     # ------------------------------------------------------------------------------------------------ set-up
-    def _example_batch(self):
-        """Zeros shaped like one global micro-batch: the input of the abstract trace that decides the sharding."""
-        return {k: np.zeros(s, d) for k, (s, d) in self._batch_spec.items()}
-
-    def _specs(self, params):
-        rules = self._sharding_rules
-        if rules is not None and not isinstance(rules, (list, tuple)):
-            return rules  # a full pytree of PartitionSpecs
-        example = self._example_batch()
-        trace_fn = lambda p: split_loss(self.loss_fn(p, example, self._key, True))[0]  # noqa: E731
-        return auto_shard(params, self.mesh, trace_fn=trace_fn, rules=rules)
-
-    def _setup(self, restore_step=None, checkpointer=None):
-        """Decides the layout, compiles nothing yet, and places (or restores from `checkpointer`, by default the
-        workdir's) the state."""
-        checkpointer = checkpointer or self._checkpointer
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+    def _lay_out(self):
+        """Decides the shardings of parameters, gradients and optimizer state for the recorded batch shapes, once.
+        Returns the abstract, sharded state."""
+        if self._layout is not None:
+            return self._layout
         abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self._init_params)
-        mask = self._trainable
+        sizes, mask = dict(self.mesh.shape), self._trainable
         if mask is not None:
             counts = [sum(int(np.prod(x.shape)) for x, m in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(
                 mask)) if m == want) for want in (True, False)]
             logging.info("training %d parameters, %d frozen (%.3g%% trained)", counts[0], counts[1],
                          100 * counts[0] / max(1, sum(counts)))
-        self._param_specs = self._specs(abstract_params)
+        rules = self.parallelism.sharding_rules
+        self._param_specs = (rules if rules is not None and not isinstance(rules, (list, tuple)) else
+                             _auto_specs(abstract_params, self.mesh, self.loss_fn, self._batch_spec, rules))
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         shapes = jax.tree.map(lambda x: x.shape, abstract_params)
         data_axis = lambda spec, shape: add_axis(spec, shape, "data", sizes)  # noqa: E731
-        self._grad_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
-                            if self.zero_stage >= 2 else self._param_specs)
-        opt_param_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
-                           if self.zero_stage >= 1 else self._param_specs)
-        self._update_specs = opt_param_specs  # parameter-shaped layout of the optimizer update
+        grad_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
+                      if self.zero_stage >= 2 else self._param_specs)
+        self._update_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
+                              if self.zero_stage >= 1 else self._param_specs)  # parameter-shaped, of the update
         if self.diloco is None:
-            init_opt = lambda p: step_lib.init_opt_state(self.optimizer, partition(p, mask)[0],  # noqa: E731
-                                                         self._loss_scale)
-            abstract_opt = jax.eval_shape(init_opt, abstract_params)
-            self._opt_specs = _state_specs(abstract_opt, opt_param_specs, shapes, P())
-        else:  # the replicas, their inner optimizer states (a leading [replicas] dim over `data`), the outer state
-            replicas, parts = sizes["data"], self.diloco.fragments
-            trained_specs, trained_shapes = partition(self._param_specs, mask)[0], partition(shapes, mask)[0]
-            plan = self._diloco_plan = diloco_lib.fragment_plan(self.diloco, trained_shapes, trained_specs, sizes)
-            init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, partition(p, mask)[0],  # noqa
-                                                       replicas, plan, self._loss_scale)
-            abstract_opt = jax.eval_shape(init_opt, abstract_params)
-            replica_specs = jax.tree.map(lambda spec: P("data", *spec), trained_specs, is_leaf=is_spec)
-            replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), trained_shapes,
-                                          is_leaf=lambda x: isinstance(x, tuple))
-            part_shapes = lambda p: jax.tree.map(lambda x: x.shape, jax.eval_shape(  # noqa: E731
-                lambda t: diloco_lib.fragment(t, plan, p, parts), partition(abstract_params, mask)[0]))
-            outer_specs = (_state_specs(abstract_opt["outer"], self._param_specs, shapes, P()) if parts == 1 else
-                           [_state_specs(state, diloco_lib.fragment_specs(plan, trained_specs, p), part_shapes(p),
-                                         P()) for p, state in enumerate(abstract_opt["outer"])])
-            self._opt_specs = {
-                "replicas": replica_specs,
-                "inner": _state_specs(abstract_opt["inner"], replica_specs, replica_shapes, P("data")),
-                "outer": outer_specs}
+            self._init_opt = lambda p: step_lib.init_opt_state(self.optimizer, partition(p, mask)[0],  # noqa: E731
+                                                               self._loss_scale)
+            abstract_opt = jax.eval_shape(self._init_opt, abstract_params)
+            opt_specs = _state_specs(abstract_opt, self._update_specs, shapes, P())
+        else:
+            abstract_opt, opt_specs = self._diloco_layout(abstract_params, shapes)
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=is_spec)  # noqa
-        self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs),
-                                                       partition(named(self._grad_specs), mask)[0],
-                                                       named(self._opt_specs))
+        self._param_sh, self._grad_sh, self._opt_sh = (named(self._param_specs), partition(named(grad_specs), mask)[0],
+                                                       named(opt_specs))
         self._opt_device_sh = self._opt_sh  # where the update reads and writes it
         if self.offload_optimizer:  # where it rests between steps (and in init, restore and checkpoints)
             self._opt_sh = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self._opt_sh)
         log_sharding(abstract_params, self._param_specs, self.mesh)
+        self._layout = {"params": abstract_like(abstract_params, self._param_sh),
+                        "opt_state": abstract_like(abstract_opt, self._opt_sh)}
+        return self._layout
+
+    def _diloco_layout(self, abstract_params, shapes):
+        """DiLoCo's optimizer state and its specs: the replicas, their inner optimizer states (a leading [replicas]
+        dim over `data`), the outer state (one per part with fragments)."""
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        mask, replicas, parts = self._trainable, self.mesh.shape["data"], self.diloco.fragments
+        trained_specs, trained_shapes = partition(self._param_specs, mask)[0], partition(shapes, mask)[0]
+        plan = self._diloco_plan = diloco_lib.fragment_plan(self.diloco, trained_shapes, trained_specs,
+                                                            dict(self.mesh.shape))
+        self._init_opt = lambda p: diloco_lib.init_state(self.diloco, self.optimizer, partition(p, mask)[0],  # noqa
+                                                         replicas, plan, self._loss_scale)
+        abstract_opt = jax.eval_shape(self._init_opt, abstract_params)
+        replica_specs = jax.tree.map(lambda spec: P("data", *spec), trained_specs, is_leaf=is_spec)
+        replica_shapes = jax.tree.map(lambda shape: (replicas, *shape), trained_shapes,
+                                      is_leaf=lambda x: isinstance(x, tuple))
+        part_shapes = lambda p: jax.tree.map(lambda x: x.shape, jax.eval_shape(  # noqa: E731
+            lambda t: diloco_lib.fragment(t, plan, p, parts), partition(abstract_params, mask)[0]))
+        outer_specs = (_state_specs(abstract_opt["outer"], self._param_specs, shapes, P()) if parts == 1 else
+                       [_state_specs(state, diloco_lib.fragment_specs(plan, trained_specs, p), part_shapes(p), P())
+                        for p, state in enumerate(abstract_opt["outer"])])
+        return abstract_opt, {"replicas": replica_specs,
+                              "inner": _state_specs(abstract_opt["inner"], replica_specs, replica_shapes, P("data")),
+                              "outer": outer_specs}
+
+    def _setup(self, restore_step=None, checkpointer=None):
+        """Lays out the state and places it (or restores it from `checkpointer`, by default the workdir's)."""
+        checkpointer = checkpointer or self._checkpointer
+        layout = self._lay_out()
         if restore_step is None:
             params = jax.tree.map(_place, self._init_params, self._param_sh)
-            opt_state = jax.jit(init_opt, out_shardings=self._opt_sh)(params)
-            self._state = {"params": params, "opt_state": opt_state}
-        elif self._restore_params_only:
-            params = checkpointer.restore_params(restore_step, abstract_like(abstract_params, self._param_sh))
-            self._state = {"params": params, "opt_state": jax.jit(init_opt, out_shardings=self._opt_sh)(params)}
+            self._state = {"params": params, "opt_state": jax.jit(self._init_opt, out_shardings=self._opt_sh)(params)}
+        elif self.checkpointing.params_only:
+            params = checkpointer.restore_params(restore_step, layout["params"])
+            self._state = {"params": params, "opt_state": jax.jit(self._init_opt, out_shardings=self._opt_sh)(params)}
         else:
-            target = {"params": abstract_like(abstract_params, self._param_sh),
-                      "opt_state": abstract_like(abstract_opt, self._opt_sh)}
-            self._state, _ = checkpointer.restore(restore_step, target)
+            self._state, _ = checkpointer.restore(restore_step, layout)
         self._init_params = None  # the master copy lives on the mesh from here on
 
     def _restore(self, step, checkpointer=None):
@@ -453,18 +434,7 @@ class Trainer:
             logging.warning("restoring a checkpoint made with seed=%s into a Trainer with seed=%s",
                             meta.get("seed"), self.seed)
         self._batch_spec = {k: (tuple(v[0]), v[1]) for k, v in meta["batch_spec"].items()}
-        saved, mine = meta.get("diloco_replicas"), self._diloco_replicas()
-        if saved != mine and not self._restore_params_only:
-            have = f"DiLoCo with {saved} replicas" if saved else "no DiLoCo"
-            want = f"diloco on a mesh with data={saved}" if saved else "diloco=None"
-            raise ValueError(f"workdir={self.workdir} holds a checkpoint of a run with {have}; expected {want} to "
-                             "resume it, or restore_params_only=True to take its parameters only")
-        saved = meta.get("diloco_fragments") or (1 if meta.get("diloco_replicas") else None)
-        mine = None if self.diloco is None else self.diloco.fragments
-        if saved != mine and mine is not None and not self._restore_params_only:
-            raise ValueError(f"workdir={self.workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
-                             f"expected DiLoCo(fragments={saved}) to resume it (each part has its own outer "
-                             "optimizer state), or restore_params_only=True to take its parameters only")
+        self._check_diloco_matches(meta)
         self._setup(restore_step=step, checkpointer=checkpointer)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         self.best = meta.get("best")
@@ -472,11 +442,27 @@ class Trainer:
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
                      self._batch_in_epoch, checkpointer.directory)
 
+    def _check_diloco_matches(self, meta):
+        """A whole-state restore needs the checkpoint's DiLoCo replicas and fragments."""
+        if self.checkpointing.params_only:
+            return
+        saved, mine = meta.get("diloco_replicas"), self._diloco_replicas()
+        if saved != mine:
+            have = f"DiLoCo with {saved} replicas" if saved else "no DiLoCo"
+            want = f"diloco on a mesh with data={saved}" if saved else "diloco=None"
+            raise ValueError(f"workdir={self.workdir} holds a checkpoint of a run with {have}; expected {want} to "
+                             "resume it, or restore_params_only=True to take its parameters only")
+        saved = meta.get("diloco_fragments") or (1 if meta.get("diloco_replicas") else None)
+        mine = None if self.diloco is None else self.diloco.fragments
+        if saved != mine and mine is not None:
+            raise ValueError(f"workdir={self.workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
+                             f"expected DiLoCo(fragments={saved}) to resume it (each part has its own outer "
+                             "optimizer state), or restore_params_only=True to take its parameters only")
+
     def _note_batch(self, batch):
         """Records the shapes of one global micro-batch (drops the micro-batch axis) and sets up on first sight."""
-        spec = {k: (tuple(v.shape[1:]), str(v.dtype)) for k, v in batch.items()}
         if self._batch_spec is None:
-            self._batch_spec = spec
+            self._batch_spec = {k: (tuple(v.shape[1:]), str(v.dtype)) for k, v in batch.items()}
         if self._state is None:
             self._setup()
 
@@ -948,3 +934,27 @@ def global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches=1):
     """Examples per optimizer update: `per_device_batch_size x data x fsdp x accumulate_grad_batches`."""
     return per_device_batch_size * data_lib.data_parallel_size(mesh) * accumulate_grad_batches
 
+
+
+def restore_params(workdir, *, mesh, params, loss_fn, checkpoint="latest"):
+    """The parameters of `workdir`'s latest checkpoint (checkpoint='best': the one `fit(save_best=...)` kept), laid
+    out over `mesh` as a Trainer with `loss_fn` lays them out (`engine.auto_shard`, traced on the checkpoint's batch
+    shapes), whatever mesh, optimizer or DiLoCo replicas trained them. params: the parameter pytree (arrays or
+    `jax.ShapeDtypeStruct`s: only shapes and dtypes are read). Returns (params, the checkpoint's step)."""
+    check("checkpoint", checkpoint, checkpoint in RESTORE_CHECKPOINTS, f"one of {RESTORE_CHECKPOINTS}")
+    name = "best" if checkpoint == "best" else "checkpoints"
+    source = Checkpointer(workdir, name=name) if os.path.isdir(os.path.join(workdir, name)) else None
+    step = None if source is None else source.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"checkpoint={checkpoint!r}: workdir={workdir} has no {name.rstrip('s')} checkpoint "
+                                "yet; expected a workdir a Trainer saved to" + (" with fit(save_best=...) "
+                                                                              "(--save_best)" if name == "best" else ""))
+    try:
+        meta = source.read_meta(step)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        batch_spec = {k: (tuple(v[0]), v[1]) for k, v in meta["batch_spec"].items()}
+        specs = _auto_specs(abstract, mesh, loss_fn, batch_spec)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+        return source.restore_params(step, abstract_like(abstract, shardings)), step
+    finally:
+        source.close()

@@ -50,7 +50,7 @@ def engine_worker(mesh_text, step_kind):
         return xent(lm.apply({"params": params}, batch["input_ids"]), batch["labels"])
 
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, params=params,
-                             optimizer=optax.adamw(1e-3), step=step_kind)
+                             optimizer=optax.adamw(1e-3), parallelism=engine.Parallelism(step=step_kind))
     per_device = GLOBAL_BATCH // (data * fsdp)
     start = time.perf_counter()
     trainer.fit(make_examples(GLOBAL_BATCH * WARMUP, 1), per_device_batch_size=per_device, log_every=100)

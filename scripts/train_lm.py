@@ -100,8 +100,8 @@ def main(argv):
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm,
                              loss_fn=lm.lm_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len),
-                             **cli.trainer_kwargs())
+                             **cli.trainer_kwargs(),
+                             logging=engine.Logging(flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len)))
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)

@@ -207,9 +207,8 @@ def main(argv):
         models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=_optimizer(), workdir=FLAGS.workdir,
-                             flops_per_example=flops,
                              trainable=cli.trainable(None if critic is None else models.SCORE_TRAINABLE),
-                             **cli.trainer_kwargs())
+                             **cli.trainer_kwargs(), logging=engine.Logging(flops_per_example=flops))
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     group = f" ({rollout_batch_size // samples} prompts x {samples})" if samples > 1 else ""

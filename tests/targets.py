@@ -25,12 +25,9 @@ def kernel_operands_of_train_step(trainer, rows, seq_len, platform="cuda"):
     import jax.numpy as jnp
     import numpy as np
 
-    from engine import plan
     batch = {k: jax.ShapeDtypeStruct((1, rows, seq_len), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
-    state = plan.abstract_state(trainer, batch)
     target = for_gpu(trainer.mesh) if platform == "cuda" else jax.sharding.use_abstract_mesh(trainer.mesh.abstract_mesh)
     with target:
-        lowered = trainer._compiled_step().trace(state["params"], state["opt_state"], batch, np.int32(0)).lower(
-            lowering_platforms=(platform,)).as_text()
+        lowered = trainer.lower(batch, platforms=(platform,)).as_text()
     call = r"__gpu\$xla\.gpu\.triton" if platform == "cuda" else "tpu_custom_call"
     return re.findall(rf"custom_call @{call}\(.*?\).*?: \((.*?)\) ->", lowered)

@@ -277,7 +277,8 @@ def test_llama_on_a_context_mesh_beyond_its_heads_has_the_unsplit_gradients():
 def test_shard_map_step_refuses_a_context_mesh():
     with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2; expected step='jit'"):
         engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=lm.collate_lm, loss_fn=lambda *a: 0.0,
-                       params={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1), step="shard_map")
+                       params={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1),
+                       parallelism=engine.Parallelism(step="shard_map"))
 
 
 def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads():

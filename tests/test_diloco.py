@@ -127,7 +127,8 @@ def test_resumes_exactly_between_outer_steps(tmp_path):
     with pytest.raises(ValueError, match="holds a checkpoint of a run with DiLoCo with 4 replicas; expected diloco on "
                                          "a mesh with data=4"):
         _trainer(other, optimizer=optax.adam(1e-2), workdir=str(tmp_path))
-    plain = _trainer(other, optimizer=optax.adam(1e-2), workdir=str(tmp_path), restore_params_only=True)
+    plain = _trainer(other, optimizer=optax.adam(1e-2), workdir=str(tmp_path),
+                     checkpointing=engine.Checkpointing(params_only=True))
     assert plain.step == 10 and _max_diff(plain.params, whole.params) == 0.0
     with pytest.raises(ValueError, match=r"holds a checkpoint of a DiLoCo run with fragments=1; expected "
                                          r"DiLoCo\(fragments=1\) to resume it"):
@@ -145,11 +146,10 @@ def test_overlapped_exchange_does_not_wait_for_the_inner_step():
     trainer = _trainer(mesh, optimizer=optax.sgd(0.1), diloco=diloco)
     trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=1)
     rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
-    batch = {k: jax.ShapeDtypeStruct((1, *s), d, sharding=rows) for k, (s, d) in trainer._batch_spec.items()}
+    batch = {k: jax.ShapeDtypeStruct((1, *x.shape), x.dtype, sharding=rows) for k, x in trainer.batch_spec.items()}
     collective = re.compile(r" (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
     for sync in (False, True):
-        hlo = trainer._compiled_step(sync).lower(trainer.params, trainer.opt_state, batch,
-                                                 np.int32(0)).compile().as_text()
+        hlo = trainer.compile(batch, sync=sync).as_text()
         comps, entry = plan_lib._computations(hlo)
         where = {name for name, lines in comps.items() for line in lines if collective.search(line)}
         assert where == ({entry} if sync else set()), where
@@ -189,9 +189,10 @@ def test_bad_diloco_settings():
     with pytest.raises(ValueError, match=r"DiLoCo.inner_steps=0; expected an integer >= 1"):
         engine.DiLoCo(inner_steps=0)
     with pytest.raises(ValueError, match=r"zero_stage=1; expected 0 with diloco"):
-        _trainer(mesh, optimizer=optax.sgd(0.1), zero_stage=1, diloco=engine.DiLoCo())
+        _trainer(mesh, optimizer=optax.sgd(0.1), diloco=engine.DiLoCo(), parallelism=engine.Parallelism(zero_stage=1))
     with pytest.raises(ValueError, match=r"step='shard_map'; expected 'auto' with diloco"):
-        _trainer(mesh, optimizer=optax.sgd(0.1), step="shard_map", diloco=engine.DiLoCo())
+        _trainer(mesh, optimizer=optax.sgd(0.1), diloco=engine.DiLoCo(),
+                 parallelism=engine.Parallelism(step="shard_map"))
     with pytest.raises(ValueError, match=r"diloco=4; expected None or an engine.DiLoCo"):
         _trainer(mesh, optimizer=optax.sgd(0.1), diloco=4)
     with pytest.raises(ValueError, match=r"DiLoCo.fragments=5; expected an integer from 1 to inner_steps=4"):

@@ -107,7 +107,8 @@ def test_adapter_training_on_a_mesh_freezes_the_rest_and_exports_merged(tmp_path
     loss_fn = lm.lm_loss_fn(model)
     loss_fn.weight_metric = "tokens"
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params,
-                             optimizer=optax.adam(3e-2), step="shard_map", trainable=models.LORA_TRAINABLE)
+                             optimizer=optax.adam(3e-2), trainable=models.LORA_TRAINABLE,
+                             parallelism=engine.Parallelism(step="shard_map"))
     trainer.fit(rows, per_device_batch_size=2, max_steps=8, log_every=8)
     assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.2
     after = jax.device_get(trainer.params)

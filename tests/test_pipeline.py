@@ -105,14 +105,16 @@ def test_stacked_layers_split_over_stage_and_only_activations_move():
 
 
 @pytest.mark.parametrize("mesh, kwargs", [
-    (dict(stage=2, data=2, model=2), dict(step="jit")),
-    pytest.param(dict(stage=2, fsdp=2, model=2), dict(step="shard_map"), marks=pytest.mark.slow),
-    pytest.param(dict(stage=2, data=2, model=2), dict(step="shard_map", zero_stage=1), marks=pytest.mark.slow),
+    (dict(stage=2, data=2, model=2), dict(parallelism=engine.Parallelism(step="jit"))),
+    pytest.param(dict(stage=2, fsdp=2, model=2), dict(parallelism=engine.Parallelism(step="shard_map")),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, data=2, model=2), dict(parallelism=engine.Parallelism(step="shard_map", zero_stage=1)),
+                 marks=pytest.mark.slow),
     pytest.param(dict(stage=2, data=2, model=2), dict(diloco="diloco"), marks=pytest.mark.slow),
     # Streaming: the stacked layers are cut into 2 parts along the stage-split layer dim (4 layers = 2 stages x 2
     # parts), as without the pipeline.
     pytest.param(dict(stage=2, data=2, model=2), dict(diloco="streaming"), marks=pytest.mark.slow),
-    pytest.param(dict(stage=2, context=2), dict(step="jit"), marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, context=2), dict(parallelism=engine.Parallelism(step="jit")), marks=pytest.mark.slow),
 ])
 def test_trainer_on_a_pipeline_trains_like_without(mesh, kwargs):
     model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2)

@@ -131,7 +131,8 @@ def test_groups_of_a_compiled_step_are_its_mesh_axes():
 
     mesh = engine.make_mesh(data=4, fsdp=2)
     trainer = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn,
-                             params=jax.eval_shape(task.init_params), optimizer=optax.adam(1e-2), step="jit")
+                             params=jax.eval_shape(task.init_params), optimizer=optax.adam(1e-2),
+                             parallelism=engine.Parallelism(step="jit"))
     rows = task.collate_fn(task.make_examples(8))
     hlo = plan.compile_step(trainer, {k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in rows.items()})
     lines = [line for line in hlo.as_text().splitlines() if "replica_groups=" in line]

@@ -51,7 +51,7 @@ def _llama_trainer(step, sequence_parallel):
     loss_fn.weight_metric = "tokens"
     return engine.Trainer(mesh=engine.make_mesh(data=2, model=4), collate_fn=lm.collate_lm, loss_fn=loss_fn,
                           params=models.init_params(model, jax.random.PRNGKey(0)), optimizer=optax.sgd(0.5),
-                          step=step)
+                          parallelism=engine.Parallelism(step=step))
 
 
 def test_shard_map_step_trains_like_the_jit_step_and_gathers_tokens():

@@ -38,7 +38,7 @@ def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 
 def test_loss_decreases_and_one_compile(monkeypatch):
-    trainer = _trainer(flops_per_example=3e9)
+    trainer = _trainer(logging=engine.Logging(flops_per_example=3e9))
     assert trainer.compiled_step() is None
     logged, info = [], logging.info  # absl's own verbosity may differ from test to test: record the calls
     monkeypatch.setattr(logging, "info", lambda msg, *args, **kw: logged.append(msg % args) or info(msg, *args, **kw))
@@ -84,7 +84,8 @@ def test_a_step_that_does_not_fit_the_device_is_refused_before_it_runs(monkeypat
                                          r"holds 0\.10 MB; expected a layout that fits: a larger fsdp or zero_stage"):
         trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
     assert trainer.step == 0 and not trainer.history
-    offloaded = _trainer(offload_optimizer=True)  # its device figures may count the host-resident state: a warning
+    # its device figures may count the host-resident state: a warning
+    offloaded = _trainer(parallelism=engine.Parallelism(offload_optimizer=True))
     offloaded.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
     assert offloaded.step == 1
     monkeypatch.setattr(engine.plan, "device_memory_bytes", lambda device: 10**9)
@@ -119,7 +120,7 @@ def test_zero_stages_split_state_and_match(zero_stage):
     mesh = engine.make_mesh(data=4, model=2)
     ref = _trainer(mesh)
     ref.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
-    z = _trainer(mesh, zero_stage=zero_stage)
+    z = _trainer(mesh, parallelism=engine.Parallelism(zero_stage=zero_stage))
     z.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
     mu = z.opt_state[0].mu["layers_0"]["gate_proj"]["kernel"]
     assert "data" in str(mu.sharding.spec), mu.sharding.spec
@@ -128,7 +129,7 @@ def test_zero_stages_split_state_and_match(zero_stage):
 
 
 def test_bf16_compute_trains_with_fp32_masters():
-    trainer = _trainer(compute_dtype=jnp.bfloat16)
+    trainer = _trainer(precision=engine.Precision(compute_dtype=jnp.bfloat16))
     history = trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, log_every=8)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
     assert history[-1]["loss"] < 0.8 * history[0]["loss"]
@@ -147,9 +148,11 @@ def _norms(trainer):
 def _fp16_runs(names):
     runs = {}
     for name in names:
-        kwargs = {"fp32": {}, "fp16 unscaled": dict(compute_dtype=jnp.float16, loss_scale=None),
-                  "fp16": dict(compute_dtype=jnp.float16),  # 'auto': dynamic for float16
-                  "fp16 shard_map": dict(compute_dtype=jnp.float16, step="shard_map")}[name]
+        fp16 = engine.Precision(compute_dtype=jnp.float16)  # loss_scale 'auto': dynamic for float16
+        kwargs = {"fp32": {}, "fp16 unscaled": dict(precision=engine.Precision(compute_dtype=jnp.float16,
+                                                                               loss_scale=None)),
+                  "fp16": dict(precision=fp16),
+                  "fp16 shard_map": dict(precision=fp16, parallelism=engine.Parallelism(step="shard_map"))}[name]
         mesh = engine.make_mesh(data=2, fsdp=2, model=2) if name == "fp16 shard_map" else None
         runs[name] = _trainer(mesh, loss_fn=_tiny_loss_fn, optimizer=optax.sgd(2.0**23), **kwargs)
         runs[name].fit(EXAMPLES, per_device_batch_size=2, max_steps=3, log_every=1)
@@ -184,7 +187,7 @@ def _diloco_run(**kwargs):
 def test_float16_diloco_scales_each_replica():
     """DiLoCo in float16 (4 replicas, an outer step every 2 steps): each replica scales its loss by its own dynamic
     scale (in its inner state), so the gradient norms and the global model follow the float32 run."""
-    fp32, fp16 = _diloco_run(), _diloco_run(compute_dtype=jnp.float16)  # 'auto': dynamic
+    fp32, fp16 = _diloco_run(), _diloco_run(precision=engine.Precision(compute_dtype=jnp.float16))  # 'auto': dynamic
     np.testing.assert_allclose(_norms(fp16), _norms(fp32), rtol=2e-3)
     _assert_trees_close(fp16.params, fp32.params, rtol=1e-2, atol=2e-3)
     scales = _host(fp16.opt_state["inner"]["loss_scale"])
@@ -195,9 +198,10 @@ def test_float16_diloco_scales_each_replica():
 def test_float16_diloco_underflows_unscaled_and_each_replica_skips_its_overflows():
     """Unscaled float16 DiLoCo gradients underflow; from 2^52 every replica overflows, skips its update and lowers
     its own scale (logged, not an error under nan_policy='raise')."""
-    assert np.all(_norms(_diloco_run(compute_dtype=jnp.float16, loss_scale=None)) < 0.1 * _norms(_diloco_run()))
-    big = _diloco_run(compute_dtype=jnp.float16, loss_scale=engine.LossScale(initial=2.0**52, factor=2.0**16),
-                      nan_policy="raise")
+    unscaled = _diloco_run(precision=engine.Precision(compute_dtype=jnp.float16, loss_scale=None))
+    assert np.all(_norms(unscaled) < 0.1 * _norms(_diloco_run()))
+    big = _diloco_run(precision=engine.Precision(
+        compute_dtype=jnp.float16, loss_scale=engine.LossScale(initial=2.0**52, factor=2.0**16), nan_policy="raise"))
     assert big.history[0]["loss_scale"] == 2.0**52 and not np.isfinite(big.history[0]["grad_norm"])
     assert big.history[1]["loss_scale"] == 2.0**36
 
@@ -206,7 +210,8 @@ def test_dynamic_loss_scale_skips_overflows_lowers_and_grows():
     """From 2^52 the scaled gradients overflow float16: each such step is skipped (logged, not an error under
     nan_policy='raise') and the scale divided by 16; two finite steps in a row multiply it by 16."""
     scale = engine.LossScale(initial=2.0**52, factor=16.0, growth_interval=2)
-    trainer = _trainer(loss_fn=_tiny_loss_fn, compute_dtype=jnp.float16, loss_scale=scale, nan_policy="raise")
+    trainer = _trainer(loss_fn=_tiny_loss_fn,
+                       precision=engine.Precision(compute_dtype=jnp.float16, loss_scale=scale, nan_policy="raise"))
     trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=8, log_every=1)
     want, good = 2.0**52, 0
     for record in trainer.history:
@@ -219,7 +224,7 @@ def test_dynamic_loss_scale_skips_overflows_lowers_and_grows():
     finite = [bool(np.isfinite(h["grad_norm"])) for h in trainer.history]
     assert finite[0] is False and any(finite) and trainer.history[-1]["loss"] > 0
     with pytest.raises(ValueError, match=r"loss_scale='static'; expected None, 'auto', 'dynamic', a number >= 1"):
-        _trainer(loss_scale="static")
+        _trainer(precision=engine.Precision(loss_scale="static"))
     with pytest.raises(ValueError, match=r"LossScale\(factor=1.0\); expected initial >= minimum >= 1"):
         engine.LossScale(factor=1.0)
 
@@ -245,7 +250,7 @@ def test_restore_onto_another_mesh_and_zero_stage(tmp_path):
     a = _trainer(engine.make_mesh(data=8), workdir=str(tmp_path))
     a.fit(EXAMPLES, per_device_batch_size=1, max_steps=3)
     a.close()
-    b = _trainer(engine.make_mesh(data=2, model=4), workdir=str(tmp_path), zero_stage=1)
+    b = _trainer(engine.make_mesh(data=2, model=4), workdir=str(tmp_path), parallelism=engine.Parallelism(zero_stage=1))
     assert b.step == 3
     assert b.params["layers_0"]["up_proj"]["kernel"].sharding.spec == P(None, "model")
     _assert_trees_close(b.params, a.params, rtol=0, atol=0)
@@ -329,7 +334,8 @@ def test_nan_loss_stops_naming_the_step_or_is_skipped():
         trainer.fit(Ordered(), per_device_batch_size=2, log_every=2)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(trainer.params))
     skipping = engine.Trainer(mesh=mesh, collate_fn=task.collate_fn, loss_fn=poisoned_loss,
-                              params=task.init_params(), optimizer=optax.adam(1e-2), nan_policy="skip")
+                              params=task.init_params(), optimizer=optax.adam(1e-2),
+                              precision=engine.Precision(nan_policy="skip"))
     skipping.fit(Ordered(), per_device_batch_size=2, log_every=2)
     assert skipping.step == 8 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(skipping.params))
 
@@ -363,7 +369,7 @@ def test_eval_every_keeps_the_best_checkpoint_across_a_resume(tmp_path):
     assert trainer.best == {"step": 4, "metric": "score", "mode": "max", "value": 0.5}
     assert sorted(os.listdir(tmp_path / "best")) == ["4"]
     # The best checkpoint holds step 4's state: the regular checkpoint of step 4's.
-    best = _trainer(workdir=str(tmp_path), restore_params_only=True, restore_checkpoint="best")
+    best = _trainer(workdir=str(tmp_path), checkpointing=engine.Checkpointing(params_only=True, restore="best"))
     assert best.step == 4 and best.best["value"] == 0.5
     regular = engine.checkpoint.Checkpointer(str(tmp_path)).restore_params(4, jax.eval_shape(lambda: best.params))
     _assert_trees_close(best.params, regular, rtol=0, atol=0)
@@ -416,9 +422,9 @@ def test_bad_eval_and_best_checkpoint_settings(tmp_path):
                                             **_scored_eval([0.1]))
     with pytest.raises(ValueError, match=r"restore_checkpoint='best'; expected 'latest', or 'best' with "
                                          r"restore_params_only=True and a workdir"):
-        _trainer(workdir=str(tmp_path), restore_checkpoint="best")
+        _trainer(workdir=str(tmp_path), checkpointing=engine.Checkpointing(restore="best"))
     with pytest.raises(FileNotFoundError, match=r"has no best checkpoint"):
-        _trainer(workdir=str(tmp_path / "empty"), restore_params_only=True, restore_checkpoint="best")
+        _trainer(workdir=str(tmp_path / "empty"), checkpointing=engine.Checkpointing(params_only=True, restore="best"))
     assert not os.path.exists(tmp_path / "empty" / "best")
 
 
@@ -428,15 +434,15 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"mesh=None; expected a jax.sharding.Mesh"):
         engine.Trainer(mesh=None, collate_fn=task.collate_fn, loss_fn=task.loss_fn, params={}, optimizer=optax.sgd(1))
     with pytest.raises(ValueError, match=r"zero_stage=3; expected 0, 1 or 2"):
-        _trainer(zero_stage=3)
+        _trainer(parallelism=engine.Parallelism(zero_stage=3))
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=0; expected an integer >= 1"):
         _trainer(accumulate_grad_batches=0)
     with pytest.raises(ValueError, match=r"nan_policy='ignore'; expected one of"):
-        _trainer(nan_policy="ignore")
+        _trainer(precision=engine.Precision(nan_policy="ignore"))
     with pytest.raises(ValueError, match=r"flops_per_example=-1; expected None or a positive number"):
-        _trainer(flops_per_example=-1)
+        _trainer(logging=engine.Logging(flops_per_example=-1))
     with pytest.raises(ValueError, match=r"offload_optimizer=True; expected False with diloco"):
-        _trainer(offload_optimizer=True, diloco=engine.DiLoCo())
+        _trainer(diloco=engine.DiLoCo(), parallelism=engine.Parallelism(offload_optimizer=True))
     with pytest.raises(ValueError, match=r"per_device_batch_size=0; expected an integer >= 1"):
         _trainer().fit(EXAMPLES, per_device_batch_size=0)
     with pytest.raises(ValueError, match=r"collate_fn returned leaf \['input_ids'\] of shape \(9, 16\); expected a "
@@ -455,22 +461,20 @@ def test_offloaded_optimizer_state_rests_on_the_host_and_changes_nothing(tmp_pat
     from tests.targets import for_gpu
     plain = _trainer()
     plain.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
-    offloaded = _trainer(offload_optimizer=True, workdir=str(tmp_path))
+    offloaded = _trainer(workdir=str(tmp_path), parallelism=engine.Parallelism(offload_optimizer=True))
     offloaded.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
     offloaded.close()
     _assert_trees_close(offloaded.params, plain.params, rtol=0, atol=0)
     _assert_trees_close(offloaded.opt_state, plain.opt_state, rtol=0, atol=0)
     kinds = lambda t: {x.sharding.memory_kind for x in jax.tree.leaves(t)}  # noqa: E731
     assert kinds(offloaded.opt_state) == {"pinned_host"} and kinds(offloaded.params) == {"device"}
-    resumed = _trainer(offload_optimizer=True, workdir=str(tmp_path))
+    resumed = _trainer(workdir=str(tmp_path), parallelism=engine.Parallelism(offload_optimizer=True))
     assert resumed.step == 3 and kinds(resumed.opt_state) == {"pinned_host"}
     _assert_trees_close(resumed.opt_state, plain.opt_state, rtol=0, atol=0)
 
-    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)  # noqa
-    batch = {k: jax.ShapeDtypeStruct((1, *s), d) for k, (s, d) in resumed._batch_spec.items()}
+    batch = {k: jax.ShapeDtypeStruct((1, *x.shape), x.dtype) for k, x in resumed.batch_spec.items()}
     with for_gpu(resumed.mesh):
-        text = resumed._compiled_step().trace(abstract(resumed.params), abstract(resumed.opt_state), batch,
-                                              np.int32(0)).lower(lowering_platforms=("cuda",)).as_text()
+        text = resumed.lower(batch, platforms=("cuda",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     n_opt, n_params = len(jax.tree.leaves(resumed.opt_state)), len(jax.tree.leaves(resumed.params))
     assert main.count('mhlo.memory_kind = "pinned_host"') == 2 * n_opt  # arguments and results
@@ -565,7 +569,7 @@ def test_multi_transform_optimizer_state_is_split_like_its_parameters():
     labels = {k: jax.tree.map(lambda _, k=k: "frozen" if k.startswith("layers_0") else "trained", v)
               for k, v in task.init_params().items()}
     optimizer = optax.multi_transform({"trained": optax.adam(1e-2), "frozen": optax.sgd(0.0)}, labels)
-    trainer = _trainer(optimizer=optimizer, zero_stage=1)
+    trainer = _trainer(optimizer=optimizer, parallelism=engine.Parallelism(zero_stage=1))
     trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
     before, after = task.init_params(), _host(trainer.params)
     for name in before:
@@ -582,7 +586,7 @@ def test_multi_transform_optimizer_state_is_split_like_its_parameters():
 def test_remat_gives_the_same_update():
     a = _trainer(optimizer=optax.sgd(0.5))
     a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
-    b = _trainer(optimizer=optax.sgd(0.5), remat=True)
+    b = _trainer(optimizer=optax.sgd(0.5), parallelism=engine.Parallelism(remat=True))
     b.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
     _assert_trees_close(a.params, b.params)
     batch = {k: jax.ShapeDtypeStruct((1, 8, task.SEQ), np.int32) for k in ("input_ids", "labels")}
@@ -592,7 +596,7 @@ def test_remat_gives_the_same_update():
 
 
 def test_keeps_the_last_k_checkpoints(tmp_path):
-    trainer = _trainer(workdir=str(tmp_path), keep_checkpoints=2)
+    trainer = _trainer(workdir=str(tmp_path), checkpointing=engine.Checkpointing(keep=2))
     trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=5, save_every=1)
     trainer.close()
     steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
@@ -612,11 +616,13 @@ def _masked_reference(mesh, **kwargs):
 
 
 @pytest.mark.parametrize("mesh,kwargs", [
-    pytest.param(dict(data=4, model=2), dict(step="jit"), marks=pytest.mark.slow),
-    (dict(data=2, fsdp=2, model=2), dict(step="shard_map", zero_stage=1, accumulate_grad_batches=2)),
-    pytest.param(dict(data=1, fsdp=4, model=2), dict(step="shard_map", zero_stage=2), marks=pytest.mark.slow),
-    pytest.param(dict(data=2, fsdp=2, model=2), dict(step="shard_map", zero_stage=1, offload_optimizer=True),
+    pytest.param(dict(data=4, model=2), dict(parallelism=engine.Parallelism(step="jit")), marks=pytest.mark.slow),
+    (dict(data=2, fsdp=2, model=2), dict(parallelism=engine.Parallelism(step="shard_map", zero_stage=1),
+                                         accumulate_grad_batches=2)),
+    pytest.param(dict(data=1, fsdp=4, model=2), dict(parallelism=engine.Parallelism(step="shard_map", zero_stage=2)),
                  marks=pytest.mark.slow),
+    pytest.param(dict(data=2, fsdp=2, model=2), dict(parallelism=engine.Parallelism(
+        step="shard_map", zero_stage=1, offload_optimizer=True)), marks=pytest.mark.slow),
 ])
 def test_frozen_parameters_stay_and_the_rest_train_as_with_a_masked_optimizer(mesh, kwargs):
     """`trainable=` (a regex over parameter paths): frozen leaves keep their exact values, the trained ones equal a
@@ -642,12 +648,14 @@ def test_frozen_parameters_resume_exactly_and_with_diloco(tmp_path):
     """A run with frozen parameters checkpoints (the optimizer state has no frozen leaves) and resumes bit for bit;
     DiLoCo keeps replicas of the trained parameters only."""
     mesh = engine.make_mesh(data=2, fsdp=2, model=2)
-    full = _trainer(mesh, trainable=TRAINED, zero_stage=1)
+    full = _trainer(mesh, trainable=TRAINED, parallelism=engine.Parallelism(zero_stage=1))
     full.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=2)
-    first = _trainer(mesh, trainable=TRAINED, zero_stage=1, workdir=str(tmp_path / "run"))
+    first = _trainer(mesh, trainable=TRAINED, workdir=str(tmp_path / "run"),
+                     parallelism=engine.Parallelism(zero_stage=1))
     first.fit(EXAMPLES, per_device_batch_size=2, max_steps=2, log_every=2)
     first.close()
-    second = _trainer(mesh, trainable=TRAINED, zero_stage=1, workdir=str(tmp_path / "run"))
+    second = _trainer(mesh, trainable=TRAINED, workdir=str(tmp_path / "run"),
+                      parallelism=engine.Parallelism(zero_stage=1))
     assert second.step == 2
     second.fit(EXAMPLES, per_device_batch_size=2, max_steps=4, log_every=2)
     second.close()

@@ -290,11 +290,14 @@ def choose_decoder_mesh(make_trainer, collate_fn, encode, records, *, tasks):
 
 
 def trainer_kwargs():
-    """The Trainer arguments the shared flags set."""
-    kwargs = dict(zero_stage=FLAGS.zero_stage, compute_dtype=_DTYPES[FLAGS.compute_dtype],
-                  accumulate_grad_batches=FLAGS.accumulate_grad_batches, remat=FLAGS.remat, seed=FLAGS.seed,
-                  offload_optimizer=FLAGS.offload_optimizer, zero_quantized_weights=FLAGS.zero_quantized_weights,
-                  zero_quantized_gradients=FLAGS.zero_quantized_gradients)
+    """The Trainer arguments the shared flags set: its seed, accumulation, `engine.Precision`,
+    `engine.Parallelism` and DiLoCo."""
+    kwargs = dict(accumulate_grad_batches=FLAGS.accumulate_grad_batches, seed=FLAGS.seed,
+                  precision=engine.Precision(compute_dtype=_DTYPES[FLAGS.compute_dtype]),
+                  parallelism=engine.Parallelism(zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
+                                                 offload_optimizer=FLAGS.offload_optimizer,
+                                                 zero_quantized_weights=FLAGS.zero_quantized_weights,
+                                                 zero_quantized_gradients=FLAGS.zero_quantized_gradients))
     if FLAGS.diloco_inner_steps:
         kwargs["diloco"] = engine.DiLoCo(
             inner_steps=FLAGS.diloco_inner_steps, fragments=FLAGS.diloco_fragments,
@@ -765,12 +768,8 @@ def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
     if task == "reward":
         model = models.RewardModel(model)
     abstract = jax.eval_shape(lambda: models.init_params(model))
-    collate, loss = {"lm": (lm.collate_lm, lm.lm_loss_fn),
-                     "seq2seq": (seq2seq.collate_seq2seq, seq2seq.seq2seq_loss_fn),
-                     "sft": (preference.collate_preferences, lm.lm_loss_fn),
-                     "dpo": (preference.collate_preferences, preference.dpo_loss_fn),
-                     "reward": (preference.collate_preferences, reward.reward_loss_fn),
-                     "ppo": (preference.collate_preferences, ppo.ppo_loss_fn)}[task]
+    loss = {"lm": lm.lm_loss_fn, "seq2seq": seq2seq.seq2seq_loss_fn, "sft": lm.lm_loss_fn,
+            "dpo": preference.dpo_loss_fn, "reward": reward.reward_loss_fn, "ppo": ppo.ppo_loss_fn}[task]
     if task == "ppo":  # the checkpoint holds {'actor', 'critic'}, or {'actor'} after GRPO (no critic)
         entry = _read_run(workdir, tasks).get("critic")
         critic = None if entry is None else models.RewardModel(_model_of(entry, options))
@@ -780,16 +779,10 @@ def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
         loss = loss(model, critic)
     else:
         loss = loss(model)
-    # The Trainer restores the parameters in its constructor, whatever optimizer (or DiLoCo) trained them.
-    floating = jax.tree.map(lambda x: bool(jnp.issubdtype(x.dtype, jnp.inexact)), abstract)  # int8 bases never train
-    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=loss, params=abstract, optimizer=optax.sgd(0.0),
-                             workdir=workdir, restore_params_only=True, trainable=floating,
-                             restore_checkpoint=checkpoint)
-    trainer.close()
-    if trainer.step == 0:
-        raise FileNotFoundError(f"--workdir={workdir} has no checkpoint yet")
-    logging.info("restored step %d of %s (%s checkpoint)", trainer.step, workdir, checkpoint)
-    return task, model, trainer.params["actor"] if task == "ppo" else trainer.params, tokenizer
+    # The loss lays the parameters out as the run's Trainer did, whatever optimizer (or DiLoCo) trained them.
+    params, step = engine.restore_params(workdir, mesh=mesh, params=abstract, loss_fn=loss, checkpoint=checkpoint)
+    logging.info("restored step %d of %s (%s checkpoint)", step, workdir, checkpoint)
+    return task, model, params["actor"] if task == "ppo" else params, tokenizer
 
 
 def _fail(error):

@@ -104,9 +104,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
                               devices=jax.devices()[:num_devices]),
         collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
-        zero_stage=zero_stage, compute_dtype=dtype, accumulate_grad_batches=accumulate, step=step,
-        trainable=trainable, diloco=diloco, zero_quantized_weights=zero_quantized_weights,
-        zero_quantized_gradients=zero_quantized_gradients)
+        accumulate_grad_batches=accumulate, trainable=trainable, diloco=diloco, parallelism=engine.Parallelism(zero_stage=zero_stage, step=step, zero_quantized_weights=zero_quantized_weights, zero_quantized_gradients=zero_quantized_gradients), precision=engine.Precision(compute_dtype=dtype))
     rows = per_device_batch_size * data * fsdp
     batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), t) for k, t in rows_of.items()}
     compiled = compile_step(trainer, batch)
