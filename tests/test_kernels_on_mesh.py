@@ -150,7 +150,8 @@ def test_train_step_lowered_for_cuda_runs_kernels_on_local_heads(step):
                                 mlp_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=lm.collate_lm,
-                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1), step=step)
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1),
+                             parallelism=engine.Parallelism(step=step))
     operands = kernel_operands_of_train_step(trainer, 4, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.search(r"tensor<1x32x2x16x", t) for t in attention), attention
@@ -171,7 +172,7 @@ def test_train_step_lowered_for_tpu_runs_mosaic_kernels(step):
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=4, model=2), collate_fn=lm.collate_lm,
                              loss_fn=lm.lm_loss_fn(model, implementation="mosaic_tpu"), params=params,
-                             optimizer=optax.sgd(0.1), step=step)
+                             optimizer=optax.sgd(0.1), parallelism=engine.Parallelism(step=step))
     operands = kernel_operands_of_train_step(trainer, 4, 256, platform="tpu")
     attention = [t for t in operands if re.search(r"tensor<\d+x\d+x256x16x", t)]
     assert len(operands) > len(attention) > 0 and all(re.search(r"tensor<1x2x256x16x", t) for t in attention), operands
@@ -206,20 +207,20 @@ def test_generate_traces_under_the_parameters_mesh(monkeypatch):
 
 @pytest.mark.parametrize("impl", [dict(implementation="xla"), dict(implementation="triton", interpret=True)])
 def test_vocab_parallel_cross_entropy_equals_the_reference(impl):
-    """kernels.matmul.vocab_parallel_call inside a shard_map over 8 devices (rows and vocabulary both split 8 ways),
+    """kernels.matmul.VocabParallelLoss.run inside a shard_map over 8 devices (rows and vocabulary both split 8 ways),
     with ignored tokens and labels in every slice: loss and gradients equal the materialised reference."""
     from kernels.matmul import reference
     n, d, v = 64, 32, 256
     x, w = _normal(0, (n, d)), _normal(1, (d, v))
     labels = (jnp.arange(n) * 37) % v
     labels = jnp.where(jnp.arange(n) % 5 == 0, -100, labels).astype(jnp.int32)
-    # The call's name, as the engine finds it: in the traced program of the public op (full-size weight).
+    # The call's settings, as the engine finds them: in the traced program of the public op (full-size weight).
     traced = jax.make_jaxpr(lambda x, w: kernels.linear_cross_entropy(x, w, labels, **impl))(x, w)
-    name = next(e.params["name"] for e in traced.jaxpr.eqns if kernels.matmul.is_loss_call(e.params.get("name")))
+    call = next(c for c in map(kernels.matmul.vocab_parallel_loss, traced.jaxpr.eqns) if c is not None)
     mesh = engine.make_mesh(data=1, fsdp=8)
 
     def sharded(x, w):
-        return jax.shard_map(lambda x, w, l: kernels.matmul.vocab_parallel_call(name, x, w, l, "fsdp"), mesh=mesh,
+        return jax.shard_map(lambda x, w, l: call.run(x, w, l, "fsdp"), mesh=mesh,
                              in_specs=(P("fsdp"), P(None, "fsdp"), P("fsdp")), out_specs=P("fsdp"),
                              check_vma=False)(x, w, labels)
 

@@ -11,6 +11,7 @@ import engine
 import kernels
 import models
 from engine import step as step_lib
+from engine.step import collectives, gathering, layer_scan
 from engine.tasks import lm
 from tests import trainer_task as task
 
@@ -110,16 +111,16 @@ def test_dropout_masks_survive_the_pipelined_stack():
         model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=3,
                                     intermediate_size=96, dropout_rate=dropout_rate,
                                     attention_dropout_rate=dropout_rate)
-        real = step_lib._is_remat_layer_stack
+        real = layer_scan.is_remat_layer_stack
         if not pipelined:
-            step_lib._is_remat_layer_stack = lambda *a: False
+            layer_scan.is_remat_layer_stack = lambda *a: False
         try:
             trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=lm.collate_lm,
                                      loss_fn=lm.lm_loss_fn(model), params=models.init_params(
                                          model, jax.random.PRNGKey(1)), optimizer=optax.sgd(0.5), step="shard_map")
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
         finally:
-            step_lib._is_remat_layer_stack = real
+            layer_scan.is_remat_layer_stack = real
         return trainer
 
     pipelined = run(0.2)
@@ -142,11 +143,11 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
     model = models.create_model(family, "tiny", scan_layers=True, remat="full", num_layers=layers, **sizes)
     params = models.init_params(model, jax.random.PRNGKey(1))
     calls, lookups, heads = [], [], []
-    real, real_lookup, real_head = (step_lib._pipelined_scan, step_lib._vocab_parallel_lookup,
-                                    kernels.matmul.vocab_parallel_call)
-    step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
-    step_lib._vocab_parallel_lookup = lambda *a: lookups.append(1) or real_lookup(*a)
-    kernels.matmul.vocab_parallel_call = lambda *a: heads.append(1) or real_head(*a)
+    real, real_lookup, real_head = (layer_scan.pipelined_scan, gathering._vocab_parallel_lookup,
+                                    kernels.matmul.VocabParallelLoss.run)
+    layer_scan.pipelined_scan = lambda *a: calls.append(1) or real(*a)
+    gathering._vocab_parallel_lookup = lambda *a: lookups.append(1) or real_lookup(*a)
+    kernels.matmul.VocabParallelLoss.run = lambda *a: heads.append(1) or real_head(*a)
     try:
         runs = []
         for kind in ("jit", "shard_map"):
@@ -158,8 +159,8 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
             trainer.fit(_packed_rows(32, seq=10, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
             runs.append(trainer)
     finally:
-        step_lib._pipelined_scan, step_lib._vocab_parallel_lookup = real, real_lookup
-        kernels.matmul.vocab_parallel_call = real_head
+        layer_scan.pipelined_scan, gathering._vocab_parallel_lookup = real, real_lookup
+        kernels.matmul.VocabParallelLoss.run = real_head
     assert calls and bool(lookups) == (mesh == "1x8x1") and bool(heads) == (mesh == "1x8x1" and family == "llama")
     _assert_same_run(*runs)
     if family != "llama":
@@ -261,8 +262,8 @@ def _scan_task(layers, reverse):
 def test_pipelined_scan_equals_plain_autodiff(layers, reverse):
     loss_fn, params = _scan_task(layers, reverse)
     calls = []
-    real = step_lib._pipelined_scan
-    step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
+    real = layer_scan.pipelined_scan
+    layer_scan.pipelined_scan = lambda *a: calls.append(1) or real(*a)
     try:
         runs = []
         for kind in ("jit", "shard_map"):
@@ -272,7 +273,7 @@ def test_pipelined_scan_equals_plain_autodiff(layers, reverse):
             trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=3, log_every=3)
             runs.append(trainer)
     finally:
-        step_lib._pipelined_scan = real
+        layer_scan.pipelined_scan = real
     assert calls
     _assert_same_run(*runs)
 
@@ -315,8 +316,8 @@ def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
     runs = []
     for kind, trainable in (("jit", trained), ("shard_map", trained), ("shard_map", None)):
         calls = []
-        real = step_lib._pipelined_scan
-        step_lib._pipelined_scan = lambda *a: calls.append(1) or real(*a)
+        real = layer_scan.pipelined_scan
+        layer_scan.pipelined_scan = lambda *a: calls.append(1) or real(*a)
         try:
             loss = lm.lm_loss_fn(model)
             loss.weight_metric = "tokens"
@@ -325,7 +326,7 @@ def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
                                      trainable=trainable)
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
         finally:
-            step_lib._pipelined_scan = real
+            layer_scan.pipelined_scan = real
         assert bool(calls) == (kind == "shard_map")
         runs.append(trainer)
     _assert_same_run(*runs[:2])
@@ -358,7 +359,7 @@ def test_int8_gather_and_reduce_scatter_are_exact_on_their_grid_and_bounded_off_
     grid[:, ::2] = 127  # every row of every (at most 8-way) column shard holds 127
 
     def gather(int8, x):
-        return _on_mesh(lambda a: step_lib._all_gather(a, dims, jnp.float32, int8), x, spec, P(), mesh)
+        return _on_mesh(lambda a: collectives.all_gather(a, dims, jnp.float32, int8), x, spec, P(), mesh)
     np.testing.assert_array_equal(gather(True, grid), grid)
     x = rng.randn(16, 16).astype(np.float32)
     shards = np.stack(np.split(x, 8 if axes == ("data", "fsdp") else 4, axis=dim))
@@ -370,7 +371,7 @@ def test_int8_gather_and_reduce_scatter_are_exact_on_their_grid_and_bounded_off_
     full[:, :, ::2] = 127
 
     def scatter(int8):
-        return _on_mesh(lambda g: step_lib._reduce_scatter(g[0], dims, jnp.float32, jnp.float32, int8)[None], full,
+        return _on_mesh(lambda g: collectives.reduce_scatter(g[0], dims, jnp.float32, jnp.float32, int8)[None], full,
                         P(("data", "fsdp")), P(("data", "fsdp")), mesh)
     np.testing.assert_array_equal(scatter(True), scatter(False))
 
@@ -388,7 +389,7 @@ def test_int8_data_axis_reductions_are_exact_on_their_grid_and_bounded_off_it(ze
 
     def run(int8, full):
         def fn(g):
-            y = step_lib._reduce(g[0], scatter, reduce, jnp.float32, None, int8)
+            y = collectives.reduce_gradient(g[0], scatter, reduce, jnp.float32, None, int8)
             return y if zero_stage else y[None]
         return np.asarray(_on_mesh(fn, full, P("data"), out if zero_stage else P("data"), mesh))
 

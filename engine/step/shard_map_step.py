@@ -1,0 +1,266 @@
+"""The overlapped step (`shard_map_train_step`): a `jax.shard_map` manual over `data` and `fsdp` (the `model` axis
+stays automatic, split by the compiler from the parameter specs) computes the gradients with explicit collectives;
+the optimizer update then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
+
+Inside the shard_map each device runs `loss_fn` on its own rows of every micro-batch:
+  - ZeRO-3 (every parameter split over a data axis in `param_specs`, i.e. `fsdp`): the shard is all-gathered in
+    the compute dtype right before its first use and the gathered copy is never kept for the backward pass (it
+    is gathered again there); the gradient is reduce-scattered in `reduce_dtype` by the gather's backward. For a
+    scan-over-layers model the loss's jaxpr is re-evaluated so that the stacked weights enter the layer loop as
+    shards and each iteration gathers only its own layer; with remat='full' the stack is pipelined by hand
+    (`engine.step.layer_scan`: layer t+1's gather and layer t+1's gradient reduce-scatter run beside layer t). A
+    row-split embedding table is looked up vocab-parallel (`engine.step.gathering`), never gathered, and so is a
+    `kernels.linear_cross_entropy` head split by vocabulary columns (`kernels.matmul.vocab_parallel_loss`).
+  - accumulation: partial gradients stay in the parameter's (ZeRO-2: the update's) layout between micro-batches.
+  - the remaining data-parallel reduction (`data`, and `fsdp` for unsplit parameters) is one all-reduce, or a
+    reduce-scatter into `update_specs` (ZeRO-1/2: each device then updates only its optimizer-state shard and the
+    compiler all-gathers the new weights).
+"""
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import kernels
+from engine.step.collectives import Int8, reduce_gradient
+from engine.step.gathering import eval_gathering
+from engine.step.shards import Sharded
+from engine.step.update import apply_update, combine, current_loss_scale, micro_loss_fn, partition
+from kernels import axes
+
+_P = jax.sharding.PartitionSpec
+MANUAL_AXES = axes.BATCH  # the axes the step handles by hand; the others stay with the compiler
+
+
+def _spec_axes(spec, ndim, manual=True):
+    """PartitionSpec -> per-dimension tuple of the manual axes it names (in order); the other axes with
+    manual=False."""
+    entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    out = []
+    for e in entries:
+        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+        out.append(tuple(a for a in axes if (a in MANUAL_AXES) == manual))
+    return tuple(out)
+
+
+def _manual_spec(axes_per_dim):
+    return jax.sharding.PartitionSpec(*[None if not a else (a[0] if len(a) == 1 else a) for a in axes_per_dim])
+
+
+class _LeafPlan:
+    """How one parameter travels through the step.
+
+    gather: ((dim, axes), ...) the parameter is split over (gathered at use, its gradient reduce-scattered in the
+      backward pass). scatter: ((dim, axes), ...) the gradient is further reduce-scattered over (ZeRO-1/2 `data`).
+      reduce: the remaining manual axes the gradient is summed over (all-reduce).
+      auto_spec: the parameter's split over the automatic axes (`model`), or None."""
+
+    def __init__(self, param_spec, update_spec, shape, sizes):
+        live = lambda axes: tuple(a for a in axes if sizes.get(a, 1) > 1)  # noqa: E731
+        p_axes, u_axes = _spec_axes(param_spec, len(shape)), _spec_axes(update_spec, len(shape))
+        self.in_spec, self.out_spec = _manual_spec(p_axes), _manual_spec(u_axes)
+        auto = [live(a) for a in _spec_axes(param_spec, len(shape), manual=False)]
+        self.auto_spec = _manual_spec(auto) if any(auto) else None
+        self.gather = tuple((d, live(a)) for d, a in enumerate(p_axes) if live(a))
+        self.scatter = tuple((d, live(tuple(x for x in u if x not in p)))
+                             for d, (p, u) in enumerate(zip(p_axes, u_axes)) if live(tuple(x for x in u if x not in p)))
+        used = {a for _, axes in self.gather + self.scatter for a in axes}
+        self.reduce = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1 and a not in used)
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map`, manual over the data axes only; replication is not type-checked because every reduction
+    here is explicit. Over the abstract mesh the step is traced under (`kernels.tracing_mesh`): a concrete mesh
+    must equal the context's, which names a target device when lowering for an accelerator this host lacks."""
+    return jax.shard_map(fn, mesh=kernels.tracing_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(MANUAL_AXES), check_vma=False)
+
+
+def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
+                         compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None,
+                         loss_scale=None, int8=Int8()):
+    """The overlapped step (see the module's docstring); the arguments are `jit_train_step`'s, and:
+
+    `param_specs`: the parameters' PartitionSpecs; a parameter split over a data axis (`fsdp`) is ZeRO-3's.
+    `update_specs`: the parameter-shaped layout the optimizer works in (`param_specs` with `data` added for ZeRO-1/2).
+    `reduce_dtype`: jnp.float32 or jnp.bfloat16, the dtype of every gradient reduction (bf16 halves the bytes on
+      GPU/TPU; the XLA CPU compiler of jaxlib 0.10.2 aborts on it, so CPU runs keep fp32).
+    `weight_metric`: None (every shard's loss counts equally: exact for losses that are means over rows), or the name
+      of a metric of `loss_fn` holding what its loss is a mean over (e.g. 'tokens' for `engine.tasks.lm.lm_loss_fn`):
+      loss, gradients and every other metric are then averaged with those weights across shards, and that metric is
+      summed, which reproduces the global-batch values of `jit_train_step` exactly.
+    `trainable`: as in `jit_train_step`. A frozen parameter is gathered like any other but never differentiated:
+      no weight gradient, no reduction.
+    `int8`: an `Int8`, ZeRO++'s int8 weight gathers of the ZeRO-3 parameters and / or int8 gradient reductions
+      (every reduce-scatter and all-reduce of a gradient of two or more dims; the others stay in `reduce_dtype`).
+    Metrics, the NaN/inf guard, the learning rate and `loss_scale` are those of `jit_train_step` (the scale enters
+    the manual region as a replicated scalar; gradients are reduced scaled, unscaled in the update). rng: micro-batch
+    i of update `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are
+    several shards (so that dropout masks of different shards are independent).
+    """
+    settings = _Settings.checked(mesh, micro_loss_fn(loss_fn, None), key, compute_dtype, reduce_dtype, remat,
+                                 accumulate, zero_stage, weight_metric, int8)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    update_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), update_specs, is_leaf=is_spec)
+
+    def step(params, opt_state, batch, step):
+        layout = _Layout.of(params, param_specs, update_specs, trainable, settings)
+        fn = _shard_map(functools.partial(_local_gradients, settings, layout), mesh,
+                        in_specs=(layout.treedef.unflatten([pl.in_spec for pl in layout.plans]),
+                                  _P(None, MANUAL_AXES), _P(), _P()),
+                        out_specs=([pl.out_spec for pl in layout.trained(layout.plans)], _P(), _P()))
+        grads, loss, metrics = fn(params, batch, step, current_loss_scale(opt_state, loss_scale))
+        trained, frozen = partition(params, trainable)
+        grads = [jax.lax.with_sharding_constraint(g, sh)
+                 for g, sh in zip(grads, layout.trained(layout.treedef.flatten_up_to(update_sh)))]
+        grads = jax.tree.structure(trained).unflatten(grads)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale)
+        return combine(trained, frozen, trainable), opt_state, metrics
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The step's static settings, checked. micro: `loss_fn` as a micro-batch loss with no cast (the cast to
+    `compute_dtype` happens on the shards, before any gather); sizes: the mesh's axis sizes."""
+    micro: object
+    key: object
+    compute_dtype: object
+    reduce_dtype: jnp.dtype
+    remat: bool
+    accumulate: int
+    zero_stage: int
+    weight_metric: object
+    int8: Int8
+    sizes: dict
+
+    @classmethod
+    def checked(cls, mesh, micro, key, compute_dtype, reduce_dtype, remat, accumulate, zero_stage, weight_metric,
+                int8):
+        if jnp.dtype(reduce_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"reduce_dtype={reduce_dtype!r}; expected jnp.float32 or jnp.bfloat16")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
+        if not isinstance(int8, Int8):
+            raise ValueError(f"int8={int8!r}; expected an engine.step.Int8")
+        return cls(micro, key, compute_dtype, jnp.dtype(reduce_dtype), remat, accumulate, zero_stage, weight_metric,
+                   int8, dict(zip(mesh.axis_names, mesh.devices.shape)))
+
+    @property
+    def live(self):
+        """The manual axes of size > 1 (the shard index runs over them)."""
+        return tuple(a for a in MANUAL_AXES if self.sizes.get(a, 1) > 1)
+
+    @property
+    def n_shards(self):
+        return math.prod(self.sizes.get(a, 1) for a in MANUAL_AXES)
+
+    def compute_type(self, x):
+        floating = self.compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        return jnp.dtype(self.compute_dtype) if floating else x.dtype
+
+
+class _Layout(NamedTuple):
+    """The parameters' flat layout: their treedef, each leaf's `_LeafPlan`, whether it trains (mask), and its
+    full-size abstract value in the compute dtype (what the loss is traced with)."""
+    treedef: object
+    plans: list
+    mask: list
+    full: list
+
+    @classmethod
+    def of(cls, params, param_specs, update_specs, trainable, settings):
+        leaves, treedef = jax.tree.flatten(params)
+        plans = [_LeafPlan(s, u, x.shape, settings.sizes) for s, u, x in
+                 zip(treedef.flatten_up_to(param_specs), treedef.flatten_up_to(update_specs), leaves)]
+        mask = [True] * len(leaves) if trainable is None else treedef.flatten_up_to(trainable)
+        return cls(treedef, plans, mask, [jax.ShapeDtypeStruct(x.shape, settings.compute_type(x)) for x in leaves])
+
+    def trained(self, xs, want=True):
+        """The entries of the per-leaf list `xs` that train (want=False: that are frozen)."""
+        return [x for x, m in zip(xs, self.mask) if m == want]
+
+
+def _local_gradients(s, layout, local_params, local_batch, step, scale):
+    """The shard_map's body on one device: (the trained leaves' gradients in their `out_spec` layouts, loss, metrics),
+    means over the micro-batches and over the shards. scale: the loss scale or None."""
+    rng = jax.random.fold_in(s.key, step)
+    shard = jax.lax.axis_index(s.live) if s.live else None
+    grad_fn = _shard_grad_fn(s, layout, local_batch, rng, scale)
+    local_leaves = jax.tree.leaves(local_params)
+    one = functools.partial(_micro_gradients, s, layout, grad_fn, rng, shard, local_leaves)
+    grads, loss, metrics = _sum_micro_batches(one, local_batch, s.accumulate)
+    inv = 1.0 / s.accumulate
+    grads = [reduce_gradient(g, () if s.zero_stage == 2 else pl.scatter, pl.reduce, s.reduce_dtype, pl.auto_spec,
+                             s.int8.gradients) * inv for g, pl in zip(grads, layout.trained(layout.plans))]
+    grads = [g.astype(x.dtype) for g, x in zip(grads, layout.trained(local_leaves))]
+    loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, s.live) if s.live else v) * inv, (loss, metrics))
+    return grads, loss, metrics
+
+
+def _shard_grad_fn(s, layout, local_batch, rng, scale):
+    """`value_and_grad` of this device's weighted share of the loss on one micro-batch, with respect to its trained
+    leaves: `(trained, frozen, micro_batch, rng) -> ((scaled share, (loss, metrics, weight)), grads)`. The loss is
+    traced once at full size and re-evaluated with the ZeRO-3 shards as `Sharded` (`eval_gathering`)."""
+    first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local_batch)
+    closed, out_shape = jax.make_jaxpr(s.micro, return_shape=True)(
+        layout.treedef.unflatten(layout.full), first, jax.ShapeDtypeStruct((), rng.dtype))
+    out_tree = jax.tree.structure(out_shape)
+
+    def shard_loss(trained_leaves, frozen_leaves, micro_batch, micro_rng):
+        trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
+        local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
+        args = [Sharded(x, pl.gather, s.compute_type(x), s.reduce_dtype, int8=s.int8) if pl.gather
+                else x.astype(s.compute_type(x)) for x, pl in zip(local_leaves, layout.plans)]
+        flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
+        loss, metrics = out_tree.unflatten(eval_gathering(closed.jaxpr, closed.consts, flat_in, s.remat))
+        weight = _shard_weight(s, metrics)
+        scaled = loss * weight if scale is None else loss * weight * scale
+        return scaled, (loss, metrics, weight)
+
+    return jax.value_and_grad(jax.checkpoint(shard_loss) if s.remat else shard_loss, has_aux=True)
+
+
+def _shard_weight(s, metrics):
+    """This shard's weight in the global mean: 1 / shards, or its share of the `weight_metric` summed over shards."""
+    if s.weight_metric is None:
+        return jnp.float32(1.0 / s.n_shards)
+    w = jax.lax.stop_gradient(metrics[s.weight_metric])
+    return w / (jax.lax.psum(w, s.live) if s.live else w)
+
+
+def _micro_gradients(s, layout, grad_fn, rng, shard, local_leaves, micro_batch, i):
+    """(fp32 gradients, weighted loss, weighted metrics) of micro-batch i; under ZeRO-2 the gradients already
+    reduce-scattered over `data`, so partial sums stay split between micro-batches."""
+    micro_rng = jax.random.fold_in(rng, i)
+    if shard is not None:
+        micro_rng = jax.random.fold_in(micro_rng, shard)
+    (_, (loss, metrics, weight)), grads = grad_fn(layout.trained(local_leaves), layout.trained(local_leaves, False),
+                                                  micro_batch, micro_rng)
+    grads = [g.astype(jnp.float32) for g in grads]
+    if s.zero_stage == 2:
+        grads = [reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients)
+                 for g, pl in zip(grads, layout.trained(layout.plans))]
+    metrics = {k: v if k == s.weight_metric else v * weight for k, v in metrics.items()}
+    return grads, loss * weight, metrics
+
+
+def _sum_micro_batches(one, batch, accumulate):
+    """`one(micro_batch, i)`'s (gradients, loss, metrics) summed over the `accumulate` micro-batches of `batch`, in
+    one `lax.scan`."""
+    if accumulate == 1:
+        return one(jax.tree.map(lambda x: x[0], batch), 0)
+
+    def body(carry, xs):
+        g, l, m = one(*xs)
+        acc_g, acc_l, acc_m = carry
+        return ([a + b for a, b in zip(acc_g, g)], acc_l + l, jax.tree.map(jnp.add, acc_m, m)), None
+
+    shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], batch), 0)
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, _ = jax.lax.scan(body, init, (batch, jnp.arange(accumulate)))
+    return total

@@ -1,0 +1,57 @@
+"""`Sharded`: a parameter still split over the manual axes inside the shard_map step's re-evaluated loss, gathered
+only where an equation uses it whole."""
+from jax.ad_checkpoint import checkpoint_name
+
+from engine.step.collectives import Int8, zero3_gather
+
+GATHERED = "zero3_gathered"  # checkpoint name of every ZeRO-3-gathered weight: never saved for the backward pass
+
+
+class Sharded:
+    """A parameter still split over manual axes inside the traced loss: the local shard, how to gather it (`int8`: an
+    `Int8`), and the element-wise casts the loss applied to it (deferred to after the gather, so the gather moves the
+    fewest bytes)."""
+
+    def __init__(self, local, dims, dtype, reduce_dtype, casts=(), int8=Int8()):
+        self.local, self.dims, self.dtype, self.reduce_dtype, self.casts = local, dims, dtype, reduce_dtype, casts
+        self.int8 = int8
+
+    def full(self):
+        return self.apply_casts(checkpoint_name(
+            zero3_gather(self.local, self.dims, self.dtype, self.reduce_dtype, self.int8), GATHERED))
+
+    def apply_casts(self, y):
+        """The loss's element-wise casts of this parameter, applied to `y` (gathered, or any part of it)."""
+        for eqn in self.casts:
+            y, = bind_eqn(eqn, [y])
+        return y
+
+    def rebuild(self, local):
+        return Sharded(local, self.dims, self.dtype, self.reduce_dtype, self.casts, self.int8)
+
+    def cast(self, eqn):
+        return Sharded(self.local, self.dims, self.dtype, self.reduce_dtype, self.casts + (eqn,), self.int8)
+
+    def layer(self):
+        """How one slice along the (unsplit) leading dim of this stacked parameter is gathered: a scan's layer."""
+        return Sharded(None, tuple((dim - 1, axes) for dim, axes in self.dims), self.dtype, self.reduce_dtype,
+                        self.casts, self.int8)
+
+
+def full(x):
+    return x.full() if isinstance(x, Sharded) else x
+
+
+def bind_eqn(eqn, invals):
+    """Re-binds one equation as `jax.core.eval_jaxpr` does (`get_bind_params` returns the params in JAX >= 0.10,
+    `(subfuns, params)` before)."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]  # shard_map's bind returns a FlatTree
+
+
+def local_cast(x):
+    """A `Sharded`'s local shard in the compute dtype, with the loss's element-wise casts applied."""
+    return x.apply_casts(x.local.astype(x.dtype))

@@ -1,0 +1,203 @@
+"""What both train steps share: the micro-batch loss and its precision casts, the trained / frozen split of the
+parameters, gradient accumulation, and the update with its non-finite guard and loss scaling.
+
+A step is `step(params, opt_state, batch, step) -> (params, opt_state, metrics)`, wrapped in `jax.jit` by the
+Trainer with the parameter / optimizer-state / batch shardings. `batch` leaves are `[accumulate, global_micro_batch,
+...]`; `step` is the int32 update number (the per-step rng is `fold_in(key, step)`, micro-batch i uses
+`fold_in(that, i)`). A non-finite loss or gradient norm leaves params and optimizer state unchanged;
+`metrics['finite']` tells the Trainer.
+
+With a `LossScale` (float16 compute) the optimizer state is `{'optimizer': the optimizer's state, 'loss_scale':
+{'scale', 'good_steps'}}`: the loss is multiplied by the scale before differentiation, so float16 cotangents that would
+underflow to zero stay representable, and the float32 gradients are divided by it before the update.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def split_loss(out):
+    """loss_fn may return `loss` or `(loss, metrics)`."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise ValueError("loss_fn returned a tuple; expected `loss` or `(loss, metrics_dict)`")
+        return out
+    return out, {}
+
+
+def find_learning_rate(opt_state):
+    """The learning rate of the last update, when the optimizer was built with `optax.inject_hyperparams`."""
+    found = []
+
+    def visit(x):
+        hp = getattr(x, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp:
+            found.append(hp["learning_rate"])
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+        for y in getattr(x, "_asdict", lambda: {})().values() if hasattr(x, "_asdict") else ():
+            visit(y)
+
+    visit(opt_state)
+    return found[0] if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """Loss scaling for float16 compute (PyTorch's GradScaler, DeepSpeed's fp16 `loss_scale: 0`): the loss is scaled
+    by `scale` before the backward pass and the gradients unscaled after it. Dynamic (default): a step whose
+    gradients overflow (inf / NaN) is skipped and the scale divided by `factor` (not below `minimum`); after
+    `growth_interval` finite steps in a row it is multiplied by `factor`. `dynamic=False`: a fixed scale `initial`.
+    float16's gradients underflow below 6e-8 (2^-24) and overflow above 65504, so without a scale the small ones
+    vanish: the toy test's gradients were exactly zero (tests/test_trainer.py)."""
+    initial: float = 2.0 ** 15
+    growth_interval: int = 2000
+    factor: float = 2.0
+    minimum: float = 1.0
+    dynamic: bool = True
+
+    def __post_init__(self):
+        for name, ok in (("initial", self.initial >= 1), ("growth_interval", self.growth_interval >= 1),
+                         ("factor", self.factor > 1), ("minimum", 1 <= self.minimum <= self.initial)):
+            if not ok:
+                raise ValueError(f"LossScale({name}={getattr(self, name)!r}); expected initial >= minimum >= 1, "
+                                 "growth_interval >= 1 and factor > 1")
+
+    def init(self):
+        return {"scale": jnp.float32(self.initial), "good_steps": jnp.int32(0)}
+
+    def next(self, state, finite):
+        """The state after a step whose unscaled loss and gradients were `finite` (or not)."""
+        if not self.dynamic:
+            return state
+        grow = finite & (state["good_steps"] + 1 >= self.growth_interval)
+        scale = jnp.where(finite, jnp.where(grow, state["scale"] * self.factor, state["scale"]),
+                          jnp.maximum(state["scale"] / self.factor, self.minimum))
+        return {"scale": scale.astype(jnp.float32),
+                "good_steps": jnp.where(finite & ~grow, state["good_steps"] + 1, 0).astype(jnp.int32)}
+
+
+def init_opt_state(optimizer, trained, loss_scale=None):
+    """The optimizer state of the trained parameters, with the loss scale's beside it when there is one."""
+    if loss_scale is None:
+        return optimizer.init(trained)
+    return {"optimizer": optimizer.init(trained), "loss_scale": loss_scale.init()}
+
+
+def current_loss_scale(opt_state, loss_scale):
+    """The float32 scale this step multiplies the loss by (None without loss scaling)."""
+    return None if loss_scale is None else opt_state["loss_scale"]["scale"]
+
+
+def cast_floating(tree, dtype):
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def micro_loss_fn(loss_fn, compute_dtype):
+    """`(params, micro_batch, rng) -> (fp32 loss, fp32 metrics)` with params cast to `compute_dtype`."""
+    def micro_loss(params, batch, rng):
+        loss, metrics = split_loss(loss_fn(cast_floating(params, compute_dtype), batch, rng, True))
+        return jnp.asarray(loss, jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)
+    return micro_loss
+
+
+def partition(params, trainable):
+    """(trained, frozen): two trees of `params`' structure holding its trained / frozen leaves and None elsewhere.
+    trainable: a tree of bools of that structure, or None (everything trains; frozen is None). `params` may be any
+    tree of that structure whose entries are whole subtrees (PartitionSpecs, shapes, shardings)."""
+    if trainable is None:
+        return params, None
+    return (jax.tree.map(lambda m, p: p if m else None, trainable, params),
+            jax.tree.map(lambda m, p: None if m else p, trainable, params))
+
+
+def combine(trained, frozen, trainable):
+    """The inverse of `partition`."""
+    if trainable is None:
+        return trained
+    return jax.tree.map(lambda m, a, b: a if m else b, trainable, trained, frozen, is_leaf=lambda x: x is None)
+
+
+def trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable, scale=None):
+    """`value_and_grad` of the micro-batch loss with respect to the trained parameters only (None leaves where
+    frozen): the frozen ones enter as constants, so no weight gradient is computed for them. scale: the loss scale
+    (the gradients come out multiplied by it; the loss does not)."""
+    micro_loss = micro_loss_fn(loss_fn, compute_dtype)
+    if trainable is not None:
+        full = micro_loss
+        micro_loss = lambda trained, batch, rng: full(combine(trained, frozen, trainable), batch, rng)  # noqa: E731
+    micro_loss = jax.checkpoint(micro_loss) if remat else micro_loss
+    if scale is None:
+        return jax.value_and_grad(micro_loss, has_aux=True)
+
+    def scaled(trained, batch, rng):
+        loss, metrics = micro_loss(trained, batch, rng)
+        return loss * scale, (loss, metrics)
+
+    grad_fn = jax.value_and_grad(scaled, has_aux=True)
+
+    def unscaled_value(trained, batch, rng):
+        (_, aux), grads = grad_fn(trained, batch, rng)
+        return aux, grads
+
+    return unscaled_value
+
+
+def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g):
+    """Mean loss, metrics and gradients over the `accumulate` micro-batches of `batch`, in one `lax.scan`; the running
+    sum stays in fp32 and is passed through `constrain` (its sharding) after every micro-batch."""
+    if accumulate == 1:
+        (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(rng, 0))
+        return loss, metrics, constrain(grads)
+
+    def body(carry, xs):
+        micro_batch, i = xs
+        (loss, metrics), g = grad_fn(params, micro_batch, jax.random.fold_in(rng, i))
+        acc_g, acc_loss, acc_m = carry
+        acc_g = constrain(jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g))
+        return (acc_g, acc_loss + loss, jax.tree.map(jnp.add, acc_m, metrics)), None
+
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    (_, metric_shapes), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch), rng)
+    init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes))
+    (grads, loss, metrics), _ = jax.lax.scan(body, init, (batch, jnp.arange(accumulate)))
+    scale = 1.0 / accumulate
+    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
+    return loss * scale, jax.tree.map(lambda m: m * scale, metrics), grads
+
+
+def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None):
+    """The optimizer update, applied only when loss and gradient norm are finite; returns (params, opt_state, metrics).
+
+    The guard is a `lax.cond` around the whole update rather than a `where` on its result: the where keeps old and
+    new state alive together (one more gradient-sized temporary per device), the cond lets the update run in place
+    in the donated buffers. loss_scale: the `LossScale` the gradients were computed
+    under (they are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's)."""
+    if loss_scale is not None:
+        state, opt_state = opt_state["loss_scale"], opt_state["optimizer"]
+        grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / state["scale"]).astype(g.dtype), grads)
+        params, opt_state, metrics = apply_update(optimizer, params, opt_state, grads, loss, metrics)
+        metrics["loss_scale"] = state["scale"]
+        return params, {"optimizer": opt_state, "loss_scale": loss_scale.next(state, metrics["finite"])}, metrics
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def update(state):
+        params, opt_state, grads = state
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    new_params, new_opt_state = jax.lax.cond(finite, update, lambda state: state[:2], (params, opt_state, grads))
+    out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **metrics}
+    lr = find_learning_rate(new_opt_state)
+    if lr is not None:
+        out["learning_rate"] = lr
+    return new_params, new_opt_state, out
