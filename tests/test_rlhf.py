@@ -64,7 +64,7 @@ def test_reward_is_the_score_head_at_the_final_token():
     np.testing.assert_allclose(got.reshape(-1), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="backbone_params do not fit"):
         models.init_reward_params(model, {"embed": lm_params["embed"]}, jax.random.PRNGKey(1))
-    with pytest.raises(ValueError, match="expected an models.RewardModel"):
+    with pytest.raises(ValueError, match="expected a models.RewardModel"):
         reward.reward_loss_fn(backbone)
 
 

@@ -498,6 +498,11 @@ def apply_lora_flags(model, params, mesh):
     return with_lora(*merge_adapter(model, params, FLAGS.init_adapter, mesh), mesh)
 
 
+def _layout(mesh):
+    """Where the models' loaders put parameters: `engine.auto_layout` on `mesh`; host arrays without one."""
+    return None if mesh is None else engine.auto_layout(mesh)
+
+
 def merge_adapter(model, params, adapter, mesh):
     """(model, params) with the PEFT adapter directory `adapter` (--init_adapter; None: none) merged into the
     weights, after any adapters `params` already hold."""
@@ -506,7 +511,7 @@ def merge_adapter(model, params, adapter, mesh):
     if not os.path.isdir(adapter):
         raise FileNotFoundError(f"--init_adapter={adapter} is not a directory; expected a PEFT adapter directory")
     return models.merge_lora(*models.load_lora_adapter(*models.merge_lora(model, params), adapter,
-                                                         layout=engine.auto_layout(mesh)))
+                                                         layout=_layout(mesh)))
 
 
 def _start_decoder(mesh, tasks, seq_len):
@@ -515,7 +520,8 @@ def _start_decoder(mesh, tasks, seq_len):
             return restore_run(FLAGS.init_from, mesh, tasks=tasks)
         return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
     model, tokenizer = _fresh_decoder(seq_len)
-    return None, model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh)), tokenizer
+    params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=_layout(mesh))
+    return None, model, params, tokenizer
 
 
 def _fresh_decoder(seq_len):
@@ -592,7 +598,7 @@ def with_lora(model, params, mesh):
     except ValueError as e:
         raise ValueError(f"--lora_rank/--lora_alpha/--lora_targets: {e}") from None
     model = model.clone(config=config)
-    return model, models.add_lora(model, params, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh))
+    return model, models.add_lora(model, params, jax.random.PRNGKey(FLAGS.seed), layout=_layout(mesh))
 
 
 def trainable(also=None):
@@ -669,7 +675,7 @@ def load_hf(path, *, families, mesh=None, byte_fallback=True):
     they are read. The directory's tokenizer.json is used; without one, byte-level tokens when the vocabulary is
     large enough (byte_fallback)."""
     load_hf_model(path, families=families)  # bad input fails before any weight is read
-    model, params = models.load_pretrained(path, layout=engine.auto_layout(mesh))
+    model, params = models.load_pretrained(path, layout=_layout(mesh))
     return model, params, hf_tokenizer(path, model, byte_fallback)
 
 
