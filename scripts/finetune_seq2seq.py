@@ -123,7 +123,7 @@ def main(argv):
           f"most; e.g. {train_pairs[0]['input']!r} -> {train_pairs[0]['target']!r}")
 
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
-                           flops_per_example=models.train_flops_per_example(model, *row_lens))
+                           logging=engine.Logging(flops_per_example=models.train_flops_per_example(model, *row_lens)))
     predictor = engine.Predictor(mesh=mesh, collate_fn=seq2seq.collate_seq2seq, pred_fn=seq2seq.seq2seq_pred_fn(
         model, max_new_tokens=out_len, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id))
     metric_fn = lambda examples, preds: seq2seq.exact_match(examples, preds, tokenizer.eos_id)  # noqa: E731

@@ -77,7 +77,8 @@ def main(argv):
         model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation))
         for ex in (train, evals))
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
-                           flops_per_example=2 * models.train_flops_per_example(model, FLAGS.seq_len))
+                           logging=engine.Logging(
+                               flops_per_example=2 * models.train_flops_per_example(model, FLAGS.seq_len)))
     predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
                                  pred_fn=preference.preference_pred_fn(model, implementation=implementation))
     accuracy = lambda: preference.preference_accuracy(  # noqa: E731

@@ -101,7 +101,8 @@ def main(argv):
                              loss_fn=lm.lm_loss_fn(model, cli.loss_implementation()), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              **cli.trainer_kwargs(),
-                             logging=engine.Logging(flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len)))
+                             logging=engine.Logging(
+                                 flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len)))
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)

@@ -63,7 +63,8 @@ def main(argv):
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
     trainer = make_trainer(mesh, backbone, backbone_params, workdir=FLAGS.workdir,
-                           flops_per_example=2 * models.train_flops_per_example(backbone, FLAGS.seq_len))
+                           logging=engine.Logging(
+                               flops_per_example=2 * models.train_flops_per_example(backbone, FLAGS.seq_len)))
     predictor = engine.Predictor(mesh=mesh, collate_fn=preference.collate_preferences,
                                  pred_fn=reward.reward_pred_fn(model))
     accuracy = lambda: reward.reward_accuracy(  # noqa: E731

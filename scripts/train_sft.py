@@ -59,7 +59,8 @@ def main(argv):
     print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
           f"{train_pairs[0]['response']!r}")
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
-                           flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len))
+                           logging=engine.Logging(
+                               flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len)))
     answered = eval_pairs[:FLAGS.eval_answers]
     exact = lambda: preference.answer_exact_match(  # noqa: E731
         model, trainer.params, tokenizer, answered, max_new_tokens=FLAGS.max_new_tokens) if answered else float("nan")

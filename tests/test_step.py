@@ -20,10 +20,11 @@ MESHES = {"8x1x1": dict(data=8), "1x8x1": dict(data=1, fsdp=8), "2x2x2": dict(da
           "1x4x2": dict(data=1, fsdp=4, model=2)}
 
 
-def _fit(kind, mesh, steps=5, **kwargs):
+def _fit(kind, mesh, steps=5, accumulate_grad_batches=1, **parallelism):
     trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
-                             params=task.init_params(), optimizer=optax.sgd(0.1, momentum=0.9), step=kind,
-                             **kwargs)
+                             params=task.init_params(), optimizer=optax.sgd(0.1, momentum=0.9),
+                             accumulate_grad_batches=accumulate_grad_batches,
+                             parallelism=engine.Parallelism(step=kind, **parallelism))
     trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=steps, log_every=steps)
     return trainer
 
@@ -62,7 +63,7 @@ def _llama_trainer(kind, mesh, loss_fn, **kwargs):
     model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat="full"))
     params = models.init_params(model, jax.random.PRNGKey(0))
     return engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm, loss_fn=loss_fn(model),
-                          params=params, optimizer=optax.sgd(0.5), step=kind, **kwargs)
+                          params=params, optimizer=optax.sgd(0.5), **kwargs, parallelism=engine.Parallelism(step=kind))
 
 
 def _packed_rows(n, seq=16, seed=0):
@@ -117,7 +118,8 @@ def test_dropout_masks_survive_the_pipelined_stack():
         try:
             trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=lm.collate_lm,
                                      loss_fn=lm.lm_loss_fn(model), params=models.init_params(
-                                         model, jax.random.PRNGKey(1)), optimizer=optax.sgd(0.5), step="shard_map")
+                                         model, jax.random.PRNGKey(1)), optimizer=optax.sgd(0.5),
+                                         parallelism=engine.Parallelism(step="shard_map"))
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
         finally:
             layer_scan.is_remat_layer_stack = real
@@ -154,7 +156,8 @@ def test_pipelined_layer_stack_and_vocab_parallel_lookup(family, mesh, layers):
             loss = lm.lm_loss_fn(model, "xla" if family == "llama" else None)
             loss.weight_metric = "tokens"
             trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm, loss_fn=loss,
-                                     params=params, optimizer=optax.sgd(0.5), step=kind, accumulate_grad_batches=2)
+                                     params=params, optimizer=optax.sgd(0.5), accumulate_grad_batches=2,
+                                     parallelism=engine.Parallelism(step=kind))
             # 10 tokens per row: the gathered group rows [8 x 10, 64] differ from every weight's shape.
             trainer.fit(_packed_rows(32, seq=10, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
             runs.append(trainer)
@@ -211,7 +214,7 @@ def test_layer_loop_bodies_are_double_buffered():
     loss = lm.lm_loss_fn(model)
     loss.weight_metric = "tokens"
     trainer = engine.Trainer(mesh=engine.make_mesh(data=1, fsdp=8), collate_fn=lm.collate_lm, loss_fn=loss,
-                             params=params, optimizer=optax.sgd(0.1), step="shard_map")
+                             params=params, optimizer=optax.sgd(0.1), parallelism=engine.Parallelism(step="shard_map"))
     batch = {k: jax.ShapeDtypeStruct((1, 8, 16), jnp.int32) for k in ("input_ids", "labels", "segment_ids")}
     hlo = plan.compile_step(trainer, batch).as_text()
     comps, entry = plan._computations(hlo)
@@ -269,7 +272,7 @@ def test_pipelined_scan_equals_plain_autodiff(layers, reverse):
         for kind in ("jit", "shard_map"):
             trainer = engine.Trainer(mesh=engine.make_mesh(data=2, fsdp=4), collate_fn=task.collate_fn,
                                      loss_fn=loss_fn, params=params, optimizer=optax.sgd(0.3, momentum=0.9),
-                                     step=kind)
+                                     parallelism=engine.Parallelism(step=kind))
             trainer.fit(EXAMPLES, per_device_batch_size=1, max_steps=3, log_every=3)
             runs.append(trainer)
     finally:
@@ -297,7 +300,7 @@ def test_bf16_gradient_reductions_lower_to_bf16_collectives():
 def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('auto', 'shard_map', 'jit'\)"):
         engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
-                       params=task.init_params(), optimizer=optax.sgd(0.1), step="pmap")
+                       params=task.init_params(), optimizer=optax.sgd(0.1), parallelism=engine.Parallelism(step="pmap"))
     mesh = engine.make_mesh(data=8)
     with pytest.raises(ValueError, match=r"reduce_dtype=.*float16.*; expected jnp.float32 or jnp.bfloat16"):
         step_lib.shard_map_train_step(loss_fn=task.loss_fn, optimizer=optax.sgd(0.1), mesh=mesh, param_specs={},
@@ -322,8 +325,8 @@ def test_frozen_weights_in_the_pipelined_stack_get_no_gradient_or_reduction():
             loss = lm.lm_loss_fn(model)
             loss.weight_metric = "tokens"
             trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["1x8x1"]), collate_fn=lm.collate_lm,
-                                     loss_fn=loss, params=params, optimizer=optax.sgd(0.5), step=kind,
-                                     trainable=trainable)
+                                     loss_fn=loss, params=params, optimizer=optax.sgd(0.5), trainable=trainable,
+                                     parallelism=engine.Parallelism(step=kind))
             trainer.fit(_packed_rows(32, seed=1), per_device_batch_size=1, max_steps=3, log_every=3)
         finally:
             layer_scan.pipelined_scan = real
@@ -440,7 +443,7 @@ def _int8_run_like_the_exact_one(mesh, remat, zero_stage, **int8):
     def run(**kwargs):
         trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm,
                                  loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5),
-                                 zero_stage=zero_stage, **kwargs)
+                                 parallelism=engine.Parallelism(zero_stage=zero_stage, **kwargs))
         trainer.fit(_packed_rows(32), per_device_batch_size=1, max_steps=3, log_every=1)
         return trainer
 
@@ -462,16 +465,19 @@ def test_int8_collectives_bad_input():
     for kwargs, message in [
             (dict(zero_quantized_weights=True, step="jit"), r"zero_quantized_weights=True; expected False unless "
                                                             r"the step is 'shard_map'"),
-            (dict(zero_quantized_gradients=1), r"zero_quantized_gradients=1; expected a bool"),
-            (dict(zero_quantized_gradients=True, diloco=engine.DiLoCo(inner_steps=2)),
-             r"zero_quantized_gradients=True; expected False unless")]:
+            (dict(zero_quantized_gradients=1), r"zero_quantized_gradients=1; expected a bool")]:
         with pytest.raises(ValueError, match=message):
-            engine.Trainer(mesh=mesh, **common, **kwargs)
+            engine.Trainer(mesh=mesh, **common, parallelism=engine.Parallelism(**kwargs))
+    with pytest.raises(ValueError, match=r"zero_quantized_gradients=True; expected False unless"):
+        engine.Trainer(mesh=mesh, **common, parallelism=engine.Parallelism(zero_quantized_gradients=True),
+                       diloco=engine.DiLoCo(inner_steps=2))
     with pytest.raises(ValueError, match=r"zero_quantized_weights=True; expected False on a mesh with fsdp=1"):
-        engine.Trainer(mesh=engine.make_mesh(data=8), zero_quantized_weights=True, **common)
+        engine.Trainer(mesh=engine.make_mesh(data=8), **common,
+                       parallelism=engine.Parallelism(zero_quantized_weights=True))
     with pytest.raises(ValueError, match=r"zero_quantized_gradients=True; expected False on a mesh with data=1 and "
                                          r"fsdp=1"):
-        engine.Trainer(mesh=engine.make_mesh(data=1, model=8), zero_quantized_gradients=True, **common)
+        engine.Trainer(mesh=engine.make_mesh(data=1, model=8), **common,
+                       parallelism=engine.Parallelism(zero_quantized_gradients=True))
     with pytest.raises(ValueError, match=r"int8=True; expected an engine.step.Int8"):
         step_lib.shard_map_train_step(loss_fn=None, optimizer=None, mesh=mesh, param_specs=None, update_specs=None,
                                       zero_stage=0, accumulate=1, compute_dtype=None, remat=False, key=None, int8=True)

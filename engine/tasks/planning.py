@@ -43,58 +43,13 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
     under LoRA), GRPO {'actor'} alone. The frozen reference and reward model are not in that step: their weights
     add their bytes (none with LoRA, where they are the trained models' frozen base)."""
-    data, fsdp, tp = parse_mesh(mesh)
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages={stages!r}; expected a positive integer")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ValueError(f"context={context!r}; expected a positive integer")
-    if stages * context * data * fsdp * tp != num_devices:
-        extra = "".join(f" with {n}={v}" for n, v in (("stages", stages), ("context", context)) if v > 1)
-        raise ValueError(f"mesh={data},{fsdp},{tp}{extra} has {stages * context * data * fsdp * tp} devices; "
-                         f"expected num_devices={num_devices}")
-    if num_devices > jax.device_count():
-        raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
-    if model not in models.FAMILIES:
-        raise ValueError(f"model={model!r}; expected one of {sorted(models.FAMILIES)}")
-    if zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1 or 2")
-    if rlhf not in (None, "ppo", "grpo"):
-        raise ValueError(f"rlhf={rlhf!r}; expected None, 'ppo' or 'grpo'")
+    settings = dict(locals())  # the keyword arguments, as given: the result repeats them
+    data, fsdp, tp = _check_arguments(settings)
     dtype = jnp.dtype(compute_dtype)
-    config = models.get_config(model, model_config, scan_layers=True, remat=remat, dtype=dtype.name,
-                               lora_rank=lora_rank, param_dtype=jnp.dtype(param_dtype).name, quantize=quantize,
-                               pipeline_microbatches=pipeline_microbatches, sequence_parallel=sequence_parallel)
-    network = models.FAMILIES[model].Model(config)
-    abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
-    if not lora_rank:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
-    n_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    unquantized = models.FAMILIES[model].Model(dataclasses.replace(config, quantize=None))  # nf4: 2 codes a byte
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
-        jax.eval_shape(lambda: models.init_params(unquantized, jax.random.PRNGKey(0)))))
-    trainable = models.LORA_TRAINABLE if lora_rank else None
-    # loss_implementation: None materialises [tokens, vocab] logits; 'xla' (default) is the blockwise
-    # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
-    loss_fn = lm.lm_loss_fn(network, loss_implementation)
-    loss_fn.weight_metric = "tokens"
-    params, rows_of = abstract, dict.fromkeys(("input_ids", "labels", "segment_ids"), jnp.int32)
-    if rlhf:
-        critic = models.RewardModel(network) if rlhf == "ppo" else None
-        params = {"actor": abstract}
-        if critic is not None:
-            params["critic"] = models.init_reward_params(critic, abstract, jax.random.PRNGKey(0))
-            trainable = trainable and f"{trainable}|{models.SCORE_TRAINABLE}"
-        config = ppo.PPOConfig(advantage_estimator="gae" if critic is not None else "grpo", samples_per_prompt=2)
-        loss_fn = ppo.ppo_loss_fn(network, critic, config, implementation=loss_implementation)
-        rows_of.update(dict.fromkeys(("old_log_probs", "advantages") + (
-            ("old_values", "returns") if critic is not None else ("ref_log_probs",)), jnp.float32))
+    network, abstract, n_params = _network(settings)
+    params, loss_fn, trainable, rows_of = _training(network, abstract, settings)
     n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
                     if trainable is None or re.search(trainable, engine.sharding.path_str(p)))
-
-    if not diloco_inner_steps and (diloco_fragments != 1 or diloco_outer_dtype != "float32"):
-        raise ValueError(f"diloco_fragments={diloco_fragments!r}, diloco_outer_dtype={diloco_outer_dtype!r}; expected "
-                         "diloco_inner_steps > 0 with them")
     diloco = None
     if diloco_inner_steps:
         diloco = engine.DiLoCo(inner_steps=diloco_inner_steps, fragments=diloco_fragments,
@@ -104,41 +59,122 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
                               devices=jax.devices()[:num_devices]),
         collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
-        accumulate_grad_batches=accumulate, trainable=trainable, diloco=diloco, parallelism=engine.Parallelism(zero_stage=zero_stage, step=step, zero_quantized_weights=zero_quantized_weights, zero_quantized_gradients=zero_quantized_gradients), precision=engine.Precision(compute_dtype=dtype))
+        accumulate_grad_batches=accumulate, trainable=trainable, diloco=diloco,
+        precision=engine.Precision(compute_dtype=dtype),
+        parallelism=engine.Parallelism(step=step, zero_stage=zero_stage, zero_quantized_weights=zero_quantized_weights,
+                                       zero_quantized_gradients=zero_quantized_gradients))
     rows = per_device_batch_size * data * fsdp
     batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), t) for k, t in rows_of.items()}
     compiled = compile_step(trainer, batch)
     memory = memory_per_device(compiled)
-    hlo = compiled.as_text()
-    comm = collective_bytes(hlo, num_devices)
-    outer = None
-    if diloco is not None:
-        comm, outer = diloco_bytes(hlo, diloco_fragments, num_devices)
-        if outer is None:
-            raise RuntimeError(f"plan: expected one DiLoCo switch of {diloco_fragments + 1} branches in the compiled "
-                               "step")
-    result = {"model": model, "model_config": model_config, "num_devices": num_devices, "mesh": [data, fsdp, tp],
-              "stages": stages, "context": context, "pipeline_microbatches": pipeline_microbatches or stages,
-              "idle_share": models.pipeline.bubble_fraction(stages, pipeline_microbatches or stages),
-              "zero_stage": zero_stage, "step": step,
-              "zero_quantized": {"weights": zero_quantized_weights, "gradients": zero_quantized_gradients},
-              "sequence_parallel": sequence_parallel, "rlhf": rlhf,
-              "per_device_batch_size": per_device_batch_size,
-              "seq_len": seq_len, "remat": remat, "compute_dtype": dtype.name,
-              "loss_implementation": loss_implementation or "plain", "params": n_params, "trained_params": n_trained,
-              "param_bytes": n_bytes,
-              "lora_rank": lora_rank, "param_dtype": jnp.dtype(param_dtype).name, "quantize": quantize,
-              "bytes": memory,
-              "state_16psi_per_device": 16 * n_params // num_devices,
-              "collective_bytes": comm, "collective_bytes_total": sum(comm.values())}
-    if diloco is not None:
-        result["diloco"] = {"inner_steps": diloco_inner_steps, "fragments": diloco_fragments,
-                            "outer_dtype": diloco_outer_dtype}
-        result["outer_step_bytes"] = [sum(o.values()) for o in outer]
-    if hbm_gb is not None:
-        result["hbm_gb"] = hbm_gb
-        result["fits"] = memory["total"] <= hbm_gb * 1e9
+    comm, outer = _communication(compiled.as_text(), diloco, num_devices)
+    result = _result(settings, step=step, mesh=[data, fsdp, tp], params=n_params, trained_params=n_trained,
+                     param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract)),
+                     memory=memory, collective_bytes=comm, outer=outer)
     logging.info("plan %s", result)
+    return result
+
+
+def _check_arguments(settings):
+    """`plan`'s argument checks; returns the mesh's (data, fsdp, model)."""
+    data, fsdp, tp = parse_mesh(settings["mesh"])
+    stages, context, num_devices = settings["stages"], settings["context"], settings["num_devices"]
+    for name, value in (("stages", stages), ("context", context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; expected a positive integer")
+    if stages * context * data * fsdp * tp != num_devices:
+        extra = "".join(f" with {n}={v}" for n, v in (("stages", stages), ("context", context)) if v > 1)
+        raise ValueError(f"mesh={data},{fsdp},{tp}{extra} has {stages * context * data * fsdp * tp} devices; "
+                         f"expected num_devices={num_devices}")
+    if num_devices > jax.device_count():
+        raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
+    if settings["model"] not in models.FAMILIES:
+        raise ValueError(f"model={settings['model']!r}; expected one of {sorted(models.FAMILIES)}")
+    if settings["zero_stage"] not in (0, 1, 2):
+        raise ValueError(f"zero_stage={settings['zero_stage']!r}; expected 0, 1 or 2")
+    if settings["rlhf"] not in (None, "ppo", "grpo"):
+        raise ValueError(f"rlhf={settings['rlhf']!r}; expected None, 'ppo' or 'grpo'")
+    if not settings["diloco_inner_steps"] and (settings["diloco_fragments"] != 1
+                                               or settings["diloco_outer_dtype"] != "float32"):
+        raise ValueError(f"diloco_fragments={settings['diloco_fragments']!r}, diloco_outer_dtype="
+                         f"{settings['diloco_outer_dtype']!r}; expected diloco_inner_steps > 0 with them")
+    return data, fsdp, tp
+
+
+def _network(s):
+    """(the model, its abstract parameters as trained, its parameter count without quantisation)."""
+    config = models.get_config(s["model"], s["model_config"], scan_layers=True, remat=s["remat"],
+                               dtype=jnp.dtype(s["compute_dtype"]).name, lora_rank=s["lora_rank"],
+                               param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
+                               pipeline_microbatches=s["pipeline_microbatches"],
+                               sequence_parallel=s["sequence_parallel"])
+    network = models.FAMILIES[s["model"]].Model(config)
+    abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
+    if not s["lora_rank"]:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), abstract)
+    unquantized = models.FAMILIES[s["model"]].Model(dataclasses.replace(config, quantize=None))  # nf4: 2 codes a byte
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(
+        jax.eval_shape(lambda: models.init_params(unquantized, jax.random.PRNGKey(0)))))
+    return network, abstract, n_params
+
+
+def _training(network, abstract, s):
+    """(params, loss_fn, trainable, {batch name: dtype}) of the language-model step, or with rlhf of PPO's / GRPO's
+    update step."""
+    trainable = models.LORA_TRAINABLE if s["lora_rank"] else None
+    # loss_implementation: None materialises [tokens, vocab] logits; 'xla' (default) is the blockwise
+    # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
+    loss_fn = lm.lm_loss_fn(network, s["loss_implementation"])
+    loss_fn.weight_metric = "tokens"
+    params, rows_of = abstract, dict.fromkeys(("input_ids", "labels", "segment_ids"), jnp.int32)
+    if s["rlhf"]:
+        critic = models.RewardModel(network) if s["rlhf"] == "ppo" else None
+        params = {"actor": abstract}
+        if critic is not None:
+            params["critic"] = models.init_reward_params(critic, abstract, jax.random.PRNGKey(0))
+            trainable = trainable and f"{trainable}|{models.SCORE_TRAINABLE}"
+        config = ppo.PPOConfig(advantage_estimator="gae" if critic is not None else "grpo", samples_per_prompt=2)
+        loss_fn = ppo.ppo_loss_fn(network, critic, config, implementation=s["loss_implementation"])
+        rows_of.update(dict.fromkeys(("old_log_probs", "advantages") + (
+            ("old_values", "returns") if critic is not None else ("ref_log_probs",)), jnp.float32))
+    return params, loss_fn, trainable, rows_of
+
+
+def _communication(hlo, diloco, num_devices):
+    """(bytes sent per collective, each DiLoCo part's outer step's or None) of the compiled step."""
+    if diloco is None:
+        return collective_bytes(hlo, num_devices), None
+    comm, outer = diloco_bytes(hlo, diloco.fragments, num_devices)
+    if outer is None:
+        raise RuntimeError(f"plan: expected one DiLoCo switch of {diloco.fragments + 1} branches in the compiled "
+                           "step")
+    return comm, outer
+
+
+def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, collective_bytes, outer):
+    """`plan`'s result dict."""
+    microbatches = s["pipeline_microbatches"] or s["stages"]
+    result = {"model": s["model"], "model_config": s["model_config"], "num_devices": s["num_devices"], "mesh": mesh,
+              "stages": s["stages"], "context": s["context"], "pipeline_microbatches": microbatches,
+              "idle_share": models.pipeline.bubble_fraction(s["stages"], microbatches),
+              "zero_stage": s["zero_stage"], "step": step,
+              "zero_quantized": {"weights": s["zero_quantized_weights"], "gradients": s["zero_quantized_gradients"]},
+              "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],
+              "per_device_batch_size": s["per_device_batch_size"], "seq_len": s["seq_len"], "remat": s["remat"],
+              "compute_dtype": jnp.dtype(s["compute_dtype"]).name,
+              "loss_implementation": s["loss_implementation"] or "plain", "params": params,
+              "trained_params": trained_params, "param_bytes": param_bytes, "lora_rank": s["lora_rank"],
+              "param_dtype": jnp.dtype(s["param_dtype"]).name, "quantize": s["quantize"], "bytes": memory,
+              "state_16psi_per_device": 16 * params // s["num_devices"],
+              "collective_bytes": collective_bytes, "collective_bytes_total": sum(collective_bytes.values())}
+    if outer is not None:
+        result["diloco"] = {"inner_steps": s["diloco_inner_steps"], "fragments": s["diloco_fragments"],
+                            "outer_dtype": s["diloco_outer_dtype"]}
+        result["outer_step_bytes"] = [sum(o.values()) for o in outer]
+    if s["hbm_gb"] is not None:
+        result["hbm_gb"] = s["hbm_gb"]
+        result["fits"] = memory["total"] <= s["hbm_gb"] * 1e9
     return result
 
 
