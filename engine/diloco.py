@@ -41,6 +41,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import kernels
+from kernels import axes
 from engine.step import (accumulate_gradients, apply_update, combine, current_loss_scale, init_opt_state, partition,
                          trained_grad_fn)
 
@@ -248,9 +249,9 @@ def _mean_delta(global_part, replicas_part, specs, mesh, dtype, replicas):
         chunks = [-(-g.size // (replicas * _BLOCK)) * _BLOCK for g in g_leaves]
         rows = jnp.concatenate([jnp.pad((g - r[0]).astype(jnp.float32).ravel(), (0, replicas * c - g.size))
                                 .reshape(replicas, c) for g, r, c in zip(g_leaves, r_leaves, chunks)], axis=1)
-        mine = tuple(jax.lax.all_to_all(w, "data", 0, 0) for w in _encode(rows, dtype))
+        mine = tuple(jax.lax.all_to_all(w, axes.DATA, 0, 0) for w in _encode(rows, dtype))
         mean = _decode(mine, dtype).mean(0, keepdims=True)
-        every = _decode(tuple(jax.lax.all_gather(w, "data", axis=0, tiled=True) for w in _encode(mean, dtype)),
+        every = _decode(tuple(jax.lax.all_gather(w, axes.DATA, axis=0, tiled=True) for w in _encode(mean, dtype)),
                         dtype)
         out, start = [], 0
         for g, c in zip(g_leaves, chunks):
@@ -258,7 +259,7 @@ def _mean_delta(global_part, replicas_part, specs, mesh, dtype, replicas):
             start += c
         return out
 
-    out = jax.shard_map(local, mesh=kernels.tracing_mesh(mesh), in_specs=(g_specs, [P("data", *s) for s in g_specs]),
+    out = jax.shard_map(local, mesh=kernels.tracing_mesh(mesh), in_specs=(g_specs, [P(axes.DATA, *s) for s in g_specs]),
                         out_specs=g_specs, check_vma=False)(g_leaves, r_leaves)
     return treedef.unflatten(out)
 
@@ -280,49 +281,78 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
     loss_scale: an `engine.LossScale` (float16 compute): each replica scales its loss by its own scale (in its inner
     state) and skips and lowers it on its own overflows, as `jit_train_step` does for the whole model; the outer
     step sees the replicas' parameters only."""
-    parts = diloco.fragments
+    return _DiLoCoStep(diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key, trainable, plan,
+                       mesh, specs, sync, loss_scale).step
 
-    def inner(params, opt_state, batch, rng, frozen):
-        grad_fn = trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable,
-                                  current_loss_scale(opt_state, loss_scale))
-        loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, accumulate)
-        return apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale)
 
-    def outer(args):  # fragments=1: the whole trees
+@dataclasses.dataclass(frozen=True)
+class _DiLoCoStep:
+    """`diloco_train_step`'s settings, and its step as methods: the replicas' inner step, and the outer step (whole
+    trees, a due fragment, or the overlapped fragment of the step before)."""
+    diloco: object
+    replicas: int
+    loss_fn: object
+    optimizer: object
+    accumulate: int
+    compute_dtype: object
+    remat: object
+    key: object
+    trainable: object
+    plan: object
+    mesh: object
+    specs: object
+    sync: bool
+    loss_scale: object
+
+    @property
+    def parts(self):
+        return self.diloco.fragments
+
+    def inner(self, params, opt_state, batch, rng, frozen):
+        grad_fn = trained_grad_fn(self.loss_fn, self.compute_dtype, self.remat, frozen, self.trainable,
+                                  current_loss_scale(opt_state, self.loss_scale))
+        loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate)
+        return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale)
+
+    def outer(self, args):  # fragments=1: the whole trees
+        replicas, specs = self.replicas, self.specs
         global_params, reps, outer_state = args
-        outer_grads = _outer_grads(global_params, reps, specs)
-        updates, outer_state = diloco.outer_optimizer.update(outer_grads, outer_state, global_params)
+        outer_grads = self.outer_grads(global_params, reps, specs)
+        updates, outer_state = self.diloco.outer_optimizer.update(outer_grads, outer_state, global_params)
         global_params = optax.apply_updates(global_params, updates)
         return global_params, replicate(global_params, replicas), outer_state
 
-    def _outer_grads(g, r, part_specs):
-        if diloco.outer_dtype == "float32":
+    def outer_grads(self, g, r, part_specs):
+        replicas = self.replicas
+        if self.diloco.outer_dtype == "float32":
             return jax.tree.map(lambda g, r: g - r.mean(0, dtype=jnp.float32).astype(g.dtype), g, r)
-        return _mean_delta(g, r, part_specs, mesh, diloco.outer_dtype, replicas)
+        return _mean_delta(g, r, part_specs, self.mesh, self.diloco.outer_dtype, replicas)
 
-    def outer_part(part, args):
+    def outer_part(self, part, args):
         """Part `part`'s outer step on its cut leaves (taken out of the trees before the switch) and the whole
         leaves it owns."""
+        plan, replicas, specs = self.plan, self.replicas, self.specs
         cut_g, cut_r, whole_g, whole_r, states = args
         g, r = _zip(plan, _owned(part), cut_g, whole_g), _zip(plan, _owned(part), cut_r, whole_r)
-        updates, state = diloco.outer_optimizer.update(_outer_grads(g, r, fragment_specs(plan, specs, part)),
-                                                       states[part], g)
+        updates, state = self.diloco.outer_optimizer.update(
+            self.outer_grads(g, r, fragment_specs(plan, specs, part)), states[part], g)
         g = optax.apply_updates(g, updates)
         r = replicate(g, replicas)
         states = [state if p == part else s for p, s in enumerate(states)]
         return (_zip(plan, _cut, g), _zip(plan, _cut, r), _zip(plan, _whole_after(part), g, whole_g),
                 _zip(plan, _whole_after(part), r, whole_r), states)
 
-    def overlapped_part(part, args):
+    def overlapped_part(self, part, args):
         """Part `part`'s outer update from the exchanged outer gradients of its cut leaves, and the exchange, update
         and replica move of the whole leaves it owns (small: their exchange may sit in this branch)."""
+        plan, specs = self.plan, self.specs
         cut_grads, cut_g, whole_g, whole_before, whole_after, states = args
         mine = lambda cut, x: x if cut.dim is None and cut.owner == part else None  # noqa: E731
         g_whole, before_whole = _zip(plan, mine, whole_g), _zip(plan, mine, whole_before)
-        whole_grads = _outer_grads(g_whole, before_whole, _zip(plan, mine, specs))
+        whole_grads = self.outer_grads(g_whole, before_whole, _zip(plan, mine, specs))
         g = _zip(plan, _owned(part), cut_g, g_whole)
-        updates, state = diloco.outer_optimizer.update(_zip(plan, _owned(part), cut_grads, whole_grads),
-                                                       states[part], g)
+        updates, state = self.diloco.outer_optimizer.update(_zip(plan, _owned(part), cut_grads, whole_grads),
+                                                            states[part], g)
         g = optax.apply_updates(g, updates)
         moved = lambda cut, new, b, a: (  # noqa: E731
             None if cut.dim is not None else new + (a - b) if cut.owner == part else a)
@@ -330,16 +360,18 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         new_whole = _zip(plan, _whole_after(part), g, whole_g)
         return (_zip(plan, _cut, g), new_whole, _zip(plan, moved, new_whole, whole_before, whole_after), states)
 
-    def overlapped(global_params, before, after, outer_state, step):
+    def overlapped(self, global_params, before, after, outer_state, step):
         """The part due at `step - 1`: its exchange from the replicas `before` the inner step (nothing of the inner
         step feeds it), its outer update, and its replicas `after` the inner step moved by the global part's change:
         new global + (after - before)."""
+        plan, parts, specs = self.plan, self.parts, self.specs
         states = [outer_state] if parts == 1 else outer_state
-        part = sum(p * (step % diloco.inner_steps == o).astype(jnp.int32) for p, o in enumerate(diloco.offsets()))
+        offsets = self.diloco.offsets()
+        part = sum(p * (step % self.diloco.inner_steps == o).astype(jnp.int32) for p, o in enumerate(offsets))
         cut_g, cut_before = _take(global_params, plan, part, parts), _take(before, plan, part, parts, lead=1)
-        cut_grads = _outer_grads(cut_g, cut_before, _zip(plan, _cut, specs))
+        cut_grads = self.outer_grads(cut_g, cut_before, _zip(plan, _cut, specs))
         new_cut, new_whole, whole_after, states = jax.lax.switch(
-            part, [functools.partial(overlapped_part, p) for p in range(parts)],
+            part, [functools.partial(self.overlapped_part, p) for p in range(parts)],
             (cut_grads, cut_g, _zip(plan, _whole, global_params), _zip(plan, _whole, before),
              _zip(plan, _whole, after), states))
         moved = lambda cut, new, b, a: None if cut.dim is None else new + (a - b)  # noqa: E731
@@ -348,35 +380,34 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
         after = _zip(plan, _merge, _give(after, plan, part, parts, cut_after, lead=1), whole_after)
         return global_params, after, states[0] if parts == 1 else states
 
-    def step(global_params, state, batch, step):
+    def step(self, global_params, state, batch, step):
+        plan, parts, replicas = self.plan, self.parts, self.replicas
         split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], replicas, x.shape[1] // replicas, *x.shape[2:]), 1, 0)
-        rngs = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(jnp.arange(replicas))
-        global_params, frozen = partition(global_params, trainable)
-        with kernels.vmapped("data"):  # each replica's kernels on its own rows
-            reps, inner_state, metrics = jax.vmap(inner, in_axes=(0, 0, 0, 0, None), spmd_axis_name="data")(
+        rngs = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(self.key, step), r))(jnp.arange(replicas))
+        global_params, frozen = partition(global_params, self.trainable)
+        with kernels.vmapped(axes.DATA):  # each replica's kernels on its own rows
+            reps, inner_state, metrics = jax.vmap(self.inner, in_axes=(0, 0, 0, 0, None), spmd_axis_name=axes.DATA)(
                 state["replicas"], state["inner"], jax.tree.map(split, batch), rngs, frozen)
-        if diloco.overlap:
+        if self.diloco.overlap:
             outer_state = state["outer"]
-            if sync:
-                global_params, reps, outer_state = overlapped(global_params, state["replicas"], reps, outer_state,
-                                                              step)
-            return (combine(global_params, frozen, trainable), {"replicas": reps, "inner": inner_state,
-                                                                "outer": outer_state}, metrics)
+            if self.sync:
+                global_params, reps, outer_state = self.overlapped(global_params, state["replicas"], reps,
+                                                                   outer_state, step)
+            return (combine(global_params, frozen, self.trainable),
+                    {"replicas": reps, "inner": inner_state, "outer": outer_state}, metrics)
         # Branch 0: no outer step; branch p + 1: part p's.
-        due = [((step + 1) % diloco.inner_steps == offset).astype(jnp.int32) for offset in diloco.offsets()]
+        due = [((step + 1) % self.diloco.inner_steps == offset).astype(jnp.int32) for offset in self.diloco.offsets()]
         branch = sum((p + 1) * hit for p, hit in enumerate(due))
         if parts == 1:
-            global_params, reps, outer_state = jax.lax.switch(branch, [lambda args: args, outer],
+            global_params, reps, outer_state = jax.lax.switch(branch, [lambda args: args, self.outer],
                                                               (global_params, reps, state["outer"]))
         else:  # the due part (any when none is) taken out, stepped in the switch, put back in place
             part = sum(p * hit for p, hit in enumerate(due))
             cut_g, cut_r, whole_g, whole_r, outer_state = jax.lax.switch(
-                branch, [lambda args: args] + [functools.partial(outer_part, p) for p in range(parts)],
+                branch, [lambda args: args] + [functools.partial(self.outer_part, p) for p in range(parts)],
                 (_take(global_params, plan, part, parts), _take(reps, plan, part, parts, lead=1),
                  _zip(plan, _whole, global_params), _zip(plan, _whole, reps), state["outer"]))
             global_params = _zip(plan, _merge, _give(global_params, plan, part, parts, cut_g), whole_g)
             reps = _zip(plan, _merge, _give(reps, plan, part, parts, cut_r, lead=1), whole_r)
-        return (combine(global_params, frozen, trainable), {"replicas": reps, "inner": inner_state,
-                                                            "outer": outer_state}, metrics)
-
-    return step
+        return (combine(global_params, frozen, self.trainable),
+                {"replicas": reps, "inner": inner_state, "outer": outer_state}, metrics)

@@ -29,7 +29,8 @@ from absl import logging
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-MODEL, FSDP, STAGE, CONTEXT = "model", "fsdp", "stage", "context"
+from kernels.axes import CONTEXT, FSDP, MODEL, STAGE
+
 # Parameters smaller than this (elements) stay replicated over `fsdp`: splitting norms and small biases saves
 # nothing and costs a gather each.
 FSDP_MIN_ELEMENTS = 1024

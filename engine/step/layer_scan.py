@@ -49,132 +49,167 @@ def pipelined_scan(eqn, invals, in_remat):
     differentiated get gradients (the custom_vjp sees symbolic zeros): a frozen weight (`Trainer(trainable=...)`)
     is gathered for each layer but gets no weight gradient and no reduce-scatter."""
     del in_remat  # the layer's own remat is replaced by this schedule
-    p = eqn.params
-    (n_consts, n_carry), n, reverse = scan_counts(p), p["length"], p["reverse"]
-    body = p["jaxpr"]
-    consts = [full(x) for x in invals[:n_consts]]
-    init = [full(x) for x in invals[n_consts:n_consts + n_carry]]
-    xs = invals[n_consts + n_carry:]
-    is_w = [isinstance(x, Sharded) for x in xs]
-    slots = [x.layer() for x in xs if isinstance(x, Sharded)]
-    plain = [x for x in xs if not isinstance(x, Sharded)]
-    stacked = [x.local for x in xs if isinstance(x, Sharded)]
-    position = lambda t: n - 1 - t if reverse else t  # noqa: E731 - iteration t runs layer position(t)
-    at = lambda x, t: jax.lax.dynamic_index_in_dim(x, position(t), 0, keepdims=False)  # noqa: E731
+    stack = _LayerStack(eqn, invals)
+    run = jax.custom_vjp(lambda *a: stack.forward(*a)[0])
+    run.defvjp(stack.forward_marked, lambda res_marks, cts: _Backward(stack, *res_marks, cts).run(),
+               symbolic_zeros=True)
+    carry, ys = run(stack.consts, stack.init, stack.plain, stack.stacked)
+    return list(carry) + list(ys)
 
-    def gather(ws, t):
-        return [all_gather(at(w, t), s.dims, s.dtype, s.int8.weights) for w, s in zip(ws, slots)]
 
-    def layer(consts, carry, x_plain, gathered):
+class _LayerStack:
+    """The scan equation's structure: its body, length and direction; its inputs split into consts, the carry's
+    init, the plain scanned inputs and the stacked `Sharded` weights (`slots`: how one layer of each is gathered)."""
+
+    def __init__(self, eqn, invals):
+        p = eqn.params
+        (n_consts, self.n_carry), self.n, self.reverse = scan_counts(p), p["length"], p["reverse"]
+        self.body = p["jaxpr"]
+        self.consts = [full(x) for x in invals[:n_consts]]
+        self.init = [full(x) for x in invals[n_consts:n_consts + self.n_carry]]
+        xs = invals[n_consts + self.n_carry:]
+        self.is_w = [isinstance(x, Sharded) for x in xs]
+        self.slots = [x.layer() for x in xs if isinstance(x, Sharded)]
+        self.plain = [x for x in xs if not isinstance(x, Sharded)]
+        self.stacked = [x.local for x in xs if isinstance(x, Sharded)]
+
+    def position(self, t):
+        """The layer iteration t runs."""
+        return self.n - 1 - t if self.reverse else t
+
+    def at(self, x, t):
+        return jax.lax.dynamic_index_in_dim(x, self.position(t), 0, keepdims=False)
+
+    def gather(self, ws, t):
+        return [all_gather(self.at(w, t), s.dims, s.dtype, s.int8.weights) for w, s in zip(ws, self.slots)]
+
+    def layer(self, consts, carry, x_plain, gathered):
+        """One layer on gathered weights: (carry out, per-layer outputs)."""
         x_plain, gathered, x = iter(x_plain), iter(gathered), []
-        for i, w in enumerate(is_w):
+        for i, w in enumerate(self.is_w):
             if w:
-                x.append(slots[sum(is_w[:i])].apply_casts(next(gathered)))
+                x.append(self.slots[sum(self.is_w[:i])].apply_casts(next(gathered)))
             else:
                 x.append(next(x_plain))
-        outs = _eval_inlined(body.jaxpr, body.consts, list(consts) + list(carry) + x)
-        return outs[:n_carry], outs[n_carry:]
+        outs = _eval_inlined(self.body.jaxpr, self.body.consts, list(consts) + list(carry) + x)
+        return outs[:self.n_carry], outs[self.n_carry:]
 
-    def forward(consts, init, plain, ws):
+    def forward(self, consts, init, plain, ws):
+        """((carry, stacked outputs), residuals): each layer's input carry is saved, as bits."""
         def step(state, t, prefetch):
             carry, w = state
-            nxt = gather(ws, t + 1) if prefetch else None
-            carry_out, y = layer(consts, carry, [at(x, t) for x in plain], w)
+            nxt = self.gather(ws, t + 1) if prefetch else None
+            carry_out, y = self.layer(consts, carry, [self.at(x, t) for x in plain], w)
             return (carry_out, nxt), (y, [_as_bits(c) for c in carry])
 
-        state, saved, ys = (init, gather(ws, 0)), None, None
+        n = self.n
+        state, saved, ys = (init, self.gather(ws, 0)), None, None
         if n > 1:
             state, (ys, saved) = jax.lax.scan(lambda s, t: step(s, t, True), state, jnp.arange(n - 1))
         (carry, _), (y_last, saved_last) = step(state, n - 1, False)
         ys = [y[None] if ys is None else jnp.concatenate([ys[i], y[None]]) for i, y in enumerate(y_last)]
-        ys = [y[::-1] if reverse else y for y in ys]
+        ys = [y[::-1] if self.reverse else y for y in ys]
         return (carry, ys), (consts, plain, ws, saved, saved_last)
 
-    def forward_marked(consts, init, plain, ws):
+    def forward_marked(self, consts, init, plain, ws):
         # Which inputs are differentiated, kept as the residuals' tree structure (() differentiated, None not).
         marks = jax.tree.map(lambda a: () if a.perturbed else None, (consts, init, plain, ws))
-        out, res = forward(*jax.tree.map(lambda a: a.value, (consts, init, plain, ws)))
+        out, res = self.forward(*jax.tree.map(lambda a: a.value, (consts, init, plain, ws)))
         return out, (res, marks)
 
-    def backward(res_marks, cts):
-        (consts, plain, ws, saved, saved_last), marks = res_marks
-        c_perturbed, _, x_perturbed, w_perturbed = [[m is not None for m in ms] for ms in marks]
+
+def _pick(xs, mask):
+    return [x for x, m in zip(xs, mask) if m]
+
+
+def _merge(picked, mask, like):
+    """The inverse of `_pick`: `like` with its masked entries replaced by `picked`."""
+    picked = iter(picked)
+    return [next(picked) if m else x for x, m in zip(like, mask)]
+
+
+def _inexact(xs):
+    return [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]
+
+
+class _Backward:
+    """The backward pass of `pipelined_scan` from its residuals and cotangents. The masks say which consts (c),
+    carries (k), plain inputs (x), weights (w) and outputs (y) get or carry a cotangent: inexact and differentiated."""
+
+    def __init__(self, stack, res, marks, cts):
+        self.stack = stack
+        self.consts, self.plain, self.ws_all, self.saved, self.saved_last = res
+        c_perturbed, _, x_perturbed, self.w_mask = [[m is not None for m in ms] for ms in marks]
         zero = lambda ct: jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct  # noqa: E731
-        ct_carry, ct_ys = ([zero(c) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in ct] for ct in cts)
-        inexact = lambda xs: [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]  # noqa: E731
-        c_mask, k_mask = [a and b for a, b in zip(inexact(consts), c_perturbed)], inexact(init)
-        x_mask = [a and b for a, b in zip(inexact(plain), x_perturbed)]
-        ws_all = ws
-        ws = [w for w, m in zip(ws_all, w_perturbed) if m]  # the weights that get gradients
-        grad_slots = [s for s, m in zip(slots, w_perturbed) if m]
+        self.ct_carry, self.ct_ys = ([zero(c) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in ct]
+                                     for ct in cts)
+        self.c_mask = [a and b for a, b in zip(_inexact(self.consts), c_perturbed)]
+        self.k_mask = _inexact(stack.init)
+        self.x_mask = [a and b for a, b in zip(_inexact(self.plain), x_perturbed)]
+        self.y_mask = [jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in stack.body.jaxpr.outvars[stack.n_carry:]]
+        self.ws = _pick(self.ws_all, self.w_mask)  # the weights that get gradients
+        self.grad_slots = _pick(stack.slots, self.w_mask)
 
-        def scatter(gs):
-            return [reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype, s.int8.gradients)
-                    for g, w, s in zip(gs, ws, grad_slots)]
-        y_mask = [jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in body.jaxpr.outvars[n_carry:]]
-        pick = lambda xs, mask: [x for x, m in zip(xs, mask) if m]  # noqa: E731
+    def scatter(self, gs):
+        return [reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype, s.int8.gradients)
+                for g, w, s in zip(gs, self.ws, self.grad_slots)]
 
-        def merge(picked, mask, like):
-            picked = iter(picked)
-            return [next(picked) if m else x for x, m in zip(like, mask)]
+    def put(self, buffers, values, t):
+        return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), self.stack.position(t), 0)
+                for b, v in zip(buffers, values)]
 
-        def vjp_layer(t, carry_in, w, ct_k):
-            x_t = [at(x, t) for x in plain]
+    def vjp_layer(self, t, carry_in, w, ct_k):
+        """Layer t recomputed from its input carry and differentiated: (d consts, d carry, d plain, d weights)."""
+        stack, x_t = self.stack, [self.stack.at(x, t) for x in self.plain]
 
-            def f(c, k, x, w_d):
-                carry_out, ys = layer(merge(c, c_mask, consts), merge(k, k_mask, carry_in), merge(x, x_mask, x_t),
-                                      merge(w_d, w_perturbed, w))
-                return pick(carry_out, k_mask), pick(ys, y_mask)
+        def f(c, k, x, w_d):
+            carry_out, ys = stack.layer(_merge(c, self.c_mask, self.consts), _merge(k, self.k_mask, carry_in),
+                                        _merge(x, self.x_mask, x_t), _merge(w_d, self.w_mask, w))
+            return _pick(carry_out, self.k_mask), _pick(ys, self.y_mask)
 
-            _, pullback = jax.vjp(f, pick(consts, c_mask), pick(carry_in, k_mask), pick(x_t, x_mask),
-                                  pick(w, w_perturbed))
-            return pullback((ct_k, pick([at(c, t) for c in ct_ys], y_mask)))
+        _, pullback = jax.vjp(f, _pick(self.consts, self.c_mask), _pick(carry_in, self.k_mask),
+                              _pick(x_t, self.x_mask), _pick(w, self.w_mask))
+        return pullback((ct_k, _pick([stack.at(c, t) for c in self.ct_ys], self.y_mask)))
 
-        def put(buffers, values, t):
-            return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), position(t), 0)
-                    for b, v in zip(buffers, values)]
+    def step(self, state, t, carry_in, prefetch, flush, shift):
+        ct_k, w, pending, acc_c, buf_w, buf_x = state
+        carry_in = [_from_bits(c, x.dtype) for c, x in zip(carry_in, self.stack.init)]
+        nxt = self.stack.gather(self.ws_all, t - 1 + shift) if prefetch else None
+        if flush:  # layer t+1's gradient, reduce-scattered while layer t is recomputed and differentiated
+            buf_w = self.put(buf_w, self.scatter(pending), t + 1)
+        d_c, d_k, d_x, d_w = self.vjp_layer(t, carry_in, w, ct_k)
+        acc_c = [a + d.astype(a.dtype) for a, d in zip(acc_c, d_c)]
+        return d_k, nxt, d_w, acc_c, buf_w, self.put(buf_x, d_x, t)
 
-        def step(state, t, carry_in, prefetch, flush):
-            ct_k, w, pending, acc_c, buf_w, buf_x = state
-            carry_in = [_from_bits(c, x.dtype) for c, x in zip(carry_in, init)]
-            nxt = gather(ws_all, t - 1 + shift) if prefetch else None
-            if flush:  # layer t+1's gradient, reduce-scattered while layer t is recomputed and differentiated
-                buf_w = put(buf_w, scatter(pending), t + 1)
-            d_c, d_k, d_x, d_w = vjp_layer(t, carry_in, w, ct_k)
-            acc_c = [a + d.astype(a.dtype) for a, d in zip(acc_c, d_c)]
-            return d_k, nxt, d_w, acc_c, buf_w, put(buf_x, d_x, t)
-
-        zeros = lambda xs, dtype=None: [jnp.zeros(x.shape, dtype or x.dtype) for x in xs]  # noqa: E731
+    def run(self):
+        """The cotangents of (consts, init, plain, stacked weights), None where zero."""
+        n, saved = self.stack.n, self.saved
         # A zero the compiler cannot fold, computed from the incoming cotangent (NaN there makes the whole update
         # skipped anyway). The gradient buffers are filled with it (every slot is overwritten) and the backward
         # gathers' layer index is offset by it, so that neither is issued before the backward pass starts: measured
         # on LLaMA-7B, an early full-size gradient buffer, or a forward gather merged with its backward twin and kept
         # alive in between, each cost hundreds of MB.
         late = jnp.zeros((), jnp.float32)
-        for c in pick(ct_carry, k_mask)[:1]:
+        for c in _pick(self.ct_carry, self.k_mask)[:1]:
             late = jnp.ravel(c)[0].astype(jnp.float32) * 0
         shift = (late != late).astype(jnp.int32)
         buffers = lambda xs: [jnp.full(x.shape, late, x.dtype) for x in xs]  # noqa: E731
-        state = (pick(ct_carry, k_mask), gather(ws_all, n - 1 + shift), None,
-                 zeros(pick(consts, c_mask), jnp.float32), buffers(ws), buffers(pick(plain, x_mask)))
-        state = step(state, n - 1, saved_last, n > 1, False)
+        state = (_pick(self.ct_carry, self.k_mask), self.stack.gather(self.ws_all, n - 1 + shift), None,
+                 [jnp.zeros(x.shape, jnp.float32) for x in _pick(self.consts, self.c_mask)], buffers(self.ws),
+                 buffers(_pick(self.plain, self.x_mask)))
+        state = self.step(state, n - 1, self.saved_last, n > 1, False, shift)
         if n > 2:
             index = lambda x, t: jax.lax.dynamic_index_in_dim(x, t, 0, keepdims=False)  # noqa: E731
-            state, _ = jax.lax.scan(lambda s, t: (step(s, t, [index(x, t) for x in saved], True, True), None),
-                                    state, jnp.arange(1, n - 1), reverse=True)
+            state, _ = jax.lax.scan(lambda s, t: (self.step(s, t, [index(x, t) for x in saved], True, True, shift),
+                                                  None), state, jnp.arange(1, n - 1), reverse=True)
         if n > 1:
-            state = step(state, 0, [x[0] for x in saved], False, True)
+            state = self.step(state, 0, [x[0] for x in saved], False, True, shift)
         ct_k, _, pending, acc_c, buf_w, buf_x = state
-        buf_w = put(buf_w, scatter(pending), 0)
+        buf_w = self.put(buf_w, self.scatter(pending), 0)
         none = lambda xs: [None] * len(xs)  # noqa: E731 - a zero cotangent
-        ct_consts = merge([a.astype(c.dtype) for a, c in zip(acc_c, pick(consts, c_mask))], c_mask, none(consts))
-        return (ct_consts, merge(ct_k, k_mask, none(init)), merge(buf_x, x_mask, none(plain)),
-                merge(buf_w, w_perturbed, none(ws_all)))
-
-    run = jax.custom_vjp(lambda *a: forward(*a)[0])
-    run.defvjp(forward_marked, backward, symbolic_zeros=True)
-    carry, ys = run(consts, init, plain, stacked)
-    return list(carry) + list(ys)
+        ct_consts = [a.astype(c.dtype) for a, c in zip(acc_c, _pick(self.consts, self.c_mask))]
+        return (_merge(ct_consts, self.c_mask, none(self.consts)), _merge(ct_k, self.k_mask, none(self.stack.init)),
+                _merge(buf_x, self.x_mask, none(self.plain)), _merge(buf_w, self.w_mask, none(self.ws_all)))
 
 
 def _as_bits(x):
