@@ -120,8 +120,8 @@ def _report(name, values):
         "" if exact is None else f", exact match {exact:.3f}")
 
 
-def main(argv):
-    del argv
+def _check_flags():
+    """The flag combinations PPO and GRPO refuse; returns the samples per prompt."""
     grpo = FLAGS.advantage_estimator == "grpo"
     for name in ("critic_learning_rate", "value_coef"):
         if grpo and FLAGS[name].present:
@@ -141,6 +141,73 @@ def main(argv):
     if FLAGS.reward_from and rule:
         raise ValueError(f"--reward_from={FLAGS.reward_from} with --verifiable_reward={FLAGS.verifiable_reward}; "
                          "expected one of them (a reward model or a rule)")
+    return samples
+
+
+def _ppo_config(samples):
+    return ppo.PPOConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, kl_coef=FLAGS.kl_coef,
+                         clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
+                         unfinished_reward=FLAGS.unfinished_reward,
+                         kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
+                         advantage_estimator=FLAGS.advantage_estimator, samples_per_prompt=samples,
+                         scale_rewards=FLAGS.scale_rewards)
+
+
+def _reward_model(mesh, tokenizer):
+    """(RewardModel, its params) of --reward_from: a train_reward.py workdir or a transformers classifier directory,
+    checked to read the policy's tokens and laid out for the run's pipeline."""
+    if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
+        _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
+    elif os.path.isdir(FLAGS.reward_from):  # a transformers sequence classifier
+        critic, reward_params = models.load_reward_model(FLAGS.reward_from, layout=engine.auto_layout(mesh))
+        reward_tokenizer = text_data.HFTokenizer.from_dir(FLAGS.reward_from, critic.config.vocab_size) or tokenizer
+    else:
+        raise FileNotFoundError(f"--reward_from={FLAGS.reward_from} is not a directory; expected a workdir of "
+                                "scripts/train_reward.py or a Hugging Face *ForSequenceClassification directory")
+    if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
+        raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
+                         "expected a reward model trained on the policy's tokens")
+    backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
+    return models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
+
+
+def _critic_and_rewards(mesh, actor, actor_params, tokenizer, records):
+    """(critic or None for GRPO, its params, PPO's reward keyword arguments): a learnt reward model (--reward_from)
+    or a rule (the toy task's, or --verifiable_reward against the reference answers in `records`)."""
+    grpo = FLAGS.advantage_estimator == "grpo"
+    if not FLAGS.reward_from:  # a rule; the critic starts from the policy with a fresh head
+        critic = critic_params = None
+        if not grpo:
+            critic = models.RewardModel(actor)
+            critic_params = models.init_reward_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
+        rule = FLAGS.verifiable_reward
+        return critic, critic_params, {"reward_fn": preference.verifiable_reward(rule, records) if rule != "none"
+                                       else preference.toy_reward}
+    critic, reward_params = _reward_model(mesh, tokenizer)
+    if grpo:  # no critic: the reward model frozen, with its own weights (--quantize: stored like the base)
+        if FLAGS.lora_rank and FLAGS.quantize != "none":
+            backbone, backbone_params = models.quantize(critic.backbone, reward_params["backbone"], FLAGS.quantize)
+            critic, reward_params = models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
+        return None, None, {"reward_model": critic, "reward_params": reward_params}
+    # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy of the
+    # reward model's weights (engine/tasks/rlhf/ppo.py), frozen.
+    critic, critic_params = cli.with_lora(critic, reward_params, mesh)
+    return critic, critic_params, {"reward_model": critic, "reward_params": (
+        {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
+
+
+def _rollout_batch_size(mesh, samples):
+    rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    rollout_batch_size = FLAGS.rollout_batch_size or math.lcm(4 * rows, samples)
+    if rollout_batch_size % rows or rollout_batch_size % samples:
+        raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
+                         f"global batch ({rows} rows) and of --samples_per_prompt ({samples})")
+    return rollout_batch_size, FLAGS.ppo_epochs * rollout_batch_size // rows
+
+
+def main(argv):
+    del argv
+    samples = _check_flags()
     train_records, eval_records = cli.load_train_eval(_read_prompts, preference.toy_prompt_responses, key="prompt",
                                                       what="prompts")
     mesh = cli.start()
@@ -149,59 +216,16 @@ def main(argv):
     longest = max(len(preference.prompt_tokens(tokenizer, r["prompt"], 1 << 30, f"prompt {n}"))
                   for n, r in enumerate(train_records + eval_records))
     seq_len = longest + FLAGS.max_new_tokens - 1
-    config = ppo.PPOConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, kl_coef=FLAGS.kl_coef,
-                           clip_ratio=FLAGS.clip_ratio, value_coef=FLAGS.value_coef,
-                           unfinished_reward=FLAGS.unfinished_reward,
-                           kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
-                           advantage_estimator=FLAGS.advantage_estimator, samples_per_prompt=samples,
-                           scale_rewards=FLAGS.scale_rewards)
-    rewards = {}
-    if FLAGS.reward_from:
-        if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
-            _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
-        elif os.path.isdir(FLAGS.reward_from):  # a transformers sequence classifier
-            critic, reward_params = models.load_reward_model(FLAGS.reward_from, layout=engine.auto_layout(mesh))
-            reward_tokenizer = text_data.HFTokenizer.from_dir(FLAGS.reward_from, critic.config.vocab_size) or tokenizer
-        else:
-            raise FileNotFoundError(f"--reward_from={FLAGS.reward_from} is not a directory; expected a workdir of "
-                                    "scripts/train_reward.py or a Hugging Face *ForSequenceClassification directory")
-        if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
-            raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
-                             "expected a reward model trained on the policy's tokens")
-        backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
-        critic, reward_params = models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
-        if grpo:  # no critic: the reward model frozen, with its own weights (--quantize: stored like the base)
-            if FLAGS.lora_rank and FLAGS.quantize != "none":
-                backbone, backbone_params = models.quantize(backbone, backbone_params, FLAGS.quantize)
-                critic, reward_params = models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
-            rewards = {"reward_model": critic, "reward_params": reward_params}
-            critic = None
-        else:
-            # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy
-            # of the reward model's weights (engine/ppo.py), frozen.
-            critic, critic_params = cli.with_lora(critic, reward_params, mesh)
-            rewards = {"reward_model": critic, "reward_params": (
-                {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
-    else:  # a rule: the toy task's, or against reference answers; the critic starts from the policy, a fresh head
-        critic = critic_params = None
-        if not grpo:
-            critic = models.RewardModel(actor)
-            critic_params = models.init_reward_params(critic, actor_params, jax.random.PRNGKey(FLAGS.seed))
-        rewards = {"reward_fn": preference.verifiable_reward(FLAGS.verifiable_reward, train_records + eval_records)
-                   if rule else preference.toy_reward}
+    critic, critic_params, rewards = _critic_and_rewards(mesh, actor, actor_params, tokenizer,
+                                                         train_records + eval_records)
     # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very
     # arrays the actor and the critic start from.
     params = {"actor": actor_params, **({"critic": critic_params} if critic is not None else {})}
     # With --lora_rank the reference is the actor with its adapters off (no copy of the policy's weights).
     task = ppo.PPO(actor=actor, critic=critic, ref_params=None if FLAGS.lora_rank else actor_params,
-                   tokenizer=tokenizer, mesh=mesh,
-                   seq_len=seq_len, config=config, implementation=cli.loss_implementation(), **rewards)
-    rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
-    rollout_batch_size = FLAGS.rollout_batch_size or math.lcm(4 * rows, samples)
-    if rollout_batch_size % rows or rollout_batch_size % samples:
-        raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
-                         f"global batch ({rows} rows) and of --samples_per_prompt ({samples})")
-    steps_per_iteration = FLAGS.ppo_epochs * rollout_batch_size // rows
+                   tokenizer=tokenizer, mesh=mesh, seq_len=seq_len, config=_ppo_config(samples),
+                   implementation=cli.loss_implementation(), **rewards)
+    rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + (
         models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
@@ -214,6 +238,11 @@ def main(argv):
     group = f" ({rollout_batch_size // samples} prompts x {samples})" if samples > 1 else ""
     print(f"{len(train_records)} training prompts; iterations of {rollout_batch_size} rollouts{group} and "
           f"{steps_per_iteration} updates, to step {FLAGS.max_steps}; rows of {seq_len} tokens")
+    _train(trainer, task, train_records, eval_records, rollout_batch_size)
+
+
+def _train(trainer, task, train_records, eval_records, rollout_batch_size):
+    """PPO iterations to --max_steps, with the held-out greedy answers' reward before and after."""
     start = _evaluate(task, trainer.params, eval_records)
     print(_report("before training", start))
 
