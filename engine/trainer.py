@@ -13,8 +13,6 @@ compiled step scans over the micro-batches, accumulates gradients (sharded like 
 import functools
 import os
 import re
-import signal
-import threading
 import time
 
 import jax
@@ -26,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from engine import data as data_lib
+from engine import fit_loop
 from engine import diloco as diloco_lib
 from engine import step as step_lib
 from engine.step import cast_floating, partition, split_loss
@@ -36,7 +35,6 @@ from engine import plan as plan_lib
 from engine.sharding import add_axis, auto_shard, log_sharding, path_str
 import kernels
 
-_BEST_MODES = ("min", "max")
 _validate = check
 
 
@@ -574,41 +572,15 @@ class Trainer:
         (compute and dispatch). SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved, `fit` returns
         with `stopped_by_signal` set.
         """
-        _validate("per_device_batch_size", per_device_batch_size,
-                  isinstance(per_device_batch_size, int) and per_device_batch_size >= 1, "an integer >= 1")
-        _validate("n_epochs", n_epochs, isinstance(n_epochs, int) and n_epochs >= 1, "an integer >= 1")
-        _validate("max_steps", max_steps, max_steps is None or (isinstance(max_steps, int) and max_steps >= 0),
-                  "None or an integer >= 0")
-        _validate("log_every", log_every, isinstance(log_every, int) and log_every >= 1, "an integer >= 1")
-        _validate("save_every", save_every, save_every is None or (isinstance(save_every, int) and save_every >= 1),
-                  "None or an integer >= 1")
+        fit_loop.check_fit_arguments(
+            workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs, max_steps=max_steps,
+            log_every=log_every, save_every=save_every, eval_examples=eval_examples, eval_predictor=eval_predictor,
+            eval_metric_fn=eval_metric_fn, eval_every=eval_every, save_best=save_best,
+            early_stopping_patience=early_stopping_patience, profile_steps=profile_steps)
         rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
-        if data_lib.is_random_access(train_examples) and len(train_examples) < rows:
-            raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
-                             f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
-                             f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
-        total = max_steps
-        if data_lib.is_random_access(train_examples):
-            remaining = max(0, n_epochs - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
-            total = self._step + remaining if total is None else min(total, self._step + remaining)
-        self._total_steps = total  # for the progress line; None when streaming without max_steps
-        if (eval_predictor is None) != (eval_metric_fn is None):
-            raise ValueError("eval_predictor and eval_metric_fn go together; got only one of them")
-        _validate("eval_every", eval_every, eval_every is None or (
-            isinstance(eval_every, int) and not isinstance(eval_every, bool) and eval_every >= 1 and
-            eval_examples is not None), "None or an integer >= 1, with eval_examples")
+        self._total_steps = self._planned_steps(train_examples, rows, per_device_batch_size, n_epochs, max_steps)
         if save_best is not None:
-            ok = (isinstance(save_best, (tuple, list)) and len(save_best) == 2 and isinstance(save_best[0], str)
-                  and save_best[1] in _BEST_MODES)
-            _validate("save_best", save_best, ok, "None or (metric, 'min' | 'max'), e.g. ('loss', 'min')")
-            _validate("save_best", save_best, eval_examples is not None and self.workdir is not None,
-                      "None without eval_examples and a workdir (the best is chosen by eval and saved there)")
-            _validate("save_best", save_best, save_best[0] == "loss" or eval_metric_fn is not None,
-                      "('loss', mode) without eval_metric_fn (the eval reports only its loss)")
             self._check_best_matches(tuple(save_best))
-        _validate("early_stopping_patience", early_stopping_patience, early_stopping_patience is None or (
-            isinstance(early_stopping_patience, int) and not isinstance(early_stopping_patience, bool)
-            and early_stopping_patience >= 1 and save_best is not None), "None or an integer >= 1, with save_best")
         exhausted = lambda: (early_stopping_patience is not None  # noqa: E731
                              and self._evals_since_best >= early_stopping_patience)
         if exhausted():
@@ -620,107 +592,110 @@ class Trainer:
                              "with another workdir to train on from them")
         evaluate = functools.partial(self._evaluate, eval_examples, eval_per_device_batch_size or per_device_batch_size,
                                      eval_predictor, eval_metric_fn, None if save_best is None else tuple(save_best))
-        if profile_steps is not None:
-            ok = (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
-                  and all(isinstance(x, int) for x in profile_steps) and 0 <= profile_steps[0] < profile_steps[1])
-            _validate("profile_steps", profile_steps, ok and self.workdir is not None,
-                      "(start, end) with 0 <= start < end, and a workdir to write the trace to")
-        stop = threading.Event()
-        previous = self._install_signal_handlers(stop)
-        pending, last_log = [], (time.perf_counter(), self._step)
+        every = {"log": log_every, "save": save_every, "eval": eval_every}
+        profiler = fit_loop.Profiler(profile_steps, f"{self.workdir}/tensorboard", self._wait_for_checkpoints)
+        self._pending, self._last_log = [], (time.perf_counter(), self._step)
         self._timers = {"data": 0.0, "checkpoint": 0.0}
-        profiling = False
+        with fit_loop.stop_on_signal() as stop:
+            done = lambda: (stop.is_set() or exhausted()  # noqa: E731
+                            or (max_steps is not None and self._step >= max_steps))
+            try:
+                while self._epoch < n_epochs and not done():
+                    seen = self._run_epoch(train_examples, per_device_batch_size, rows, profiler, done, every,
+                                           evaluate)
+                    if done():
+                        break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
+                    if seen == 0 and self._batch_in_epoch == 0:
+                        raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
+                    self._epoch, self._batch_in_epoch = self._epoch + 1, 0
+                    if self._pending:
+                        self._flush(rows, None)
+                    if eval_examples is not None and self._last_eval_step != self._step:
+                        evaluate()
+                if self._pending:
+                    self._flush(rows, None)
+            finally:
+                profiler.stop()
+            stopped = stop.is_set()
+        self._finish(stopped, exhausted(), checkpoint_at_end)
+        return self.history
+
+    def _planned_steps(self, train_examples, rows, per_device_batch_size, n_epochs, max_steps):
+        """The step `fit` will stop at, for the progress line; None when streaming without max_steps."""
+        if not data_lib.is_random_access(train_examples):
+            return max_steps
+        if len(train_examples) < rows:
+            raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
+                             f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
+                             f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
+        remaining = max(0, n_epochs - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
+        return self._step + remaining if max_steps is None else min(max_steps, self._step + remaining)
+
+    def _run_epoch(self, train_examples, per_device_batch_size, rows, profiler, done, every, evaluate):
+        """Trains on the rest of the current epoch until it ends or `done()`; returns the batches it trained on."""
+        batches = data_lib.iterate_batches(
+            self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
+            accumulate=self.accumulate, seed=self.seed, epoch=self._epoch, start_batch=self._batch_in_epoch)
+        prefetch = data_lib.Prefetcher(batches)
+        seen = 0
         try:
-            while self._epoch < n_epochs and (max_steps is None or self._step < max_steps):
-                batches = data_lib.iterate_batches(
-                    self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
-                    accumulate=self.accumulate, seed=self.seed, epoch=self._epoch, start_batch=self._batch_in_epoch)
-                prefetch = data_lib.Prefetcher(batches)
-                seen = 0
-                try:
-                    batches_iter = iter(prefetch)
-                    while True:
-                        waited = time.perf_counter()
-                        item = next(batches_iter, None)
-                        self._timers["data"] += time.perf_counter() - waited
-                        if item is None:
-                            break
-                        index, _, batch = item
-                        if profile_steps is not None and self._step == profile_steps[0] and not profiling:
-                            jax.profiler.start_trace(f"{self.workdir}/tensorboard")
-                            profiling = True
-                        self._note_batch(batch)
-                        sync = self.diloco is not None and self.diloco.syncs_at(self._step)
-                        args = (self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
-                        params, opt_state, metrics = self._executable(sync, *args)(*args)
-                        self._state = {"params": params, "opt_state": opt_state}
-                        self._step, self._batch_in_epoch, seen = self._step + 1, index + 1, seen + 1
-                        pending.append((self._step, metrics))
-                        if profiling and self._step >= profile_steps[1]:
-                            jax.block_until_ready(params)
-                            self._stop_trace()
-                            profiling = False
-                            logging.info("profile of steps %d-%d written to %s/tensorboard", profile_steps[0],
-                                         profile_steps[1], self.workdir)
-                        if len(pending) >= log_every:
-                            last_log = self._flush(pending, last_log, rows, batch)
-                        if save_every and self._step % save_every == 0:
-                            self.save_checkpoint()
-                        if eval_every and self._step % eval_every == 0:
-                            if pending:
-                                last_log = self._flush(pending, last_log, rows, batch)
-                            evaluate()
-                        if stop.is_set() or exhausted() or (max_steps is not None and self._step >= max_steps):
-                            break
-                finally:
-                    prefetch.close()
-                if stop.is_set() or exhausted():
+            batches_iter = iter(prefetch)
+            while True:
+                waited = time.perf_counter()
+                item = next(batches_iter, None)
+                self._timers["data"] += time.perf_counter() - waited
+                if item is None:
                     break
-                if max_steps is not None and self._step >= max_steps:
-                    break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
-                if seen == 0 and self._batch_in_epoch == 0:
-                    raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
-                self._epoch, self._batch_in_epoch = self._epoch + 1, 0
-                if pending:
-                    last_log = self._flush(pending, last_log, rows, None)
-                if eval_examples is not None and self._last_eval_step != self._step:
-                    evaluate()
-                    if exhausted():
-                        break
-            if pending:
-                self._flush(pending, last_log, rows, None)
+                index, _, batch = item
+                profiler.before_step(self._step)
+                self._train_on(batch)
+                self._batch_in_epoch, seen = index + 1, seen + 1
+                profiler.after_step(self._step, self._state["params"])
+                self._after_step(rows, batch, every, evaluate)
+                if done():
+                    break
         finally:
-            if profiling:
-                self._stop_trace()
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        if stop.is_set():
+            prefetch.close()
+        return seen
+
+    def _train_on(self, batch):
+        """One optimizer update on one global batch; its metrics wait on the device until the next log line."""
+        self._note_batch(batch)
+        sync = self.diloco is not None and self.diloco.syncs_at(self._step)
+        args = (self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
+        params, opt_state, metrics = self._executable(sync, *args)(*args)
+        self._state = {"params": params, "opt_state": opt_state}
+        self._step += 1
+        self._pending.append((self._step, metrics))
+
+    def _after_step(self, rows, batch, every, evaluate):
+        """What runs between steps: a log line every `log` steps, a checkpoint every `save`, an eval every `eval`."""
+        if len(self._pending) >= every["log"]:
+            self._flush(rows, batch)
+        if every["save"] and self._step % every["save"] == 0:
+            self.save_checkpoint()
+        if every["eval"] and self._step % every["eval"] == 0:
+            if self._pending:
+                self._flush(rows, batch)
+            evaluate()
+
+    def _finish(self, stopped, exhausted, checkpoint_at_end):
+        """After the loop: says why it stopped, saves the last checkpoint and waits for the writes."""
+        if stopped:
             self.stopped_by_signal = True
             logging.warning("signal received: stopping after step %d", self._step)
-        if exhausted():
+        if exhausted:
             logging.info("early stopping at step %d: %s", self._step, self._early_stop_note())
-        if self._checkpointer is not None and self._state is not None and (checkpoint_at_end or stop.is_set()):
+        if self._checkpointer is not None and self._state is not None and (checkpoint_at_end or stopped):
             self.save_checkpoint()
             self._checkpointer.wait()
         if self._best_checkpointer is not None:
             self._best_checkpointer.wait()
-        return self.history
 
-    def _install_signal_handlers(self, stop):
-        """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop after the current step; a second Ctrl-C interrupts."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum, frame):
-            if signum == signal.SIGINT and stop.is_set():
-                raise KeyboardInterrupt
-            stop.set()
-
-        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _flush(self, pending, last_log, rows, batch):
+    def _flush(self, rows, batch):
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
         and logs."""
+        pending, last_log = self._pending, self._last_log
         host = _fetch([m for _, m in pending])
         steps = [s for s, _ in pending]
         pending.clear()
@@ -779,7 +754,7 @@ class Trainer:
                 tokens = rows * int(np.prod(batch["input_ids"].shape[2:]))
                 writer.add_scalar("train/tokens_per_second", tokens / seconds, last["step"])
             writer.flush()
-        return now, steps[-1]
+        self._last_log = (now, steps[-1])
 
     def _progress(self, step, seconds_per_step):
         """'step 120/400 [######----------] 30% eta 0:01:02', or 'step 120' when the total is unknown."""
@@ -791,12 +766,11 @@ class Trainer:
         eta = int(max(0, total - step) * seconds_per_step)
         return f"step {step}/{total} [{bar}] {100 * done:.0f}% eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
 
-    def _stop_trace(self):
+    def _wait_for_checkpoints(self):
         # Collecting the trace while an async checkpoint was still being written crashed the process (jax 0.10.2,
         # XLA:CPU: a segfault in stop_trace in 2 of 12 runs that saved inside the profiled steps).
         if self._checkpointer is not None:
             self._checkpointer.wait()
-        jax.profiler.stop_trace()
 
     def _tensorboard(self):
         if self.workdir is None or jax.process_index() != 0:

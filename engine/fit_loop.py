@@ -1,0 +1,93 @@
+"""The pieces `Trainer.fit` calls around its step: its argument checks, the profiler window and the signals that
+stop it. Logging, eval and checkpoints stay with the Trainer, whose state they read."""
+import contextlib
+import signal
+import threading
+
+import jax
+from absl import logging
+
+from engine.config import check
+
+BEST_MODES = ("min", "max")
+
+
+def _count(value, minimum):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_fit_arguments(*, workdir, per_device_batch_size, n_epochs, max_steps, log_every, save_every, eval_examples,
+                        eval_predictor, eval_metric_fn, eval_every, save_best, early_stopping_patience, profile_steps):
+    """`fit`'s one-line ValueErrors for its arguments, each naming the argument, its value and what was expected."""
+    check("per_device_batch_size", per_device_batch_size, _count(per_device_batch_size, 1), "an integer >= 1")
+    check("n_epochs", n_epochs, isinstance(n_epochs, int) and n_epochs >= 1, "an integer >= 1")
+    check("max_steps", max_steps, max_steps is None or (isinstance(max_steps, int) and max_steps >= 0),
+          "None or an integer >= 0")
+    check("log_every", log_every, isinstance(log_every, int) and log_every >= 1, "an integer >= 1")
+    check("save_every", save_every, save_every is None or (isinstance(save_every, int) and save_every >= 1),
+          "None or an integer >= 1")
+    if (eval_predictor is None) != (eval_metric_fn is None):
+        raise ValueError("eval_predictor and eval_metric_fn go together; got only one of them")
+    check("eval_every", eval_every, eval_every is None or (_count(eval_every, 1) and eval_examples is not None),
+          "None or an integer >= 1, with eval_examples")
+    if save_best is not None:
+        ok = (isinstance(save_best, (tuple, list)) and len(save_best) == 2 and isinstance(save_best[0], str)
+              and save_best[1] in BEST_MODES)
+        check("save_best", save_best, ok, "None or (metric, 'min' | 'max'), e.g. ('loss', 'min')")
+        check("save_best", save_best, eval_examples is not None and workdir is not None,
+              "None without eval_examples and a workdir (the best is chosen by eval and saved there)")
+        check("save_best", save_best, save_best[0] == "loss" or eval_metric_fn is not None,
+              "('loss', mode) without eval_metric_fn (the eval reports only its loss)")
+    check("early_stopping_patience", early_stopping_patience, early_stopping_patience is None or (
+        _count(early_stopping_patience, 1) and save_best is not None), "None or an integer >= 1, with save_best")
+    if profile_steps is not None:
+        ok = (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
+              and all(isinstance(x, int) for x in profile_steps) and 0 <= profile_steps[0] < profile_steps[1])
+        check("profile_steps", profile_steps, ok and workdir is not None,
+              "(start, end) with 0 <= start < end, and a workdir to write the trace to")
+
+
+@contextlib.contextmanager
+def stop_on_signal():
+    """Yields an Event that SIGTERM and SIGINT (Ctrl-C) set: the loop stops after the current step; a second Ctrl-C
+    interrupts. The previous handlers come back on exit (off the main thread no handler is installed)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+class Profiler:
+    """A `jax.profiler` trace of the steps `[start, end)` (`fit(profile_steps=)`) under `directory`."""
+
+    def __init__(self, steps, directory, before_stop):
+        self.steps, self.directory, self._before_stop, self.active = steps, directory, before_stop, False
+
+    def before_step(self, step):
+        if self.steps is not None and step == self.steps[0] and not self.active:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after_step(self, step, params):
+        if self.active and step >= self.steps[1]:
+            jax.block_until_ready(params)
+            self.stop()
+            logging.info("profile of steps %d-%d written to %s", self.steps[0], self.steps[1], self.directory)
+
+    def stop(self):
+        if self.active:
+            self._before_stop()
+            jax.profiler.stop_trace()
+            self.active = False
