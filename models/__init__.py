@@ -11,13 +11,11 @@ from models.gptj import GPTJ, GPTJConfig
 from models.hf import (config_from_hf, load_model, load_pretrained, load_sequence_classifier, load_tokenizer,
                        save_pretrained)
 from models.layers import ModelOptions, stack_layers
-from models.registry import FAMILIES, create_model, get_config, init_params, param_shardings
-from models.quantize import dequantize, quantize
-from models.reward import (SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model,
-                           save_reward_model)
+from models.llama import Llama, LlamaConfig
 from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,
                          save_lora_adapter)
-from models.llama import Llama, LlamaConfig
 from models.opt import OPT, OPTConfig
+from models.quantize import dequantize, quantize
+from models.registry import FAMILIES, create_model, get_config, init_params, param_shardings
+from models.reward import SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model, save_reward_model
 from models.t5 import T5, T5Config
-

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint directories: read and write config.json + safetensors (single file or sharded with
 model.safetensors.index.json), dispatching on config.json's `model_type`. Each family file supplies
-config_from_hf / config_to_hf / hf_tensor_map; everything format-related lives here, once."""
+config_from_hf / config_to_hf / hf_tensor_map (expanded to the parameter tree by `models.checkpoint`, which LoRA's PEFT
+adapters share); everything else format-related lives here, once."""
 import json
 import os
 
