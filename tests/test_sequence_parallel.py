@@ -1,4 +1,4 @@
-"""Sequence parallelism (`ModelOptions.sequence_parallel`, models/layers.py `split_tokens` / `gather_tokens`): the
+"""Sequence parallelism (`ModelOptions.sequence_parallel`, models/layers/parallel.py `split_tokens` / `gather_tokens`): the
 residual stream between the tensor-parallel blocks split by tokens over `model`. Loss and gradients equal the
 unsplit model for every family, with context parallelism and with the Pallas kernels; the shard_map step trains as
 the jit step without it; the compiled step gathers tokens, not weights, and needs less memory."""

@@ -259,6 +259,34 @@ def test_restore_onto_another_mesh_and_zero_stage(tmp_path):
     assert b.step == 4
 
 
+def test_state_api_lays_out_without_allocating_and_restores_params_alone(tmp_path):
+    # abstract_state / lower on abstract parameters: the layout the trained state then rests in, nothing allocated.
+    abstract = jax.eval_shape(task.init_params)
+    planner = engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                             params=abstract, optimizer=optax.adam(1e-2))
+    assert planner.state_shardings is None and planner.batch_spec is None
+    batch = {k: jax.ShapeDtypeStruct((1,) + v.shape, v.dtype) for k, v in task.collate_fn(EXAMPLES[:8]).items()}
+    state = planner.abstract_state(batch)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+    assert planner.batch_spec == {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in batch.items()}
+    assert planner.compile(batch).memory_analysis().argument_size_in_bytes > 0
+    trained = _trainer(workdir=str(tmp_path))
+    trained.fit(EXAMPLES, per_device_batch_size=1, max_steps=2)
+    trained.close()
+    assert jax.tree.map(lambda x: x.sharding, state) == trained.state_shardings
+    # Parameters alone, onto another mesh, from shapes only: the optimizer and its state are never built.
+    params, step = engine.restore_params(str(tmp_path), mesh=engine.make_mesh(data=2, model=4), params=abstract,
+                                         loss_fn=task.loss_fn)
+    assert step == 2 and params["layers_0"]["up_proj"]["kernel"].sharding.spec == P(None, "model")
+    _assert_trees_close(params, trained.params, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint='best': workdir=.* has no best checkpoint yet"):
+        engine.restore_params(str(tmp_path), mesh=trained.mesh, params=abstract, loss_fn=task.loss_fn,
+                              checkpoint="best")
+    with pytest.raises(ValueError, match=r"checkpoint='last'; expected one of"):
+        engine.restore_params(str(tmp_path), mesh=trained.mesh, params=abstract, loss_fn=task.loss_fn,
+                              checkpoint="last")
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     a = _trainer(workdir=str(tmp_path))
     a.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)

@@ -17,7 +17,7 @@ def read_pairs(patterns):
 def toy_pairs(n, seed, *, min_words=3, max_words=6):
     """The embedded sequence-to-sequence task: sort a list of distinct animal names alphabetically, e.g.
     {"input": "owl cat yak bee", "target": "bee cat owl yak"}. Deterministic in `seed`. Its tokens are words
-    (`WordTokenizer(TOY_WORDS)`): at byte level a 2-layer T5 stalls near 55% exact match in a few CPU minutes."""
+    (`WordTokenizer(TOY_WORDS)`): at byte level a small T5 learns the task far more slowly."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):

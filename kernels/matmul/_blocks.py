@@ -22,8 +22,8 @@ class BlockSizes:
     vocab_chunk: int | None = None
 
 
-# 32 chunks: compiled on CPU at N=16384, D=4096, V=128256 (fp32), the 'xla' loss + grad needs 0.89 GB of temporaries
-# against 16.8 GB materialised (1/19; 16 chunks: 1/6.4); a [16384, 4096] chunk still keeps the matmuls large.
+# Chunks of the vocabulary in the 'xla' loss: enough that the temporaries are a small fraction of the materialised
+# logits (kernels/README.md gives the measured ratio), few enough that each chunk's matmul stays large.
 LOSS_VOCAB_CHUNKS = 32
 
 # Starting points, not tuned measurements yet: Triton's H100 matmul tutorial tiles (128x128x64, 8 warps, 3-4 stages),
