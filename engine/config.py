@@ -4,6 +4,7 @@
 need more than one group or the mesh (DiLoCo against ZeRO, the step against context parallelism) are the Trainer's.
 """
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 
@@ -141,16 +142,25 @@ class Checkpointing:
 
 @dataclasses.dataclass(frozen=True)
 class Logging:
-    """What each log line reports.
+    """What `fit` reports.
 
     flops_per_example: model FLOPs of one training example, forward and backward (for the native models:
       `models.flops.train_flops_per_example`). Each log line then adds the model TFLOP/s per device and, on a device
       of known peak (`engine.flops.PEAK_TFLOPS`), the model FLOPs utilisation (MFU); `Trainer.throughput` holds the
       latest figures.
+    progress: a progress bar on stderr (steps, loss, examples/s, time left) with each eval as one line above it, on
+      process 0. None: when stderr is a terminal (not in CI or when redirected); True / False: always / never. The
+      absl log lines carry the same figures either way.
     """
     flops_per_example: object = None
+    progress: object = None
 
     def __post_init__(self):
         value = self.flops_per_example
         check("flops_per_example", value, value is None or (_is_number(value) and value > 0),
               "None or a positive number")
+        check("progress", self.progress, self.progress in (None, True, False), "None (when stderr is a terminal), "
+              "True or False")
+
+    def shows_progress(self):
+        return sys.stderr.isatty() if self.progress is None else self.progress

@@ -59,11 +59,50 @@ def place_batch(mesh, local_batch, global_rows):
 
 
 def check_batch(batch, rows, where):
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    """One-line errors for a batch that is not a pytree of arrays with `rows` rows: a leaf that is not an array of
+    numbers (a string, None, an object), or whose leading dimension differs."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError(f"{where} returned {type(batch).__name__} {batch!r} with no arrays; expected a pytree (dict, "
+                         "list, tuple, nested) of arrays with one row per example")
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path) or "(the batch)"
+        kind = np.asarray(leaf).dtype.kind if isinstance(leaf, (np.ndarray, jax.Array, np.generic, list, int,
+                                                                  float, bool)) else None
+        if kind is None or kind not in "biufc":
+            raise ValueError(f"{where} returned leaf {name} of type {type(leaf).__name__}; expected an array of "
+                             "numbers with a leading batch dimension")
         shape = np.shape(leaf)
         if not shape or shape[0] != rows:
-            raise ValueError(f"{where} returned leaf {jax.tree_util.keystr(path)} of shape {shape}; expected a leading "
+            raise ValueError(f"{where} returned leaf {name} of shape {shape}; expected a leading "
                              f"batch dimension of {rows} (one row per example)")
+
+
+def spec_to_json(spec):
+    """A pytree of `jax.ShapeDtypeStruct` (dicts, lists and tuples as nodes) -> JSON-able nested values, for a
+    checkpoint's metadata; `spec_from_json` reverses it."""
+    if isinstance(spec, jax.ShapeDtypeStruct):
+        return {"shape": list(spec.shape), "dtype": str(spec.dtype)}
+    if isinstance(spec, dict):
+        return {"dict": {str(k): spec_to_json(v) for k, v in spec.items()}}
+    if isinstance(spec, (list, tuple)) and type(spec) in (list, tuple):
+        return {type(spec).__name__: [spec_to_json(v) for v in spec]}
+    raise ValueError(f"the batch holds a {type(spec).__name__} node; expected dicts, lists and tuples of arrays "
+                     "(other pytree nodes cannot be written to a checkpoint's metadata)")
+
+
+def spec_from_json(value):
+    if "shape" in value:
+        return jax.ShapeDtypeStruct(tuple(value["shape"]), np.dtype(value["dtype"]))
+    if "dict" in value:
+        return {k: spec_from_json(v) for k, v in value["dict"].items()}
+    kind, items = next(iter(value.items()))
+    return (list if kind == "list" else tuple)(spec_from_json(v) for v in items)
+
+
+def example_batch(spec):
+    """Zeros of a batch spec (a pytree of `jax.ShapeDtypeStruct`): what the layout is traced on."""
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), spec)
 
 
 def is_random_access(examples):

@@ -1,8 +1,10 @@
-"""The pieces `Trainer.fit` calls around its step: its argument checks, the profiler window and the signals that
-stop it. Logging, eval and checkpoints stay with the Trainer, whose state they read."""
+"""The pieces `Trainer.fit` calls around its step: its argument checks, the progress bar, the profiler window and the
+signals that stop it. Logging, eval and checkpoints stay with the Trainer, whose state they read."""
 import contextlib
 import signal
+import sys
 import threading
+import time
 
 import jax
 from absl import logging
@@ -16,11 +18,16 @@ def _count(value, minimum):
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def check_fit_arguments(*, workdir, per_device_batch_size, n_epochs, max_steps, log_every, save_every, eval_examples,
-                        eval_predictor, eval_metric_fn, eval_every, save_best, early_stopping_patience, profile_steps):
+def check_fit_arguments(*, workdir, per_device_batch_size, n_epochs, total_epochs, max_steps, log_every, save_every,
+                        eval_examples, eval_predictor, eval_metric_fn, eval_every, save_best, early_stopping_patience,
+                        profile_steps):
     """`fit`'s one-line ValueErrors for its arguments, each naming the argument, its value and what was expected."""
     check("per_device_batch_size", per_device_batch_size, _count(per_device_batch_size, 1), "an integer >= 1")
-    check("n_epochs", n_epochs, isinstance(n_epochs, int) and n_epochs >= 1, "an integer >= 1")
+    check("n_epochs", n_epochs, n_epochs is None or _count(n_epochs, 1), "None or an integer >= 1")
+    check("total_epochs", total_epochs, total_epochs is None or _count(total_epochs, 1), "None or an integer >= 1")
+    if n_epochs is not None and total_epochs is not None:
+        raise ValueError(f"n_epochs={n_epochs} and total_epochs={total_epochs}; expected one of them (n_epochs: "
+                         "epochs more from this call; total_epochs: the epoch count over the Trainer's life)")
     check("max_steps", max_steps, max_steps is None or (isinstance(max_steps, int) and max_steps >= 0),
           "None or an integer >= 0")
     check("log_every", log_every, isinstance(log_every, int) and log_every >= 1, "an integer >= 1")
@@ -91,3 +98,48 @@ class Profiler:
             self._before_stop()
             jax.profiler.stop_trace()
             self.active = False
+
+
+class ProgressBar:
+    """One console line redrawn in place on stderr: steps done of the planned total, a bar, the latest loss, examples
+    per second and the time left; `line` prints a line above it (the evals). Disabled: does nothing."""
+
+    def __init__(self, enabled, stream=None):
+        self.enabled, self.stream = bool(enabled), stream or sys.stderr
+        self._drawn, self._loss, self._start = False, None, None
+
+    def update(self, step, total, rows, loss=None):
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = (now, step)
+        self._loss = loss if loss is not None else self._loss
+        seconds = (now - self._start[0]) / max(1, step - self._start[1]) if step > self._start[1] else None
+        text = f"step {step}" + (f"/{total}" if total else "")
+        if total:
+            done = min(1.0, step / total)
+            text += f" [{'#' * int(24 * done)}{'.' * (24 - int(24 * done))}] {100 * done:3.0f}%"
+        if self._loss is not None:
+            text += f" | loss {self._loss:.4f}"
+        if seconds:
+            text += f" | {rows / seconds:.1f} examples/s"
+            if total:
+                eta = int(max(0, total - step) * seconds)
+                text += f" | eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+        self.stream.write("\r" + text + "\033[K")
+        self.stream.flush()
+        self._drawn = True
+
+    def line(self, text):
+        if not self.enabled:
+            return
+        self.stream.write(("\r\033[K" if self._drawn else "") + text + "\n")
+        self.stream.flush()
+        self._drawn = False
+
+    def close(self):
+        if self.enabled and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._drawn = False

@@ -136,7 +136,7 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
 
 
 def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulate_grad_batches, precision,
-                     parallelism, checkpointing, logging, diloco):
+                     parallelism, checkpointing, logging, diloco, grad_fn):
     """The Trainer's argument checks across its groups (each config checked its own fields when built). Returns
     the step it runs: 'jit', 'shard_map' or 'diloco'."""
     _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
@@ -150,6 +150,12 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
     for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
         _validate(name, fn, callable(fn), "a callable")
     _validate("diloco", diloco, diloco is None or isinstance(diloco, diloco_lib.DiLoCo), "None or an engine.DiLoCo")
+    if grad_fn is not None:
+        _validate("grad_fn", grad_fn, callable(grad_fn), "None or a callable (params, batch, rng) -> ((loss, "
+                  "metrics), grads)")
+        _validate("grad_fn", grad_fn, diloco is None, "None with diloco (DiLoCo's replicas differentiate loss_fn)")
+        _validate("grad_fn", grad_fn, precision.resolved_loss_scale() is None, "None with loss scaling (float16 "
+                  "compute scales the loss before the engine differentiates it); expected Precision(loss_scale=None)")
     step, offload = parallelism.step, parallelism.offload_optimizer
     if diloco is not None:
         _validate("zero_stage", parallelism.zero_stage, parallelism.zero_stage == 0, "0 with diloco (each data "
@@ -183,10 +189,23 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
 
 def _auto_specs(params, mesh, loss_fn, batch_spec, rules=None):
     """`engine.auto_shard`'s PartitionSpecs of `params` for `loss_fn` traced (abstractly) on one global micro-batch
-    of `batch_spec` ({name: (shape, dtype)}): the layout a Trainer picks."""
-    example = {k: np.zeros(s, d) for k, (s, d) in batch_spec.items()}
+    of `batch_spec` (a pytree of `jax.ShapeDtypeStruct`): the layout a Trainer picks."""
+    example = data_lib.example_batch(batch_spec)
     trace_fn = lambda p: split_loss(loss_fn(p, example, jax.random.key(0), True))[0]  # noqa: E731
     return auto_shard(params, mesh, trace_fn=trace_fn, rules=rules)
+
+
+def _micro_batch_spec(batch):
+    """A global batch [accumulate, rows, ...] (arrays or jax.ShapeDtypeStruct) -> the pytree of one micro-batch's
+    jax.ShapeDtypeStruct [rows, ...]."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape[1:]), np.dtype(x.dtype)), batch)
+
+
+def _saved_batch_spec(meta):
+    """The micro-batch spec a checkpoint's metadata recorded (a flat {name: [shape, dtype]} before pytree batches)."""
+    if "batch" in meta:
+        return data_lib.spec_from_json(meta["batch"])
+    return {k: jax.ShapeDtypeStruct(tuple(v[0]), np.dtype(v[1])) for k, v in meta["batch_spec"].items()}
 
 
 def _size_text(n_bytes):
@@ -210,6 +229,14 @@ class Trainer:
         and no DiLoCo replicas; the optimizer sees the trained parameters only (None at the frozen ones).
       seed: fixes shuffling and the per-step rngs (`fold_in(key(seed), step)`, so a resume reproduces them).
       accumulate_grad_batches: micro-batches per optimizer update (scanned inside the one compiled step).
+      grad_fn: None (the engine differentiates `loss_fn`), or `grad_fn(params, batch, rng) -> ((loss, metrics),
+        grads)`, the structure `jax.value_and_grad(f, has_aux=True)` returns, called in place of that
+        differentiation on each micro-batch's rows as a step sees them (all of them in the jit step; each device's
+        own rows in the shard_map step, with the ZeRO-3 parameters gathered whole), with the parameters in the
+        compute dtype. Its loss and gradients are means over those rows; the engine then reduces them over devices
+        and micro-batches and applies the optimizer. A rule on single examples (DP-SGD's clipping) goes here;
+        anything on the reduced gradient (DP-SGD's noise) in the optax chain. `loss_fn` still gives the eval loss and
+        the layout; `remat` does not apply to `grad_fn`. Not with diloco or loss scaling.
       precision: an `engine.Precision` (compute dtype, loss scaling, what a non-finite step does).
       parallelism: an `engine.Parallelism` (the step, ZeRO stage, remat, sharding rules, optimizer offload, ZeRO++).
       checkpointing: an `engine.Checkpointing` (how many to keep; what the constructor restores).
@@ -221,8 +248,8 @@ class Trainer:
     """
 
     def __init__(self, *, mesh, collate_fn, loss_fn, params, optimizer, workdir=None, trainable=None, seed=0,
-                 accumulate_grad_batches=1, precision=None, parallelism=None, checkpointing=None, logging=None,
-                 diloco=None):
+                 accumulate_grad_batches=1, grad_fn=None, precision=None, parallelism=None, checkpointing=None,
+                 logging=None, diloco=None):
         precision = Precision() if precision is None else precision
         parallelism = Parallelism() if parallelism is None else parallelism
         checkpointing = Checkpointing() if checkpointing is None else checkpointing
@@ -230,12 +257,14 @@ class Trainer:
         self._step_kind = _check_arguments(mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, optimizer=optimizer,
                                            workdir=workdir, accumulate_grad_batches=accumulate_grad_batches,
                                            precision=precision, parallelism=parallelism,
-                                           checkpointing=checkpointing, logging=logging, diloco=diloco)
+                                           checkpointing=checkpointing, logging=logging, diloco=diloco,
+                                           grad_fn=grad_fn)
         self._trainable = _trainable_mask(trainable, params)  # None, or a tree of bools of the parameters' structure
         self.precision, self.parallelism, self.checkpointing, self.logging = (precision, parallelism, checkpointing,
                                                                               logging)
         self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
         self.workdir, self.seed, self.diloco, self.accumulate = workdir, seed, diloco, accumulate_grad_batches
+        self.grad_fn = grad_fn
         # The settings the step reads, under their own names.
         self.zero_stage, self.remat = parallelism.zero_stage, parallelism.remat
         self.offload_optimizer, self._int8 = parallelism.offload_optimizer, parallelism.int8
@@ -249,16 +278,18 @@ class Trainer:
         self._state = None            # {'params', 'opt_state'} on the mesh once set up
         self._layout = None           # the abstract state and its shardings, once the first batch fixed them
         self._param_specs = None
-        self._batch_spec = None       # {leaf path: (shape, dtype)} of one global micro-batch: fixes the trace
+        self._batch_spec = None       # one global micro-batch as a pytree of jax.ShapeDtypeStruct: fixes the trace
         self._step_fn, self._step_impls = {}, {}
         self._executables = {}        # {(sync, batch signature): the step compiled ahead of time}
         self._eval_fn = None
+        self._init_opt_fn = None      # the optimizer's init, compiled once for the layout
         self.compile_count = 0        # traces (= compilations) of the train step
         self.history = []             # per-step host metrics: {'step', 'loss', 'grad_norm', 'learning_rate', ...}
         self.stopped_by_signal = False
         self._timers = {"data": 0.0, "checkpoint": 0.0}  # seconds since the last log line
         self._total_steps = None
         self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
+        self._restored_step = None  # the step a checkpoint restored, for fit's note on relative n_epochs
         self._key = jax.random.key(seed)
         self._checkpointer = Checkpointer(workdir, keep=checkpointing.keep) if workdir else None
         self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore='best'
@@ -267,6 +298,7 @@ class Trainer:
         self._last_eval_step = None
         self._evals_since_best = 0  # evals since the best improved (early stopping); checkpointed
         self._writer = None
+        self._bar = fit_loop.ProgressBar(False)  # fit's, while it runs
         self._restore_from_workdir()
 
     def _restore_from_workdir(self):
@@ -295,6 +327,40 @@ class Trainer:
         """The parameters, sharded on the mesh once the first batch (or a restored checkpoint) fixed the layout."""
         return self._state["params"] if self._state is not None else self._init_params
 
+    def set_params(self, params, *, reset_optimizer=False):
+        """Replaces the parameters of a live Trainer (FedAvg's per-client start, a meta-learner's outer update): the
+        same tree structure, shapes and dtypes, placed on the layout it trains with, so the compiled step is reused
+        (no rebuild, no recompilation). The optimizer state is kept unless `reset_optimizer` (see
+        `reset_optimizer`); step, epoch and data position are kept. Before the first batch it replaces the initial
+        parameters."""
+        current = self.params
+        flat, treedef = jax.tree_util.tree_flatten_with_path(current)
+        try:
+            new = treedef.flatten_up_to(params)
+        except (ValueError, TypeError):
+            raise ValueError(f"set_params: params has structure {jax.tree.structure(params)}; expected the "
+                             f"Trainer's {treedef}") from None
+        for (path, old), x in zip(flat, new):
+            dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+            if np.shape(x) != np.shape(old) or np.dtype(dtype) != np.dtype(old.dtype):
+                raise ValueError(f"set_params: leaf {path_str(path)} is {np.dtype(dtype)}{list(np.shape(x))}; "
+                                 f"expected {np.dtype(old.dtype)}{list(np.shape(old))}")
+        if self._state is None:
+            self._init_params = params
+            return
+        placed = jax.tree.map(_place, params, self._param_sh)
+        opt_state = self._state["opt_state"]
+        self._state = {"params": placed, "opt_state": opt_state}
+        if reset_optimizer:
+            self.reset_optimizer()
+
+    def reset_optimizer(self):
+        """Sets the optimizer state to the optimizer's initial state for the current parameters (a fresh `init`;
+        the loss scale too), on the layout it trains with: no recompilation of the step."""
+        if self._state is None:
+            return  # set up fresh at the first batch
+        self._state = {"params": self._state["params"], "opt_state": self._fresh_opt_state(self._state["params"])}
+
     @property
     def opt_state(self):
         return self._state["opt_state"] if self._state is not None else None
@@ -313,11 +379,9 @@ class Trainer:
 
     @property
     def batch_spec(self):
-        """{name: jax.ShapeDtypeStruct [rows, ...]} of one global micro-batch as the first batch (or the restored
-        checkpoint) fixed it; None before."""
-        if self._batch_spec is None:
-            return None
-        return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in self._batch_spec.items()}
+        """One global micro-batch as the first batch (or the restored checkpoint) fixed it: the batch's pytree with a
+        `jax.ShapeDtypeStruct` [rows, ...] at each leaf; None before."""
+        return self._batch_spec
 
     def trainable_paths(self):
         """The '/'-joined paths of the parameters this Trainer trains (every one without `trainable`)."""
@@ -327,12 +391,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the state
     def abstract_state(self, batch):
-        """Lays out the state for `batch` ({name: array or jax.ShapeDtypeStruct [accumulate, rows, ...]}, one global
-        update) without allocating it (the parameters may be `jax.ShapeDtypeStruct`s). Returns {'params',
+        """Lays out the state for `batch` (a pytree of arrays or jax.ShapeDtypeStruct [accumulate, rows, ...], one
+        global update) without allocating it (the parameters may be `jax.ShapeDtypeStruct`s). Returns {'params',
         'opt_state'} of `jax.ShapeDtypeStruct`s with their shardings: the arguments `lower` compiles the step for.
         The first batch (or a restored checkpoint) fixes the layout; later calls return it."""
         if self._batch_spec is None:
-            self._batch_spec = {k: (tuple(x.shape[1:]), str(x.dtype)) for k, x in batch.items()}
+            self._batch_spec = _micro_batch_spec(batch)
         return self._lay_out()
 
     def lower(self, batch, *, sync=False, platforms=None):
@@ -417,13 +481,18 @@ class Trainer:
         layout = self._lay_out()
         if restore_step is None:
             params = jax.tree.map(_place, self._init_params, self._param_sh)
-            self._state = {"params": params, "opt_state": jax.jit(self._init_opt, out_shardings=self._opt_sh)(params)}
+            self._state = {"params": params, "opt_state": self._fresh_opt_state(params)}
         elif self.checkpointing.params_only:
             params = checkpointer.restore_params(restore_step, layout["params"])
-            self._state = {"params": params, "opt_state": jax.jit(self._init_opt, out_shardings=self._opt_sh)(params)}
+            self._state = {"params": params, "opt_state": self._fresh_opt_state(params)}
         else:
             self._state, _ = checkpointer.restore(restore_step, layout)
         self._init_params = None  # the master copy lives on the mesh from here on
+
+    def _fresh_opt_state(self, params):
+        if self._init_opt_fn is None:
+            self._init_opt_fn = jax.jit(self._init_opt, out_shardings=self._opt_sh)
+        return self._init_opt_fn(params)
 
     def _restore(self, step, checkpointer=None):
         checkpointer = checkpointer or self._checkpointer
@@ -431,10 +500,11 @@ class Trainer:
         if meta.get("seed") != self.seed:
             logging.warning("restoring a checkpoint made with seed=%s into a Trainer with seed=%s",
                             meta.get("seed"), self.seed)
-        self._batch_spec = {k: (tuple(v[0]), v[1]) for k, v in meta["batch_spec"].items()}
+        self._batch_spec = _saved_batch_spec(meta)
         self._check_diloco_matches(meta)
         self._setup(restore_step=step, checkpointer=checkpointer)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        self._restored_step = self._step
         self.best = meta.get("best")
         self._evals_since_best = meta.get("evals_since_best", 0)
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
@@ -460,7 +530,7 @@ class Trainer:
     def _note_batch(self, batch):
         """Records the shapes of one global micro-batch (drops the micro-batch axis) and sets up on first sight."""
         if self._batch_spec is None:
-            self._batch_spec = {k: (tuple(v.shape[1:]), str(v.dtype)) for k, v in batch.items()}
+            self._batch_spec = _micro_batch_spec(batch)
         if self._state is None:
             self._setup()
 
@@ -485,6 +555,7 @@ class Trainer:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key,
                           trainable=self._trainable)
+            user = {} if self.grad_fn is None else {"grad_fn": self.grad_fn}
             if self._step_kind == "diloco":
                 impl = diloco_lib.diloco_train_step(
                     diloco=self.diloco, replicas=self._diloco_replicas(), plan=self._diloco_plan, mesh=self.mesh,
@@ -494,9 +565,10 @@ class Trainer:
                 impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
                     zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None),
-                    loss_scale=self._loss_scale, int8=self._int8, **common)
+                    loss_scale=self._loss_scale, int8=self._int8, **user, **common)
             else:
-                impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, loss_scale=self._loss_scale, **common)
+                impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, loss_scale=self._loss_scale, **user,
+                                               **common)
             self._step_impls[sync] = impl  # the traceable body, for tests and tools
             batch_sh = data_lib.batch_sharding(self.mesh, 2)
             self._step_fn[sync] = jax.jit(functools.partial(self._train_step, impl),
@@ -546,39 +618,46 @@ class Trainer:
         return found[-1] if found else None
 
     # ------------------------------------------------------------------------------------------------ fit
-    def fit(self, train_examples, *, per_device_batch_size, n_epochs=1, max_steps=None, eval_examples=None,
-            eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None, log_every=10,
-            save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None, save_best=None,
-            early_stopping_patience=None):
-        """Trains until `n_epochs` epochs or `max_steps` optimizer updates in total (both counted over the Trainer's
-        life, resumes included: calling `fit` again continues where training stopped).
+    def fit(self, train_examples, *, per_device_batch_size, n_epochs=None, total_epochs=None, max_steps=None,
+            eval_examples=None, eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None,
+            log_every=10, save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None,
+            save_best=None, early_stopping_patience=None):
+        """Trains `n_epochs` more epochs (default 1; an epoch that a previous call left unfinished is finished
+        first), or up to `total_epochs` epochs counted over the Trainer's life, resumes included: a restarted script
+        passes `total_epochs` and ends where the first run would have. `max_steps`: stop at that many optimizer
+        updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10 epochs each
+        time (RedCoast's loop), and `fit(total_epochs=N, max_steps=M)` resumes to its original target.
 
         The global batch of one update is `per_device_batch_size x data x fsdp x accumulate_grad_batches` examples.
-        `train_examples`: a list or other Sequence, e.g. `engine.tasks.text_data.TokenWindows` (shuffled each epoch from `seed`),
-        or any iterable (streamed in order; it is iterated once per epoch). The last incomplete global batch of an
-        epoch is dropped. Eval (after each epoch): the mean `eval_loss` and, with `eval_predictor` and
-        `eval_metric_fn(examples, predictions) -> dict`, its metrics;
-        `eval_every`: also every that many updates (counted over the Trainer's life, so a resume keeps the schedule).
+        `train_examples`: a list or other Sequence, e.g. `engine.tasks.text_data.TokenWindows` (shuffled each epoch
+        from `seed`), any iterable (streamed in order, iterated once per epoch), or a callable `epoch -> examples`
+        called at the start of each epoch with its index over the Trainer's life (fresh tasks or episodes per
+        epoch; it should be deterministic in `epoch` for a mid-epoch resume to see the same data). A collated batch
+        may be any pytree of arrays with one row per example. The last incomplete global batch of an epoch is
+        dropped. Eval (after each epoch): the mean `eval_loss` and, with `eval_predictor` and
+        `eval_metric_fn(examples, predictions) -> dict`, its metrics; `eval_examples` may be a callable `epoch ->
+        examples` too. `eval_every`: also every that many updates (counted over the Trainer's life, so a resume
+        keeps the schedule). Each eval is logged, written to TensorBoard at its step and shown on the progress bar.
         `save_best=(metric, 'min' | 'max')`, e.g. `('loss', 'min')` or `('exact_match', 'max')` (a name the eval
         reports): after each eval that improves on the best so far, the whole state is saved under `workdir/best`
         (one checkpoint, kept apart from the last `keep_checkpoints`; a resume reads the best value back). `best`
-        then holds its step and value; `Trainer(..., restore_params_only=True, restore_checkpoint='best')` reads it.
+        then holds its step and value; `Checkpointing(params_only=True, restore='best')` reads it.
         `early_stopping_patience=N` (with save_best): training stops after N evals in a row that did not improve on
         the best (the count is checkpointed, so re-running a stopped job does not train on).
         `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
         caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
-        `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard` (TensorBoard's
-        profile plugin shows it). Each log line breaks the step time into waiting on data, checkpointing and the rest
-        (compute and dispatch). SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved, `fit` returns
-        with `stopped_by_signal` set.
+        `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard`. SIGTERM or
+        Ctrl-C: the current step finishes, a checkpoint is saved, `fit` returns with `stopped_by_signal` set.
         """
         fit_loop.check_fit_arguments(
-            workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs, max_steps=max_steps,
-            log_every=log_every, save_every=save_every, eval_examples=eval_examples, eval_predictor=eval_predictor,
-            eval_metric_fn=eval_metric_fn, eval_every=eval_every, save_best=save_best,
-            early_stopping_patience=early_stopping_patience, profile_steps=profile_steps)
+            workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
+            total_epochs=total_epochs, max_steps=max_steps, log_every=log_every, save_every=save_every,
+            eval_examples=eval_examples, eval_predictor=eval_predictor, eval_metric_fn=eval_metric_fn,
+            eval_every=eval_every, save_best=save_best, early_stopping_patience=early_stopping_patience,
+            profile_steps=profile_steps)
         rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
-        self._total_steps = self._planned_steps(train_examples, rows, per_device_batch_size, n_epochs, max_steps)
+        last_epoch = self._target_epoch(n_epochs, total_epochs)
+        self._total_steps = self._planned_steps(train_examples, rows, per_device_batch_size, last_epoch, max_steps)
         if save_best is not None:
             self._check_best_matches(tuple(save_best))
         exhausted = lambda: (early_stopping_patience is not None  # noqa: E731
@@ -596,13 +675,14 @@ class Trainer:
         profiler = fit_loop.Profiler(profile_steps, f"{self.workdir}/tensorboard", self._wait_for_checkpoints)
         self._pending, self._last_log = [], (time.perf_counter(), self._step)
         self._timers = {"data": 0.0, "checkpoint": 0.0}
+        self._bar = fit_loop.ProgressBar(self.logging.shows_progress() and jax.process_index() == 0)
         with fit_loop.stop_on_signal() as stop:
             done = lambda: (stop.is_set() or exhausted()  # noqa: E731
                             or (max_steps is not None and self._step >= max_steps))
             try:
-                while self._epoch < n_epochs and not done():
-                    seen = self._run_epoch(train_examples, per_device_batch_size, rows, profiler, done, every,
-                                           evaluate)
+                while self._epoch < last_epoch and not done():
+                    examples = train_examples(self._epoch) if callable(train_examples) else train_examples
+                    seen = self._run_epoch(examples, per_device_batch_size, rows, profiler, done, every, evaluate)
                     if done():
                         break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
                     if seen == 0 and self._batch_in_epoch == 0:
@@ -616,19 +696,32 @@ class Trainer:
                     self._flush(rows, None)
             finally:
                 profiler.stop()
+                self._bar.close()
             stopped = stop.is_set()
         self._finish(stopped, exhausted(), checkpoint_at_end)
         return self.history
 
-    def _planned_steps(self, train_examples, rows, per_device_batch_size, n_epochs, max_steps):
+    def _target_epoch(self, n_epochs, total_epochs):
+        """The epoch index `fit` stops before: `total_epochs`, or `n_epochs` whole epochs after the current one
+        when a previous call left it unfinished (so a call never finds nothing left to train)."""
+        if total_epochs is not None:
+            return total_epochs
+        n_epochs = 1 if n_epochs is None else n_epochs
+        target = self._epoch + n_epochs + (1 if self._batch_in_epoch else 0)
+        if self._step and self._restored_step == self._step:
+            logging.info("fit(n_epochs=%d) on a Trainer restored at epoch %d: trains to epoch %d (total_epochs= "
+                         "gives an absolute target that a restarted run resumes to)", n_epochs, self._epoch, target)
+        return target
+
+    def _planned_steps(self, train_examples, rows, per_device_batch_size, last_epoch, max_steps):
         """The step `fit` will stop at, for the progress line; None when streaming without max_steps."""
-        if not data_lib.is_random_access(train_examples):
+        if callable(train_examples) or not data_lib.is_random_access(train_examples):
             return max_steps
         if len(train_examples) < rows:
             raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
                              f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
                              f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
-        remaining = max(0, n_epochs - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
+        remaining = max(0, last_epoch - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
         return self._step + remaining if max_steps is None else min(max_steps, self._step + remaining)
 
     def _run_epoch(self, train_examples, per_device_batch_size, rows, profiler, done, every, evaluate):
@@ -652,6 +745,7 @@ class Trainer:
                 self._batch_in_epoch, seen = index + 1, seen + 1
                 profiler.after_step(self._step, self._state["params"])
                 self._after_step(rows, batch, every, evaluate)
+                self._bar.update(self._step, self._total_steps, rows)
                 if done():
                     break
         finally:
@@ -726,6 +820,7 @@ class Trainer:
         data_s, ckpt_s = self._timers["data"] / n, self._timers["checkpoint"] / n
         self._timers = {"data": 0.0, "checkpoint": 0.0}
         self.throughput = {"examples_per_second": throughput, "seconds_per_step": seconds}
+        self._bar.update(last["step"], self._total_steps, rows, loss=last["loss"])
         flops = ""
         if self.flops_per_example:
             tflops = throughput * self.flops_per_example / self.mesh.size / 1e12
@@ -750,7 +845,7 @@ class Trainer:
             writer.add_scalar("train/step_time_seconds", seconds, last["step"])
             writer.add_scalar("train/data_wait_seconds", data_s, last["step"])
             writer.add_scalar("train/checkpoint_seconds", ckpt_s, last["step"])
-            if batch is not None and "input_ids" in batch:
+            if isinstance(batch, dict) and "input_ids" in batch:
                 tokens = rows * int(np.prod(batch["input_ids"].shape[2:]))
                 writer.add_scalar("train/tokens_per_second", tokens / seconds, last["step"])
             writer.flush()
@@ -807,13 +902,15 @@ class Trainer:
         return total / count
 
     def _evaluate(self, examples, per_device_batch_size, predictor, metric_fn, save_best=None):
+        examples = examples(self._epoch) if callable(examples) else examples
         results = {"loss": self.eval_loss(examples, per_device_batch_size=per_device_batch_size)}
         if predictor is not None:
             preds = predictor.predict(examples, per_device_batch_size=per_device_batch_size, params=self.params)
             results.update({k: float(v) for k, v in metric_fn(examples, preds).items()})
         self._last_eval_step = self._step
-        logging.info("eval at step %d (epoch %d, batch %d): %s", self._step, self._epoch, self._batch_in_epoch,
-                     " | ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        shown = " | ".join(f"{k} {v:.4f}" for k, v in results.items())
+        logging.info("eval at step %d (epoch %d, batch %d): %s", self._step, self._epoch, self._batch_in_epoch, shown)
+        self._bar.line(f"eval at step {self._step}: {shown}")
         self.history.append({"step": self._step, **{f"eval_{k}": v for k, v in results.items()}})
         self.write_scalars("eval", results)
         if save_best is not None:
@@ -886,7 +983,7 @@ class Trainer:
 
     def _meta(self):
         return {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
-                "batch_spec": {k: [list(s), d] for k, (s, d) in self._batch_spec.items()},
+                "batch": data_lib.spec_to_json(self._batch_spec),
                 "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
                 "evals_since_best": self._evals_since_best}
@@ -926,8 +1023,7 @@ def restore_params(workdir, *, mesh, params, loss_fn, checkpoint="latest"):
     try:
         meta = source.read_meta(step)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        batch_spec = {k: (tuple(v[0]), v[1]) for k, v in meta["batch_spec"].items()}
-        specs = _auto_specs(abstract, mesh, loss_fn, batch_spec)
+        specs = _auto_specs(abstract, mesh, loss_fn, _saved_batch_spec(meta))
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         return source.restore_params(step, abstract_like(abstract, shardings)), step
     finally:

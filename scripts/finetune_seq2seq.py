@@ -131,7 +131,7 @@ def main(argv):
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
-    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
+    trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=evals, eval_predictor=predictor, eval_metric_fn=metric_fn,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **cli.eval_kwargs())

@@ -107,7 +107,7 @@ def main(argv):
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
-    trainer.fit(train_rows, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
+    trainer.fit(train_rows, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
                 save_every=FLAGS.save_every, profile_steps=profile,
                 **cli.eval_kwargs())

@@ -73,7 +73,7 @@ def main(argv):
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss, start_accuracy = trainer.eval_loss(evals, per_device_batch_size=batch), accuracy()
     print(f"eval reward loss before training: {start_loss:.4f}, accuracy {start_accuracy:.4f}")
-    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
+    trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, eval_predictor=predictor, eval_metric_fn=reward.reward_accuracy,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **cli.eval_kwargs())

@@ -68,7 +68,7 @@ def main(argv):
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss, start_exact = trainer.eval_loss(evals, per_device_batch_size=batch), exact()
     print(f"eval response loss before training: {start_loss:.4f}, exact match {start_exact:.3f}")
-    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
+    trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **cli.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from engine.step.collectives import Int8, reduce_gradient
+from engine.step.collectives import Int8, all_gather, reduce_gradient, reduce_scatter
 from engine.step.gathering import eval_gathering
 from engine.step.shards import Sharded
-from engine.step.update import apply_update, combine, current_loss_scale, micro_loss_fn, partition
+from engine.step.update import (apply_update, checked_user_gradients, combine, current_loss_scale, micro_loss_fn,
+                                partition)
 from kernels import axes
 
 _P = jax.sharding.PartitionSpec
@@ -81,7 +82,7 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
                          compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None,
-                         loss_scale=None, int8=Int8()):
+                         loss_scale=None, int8=Int8(), grad_fn=None):
     """The overlapped step (see the module's docstring); the arguments are `jit_train_step`'s, and:
 
     `param_specs`: the parameters' PartitionSpecs; a parameter split over a data axis (`fsdp`) is ZeRO-3's.
@@ -100,9 +101,17 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
     the manual region as a replicated scalar; gradients are reduced scaled, unscaled in the update). rng: micro-batch
     i of update `step` uses `fold_in(fold_in(key, step), i)`, further folded with the shard index when there are
     several shards (so that dropout masks of different shards are independent).
+    `grad_fn`: None, or the Trainer's `grad_fn(params, micro_batch, rng) -> ((loss, metrics), grads)` on each
+    device's rows in place of differentiating `loss_fn`: the ZeRO-3 shards are gathered whole before it (no
+    layer-by-layer gathering) and its gradients reduce-scattered back after it; the reductions are the same.
     """
     settings = _Settings.checked(mesh, micro_loss_fn(loss_fn, None), key, compute_dtype, reduce_dtype, remat,
                                  accumulate, zero_stage, weight_metric, int8)
+    if grad_fn is not None:
+        if loss_scale is not None:
+            raise ValueError("grad_fn with a loss scale; expected loss_scale=None (the loss is scaled before the "
+                             "engine differentiates it)")
+        settings = dataclasses.replace(settings, grad_fn=grad_fn)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     update_sh = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), update_specs, is_leaf=is_spec)
 
@@ -137,6 +146,7 @@ class _Settings:
     weight_metric: object
     int8: Int8
     sizes: dict
+    grad_fn: object = None
 
     @classmethod
     def checked(cls, mesh, micro, key, compute_dtype, reduce_dtype, remat, accumulate, zero_stage, weight_metric,
@@ -190,7 +200,8 @@ def _local_gradients(s, layout, local_params, local_batch, step, scale):
     means over the micro-batches and over the shards. scale: the loss scale or None."""
     rng = jax.random.fold_in(s.key, step)
     shard = jax.lax.axis_index(s.live) if s.live else None
-    grad_fn = _shard_grad_fn(s, layout, local_batch, rng, scale)
+    grad_fn = (_shard_grad_fn(s, layout, local_batch, rng, scale) if s.grad_fn is None else
+               _user_shard_grad_fn(s, layout))
     local_leaves = jax.tree.leaves(local_params)
     one = functools.partial(_micro_gradients, s, layout, grad_fn, rng, shard, local_leaves)
     grads, loss, metrics = _sum_micro_batches(one, local_batch, s.accumulate)
@@ -223,6 +234,28 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
         return scaled, (loss, metrics, weight)
 
     return jax.value_and_grad(jax.checkpoint(shard_loss) if s.remat else shard_loss, has_aux=True)
+
+
+def _user_shard_grad_fn(s, layout):
+    """`_shard_grad_fn`'s contract for the Trainer's `grad_fn`: called on this device's rows with the parameters
+    gathered whole in the compute dtype; its gradients weighted by the shard's share and, for the ZeRO-3 leaves,
+    reduce-scattered back to the shard layout (what the gather's backward does for the engine's own loss)."""
+    mask = None if all(layout.mask) else layout.treedef.unflatten(layout.mask)
+
+    def value_and_grad(trained_leaves, frozen_leaves, micro_batch, micro_rng):
+        trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
+        local = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
+        whole = [all_gather(x, pl.gather, s.compute_type(x), s.int8.weights) if pl.gather
+                 else x.astype(s.compute_type(x)) for x, pl in zip(local, layout.plans)]
+        params = layout.treedef.unflatten(whole)
+        (loss, metrics), grads = checked_user_gradients(s.grad_fn(params, micro_batch, micro_rng), params, mask)
+        weight = _shard_weight(s, metrics)
+        grads = [reduce_scatter(g.astype(jnp.float32) * weight, pl.gather, s.reduce_dtype, jnp.float32,
+                                s.int8.gradients) if pl.gather else g.astype(jnp.float32) * weight
+                 for g, pl in zip(jax.tree.leaves(grads), layout.trained(layout.plans))]
+        return (loss * weight, (loss, metrics, weight)), grads
+
+    return value_and_grad
 
 
 def _shard_weight(s, metrics):

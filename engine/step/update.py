@@ -151,6 +151,32 @@ def trained_grad_fn(loss_fn, compute_dtype, remat, frozen, trainable, scale=None
     return unscaled_value
 
 
+def checked_user_gradients(out, params, trainable=None):
+    """`grad_fn`'s output -> ((fp32 loss, fp32 metrics), the gradients of the trained leaves of `params` in their
+    dtypes, None at the frozen ones), with a one-line error for another structure (raised while tracing)."""
+    try:
+        (loss, metrics), grads = out
+    except (TypeError, ValueError):
+        raise ValueError(f"grad_fn returned {type(out).__name__}; expected ((loss, metrics), grads), as "
+                         "jax.value_and_grad(f, has_aux=True) returns") from None
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        raise ValueError(f"grad_fn returned grads of structure {jax.tree.structure(grads)}; expected the "
+                         f"parameters' {jax.tree.structure(params)}")
+    trained = partition(params, trainable)[0]
+    grads = jax.tree.map(lambda p, g: jnp.asarray(g).astype(p.dtype), trained, partition(grads, trainable)[0])
+    loss, metrics = split_loss((loss, {} if metrics is None else metrics))
+    return (jnp.asarray(loss, jnp.float32), jax.tree.map(lambda m: jnp.asarray(m, jnp.float32), metrics)), grads
+
+
+def trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable):
+    """A Trainer's `grad_fn` in `trained_grad_fn`'s place: called on the whole parameters in `compute_dtype`, its
+    gradients kept for the trained leaves, in their master dtypes."""
+    def value_and_grad(trained, batch, rng):
+        params = combine(trained, frozen, trainable)
+        return checked_user_gradients(grad_fn(cast_floating(params, compute_dtype), batch, rng), params, trainable)
+    return value_and_grad
+
+
 def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g):
     """Mean loss, metrics and gradients over the `accumulate` micro-batches of `batch`, in one `lax.scan`; the running
     sum stays in fp32 and is passed through `constrain` (its sharding) after every micro-batch."""

@@ -1,0 +1,220 @@
+"""RedCoast's patterns on the Trainer: repeated `fit`, a user gradient rule (`grad_fn`), parameters set on a live
+Trainer, pytree batches and epoch-dependent examples, the progress bar."""
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import engine
+from engine import fit_loop
+from tests import trainer_task as task
+
+EXAMPLES = task.make_examples(64)
+
+
+def _trainer(mesh=None, **kwargs):
+    kwargs.setdefault("optimizer", optax.adam(1e-2))
+    kwargs.setdefault("loss_fn", task.loss_fn)
+    kwargs.setdefault("collate_fn", task.collate_fn)
+    return engine.Trainer(mesh=mesh or engine.make_mesh(data=4, model=2), params=task.init_params(), **kwargs)
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(a))[0],
+                            jax.tree.leaves(jax.device_get(b))):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+# ------------------------------------------------------------------------------------------ repeated fit
+def test_each_fit_trains_n_epochs_more_and_total_epochs_resumes_to_its_target(tmp_path):
+    trainer = _trainer()
+    trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1)
+    assert (trainer.step, trainer.epoch) == (8, 1)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1)  # RedCoast's agent.train(n_epochs=...) per episode
+    assert (trainer.step, trainer.epoch) == (16, 2)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=19)  # stops inside epoch 2 ...
+    trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1)  # ... which is finished first, then one whole epoch
+    assert (trainer.step, trainer.epoch) == (32, 4)
+    # A script stopped after 5 updates and restarted with the same absolute target ends where one run ends.
+    first = _trainer(workdir=str(tmp_path))
+    first.fit(EXAMPLES, per_device_batch_size=2, total_epochs=2, max_steps=5)
+    first.close()
+    restarted = _trainer(workdir=str(tmp_path))
+    restarted.fit(EXAMPLES, per_device_batch_size=2, total_epochs=2)
+    assert (restarted.step, restarted.epoch) == (16, 2)
+    restarted.fit(EXAMPLES, per_device_batch_size=2, total_epochs=2)  # reached: nothing more
+    assert restarted.step == 16
+    with pytest.raises(ValueError, match=r"^n_epochs=1 and total_epochs=2; expected one of them"):
+        restarted.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1, total_epochs=2)
+    restarted.close()
+
+
+# ------------------------------------------------------------------------------------------ grad_fn
+def _engine_grad_fn(params, batch, rng):
+    return jax.value_and_grad(lambda p: task.loss_fn(p, batch, rng, True), has_aux=True)(params)
+
+
+STEP_KINDS = {
+    "jit": (dict(data=4, model=2), engine.Parallelism(step="jit")),
+    "shard_map": (dict(data=4, model=2), engine.Parallelism(step="shard_map")),
+    "zero2": (dict(data=4, model=2), engine.Parallelism(step="shard_map", zero_stage=2)),
+    "zero3": (dict(data=2, fsdp=2, model=2), engine.Parallelism(step="shard_map", zero_stage=1)),
+}
+
+
+@pytest.mark.parametrize("kind", list(STEP_KINDS))
+def test_grad_fn_replaces_the_engines_differentiation_on_every_step_kind(kind):
+    mesh_axes, parallelism = STEP_KINDS[kind]
+    mesh = engine.make_mesh(**mesh_axes)
+    common = dict(optimizer=optax.sgd(0.5), parallelism=parallelism, accumulate_grad_batches=2)
+    own = _trainer(mesh, **common)
+    own.fit(EXAMPLES, per_device_batch_size=2, max_steps=2, log_every=1)
+    user = _trainer(mesh, grad_fn=_engine_grad_fn, **common)
+    user.fit(EXAMPLES, per_device_batch_size=2, max_steps=2, log_every=1)
+    _close(user.params, own.params)
+    np.testing.assert_allclose([h["grad_norm"] for h in user.history], [h["grad_norm"] for h in own.history],
+                               rtol=1e-5)
+    np.testing.assert_allclose([h["accuracy"] for h in user.history], [h["accuracy"] for h in own.history])
+    # The rule is the user's: halving the gradients halves the first update.
+    half = _trainer(mesh, grad_fn=lambda p, b, r: jax.tree.map(lambda g: g / 2, _engine_grad_fn(p, b, r)), **common)
+    half.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+    start = task.init_params()
+    once = _trainer(mesh, **common)
+    once.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+    _close(jax.tree.map(lambda h, s: 2 * (h - s), half.params, start),
+           jax.tree.map(lambda o, s: o - s, once.params, start), rtol=1e-4, atol=1e-6)
+
+
+def test_grad_fn_errors():
+    with pytest.raises(ValueError, match=r"^grad_fn=3; expected None or a callable"):
+        _trainer(grad_fn=3)
+    with pytest.raises(ValueError, match=r"expected None with diloco"):
+        _trainer(engine.make_mesh(data=2, model=4), grad_fn=_engine_grad_fn, diloco=engine.DiLoCo(inner_steps=2))
+    with pytest.raises(ValueError, match=r"expected Precision\(loss_scale=None\)"):
+        _trainer(grad_fn=_engine_grad_fn, precision=engine.Precision(compute_dtype=jnp.float16))
+    bad = _trainer(grad_fn=lambda p, b, r: (task.loss_fn(p, b, r, True), {"only": 0.0}))
+    with pytest.raises(ValueError, match=r"grad_fn returned grads of structure .*; expected the parameters'"):
+        bad.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+
+
+# ------------------------------------------------------------------------------------------ live parameters
+def test_set_params_and_reset_optimizer_reuse_the_compiled_step():
+    trainer = _trainer()
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    assert trainer.compile_count == 1 and int(trainer.opt_state[0].count) == 2
+    start = task.init_params(seed=1)
+    trainer.set_params(start, reset_optimizer=True)
+    assert int(trainer.opt_state[0].count) == 0
+    assert trainer.params["lm_head"]["kernel"].sharding == trainer.state_shardings["params"]["lm_head"]["kernel"]
+    _close(trainer.params, start, rtol=0, atol=0)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=4)
+    assert trainer.compile_count == 1  # no rebuild, no recompilation
+    # The same two updates from the same start as a fresh Trainer (the data position differs, so compare to one
+    # that trains on the same batches: epoch 0, batches 2 and 3).
+    fresh = engine.Trainer(mesh=trainer.mesh, collate_fn=task.collate_fn, loss_fn=task.loss_fn, params=start,
+                           optimizer=optax.adam(1e-2))
+    fresh.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    assert not np.allclose(jax.device_get(fresh.params["lm_head"]["kernel"]), start["lm_head"]["kernel"])
+    with pytest.raises(ValueError, match=r"^set_params: leaf lm_head/kernel is float32\[32, 65\]; expected "
+                                         r"float32\[32, 64\]"):
+        bad = jax.tree.map(lambda x: x, start)
+        bad["lm_head"]["kernel"] = np.zeros((32, 65), np.float32)
+        trainer.set_params(bad)
+    with pytest.raises(ValueError, match=r"^set_params: params has structure"):
+        trainer.set_params({"lm_head": start["lm_head"]})
+
+
+# ------------------------------------------------------------------------------------------ pytree batches
+def _nested_collate(examples):
+    flat = task.collate_fn(examples)
+    return {"train": {"input_ids": flat["input_ids"]}, "targets": [flat["labels"]]}
+
+
+def _nested_loss(params, batch, rng, is_training):
+    return task.loss_fn(params, {"input_ids": batch["train"]["input_ids"], "labels": batch["targets"][0]}, rng,
+                        is_training)
+
+
+@pytest.mark.parametrize("step", ["jit", "shard_map"])
+def test_any_pytree_batch_trains_evaluates_and_predicts_like_a_flat_one(step, tmp_path):
+    parallelism = engine.Parallelism(step=step)
+    flat = _trainer(parallelism=parallelism, optimizer=optax.sgd(0.5))
+    flat.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
+    nested = _trainer(parallelism=parallelism, optimizer=optax.sgd(0.5), collate_fn=_nested_collate,
+                      loss_fn=_nested_loss, workdir=str(tmp_path))
+    nested.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
+    _close(nested.params, flat.params)
+    assert nested.eval_loss(EXAMPLES[:10], per_device_batch_size=2) == pytest.approx(
+        flat.eval_loss(EXAMPLES[:10], per_device_batch_size=2), rel=1e-5)
+    nested.close()
+    resumed = _trainer(parallelism=parallelism, optimizer=optax.sgd(0.5), collate_fn=_nested_collate,
+                       loss_fn=_nested_loss, workdir=str(tmp_path))
+    assert resumed.step == 3 and set(resumed.batch_spec) == {"train", "targets"}
+    _close(resumed.params, nested.params, rtol=0, atol=0)
+    predictor = engine.Predictor(mesh=nested.mesh, collate_fn=_nested_collate,
+                                 pred_fn=lambda p, b, r: {"argmax": [task.MODEL.apply(
+                                     {"params": p}, b["train"]["input_ids"]).argmax(-1)]})
+    preds = predictor.predict(EXAMPLES[:5], per_device_batch_size=1, params=nested.params)
+    assert len(preds) == 5 and preds[0]["argmax"][0].shape == (task.SEQ,)
+
+
+def test_batch_leaf_errors_name_the_leaf():
+    strings = _trainer(collate_fn=lambda ex: {"x": {"ids": np.array(["a"] * len(ex))}})
+    with pytest.raises(ValueError, match=r"^collate_fn returned leaf \['x'\]\['ids'\] of type ndarray; expected an "
+                                         r"array of numbers"):
+        strings.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+    ragged = _trainer(collate_fn=lambda ex: {"a": np.zeros((len(ex), 3)), "b": [np.zeros((len(ex) + 1, 3))]})
+    with pytest.raises(ValueError, match=r"^collate_fn returned leaf \['b'\]\[0\] of shape \(9, 3\); expected a "
+                                         r"leading batch dimension of 8"):
+        ragged.fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+
+
+# ------------------------------------------------------------------------------------------ examples per epoch
+def test_examples_may_be_a_function_of_the_epoch():
+    asked = []
+
+    def draw(epoch):
+        asked.append(epoch)
+        return task.make_examples(16, seed=epoch)
+
+    trainer = _trainer()
+    trainer.fit(draw, per_device_batch_size=2, n_epochs=2, eval_examples=lambda epoch: task.make_examples(8, 100 + epoch))
+    trainer.fit(draw, per_device_batch_size=2, n_epochs=1)
+    assert asked == [0, 1, 2] and trainer.step == 6
+    evals = [h for h in trainer.history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [2, 4]
+
+
+# ------------------------------------------------------------------------------------------ progress
+def test_progress_bar_shows_steps_loss_eta_and_eval_lines():
+    stream = io.StringIO()
+    bar = fit_loop.ProgressBar(True, stream)
+    bar.update(0, 10, 16)
+    bar.update(5, 10, 16, loss=1.25)
+    bar.line("eval at step 5: loss 1.1000")
+    bar.update(10, 10, 16)
+    bar.close()
+    text = stream.getvalue()
+    assert "step 5/10 [" in text and "50%" in text and "loss 1.2500" in text and "eta 0:00:0" in text
+    assert "\r\033[Keval at step 5: loss 1.1000\n" in text and text.endswith("100% | loss 1.2500 | " + text.split(
+        "100% | loss 1.2500 | ")[-1]) and text.endswith("\n")
+    silent = io.StringIO()
+    off = fit_loop.ProgressBar(False, silent)
+    off.update(1, 2, 3, loss=1.0)
+    off.line("x")
+    off.close()
+    assert silent.getvalue() == ""
+
+
+def test_progress_is_on_for_a_terminal_only(capsys):
+    assert engine.Logging().shows_progress() is False  # pytest's stderr is not a terminal
+    trainer = _trainer(logging=engine.Logging(progress=True))
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=3, log_every=1, eval_examples=EXAMPLES[:8],
+                eval_every=3)
+    err = capsys.readouterr().err
+    assert "step 3/3 [" in err and "eval at step 3: loss " in err
+    with pytest.raises(ValueError, match=r"^progress='yes'; expected None"):
+        engine.Logging(progress="yes")
