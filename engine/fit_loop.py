@@ -7,7 +7,9 @@ import threading
 import time
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from engine.config import check
 
@@ -54,19 +56,44 @@ def check_fit_arguments(*, workdir, per_device_batch_size, n_epochs, total_epoch
               "(start, end) with 0 <= start < end, and a workdir to write the trace to")
 
 
+class Stop:
+    """Whether `fit` should stop for a signal. `signum`: the first SIGTERM / SIGINT this process received. With
+    several processes the decision is agreed: every process calls `agree()` at the same steps (the log points) and
+    all stop when any has a signal, so their collectives stay in step (a stop seen by one process alone used to
+    leave the others waiting in the next step's collective)."""
+
+    def __init__(self):
+        self.event, self.signum, self.agreed = threading.Event(), None, False
+        self.processes = jax.process_count()
+
+    def set(self, signum):
+        self.signum = self.signum or signum
+        self.event.set()
+
+    def agree(self):
+        if self.processes > 1:
+            flags = multihost_utils.process_allgather(np.int32(self.event.is_set()))
+            self.agreed = bool(np.any(flags))
+
+    def __call__(self):
+        return self.agreed if self.processes > 1 else self.event.is_set()
+
+
 @contextlib.contextmanager
 def stop_on_signal():
-    """Yields an Event that SIGTERM and SIGINT (Ctrl-C) set: the loop stops after the current step; a second Ctrl-C
-    interrupts. The previous handlers come back on exit (off the main thread no handler is installed)."""
-    stop = threading.Event()
+    """Yields a `Stop` that SIGTERM and SIGINT (Ctrl-C) set: the loop stops after the current step (with several
+    processes, after the step they agree on) and saves. A second signal ends the run at once: KeyboardInterrupt,
+    no new checkpoint (the last finished one stays). The previous handlers come back on exit (off the main thread no
+    handler is installed)."""
+    stop = Stop()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
 
     def handler(signum, frame):
-        if signum == signal.SIGINT and stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
+        if stop.event.is_set():
+            raise KeyboardInterrupt(f"second signal ({signal.Signals(signum).name}): stopped at once")
+        stop.set(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -195,6 +195,30 @@ def _auto_specs(params, mesh, loss_fn, batch_spec, rules=None):
     return auto_shard(params, mesh, trace_fn=trace_fn, rules=rules)
 
 
+def _check_shared_workdir(workdir):
+    """Every process of a multi-process run must see the same workdir (a shared filesystem): process 0 writes a fresh
+    token there, the others read it back. Without this, checkpoint saves waited on files no other process could see,
+    with no message and no bound. Raises the same one-line error on every process."""
+    token = int(np.random.default_rng().integers(1, 2**31 - 1))
+    token = int(multihost_utils.broadcast_one_to_all(np.int32(token)))
+    path = os.path.join(workdir, ".run_token")
+    if jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(str(token))
+    multihost_utils.sync_global_devices("engine.trainer.workdir_token")
+    try:
+        with open(path) as f:
+            seen = int(f.read())
+    except (OSError, ValueError):
+        seen = None
+    agree = multihost_utils.process_allgather(np.int32(seen == token))
+    if not np.all(agree):
+        missing = [i for i, ok in enumerate(np.ravel(agree)) if not ok]
+        raise ValueError(f"workdir={workdir} is not the same directory on every process: process(es) {missing} do "
+                         "not see what process 0 wrote there; expected a workdir on a filesystem all processes share")
+
+
 def _micro_batch_spec(batch):
     """A global batch [accumulate, rows, ...] (arrays or jax.ShapeDtypeStruct) -> the pytree of one micro-batch's
     jax.ShapeDtypeStruct [rows, ...]."""
@@ -286,11 +310,19 @@ class Trainer:
         self.compile_count = 0        # traces (= compilations) of the train step
         self.history = []             # per-step host metrics: {'step', 'loss', 'grad_norm', 'learning_rate', ...}
         self.stopped_by_signal = False
+        self.stop_signal = None       # the signal number that stopped the last fit (scripts exit with 128 + it)
+        self._stop = None             # fit's fit_loop.Stop while it runs
+        self._pending = []            # (step, metrics on the device) not yet checked on the host
+        self._rows = None             # examples per update of the running fit
         self._timers = {"data": 0.0, "checkpoint": 0.0}  # seconds since the last log line
         self._total_steps = None
         self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
         self._restored_step = None  # the step a checkpoint restored, for fit's note on relative n_epochs
+        self._restored_rows = None  # examples per update of the restored run (its data position counts them)
+        self._restored_spec = None  # its micro-batch spec, compared with the first batch trained on after it
         self._key = jax.random.key(seed)
+        if workdir and jax.process_count() > 1:
+            _check_shared_workdir(workdir)
         self._checkpointer = Checkpointer(workdir, keep=checkpointing.keep) if workdir else None
         self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore='best'
         self.best = None  # {'step', 'metric', 'mode', 'value'} of the checkpoint fit(save_best=...) keeps
@@ -504,7 +536,8 @@ class Trainer:
         self._check_diloco_matches(meta)
         self._setup(restore_step=step, checkpointer=checkpointer)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
-        self._restored_step = self._step
+        self._restored_step, self._restored_rows = self._step, meta.get("rows")
+        self._restored_spec = self._batch_spec
         self.best = meta.get("best")
         self._evals_since_best = meta.get("evals_since_best", 0)
         logging.info("restored checkpoint of step %d (epoch %d, batch %d) from %s", self._step, self._epoch,
@@ -655,7 +688,8 @@ class Trainer:
             eval_examples=eval_examples, eval_predictor=eval_predictor, eval_metric_fn=eval_metric_fn,
             eval_every=eval_every, save_best=save_best, early_stopping_patience=early_stopping_patience,
             profile_steps=profile_steps)
-        rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
+        rows = self._rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
+        self._check_resumed_rows(rows)
         last_epoch = self._target_epoch(n_epochs, total_epochs)
         self._total_steps = self._planned_steps(train_examples, rows, per_device_batch_size, last_epoch, max_steps)
         if save_best is not None:
@@ -665,10 +699,7 @@ class Trainer:
         if exhausted():
             logging.info("early stopping: %s; not training on", self._early_stop_note())
             return self.history
-        if self._restored_best:
-            raise ValueError("fit: this Trainer restored the best checkpoint (restore_checkpoint='best'), whose step "
-                             "lies before the workdir's later checkpoints; expected its params passed to a Trainer "
-                             "with another workdir to train on from them")
+        self._refuse_if_restored_best()
         evaluate = functools.partial(self._evaluate, eval_examples, eval_per_device_batch_size or per_device_batch_size,
                                      eval_predictor, eval_metric_fn, None if save_best is None else tuple(save_best))
         every = {"log": log_every, "save": save_every, "eval": eval_every}
@@ -677,29 +708,74 @@ class Trainer:
         self._timers = {"data": 0.0, "checkpoint": 0.0}
         self._bar = fit_loop.ProgressBar(self.logging.shows_progress() and jax.process_index() == 0)
         with fit_loop.stop_on_signal() as stop:
-            done = lambda: (stop.is_set() or exhausted()  # noqa: E731
+            self._stop = stop
+            done = lambda: (stop() or exhausted()  # noqa: E731
                             or (max_steps is not None and self._step >= max_steps))
             try:
-                while self._epoch < last_epoch and not done():
-                    examples = train_examples(self._epoch) if callable(train_examples) else train_examples
-                    seen = self._run_epoch(examples, per_device_batch_size, rows, profiler, done, every, evaluate)
-                    if done():
-                        break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
-                    if seen == 0 and self._batch_in_epoch == 0:
-                        raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
-                    self._epoch, self._batch_in_epoch = self._epoch + 1, 0
-                    if self._pending:
-                        self._flush(rows, None)
-                    if eval_examples is not None and self._last_eval_step != self._step:
-                        evaluate()
-                if self._pending:
-                    self._flush(rows, None)
+                self._epochs(train_examples, per_device_batch_size, rows, last_epoch, profiler, done, every,
+                             evaluate if eval_examples is not None else None)
             finally:
                 profiler.stop()
                 self._bar.close()
-            stopped = stop.is_set()
+                self._stop = None
+            stopped = stop()
+        self.stop_signal = stop.signum if stopped else None
         self._finish(stopped, exhausted(), checkpoint_at_end)
         return self.history
+
+    def _epochs(self, train_examples, per_device_batch_size, rows, last_epoch, profiler, done, every, evaluate):
+        """The epochs up to `last_epoch` or `done()`, each followed by an eval (`evaluate`, or None)."""
+        while self._epoch < last_epoch and not done():
+            examples = train_examples(self._epoch) if callable(train_examples) else train_examples
+            seen = self._run_epoch(examples, per_device_batch_size, rows, profiler, done, every, evaluate)
+            if done():
+                break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
+            if seen == 0 and self._batch_in_epoch == 0:
+                raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
+            self._epoch, self._batch_in_epoch = self._epoch + 1, 0
+            if self._pending:
+                self._flush(rows, None)
+            if evaluate is not None and self._last_eval_step != self._step:
+                evaluate()
+        if self._pending:
+            self._flush(rows, None)
+
+    def _refuse_if_restored_best(self):
+        if self._restored_best:
+            raise ValueError("fit: this Trainer restored the best checkpoint (restore_checkpoint='best'), whose step "
+                             "lies before the workdir's later checkpoints; expected its params passed to a Trainer "
+                             "with another workdir to train on from them")
+
+    def _check_resumed_rows(self, rows):
+        """A resume with another number of examples per update: the data position (batches into the epoch) is
+        converted exactly, or refused where the examples already seen are not a whole number of new batches."""
+        old = self._restored_rows
+        if old is None or old == rows:
+            return
+        seen = self._batch_in_epoch * old
+        if seen % rows:
+            raise ValueError(f"fit: {rows} examples per update, but the checkpoint of step {self._step} was trained "
+                             f"with {old} and stopped {seen} examples into epoch {self._epoch}, not a whole number of "
+                             f"batches of {rows}; expected a batch size (per_device_batch_size x data x fsdp x "
+                             f"accumulate_grad_batches) that divides {seen}, or {old}")
+        logging.warning("resuming with %d examples per update instead of the checkpoint's %d: the data position "
+                        "(%d examples into epoch %d) is batch %d of the new size", rows, old, seen, self._epoch,
+                        seen // rows)
+        self._batch_in_epoch, self._restored_rows = seen // rows, rows
+
+    def _note_resumed_shapes(self, batch):
+        """Logs the leaves whose shape past the batch dimension differs from the restored run's first batch (a
+        changed sequence length changes what one example is; its data position still counts examples)."""
+        old, self._restored_spec = self._restored_spec, None
+        new = _micro_batch_spec(batch)
+        if jax.tree.structure(old) != jax.tree.structure(new):
+            logging.warning("resumed with a batch of structure %s; the checkpoint's run had %s",
+                            jax.tree.structure(new), jax.tree.structure(old))
+            return
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(old)[0], jax.tree.leaves(new)):
+            if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+                logging.warning("resumed with batch leaf %s of %s%s per example; the checkpoint's run had %s%s",
+                                jax.tree_util.keystr(path), b.dtype, list(b.shape[1:]), a.dtype, list(a.shape[1:]))
 
     def _target_epoch(self, n_epochs, total_epochs):
         """The epoch index `fit` stops before: `total_epochs`, or `n_epochs` whole epochs after the current one
@@ -755,6 +831,8 @@ class Trainer:
     def _train_on(self, batch):
         """One optimizer update on one global batch; its metrics wait on the device until the next log line."""
         self._note_batch(batch)
+        if self._restored_spec is not None:
+            self._note_resumed_shapes(batch)
         sync = self.diloco is not None and self.diloco.syncs_at(self._step)
         args = (self._state["params"], self._state["opt_state"], batch, np.int32(self._step))
         params, opt_state, metrics = self._executable(sync, *args)(*args)
@@ -790,6 +868,8 @@ class Trainer:
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
         and logs."""
         pending, last_log = self._pending, self._last_log
+        if self._stop is not None:
+            self._stop.agree()  # every process flushes at the same steps
         host = _fetch([m for _, m in pending])
         steps = [s for s, _ in pending]
         pending.clear()
@@ -977,13 +1057,15 @@ class Trainer:
             raise ValueError("save_checkpoint: nothing to save before the first batch fixed the sharding")
         if self._checkpointer.latest_step() == self._step:
             return
+        if self._pending:  # never a checkpoint of a state whose steps were not yet checked finite
+            self._flush(self._rows, None)
         started = time.perf_counter()
         self._checkpointer.save(self._step, self._state, self._meta())
         self._timers["checkpoint"] += time.perf_counter() - started
 
     def _meta(self):
         return {"step": self._step, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch, "seed": self.seed,
-                "batch": data_lib.spec_to_json(self._batch_spec),
+                "batch": data_lib.spec_to_json(self._batch_spec), "rows": self._rows,
                 "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
                 "evals_since_best": self._evals_since_best}

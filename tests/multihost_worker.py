@@ -3,14 +3,15 @@ forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
        [forward|train|diloco|streaming|ppo|grpo|
-       pipeline|context]
+       pipeline|context|signal|workdirs]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
 `ppo` two PPO iterations (rollouts generated on the mesh, gathered to every process) and saves their stats and the
 parameters, `grpo` the same with GRPO; `pipeline` a few Trainer steps of a 4-layer LLaMA pipelined over 2 stages, one per process, and saves
 the losses; `context` the same LLaMA with each row's tokens split over context 2 inside each process (data 2 x
-context 2 x model 2, data across the processes).
+context 2 x model 2, data across the processes); `signal` a long run with a workdir that the test stops with a
+signal to one process, each process saving [step, stopped]; `workdirs` the same with a workdir per process (refused).
 """
 import os
 import sys
@@ -84,6 +85,26 @@ def ppo_run(mesh, estimator="gae"):
     return np.concatenate([[s["score"] for s in stats], [s["kl"] for s in stats], *flat])
 
 
+def train_until_signal(mesh, workdir):
+    """[step, stopped_by_signal] of a long run that a test stops with a signal to one process; prints STARTED once
+    a few batches were collated."""
+    import optax
+    from tests import trainer_task as task
+    calls = []
+
+    def collate(examples):
+        calls.append(1)
+        if len(calls) == 3:
+            print("STARTED", flush=True)
+        return task.collate_fn(examples)
+
+    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=task.loss_fn, params=task.init_params(),
+                             optimizer=optax.adam(1e-2), workdir=workdir)
+    trainer.fit(task.make_examples(64), per_device_batch_size=2, max_steps=100_000, n_epochs=10_000, log_every=2)
+    trainer.close()
+    return np.array([trainer.step, trainer.stopped_by_signal])
+
+
 def llama_losses(mesh, steps=4):
     """Losses of a short Trainer run of a native 4-layer LLaMA (scanned; a pipeline where `mesh` has stages, each
     row's tokens split where it has `context`)."""
@@ -117,6 +138,13 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     if mode == "context":  # each context group inside one process
         mesh = engine.make_mesh(data=2, context=2, model=2)
         assert all(len({d.process_index for d in group.flat}) == 1 for group in mesh.devices.reshape(2, -1))
+    if mode == "workdirs":  # a workdir per process, as on hosts without a shared filesystem
+        train_until_signal(engine.make_mesh(data=4, model=2), f"{out}.w{jax.process_index()}")
+    if mode == "signal":  # every process writes its own result: they must agree on the stop
+        np.save(f"{out}.{jax.process_index()}.npy", train_until_signal(engine.make_mesh(data=4, model=2),
+                                                                       os.path.join(os.path.dirname(out), "w")))
+        jax.distributed.shutdown()
+        return
     if mode in ("train", "diloco", "streaming", "ppo", "grpo", "pipeline", "context"):
         result = {"train": lambda: train_losses(engine.make_mesh(data=4, model=2))[0],
                   "pipeline": lambda: llama_losses(mesh),

@@ -14,6 +14,7 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 import engine
+from engine import fit_loop
 from tests import trainer_task as task
 from tests.test_distributed import ROOT, _free_port, _worker
 from tests.xla_flags import cpu_devices
@@ -339,6 +340,85 @@ def test_sigterm_or_ctrl_c_saves_and_exits_cleanly(tmp_path, signum):
     assert 1 <= step < 10_000 // 8
     resumed = _trainer(engine.make_mesh(data=8), workdir=str(tmp_path))
     assert resumed.step == step
+
+
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    """A scheduler's SIGTERM reaching one process of two: the stop is agreed at the next log point, both save the
+    same step and return (before, the other process waited in the next step's collective forever)."""
+    out = tmp_path / "stop"
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, out, 60, "signal") for pid in (0, 1)]
+    for line in procs[1].stdout:
+        if line.startswith("STARTED"):
+            procs[1].send_signal(signal.SIGTERM)
+            break
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    (step0, stopped0), (step1, stopped1) = (np.load(f"{out}.{pid}.npy") for pid in (0, 1))
+    assert stopped0 == stopped1 == 1 and step0 == step1 and step0 % 2 == 0 and 0 < step0 < 1000, (step0, step1)
+    assert sorted(os.listdir(tmp_path / "w" / "checkpoints"))[-1] == str(step0)
+
+
+def test_processes_that_do_not_share_the_workdir_fail_at_start_in_one_line(tmp_path):
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, tmp_path / "run", 60, "workdirs") for pid in (0, 1)]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode != 0 and "STARTED" not in log, log[-3000:]
+        assert re.search(r"ValueError: workdir=\S+ is not the same directory on every process: process\(es\) \[1\] do not "
+                         r"see what process 0 wrote there", log), log[-3000:]
+
+
+def test_a_second_signal_interrupts_at_once_without_a_new_checkpoint(tmp_path, monkeypatch):
+    trainer = _trainer(workdir=str(tmp_path))
+    trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
+    updates, update = [], fit_loop.ProgressBar.update
+
+    def update_and_signal(self, step, *args, **kwargs):  # runs on the main thread after every step
+        updates.append(step)
+        if len(updates) == 2:  # two signals in a row during the run (a scheduler's TERM twice, Ctrl-C twice)
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+        return update(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(fit_loop.ProgressBar, "update", update_and_signal)
+    with pytest.raises(KeyboardInterrupt, match=r"second signal \(SIGTERM\): stopped at once"):
+        trainer.fit(EXAMPLES, per_device_batch_size=2, max_steps=50, log_every=1, save_every=100)
+    assert trainer.step < 50
+    trainer.close()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # the last finished checkpoint, nothing newer
+
+
+def test_no_checkpoint_of_an_unchecked_state_and_a_resume_converts_the_data_position(tmp_path):
+    # With log_every above save_every, the checks of the steps before a save run before it: the non-finite step
+    # stops fit before any checkpoint of a state after it is written.
+    def poisoned_loss(params, batch, rng, is_training):
+        loss, metrics = task.loss_fn(params, batch, rng, is_training)
+        return jnp.where(jnp.any(batch["labels"] < 0), jnp.nan, loss), metrics
+
+    class Ordered:  # in order: the third global batch (rows 16..23) holds a poisoned example
+        def __iter__(self):
+            exs = [dict(e) for e in EXAMPLES]
+            exs[18] = {"token_ids": [-1] * (task.SEQ + 1)}
+            return iter(exs)
+
+    blowup = _trainer(workdir=str(tmp_path / "nan"), loss_fn=poisoned_loss)
+    with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 3"):
+        blowup.fit(Ordered(), per_device_batch_size=2, max_steps=40, log_every=20, save_every=2)
+    blowup.close()
+    assert sorted(os.listdir(tmp_path / "nan" / "checkpoints")) == ["2"]  # not 4: its steps were not yet checked
+    # 3 updates of 8 examples = 24 examples into epoch 0: 6 batches of 4, refused for batches of 16.
+    first = _trainer(workdir=str(tmp_path / "rows"))
+    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=3)
+    first.close()
+    with pytest.raises(ValueError, match=r"^fit: 16 examples per update, but the checkpoint of step 3 was trained "
+                                         r"with 8 and stopped 24 examples into epoch 0"):
+        _trainer(workdir=str(tmp_path / "rows")).fit(EXAMPLES, per_device_batch_size=4, max_steps=4)
+    smaller = _trainer(workdir=str(tmp_path / "rows"))
+    smaller.fit(EXAMPLES, per_device_batch_size=1, max_steps=4)
+    assert (smaller.step, smaller.epoch) == (4, 0) and smaller._batch_in_epoch == 7  # 24 / 4 + 1
+    smaller.close()
 
 
 def test_nan_loss_stops_naming_the_step_or_is_skipped():
