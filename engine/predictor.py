@@ -58,6 +58,7 @@ class Predictor:
             preds = self._compiled(params, batch, np.int32(index))
             # Replicated outputs: every process reads its local copy, no cross-host gather needed.
             host = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), preds)
+            data_lib.check_batch(host, len(jax.tree.leaves(batch)[0][0]), "pred_fn")
             out = list(self.output_fn(host))
             if len(out) < n_real:
                 raise ValueError(f"output_fn returned {len(out)} entries for a batch of {n_real} examples; expected "

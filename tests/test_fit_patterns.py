@@ -218,3 +218,12 @@ def test_progress_is_on_for_a_terminal_only(capsys):
     assert "step 3/3 [" in err and "eval at step 3: loss " in err
     with pytest.raises(ValueError, match=r"^progress='yes'; expected None"):
         engine.Logging(progress="yes")
+
+
+def test_pred_fn_outputs_must_have_one_row_per_example():
+    mesh = engine.make_mesh(data=4, model=2)
+    predictor = engine.Predictor(mesh=mesh, collate_fn=task.collate_fn,
+                                 pred_fn=lambda p, b, r: {"ok": b["input_ids"], "sum": [b["input_ids"].sum()]})
+    with pytest.raises(ValueError, match=r"^pred_fn returned leaf \['sum'\]\[0\] of shape \(\); expected a leading "
+                                         r"batch dimension of 8"):
+        predictor.predict(EXAMPLES[:5], per_device_batch_size=2, params=task.init_params())
