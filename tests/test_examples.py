@@ -45,3 +45,14 @@ def test_dp_sgd_clips_each_example_adds_the_noise_once_and_learns():
     result = dp.run(mesh=mesh, n_epochs=2)
     assert result["accuracy_before"] < 0.4 and result["accuracy"][-1] > 0.6, result
     assert result["trainer"].compile_count == 1
+
+
+# ------------------------------------------------------------------------------------------ FedAvg
+def test_fedavg_improves_the_global_model_with_one_compiled_step():
+    result = _example("fedavg").run(n_rounds=8)
+    accuracy, loss = result["accuracy"], result["loss"]
+    assert accuracy[-1] > accuracy[0] + 0.4 and loss[-1] < 0.5 * loss[0], result
+    assert np.mean(accuracy[-3:]) > np.mean(accuracy[1:4]), result  # still improving after the first rounds
+    trainer = result["trainer"]
+    assert trainer.step == 8 * 5 * 2 * 4  # rounds x clients x local epochs x updates per epoch: every fit trained
+    assert trainer.compile_count == 1  # every round and client reused the one compiled step
