@@ -5,7 +5,7 @@ reset_optimizer=True)`), trains `local_epochs` on its own data (`fit(n_epochs=..
 they return, weighted by their data. The Trainer's step is compiled once for all rounds and clients: every client
 batch has the same shapes, and `set_params` places the new parameters on the layout the step was compiled for.
 RedCoast's version (examples/faderated_learning) rebuilds its train state per client and takes MNIST split into
-label-sorted shards; the clients here get the same kind of split of Gaussian blobs.
+label-sorted shards; the clients here get the same kind of split of a synthetic task.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/examples/fedavg.py
 """
@@ -20,20 +20,23 @@ N_CLASSES, DIM = 10, 16
 
 
 class MLP(nn.Module):
+    widths: tuple = (64, N_CLASSES)
+
     @nn.compact
     def __call__(self, x):  # [B, DIM] -> logits [B, N_CLASSES]
-        return nn.Dense(N_CLASSES)(nn.relu(nn.Dense(64)(x)))
+        for width in self.widths[:-1]:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.widths[-1])(x)
 
 
 MODEL = MLP()
 
 
 def make_examples(n, seed):
-    """Gaussian blobs: one fixed centre per class (the same for every seed), unit noise around it."""
-    centres = np.random.RandomState(0).randn(N_CLASSES, DIM).astype(np.float32)
+    """One cluster per class around a fixed random prototype (the same for every seed), unit noise."""
+    prototypes = np.random.RandomState(0).uniform(-2, 2, (N_CLASSES, DIM))
     rs = np.random.RandomState(seed)
-    labels = rs.randint(N_CLASSES, size=n)
-    return [{"x": x, "y": y} for x, y in zip(centres[labels] + rs.randn(n, DIM).astype(np.float32), labels)]
+    return [{"x": (prototypes[y] + rs.randn(DIM)).astype(np.float32), "y": y} for y in rs.randint(N_CLASSES, size=n)]
 
 
 def split_non_iid(examples, n_clients, shards_per_client, seed):
