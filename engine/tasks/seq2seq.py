@@ -6,12 +6,15 @@ import numpy as np
 
 import models
 from engine.tasks.lm import check_implementation, dropout_rngs, loss_and_metrics, until_eos
-from engine.tasks.text_data import TOY_WORDS, read_records
+from engine.tasks.text_data import TOY_WORDS, check_not_empty, read_records
+
+FIELDS = ("input", "target")
 
 
-def read_pairs(patterns):
-    """`{"input": str, "target": str}` objects from `.jsonl` files (paths or globs), one per line."""
-    return read_records(patterns, ("input", "target"))
+def read_pairs(patterns, *, decode_errors="strict"):
+    """`{"input": str, "target": str}` objects from `.jsonl` files (paths, globs or directories), one per line; a
+    pair whose input and target are both empty is refused naming its line (`text_data.read_records`)."""
+    return read_records(patterns, FIELDS, decode_errors=decode_errors)
 
 
 def toy_pairs(n, seed, *, min_words=3, max_words=6):
@@ -29,10 +32,12 @@ def toy_pairs(n, seed, *, min_words=3, max_words=6):
 def encode_pairs(pairs, tokenizer, *, max_input_len, max_target_len, decoder_start_id):
     """Input/target pairs -> fixed-width examples {'input_ids', 'attention_mask' [max_input_len],
     'decoder_input_ids', 'labels' [max_target_len]}: targets end with EOS, labels are -100 on padding, the decoder
-    sees the start token then the target shifted right. Longer texts are cut (and counted in the second return)."""
+    sees the start token then the target shifted right. Longer texts are cut (and counted in the second return).
+    A pair with both texts empty is a ValueError naming its index."""
     examples, cut = [], 0
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    for pair in pairs:
+    for n, pair in enumerate(pairs):
+        check_not_empty(pair, FIELDS, f"pair {n}")
         src = tokenizer.encode(pair["input"]) + eos
         tgt = tokenizer.encode(pair["target"]) + eos
         cut += len(src) > max_input_len or len(tgt) > max_target_len

@@ -11,6 +11,7 @@ import json
 import os
 
 import numpy as np
+from absl import logging
 
 
 class ByteTokenizer:
@@ -63,31 +64,173 @@ class HFTokenizer:
         """The tokenizer of a Hugging Face directory (tokenizer.json, special ids from config.json), or None when it
         has no tokenizer.json. vocab_size: the model's (None: config.json's, else the tokenizer's own)."""
         file = os.path.join(path, "tokenizer.json")
-        if not os.path.exists(file):
-            return None
+        return cls.from_file(file, vocab_size) if os.path.exists(file) else None
+
+    @classmethod
+    def from_file(cls, file, vocab_size=None):
+        """The tokenizer of a tokenizer.json file; special ids from the config.json beside it (else the tokens its
+        tokenizer_config.json names); vocab_size as in `from_dir`."""
         import tokenizers  # noqa: PLC0415 (optional: installed with transformers)
 
-        config = {}
-        if os.path.exists(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
-                config = json.load(f)
-        eos = config.get("eos_token_id")
         tok = tokenizers.Tokenizer.from_file(file)
-        return cls(tok, vocab_size or config.get("vocab_size") or tok.get_vocab_size(),
-                   bos_id=config.get("bos_token_id"), eos_id=eos[0] if isinstance(eos, list) else eos,
-                   pad_id=config.get("pad_token_id"))
+        config, ids = _special_ids(os.path.dirname(file), tok.token_to_id)
+        return cls(tok, vocab_size or config.get("vocab_size") or tok.get_vocab_size(), **ids)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model (a checkpoint's tokenizer.model: LLaMA 1 and 2, T5, Mistral) behind the same small
+    interface. Ids past the model's pieces (a vocabulary padded for the embedding) decode to nothing."""
+
+    def __init__(self, processor, vocab_size=None, *, bos_id=None, eos_id=None, pad_id=None):
+        self._sp = processor
+        self.vocab_size = vocab_size or processor.get_piece_size()
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+
+    def encode(self, text):
+        return self._sp.encode(text)
+
+    def decode(self, ids):
+        n = self._sp.get_piece_size()
+        return self._sp.decode([int(i) for i in ids if 0 <= int(i) < n])
+
+    @classmethod
+    def from_file(cls, file, vocab_size=None):
+        """The tokenizer of a tokenizer.model file. Special ids: config.json's beside it (as for tokenizer.json),
+        else the tokens its tokenizer_config.json names, else the model's own (None where it has none).
+        vocab_size: the model's (None: config.json's, else the number of pieces)."""
+        import sentencepiece  # noqa: PLC0415 (optional, like tokenizers)
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=file)
+
+        def piece_id(piece):  # piece_to_id answers the UNK id for a piece the model lacks
+            i = sp.piece_to_id(piece)
+            return i if sp.id_to_piece(i) == piece else None
+        config, ids = _special_ids(os.path.dirname(file), piece_id)
+        own = {"bos_id": sp.bos_id(), "eos_id": sp.eos_id(), "pad_id": sp.pad_id()}  # -1: none
+        ids = {k: v if v is not None else (own[k] if own[k] >= 0 else None) for k, v in ids.items()}
+        return cls(sp, vocab_size or config.get("vocab_size") or sp.get_piece_size(), **ids)
+
+
+def _special_ids(directory, token_to_id):
+    """(config.json as a dict, {'bos_id', 'eos_id', 'pad_id'}) of a checkpoint directory: config.json's
+    *_token_id fields (EOS: the first of a list), else the ids (`token_to_id`) of the tokens tokenizer_config.json
+    names, else None."""
+    def read(name):
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    config, named = read("config.json"), None
+    ids = {}
+    for key in ("bos", "eos", "pad"):
+        value = config.get(f"{key}_token_id")
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is None:
+            named = read("tokenizer_config.json") if named is None else named
+            token = named.get(f"{key}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            value = token_to_id(token) if isinstance(token, str) else None
+        ids[f"{key}_id"] = value
+    return config, ids
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def load_tokenizer(spec, *, model_dir=None, vocab_size=None):
+    """The tokenizer `spec` names (the --tokenizer flag): a tokenizer.json file -> HFTokenizer; a tokenizer.model
+    file (SentencePiece) -> SentencePieceTokenizer; a directory -> its tokenizer.json, else its tokenizer.model;
+    'byte' -> ByteTokenizer; 'word' -> the toy task's WordTokenizer(TOY_WORDS). spec None: `model_dir`'s
+    tokenizer.json, else its tokenizer.model; a directory with neither is a ValueError (byte-level ids only when
+    asked for, never as a silent fallback). Special ids (BOS, EOS, PAD) come from the config.json beside the file
+    as in `HFTokenizer.from_dir`. vocab_size: the model's (None: config.json's, else the tokenizer's own); a
+    tokenizer with more ids than that is a ValueError."""
+    if spec is None:
+        if model_dir is None:
+            raise ValueError("tokenizer: neither a spec nor a model directory; expected --tokenizer='byte', 'word', "
+                             "a tokenizer.json / tokenizer.model path or a directory holding one")
+        file = _tokenizer_file(model_dir)
+        if file is None:
+            raise ValueError(f"{model_dir} has neither tokenizer.json nor tokenizer.model; pass --tokenizer=PATH to "
+                             "one, or --tokenizer=byte to choose byte-level ids explicitly")
+        tokenizer, what = _tokenizer_of_file(file, vocab_size), file
+    elif spec in ("byte", "word"):
+        tokenizer, what = ByteTokenizer() if spec == "byte" else WordTokenizer(TOY_WORDS), f"--tokenizer={spec}"
+        if model_dir is not None:
+            logging.warning("tokenizer: %s ids (%s) for %s, not a tokenizer file of that directory",
+                            type(tokenizer).__name__, what, model_dir)
+    else:
+        path = os.path.expanduser(spec)
+        if os.path.isdir(path):
+            file = _tokenizer_file(path)
+            if file is None:
+                raise ValueError(f"--tokenizer={spec}: the directory has neither tokenizer.json nor tokenizer.model")
+        elif os.path.isfile(path):
+            file = path
+        else:
+            raise FileNotFoundError(f"--tokenizer={spec}: no such file or directory; expected 'byte', 'word', a "
+                                    "tokenizer.json / tokenizer.model path or a directory holding one")
+        tokenizer, what = _tokenizer_of_file(file, vocab_size), file
+    own = _own_vocab_size(tokenizer)
+    if vocab_size is not None and own > vocab_size:
+        raise ValueError(f"tokenizer {what} has {own} ids; the model's vocabulary holds only {vocab_size}")
+    logging.info("tokenizer: %s (%s, vocab_size %d, bos %s, eos %s, pad %s)", what, type(tokenizer).__name__,
+                 tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+    if tokenizer.eos_id is None:
+        logging.warning("tokenizer %s has no EOS id: documents are not ended by EOS", what)
+    return tokenizer
+
+
+def _tokenizer_file(directory):
+    return next((os.path.join(directory, name) for name in TOKENIZER_FILES
+                 if os.path.isfile(os.path.join(directory, name))), None)
+
+
+def _tokenizer_of_file(file, vocab_size):
+    """An HFTokenizer for a .json file, a SentencePieceTokenizer for a .model file."""
+    if file.endswith(".json"):
+        try:
+            return HFTokenizer.from_file(file, vocab_size)
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on a bad file)
+            raise ValueError(f"tokenizer {file} is not a tokenizer.json ({str(e).splitlines()[0]})") from None
+    if file.endswith(".model"):
+        try:
+            return SentencePieceTokenizer.from_file(file, vocab_size)
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"tokenizer {file} is not a SentencePiece model ({str(e).splitlines()[0]})") from None
+    raise ValueError(f"tokenizer {file}; expected a tokenizer.json (Hugging Face tokenizers) or a tokenizer.model "
+                     "(SentencePiece) file")
+
+
+def _own_vocab_size(tokenizer):
+    """The ids a tokenizer itself produces (its vocab_size may be a model's larger one)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer._tok.get_vocab_size()
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return tokenizer._sp.get_piece_size()
+    return tokenizer.vocab_size
 
 
 def tokenizer_spec(tokenizer, directory):
-    """A JSON-able description of `tokenizer` for a workdir's run.json; an HFTokenizer's tokenizer.json is copied
-    into `directory` so the workdir is self-contained."""
+    """A JSON-able description of `tokenizer` for a workdir's run.json; an HFTokenizer's tokenizer.json (a
+    SentencePieceTokenizer's tokenizer.model) is copied into `directory` so the workdir is self-contained."""
     if isinstance(tokenizer, ByteTokenizer):
         return {"kind": "byte"}
     if isinstance(tokenizer, WordTokenizer):
         return {"kind": "words", "words": tokenizer.words}
     os.makedirs(directory, exist_ok=True)
-    tokenizer._tok.save(os.path.join(directory, "tokenizer.json"))
-    return {"kind": "tokenizer.json", "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        with open(os.path.join(directory, "tokenizer.model"), "wb") as f:
+            f.write(tokenizer._sp.serialized_model_proto())
+        kind = "tokenizer.model"
+    else:
+        tokenizer._tok.save(os.path.join(directory, "tokenizer.json"))
+        kind = "tokenizer.json"
+    return {"kind": kind, "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id, "pad_id": tokenizer.pad_id}
 
 
@@ -97,15 +240,27 @@ def tokenizer_from_spec(spec, directory):
         return ByteTokenizer()
     if spec.get("kind") == "words":
         return WordTokenizer(spec["words"])
+    ids = {k: spec.get(k) for k in ("bos_id", "eos_id", "pad_id")}
+    if spec.get("kind") == "tokenizer.model":
+        import sentencepiece  # noqa: PLC0415
+
+        return SentencePieceTokenizer(sentencepiece.SentencePieceProcessor(
+            model_file=os.path.join(directory, "tokenizer.model")), spec["vocab_size"], **ids)
     if spec.get("kind") != "tokenizer.json":
-        raise ValueError(f"tokenizer {spec!r} in {directory}; expected kind 'byte', 'words' or 'tokenizer.json'")
+        raise ValueError(f"tokenizer {spec!r} in {directory}; expected kind 'byte', 'words', 'tokenizer.json' or "
+                         "'tokenizer.model'")
     import tokenizers  # noqa: PLC0415
 
     return HFTokenizer(tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")), spec["vocab_size"],
-                       bos_id=spec["bos_id"], eos_id=spec["eos_id"], pad_id=spec["pad_id"])
+                       **ids)
 
 
-def _expand(patterns):
+DECODE_ERRORS = ("strict", "replace")
+
+
+def _expand(patterns, suffixes=(".txt", ".jsonl")):
+    """The files of paths or globs; a directory stands for the files under it (recursively, sorted) whose names end
+    with one of `suffixes`."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files = []
@@ -113,14 +268,47 @@ def _expand(patterns):
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matched:
             raise FileNotFoundError(f"data: {pattern!r} matches no file; expected .txt or .jsonl paths or globs")
-        files += matched
+        for path in matched:
+            if not os.path.isdir(path):
+                files.append(path)
+                continue
+            inside = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                            if name.endswith(suffixes) and not name.startswith("."))
+            if not inside:
+                raise FileNotFoundError(f"data: the directory {path} holds no {' or '.join(suffixes)} file")
+            files += inside
     return files
 
 
-def _jsonl(path):
-    """(line number, object) of a .jsonl file, skipping blank lines; ValueError naming the line on bad JSON."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+def _check_decode_errors(decode_errors):
+    if decode_errors not in DECODE_ERRORS:
+        raise ValueError(f"decode_errors={decode_errors!r}; expected one of {DECODE_ERRORS}")
+
+
+def _decode(data, path, offset, decode_errors):
+    """`data` (bytes at `offset` of the file `path`) as text; a ValueError naming the file and the byte offset of
+    the first invalid byte unless decode_errors='replace' (which writes U+FFFD in their place)."""
+    try:
+        text = data.decode("utf-8", errors=decode_errors)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 at byte {offset + e.start} (0x{data[e.start]:02x}: {e.reason}); pass "
+                         "--decode_errors=replace to replace invalid bytes") from None
+    return text[1:] if offset == 0 and text.startswith("\ufeff") else text  # a byte-order mark is no text
+
+
+def _read_text(path, decode_errors):
+    with open(path, "rb") as f:
+        return _decode(f.read(), path, 0, decode_errors)
+
+
+def _jsonl(path, decode_errors="strict"):
+    """(line number, object) of a .jsonl file, skipping blank lines; ValueError naming the line on bad JSON, and the
+    byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
+    with open(path, "rb") as f:
+        offset = 0
+        for n, raw in enumerate(f, 1):  # b"\n" never occurs inside a UTF-8 sequence: lines split before decoding
+            line = _decode(raw, path, offset, decode_errors)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -129,28 +317,51 @@ def _jsonl(path):
                 raise ValueError(f"data: {path}:{n} is not JSON ({e.msg})") from None
 
 
-def read_texts(patterns):
+def _json_type(value):
+    """The JSON name of a parsed value's type, with its article ('an array', 'null')."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def read_texts(patterns, *, decode_errors="strict"):
     """Documents from `.txt` files (one document per file) and `.jsonl` files (one per line: a string, or an object
-    with a 'text' field). `patterns`: paths or globs."""
-    return list(iter_texts(patterns))
+    with a 'text' string). `patterns`: paths, globs or directories (their .txt and .jsonl files). Files must be
+    UTF-8: a ValueError names the file and the offset of the first invalid byte, unless decode_errors='replace'. A
+    'text' or line of another JSON type is a ValueError naming the line, and so is a corpus without any text."""
+    return list(iter_texts(patterns, decode_errors=decode_errors))
 
 
-def iter_texts(patterns):
+def iter_texts(patterns, *, decode_errors="strict"):
     """`read_texts`, one document at a time (a corpus larger than memory streams through `write_tokens`)."""
-    for path in _expand(patterns):
+    _check_decode_errors(decode_errors)
+    files, any_text = _expand(patterns), False
+    for path in files:
         if path.endswith(".jsonl"):
-            for n, item in _jsonl(path):
+            for n, item in _jsonl(path, decode_errors):
                 if isinstance(item, dict):
                     if "text" not in item:
                         raise ValueError(f"data: {path}:{n} has no 'text' field; expected a string or "
                                          "{\"text\": ...}")
                     item = item["text"]
-                yield str(item)
+                    if not isinstance(item, str):
+                        raise ValueError(f"data: {path}:{n}: 'text' is {_json_type(item)}; expected a string")
+                elif not isinstance(item, str):
+                    raise ValueError(f"data: {path}:{n} is {_json_type(item)}; expected a string or "
+                                     "{\"text\": \"...\"}")
+                any_text = any_text or bool(item.strip())
+                yield item
         elif path.endswith(".txt"):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+            text = _read_text(path, decode_errors)
+            any_text = any_text or bool(text.strip())
+            yield text
         else:
             raise ValueError(f"data: {path!r} is neither .txt nor .jsonl")
+    if not any_text:
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
+        raise ValueError(f"data: {shown} holds no text; expected .txt files or .jsonl lines with text")
 
 
 TOKENS_FILE, TOKENS_META = "tokens.bin", "meta.json"
@@ -210,7 +421,10 @@ def check_token_dir(directory, tokenizer, vocab_size):
     same = {"byte": lambda: isinstance(tokenizer, ByteTokenizer),
             "words": lambda: isinstance(tokenizer, WordTokenizer) and tokenizer.words == spec["words"],
             "tokenizer.json": lambda: isinstance(tokenizer, HFTokenizer) and tokenizer.eos_id == spec["eos_id"] and (
-                _tokenizer_json(directory) == tokenizer._tok.to_str())}.get(spec.get("kind"), lambda: False)()
+                _tokenizer_json(directory) == tokenizer._tok.to_str()),
+            "tokenizer.model": lambda: isinstance(tokenizer, SentencePieceTokenizer) and (
+                tokenizer.eos_id == spec["eos_id"]) and _tokenizer_model(directory) == (
+                tokenizer._sp.serialized_model_proto())}.get(spec.get("kind"), lambda: False)()
     if not same:
         raise ValueError(f"data: {directory} was tokenised with a {spec.get('kind')} tokenizer that is not this "
                          f"model's ({type(tokenizer).__name__}); expected scripts/prepare_data.py run with the "
@@ -218,6 +432,11 @@ def check_token_dir(directory, tokenizer, vocab_size):
     if meta["max_id"] >= vocab_size:
         raise ValueError(f"data: {directory} holds token id {meta['max_id']}; expected ids below the model's "
                          f"vocab_size={vocab_size}")
+
+
+def _tokenizer_model(directory):
+    with open(os.path.join(directory, "tokenizer.model"), "rb") as f:
+        return f.read()
 
 
 def _tokenizer_json(directory):
@@ -277,42 +496,82 @@ def default_corpus(max_bytes=600_000):
 
 def pack(docs, tokenizer, seq_len):
     """Packs documents into examples `{'tokens': [seq_len + 1], 'segment_ids': [seq_len + 1]}`; the last row is
-    padded with PAD and segment id 0. Long documents are split across rows (each piece its own segment)."""
+    padded with PAD and segment id 0. Long documents are split across rows (each piece its own segment). Linear in
+    the tokens: a document is tokenised once and cut into views, never re-sliced from the front."""
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len}; expected at least 2")
     width = seq_len + 1
-    rows, tokens, segments, seg = [], [], [], 0
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    rows, pieces, filled = [], [], 0  # pieces: the open row's document pieces, filled: their tokens
     for doc in docs:
-        ids = tokenizer.encode(doc) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
-        while ids:
-            seg += 1
-            take = ids[: width - len(tokens)]
-            ids = ids[len(take):]
-            tokens += take
-            segments += [seg] * len(take)
-            if len(tokens) == width:
-                rows.append({"tokens": np.array(tokens, np.int32), "segment_ids": np.array(segments, np.int32)})
-                tokens, segments, seg = [], [], 0
-    if tokens:
-        pad = width - len(tokens)
-        rows.append({"tokens": np.array(tokens + [tokenizer.pad_id] * pad, np.int32),
-                     "segment_ids": np.array(segments + [0] * pad, np.int32)})
+        ids = np.asarray(tokenizer.encode(doc) + eos, np.int32)
+        start = 0
+        while start < len(ids):
+            piece = ids[start:start + width - filled]
+            pieces.append(piece)
+            start, filled = start + len(piece), filled + len(piece)
+            if filled == width:
+                rows.append(_packed_row(pieces, width, tokenizer.pad_id))
+                pieces, filled = [], 0
+    if pieces:
+        rows.append(_packed_row(pieces, width, tokenizer.pad_id))
     return rows
 
 
-def read_records(patterns, fields):
-    """Objects with the string `fields` from `.jsonl` files (paths or globs), one per line (other keys dropped)."""
+def _packed_row(pieces, width, pad_id):
+    """One row of `pack`: the pieces end to end, numbered 1, 2, ...; PAD under segment id 0 after them."""
+    tokens, segments = np.full(width, pad_id, np.int32), np.zeros(width, np.int32)
+    at = 0
+    for segment, piece in enumerate(pieces, 1):
+        tokens[at:at + len(piece)], segments[at:at + len(piece)] = piece, segment
+        at += len(piece)
+    return {"tokens": tokens, "segment_ids": segments}
+
+
+def read_records(patterns, fields, *, decode_errors="strict", nonempty=None):
+    """Objects with the string `fields` from `.jsonl` files (paths, globs or directories of them), one per line
+    (other keys dropped). ValueError naming the file and line for a line that is not such an object (and the type
+    found), or whose `nonempty` fields (default: all of `fields`) are all empty or white space: a record with
+    nothing to train on. Encoding as in `read_texts` (decode_errors)."""
+    _check_decode_errors(decode_errors)
     records = []
-    for path in _expand(patterns):
+    for path in _expand(patterns, (".jsonl",)):
         if not path.endswith(".jsonl"):
             shown = ", ".join(f'"{f}": ...' for f in fields)
             raise ValueError(f"data: {path!r} is not .jsonl; expected one {{{shown}}} per line")
-        for n, item in _jsonl(path):
-            if not (isinstance(item, dict) and all(isinstance(item.get(f), str) for f in fields)):
-                names = " and ".join(", ".join(repr(f) for f in fields).rsplit(", ", 1))
-                raise ValueError(f"data: {path}:{n} is not an object with string fields {names}")
-            records.append({f: item[f] for f in fields})
+        for n, item in _jsonl(path, decode_errors):
+            wrong = _not_strings(item, fields)
+            if wrong:
+                raise ValueError(f"data: {path}:{n} is not an object with string fields {_names(fields)} ({wrong})")
+            record = {f: item[f] for f in fields}
+            check_not_empty(record, nonempty or fields, f"data: {path}:{n}")
+            records.append(record)
     return records
+
+
+def _not_strings(item, fields):
+    """What keeps a parsed line from being an object with the string `fields` ('' when nothing does)."""
+    if not isinstance(item, dict):
+        return f"it is {_json_type(item)}"
+    for f in fields:
+        if f not in item:
+            return f"{f!r} is missing"
+        if not isinstance(item[f], str):
+            return f"{f!r} is {_json_type(item[f])}"
+    return ""
+
+
+def _names(fields):
+    """'a', 'b' and 'c'."""
+    return " and ".join(", ".join(repr(f) for f in fields).rsplit(", ", 1))
+
+
+def check_not_empty(record, fields, where):
+    """ValueError naming `where` (a file and line, or 'pair 3') when every one of `fields` of `record` is empty or
+    white space: such a record (an empty prompt and an empty response, say) has nothing to train on."""
+    if all(not record[f].strip() for f in fields):
+        verb = "is" if len(fields) == 1 else "are both" if len(fields) == 2 else "are all"
+        raise ValueError(f"{where}: {_names(fields)} {verb} empty; expected text to train on")
 
 
 TOY_WORDS = ("ant", "bee", "cat", "cow", "dog", "eel", "elk", "emu", "fox", "gnu", "hen", "owl", "pig", "ram",

@@ -19,11 +19,14 @@ from engine.tasks import lm, text_data
 from engine.predictor import Predictor
 
 FIELDS = ("prompt", "chosen", "rejected")
+RESPONSES = ("chosen", "rejected")
 
 
-def read_preferences(patterns):
-    """`{"prompt", "chosen", "rejected"}` string triples from `.jsonl` files (paths or globs), one per line."""
-    return text_data.read_records(patterns, FIELDS)
+def read_preferences(patterns, *, decode_errors="strict"):
+    """`{"prompt", "chosen", "rejected"}` string triples from `.jsonl` files (paths, globs or directories), one per
+    line; a triple whose chosen and rejected responses are both empty (no preference to learn) is refused naming
+    its line (`text_data.read_records`)."""
+    return text_data.read_records(patterns, FIELDS, decode_errors=decode_errors, nonempty=RESPONSES)
 
 
 NEGATIVES = ("order", "dropped", "added", "replaced")
@@ -102,9 +105,10 @@ def verifiable_reward(rule, pairs):
 SFT_FIELDS = ("prompt", "response")
 
 
-def read_prompt_responses(patterns):
-    """`{"prompt", "response"}` string pairs from `.jsonl` files (paths or globs), one per line."""
-    return text_data.read_records(patterns, SFT_FIELDS)
+def read_prompt_responses(patterns, *, decode_errors="strict"):
+    """`{"prompt", "response"}` string pairs from `.jsonl` files (paths, globs or directories), one per line; a pair
+    whose prompt and response are both empty is refused naming its line (`text_data.read_records`)."""
+    return text_data.read_records(patterns, SFT_FIELDS, decode_errors=decode_errors)
 
 
 def toy_prompt_responses(n, seed):
@@ -166,10 +170,11 @@ def encode_prompt_responses(pairs, tokenizer, *, seq_len):
     'input_ids', 'labels' and 'segment_ids' int32 [seq_len] (a `lm.lm_loss_fn` batch row once stacked by
     `collate_preferences`): prompt + separator + response + EOS with only the response and its EOS labelled, so the
     loss is the response's next-token cross-entropy given the prompt. Longer pairs lose their end (`cut` counts
-    them)."""
+    them). A pair whose prompt and response are both empty is a ValueError naming its index."""
     _check_seq_len(seq_len)
     examples, cut = [], 0
     for n, pair in enumerate(pairs):
+        text_data.check_not_empty(pair, SFT_FIELDS, f"pair {n}")
         prompt = prompt_tokens(tokenizer, pair["prompt"], seq_len, f"pair {n}")
         ids, labels, segments, was_cut = _response_row(tokenizer, prompt, pair["response"], seq_len, f"pair {n}",
                                                        "response")
@@ -181,10 +186,12 @@ def encode_prompt_responses(pairs, tokenizer, *, seq_len):
 def encode_preferences(triples, tokenizer, *, seq_len):
     """Triples -> (examples, cut): each example holds 'input_ids', 'labels' and 'segment_ids' int32 [2, seq_len],
     row 0 the chosen and row 1 the rejected sequence, each laid out as in `encode_prompt_responses`. Sequences
-    longer than seq_len + 1 tokens lose their end (`cut` counts the triples that did)."""
+    longer than seq_len + 1 tokens lose their end (`cut` counts the triples that did). A triple whose two responses
+    are both empty is a ValueError naming its index."""
     _check_seq_len(seq_len)
     examples, cut = [], 0
     for n, triple in enumerate(triples):
+        text_data.check_not_empty(triple, RESPONSES, f"triple {n}")
         prompt = prompt_tokens(tokenizer, triple["prompt"], seq_len, f"triple {n}")
         rows = [_response_row(tokenizer, prompt, triple[key], seq_len, f"triple {n}", f"{key} response")
                 for key in ("chosen", "rejected")]

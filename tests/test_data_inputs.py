@@ -1,0 +1,288 @@
+"""Data inputs (engine.tasks.text_data and the record readers): tokenizer files (SentencePiece, tokenizers'
+tokenizer.json) and `load_tokenizer`'s resolution, files that are not UTF-8, JSONL values of the wrong type, records
+with nothing to train on, and `pack` on one very long document."""
+import json
+import logging
+import random
+
+import numpy as np
+import pytest
+
+from engine.tasks import seq2seq, text_data
+from engine.tasks.rlhf import preference
+
+SENTENCES = ["the quick brown fox jumps over the lazy dog", "a cat and a dog sat on the mat",
+             "owls and bees fly over the green field", "pack the rows of tokens end to end"]
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    """A SentencePiece model of 64 pieces (LLaMA's special ids: unk 0, bos 1, eos 2, no pad) trained here."""
+    import sentencepiece  # noqa: PLC0415
+
+    root = tmp_path_factory.mktemp("sp")
+    rng = random.Random(0)
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.sample(s.split(), len(s.split()))) for s in SENTENCES * 50) + "\n")
+    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(root / "tokenizer"), vocab_size=64,
+                                             model_type="bpe", minloglevel=2)
+    return root / "tokenizer.model"
+
+
+@pytest.fixture(scope="module")
+def hf_json(tmp_path_factory):
+    """A byte-level BPE tokenizer.json (tokenizers) with <pad> 0, <s> 1, </s> 2, trained here."""
+    import tokenizers  # noqa: PLC0415
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(SENTENCES * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    root = tmp_path_factory.mktemp("hf")
+    tok.save(str(root / "tokenizer.json"))
+    return root / "tokenizer.json"
+
+
+def test_sentencepiece_tokenizer_round_trips_and_persists(sp_model, tmp_path):
+    tok = text_data.load_tokenizer(str(sp_model))
+    assert isinstance(tok, text_data.SentencePieceTokenizer)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (64, 1, 2, 2)  # no pad piece: PAD is EOS
+    for text in SENTENCES + ["dog fox owl"]:
+        ids = tok.encode(text)
+        assert ids and all(3 <= i < 64 for i in ids) and tok.decode(ids) == text
+    assert tok.decode([tok.bos_id, *tok.encode("the dog"), tok.eos_id, 63, 64, 100]) == tok.decode(
+        tok.encode("the dog") + [63])  # special ids and ids past the pieces (a padded vocabulary) decode to nothing
+
+    # A model directory: config.json's special ids and vocabulary win, as for tokenizer.json.
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 128, "bos_token_id": 1, "eos_token_id": [2, 3]}))
+    in_dir = text_data.load_tokenizer(None, model_dir=str(model_dir))
+    assert (in_dir.vocab_size, in_dir.bos_id, in_dir.eos_id) == (128, 1, 2)
+    assert text_data.load_tokenizer(str(model_dir), vocab_size=256).vocab_size == 256
+
+    # run.json / token directories keep the model file and its ids.
+    spec = text_data.tokenizer_spec(in_dir, str(tmp_path / "work"))
+    assert spec == {"kind": "tokenizer.model", "vocab_size": 128, "bos_id": 1, "eos_id": 2, "pad_id": 2}
+    back = text_data.tokenizer_from_spec(spec, str(tmp_path / "work"))
+    assert back.encode(SENTENCES[0]) == tok.encode(SENTENCES[0]) and back.eos_id == 2
+    meta = text_data.write_tokens(SENTENCES, in_dir, str(tmp_path / "tokens"))
+    assert meta["tokenizer"]["kind"] == "tokenizer.model" and meta["num_documents"] == 4
+    text_data.check_token_dir(str(tmp_path / "tokens"), in_dir, vocab_size=128)
+    with pytest.raises(ValueError, match=r"tokenised with a tokenizer.model tokenizer that is not this model's"):
+        text_data.check_token_dir(str(tmp_path / "tokens"), text_data.ByteTokenizer(), vocab_size=320)
+
+
+def test_tokenizer_json_keeps_the_hugging_face_directory_behaviour(hf_json, tmp_path):
+    tok = text_data.load_tokenizer(str(hf_json))
+    assert isinstance(tok, text_data.HFTokenizer)
+    assert tok.vocab_size == tok._tok.get_vocab_size() and (tok.bos_id, tok.eos_id, tok.pad_id) == (None, None, 0)
+    for text in SENTENCES + ["unseen wörds, too"]:
+        assert tok.decode(tok.encode(text)) == text
+
+    # Beside a config.json: its ids and vocabulary, exactly what HFTokenizer.from_dir (the scripts' path) gives.
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text(hf_json.read_text())
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2,
+                                                       "pad_token_id": 0}))
+    for found in (text_data.load_tokenizer(None, model_dir=str(model_dir)),
+                  text_data.load_tokenizer(str(model_dir / "tokenizer.json"), vocab_size=512)):
+        old = text_data.HFTokenizer.from_dir(str(model_dir), 512)
+        assert (found.vocab_size, found.bos_id, found.eos_id, found.pad_id) == (
+            old.vocab_size, old.bos_id, old.eos_id, old.pad_id) == (512, 1, 2, 0)
+        assert found.encode(SENTENCES[1]) == old.encode(SENTENCES[1])
+
+    # Without config.json ids: the tokens tokenizer_config.json names.
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"},
+                                                                 "pad_token": None}))
+    named = text_data.load_tokenizer(str(model_dir))
+    assert (named.bos_id, named.eos_id, named.pad_id) == (1, 2, 2)
+
+
+def test_load_tokenizer_resolution_and_errors(sp_model, hf_json, tmp_path, caplog):
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "tokenizer.model").write_bytes(sp_model.read_bytes())
+    assert isinstance(text_data.load_tokenizer(str(both)), text_data.SentencePieceTokenizer)
+    (both / "tokenizer.json").write_text(hf_json.read_text())
+    assert isinstance(text_data.load_tokenizer(str(both)), text_data.HFTokenizer)  # tokenizer.json first
+    assert isinstance(text_data.load_tokenizer(None, model_dir=str(both)), text_data.HFTokenizer)
+    assert isinstance(text_data.load_tokenizer("word"), text_data.WordTokenizer)
+    assert isinstance(text_data.load_tokenizer("byte"), text_data.ByteTokenizer)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"empty has neither tokenizer.json nor tokenizer.model; pass "
+                                         r"--tokenizer=PATH to one, or --tokenizer=byte to choose byte-level ids"):
+        text_data.load_tokenizer(None, model_dir=str(empty))
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(text_data.load_tokenizer("byte", model_dir=str(empty)), text_data.ByteTokenizer)
+    assert "ByteTokenizer ids (--tokenizer=byte) for" in caplog.text
+    with pytest.raises(ValueError, match=r"--tokenizer=.*empty: the directory has neither"):
+        text_data.load_tokenizer(str(empty))
+    with pytest.raises(FileNotFoundError, match=r"--tokenizer=/nonexistent: no such file or directory"):
+        text_data.load_tokenizer("/nonexistent")
+    (tmp_path / "vocab.txt").write_text("a\n")
+    with pytest.raises(ValueError, match=r"vocab.txt; expected a tokenizer.json .* or a tokenizer.model"):
+        text_data.load_tokenizer(str(tmp_path / "vocab.txt"))
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match=r"bad.model is not a SentencePiece model"):
+        text_data.load_tokenizer(str(tmp_path / "bad.model"))
+    with pytest.raises(ValueError, match=r"tokenizer --tokenizer=byte has 320 ids; the model's vocabulary holds only "
+                                         r"256"):
+        text_data.load_tokenizer("byte", vocab_size=256)
+    with pytest.raises(ValueError, match=r"tokenizer.model has 64 ids; the model's vocabulary holds only 32"):
+        text_data.load_tokenizer(str(sp_model), vocab_size=32)
+
+
+def test_files_that_are_not_utf8_name_the_byte_unless_replaced(tmp_path):
+    (tmp_path / "data.txt").write_bytes(b"hello \xff world")
+    with pytest.raises(ValueError, match=r"data.txt: not UTF-8 at byte 6 \(0xff: invalid start byte\); pass "
+                                         r"--decode_errors=replace to replace invalid bytes"):
+        text_data.read_texts(str(tmp_path / "data.txt"))
+    assert text_data.read_texts(str(tmp_path / "data.txt"), decode_errors="replace") == ["hello \ufffd world"]
+
+    lines = b'{"text": "ok"}\n"fine \xc3\xa9"\n{"text": "cut \xe2\x82"}\n'  # line 3: a truncated 3-byte sequence
+    (tmp_path / "d.jsonl").write_bytes(lines)
+    offset = lines.index(b"\xe2")
+    with pytest.raises(ValueError, match=rf"d.jsonl: not UTF-8 at byte {offset} \(0xe2: invalid continuation byte\)"):
+        list(text_data.iter_texts(str(tmp_path / "d.jsonl")))
+    assert text_data.read_texts(str(tmp_path / "d.jsonl"), decode_errors="replace") == ["ok", "fine é", "cut \ufffd"]
+
+    records = b'{"prompt": "p", "response": "r"}\n{"prompt": "\xfe", "response": "r"}\n'
+    (tmp_path / "r.jsonl").write_bytes(records)
+    offset = records.index(b"\xfe")
+    for read in (preference.read_prompt_responses, lambda p, **kw: text_data.read_records(p, ("prompt",), **kw)):
+        with pytest.raises(ValueError, match=rf"r.jsonl: not UTF-8 at byte {offset} \(0xfe"):
+            read(str(tmp_path / "r.jsonl"))
+        assert read(str(tmp_path / "r.jsonl"), decode_errors="replace")[1]["prompt"] == "\ufffd"
+    triple = b'{"prompt": "p", "chosen": "\x80", "rejected": "r"}\n'
+    (tmp_path / "t.jsonl").write_bytes(triple)
+    offset = triple.index(b"\x80")
+    with pytest.raises(ValueError, match=rf"t.jsonl: not UTF-8 at byte {offset} "):
+        preference.read_preferences(str(tmp_path / "t.jsonl"))
+    (tmp_path / "s.jsonl").write_bytes(b'{"input": "\xc0", "target": "t"}\n')
+    with pytest.raises(ValueError, match=r"s.jsonl: not UTF-8 at byte 11"):
+        seq2seq.read_pairs(str(tmp_path / "s.jsonl"))
+    assert seq2seq.read_pairs(str(tmp_path / "s.jsonl"), decode_errors="replace") == [{"input": "\ufffd",
+                                                                                     "target": "t"}]
+    with pytest.raises(ValueError, match=r"decode_errors='ignore'; expected one of \('strict', 'replace'\)"):
+        text_data.read_texts(str(tmp_path / "data.txt"), decode_errors="ignore")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfhi")  # a byte-order mark is not text
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf"hi"\n')
+    assert text_data.read_texts([str(tmp_path / "bom.txt"), str(tmp_path / "bom.jsonl")]) == ["hi", "hi"]
+
+
+@pytest.mark.parametrize("line, found", [
+    ('{"text": ["a"]}', ": 'text' is an array"), ('{"text": null}', ": 'text' is null"),
+    ('{"text": 3}', ": 'text' is a number"), ('{"text": {"a": 1}}', ": 'text' is an object"),
+    ('{"text": true}', ": 'text' is a boolean"), ("12", " is a number"), ('["a"]', " is an array"),
+    ("null", " is null")])
+def test_jsonl_values_of_another_type_are_refused(tmp_path, line, found):
+    (tmp_path / "d.jsonl").write_text(f'"ok"\n\n{line}\n')
+    with pytest.raises(ValueError, match=rf"data: .*d.jsonl:3{found}; expected a string"):
+        text_data.read_texts(str(tmp_path / "d.jsonl"))
+
+
+def test_records_of_the_wrong_type_or_with_nothing_to_train_on_are_refused(tmp_path):
+    def write(name, *records):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+        return str(tmp_path / name)
+
+    ok = {"prompt": "p", "response": "r"}
+    for record, found in (({"prompt": "p", "response": None}, "'response' is null"),
+                          ({"prompt": ["p"], "response": "r"}, "'prompt' is an array"),
+                          ({"prompt": "p"}, "'response' is missing"), ("p", "it is a string")):
+        with pytest.raises(ValueError, match=rf"sft.jsonl:2 is not an object with string fields 'prompt' and "
+                                             rf"'response' \({found}\)"):
+            preference.read_prompt_responses(write("sft.jsonl", ok, record))
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: 'prompt' and 'response' are both empty; expected text"):
+        preference.read_prompt_responses(write("sft.jsonl", ok, {"prompt": "", "response": " \n"}))
+    assert len(preference.read_prompt_responses(write("sft.jsonl", ok, {"prompt": "", "response": "r"}))) == 2
+    with pytest.raises(ValueError, match=r"dpo.jsonl:1: 'chosen' and 'rejected' are both empty"):
+        preference.read_preferences(write("dpo.jsonl", {"prompt": "p", "chosen": "", "rejected": ""}))
+    with pytest.raises(ValueError, match=r"s2s.jsonl:1: 'input' and 'target' are both empty"):
+        seq2seq.read_pairs(write("s2s.jsonl", {"input": "", "target": ""}))
+    with pytest.raises(ValueError, match=r"ppo.jsonl:1: 'prompt' is empty"):
+        text_data.read_records(write("ppo.jsonl", {"prompt": ""}), ("prompt",))
+
+    # Records built in code are refused by the encoders, naming their index.
+    tok = text_data.ByteTokenizer()
+    with pytest.raises(ValueError, match=r"pair 1: 'prompt' and 'response' are both empty"):
+        preference.encode_prompt_responses([ok, {"prompt": "", "response": ""}], tok, seq_len=16)
+    with pytest.raises(ValueError, match=r"triple 0: 'chosen' and 'rejected' are both empty"):
+        preference.encode_preferences([{"prompt": "p", "chosen": "", "rejected": " "}], tok, seq_len=16)
+    with pytest.raises(ValueError, match=r"pair 0: 'input' and 'target' are both empty"):
+        seq2seq.encode_pairs([{"input": "", "target": ""}], tok, max_input_len=4, max_target_len=4,
+                             decoder_start_id=tok.bos_id)
+
+    # A corpus without text at all, and a directory of files.
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(" \n")
+    (tmp_path / "corpus" / "b.jsonl").write_text('""\n{"text": ""}\n')
+    with pytest.raises(ValueError, match=r"a.txt, .*b.jsonl holds no text"):
+        text_data.read_texts(str(tmp_path / "corpus"))
+    (tmp_path / "corpus" / "sub").mkdir()
+    (tmp_path / "corpus" / "sub" / "c.txt").write_text("words")
+    (tmp_path / "corpus" / "notes.md").write_text("skipped")
+    assert text_data.read_texts(str(tmp_path / "corpus")) == [" \n", "", "", "words"]
+    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl file"):
+        text_data.read_records(str(tmp_path / "corpus" / "sub"), ("prompt",))
+
+
+def _pack_reference(docs, tokenizer, seq_len):
+    """pack as it was (quadratic in a document's length: the rest re-sliced for every row)."""
+    width = seq_len + 1
+    rows, tokens, segments, seg = [], [], [], 0
+    for doc in docs:
+        ids = tokenizer.encode(doc) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+        while ids:
+            seg += 1
+            take = ids[: width - len(tokens)]
+            ids = ids[len(take):]
+            tokens += take
+            segments += [seg] * len(take)
+            if len(tokens) == width:
+                rows.append({"tokens": np.array(tokens, np.int32), "segment_ids": np.array(segments, np.int32)})
+                tokens, segments, seg = [], [], 0
+    if tokens:
+        pad = width - len(tokens)
+        rows.append({"tokens": np.array(tokens + [tokenizer.pad_id] * pad, np.int32),
+                     "segment_ids": np.array(segments + [0] * pad, np.int32)})
+    return rows
+
+
+class _NoEos(text_data.ByteTokenizer):
+    eos_id = None
+
+
+@pytest.mark.parametrize("tokenizer", [text_data.ByteTokenizer(), text_data.WordTokenizer(text_data.TOY_WORDS),
+                                       _NoEos()], ids=["byte", "word", "no_eos"])
+def test_pack_equals_the_old_packing(tokenizer):
+    rng = random.Random(0)
+    for _ in range(200):
+        docs = [" ".join(rng.choice(("ant", "bee", "x", "")) for _ in range(rng.randint(0, 12)))
+                for _ in range(rng.randint(0, 6))]
+        seq_len = rng.randint(2, 12)
+        got, want = text_data.pack(docs, tokenizer, seq_len), _pack_reference(docs, tokenizer, seq_len)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            for key in ("tokens", "segment_ids"):
+                assert a[key].dtype == b[key].dtype and a[key].tolist() == b[key].tolist()
+
+
+def test_pack_one_4mb_document():
+    """Finishes: packing is linear in a document's length (it was quadratic, re-slicing the rest for every row)."""
+    doc = "abcdefghij" * 400_000
+    rows = text_data.pack(["xy", doc], text_data.ByteTokenizer(), seq_len=127)
+    assert len(rows) == -(-(len(doc) + 4) // 128)
+    assert rows[0]["tokens"][:4].tolist() == [120, 121, 258, 97] and rows[0]["segment_ids"][:4].tolist() == [1, 1, 1, 2]
+    assert rows[1]["tokens"][0] == ord(doc[125]) and (rows[1]["segment_ids"] == 1).all()
+    tail = (len(doc) + 4) % 128
+    assert rows[-1]["tokens"][tail - 1] == 258 and rows[-1]["segment_ids"][tail:].tolist() == [0] * (128 - tail)
