@@ -56,3 +56,14 @@ def test_fedavg_improves_the_global_model_with_one_compiled_step():
     trainer = result["trainer"]
     assert trainer.step == 8 * 5 * 2 * 4  # rounds x clients x local epochs x updates per epoch: every fit trained
     assert trainer.compile_count == 1  # every round and client reused the one compiled step
+
+
+# ------------------------------------------------------------------------------------------ MAML
+def test_maml_learns_an_initialisation_that_adapts():
+    result = _example("maml").run(n_epochs=8, tasks_per_epoch=1024)
+    before, first, last = result["before"], result["epochs"][0], result["epochs"][-1]
+    # Held-out tasks: after meta-training one inner step on 10 points leaves a clearly smaller error than before
+    # meta-training, than after its first epoch, and than the same initialisation without the step.
+    assert last["adapted"] < 0.25 * before["adapted"] and last["adapted"] < 0.8 * first["adapted"], result
+    assert last["adapted"] < 0.75 * last["unadapted"], result
+    assert result["trainer"].step == 8 * 1024 // 16 and result["trainer"].compile_count == 1
