@@ -67,3 +67,12 @@ def test_maml_learns_an_initialisation_that_adapts():
     assert last["adapted"] < 0.25 * before["adapted"] and last["adapted"] < 0.8 * first["adapted"], result
     assert last["adapted"] < 0.75 * last["unadapted"], result
     assert result["trainer"].step == 8 * 1024 // 16 and result["trainer"].compile_count == 1
+
+
+# ------------------------------------------------------------------------------------------ PPO
+def test_ppo_raises_the_return_and_every_fit_trains():
+    result = _example("ppo_control").run(n_iterations=10)
+    returns, steps = result["returns"], result["steps"]
+    assert np.mean(returns[-2:]) > max(100.0, 4 * returns[0]), returns  # a random policy lasts ~20 steps
+    assert all(b > a for a, b in zip([0] + steps, steps)), steps  # fit(n_epochs=4) trained on every call
+    assert result["trainer"].compile_count == 1  # however many transitions an iteration brought
