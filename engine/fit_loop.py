@@ -56,6 +56,15 @@ def check_fit_arguments(*, workdir, per_device_batch_size, n_epochs, total_epoch
               "(start, end) with 0 <= start < end, and a workdir to write the trace to")
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second SIGTERM / SIGINT during `fit`: the run ends at once. `signum` is that signal's number (a script exits
+    with 128 + it)."""
+
+    def __init__(self, signum):
+        super().__init__(f"second signal ({signal.Signals(signum).name}): stopped at once")
+        self.signum = signum
+
+
 class Stop:
     """Whether `fit` should stop for a signal. `signum`: the first SIGTERM / SIGINT this process received. With
     several processes the decision is agreed: every process calls `agree()` at the same steps (the log points) and
@@ -82,9 +91,9 @@ class Stop:
 @contextlib.contextmanager
 def stop_on_signal():
     """Yields a `Stop` that SIGTERM and SIGINT (Ctrl-C) set: the loop stops after the current step (with several
-    processes, after the step they agree on) and saves. A second signal ends the run at once: KeyboardInterrupt,
-    no new checkpoint (the last finished one stays). The previous handlers come back on exit (off the main thread no
-    handler is installed)."""
+    processes, after the step they agree on) and saves. A second signal ends the run at once: `SecondSignal` (a
+    KeyboardInterrupt), no new checkpoint (the last finished one stays). The previous handlers come back on exit (off
+    the main thread no handler is installed)."""
     stop = Stop()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -92,7 +101,7 @@ def stop_on_signal():
 
     def handler(signum, frame):
         if stop.event.is_set():
-            raise KeyboardInterrupt(f"second signal ({signal.Signals(signum).name}): stopped at once")
+            raise SecondSignal(signum)
         stop.set(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}

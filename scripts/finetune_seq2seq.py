@@ -131,6 +131,7 @@ def main(argv):
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
+    cli.log_eval(trainer, {"loss": start_loss})
     trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=evals, eval_predictor=predictor, eval_metric_fn=metric_fn,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
@@ -140,7 +141,9 @@ def main(argv):
     end_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
     print(f"eval loss after training: {end_loss:.4f} (was {start_loss:.4f}) at step {trainer.step}")
     preds = predictor.predict(evals, per_device_batch_size=batch, params=trainer.params)
-    print(f"eval exact match: {metric_fn(evals, preds)['exact_match']:.4f} on {len(evals)} held-out pairs")
+    end_exact = metric_fn(evals, preds)["exact_match"]
+    print(f"eval exact match: {end_exact:.4f} on {len(evals)} held-out pairs")
+    cli.log_eval(trainer, {"loss": end_loss, "exact_match": end_exact})
     for pair, pred in list(zip(eval_pairs, preds))[:FLAGS.samples]:
         got = tokenizer.decode([i for i in lm.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])
         print(f"--- {pair['input']!r} -> {got!r} (target {pair['target']!r})")

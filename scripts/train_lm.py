@@ -107,6 +107,7 @@ def main(argv):
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
+    cli.log_eval(trainer, {"loss": start_loss})
     trainer.fit(train_rows, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
                 save_every=FLAGS.save_every, profile_steps=profile,
@@ -115,6 +116,7 @@ def main(argv):
         print(line)
     end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss after training: {end_loss:.4f} (was {start_loss:.4f}) at step {trainer.step}")
+    cli.log_eval(trainer, {"loss": end_loss})
     if FLAGS.prompts:  # every process takes part (the parameters may span hosts); process 0 prints
         samples = lm.generate_texts(model, trainer.params, tokenizer, FLAGS.prompts,
                                       max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,

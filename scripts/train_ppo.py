@@ -120,6 +120,11 @@ def _report(name, values):
         "" if exact is None else f", exact match {exact:.3f}")
 
 
+def _scalars(values):
+    reward_value, exact = values
+    return {"greedy_reward": reward_value, **({} if exact is None else {"exact_match": exact})}
+
+
 def _check_flags():
     """The flag combinations PPO and GRPO refuse; returns the samples per prompt."""
     grpo = FLAGS.advantage_estimator == "grpo"
@@ -245,6 +250,7 @@ def _train(trainer, task, train_records, eval_records, rollout_batch_size):
     """PPO iterations to --max_steps, with the held-out greedy answers' reward before and after."""
     start = _evaluate(task, trainer.params, eval_records)
     print(_report("before training", start))
+    cli.log_eval(trainer, _scalars(start))
 
     def on_iteration(it, stats):
         print(f"iteration {it + 1:4d}  step {trainer.step:5d}  reward {stats['score']:.3f}  kl {stats['kl']:.3f}  "
@@ -256,8 +262,10 @@ def _train(trainer, task, train_records, eval_records, rollout_batch_size):
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, on_iteration=on_iteration)
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
-    print(_report(f"after training (step {trainer.step})", _evaluate(task, trainer.params, eval_records)) +
+    end = _evaluate(task, trainer.params, eval_records)
+    print(_report(f"after training (step {trainer.step})", end) +
           f" (before: {start[0]:.3f}" + ("" if start[1] is None else f", {start[1]:.3f}") + ")")
+    cli.log_eval(trainer, _scalars(end))
     cli.finish(trainer, FLAGS.workdir)
 
 

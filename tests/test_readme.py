@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.xla_flags import FAST_COMPILE, cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,9 +23,11 @@ def test_quickstart_is_two_lines():
     assert "make test" in ci
 
 
-def test_three_function_example_runs():
+@pytest.mark.parametrize("devices", [8, 1])
+def test_three_function_example_runs(devices):
+    """On the 8 simulated devices and on a laptop's one."""
     code = re.search(r"## The three-function API\s+```python\n(.*?)```", README, re.S).group(1)
-    env = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=cpu_devices(devices), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -665,3 +665,61 @@ def test_bench_kernels_prints_every_table():
                 "fused_matmul int8[xla] fwd+bwd", "decode_attention[xla]  B2 cache 256/512"):
         assert row in out.stdout, out.stdout
     assert re.search(r"decode_attention\[xla\] .* \d+ GB/s", out.stdout), out.stdout
+
+
+def _scalars(logdir):
+    """{tag: [(step, value)]} of the TensorBoard event files under logdir (TFRecord frames of Event protos)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    scalars = {}
+    for name in sorted(_files(logdir)):
+        if not name.startswith("events.out.tfevents"):
+            continue
+        data = next(os.path.join(d, name) for d, _, fs in os.walk(logdir) if name in fs)
+        raw, at = open(data, "rb").read(), 0
+        while at < len(raw):
+            (length,) = struct.unpack("<Q", raw[at:at + 8])
+            event = event_pb2.Event.FromString(raw[at + 12:at + 12 + length])
+            at += 16 + length
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_console_shows_the_project_lines_and_tensorboard_every_eval(tmp_path):
+    """The default console: the script's own lines only (no Orbax or JAX INFO, no parameter table), everything in
+    the workdir's log.txt; the evals the script prints, before and after training, are in TensorBoard at their
+    steps; --help lists the shared flags and exits 0."""
+    workdir = tmp_path / "work"
+    out = _run("train_lm.py", "--max_steps=4", f"--workdir={workdir}", "--mesh=-1,1,2", *TINY_LM)
+    console = out.stderr.splitlines()
+    assert len(console) <= 8, out.stderr
+    assert not any(word in out.stderr for word in ("orbax", "checkpoint_manager", "xla_bridge", "embed/embedding"))
+    log = (workdir / "log.txt").read_text()
+    assert "checkpoint_manager" in log and "embed/embedding" in log
+    before, after = _eval_losses(out.stdout)
+    evals = _scalars(workdir / "tensorboard")["eval/loss"]
+    assert (0, pytest.approx(before, abs=1e-4)) in evals and (4, pytest.approx(after, abs=1e-4)) in evals, evals
+
+    helped = _run("train_lm.py", "--help")
+    for flag in ("--mesh", "--max_steps", "--workdir", "--data", "--init_from"):
+        assert flag in helped.stdout, flag
+
+
+def test_a_run_stopped_by_a_signal_exits_128_plus_it_with_its_checkpoint(tmp_path):
+    """SIGTERM during training: the checkpoint of the step it stopped at is saved and the exit status is 143, so a
+    scheduler tells a preempted run from a finished one (the resume itself: tests/test_trainer.py)."""
+    import signal
+    args = ["scripts/train_lm.py", "--max_steps=1000", f"--workdir={tmp_path}", *TINY_LM[:-2], "--save_every=1000",
+            "--prompts=", TINY_LM[-1]]
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if re.search(r"\] step +\d+/1000", line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stdout
+    step = int(re.search(r"stopped by a signal at step (\d+)", stdout).group(1))
+    assert _steps(tmp_path) == [step]

@@ -2,8 +2,11 @@
 `run(main)`: the scripts' entry point, which turns a bad flag or bad input into a one-line `error:` and exit code 2
 instead of a traceback. Scripts import this module; tests can too."""
 import dataclasses
+import errno
 import json
+import logging as std_logging
 import os
+import signal
 import sys
 import time
 
@@ -18,6 +21,7 @@ import engine
 import kernels
 import models
 from engine import diloco as diloco_lib
+from engine import fit_loop
 from engine.tasks import lm, seq2seq, text_data
 from engine.tasks.rlhf import ppo, preference, reward
 
@@ -439,12 +443,21 @@ def encode_rows(encode, tokenizer, train_records, eval_records, mesh, *, what, p
     return train, evals
 
 
+def log_eval(trainer, results):
+    """Writes an eval the script prints (`{name: value}`, e.g. the losses before and after training) to TensorBoard
+    as `eval/<name>` at the trainer's current step, so every eval on the console is also in TensorBoard."""
+    trainer.write_scalars("eval", results)
+
+
 def finish(trainer, workdir):
-    """Ends a training script: closes the trainer (waits for its last checkpoint) and, when a signal stopped the run,
-    prints where it can be resumed."""
+    """Ends a training script: closes the trainer (waits for its last checkpoint). When a signal stopped the run it
+    prints where it can be resumed and exits with 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C), as a
+    shell does, so a scheduler can tell a preempted run from a finished one."""
     trainer.close()
     if trainer.stopped_by_signal:
         print(f"stopped by a signal at step {trainer.step}; checkpoint saved in {workdir}; re-run to resume")
+        # A peer's signal stopped this process: the run was preempted all the same.
+        _exit(128 + (trainer.stop_signal or signal.SIGTERM))
 
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
@@ -791,21 +804,73 @@ def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
     return task, model, params["actor"] if task == "ppo" else params, tokenizer
 
 
-def _fail(error):
-    message = " ".join(str(error).split()) or type(error).__name__
-    logging.debug("user error", exc_info=error)  # the traceback, with --verbosity=1
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    # os._exit: background threads (prefetch, async checkpoints, the distributed client) must not keep a failed
-    # run alive or print at shutdown.
+# The exit status of a run that failed at run time (diverged, disk full): not a usage error.
+RUNTIME_EXIT_CODE = 1
+# The project's code: INFO lines from anywhere else (Orbax, JAX) go to the workdir's log file only.
+_PROJECT_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), d)
+                      + os.sep for d in ("engine", "kernels", "models", "scripts"))
+
+
+def _exit(code):
+    # os._exit: background threads (prefetch, async checkpoints, the distributed client) must not keep a failed or
+    # stopped run alive or print at shutdown.
     sys.stdout.flush()
-    os._exit(USAGE_EXIT_CODE)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _fail(error, code=USAGE_EXIT_CODE):
+    message = " ".join(str(error).split()) or type(error).__name__
+    logging.debug("error", exc_info=error)  # the traceback, with --verbosity=1
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    _exit(code)
+
+
+class _ConsoleFilter:
+    """What reaches the console at the default verbosity: every warning and error, and the INFO lines of the
+    project's own code (progress, evals, compile summary, where things were written) except those logged with
+    `extra={"console": False}` (detail such as the parameter table). Libraries' INFO lines and the detail go to the
+    workdir's log file; `--verbosity=1` shows everything."""
+
+    @staticmethod
+    def filter(record):
+        if record.levelno >= std_logging.WARNING or FLAGS.verbosity >= 1:
+            return True
+        return record.pathname.startswith(_PROJECT_DIRS) and getattr(record, "console", True)
+
+
+def _console_logging():
+    """The console filter above and, for a training script, the whole log (every library, INFO and up) in
+    `--workdir`'s `log.txt` (`log.process<i>.txt` for the further processes of a multi-process run)."""
+    logging.get_absl_handler().addFilter(_ConsoleFilter)
+    if "save_every" not in FLAGS or not FLAGS.workdir:
+        return
+    process = FLAGS.process_id or int(os.environ.get("ENGINE_PROCESS_ID", os.environ.get("SLURM_PROCID", "0")))
+    os.makedirs(FLAGS.workdir, exist_ok=True)
+    name = "log.txt" if process == 0 else f"log.process{process}.txt"
+    file_handler = std_logging.FileHandler(os.path.join(FLAGS.workdir, name))
+    file_handler.setFormatter(logging.PythonFormatter())
+    std_logging.getLogger().addHandler(file_handler)
+
+
+def _help(argv):
+    """--help / -h: the script's own flags and the shared ones it uses (mesh, steps, workdir, ...); exit 0."""
+    for flag in FLAGS.get_flags_for_module(__name__):
+        FLAGS.register_key_flag_for_module(argv[0], flag)
+    print(FLAGS.module_help(argv[0]))
+    print("\n--helpfull lists every flag, the libraries' included.")
+    _exit(0)
 
 
 def run(main):
     """`absl.app.run(main)` for scripts: a bad flag value, a missing or malformed file or any other bad input
     (ValueError, FileNotFoundError, app.UsageError, flags.Error) ends with one line `error: <message>` on stderr
-    and exit code 2, never a traceback."""
+    and exit code 2, never a traceback; a diverged run (FloatingPointError) or a full disk with one line and exit
+    code 1; a second signal with one line and 128 + its number. `--help` lists the script's flags (exit 0). The
+    console shows the project's own lines; everything is in the workdir's log file."""
     def parse(argv):
+        if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
+            _help(argv)
         try:
             return FLAGS(argv)
         except flags.Error as e:
@@ -813,10 +878,20 @@ def run(main):
 
     def guarded(argv):
         if len(argv) > 1:
-            _fail(app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --helpfull)"))
+            _fail(app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --help)"))
+        _console_logging()
         try:
             return main(argv)
         except _USER_ERRORS as e:
             _fail(e)
+        except FloatingPointError as e:
+            _fail(e, RUNTIME_EXIT_CODE)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            _fail(f"disk full: {e}", RUNTIME_EXIT_CODE)
+        except fit_loop.SecondSignal as e:
+            print(f"stopped: {e}; the last finished checkpoint stays", file=sys.stderr, flush=True)
+            _exit(128 + e.signum)
 
     app.run(guarded, flags_parser=parse)

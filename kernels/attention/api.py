@@ -430,7 +430,7 @@ def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_s
         interpret=interpret,
         dropout_rate=dropout_rate,
     )
-    logging.log_first_n(logging.INFO, "flash_attention: %s q%s k%s %s", 1, impl, q.shape, k.shape, blocks)
+    logging.log_first_n(logging.DEBUG, "flash_attention: %s q%s k%s %s", 1, impl, q.shape, k.shape, blocks)
     q, k, v = _pad(q, 1, t_pad), _pad(k, 1, s_pad), _pad(v, 1, s_pad)
     q, k, v = _pad(q, 3, d_pad), _pad(k, 3, d_pad), _pad(v, 3, d_pad)
     if q_ids is not None:
