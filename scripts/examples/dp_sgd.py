@@ -54,7 +54,8 @@ def pred_fn(params, batch, rng):
 
 
 def clipped_grads(params, batch, clip):
-    """Per-example losses [B] and gradients (each leaf [B, ...]), every example's gradient scaled to norm <= clip."""
+    """Per-example losses [B], gradients (each leaf [B, ...]) with every example's scaled to norm <= clip, and the
+    norms before clipping [B]."""
     def one(p, x, y):  # the loss of a single example: vmap gives each its own gradient
         return optax.softmax_cross_entropy_with_integer_labels(MODEL.apply({"params": p}, x[None]), y[None])[0]
 
@@ -86,7 +87,8 @@ def accuracy(examples, preds):
 
 def run(*, mesh=None, n_epochs=4, n_train=2048, per_device_batch_size=8, clip=1.0, sigma=1.0, learning_rate=0.5,
         step="auto", seed=0):
-    """Trains with DP-SGD; returns the test accuracy before and after each epoch, and the Trainer."""
+    """Trains with DP-SGD; returns the test accuracy before training and after each epoch, the share of examples
+    whose gradient was clipped, and the Trainer."""
     mesh = mesh or engine.make_mesh(data=-1)
     global_batch = engine.global_batch_size(mesh, per_device_batch_size)
     trainer = make_trainer(mesh, clip=clip, sigma=sigma, global_batch=global_batch, learning_rate=learning_rate,
