@@ -570,12 +570,17 @@ def _check_rule(path, shape, spec, rule, sizes):
     if len(entries) > len(shape):
         raise ValueError(f"sharding rule {rule!r} gives {spec} with {len(entries)} entries for parameter '{path}' "
                          f"of shape {shape}; expected at most {len(shape)}")
+    named = ()
     for d, e in enumerate(entries):
         axes = _axes_of(e)
         for a in axes:
             if a not in sizes:
                 raise ValueError(f"sharding rule {rule!r} names mesh axis {a!r} for parameter '{path}' of shape "
                                  f"{shape}; the mesh has axes {tuple(sizes)}")
+            if a in named or axes.count(a) > 1:
+                raise ValueError(f"sharding rule {rule!r} gives {spec}, which names mesh axis {a!r} twice, for "
+                                 f"parameter '{path}' of shape {shape}; a mesh axis may split at most one dim, once")
+        named += axes
         n = math.prod(sizes[a] for a in axes)
         if shape[d] % n:
             raise ValueError(f"sharding rule {rule!r} splits dim {d} (size {shape[d]}) of parameter '{path}' of shape "
