@@ -2,17 +2,21 @@
 model.safetensors.index.json), dispatching on config.json's `model_type`. Each family file supplies
 config_from_hf / config_to_hf / hf_tensor_map (expanded to the parameter tree by `models.checkpoint`, which LoRA's PEFT
 adapters share); everything else format-related lives here, once."""
+import dataclasses
 import json
 import os
+import re
+import types
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from models import checkpoint, lora, registry
+from models import checkpoint, layers, lora, registry
 from models.quantize import QUANTIZERS, dequantize
 
 _SINGLE = "model.safetensors"
@@ -21,36 +25,148 @@ _INDEX = "model.safetensors.index.json"
 
 def config_from_hf(hf, **options):
     """A transformers config dict -> our config for its family (options: ModelOptions fields such as dtype)."""
+    return _config_from_hf(hf, "config", options)
+
+
+def _config_from_hf(hf, source, options):
+    """config_from_hf with `source` (the config file) named in every error: a missing field, a value of the wrong
+    type, one the family refuses. One line each, raised here rather than deep inside the model."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{source} holds a JSON {type(hf).__name__}; expected an object of config fields")
     model_type = hf.get("model_type")
     if model_type is None:
-        raise ValueError(f"config has no 'model_type' (keys: {sorted(hf)}); expected one of "
+        raise ValueError(f"{source} has no 'model_type' (keys: {sorted(hf)}); expected one of "
                          f"{sorted(registry.FAMILIES)}")
-    fam = registry.family(model_type)
-    return fam.config_from_hf(hf, hf_config=json.dumps(hf, sort_keys=True), **options)
+    layers.ModelOptions(**options)  # the caller's own errors, checked first so that none is blamed on the file
+    try:
+        fam = registry.family(model_type)
+        config = fam.config_from_hf(hf, hf_config=json.dumps(hf, sort_keys=True), **options)
+    except KeyError as e:
+        raise ValueError(f"{source} has no {e.args[0]!r}, which a {model_type} config needs") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{source}: {e}") from None
+    _check_field_types(config, hf, source, options)
+    return config
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _fits(value, kind):
+    if kind is bool or isinstance(value, bool):  # JSON true is no number, 1 no boolean
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _check_field_types(config, hf, source, options):
+    """Every int / float / bool / str field of `config` (or None where the field allows it) holds that type: a JSON
+    "64" where a number belongs would otherwise fail far from the file, inside the model."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        hint, value = hints[field.name], getattr(config, field.name)
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = [t for t in allowed if t in _KINDS]
+        if not kinds or (value is None and type(None) in allowed) or any(_fits(value, t) for t in kinds):
+            continue
+        expected = " or ".join(_KINDS[t] for t in kinds) + (" or null" if type(None) in allowed else "")
+        keys = [k for k, v in hf.items() if v is value]  # the config.json field the value came from
+        if field.name in options:
+            where = f"option {field.name}={value!r}"
+        elif keys:
+            where = f"{source}: {(field.name if field.name in keys else keys[0])!r} is {value!r}"
+        else:
+            where = f"{source}: {type(config).__name__}.{field.name} is {value!r}"
+        raise ValueError(f"{where} ({type(value).__name__}); expected {expected}")
+
+
+class _MissingTensorsError(ValueError, KeyError):
+    """A checkpoint lacks tensors its config needs. A ValueError like every other broken checkpoint, and a KeyError
+    as it was before."""
+    __str__ = ValueError.__str__  # KeyError's would quote the message
+
+
+# Tensors a transformers checkpoint may hold that carry nothing a model lacks: buffers older transformers saved
+# (rotary inv_freq, GPT-J's causal-mask biases) and copies of a tied embedding. Any other tensor the model does not
+# read is refused: it is most often a trained layer the config does not count.
+_REDUNDANT = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.(masked_)?bias|^lm_head\.weight"
+                        r"|^(encoder|decoder)\.embed_tokens\.weight)$")
+
+
+def _read_json(file):
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+
+
+def _tensor_names(file):
+    """The names in a safetensors file's header; ValueError naming the file when it cannot be one."""
+    try:
+        with safe_open(file, "np") as f:
+            return set(f.keys())
+    except SafetensorError as e:
+        size = os.path.getsize(file)
+        raise ValueError(f"{file} is empty (0 bytes); expected a safetensors file" if size == 0 else
+                         f"{file} is not a readable safetensors file ({size} bytes, truncated or corrupt: {e})"
+                         ) from None
+
+
+def _natural(name):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 class _Reader:
-    """Tensors of a checkpoint directory by name, read lazily one at a time (memory-mapped by safetensors)."""
+    """Tensors of a checkpoint directory by name, read lazily one at a time (memory-mapped by safetensors). Every
+    file's header is read first, so a missing, empty, truncated or foreign file is refused before a tensor is read."""
 
     def __init__(self, path):
-        index = os.path.join(path, _INDEX)
+        index, single = os.path.join(path, _INDEX), os.path.join(path, _SINGLE)
         if os.path.exists(index):
-            with open(index) as f:
-                self.where = {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
-        elif os.path.exists(os.path.join(path, _SINGLE)):
-            file = os.path.join(path, _SINGLE)
-            with safe_open(file, "np") as f:
-                self.where = {name: file for name in f.keys()}
+            weight_map = _read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+                raise ValueError(f"{index} has no 'weight_map' object (tensor name -> file name)")
+            self.where = {name: os.path.join(path, file) for name, file in weight_map.items()}
+            for file in sorted(set(self.where.values())):
+                names = [n for n, f in self.where.items() if f == file]
+                if not os.path.isfile(file):
+                    raise ValueError(f"{index} names {os.path.basename(file)} (for {len(names)} tensors, e.g. "
+                                     f"{names[0]!r}), which {path} does not have")
+                absent = sorted(set(names) - _tensor_names(file), key=_natural)
+                if absent:
+                    raise ValueError(f"{index} puts {len(absent)} tensors in {os.path.basename(file)}, which does "
+                                     f"not hold them, e.g. {absent[0]!r}")
+        elif os.path.exists(single):
+            self.where = dict.fromkeys(_tensor_names(single), single)
         else:
             raise FileNotFoundError(f"{path} has neither {_SINGLE} nor {_INDEX}")
-        self.path, self.used = path, set()
+        self.path = path
 
-    def get(self, name, needed_for):
-        if name not in self.where:
-            raise KeyError(f"checkpoint {self.path} has no tensor {name!r} (needed for params{needed_for})")
-        self.used.add(name)
-        with safe_open(self.where[name], "np") as f:
-            return f.get_tensor(name)
+    def check(self, needed):
+        """Refuses, before anything is read, a checkpoint that lacks a tensor of `needed` ({name: the parameter it
+        is for}) or holds one the model would drop."""
+        missing = [name for name in needed if name not in self.where]
+        if missing:
+            raise _MissingTensorsError(
+                f"checkpoint {self.path} lacks {len(missing)} of the {len(needed)} tensors its config.json needs, the "
+                f"first {missing[0]!r} (for params{needed[missing[0]]}); does config.json count more layers than "
+                "the checkpoint holds?")
+        unused = sorted(set(self.where) - set(needed), key=_natural)
+        dropped = [name for name in unused if not _REDUNDANT.search(name)]
+        if dropped:
+            raise ValueError(f"checkpoint {self.path} holds {len(dropped)} tensors that the model its config.json "
+                             f"describes does not use, e.g. {dropped[:3]}; loading would drop them (does config.json "
+                             "count fewer layers than the checkpoint holds?)")
+        if unused:
+            logging.info("load_pretrained(%s): ignored %d redundant tensors: %s", self.path, len(unused), unused[:10])
+
+    def get(self, name):
+        try:
+            with safe_open(self.where[name], "np") as f:
+                return f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{self.where[name]}: tensor {name!r} cannot be read ({e})") from None
 
 
 def load_pretrained(path, *, dtype=jnp.float32, layout=None, **options):
@@ -77,39 +193,42 @@ def load_sequence_classifier(path, *, dtype=jnp.float32, layout=None, **options)
 def load_model(path, *, dtype=jnp.float32, **options):
     """The model a transformers directory holds, from its config.json alone (no weight is read): what
     `load_pretrained` returns beside the parameters."""
-    return _model(_read_config(path), dtype, options)
+    return _model(path, dtype, options)[1]
 
 
-def _read_config(path):
+def _model(path, dtype, options):
+    """(config.json's dict, the model it describes); ValueError naming the file for anything wrong in it."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{path} has no config.json")
-    with open(config_file) as f:
-        return json.load(f)
-
-
-def _model(hf, dtype, options):
+    hf = _read_json(config_file)
     name = jnp.dtype(dtype).name
-    config = config_from_hf(hf, **{"dtype": name, "param_dtype": name, **options})  # checks model_type
-    return registry.family(hf["model_type"]).Model(config)
+    config = _config_from_hf(hf, config_file, {"dtype": name, "param_dtype": name, **options})
+    architectures = hf.get("architectures") or []
+    if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise ValueError(f"{config_file}: 'architectures' is {architectures!r}; expected a list of class names")
+    return hf, registry.family(hf["model_type"]).Model(config)
 
 
 def _load(path, dtype, layout, options, classifier):
-    hf = _read_config(path)
+    hf, model = _model(path, dtype, options)
     is_classifier = any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or ())
     if is_classifier != classifier:
         raise ValueError(f"{path} holds a {(hf.get('architectures') or ['?'])[0]}; expected "
                          + ("a *ForSequenceClassification checkpoint" if classifier else
                             "a language model (a sequence classifier loads with load_sequence_classifier)"))
-    model = _model(hf, dtype, options)
     fam = registry.family(hf["model_type"])
     if classifier and getattr(fam.Model, "is_encoder_decoder", False):
         raise ValueError(f"{path} holds a {hf['model_type']} classifier; expected a decoder-only family")
     config = model.config
+    entries = list(checkpoint.tensor_entries(config, fam.hf_tensor_map(config)))
+    reader, params = _Reader(path), {}
+    reader.check({**{name: checkpoint.path_str(our_path) for our_path, names, _, _ in entries for name in names
+                     if not (classifier and our_path[0] == "lm_head")},  # a classifier's head: zero-filled below
+                  **({"score.weight": "['score']"} if classifier else {})})
     abstract = jax.eval_shape(lambda: registry.init_params(model))
     shardings = None if layout is None else registry.param_shardings(model, abstract, layout)
-    reader, params = _Reader(path), {}
-    for our_path, names, transpose, stacked in checkpoint.tensor_entries(config, fam.hf_tensor_map(config)):
+    for our_path, names, transpose, stacked in entries:
         expected = checkpoint.get_path(abstract, our_path)
         quantized = config.quantize if jnp.issubdtype(expected.dtype, jnp.integer) else None
         if quantized == "nf4":  # stored two codes a byte: the checkpoint's tensor has twice the rows
@@ -122,7 +241,7 @@ def _load(path, dtype, layout, options, classifier):
             want_stored = tuple(reversed(want)) if transpose else tuple(want)
             arrays = []
             for hf_name in names:
-                a = reader.get(hf_name, checkpoint.path_str(our_path))
+                a = reader.get(hf_name)
                 if a.shape != want_stored:
                     raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs "
                                      f"{want_stored} (params{checkpoint.path_str(our_path)})")
@@ -141,15 +260,11 @@ def _load(path, dtype, layout, options, classifier):
         del host, values
     score = None
     if classifier:
-        score = reader.get("score.weight", "['score']").T.astype(jnp.dtype(dtype))
+        score = reader.get("score.weight").T.astype(jnp.dtype(dtype))
         width = abstract["embed"]["embedding"].shape[1]  # the head's input: hidden states (OPT: projected out)
         if score.shape[0] != width:
             raise ValueError(f"tensor 'score.weight' in {path} has shape {score.shape[::-1]}; the config needs "
                              f"(num_labels, {width})")
-    unused = sorted(set(reader.where) - reader.used)
-    if unused:
-        logging.warning("load_pretrained(%s): ignored %d tensors not used by the model: %s", path, len(unused),
-                        unused[:10])
     if config.lora_rank:
         params = lora.add_lora(model, params, layout=layout)
     return model, params, score

@@ -12,7 +12,7 @@ FAMILIES = {"llama": llama, "gptj": gptj, "opt": opt, "t5": t5}
 
 def family(model_type):
     """The family module of a `model_type` ('llama', 'gptj', 'opt', 't5'); ValueError for any other."""
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
     return FAMILIES[model_type]
 
