@@ -698,4 +698,7 @@ def describe_sharding(params, specs, mesh):
 
 
 def log_sharding(params, specs, mesh):
-    logging.info("parameter sharding:\n%s", describe_sharding(params, specs, mesh))
+    """Logs the layout: its one-line total on the console, the per-parameter table in the log file only."""
+    table = describe_sharding(params, specs, mesh)
+    logging.info("parameter sharding:\n%s", table, extra={"console": False})
+    logging.info("parameter sharding: %s", table.splitlines()[-1].removeprefix("total: "))

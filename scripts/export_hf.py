@@ -3,10 +3,10 @@ config.json + safetensors that transformers' `from_pretrained` and every script'
 
 A language model (train_lm.py, train_sft.py, train_dpo.py; a PPO run's policy) becomes a *ForCausalLM, a T5
 (finetune_seq2seq.py) a T5ForConditionalGeneration, a reward model (train_reward.py) a *ForSequenceClassification
-with one label; LoRA adapters are merged into the weights. A Hugging Face tokenizer.json the run used is copied
-beside it. `--adapter_only` writes a LoRA run's adapters alone as a PEFT adapter directory (adapter_config.json,
-adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, out)` reads it onto the base model it was trained
-on).
+with one label; LoRA adapters are merged into the weights. The tokenizer file the run used (tokenizer.json or
+tokenizer.model) is copied beside it. `--adapter_only` writes a LoRA run's adapters alone as a PEFT adapter
+directory (adapter_config.json, adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, out)` reads it onto
+the base model it was trained on).
 
   python scripts/export_hf.py --workdir=workdir --out=hf_model
   python scripts/export_hf.py --workdir=workdir_reward --out=hf_reward_model
@@ -20,7 +20,7 @@ import jax
 from absl import flags
 
 import models
-from engine.tasks import cli
+from engine.tasks import cli, text_data
 
 FLAGS = flags.FLAGS
 cli.define_flags()
@@ -50,15 +50,15 @@ def main(argv):
             models.save_reward_model(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)
         else:
             models.save_pretrained(model, params, FLAGS.out)
-        source = os.path.join(FLAGS.workdir, "tokenizer.json")
-        if os.path.exists(source):
-            shutil.copy(source, os.path.join(FLAGS.out, "tokenizer.json"))
+        copied = [name for name in text_data.TOKENIZER_FILES if os.path.exists(os.path.join(FLAGS.workdir, name))]
+        for name in copied:
+            shutil.copy(os.path.join(FLAGS.workdir, name), os.path.join(FLAGS.out, name))
         kind = {"reward": "sequence classifier", "seq2seq": "encoder-decoder"}.get(task, "causal language model")
         print(f"wrote the {task} run's checkpoint as a Hugging Face {kind} to {FLAGS.out}")
-        if not os.path.exists(source):
-            print("no tokenizer.json: the run's tokens are byte-level (which the scripts assume for such a directory) "
-                  "or the toy word list (not exportable)")
-
+        if not copied:
+            print(f"no tokenizer file: the run's tokens are the {type(tokenizer).__name__}'s; the scripts read this "
+                  "directory with --tokenizer=" + ("byte" if isinstance(tokenizer, text_data.ByteTokenizer)
+                                                   else "word"))
 
 if __name__ == "__main__":
     cli.run(main)

@@ -17,7 +17,7 @@ from absl import flags, logging
 
 import engine
 import models
-from engine.tasks import cli, lm, seq2seq, text_data
+from engine.tasks import cli, lm, seq2seq
 
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir_seq2seq", max_steps=400, learning_rate=3e-3, warmup_steps=30,
@@ -55,8 +55,8 @@ def _build_model(mesh):
 
 
 def fresh_model():
-    """(model, tokenizer) of --model_config / --model_overrides: byte-level tokens with --data, else the toy words."""
-    tokenizer = text_data.ByteTokenizer() if FLAGS.data else text_data.WordTokenizer(text_data.TOY_WORDS)
+    """(model, tokenizer) of --model_config / --model_overrides for `cli.fresh_tokenizer()`."""
+    tokenizer = cli.fresh_tokenizer()
     return cli.fresh_model(tokenizer, {"decoder_start_token_id": tokenizer.bos_id}, family="t5",
                            families=["t5"]), tokenizer
 

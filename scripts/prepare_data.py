@@ -2,7 +2,7 @@
 corpus larger than memory, or to stop re-tokenising it on every run. Documents stream from the files one at a time.
 
   python scripts/prepare_data.py --data='corpus/*.jsonl' --out=tokens                 # byte-level tokens
-  python scripts/prepare_data.py --data='corpus/*.txt' --tokenizer_from=/path/to/hf_llama --out=tokens
+  python scripts/prepare_data.py --data='corpus/*.txt' --tokenizer=/path/to/hf_llama --out=tokens
   python scripts/train_lm.py --data=tokens --init_from=/path/to/hf_llama
 """
 import os
@@ -16,18 +16,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("data", [], ".txt or .jsonl files or globs (as train_lm.py's --data); empty: the embedded "
                   "Python-stdlib corpus.")
 flags.DEFINE_string("out", None, "The directory to write (tokens.bin, meta.json; created).")
-flags.DEFINE_string("tokenizer_from", None, "A Hugging Face model directory whose tokenizer.json (and config.json's "
-                    "special tokens) to use; default: byte-level tokens, as train_lm.py's fresh models.")
-
-
-def tokenizer():
-    if not FLAGS.tokenizer_from:
-        return text_data.ByteTokenizer()
-    found = text_data.HFTokenizer.from_dir(FLAGS.tokenizer_from)
-    if found is None:
-        raise FileNotFoundError(f"--tokenizer_from={FLAGS.tokenizer_from} has no tokenizer.json; expected a Hugging "
-                                "Face model directory")
-    return found
+cli.define_data_flags()
+FLAGS.set_default("tokenizer", "byte")
 
 
 def main(argv):
@@ -36,8 +26,9 @@ def main(argv):
         raise ValueError("--out is empty; expected the directory to write the tokens to")
     if text_data.is_token_dir(FLAGS.out):
         raise ValueError(f"--out={FLAGS.out} already holds tokens ({text_data.TOKENS_META}); expected a new directory")
-    tok = tokenizer()
-    docs = text_data.iter_texts(FLAGS.data) if FLAGS.data else text_data.default_corpus()
+    tok = text_data.load_tokenizer(FLAGS.tokenizer)
+    docs = (text_data.iter_texts(FLAGS.data, decode_errors=FLAGS.decode_errors) if FLAGS.data
+            else text_data.default_corpus())
     meta = text_data.write_tokens(docs, tok, FLAGS.out)
     if meta["num_tokens"] == (meta["num_documents"] if tok.eos_id is not None else 0):  # nothing but EOS tokens
         for name in (text_data.TOKENS_META, text_data.TOKENS_FILE):

@@ -42,8 +42,8 @@ cli.define_auto_mesh_flag()
 
 
 def named_model():
-    """(model, tokenizer) of --model / --model_config (byte-level tokens)."""
-    tokenizer = text_data.ByteTokenizer()
+    """(model, tokenizer) of --model / --model_config for --tokenizer (default: byte-level tokens)."""
+    tokenizer = cli.fresh_tokenizer(default=text_data.ByteTokenizer())
     return cli.fresh_model(tokenizer, {"max_position_embeddings": max(FLAGS.seq_len, 128)}, family=FLAGS.model,
                            families=FAMILIES), tokenizer
 
@@ -73,7 +73,8 @@ def main(argv):
     profile = cli.parse_profile_steps(FLAGS.profile_steps)
     token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text_data.is_token_dir(FLAGS.data[0]) else None
     if token_dir is None:
-        docs = text_data.read_texts(FLAGS.data) if FLAGS.data else text_data.default_corpus()
+        docs = (text_data.read_texts(FLAGS.data, decode_errors=FLAGS.decode_errors) if FLAGS.data
+                else text_data.default_corpus())
         if not any(doc.strip() for doc in docs):
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size

@@ -3,7 +3,10 @@ tokenizer.json) and `load_tokenizer`'s resolution, files that are not UTF-8, JSO
 with nothing to train on, and `pack` on one very long document."""
 import json
 import logging
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -286,3 +289,24 @@ def test_pack_one_4mb_document():
     assert rows[1]["tokens"][0] == ord(doc[125]) and (rows[1]["segment_ids"] == 1).all()
     tail = (len(doc) + 4) % 128
     assert rows[-1]["tokens"][tail - 1] == 258 and rows[-1]["segment_ids"][tail:].tolist() == [0] * (128 - tail)
+
+
+def test_train_lm_takes_a_users_sentencepiece_model_and_generate_reads_the_workdir(sp_model, tmp_path):
+    """A fresh model on --tokenizer=<tokenizer.model>: the vocabulary follows it, run.json and the workdir carry it,
+    and generate.py decodes with it."""
+    from tests.xla_flags import cpu_devices  # noqa: PLC0415
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu")
+    (tmp_path / "a.txt").write_text("\n".join(SENTENCES * 40))
+    work = tmp_path / "work"
+    out = subprocess.run([sys.executable, "scripts/train_lm.py", f"--tokenizer={sp_model}", f"--data={tmp_path}/a.txt",
+                          f"--workdir={work}", "--max_steps=2", "--seq_len=16", "--per_device_batch_size=1",
+                          "--prompts=", '--model_overrides={"hidden_size": 32, "intermediate_size": 64}'],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads((work / "run.json").read_text())
+    assert run["tokenizer"]["kind"] == "tokenizer.model" and run["config"]["vocab_size"] == 64
+    assert (work / "tokenizer.model").read_bytes() == sp_model.read_bytes()
+    gen = subprocess.run([sys.executable, "scripts/generate.py", f"--workdir={work}", "--prompts=the owls",
+                          "--max_new_tokens=3"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0 and "--- 'the owls':" in gen.stdout, gen.stderr[-3000:]

@@ -78,3 +78,22 @@ def test_slurm_environment(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[003-004]")
     monkeypatch.setenv("ENGINE_COORDINATOR_PORT", "5555")
     assert _from_slurm() == ("gpu003:5555", 4, 3)
+
+
+def test_an_unresolvable_coordinator_host_fails_at_once():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"host 'no-such-host\.invalid' does not resolve"):
+        engine.initialize_distributed("no-such-host.invalid:1234", 2, 1, timeout_s=60)
+    assert time.monotonic() - start < 20
+
+
+def test_a_coordinator_whose_peers_never_join_names_it_within_its_timeout(tmp_path):
+    """Process 0 alone of 2: one line naming that not all processes joined, within --coordinator_timeout."""
+    start = time.monotonic()
+    p = _worker(f"localhost:{_free_port()}", 2, 0, tmp_path / "x.npy", 3)
+    log = p.communicate(timeout=90)[0]
+    assert p.returncode != 0
+    assert "process 0 (the coordinator at localhost:" in log and "not all 2 processes joined within 3.0 s" in log, \
+        log[-2000:]
+    assert "Check failure" not in log and "Terminating process" not in log, log[-2000:]
+    assert time.monotonic() - start < 60

@@ -69,7 +69,7 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
     and the Hugging Face directory on other meshes."""
     _tiny_hf("llama", tmp_path / "hf")
     workdir = tmp_path / "work"
-    args = [f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt').parent}/*.txt",
+    args = [f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt').parent}/*.txt",
             f"--workdir={workdir}", "--mesh=-1,1,2", "--learning_rate=1e-2", "--warmup_steps=2", *TINY_LM,
             "--eval_every=3", "--save_best=loss:min"]
     out = _run("train_lm.py", "--max_steps=6", "--profile_steps=2,4", *args)
@@ -94,7 +94,7 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
                "--mesh=2,2,2")
     assert re.findall(r"^--- '(\w+)':$", gen.stdout, re.M) == ["def", "class"]
     assert f"restored step {best_step} of {workdir} (best checkpoint)" in gen.stderr
-    gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--prompts=the", "--max_new_tokens=3",
+    gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", "--prompts=the", "--max_new_tokens=3",
                "--mesh=1,1,-1")
     assert "--- 'the':" in gen.stdout
 
@@ -215,8 +215,8 @@ def test_prepare_data_then_train_lm_reads_the_tokens_through_a_memory_map(tmp_pa
     assert "resumed from" in again.stdout and _steps(tmp_path / "work")[-1] == 9
     for bad, message in [((f"--data={txt}", f"--out={tmp_path / 'tokens'}"), "already holds tokens"),
                          ((f"--data={txt}", "--out="), "--out is empty"),
-                         ((f"--data={txt}", f"--out={tmp_path / 'x'}", f"--tokenizer_from={tmp_path}"),
-                          "has no tokenizer.json")]:
+                         ((f"--data={txt}", f"--out={tmp_path / 'x'}", f"--tokenizer={tmp_path}"),
+                          "has neither tokenizer.json nor tokenizer.model")]:
         failed = _run("prepare_data.py", *bad, ok=False)
         assert failed.returncode == 2 and message in failed.stderr.splitlines()[-1], failed.stderr[-2000:]
 
@@ -395,7 +395,7 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
     the same directory with --init_adapter starts from the trained model: its loss before training is the first
     run's loss after training. That run, without adapters of its own, has none to export."""
     _tiny_hf("llama", tmp_path / "hf")
-    toy = [f"--init_from={tmp_path / 'hf'}", "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1",
+    toy = [f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", "--toy_size=64", "--eval_size=16", "--per_device_batch_size=1",
            "--mesh=-1,1,2", "--seq_len=48", "--eval_answers=0"]
     out = _run("train_sft.py", f"--workdir={tmp_path / 'a'}", "--max_steps=6", "--log_every=3", "--lora_rank=4",
                "--learning_rate=1e-2", *toy)
@@ -407,7 +407,7 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
                f"--init_adapter={tmp_path / 'adapter'}", *toy)
     before = re.search(r"eval response loss before training: ([0-9.]+)", out.stdout)
     assert before and abs(float(before[1]) - float(after[1])) < 1e-3, (before[1], after[1])
-    gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", f"--init_adapter={tmp_path / 'adapter'}",
+    gen = _run("generate.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--init_adapter={tmp_path / 'adapter'}",
                "--quantize=int8", "--kv_cache_dtype=int8", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
     bad = _run("export_hf.py", f"--workdir={tmp_path / 'b'}", f"--out={tmp_path / 'x'}", "--adapter_only", ok=False)
@@ -428,7 +428,7 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
 @pytest.mark.parametrize("family", ["gptj", "opt"])
 def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
     _tiny_hf(family, tmp_path / "hf")
-    out = _run("train_lm.py", f"--init_from={tmp_path / 'hf'}", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}",
+    out = _run("train_lm.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}",
                f"--workdir={tmp_path / 'work'}", "--max_steps=8", "--log_every=4", "--seq_len=16",
                "--per_device_batch_size=1", "--mesh=2,2,2", "--learning_rate=1e-2", "--warmup_steps=2", "--prompts=",
                "--dropout_rate=0.05", "--attention_dropout_rate=0.05")
@@ -475,8 +475,14 @@ def _bad_inputs(tmp_path, slow):
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in (
         ("cat owl", "cat owl"), ("dog", "dog"), ("cat owl", "owl cat"))))
     (tmp_path / "rmrun" / "run.json").write_text('{"task": "reward", "family": "llama", "config": {}}')
+    (tmp_path / "latin1.txt").write_bytes("def café():\n".encode("latin-1"))
+    _tiny_hf("llama", tmp_path / "hf_no_tokenizer")
     if not slow:
         return {
+            ("train_lm.py", f"--data={tmp_path / 'latin1.txt'}"): "latin1.txt: not UTF-8 at byte 7",
+            ("train_lm.py", f"--init_from={tmp_path / 'hf_no_tokenizer'}"): "has neither tokenizer.json nor "
+                                                                              "tokenizer.model; pass --tokenizer=",
+            ("train_lm.py", "--tokenizer=/nonexistent.json"): "--tokenizer=/nonexistent.json: no such file",
             ("train_lm.py", "--model=bert"): "--model=bert: value should be one of",
             ("train_lm.py", "--mesh=3,1,1"): "3 devices, but 8 devices are available",
             ("train_lm.py", "--data=/nonexistent/*.txt"): "matches no file",
@@ -589,7 +595,7 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     pairs = seq2seq.toy_pairs(48, seed=3)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", f"--data={data}", f"--workdir={tmp_path / 'w'}",
+    out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--data={data}", f"--workdir={tmp_path / 'w'}",
                "--eval_size=8", "--max_steps=8", "--log_every=4", "--per_device_batch_size=1", "--mesh=2,2,2",
                "--learning_rate=1e-2", "--warmup_steps=2", "--samples=1", "--pack_pairs", "--max_input_len=64",
                "--max_target_len=64")
@@ -598,7 +604,7 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
     assert after < 0.95 * before
     assert json.loads((tmp_path / "w" / "run.json").read_text())["family"] == "t5"
     # LoRA on the same model: the adapters train, and export as a PEFT seq2seq adapter.
-    out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", f"--data={data}", f"--workdir={tmp_path / 'l'}",
+    out = _run("finetune_seq2seq.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--data={data}", f"--workdir={tmp_path / 'l'}",
                "--eval_size=8", "--max_steps=6", "--log_every=3", "--per_device_batch_size=1", "--mesh=2,2,2",
                "--learning_rate=3e-2", "--warmup_steps=1", "--samples=0", "--lora_rank=4", "--lora_targets=q,v,up")
     before, after = _eval_losses(out.stdout)

@@ -367,7 +367,7 @@ def test_describe_decoder_has_the_model_and_shapes_of_the_real_start(tmp_path, a
     if args[0] == "hf":
         model = models.create_model("llama", "tiny", vocab_size=320)
         models.save_pretrained(model, models.init_params(model), str(tmp_path / "hf"))
-        args = [f"--init_from={tmp_path / 'hf'}", *args[1:]]
+        args = [f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", *args[1:]]
     try:
         FLAGS.unparse_flags()
         FLAGS(["prog", *args])

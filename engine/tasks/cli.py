@@ -21,6 +21,7 @@ import engine
 import kernels
 import models
 from engine import diloco as diloco_lib
+from engine import distributed
 from engine import fit_loop
 from engine.tasks import lm, seq2seq, text_data
 from engine.tasks.rlhf import ppo, preference, reward
@@ -35,10 +36,24 @@ _USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryE
 USAGE_EXIT_CODE = 2
 
 
+def define_data_flags():
+    """--tokenizer and --decode_errors (idempotent)."""
+    if "tokenizer" in FLAGS:
+        return
+    flags.DEFINE_string("tokenizer", None, "The tokenizer: a tokenizer.json or SentencePiece tokenizer.model file, a "
+                        "directory holding one, 'byte' (byte-level ids) or 'word' (the toy task's words). Unset: a "
+                        "Hugging Face --init_from directory's own file (none there is an error, never a silent "
+                        "byte-level fallback); a fresh model's byte-level ids with --data, else the toy words.")
+    flags.DEFINE_enum("decode_errors", "strict", list(text_data.DECODE_ERRORS), "Text and JSONL files must be UTF-8: "
+                      "'strict' stops at the first invalid byte, naming the file and its offset; 'replace' replaces "
+                      "invalid bytes with U+FFFD.")
+
+
 def define_flags():
     """Defines the shared flags once (idempotent, so several modules may ask)."""
     if "mesh" in FLAGS:
         return
+    define_data_flags()
     flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model; one may be -1 (the rest of the "
                         f"devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. {AUTO_MESH_SCRIPTS} "
                         "also take 'auto': every layout compiled ahead of time, the one that fits and sends least "
@@ -62,6 +77,10 @@ def define_flags():
                         "ENGINE_COORDINATOR_ADDRESS or SLURM).")
     flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.")
     flags.DEFINE_integer("process_id", None, "This process's index in a multi-process run.")
+    flags.DEFINE_float("coordinator_timeout", 300, "Seconds a multi-process start waits for the coordinator to "
+                       "answer and for every process to join before it fails, naming which did not.")
+    flags.DEFINE_float("peer_timeout", 100, "Seconds without a heartbeat after which a running multi-process job "
+                       "counts a process as lost (killed, its host gone) and ends every process.")
     flags.DEFINE_integer("seed", 0, "Fixes initialisation, shuffling and dropout.")
 
 
@@ -220,7 +239,8 @@ def start(auto=False):
     for name in ("per_device_batch_size", "accumulate_grad_batches", "pipeline_stages", "context_parallel"):
         if FLAGS[name].value < 1:
             raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
-    engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                                  timeout_s=FLAGS.coordinator_timeout, heartbeat_timeout_s=FLAGS.peer_timeout)
     if FLAGS.pipeline_microbatches < 0:
         raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
     _check_diloco_flags()
@@ -407,13 +427,13 @@ def load_train_eval(read, toy, *, key, what):
     reads files; without --data, `toy(n, seed)` makes the embedded task, and its eval records are fresh ones
     (another seed) whose `key` field no training record has. `what` names the records in errors."""
     if FLAGS.data:
-        train = read(FLAGS.data)
+        train = read(FLAGS.data, decode_errors=FLAGS.decode_errors)
         if not train:
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no {what}")
     else:
         train = toy(FLAGS.toy_size, FLAGS.seed)
     if FLAGS.eval_data:
-        evals = read(FLAGS.eval_data)
+        evals = read(FLAGS.eval_data, decode_errors=FLAGS.decode_errors)
         if not evals:
             raise ValueError(f"--eval_data={','.join(FLAGS.eval_data)} holds no {what}")
     elif FLAGS.data:
@@ -530,6 +550,7 @@ def merge_adapter(model, params, adapter, mesh):
 def _start_decoder(mesh, tasks, seq_len):
     if FLAGS.init_from:
         if os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
+            check_no_tokenizer_flag(FLAGS.init_from)
             return restore_run(FLAGS.init_from, mesh, tasks=tasks)
         return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
     model, tokenizer = _fresh_decoder(seq_len)
@@ -537,8 +558,24 @@ def _start_decoder(mesh, tasks, seq_len):
     return None, model, params, tokenizer
 
 
+def check_no_tokenizer_flag(workdir):
+    if FLAGS.tokenizer is not None:
+        raise ValueError(f"--tokenizer={FLAGS.tokenizer} with the workdir {workdir}: its {RUN_FILE} fixes the "
+                         "tokenizer it was trained with; expected no --tokenizer")
+
+
+def fresh_tokenizer(default=None):
+    """A fresh model's tokenizer: --tokenizer's, else `default`, else byte-level ids with --data and the toy task's
+    words without."""
+    if FLAGS.tokenizer is not None:
+        return text_data.load_tokenizer(FLAGS.tokenizer)
+    if default is not None:
+        return default
+    return text_data.ByteTokenizer() if FLAGS.data else text_data.WordTokenizer(text_data.TOY_WORDS)
+
+
 def _fresh_decoder(seq_len):
-    tokenizer = text_data.ByteTokenizer() if FLAGS.data else text_data.WordTokenizer(text_data.TOY_WORDS)
+    tokenizer = fresh_tokenizer()
     return fresh_model(tokenizer, {"max_position_embeddings": max(seq_len, 128)}, family=FLAGS.model,
                        families=DECODER_FAMILIES), tokenizer
 
@@ -683,25 +720,19 @@ def load_hf_model(path, *, families):
     return model
 
 
-def load_hf(path, *, families, mesh=None, byte_fallback=True):
+def load_hf(path, *, families, mesh=None):
     """(model, params, tokenizer) from a Hugging Face directory; params placed on `mesh`'s auto_shard shardings as
-    they are read. The directory's tokenizer.json is used; without one, byte-level tokens when the vocabulary is
-    large enough (byte_fallback)."""
-    load_hf_model(path, families=families)  # bad input fails before any weight is read
+    they are read; the tokenizer as `hf_tokenizer` finds it."""
+    model = load_hf_model(path, families=families)  # bad input fails before any weight is read
+    tokenizer = hf_tokenizer(path, model)
     model, params = models.load_pretrained(path, layout=_layout(mesh))
-    return model, params, hf_tokenizer(path, model, byte_fallback)
+    return model, params, tokenizer
 
 
-def hf_tokenizer(path, model, byte_fallback=True):
-    """A Hugging Face directory's tokenizer.json for `model`'s vocabulary or, without one, byte-level tokens when
-    the vocabulary holds them (byte_fallback); ValueError naming --init_from otherwise."""
-    tokenizer = text_data.HFTokenizer.from_dir(path, model.config.vocab_size)
-    if tokenizer is None:
-        tokenizer = text_data.ByteTokenizer()
-        if not byte_fallback or model.config.vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"--init_from={path} has no tokenizer.json and a vocabulary of {model.config.vocab_size} "
-                             f"< {tokenizer.vocab_size} needed for byte-level tokens")
-    return tokenizer
+def hf_tokenizer(path, model):
+    """The tokenizer --tokenizer names or, unset, the Hugging Face directory's own tokenizer.json / tokenizer.model
+    (`text_data.load_tokenizer`), for `model`'s vocabulary."""
+    return text_data.load_tokenizer(FLAGS.tokenizer, model_dir=path, vocab_size=model.config.vocab_size)
 
 
 def _model_fields(model):
@@ -865,9 +896,10 @@ def _help(argv):
 def run(main):
     """`absl.app.run(main)` for scripts: a bad flag value, a missing or malformed file or any other bad input
     (ValueError, FileNotFoundError, app.UsageError, flags.Error) ends with one line `error: <message>` on stderr
-    and exit code 2, never a traceback; a diverged run (FloatingPointError) or a full disk with one line and exit
-    code 1; a second signal with one line and 128 + its number. `--help` lists the script's flags (exit 0). The
-    console shows the project's own lines; everything is in the workdir's log file."""
+    and exit code 2, never a traceback; a diverged run (FloatingPointError), a multi-process start that failed
+    (DistributedError) or a full disk with one line and exit code 1; a second signal with one line and 128 + its
+    number. `--help` lists the script's flags (exit 0). The console shows the project's own lines; everything is in
+    the workdir's log file."""
     def parse(argv):
         if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
             _help(argv)
@@ -884,7 +916,7 @@ def run(main):
             return main(argv)
         except _USER_ERRORS as e:
             _fail(e)
-        except FloatingPointError as e:
+        except (FloatingPointError, distributed.DistributedError) as e:
             _fail(e, RUNTIME_EXIT_CODE)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):

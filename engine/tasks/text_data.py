@@ -428,7 +428,7 @@ def check_token_dir(directory, tokenizer, vocab_size):
     if not same:
         raise ValueError(f"data: {directory} was tokenised with a {spec.get('kind')} tokenizer that is not this "
                          f"model's ({type(tokenizer).__name__}); expected scripts/prepare_data.py run with the "
-                         "model's tokenizer (--tokenizer_from=<its Hugging Face directory>)")
+                         "model's tokenizer (--tokenizer=<its Hugging Face directory>)")
     if meta["max_id"] >= vocab_size:
         raise ValueError(f"data: {directory} holds token id {meta['max_id']}; expected ids below the model's "
                          f"vocab_size={vocab_size}")
