@@ -10,7 +10,7 @@ TB_STAMP := $(VENV)/.installed-tensorboard-$(HASH)
 ARGS ?=
 LOGDIR ?= workdir/tensorboard
 
-.PHONY: train test test-slow test-jax-gpu-version tensorboard venv
+.PHONY: train test test-slow test-jax-gpu-version test-tpu test-gpu-compile tensorboard venv
 venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -50,3 +50,28 @@ $(VENV312)/.installed: pyproject.toml
 
 test-jax-gpu-version: $(VENV312)/.installed
 	$(VENV312)/bin/python -m pytest -q -n 2 $(ARGS)
+
+# The TPU compile tier: the real Mosaic and XLA:TPU compilers on compile-only TPU devices (no TPU needed), through
+# jax[tpu] (libtpu) at the JAX version the project pins; runs the tests marked `tpu`. Not part of CI (minutes).
+JAX_VERSION ?= 0.10.2
+VENV_TPU := .venv-tpu
+TPU_ENV := TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=v5p-8 TPU_WORKER_HOSTNAMES=localhost ALLOW_MULTIPLE_LIBTPU_LOAD=1
+$(VENV_TPU)/.installed-$(HASH): pyproject.toml
+	test -x $(VENV_TPU)/bin/python || $(PY) -m venv $(VENV_TPU)
+	$(VENV_TPU)/bin/python -m pip install -q "jax[tpu]==$(JAX_VERSION)" -e . pytest pytest-xdist
+	rm -f $(VENV_TPU)/.installed-* && touch $@
+
+test-tpu: $(VENV_TPU)/.installed-$(HASH)
+	$(TPU_ENV) $(VENV_TPU)/bin/python -m pytest -q -m tpu $(ARGS)
+
+# The Hopper compile tier: Pallas's Triton kernels lowered by JAX 0.11.2 for an abstract H100 and compiled by the
+# triton package's NVIDIA backend to sm_90a cubins (ptxas reports registers and spills); no GPU needed. Runs the
+# tests marked `gpu_compile` under Python 3.12. Not part of CI.
+VENV_GPU := .venv-gpu-compile
+$(VENV_GPU)/.installed-$(HASH): pyproject.toml
+	test -x $(VENV_GPU)/bin/python || $(PY312) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install -q "jax==0.11.2" "triton==3.9.0" -e . pytest
+	rm -f $(VENV_GPU)/.installed-* && touch $@
+
+test-gpu-compile: $(VENV_GPU)/.installed-$(HASH)
+	$(VENV_GPU)/bin/python -m pytest -q -m gpu_compile $(ARGS)
