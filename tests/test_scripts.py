@@ -729,3 +729,12 @@ def test_a_run_stopped_by_a_signal_exits_128_plus_it_with_its_checkpoint(tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM, stdout
     step = int(re.search(r"stopped by a signal at step (\d+)", stdout).group(1))
     assert _steps(tmp_path) == [step]
+
+
+def test_a_diverged_run_ends_with_one_line_and_status_1_before_any_poisoned_checkpoint(tmp_path):
+    out = _run("train_lm.py", "--learning_rate=1e9", "--max_steps=20", "--log_every=2", "--save_every=4",
+               f"--workdir={tmp_path}", *TINY_LM[:3], TINY_LM[-1], "--prompts=", ok=False)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "non-finite loss or gradient at step" in errors[0]
+    assert not (tmp_path / "checkpoints").exists() or _steps(tmp_path) == []
