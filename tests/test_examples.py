@@ -59,14 +59,17 @@ def test_fedavg_improves_the_global_model_with_one_compiled_step():
 
 
 # ------------------------------------------------------------------------------------------ MAML
-def test_maml_learns_an_initialisation_that_adapts():
-    result = _example("maml").run(n_epochs=8, tasks_per_epoch=1024)
-    before, first, last = result["before"], result["epochs"][0], result["epochs"][-1]
-    # Held-out tasks: after meta-training one inner step on 10 points leaves a clearly smaller error than before
-    # meta-training, than after its first epoch, and than the same initialisation without the step.
-    assert last["adapted"] < 0.25 * before["adapted"] and last["adapted"] < 0.8 * first["adapted"], result
-    assert last["adapted"] < 0.75 * last["unadapted"], result
-    assert result["trainer"].step == 8 * 1024 // 16 and result["trainer"].compile_count == 1
+def test_maml_adapts_to_held_out_classes_well_above_chance():
+    maml = _example("maml")
+    result = maml.run(n_epochs=6, tasks_per_epoch=1024)
+    before, last, chance = result["before"], result["epochs"][-1], 1 / maml.WAYS
+    # Labels are permuted per task, so without adapting even the meta-trained model is at chance; from a random
+    # initialisation the inner steps barely help (the classes hide among larger nuisance dimensions).
+    assert abs(last["unadapted"] - chance) < 0.05 and before["adapted"] < 0.4, result
+    # Meta-trained, the same inner steps on 5 shots classify held-out classes well above chance.
+    assert last["adapted"] >= max(0.6, 2.5 * chance), result
+    assert last["adapted"] > before["adapted"] + 0.3 and last["adapted"] > last["unadapted"] + 0.3, result
+    assert result["trainer"].step == 6 * 1024 // 32 and result["trainer"].compile_count == 1
 
 
 # ------------------------------------------------------------------------------------------ PPO
