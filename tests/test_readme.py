@@ -82,3 +82,4 @@ def test_two_process_cpu_example_runs(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert "eval loss after training" in outs[0][0] and "at step 4" in outs[0][0]
+    assert not any("[Gloo]" in out for out, _ in outs)  # Gloo's per-communicator lines go to the log file

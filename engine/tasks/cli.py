@@ -1,6 +1,7 @@
 """absl flags shared by every script (mesh, scale, precision, multi-host, training loop), what they build, and
 `run(main)`: the scripts' entry point, which turns a bad flag or bad input into a one-line `error:` and exit code 2
 instead of a traceback. Scripts import this module; tests can too."""
+import atexit
 import dataclasses
 import errno
 import json
@@ -8,6 +9,7 @@ import logging as std_logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -241,6 +243,8 @@ def start(auto=False):
             raise ValueError(f"--{name}={FLAGS[name].value}; expected an integer >= 1")
     engine.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                   timeout_s=FLAGS.coordinator_timeout, heartbeat_timeout_s=FLAGS.peer_timeout)
+    if jax.process_count() > 1 and FLAGS.verbosity < 1:
+        _StdoutFilter.install()
     if FLAGS.pipeline_microbatches < 0:
         raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
     _check_diloco_flags()
@@ -847,7 +851,48 @@ def _exit(code):
     # stopped run alive or print at shutdown.
     sys.stdout.flush()
     sys.stderr.flush()
+    _StdoutFilter.close()
     os._exit(code)
+
+
+class _StdoutFilter:
+    """Gloo (XLA's CPU collectives) prints a `[Gloo] Rank ... is connected to ...` line on the C++ stdout for every
+    communicator it opens, a dozen per process; no setting turns them off. In a multi-process run the process's
+    stdout goes through a pipe whose reader drops those lines into the log file and passes every other byte on.
+    `close` (at exit) drains the pipe before the process ends, so no output is lost."""
+    _original, _thread = None, None
+
+    @classmethod
+    def install(cls):
+        if cls._thread is not None:
+            return
+        sys.stdout.flush()
+        cls._original = os.dup(1)
+        read, write = os.pipe()
+        os.dup2(write, 1)
+        os.close(write)
+        cls._thread = threading.Thread(target=cls._pump, args=(read, cls._original), daemon=True,
+                                       name="stdout-filter")
+        cls._thread.start()
+        atexit.register(cls.close)
+
+    @staticmethod
+    def _pump(read, original):
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                if line.startswith(b"[Gloo] "):
+                    logging.info("%s", line.decode(errors="replace").rstrip(), extra={"console": False})
+                else:
+                    os.write(original, line)
+
+    @classmethod
+    def close(cls):
+        if cls._thread is None:
+            return
+        sys.stdout.flush()
+        os.dup2(cls._original, 1)  # the pipe's last writer goes: its reader sees the end once drained
+        cls._thread.join(timeout=10)
+        cls._thread = None
 
 
 def _fail(error, code=USAGE_EXIT_CODE):
