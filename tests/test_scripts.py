@@ -81,8 +81,10 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
     run = json.loads((workdir / "run.json").read_text())
     assert run["task"] == "lm" and run["family"] == "llama" and run["tokenizer"] == {"kind": "byte"}
 
-    again = _run("train_lm.py", "--max_steps=9", "--prompts=", "--loss_implementation=xla", *args)
+    again = _run("train_lm.py", "--max_steps=9", "--prompts=", "--loss_implementation=xla", *args,
+                 "--learning_rate=5e-3")
     assert "resumed from" in again.stdout and "at step 9" in again.stdout and _steps(workdir)[-1] == 9
+    assert f"--learning_rate=0.005 where the run in {workdir} had 0.01" in again.stderr, again.stderr
     assert _eval_losses(again.stdout)[1] < after
     evals = re.findall(r"^eval at step (\d+): loss ([0-9.]+)$", out.stdout + again.stdout, re.M)
     assert [int(s) for s, _ in evals] == [3, 6, 9], out.stdout + again.stdout

@@ -773,6 +773,8 @@ def save_run(workdir, task, model, tokenizer, critic=None):
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              f"flags of that run{hint}")
+        _note_changed_training_flags(workdir, old.get("training", {}))
+    run["training"] = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
@@ -780,6 +782,17 @@ def save_run(workdir, task, model, tokenizer, critic=None):
     with open(path + ".tmp", "w") as f:
         json.dump(run, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
+
+
+# The optimisation flags a resumed run may change (it continues, under the new values) but should say it did.
+_NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm", "seed")
+
+
+def _note_changed_training_flags(workdir, before):
+    for name in _NOTED_FLAGS:
+        if name in FLAGS and name in before and before[name] != FLAGS[name].value:
+            logging.warning("--%s=%s where the run in %s had %s: the resumed run continues under the new value",
+                            name, FLAGS[name].value, workdir, before[name])
 
 
 def load_run(workdir, tasks=None, **options):
