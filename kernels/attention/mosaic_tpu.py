@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.attention import _cost
 from kernels.attention.reference import NEG_INF, attention_mask, dropout_multiplier
 
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
@@ -199,7 +200,7 @@ def _dkv_kernel(*refs, plan, has_ids, has_keys):
 
 
 def _call(kernel, plan, has_ids, has_keys, *, grid, num_prefetch_args, in_specs, out_specs, out_shape, scratch,
-          semantics, name):
+          semantics, name, cost):
     return pl.pallas_call(
         lambda *refs: kernel(*refs, plan=plan, has_ids=has_ids, has_keys=has_keys),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -213,6 +214,7 @@ def _call(kernel, plan, has_ids, has_keys, *, grid, num_prefetch_args, in_specs,
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=pltpu.InterpretParams() if plan.interpret else False,
         name=name,
+        cost_estimate=cost,
     )
 
 
@@ -269,6 +271,8 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         scratch=[(bq, 1), (bq, 1), (bq, D)],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_attention_fwd",
+        cost=_cost.forward(q.shape, k.shape, q.dtype.itemsize, k.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
+                           [*prefetch, *ids, *scales]),
     )(*prefetch, _heads_major(q), _heads_major(k), _heads_major(v), *ids, *scales)
     return _heads_major(out), lse
 
@@ -311,6 +315,8 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         scratch=[(bq, D)],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         name="flash_attention_dq",
+        cost=_cost.backward_dq(q.shape, k.shape, q.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
+                               [*prefetch, *ids]),
     )(*prefetch, qt, kt, vt, dot_, lse, delta, *ids)
 
     # Grid (batch, kv head, kv block, q head in group, q block): the last two axes reduce into dk/dv scratch.
@@ -343,5 +349,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         scratch=[(bk, D), (bk, D)],
         semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         name="flash_attention_dkv",
+        cost=_cost.backward_dkv(q.shape, k.shape, q.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
+                                [*prefetch, *ids]),
     )(*prefetch, qt, kt, vt, dot_, as_rows(lse), as_rows(delta), *ids)
     return _heads_major(dq), _heads_major(dk), _heads_major(dv)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels.attention import _cost
 from kernels.attention.reference import NEG_INF, attention_mask, dropout_multiplier
 
 try:
@@ -250,6 +251,8 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         compiler_params=_compiler_params(plan),
         interpret=plan.interpret,
         name="flash_attention_fwd",
+        cost_estimate=_cost.forward(q.shape, k.shape, q.dtype.itemsize, k.dtype.itemsize, (bq, bk), plan.causal,
+                                    plan.kv_len, [*ids, *key_ops, *scales]),
     )(q, k, v, *ids, *key_ops, *scales)
 
 
@@ -289,6 +292,8 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="flash_attention_dq",
+        cost_estimate=_cost.backward_dq(q.shape, k.shape, q.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
+                                        [*ids, *key_ops]),
         **common,
     )(q, k, v, do, lse, delta, *ids, *key_ops)
 
@@ -309,6 +314,8 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="flash_attention_dkv",
+        cost_estimate=_cost.backward_dkv(q.shape, k.shape, q.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
+                                         [*ids, *key_ops]),
         **common,
     )(q, k, v, do, lse, delta, *ids, *key_ops)
     return dq, dk, dv

@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.matmul import _blocks, reference
+from kernels.matmul import _blocks, _cost, reference
 
 
 def _interpret(interpret):
@@ -72,6 +72,8 @@ def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, 
             dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)),
         interpret=_interpret(interpret),
         name="fused_matmul",
+        cost_estimate=_cost.matmul(lhs, rhs, extras, extra_kinds, out_dtypes, terms=terms, epilogue=epilogue,
+                                   tiles=(bm, bn, bk), padded=(mp, np_, kp)),
     )(*lhs, *rhs, *extras)
     return tuple(o[:m, :n] for o in outs)
 
@@ -122,5 +124,6 @@ def lce_forward(x, w, labels, *, blocks, interpret=False):
             dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY)),
         interpret=_interpret(interpret),
         name="linear_cross_entropy_fwd",
+        cost_estimate=_cost.lce_forward(x, w, vocab=vocab, tiles=(bm, bv, bd)),
     )(x, w, labels)
     return lse[:n, 0], label_logit[:n, 0]

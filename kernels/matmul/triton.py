@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu  # CompilerParams(num_warps, num_stages): jax 0.10.2 and 0.11.
 
-from kernels.matmul import _blocks, reference
+from kernels.matmul import _blocks, _cost, reference
 
 
 def _params(blocks):
@@ -82,6 +82,8 @@ def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, 
         compiler_params=_params(blocks),
         interpret=interpret,
         name="fused_matmul",
+        cost_estimate=_cost.matmul(lhs, rhs, extras, extra_kinds, out_dtypes, terms=terms, epilogue=epilogue,
+                                   tiles=(bm, bn, bk), padded=(mp, np_, kp)),
     )(*lhs, *rhs, *extras)
     return tuple(o[:m, :n] for o in outs)
 
@@ -125,5 +127,6 @@ def lce_forward(x, w, labels, *, blocks, interpret=False):
         compiler_params=_params(blocks),
         interpret=interpret,
         name="linear_cross_entropy_fwd",
+        cost_estimate=_cost.lce_forward(x, w, vocab=vocab, tiles=(bm, bv, bd)),
     )(x, w, labels)
     return lse[:n, 0], label_logit[:n, 0]
