@@ -740,3 +740,21 @@ def test_a_diverged_run_ends_with_one_line_and_status_1_before_any_poisoned_chec
     assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "non-finite loss or gradient at step" in errors[0]
     assert not (tmp_path / "checkpoints").exists() or _steps(tmp_path) == []
+
+
+def test_a_full_disk_ends_with_one_line_and_status_1(tmp_path):
+    """A 3 MB file system fills at the first checkpoint: Orbax's writer threads' errors are one line each on the
+    console (their tracebacks in the log file only) and the run ends with one `error: disk full` line."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        out = _run("train_lm.py", "--max_steps=40", "--log_every=5", "--save_every=5", f"--workdir={small / 'w'}",
+                   *TINY_LM[:2], "--prompts=", '--model_overrides={"hidden_size": 128, "intermediate_size": 256}',
+                   ok=False)
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) < 30, out.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: disk full: writing "), errors

@@ -7,6 +7,7 @@ import errno
 import json
 import logging as std_logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from jax.experimental import multihost_utils
 import engine
 import kernels
 import models
+from engine import compiler
 from engine import diloco as diloco_lib
 from engine import distributed
 from engine import fit_loop
@@ -915,6 +917,27 @@ def _fail(error, code=USAGE_EXIT_CODE):
     _exit(code)
 
 
+def _disk_full(error):
+    """A full disk, as Python (ENOSPC, EDQUOT) or Orbax's writers (a ValueError quoting the OS error) report it."""
+    return ((isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT))
+            or "No space left on device" in str(error))
+
+
+class _ConsoleFormatter(logging.PythonFormatter):
+    """absl's format, without the tracebacks that libraries (Orbax's writer threads) attach to their error records:
+    on the console those are one line each; the log file keeps the traceback."""
+
+    def format(self, record):
+        if record.exc_info is None or record.pathname.startswith(_PROJECT_DIRS) or FLAGS.verbosity >= 1:
+            return super().format(record)
+        exc_info, exc_text = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text = exc_info, exc_text
+
+
 class _ConsoleFilter:
     """What reaches the console at the default verbosity: every warning and error, and the INFO lines of the
     project's own code (progress, evals, compile summary, where things were written) except those logged with
@@ -932,14 +955,31 @@ def _console_logging():
     """The console filter above and, for a training script, the whole log (every library, INFO and up) in
     `--workdir`'s `log.txt` (`log.process<i>.txt` for the further processes of a multi-process run)."""
     logging.get_absl_handler().addFilter(_ConsoleFilter)
+    logging.get_absl_handler().setFormatter(_ConsoleFormatter())
     if "save_every" not in FLAGS or not FLAGS.workdir:
         return
     process = FLAGS.process_id or int(os.environ.get("ENGINE_PROCESS_ID", os.environ.get("SLURM_PROCID", "0")))
     os.makedirs(FLAGS.workdir, exist_ok=True)
     name = "log.txt" if process == 0 else f"log.process{process}.txt"
-    file_handler = std_logging.FileHandler(os.path.join(FLAGS.workdir, name))
+    file_handler = _LogFile(os.path.join(FLAGS.workdir, name))
     file_handler.setFormatter(logging.PythonFormatter())
     std_logging.getLogger().addHandler(file_handler)
+
+
+class _LogFile(std_logging.FileHandler):
+    """The workdir's log file. A write that fails (a full disk) stops it with one note on the console instead of
+    logging's traceback for every later line."""
+    failed = False
+
+    def emit(self, record):
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record):
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            print(f"warning: stopped writing the log file {self.baseFilename}: {error}", file=sys.stderr, flush=True)
 
 
 def _help(argv):
@@ -970,16 +1010,19 @@ def run(main):
         if len(argv) > 1:
             _fail(app.UsageError(f"unexpected arguments {argv[1:]}; every option is a --flag (see --help)"))
         _console_logging()
+        compiler.configure()  # the overlap flags, before anything in `main` starts JAX's backend
         try:
             return main(argv)
-        except _USER_ERRORS as e:
-            _fail(e)
-        except (FloatingPointError, distributed.DistributedError) as e:
-            _fail(e, RUNTIME_EXIT_CODE)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            _fail(f"disk full: {e}", RUNTIME_EXIT_CODE)
+        except Exception as e:  # noqa: BLE001 - sorted below; anything else re-raised with its traceback
+            if _disk_full(e):
+                where = re.search(r'"(/[^"]+)"', str(e))
+                _fail(f"disk full: {'writing ' + where.group(1) + ': ' if where else ''}no space left on the device; "
+                      "the checkpoints finished earlier are kept", RUNTIME_EXIT_CODE)
+            if isinstance(e, _USER_ERRORS):
+                _fail(e)
+            if isinstance(e, (FloatingPointError, distributed.DistributedError)):
+                _fail(e, RUNTIME_EXIT_CODE)
+            raise
         except fit_loop.SecondSignal as e:
             print(f"stopped: {e}; the last finished checkpoint stays", file=sys.stderr, flush=True)
             _exit(128 + e.signum)
