@@ -5,8 +5,15 @@ Forward: one program per (q block, batch, head) loops over kv blocks with an onl
 base-2 log-sum-exp. Backward: a dq pass (one program per q block, looping over kv blocks) and a dk/dv pass (one
 program per kv block and kv head, looping over the q heads of its group and over q blocks), so neither needs atomics
 and k/v are never repeated for grouped-query attention. Under causal masking the loops start/stop at the diagonal;
-under segment ids a kv block whose id range cannot meet the q block's is skipped. Dropout regenerates its mask in
-every kernel from the (batch row, head) key and the tile's positions (`reference.dropout_multiplier`).
+under segment ids they start and stop at the first and last block whose id range meets the fixed block's
+(`_block_bounds`, computed outside the kernel). Dropout regenerates its mask in every kernel from the (batch row,
+head) key and the tile's positions (`reference.dropout_multiplier`).
+
+Each kernel runs one loop over its blocks, with the causal mask under a uniform branch on the blocks that straddle
+the diagonal, behind a guard that skips an empty loop. One loop per region (or a zero-trip path to the loop's exit)
+joins the in-flight wgmma accumulator with registers that other instructions defined, and ptxas then serializes
+every wgmma of the kernel (C7515 on sm_90a); skipping a block under `lax.cond` kept Triton from pipelining the loop
+at all. The registers and shared memory before and after: kernels/README.md (Hopper compile tier).
 """
 import math
 
@@ -38,61 +45,87 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _masked_logits(a, b, scale, q_pos, k_pos, q_ids, kv_ids, plan, causal):
+def _masked_logits(a, b, scale, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal):
     """Scaled logits a @ b^T with masked entries set to NEG_INF. Positions and ids are shaped to broadcast in the
-    result's orientation ([q, k] or [k, q]); `causal` is False for blocks known to lie below the diagonal."""
+    result's orientation ([q, k] or [k, q]). `on_diagonal` (False, or a traced bool) says the block straddles the
+    causal diagonal: only then is the causal mask applied, under a branch, so blocks below it skip its arithmetic."""
     s = _dot_nt(a, b) * scale
-    mask = attention_mask(q_pos, k_pos, q_ids, kv_ids, causal=causal, kv_len=plan.kv_len)
-    return s if mask is None else jnp.where(mask, s, NEG_INF)
+    mask = attention_mask(q_pos, k_pos, q_ids, kv_ids, causal=False, kv_len=plan.kv_len)
+    if mask is not None:
+        s = jnp.where(mask, s, NEG_INF)
+    if on_diagonal is False:
+        return s
+    visible = attention_mask(q_pos, k_pos, None, None, causal=True, kv_len=None)
+    return lax.cond(on_diagonal, lambda s: jnp.where(visible, s, NEG_INF), lambda s: s, s)
 
 
-def _loop_split_at_diagonal(lo, hi, first_masked, last_masked, body, carry):
-    """Runs body(idx, carry, causal) over [lo, hi): blocks in [first_masked, last_masked) straddle the diagonal and
-    need the causal mask; the others lie wholly on the visible side and skip the mask arithmetic."""
-    carry = lax.fori_loop(lo, first_masked, lambda idx, c: body(idx, c, False), carry)
-    carry = lax.fori_loop(first_masked, last_masked, lambda idx, c: body(idx, c, True), carry)
-    return lax.fori_loop(last_masked, hi, lambda idx, c: body(idx, c, False), carry)
+def _loop(lo, hi, diagonal, body, carry):
+    """body(idx, carry, on_diagonal) over the blocks [lo, hi), on_diagonal true for those in `diagonal` = (first,
+    stop) (None: no causal mask). One loop, entered only when non-empty (see the module's docstring: C7515)."""
+    on_diagonal = (lambda idx: False) if diagonal is None else (
+        lambda idx: jnp.logical_and(idx >= diagonal[0], idx < diagonal[1]))
+    run = lambda c: lax.fori_loop(lo, hi, lambda idx, c: body(idx, c, on_diagonal(idx)), c)  # noqa: E731
+    if isinstance(lo, int) and isinstance(hi, int):
+        return run(carry) if lo < hi else carry
+    return lax.cond(lo < hi, run, lambda c: c, carry)
 
 
-def _skip_disjoint(body, fixed_ids, loop_ids_ref, block):
-    """Wraps a fori_loop body over blocks of `loop_ids_ref` so blocks whose segment-id range cannot meet the fixed
-    block's range are skipped (a cheap, conservative test that is exact for packed, sorted ids)."""
-    if fixed_ids is None:
-        return body
-    lo, hi = jnp.min(fixed_ids), jnp.max(fixed_ids)
-
-    def maybe_body(idx, carry, causal):
-        ids = loop_ids_ref[pl.ds(idx * block, block)]
-        overlap = jnp.logical_and(jnp.min(ids) <= hi, jnp.max(ids) >= lo)
-        return lax.cond(overlap, lambda c: body(idx, c, causal), lambda c: c, carry)
-
-    return maybe_body
+def _bounded(lo, hi, bounds_refs):
+    """[lo, hi) narrowed to the blocks `_block_bounds` found (bounds_refs: their first / stop refs, or None)."""
+    if bounds_refs is None:
+        return lo, hi
+    first_ref, stop_ref = bounds_refs
+    return jnp.maximum(lo, first_ref[...]), jnp.minimum(hi, stop_ref[...])
 
 
-def _loop_over_kv_blocks(i, block_q, block_k, num_kv_blocks, causal, body, carry):
-    """body(j, carry, causal) over the kv blocks q block i can see: all, or up to the diagonal under causal."""
+def _loop_over_kv_blocks(i, block_q, block_k, num_kv_blocks, causal, bounds_refs, body, carry):
+    """body(j, carry, on_diagonal) over the kv blocks q block i can see: all, or up to the diagonal under causal,
+    within the segment-id bounds."""
     if not causal:
-        return lax.fori_loop(0, num_kv_blocks, lambda j, c: body(j, c, False), carry)
+        return _loop(*_bounded(0, num_kv_blocks, bounds_refs), None, body, carry)
     end = jnp.minimum(num_kv_blocks, lax.div((i + 1) * block_q + block_k - 1, block_k))
     unmasked_end = jnp.minimum(end, lax.div(i * block_q + 1, block_k))  # blocks whose last key <= first query
-    return _loop_split_at_diagonal(0, end, unmasked_end, end, body, carry)
+    return _loop(*_bounded(0, end, bounds_refs), (unmasked_end, end), body, carry)
 
 
 def _split_refs(refs, has_ids, has_keys, num_inputs):
-    """(inputs, (q_ids_ref, kv_ids_ref), keys_ref, outputs), with the id refs None when there are no segment ids and
-    keys_ref None without dropout."""
+    """(inputs, (q_ids_ref, kv_ids_ref), bounds_refs, keys_ref, outputs): the id refs None and bounds_refs (the
+    loop's `_block_bounds`, first and stop) None when there are no segment ids; keys_ref None without dropout."""
     refs = list(refs)
     inputs, refs = refs[:num_inputs], refs[num_inputs:]
     ids = (refs.pop(0), refs.pop(0)) if has_ids else (None, None)
+    bounds = (refs.pop(0), refs.pop(0)) if has_ids else None
     keys_ref = refs.pop(0) if has_keys else None
-    return inputs, ids, keys_ref, refs
+    return inputs, ids, bounds, keys_ref, refs
+
+
+def _block_ranges(ids, block):
+    """(min, max) of each block of `block` ids: [B, n * block] -> two [B, n]."""
+    blocks = ids.reshape(ids.shape[0], -1, block)
+    return jnp.min(blocks, axis=-1), jnp.max(blocks, axis=-1)
+
+
+def _block_bounds(ids, block, other_ids, other_block):
+    """For each block of `ids` [B, n * block]: the first block of `other_ids` [B, m * other_block] whose id range
+    meets its own, and one past the last (int32 [B, n] each; first >= stop when none does). A kernel's loop over
+    the other blocks runs between them: for sorted (packed) ids exactly the blocks that share an id, for any ids a
+    superset of them (the mask does the rest). One small XLA computation, so the kernel's loop has no
+    data-dependent skip (which Triton cannot pipeline)."""
+    lo, hi = _block_ranges(ids, block)
+    other_lo, other_hi = _block_ranges(other_ids, other_block)
+    meets = (other_lo[:, None, :] <= hi[:, :, None]) & (other_hi[:, None, :] >= lo[:, :, None])
+    m = meets.shape[-1]
+    index = jnp.arange(m, dtype=jnp.int32)
+    return (jnp.min(jnp.where(meets, index, m), axis=-1).astype(jnp.int32),
+            jnp.max(jnp.where(meets, index + 1, 0), axis=-1).astype(jnp.int32))
 
 
 def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False):
     if has_scales:  # int8 k and v with their per-row scales, after the other inputs
         refs = list(refs)
-        ks_ref, vs_ref = refs.pop(3 + 2 * has_ids + has_keys), refs.pop(3 + 2 * has_ids + has_keys)
-    (q_ref, k_ref, v_ref), (qid_ref, kid_ref), keys_ref, (o_ref, lse_ref) = _split_refs(refs, has_ids, has_keys, 3)
+        ks_ref, vs_ref = refs.pop(3 + 4 * has_ids + has_keys), refs.pop(3 + 4 * has_ids + has_keys)
+    (q_ref, k_ref, v_ref), (qid_ref, kid_ref), bounds, keys_ref, (o_ref, lse_ref) = _split_refs(
+        refs, has_ids, has_keys, 3)
     bq, bk = plan.blocks.block_q, plan.blocks.block_k
     i = pl.program_id(0)
     q = q_ref[...]
@@ -101,7 +134,7 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False)
     key = None if keys_ref is None else keys_ref[...]
     qk_scale = plan.sm_scale * _LOG2E
 
-    def visit(j, carry, causal):
+    def visit(j, carry, on_diagonal):
         acc, m, l = carry
         kv_slice = pl.ds(j * bk, bk)
         v, k = v_ref[kv_slice, :], k_ref[kv_slice, :]
@@ -112,7 +145,7 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False)
             qk = qk_scale
         kv_ids = None if kid_ref is None else kid_ref[kv_slice][None, :]
         k_pos = (j * bk + jnp.arange(bk))[None, :]
-        s = _masked_logits(q, k, qk, q_pos, k_pos, q_ids, kv_ids, plan, causal)
+        s = _masked_logits(q, k, qk, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
         p = jnp.exp2(s - m_new[:, None])
@@ -129,8 +162,7 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False)
         jnp.full((bq,), NEG_INF, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    body = _skip_disjoint(visit, q_ids, kid_ref, bk)
-    acc, m, l = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan.causal, body, init)
+    acc, m, l = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan.causal, bounds, visit, init)
     visible = m > NEG_INF / 2
     l = jnp.where(visible, l, 1.0)
     o_ref[...] = jnp.where(visible[:, None], acc / l[:, None], 0.0).astype(o_ref.dtype)
@@ -138,7 +170,7 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False)
 
 
 def _dq_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
-    inputs, (qid_ref, kid_ref), keys_ref, (dq_ref,) = _split_refs(refs, has_ids, has_keys, 6)
+    inputs, (qid_ref, kid_ref), bounds, keys_ref, (dq_ref,) = _split_refs(refs, has_ids, has_keys, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
     i = pl.program_id(0)
@@ -148,12 +180,12 @@ def _dq_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
     key = None if keys_ref is None else keys_ref[...]
     qk_scale = plan.sm_scale * _LOG2E
 
-    def visit(j, dq, causal):
+    def visit(j, dq, on_diagonal):
         kv_slice = pl.ds(j * bk, bk)
         k = k_ref[kv_slice, :]
         kv_ids = None if kid_ref is None else kid_ref[kv_slice][None, :]
         k_pos = (j * bk + jnp.arange(bk))[None, :]
-        s = _masked_logits(q, k, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, causal)
+        s = _masked_logits(q, k, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal)
         p = jnp.exp2(s - lse[:, None])
         dp = _dot_nt(do, v_ref[kv_slice, :])
         if key is not None:
@@ -161,13 +193,13 @@ def _dq_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    body = _skip_disjoint(visit, q_ids, kid_ref, bk)
-    dq = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan.causal, body, jnp.zeros(q.shape, jnp.float32))
+    dq = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan.causal, bounds, visit, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(*refs, plan, has_ids, has_keys, groups):
-    inputs, (qid_ref, kid_ref), keys_ref, (dk_ref, dv_ref) = _split_refs(refs, has_ids, has_keys, 6)
+    inputs, (qid_ref, kid_ref), bounds, keys_ref, (dk_ref, dv_ref) = _split_refs(
+        refs, has_ids, has_keys, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
     j = pl.program_id(0)
@@ -178,13 +210,13 @@ def _dkv_kernel(*refs, plan, has_ids, has_keys, groups):
     num_q_blocks = q_ref.shape[0] // bq
 
     # Works on transposed blocks ([kv, q]) so that dv = p^T do and dk = ds^T q are plain matmuls.
-    def visit(g, i, carry, causal):
+    def visit(g, i, carry, on_diagonal):
         dk, dv = carry
         q_slice = pl.ds(i * bq, bq)
         q, do = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
         q_ids = None if qid_ref is None else qid_ref[q_slice][None, :]
         q_pos = (i * bq + jnp.arange(bq))[None, :]
-        s_t = _masked_logits(k, q, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, causal)
+        s_t = _masked_logits(k, q, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal)
         p_t = jnp.exp2(s_t - lse_ref[g, q_slice][None, :])
         dp_t = _dot_nt(v, do)
         if keys_ref is not None:
@@ -197,14 +229,14 @@ def _dkv_kernel(*refs, plan, has_ids, has_keys, groups):
         return dk + _dot(ds_t.astype(q.dtype), q), dv
 
     def per_head(g, carry):
-        body = _skip_disjoint(lambda i, c, causal: visit(g, i, c, causal), kv_ids, qid_ref, bq)
+        body = lambda i, c, on_diagonal: visit(g, i, c, on_diagonal)  # noqa: E731
         if not plan.causal:
-            return lax.fori_loop(0, num_q_blocks, lambda i, c: body(i, c, False), carry)
+            return _loop(*_bounded(0, num_q_blocks, bounds), None, body, carry)
         # q blocks ending before this kv block starts see none of it; those starting at or after its last key see
         # all of it.
         first = jnp.minimum(num_q_blocks, lax.div(j * bk, bq))
         unmasked_start = jnp.minimum(num_q_blocks, lax.div(j * bk + bk - 1 + bq - 1, bq))
-        return _loop_split_at_diagonal(first, num_q_blocks, first, unmasked_start, body, carry)
+        return _loop(*_bounded(first, num_q_blocks, bounds), (first, unmasked_start), body, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, per_head, (zeros, zeros))
@@ -217,6 +249,11 @@ def _compiler_params(plan, backward=False):
     if backward:
         return _CompilerParams(num_warps=b.num_warps_bwd, num_stages=b.num_stages_bwd)
     return _CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
+
+
+def _bounds_of(ids, block, other_ids, other_block):
+    """`_block_bounds` as two more id operands, or none without segment ids."""
+    return () if ids is None else _block_bounds(ids, block, other_ids, other_block)
 
 
 def _optional_operands(arrays, specs):
@@ -233,8 +270,9 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     q_block = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
     kv_full = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, lax.div(h, G), 0))
     ids, id_specs = _optional_operands(
-        (q_ids, kv_ids), (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                          pl.BlockSpec((None, S), lambda i, b, h: (b, 0))))
+        (q_ids, kv_ids, *_bounds_of(q_ids, bq, kv_ids, bk)),
+        (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+         *[pl.BlockSpec((None, None), lambda i, b, h: (b, i))] * 2))
     key_ops, key_specs = _optional_operands([keys], [pl.BlockSpec((None, None), lambda i, b, h: (b, h))])
     scales = [] if kv_scales is None else list(kv_scales)
     scale_specs = [pl.BlockSpec((None, S, None), lambda i, b, h: (b, 0, lax.div(h, G)))] * len(scales)
@@ -281,8 +319,9 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     kv_full = pl.BlockSpec((None, S, None, D), lambda i, b, h: (b, 0, lax.div(h, G), 0))
     row_block = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     ids, id_specs = _optional_operands(
-        (q_ids, kv_ids), (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                          pl.BlockSpec((None, S), lambda i, b, h: (b, 0))))
+        (q_ids, kv_ids, *_bounds_of(q_ids, bq, kv_ids, bk)),
+        (pl.BlockSpec((None, bq), lambda i, b, h: (b, i)), pl.BlockSpec((None, S), lambda i, b, h: (b, 0)),
+         *[pl.BlockSpec((None, None), lambda i, b, h: (b, i))] * 2))
     key_ops, key_specs = _optional_operands([keys], [pl.BlockSpec((None, None), lambda i, b, h: (b, h))])
     dq = pl.pallas_call(
         lambda *refs: _dq_kernel(*refs, plan=plan, has_ids=bool(ids), has_keys=bool(key_ops),
@@ -302,8 +341,9 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     kv_block = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
     row_group = pl.BlockSpec((None, G, T), lambda j, b, h: (b, h, 0))
     ids, id_specs = _optional_operands(
-        (q_ids, kv_ids), (pl.BlockSpec((None, T), lambda j, b, h: (b, 0)),
-                          pl.BlockSpec((None, bk), lambda j, b, h: (b, j))))
+        (q_ids, kv_ids, *_bounds_of(kv_ids, bk, q_ids, bq)),
+        (pl.BlockSpec((None, T), lambda j, b, h: (b, 0)), pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+         *[pl.BlockSpec((None, None), lambda j, b, h: (b, j))] * 2))
     # The keys of the group's q heads, [B, Hkv, G].
     key_ops, key_specs = _optional_operands([None if keys is None else keys.reshape(B, Hkv, G)],
                                             [pl.BlockSpec((None, None, G), lambda j, b, h: (b, h, 0))])

@@ -1,0 +1,257 @@
+"""The project's Triton kernels compiled for Hopper (`sm_90a`) without a GPU, and what `ptxas` says about each.
+
+JAX 0.11 lowers a Pallas Triton kernel for `cuda` on a host without a GPU once an abstract device names the target
+(`HOPPER`). The `__gpu$xla.gpu.triton` custom call carries the kernel's Triton IR (`mhlo.backend_config` -> `ir`,
+MLIR bytecode), which is printed as text in Pallas's own MLIR context (the `triton` package's bytecode reader
+rejects jaxlib's; its text parser accepts the text) and taken by the `triton` package's NVIDIA backend through its
+TTIR passes, TTGIR, LLVM IR and PTX to a cubin; `ptxas -v` reports registers, spills, and advisories such as C7515
+(wgmma serialized). XLA compiles the same IR with its own Triton pipeline (jaxlib's Triton, not this package's), so
+these are the facts of Triton 3.x on the kernel's IR, not of the very binary a GPU runs; timing needs a GPU
+(`scripts/device_check.sh`).
+
+Needs JAX >= 0.11 and the `triton` package: `make test-gpu-compile` builds that environment, and
+`scripts/gpu_compile_report.py` prints `report()` as the table kernels/README.md records.
+"""
+import contextlib
+import dataclasses
+import io
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+# The target named to the lowering: any Hopper kind gives compute capability 9.0 (num_cores: an H200's SMs).
+HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+CAPABILITY = 90
+# Shared memory a Hopper thread block may use (227 KiB; the kernel fails to launch above it).
+MAX_SHARED_BYTES = 227 * 1024
+_TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    """One Pallas Triton kernel as XLA receives it: `ir` is its Triton IR as MLIR text."""
+    name: str
+    ir: str
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+    """What compiling one kernel for sm_90a gave: shared memory in bytes (Triton's allocation), registers per
+    thread, spilled bytes (stores, loads), ptxas's advisories by code ({'C7515': message}), the compile's seconds,
+    and the kernel's Triton IR, TTGIR and PTX for a closer look."""
+    label: str
+    name: str
+    num_warps: int
+    num_stages: int
+    shared_bytes: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    advisories: dict
+    seconds: float
+    ttir: str = dataclasses.field(repr=False, default="")
+    ttgir: str = dataclasses.field(repr=False, default="")
+    ptx: str = dataclasses.field(repr=False, default="")
+
+    @property
+    def spilled(self):
+        return self.spill_stores + self.spill_loads > 0
+
+    @property
+    def wgmma_serialized(self):
+        return "C7515" in self.advisories
+
+
+def _hopper_target():
+    mesh = jax.sharding.AbstractMesh((), ()).update(abstract_device=HOPPER)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def triton_kernels(fn, *args):
+    """The Triton kernels of `jax.jit(fn)` lowered for `cuda` on `HOPPER` at the abstract `args`
+    (`jax.ShapeDtypeStruct`s), in the lowered module's order."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering  # the MLIR context Pallas builds the kernels in
+
+    with _hopper_target():
+        module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if (inner.name == "stablehlo.custom_call"
+                            and ir.StringAttr(inner.attributes["call_target_name"]).value == _TRITON_CALL):
+                        calls.append(inner)
+                    walk(inner)
+
+    walk(module.operation)
+    kernels = []
+    for call in calls:
+        config = call.attributes["mhlo.backend_config"]
+        attrs = {config[i].name: config[i].attr for i in range(len(config))}
+        with lowering._new_ir_context():
+            text = str(ir.Module.parse(ir.StringAttr(attrs["ir"]).value_bytes))
+        integer = lambda key: ir.IntegerAttr(attrs[key]).value  # noqa: E731
+        kernels.append(TritonKernel(ir.StringAttr(attrs["name"]).value, text, integer("num_warps"),
+                                    integer("num_stages"), tuple(integer(f"grid_{d}") for d in "xyz")))
+    return kernels
+
+
+def parse_ptxas_log(log):
+    """(registers, spill stores, spill loads, {code: advisory}) from the log of `ptxas -v` for one kernel; a
+    warning without a code is keyed 'warning'."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    advisories = dict(re.findall(r"\((C\d{4})\) (.*?)(?: in the function '[^']*')?(?: in line \d+)?$", log, re.M))
+    for warning in re.findall(r"ptxas\S* warning\s*: (?!\(C\d{4}\))(.*)$", log, re.M):
+        advisories.setdefault("warning", warning)
+    return (int(registers.group(1)) if registers else 0, int(spills.group(1)) if spills else 0,
+            int(spills.group(2)) if spills else 0, advisories)
+
+
+def compile_kernel(kernel, label=None):
+    """A `KernelReport` of `kernel` (a `TritonKernel`) compiled for sm_90a by the `triton` package."""
+    import tempfile
+
+    from triton import knobs
+    from triton._C.libtriton import ir as tir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import Language, make_backend
+
+    start = time.perf_counter()
+    target = GPUTarget("cuda", CAPABILITY, 32)
+    backend = make_backend(target)
+    # FP fusion on: Triton's default, stated because triton 3.9 warns that the default will change.
+    options = backend.parse_options({"num_warps": kernel.num_warps, "num_stages": kernel.num_stages,
+                                     "enable_fp_fusion": True})
+    context = tir.context()
+    tir.load_dialects(context)
+    backend.load_dialects(context)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as source:
+        source.write(kernel.ir)
+        source.flush()
+        module = tir.parse_mlir_module(source.name, context)
+    module.context = context
+    stages = {}
+    backend.add_stages(stages, options, Language.TRITON)
+    metadata = {"hash": kernel.name, "target": target, **options.__dict__}
+    texts, log = {}, io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas's -v report
+        for ext, run in stages.items():  # ttir (inlining, dot + add combining, CSE), ttgir, llir, ptx, cubin
+            module = run(module, metadata)
+            if ext in ("ttgir", "ptx"):
+                texts[ext] = str(module)
+    registers, spill_stores, spill_loads, advisories = parse_ptxas_log(log.getvalue())
+    return KernelReport(label or kernel.name, kernel.name, kernel.num_warps, kernel.num_stages, metadata["shared"],
+                        registers, spill_stores, spill_loads, advisories, time.perf_counter() - start,
+                        kernel.ir, texts["ttgir"], texts["ptx"])
+
+
+# ---- The production kernels: each op at a training shape with its default (production) block sizes. ----
+
+# Attention: one 4096-token sequence, 32 query heads over 8 kv heads of 128 (LLaMA-3-8B's layout), bf16, causal.
+ATTENTION_SHAPE = dict(batch=1, seq_len=4096, heads=32, kv_heads=8, head_dim=128)
+# Decoding: one step of one sequence against an 8192-slot cache, same heads.
+DECODE_CACHE = 8192
+# The matmuls: 4096 tokens through LLaMA-7B's MLP (4096 -> 11008) and head (32000 words).
+MLP_SHAPE = dict(tokens=4096, model=4096, hidden=11008, vocab=32000)
+
+
+def _sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _summed(fn):
+    return lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
+
+
+def production_cases():
+    """{case: (fn, abstract args, labels of its kernels in lowered order)}: every Triton kernel the project runs
+    in training and generation, at `ATTENTION_SHAPE` / `MLP_SHAPE` with the default block sizes."""
+    from kernels.attention import decode_attention, flash_attention, quantize_kv
+    from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy
+
+    a = ATTENTION_SHAPE
+    q = _sds((a["batch"], a["seq_len"], a["heads"], a["head_dim"]))
+    kv = _sds((a["batch"], a["seq_len"], a["kv_heads"], a["head_dim"]))
+    ids = _sds((a["batch"], a["seq_len"]), jnp.int32)
+    attention = lambda **kw: _summed(lambda q, k, v, *ids: flash_attention(  # noqa: E731
+        q, k, v, causal=True, segment_ids=ids[0] if ids else None, implementation="triton", **kw))
+    grad3 = lambda f: jax.grad(f, (0, 1, 2))  # noqa: E731
+    step_q = _sds((a["batch"], 1, a["heads"], a["head_dim"]))
+    cache = _sds((a["batch"], DECODE_CACHE, a["kv_heads"], a["head_dim"]))
+    cache_ids = (_sds((a["batch"], 1), jnp.int32), _sds((a["batch"], DECODE_CACHE), jnp.int32))
+    int8_cache = _sds(cache.shape, jnp.int8)
+    scale = _sds(cache.shape[:3], jnp.float32)
+
+    m = MLP_SHAPE
+    x, labels = _sds((m["tokens"], m["model"])), _sds((m["tokens"],), jnp.int32)
+    w_up, w_head = _sds((m["model"], m["hidden"])), _sds((m["model"], m["vocab"]))
+    w_int8, w_scale = _sds(w_up.shape, jnp.int8), _sds((m["hidden"],), jnp.float32)
+    value_and_grad = lambda f, n: jax.value_and_grad(f, tuple(range(n)))  # noqa: E731
+    loss = lambda x, w, labels: jnp.sum(linear_cross_entropy(x, w, labels, implementation="triton"))  # noqa: E731
+    # The loss's backward sweeps the vocabulary in chunks (kernels/matmul/_blocks.py); 32000 leaves a last, narrower
+    # chunk, whose three kernels are the same code at another width.
+    return {
+        "attention": (grad3(attention()), (q, kv, kv), ("fwd", "dq", "dk/dv")),
+        "attention, packed": (grad3(attention()), (q, kv, kv, ids), ("fwd", "dq", "dk/dv")),
+        "attention, dropout 0.1": (grad3(attention(dropout_rate=0.1, dropout_rng=jax.random.key(0))), (q, kv, kv),
+                                   ("fwd", "dq", "dk/dv")),
+        "decode": (lambda q, k, v, ids: decode_attention(q, k, v, segment_ids=ids, implementation="triton"),
+                   (step_q, cache, cache, cache_ids), ("fwd",)),
+        "decode, int8 cache": (
+            lambda q, k, v, ks, vs, ids: decode_attention(q, k, v, k_scale=ks, v_scale=vs, segment_ids=ids,
+                                                          implementation="triton"),
+            (step_q, int8_cache, int8_cache, scale, scale, cache_ids), ("fwd",)),
+        "fused_matmul (silu)": (
+            value_and_grad(_summed(lambda x, w: fused_matmul(x, w, activation="silu", implementation="triton")), 2),
+            (x, w_up), ("fwd", "bwd: d act", "bwd: dx", "bwd: dw")),
+        "gated_mlp (silu)": (
+            value_and_grad(_summed(lambda x, g, u: gated_mlp(x, g, u, implementation="triton")), 3),
+            (x, w_up, w_up), ("fwd", "bwd: d gate, d up", "bwd: dx", "bwd: dw_gate, dw_up")),
+        # Frozen int8 bases (models/quantize.py, under LoRA): no weight gradients.
+        "fused_matmul (silu), int8 weight": (
+            jax.grad(_summed(lambda x, w, s: fused_matmul(x, w, w_scale=s, activation="silu",
+                                                          implementation="triton"))),
+            (x, w_int8, w_scale), ("fwd", "bwd: d act", "bwd: dx")),
+        "gated_mlp (silu), int8 weights": (
+            jax.grad(_summed(lambda x, g, u, s: gated_mlp(x, g, u, w_gate_scale=s, w_up_scale=s,
+                                                          implementation="triton"))),
+            (x, w_int8, w_int8, w_scale), ("fwd", "bwd: d gate, d up", "bwd: dx")),
+        "linear_cross_entropy": (
+            value_and_grad(loss, 2), (x, w_head, labels),
+            ("fwd", "bwd: d logits", "bwd: dx", "bwd: dw", "bwd: d logits (last chunk)", "bwd: dx (last chunk)",
+             "bwd: dw (last chunk)")),
+    }
+
+
+def report(cases=None):
+    """`KernelReport`s of every kernel of `cases` (default `production_cases()`), labelled 'case: pass'."""
+    reports = []
+    for case, (fn, args, labels) in (cases or production_cases()).items():
+        kernels = triton_kernels(fn, *args)
+        if len(kernels) != len(labels):
+            raise ValueError(f"case {case!r} lowered to {len(kernels)} Triton kernels "
+                             f"({[k.name for k in kernels]}); its labels name {len(labels)}")
+        reports += [compile_kernel(k, f"{case}: {label}") for k, label in zip(kernels, labels)]
+    return reports
+
+
+def format_table(reports):
+    """A markdown table of `reports`, one row per kernel."""
+    rows = ["| kernel | warps / stages | shared memory | registers | spills (bytes) | ptxas advisories | compile s |",
+            "|---|---|---|---|---|---|---|"]
+    for r in reports:
+        spills = f"{r.spill_stores} st / {r.spill_loads} ld" if r.spilled else "0"
+        advisories = ", ".join(sorted(r.advisories)) or "—"
+        rows.append(f"| {r.label} | {r.num_warps} / {r.num_stages} | {r.shared_bytes / 1024:g} KiB | {r.registers} "
+                    f"| {spills} | {advisories} | {r.seconds:.1f} |")
+    return "\n".join(rows)
