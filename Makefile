@@ -41,7 +41,8 @@ test-slow: $(DEV_STAMP)
 
 # The suite under the JAX the GPU machines run (0.11.2, which needs Python 3.12), on CPU; not part of CI. The
 # Hugging Face parity tests skip there (no torch). Example: make test-jax-gpu-version PY312=~/.pyenv/versions/3.12.1/bin/python3
-PY312 ?= python3.12
+# python3.12 on the PATH, else pyenv's 3.12 (this machine's).
+PY312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 2>/dev/null | tail -1)
 VENV312 := .venv-jax011
 $(VENV312)/.installed: pyproject.toml
 	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
