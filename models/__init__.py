@@ -1,4 +1,5 @@
-"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5) with Hugging Face checkpoint import/export and generation.
+"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3) with Hugging Face checkpoint
+import/export and generation.
 
 Parameters are a plain nested dict of arrays; Dense kernels are [in, out]. Decoder-only models:
 `model.apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None) -> logits [B, T, vocab]` (float32);
@@ -16,6 +17,8 @@ from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_
                          save_lora_adapter)
 from models.opt import OPT, OPTConfig
 from models.quantize import dequantize, quantize
+from models.qwen2 import Qwen2, Qwen2Config
+from models.qwen3 import Qwen3, Qwen3Config
 from models.registry import FAMILIES, create_model, get_config, init_params, param_shardings
 from models.reward import SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model, save_reward_model
 from models.t5 import T5, T5Config

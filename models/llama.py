@@ -1,6 +1,7 @@
 """LLaMA (1, 2, 3, 3.1 and its relatives with the same layout): RMSNorm, rotary embeddings with the rope-scaling
 variants, grouped-query attention, SwiGLU, tied or untied embeddings. Config, module and Hugging Face conversion."""
 import dataclasses
+from typing import ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -28,6 +29,10 @@ class LlamaConfig(layers.ModelOptions):
     initializer_range: float = 0.02
     # the config.json this came from: export writes its other keys back
     hf_config: str = dataclasses.field(default="", repr=False, compare=False)
+    # Set by the families of this layout that differ in attention alone (models/qwen2.py, qwen3.py): o's bias apart
+    # from attention_bias (None: the same), RMSNorm of each q and k head before rope.
+    o_bias: ClassVar[bool | None] = None
+    qk_norm: ClassVar[bool] = False
 
 
 
@@ -68,6 +73,7 @@ class LlamaBlock(nn.Module):
                                max_position_embeddings=c.max_position_embeddings)
         h = layers.Norm("rms", c.norm_eps, name="attn_norm", **kw)(x)
         h, cache = layers.Attention(c.num_heads, c.kv_heads, c.dim_per_head, causal=True, use_bias=c.attention_bias,
+                                    out_bias=c.o_bias, qk_norm_eps=c.norm_eps if c.qk_norm else None,
                                     rotary=rotary, std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
                                     dropout_rate=c.attention_dropout_rate, deterministic=self.deterministic,

@@ -1,4 +1,4 @@
-"""Pre-trains or fine-tunes a decoder-only language model (LLaMA, GPT-J, OPT) — the engine's main job.
+"""Pre-trains or fine-tunes a decoder-only language model (LLaMA, GPT-J, OPT, Qwen2, Qwen3) — the engine's main job.
 
 With no flags it trains a small LLaMA on an embedded corpus (the source of Python's standard library, byte-level
 tokens, no download), prints the falling loss and sample generations, and writes TensorBoard scalars and checkpoints
@@ -18,7 +18,7 @@ import engine
 import models
 from engine.tasks import cli, lm, text_data
 
-FAMILIES = ["llama", "gptj", "opt"]
+FAMILIES = ["llama", "gptj", "opt", "qwen2", "qwen3"]
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir", max_steps=400, learning_rate=3e-3, warmup_steps=30, log_every=20,
                           save_every=100)

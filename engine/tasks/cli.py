@@ -488,7 +488,7 @@ def finish(trainer, workdir):
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
 
-DECODER_FAMILIES = ("llama", "gptj", "opt")
+DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3")
 
 
 def define_decoder_flags(*, init_from_help,

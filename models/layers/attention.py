@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 import kernels
 from models.layers.linear import Linear, projection_options
+from models.layers.norms import Norm
 from models.layers.options import Dtype
 from models.layers.parallel import gather_tokens, split_tokens
 from models.layers.rotary import Rotary
@@ -59,7 +60,8 @@ class Attention(nn.Module):
     'kv_segment_ids' [B, max_len]. kv_input [B, S, d] makes it cross-attention (keys from the encoder, whose
     padding is ctx['encoder_segment_ids']); its keys are computed once and kept in the cache as cross_k / cross_v.
     bias: additive [1 or B, heads, T, keys] (T5), which takes the plain-jnp path of `attend`. dropout_rate drops
-    attention probabilities in training calls (deterministic=False, with a 'dropout' rng).
+    attention probabilities in training calls (deterministic=False, with a 'dropout' rng). qk_norm_eps (Qwen3): each
+    q and k head RMS-normalised over head_dim before rope, scales 'q_norm' / 'k_norm' [head_dim] shared by the heads.
     """
     num_heads: int
     num_kv_heads: int
@@ -67,6 +69,7 @@ class Attention(nn.Module):
     causal: bool = True
     use_bias: bool = False
     out_bias: bool | None = None  # None: same as use_bias
+    qk_norm_eps: float | None = None  # None: no RMSNorm on the q and k heads
     rotary: Rotary | None = None
     sm_scale: float | None = None  # None: head_dim ** -0.5
     std: float = 0.02  # initial weights' standard deviation; q_std and out_std (None: std) for q and o (T5)
@@ -95,14 +98,14 @@ class Attention(nn.Module):
         kw = dict(std=self.std, dtype=self.dtype, param_dtype=self.param_dtype)
         q = Linear(d_model, H * D, self.use_bias, name="q", **{**kw, "std": self.q_std or self.std},
                    **projection_options(self, "q"))(x)
-        q = q.reshape(B, T, H, D)
+        q = self._head_norm("q", q.reshape(B, T, H, D))
         if self.rotary is not None:
             q = self.rotary(q, ctx["positions"])
 
         def project_kv(src):
             k = Linear(src.shape[-1], KVH * D, self.use_bias, name="k", **kw, **projection_options(self, "k"))(src)
             v = Linear(src.shape[-1], KVH * D, self.use_bias, name="v", **kw, **projection_options(self, "v"))(src)
-            k, v = k.reshape(*src.shape[:2], KVH, D), v.reshape(*src.shape[:2], KVH, D)
+            k, v = self._head_norm("k", k.reshape(*src.shape[:2], KVH, D)), v.reshape(*src.shape[:2], KVH, D)
             if self.rotary is not None:
                 k = self.rotary(k, ctx["positions"])
             return k, v
@@ -155,6 +158,12 @@ class Attention(nn.Module):
         out = Linear(H * D, d_model, out_bias, name="o", **{**kw, "std": self.out_std or self.std},
                      **projection_options(self, "o"))(out)
         return split_tokens(out, self.sequence_parallel), cache
+
+    def _head_norm(self, name, x):
+        """x [B, T, heads, head_dim], with qk_norm_eps RMS-normalised per head ('q_norm' / 'k_norm')."""
+        if self.qk_norm_eps is None:
+            return x
+        return Norm("rms", self.qk_norm_eps, name=f"{name}_norm", dtype=self.dtype, param_dtype=self.param_dtype)(x)
 
 
 def empty_cache(num_layers, batch, max_len, kv_heads, head_dim, dtype):
