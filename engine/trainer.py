@@ -334,15 +334,17 @@ class Trainer:
         self._restore_from_workdir()
 
     def _restore_from_workdir(self):
-        """Restores the workdir's latest checkpoint (or its best, with Checkpointing(restore='best')), if any."""
+        """Restores the workdir's latest checkpoint (or its best, with Checkpointing(restore='best')), if any: the
+        newest step that reads and matches its checksums, each skipped one named in a warning (engine/checkpoint.py).
+        Steps skipped under 'checkpoints' are moved aside, as this Trainer's saves will write there."""
         if self._restored_best:
             source = None if not os.path.isdir(os.path.join(self.workdir, "best")) else self._open_best()
             if source is None or source.latest_step() is None:
                 raise FileNotFoundError(f"restore_checkpoint='best': workdir={self.workdir} has no best checkpoint; "
                                         "expected a workdir trained with fit(save_best=...) (--save_best)")
-            self._restore(source.latest_step(), source)
+            source.restore_newest(lambda step: self._restore(step, source), set_aside=False)
         elif self._checkpointer is not None and self._checkpointer.latest_step() is not None:
-            self._restore(self._checkpointer.latest_step())
+            self._checkpointer.restore_newest(self._restore, set_aside=True)
 
     # ------------------------------------------------------------------------------------------------ properties
     @property
@@ -528,6 +530,7 @@ class Trainer:
 
     def _restore(self, step, checkpointer=None):
         checkpointer = checkpointer or self._checkpointer
+        self._layout = None  # a step tried before may have laid out another batch spec
         meta = checkpointer.read_meta(step)
         if meta.get("seed") != self.seed:
             logging.warning("restoring a checkpoint made with seed=%s into a Trainer with seed=%s",
@@ -1012,7 +1015,11 @@ class Trainer:
         another metric would lose it."""
         best = self._open_best()
         if self.best is None and best.latest_step() is not None:
-            self.best = best.read_meta(best.latest_step()).get("best")
+            try:  # an unreadable best is moved aside: the next eval's result takes its place
+                self.best = best.restore_newest(best.read_meta, set_aside=True)[1].get("best")
+            except ValueError as e:
+                logging.warning("save_best: %s; moved aside, the next eval's result becomes the best", e)
+                best.set_aside(best.all_steps())
         if self.best is not None and (self.best["metric"], self.best["mode"]) != save_best:
             raise ValueError(f"save_best={save_best!r}: workdir={self.workdir} keeps the best checkpoint by "
                              f"{(self.best['metric'], self.best['mode'])!r} (step {self.best['step']}); expected "
@@ -1102,11 +1109,14 @@ def restore_params(workdir, *, mesh, params, loss_fn, checkpoint="latest"):
         raise FileNotFoundError(f"checkpoint={checkpoint!r}: workdir={workdir} has no {name.rstrip('s')} checkpoint "
                                 "yet; expected a workdir a Trainer saved to" + (" with fit(save_best=...) "
                                                                               "(--save_best)" if name == "best" else ""))
-    try:
-        meta = source.read_meta(step)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        specs = _auto_specs(abstract, mesh, loss_fn, _saved_batch_spec(meta))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+
+    def restore(step):
+        specs = _auto_specs(abstract, mesh, loss_fn, _saved_batch_spec(source.read_meta(step)))
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-        return source.restore_params(step, abstract_like(abstract, shardings)), step
+        return source.restore_params(step, abstract_like(abstract, shardings))
+    try:  # the newest step that restores, each skipped one named in a warning; nothing moved (only reading here)
+        step, restored = source.restore_newest(restore, set_aside=False)
+        return restored, step
     finally:
         source.close()
