@@ -3,7 +3,7 @@ forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
        [forward|train|diloco|streaming|ppo|grpo|
-       pipeline|context|signal|workdirs]
+       pipeline|context|signal|workdirs|killed]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
@@ -11,7 +11,8 @@ the same with DiLoCo, one replica per process (data 2 x model 4), and saves the 
 parameters, `grpo` the same with GRPO; `pipeline` a few Trainer steps of a 4-layer LLaMA pipelined over 2 stages, one per process, and saves
 the losses; `context` the same LLaMA with each row's tokens split over context 2 inside each process (data 2 x
 context 2 x model 2, data across the processes); `signal` a long run with a workdir that the test stops with a
-signal to one process, each process saving [step, stopped]; `workdirs` the same with a workdir per process (refused).
+signal to one process, each process saving [step, stopped]; `workdirs` the same with a workdir per process (refused);
+`killed` the same run with a 5 s heartbeat time-out, for a test that kills one process.
 """
 import os
 import sys
@@ -126,7 +127,8 @@ def llama_losses(mesh, steps=4):
 
 
 def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forward"):
-    engine.initialize_distributed(coordinator, int(num_processes), int(process_id), timeout_s=float(timeout_s))
+    engine.initialize_distributed(coordinator, int(num_processes), int(process_id), timeout_s=float(timeout_s),
+                                  heartbeat_timeout_s=5 if mode == "killed" else 100)
     assert jax.device_count() == 8 and jax.local_device_count() == 4, (jax.device_count(), jax.local_device_count())
     mesh = engine.make_mesh(data=2, model=4)
     # The model axis stays inside one process (host).
@@ -140,6 +142,8 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
         assert all(len({d.process_index for d in group.flat}) == 1 for group in mesh.devices.reshape(2, -1))
     if mode == "workdirs":  # a workdir per process, as on hosts without a shared filesystem
         train_until_signal(engine.make_mesh(data=4, model=2), f"{out}.w{jax.process_index()}")
+    if mode == "killed":  # runs until the test kills a process
+        train_until_signal(engine.make_mesh(data=4, model=2), os.path.join(os.path.dirname(out), "w"))
     if mode == "signal":  # every process writes its own result: they must agree on the stop
         np.save(f"{out}.{jax.process_index()}.npy", train_until_signal(engine.make_mesh(data=4, model=2),
                                                                        os.path.join(os.path.dirname(out), "w")))

@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -358,6 +359,24 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_pat
     (step0, stopped0), (step1, stopped1) = (np.load(f"{out}.{pid}.npy") for pid in (0, 1))
     assert stopped0 == stopped1 == 1 and step0 == step1 and step0 % 2 == 0 and 0 < step0 < 1000, (step0, step1)
     assert sorted(os.listdir(tmp_path / "w" / "checkpoints"))[-1] == str(step0)
+
+
+@pytest.mark.slow  # two processes for about 20 s
+def test_a_killed_process_ends_the_other_within_the_heartbeat_timeout_naming_it(tmp_path):
+    """kill -9 of process 1 mid-run (a lost host): process 0 does not hang in the next collective; the runtime's
+    heartbeat (`--peer_timeout`, here 5 s) ends it with a non-zero status and a line naming the lost process."""
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, tmp_path / "run", 60, "killed") for pid in (0, 1)]
+    for line in procs[1].stdout:
+        if line.startswith("STARTED"):
+            procs[1].kill()
+            killed = time.monotonic()
+            break
+    log = procs[0].communicate(timeout=120)[0]
+    procs[1].communicate(timeout=30)
+    assert procs[0].returncode != 0, log[-3000:]
+    assert time.monotonic() - killed < 5 + 25, time.monotonic() - killed
+    assert re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", log), log[-3000:]
 
 
 def test_processes_that_do_not_share_the_workdir_fail_at_start_in_one_line(tmp_path):
