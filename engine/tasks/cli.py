@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -956,6 +957,7 @@ def _console_logging():
     `--workdir`'s `log.txt` (`log.process<i>.txt` for the further processes of a multi-process run)."""
     logging.get_absl_handler().addFilter(_ConsoleFilter)
     logging.get_absl_handler().setFormatter(_ConsoleFormatter())
+    sys.unraisablehook = _unraisable
     if "save_every" not in FLAGS or not FLAGS.workdir:
         return
     process = FLAGS.process_id or int(os.environ.get("ENGINE_PROCESS_ID", os.environ.get("SLURM_PROCID", "0")))
@@ -964,6 +966,19 @@ def _console_logging():
     file_handler = _LogFile(os.path.join(FLAGS.workdir, name))
     file_handler.setFormatter(logging.PythonFormatter())
     std_logging.getLogger().addHandler(file_handler)
+
+
+def _unraisable(unraisable):
+    """Exceptions no caller can catch (raised in a callback, a finaliser) from libraries' code, such as the
+    `RuntimeError: Event loop is closed` of tensorstore's callbacks that complete after a failed Orbax save closed its
+    loop: a traceback each on the console at a race's whim. They go to the log file; the project's own still go to
+    the console through Python's default hook."""
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    if any(frame.filename.startswith(_PROJECT_DIRS) for frame in frames):
+        sys.__unraisablehook__(unraisable)
+        return
+    logging.info("%s: %s", unraisable.err_msg or "Exception ignored", unraisable.object, extra={"console": False},
+                 exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
 
 
 class _LogFile(std_logging.FileHandler):
