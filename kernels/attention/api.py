@@ -22,6 +22,7 @@ from kernels.attention.reference import dropout_keys
 from kernels.matmul.formats import quantize_int8
 
 _IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_BANDED = ("xla",)  # the implementations with sliding windows and soft caps so far
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -95,6 +96,8 @@ class _Plan:
     blocks: BlockSizes
     interpret: bool
     dropout_rate: float = 0.0
+    window: tuple[int, int] | None = None  # (left, right): query i sees keys i - left ... i + right
+    logit_soft_cap: float | None = None
 
 
 def flash_attention(
@@ -110,6 +113,8 @@ def flash_attention(
     block_sizes=None,
     dropout_rate=0.0,
     dropout_rng=None,
+    window=None,
+    logit_soft_cap=None,
 ):
     """Multi-head attention softmax(q k^T * sm_scale) v without materialising the [len, kv_len] matrix.
 
@@ -129,27 +134,34 @@ def flash_attention(
       dropout_rng: a JAX PRNG key, needed when dropout_rate > 0. The mask is a hash of one 32-bit seed drawn from it
         and of (batch row, head, query, key), so the backward pass regenerates it instead of storing it, and it is the
         same for every implementation, tile size and mesh.
+      window: None or a pair (left, right) of ints >= 0: query i attends key j only if i - left <= j <= i + right
+        (positions top-left aligned like causal). With causal, window=(W - 1, 0) is Mistral's and Gemma's sliding
+        window of W keys, the query's own included. The kernels skip the kv tiles outside it: O(len * window) work.
+      logit_soft_cap: None or c > 0: the logits s = sm_scale * q . k become c * tanh(s / c) before masking and
+        softmax (Gemma 2's attn_logit_softcapping).
     Returns:
       [batch, len, heads, head_dim] in q's dtype. Differentiable in q, k and v.
     """
     q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
+    window, logit_soft_cap = _validate_window(window), _validate_soft_cap(logit_soft_cap)
     impl = _implementation(implementation, interpret)
     keys = dropout_keys(dropout_rng, q.shape[0], q.shape[2]) if dropout_rate else None
     settings = dict(impl=impl, causal=causal, sm_scale=sm_scale, interpret=interpret, block_sizes=block_sizes,
-                    dropout_rate=dropout_rate)
+                    dropout_rate=dropout_rate, window=window, logit_soft_cap=logit_soft_cap)
     context = _partition.context_size(q.shape[1], k.shape[1])
     if context > 1:
         return _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings)
     return _padded_attention(q, k, v, q_ids, kv_ids, keys, **settings)
 
 
-def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, interpret, block_sizes, dropout_rate):
+def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, interpret, block_sizes, dropout_rate,
+                      window, logit_soft_cap):
     """The attention of `flash_attention` on inputs of any length: padded to whole tiles, run on the ambient mesh's
     rows and heads, the padding cut off."""
     T, D = q.shape[1], q.shape[3]
     q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes,
-                                             dropout_rate)
+                                             dropout_rate, window, logit_soft_cap)
     return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
 
 
@@ -161,8 +173,9 @@ def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
 
     DeepSpeed-Ulysses (Jacobs et al., 2023) where the heads allow: an all-to-all turns each device's slice of the
     tokens of its heads into every token of 1/context of those heads, the unchanged attention runs on whole
-    sequences, and the inverse all-to-all returns the output's slice. Causal masks, segment ids (all-gathered: a few
-    ints per token) and dropout (the keys of the device's heads) mean what they mean without the split. Grouped-query
+    sequences, and the inverse all-to-all returns the output's slice. Causal masks, windows, soft caps, segment ids
+    (all-gathered: a few ints per token) and dropout (the keys of the device's heads) mean what they mean without
+    the split. Grouped-query
     k and v go through the same all-to-all when their heads per device divide by `context`; otherwise they are
     all-gathered and each device keeps the one kv head its query heads read (k and v are heads / kv_heads times
     smaller than q). Where the heads per device do not divide by `context` (or the kv heads do not fit), ring
@@ -199,7 +212,8 @@ def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
     return _partition.shard(run, args, specs, split, settings["impl"])
 
 
-def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate):
+def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate,
+                    window, logit_soft_cap):
     """Ring attention (Liu et al., 2023) on one device's blocks inside `_context_parallel`'s shard_map: q
     [b, T/C, h, D] stays, the k / v blocks (and their segment ids) pass from device to device round the `context`
     axis, each device attends its queries to every block and merges the partial results by their log-sum-exps.
@@ -210,7 +224,12 @@ def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, in
     within (the local causal mask is exactly right for [c, 2C - 1 - c]), an earlier device's pair is seen through
     its first half by all of c's queries, a later device's pair wholly by c's second half, half a block of work
     either way. In the contiguous layout (odd tokens per device) device c computes c + 1 of the C blocks and skips
-    the rest."""
+    the rest. A soft cap is per logit, so each block pair applies it; a window is refused (its band would need each
+    pair's global offset)."""
+    if window is not None:
+        raise ValueError(f"flash_attention with window={window} on a mesh with context={context} whose "
+                         f"{q.shape[2]} query heads per device do not divide by it (ring attention); expected "
+                         "window=None or query heads per device divisible by context")
     if dropout_rate:
         raise ValueError(f"flash_attention with dropout_rate={dropout_rate} on a mesh with context={context} whose "
                          f"{q.shape[2]} query heads per device do not divide by it (ring attention); expected "
@@ -219,7 +238,8 @@ def _ring_attention(q, k, v, *rest, context, has_ids, impl, causal, sm_scale, in
         raise ValueError(f"flash_attention(causal=True) of {q.shape[1] * context} queries to {k.shape[1] * context} "
                          f"keys on a mesh with context={context} (ring attention); expected equal lengths")
     q_ids, kv_ids = rest[:2] if has_ids else (None, None)
-    ring = _RingPlan(impl, causal, sm_scale, interpret, block_sizes, context, causal and q.shape[1] % 2 == 0)
+    ring = _RingPlan(impl, causal, sm_scale, interpret, block_sizes, context, causal and q.shape[1] % 2 == 0,
+                     logit_soft_cap)
     if not ring.zigzag:
         return _ring(q, k, v, q_ids, kv_ids, ring)
     out = _ring(*(None if x is None else ring.to_zigzag(x) for x in (q, k, v, q_ids, kv_ids)), ring)
@@ -235,6 +255,7 @@ class _RingPlan:
     block_sizes: BlockSizes | None
     context: int
     zigzag: bool
+    logit_soft_cap: float | None = None
 
     def shift(self, *xs):
         """Each device's xs passed to the next device round the ring."""
@@ -271,12 +292,12 @@ class _RingPlan:
 
     def _prepared(self, q, k, v, q_ids, kv_ids, causal):
         return _prepared(q, k, v, q_ids, kv_ids, self.implementation, causal, self.sm_scale, self.interpret,
-                         self.block_sizes)
+                         self.block_sizes, logit_soft_cap=self.logit_soft_cap)
 
     def forward(self, q, k, v, q_ids, kv_ids, causal):
         """(out [b, T, h, D] float32, lse [b, T, h], -inf where a query sees no key) of one block pair."""
         out, lse = _forward_with_lse(q, k, v, q_ids, kv_ids, self.implementation, self.sm_scale, self.interpret,
-                                     self.block_sizes, causal=causal)
+                                     self.block_sizes, causal=causal, logit_soft_cap=self.logit_soft_cap)
         return out.astype(jnp.float32), lse
 
     def backward(self, q, k, v, q_ids, kv_ids, out, lse, do, causal):
@@ -409,10 +430,14 @@ def _implementation(implementation, interpret):
     return impl
 
 
-def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate=0.0):
+def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes, dropout_rate=0.0, window=None,
+              logit_soft_cap=None):
     """(q, k, v, q_ids, kv_ids) padded to whole tiles (and Triton's power-of-two head dim), and the _Plan."""
     B, T, H, D = q.shape
     S = k.shape[1]
+    if impl not in _BANDED and (window is not None or logit_soft_cap is not None):
+        raise ValueError(f"window={window}, logit_soft_cap={logit_soft_cap} with implementation={impl!r}; expected "
+                         f"one of {_BANDED} for a window or a soft cap")
     blocks = choose_block_sizes(impl, D, T, S, block_sizes)
     if impl == "xla":
         t_pad, s_pad = T, _round_up(S, blocks.block_k)
@@ -429,6 +454,8 @@ def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_s
         blocks=blocks,
         interpret=interpret,
         dropout_rate=dropout_rate,
+        window=window,
+        logit_soft_cap=logit_soft_cap,
     )
     logging.log_first_n(logging.DEBUG, "flash_attention: %s q%s k%s %s", 1, impl, q.shape, k.shape, blocks)
     q, k, v = _pad(q, 1, t_pad), _pad(k, 1, s_pad), _pad(v, 1, s_pad)
@@ -439,7 +466,8 @@ def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_s
 
 
 def decode_attention(q, k, v, *, segment_ids=None, k_scale=None, v_scale=None, sm_scale=None, num_splits=None,
-                     implementation=None, interpret=False, block_sizes=None):
+                     implementation=None, interpret=False, block_sizes=None, window=None, logit_soft_cap=None,
+                     q_positions=None):
     """Attention of a decoding step's few queries to a long KV cache, split along the cache (flash-decoding).
 
     Args:
@@ -452,10 +480,16 @@ def decode_attention(q, k, v, *, segment_ids=None, k_scale=None, v_scale=None, s
         the logits' and probabilities' columns.
       num_splits: parts of the cache attended in parallel, each a contiguous kv_len / num_splits slice, merged by
         their log-sum-exps; None picks enough for about `_DECODE_PROGRAMS` programs on GPU (1 elsewhere).
-      sm_scale, implementation, interpret, block_sizes: as `flash_attention`.
+      sm_scale, implementation, interpret, block_sizes, logit_soft_cap: as `flash_attention`.
+      window: None or a pair (left, right) of ints >= 0, with `q_positions`: the query in cache slot p sees the
+        slots p - left ... p + right (a sliding window of W keys: (W - 1, 0)). The slots outside take an id no
+        query has, so the kernels skip their tiles like unfilled ones.
+      q_positions: int, broadcastable to [batch, len]: each query's cache slot (where its own key was written);
+        needed with `window` only.
     Returns:
-      [batch, len, heads, head_dim] in q's dtype, equal to `flash_attention(q, k, v, segment_ids=segment_ids)`.
-      Forward only (generation does not differentiate).
+      [batch, len, heads, head_dim] in q's dtype, equal to `flash_attention(q, k, v, segment_ids=segment_ids)`
+      (with a window: `flash_attention`'s over the slots' positions). Forward only (generation does not
+      differentiate).
 
     The G = heads / kv_heads query heads that share a kv head (and the len queries) become one query tile of
     len * G rows against that kv head, so each program reads its slice of k and v once for all of them instead of
@@ -470,22 +504,46 @@ def decode_attention(q, k, v, *, segment_ids=None, k_scale=None, v_scale=None, s
     B, T, H, D = q.shape
     S, KVH = k.shape[1], k.shape[2]
     G = H // KVH
+    window, logit_soft_cap = _validate_window(window), _validate_soft_cap(logit_soft_cap)
+    positions = _validate_positions(q_positions, window, (B, T))
     impl = _implementation(implementation, interpret)
     if num_splits is None:
         num_splits = _decode_splits(impl, B * KVH, S)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1 or S % num_splits:
         raise ValueError(f"num_splits={num_splits!r}; expected None or a positive int dividing kv_len={S}")
-    P = num_splits
     if q_ids is None:  # one id for every query and key: the split code below always masks by ids
         q_ids, kv_ids = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+    q_ids, kv_ids = q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    attend = functools.partial(_split_decode, k=k, v=v, scales=scales, num_splits=num_splits, impl=impl,
+                               sm_scale=sm_scale, interpret=interpret, block_sizes=block_sizes,
+                               logit_soft_cap=logit_soft_cap)
+    if window is None:
+        return attend(q, q_ids, kv_ids)
+    # Each query its own band of slots, as ids: a slot outside takes ~id (never the query's own id). One query at
+    # a time, since a tile of rows shares one row of kv ids.
+    slots = jnp.arange(S, dtype=jnp.int32)[None, :]
+    outs = []
+    for t in range(T):
+        p, ids = positions[:, t:t + 1], q_ids[:, t:t + 1]
+        in_band = (slots >= p - window[0]) & (slots <= p + window[1])
+        outs.append(attend(q[:, t:t + 1], ids, jnp.where(in_band, kv_ids, ~ids)))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _split_decode(q, q_ids, kv_ids, *, k, v, scales, num_splits, impl, sm_scale, interpret, block_sizes,
+                  logit_soft_cap):
+    """`decode_attention` of validated operands (int32 ids [B, T] and [B, S])."""
+    B, T, H, D = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    G, P = H // KVH, num_splits
     # Query heads of one kv head as rows: [B, T, KVH, G, D] -> [B, T * G, KVH, D]; each split repeats them.
     rows = q.reshape(B, T, KVH, G, D).transpose(0, 1, 3, 2, 4).reshape(B, T * G, KVH, D)
     rows = jnp.broadcast_to(rows[:, None], (B, P, T * G, KVH, D)).reshape(B * P, T * G, KVH, D)
-    row_ids = jnp.broadcast_to(jnp.repeat(q_ids.astype(jnp.int32), G, axis=1)[:, None], (B, P, T * G))
+    row_ids = jnp.broadcast_to(jnp.repeat(q_ids, G, axis=1)[:, None], (B, P, T * G))
     split = lambda a: a.reshape(B * P, S // P, *a.shape[2:])  # noqa: E731  contiguous slices of the cache
     scales = None if scales is None else tuple(split(s.astype(jnp.float32)) for s in scales)
-    out, lse = _forward_with_lse(rows, split(k), split(v), row_ids.reshape(B * P, T * G),
-                                 split(kv_ids.astype(jnp.int32)), impl, sm_scale, interpret, block_sizes, scales)
+    out, lse = _forward_with_lse(rows, split(k), split(v), row_ids.reshape(B * P, T * G), split(kv_ids), impl,
+                                 sm_scale, interpret, block_sizes, scales, logit_soft_cap=logit_soft_cap)
     # Merge the splits: weights exp(lse_p - max lse); a split that saw no key (lse -inf) weighs 0.
     out, lse = out.reshape(B, P, T * G, KVH, D), lse.reshape(B, P, T * G, KVH)
     top = jnp.max(lse, axis=1, keepdims=True)
@@ -513,11 +571,13 @@ def _decode_splits(impl, programs, kv_len):
     return splits
 
 
-def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes, kv_scales=None, causal=False):
+def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_sizes, kv_scales=None, causal=False,
+                      logit_soft_cap=None):
     """(out [B, T, H, D], lse [B, T, H] float32, natural log, -inf where a query sees no key) of the forward kernel,
     on the ambient mesh's rows and heads like `flash_attention`; kv_scales: an int8 k and v's (k_scale, v_scale)."""
     B, T, H, D = q.shape
-    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes)
+    q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes,
+                                             logit_soft_cap=logit_soft_cap)
     module = _IMPLEMENTATIONS[impl]
     scales = () if kv_scales is None else tuple(_pad(s, 1, k.shape[1]) for s in kv_scales)
 
@@ -659,6 +719,41 @@ def _validate_dropout(rate, rng):
         if not (typed or (dtype == jnp.uint32 and shape == (2,))):
             raise ValueError(f"dropout_rng has dtype {dtype} and shape {shape}; expected one jax.random key")
     return float(rate)
+
+
+def _validate_window(window):
+    """The window as a tuple of two ints, or None; raises ValueError on anything else."""
+    if window is None:
+        return None
+    pair = tuple(window) if isinstance(window, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 0
+                                             for w in pair):
+        raise ValueError(f"window={window!r}; expected None or a pair (left, right) of ints >= 0")
+    return int(pair[0]), int(pair[1])
+
+
+def _validate_soft_cap(cap):
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0):
+        raise ValueError(f"logit_soft_cap={cap!r}; expected None or a positive float")
+    return None if cap is None else float(cap)
+
+
+def _validate_positions(q_positions, window, shape):
+    """decode_attention's query slots as int32 `shape` (None without a window)."""
+    if (q_positions is None) != (window is None):
+        raise ValueError(f"q_positions={'None' if q_positions is None else 'given'} with window={window}; expected "
+                         "q_positions (each query's cache slot) exactly when a window is given")
+    if window is None:
+        return None
+    dtype = jnp.result_type(q_positions)
+    if not jnp.issubdtype(dtype, jnp.integer) or not _broadcasts(jnp.shape(q_positions), shape):
+        raise ValueError(f"q_positions of shape {jnp.shape(q_positions)} and dtype {dtype}; expected ints "
+                         f"broadcastable to [batch, len] = {shape}")
+    return jnp.broadcast_to(jnp.asarray(q_positions, jnp.int32), shape)
+
+
+def _broadcasts(shape, target):
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
 
 
 def _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes):

@@ -21,16 +21,19 @@ from jax import lax
 NEG_INF = -0.7 * float(np.finfo(np.float32).max)
 
 
-def attention_mask(q_pos, k_pos, q_ids, kv_ids, *, causal, kv_len):
+def attention_mask(q_pos, k_pos, q_ids, kv_ids, *, causal, kv_len, window=None):
     """Which (query, key) pairs may attend, or None when all may. Shared by every implementation.
 
     Operands broadcast against each other, so the caller picks the orientation ([q, k] or [k, q]) and rank.
-    Causal is top-left aligned like `jax.nn.dot_product_attention`: query i sees keys j <= i. `kv_len` (or None)
-    masks keys past the real length when kv was padded to a block multiple.
+    Causal is top-left aligned like `jax.nn.dot_product_attention`: query i sees keys j <= i. `window` (or None),
+    a pair (left, right), keeps i - left <= j <= i + right, in the same positions. `kv_len` (or None) masks keys
+    past the real length when kv was padded to a block multiple.
     """
     terms = []
     if causal:
         terms.append(q_pos >= k_pos)
+    if window is not None:
+        terms += [k_pos >= q_pos - window[0], k_pos <= q_pos + window[1]]
     if kv_len is not None:
         terms.append(k_pos < kv_len)
     if q_ids is not None:
@@ -41,6 +44,16 @@ def attention_mask(q_pos, k_pos, q_ids, kv_ids, *, causal, kv_len):
     for term in terms[1:]:
         mask = jnp.logical_and(mask, term)
     return mask
+
+
+def soft_cap(s, cap):
+    """(cap * tanh(s / cap), its derivative 1 - tanh^2 in s) of logits s (Gemma 2's attention logit soft-capping:
+    logits bounded to (-cap, cap), nearly unchanged well inside), or (s, None) when cap is None. The backward
+    passes multiply the logits' gradient by the derivative, recomputed from s like the probabilities."""
+    if cap is None:
+        return s, None
+    t = jnp.tanh(s * (1.0 / cap))
+    return cap * t, 1.0 - t * t
 
 
 def _int32(value):
@@ -83,12 +96,13 @@ def dropout_multiplier(key, q_pos, k_pos, rate):
     return jnp.where(keep, np.float32(1.0 / (1.0 - rate)), np.float32(0.0))
 
 
-def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, dropout_rate=0.0, dropout_keys=None):
+def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, dropout_rate=0.0, dropout_keys=None,
+                  window=None, logit_soft_cap=None):
     """Straightforward attention, q [B, T, H, D], k/v [B, S, Hkv, D] -> [B, T, H, D]; materialises [B, H, T, S].
 
     Same semantics as `kernels.flash_attention` (no input validation): `segment_ids` is [B, T] (self-attention) or a
-    pair ([B, T], [B, S]); a query row with no visible key yields zeros. With `dropout_rate` > 0, `dropout_keys`
-    ([B, H] from `dropout_keys`) choose the dropped probabilities.
+    pair ([B, T], [B, S]); `window` a pair (left, right); a query row with no visible key yields zeros. With
+    `dropout_rate` > 0, `dropout_keys` ([B, H] from `dropout_keys`) choose the dropped probabilities.
     """
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -96,6 +110,7 @@ def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, dro
     q_ids, kv_ids = _split_segment_ids(segment_ids)
     qg = q.reshape(B, T, Hkv, H // Hkv, D)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s, _ = soft_cap(s, logit_soft_cap)
     mask = attention_mask(
         jnp.arange(T)[:, None],
         jnp.arange(S)[None, :],
@@ -103,6 +118,7 @@ def mha_reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None, dro
         None if kv_ids is None else kv_ids[:, None, None, None, :],
         causal=causal,
         kv_len=None,
+        window=window,
     )
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
@@ -134,10 +150,12 @@ def _kv_blocks(x, block_k):
 
 
 def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None):
-    """Scaled logits [B, Hkv, G, T, bk] of one kv block (times the keys' int8 scales), masked entries NEG_INF."""
+    """(scaled logits [B, Hkv, G, T, bk] of one kv block (times the keys' int8 scales), soft-capped, masked entries
+    NEG_INF; the soft cap's derivative or None)."""
     T, bk = qg.shape[1], k_blk.shape[1]
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k_blk, preferred_element_type=jnp.float32) * plan.sm_scale
     s = s if k_scale is None else s * k_scale
+    s, d_cap = soft_cap(s, plan.logit_soft_cap)
     mask = attention_mask(
         jnp.arange(T)[:, None],
         j * bk + jnp.arange(bk)[None, :],
@@ -145,8 +163,9 @@ def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None):
         None if ids_blk is None else ids_blk[:, None, None, None, :],
         causal=plan.causal,
         kv_len=plan.kv_len,
+        window=plan.window,
     )
-    return s if mask is None else jnp.where(mask, s, NEG_INF)
+    return (s if mask is None else jnp.where(mask, s, NEG_INF)), d_cap
 
 
 def _block_dropout(keys, T, j, block_k, plan):
@@ -181,7 +200,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         j, ids_blk, k_blk = lax.optimization_barrier((j, ids_blk, k_blk))
         if k_scale is not None:
             k_blk, v_blk = k_blk.astype(q.dtype), v_blk.astype(q.dtype)
-        s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, None if k_scale is None else as_columns(k_scale))
+        s, _ = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, None if k_scale is None else as_columns(k_scale))
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         # Rows with no visible key so far get p = 1 on masked entries; alpha = 0 wipes that once a visible key
@@ -225,7 +244,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     """Returns (dq, dk, dv) by recomputing each kv block's probabilities from the saved lse.
 
     With dropout (out = (p * keep) v): dv = (p * keep)^T do, and dp = (do v^T) * keep enters the softmax backward;
-    delta = <out, do> is still sum_j p_ij dp_ij."""
+    delta = <out, do> is still sum_j p_ij dp_ij. A soft cap multiplies the logits' gradient by its derivative."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -239,13 +258,14 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
 
     def step(dq, xs):
         j, k_blk, v_blk, ids_blk = xs
-        s = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
+        s, d_cap = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
         p = jnp.exp(s - lse[..., None])  # masked entries and fully-masked rows (lse = +inf) give exactly 0
         dp = jnp.einsum("btkgd,bskd->bkgts", dog, v_blk, preferred_element_type=jnp.float32)
         keep = _block_dropout(keys, T, j, block_k, plan)
         p_kept = p if keep is None else p * keep
         dp = dp if keep is None else dp * keep
         ds = p * (dp - delta[..., None]) * plan.sm_scale
+        ds = ds if d_cap is None else ds * d_cap
         dv_blk = jnp.einsum("bkgts,btkgd->bskd", p_kept.astype(do.dtype), dog, preferred_element_type=jnp.float32)
         dk_blk = jnp.einsum("bkgts,btkgd->bskd", ds.astype(q.dtype), qg, preferred_element_type=jnp.float32)
         dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32)
