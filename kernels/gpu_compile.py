@@ -205,6 +205,9 @@ def production_cases():
         "attention, packed": (grad3(attention()), (q, kv, kv, ids), ("fwd", "dq", "dk/dv")),
         "attention, dropout 0.1": (grad3(attention(dropout_rate=0.1, dropout_rng=jax.random.key(0))), (q, kv, kv),
                                    ("fwd", "dq", "dk/dv")),
+        # Gemma 2's local layers: a causal window of 1024 keys, logits soft-capped at 50.
+        "attention, window 1024, soft cap 50": (grad3(attention(window=(1023, 0), logit_soft_cap=50.0)),
+                                                (q, kv, kv), ("fwd", "dq", "dk/dv")),
         "decode": (lambda q, k, v, ids: decode_attention(q, k, v, segment_ids=ids, implementation="triton"),
                    (step_q, cache, cache, cache_ids), ("fwd",)),
         "decode, int8 cache": (

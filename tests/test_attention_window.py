@@ -5,6 +5,9 @@ forward and gradients; the kernels skip the tiles outside the window; bad values
 The Pallas kernels run in Pallas's interpreter on CPU, with small tiles so that each window spans several of them
 and leaves whole tiles outside (the tiles a kernel must skip).
 """
+import contextlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +15,15 @@ import pytest
 
 import engine
 from kernels.attention import BlockSizes, _band, _cost, decode_attention, flash_attention
+from tests.targets import for_gpu
+from tests.test_cost_estimates import _pallas_calls
 
 # (flash_attention kwargs, length multiplier): Mosaic's tiles are at least 128 wide, so its cases are 8x longer
-# (windows too), as are their tiles.
+# (windows too). Its interpreter is the slowest: the default run keeps `MOSAIC_DEFAULT`'s cases, the rest are slow.
 VARIANTS = {
     "xla": (dict(implementation="xla", block_sizes=BlockSizes(block_k=16)), 1),
+    "triton": (dict(implementation="triton", interpret=True, block_sizes=BlockSizes(16, 16, 16, 32)), 1),
+    "mosaic_tpu": (dict(implementation="mosaic_tpu", interpret=True, block_sizes=BlockSizes(128, 128, 128, 256)), 8),
 }
 # Relative max error, float32 inputs: (forward, gradients).
 TOLERANCE = (2e-5, 5e-5)
@@ -31,6 +38,7 @@ CASES = [
     (True, (20, 0), 1.5, True, 4, 2, 45, 45),
     (False, (0, 30), 3.0, False, 2, 1, 24, 56),
 ]
+MOSAIC_DEFAULT = (3, 4)
 
 
 def _case_id(case):
@@ -103,8 +111,14 @@ def _out_and_grads(f, q, k, v, ct):
 
 def _params():
     for variant in VARIANTS:
-        for case in CASES:
-            yield pytest.param(variant, case, id=f"{variant}-{_case_id(case)}")
+        for index, case in enumerate(CASES):
+            slow = variant == "mosaic_tpu" and index not in MOSAIC_DEFAULT
+            yield pytest.param(variant, case, id=f"{variant}-{_case_id(case)}",
+                               marks=[pytest.mark.slow] if slow else [])
+
+
+def _slow_on_mosaic(variants):
+    return [pytest.param(v, marks=pytest.mark.slow) if v == "mosaic_tpu" else v for v in variants]
 
 
 @pytest.mark.parametrize("variant, case", _params())
@@ -148,7 +162,7 @@ def _cache(B, S, KVH, D, fills):
     return k, v, jnp.asarray(ids)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", _slow_on_mosaic(VARIANTS))
 def test_decode_attention_with_a_window_and_a_soft_cap(variant):
     """A decoding step's queries at their cache slots see the slots p - left ... p + right of their own id: equal
     to the dense attention over the cache with that mask (left padding, one and two new tokens, GQA, splits)."""
@@ -183,16 +197,23 @@ def test_the_cost_estimates_count_the_band():
     assert _cost._kv_rows_streamed(T, T, 128, 128, True, None, (255, 0)) == (3 * (T // 128) - 3) * 128
     assert _cost._q_rows_streamed(T, T, 128, 128, True, (255, 0)) == (3 * (T // 128) - 3) * 128
     assert banded.bytes_accessed < full.bytes_accessed / 5  # q, out and lse are read and written once either way
-    # The tile ranges against the dense mask: a tile pair is in range exactly when some pair in it is visible.
-    for causal, window, bq, bk in ((True, (37, 0), 16, 32), (False, (5, 50), 32, 16), (False, None, 16, 16)):
+    # The tile ranges against the dense mask: a tile pair is in range exactly when some pair in it is visible, and
+    # needs no position mask exactly when every pair in it is.
+    def inner(index, first, stop):
+        return (first is None or index >= first) & (stop is None or index < stop)
+
+    for causal, window, bq, bk in ((True, (37, 0), 16, 32), (False, (5, 50), 32, 16), (False, None, 16, 16),
+                                   (True, None, 32, 16)):
         band = _band.edges(causal, window)
-        visible = _dense_mask(128, 128, causal, window, None)[0].reshape(128 // bq, bq, 128 // bk, bk).any((1, 3))
-        for i in range(128 // bq):
-            first, stop = _band.kv_range(i, bq, bk, 128 // bk, band)
-            np.testing.assert_array_equal(np.arange(128 // bk)[visible[i]], np.arange(first, stop))
-        for j in range(128 // bk):
-            first, stop = _band.q_range(j, bq, bk, 128 // bq, band)
-            np.testing.assert_array_equal(np.arange(128 // bq)[visible[:, j]], np.arange(first, stop))
+        tiles = _dense_mask(128, 128, causal, window, None)[0].reshape(128 // bq, bq, 128 // bk, bk)
+        visible, whole = tiles.any((1, 3)), tiles.all((1, 3))
+        kv_tiles, q_tiles = np.arange(128 // bk), np.arange(128 // bq)
+        for i in q_tiles:
+            np.testing.assert_array_equal(kv_tiles[visible[i]], np.arange(*_band.kv_range(i, bq, bk, 128 // bk, band)))
+            np.testing.assert_array_equal(whole[i], inner(kv_tiles, *_band.inner_range(i, bq, bk, band)))
+        for j in kv_tiles:
+            np.testing.assert_array_equal(q_tiles[visible[:, j]], np.arange(*_band.q_range(j, bq, bk, 128 // bq, band)))
+            np.testing.assert_array_equal(whole[:, j], inner(q_tiles, *_band.inner_range(j, bk, bq, band[::-1])))
 
 
 def _array(shape, dtype=jnp.float32):
@@ -260,3 +281,89 @@ def test_context_parallel_attention_with_window_and_soft_cap():
     with pytest.raises(ValueError, match=r"window=\(9, 0\) on a mesh with context=8 .*\(ring attention\); expected "
                                          "window=None"):
         grads(dict(data=1, context=8), 4, (9, 0))
+
+
+# The Pallas variants with tiles of 16 (Triton) or 128 (Mosaic) rows in every pass, for the skipping test.
+SKIP_TILES = {"triton": BlockSizes(16, 16, 16, 16), "mosaic_tpu": BlockSizes(128, 128, 128, 128)}
+
+
+@pytest.mark.parametrize("variant, causal, window", [
+    ("triton", True, (15, 0)), ("triton", False, (15, 15)), ("mosaic_tpu", True, (15, 0)),
+    pytest.param("mosaic_tpu", False, (15, 15), marks=pytest.mark.slow)])
+def test_tiles_outside_the_window_are_skipped_not_just_masked(variant, causal, window):
+    """8 tiles of 16 positions (Mosaic: of 128, everything 8x) and a window of 15 (+ 15) positions: query tile i sees
+    kv tiles i - 1 ... i (+ 1), kv tile j is seen by query tiles j ... j + 1 (causal). Tiles 0-1 of k and v (and
+    6-7 of q, or of k and v when the window reaches right) hold NaN. A kernel that loaded and masked those tiles
+    would spread NaN through 0 * NaN (and NaN statistics); skipping them, the outputs and gradients of the query
+    tiles 3-5 (3-4) and of the kv tiles 3-4 (causal) equal the attention over clean inputs, though the first
+    queries among them are masked against keys in a tile they do see (the tiles at the window's edge)."""
+    kwargs, m = dict(VARIANTS[variant][0], block_sizes=SKIP_TILES[variant]), VARIANTS[variant][1]
+    window = (window[0] * m + m - 1, window[1] * m + (m - 1 if window[1] else 0))
+    case = (causal, window, None, False, 2, 1, 128 * m, 128 * m)
+    q, k, v, ct, _ = _inputs(case, batch=1)
+    tile = 16 * m
+    nan = lambda x, tiles: jnp.asarray(np.where(  # noqa: E731
+        np.isin(np.arange(x.shape[1]) // tile, tiles)[None, :, None, None], np.nan, np.asarray(x)))
+    bad_q, bad_kv = ([6, 7], [0, 1]) if causal else ([], [0, 1, 6, 7])
+    f = lambda q, k, v: flash_attention(q, k, v, causal=causal, window=window, **kwargs)  # noqa: E731
+    out, (dq, dk, dv) = _out_and_grads(f, nan(q, bad_q), nan(k, bad_kv), nan(v, bad_kv), ct)
+    mask = _dense_mask(q.shape[1], k.shape[1], causal, window, None)
+    ref, (ref_dq, ref_dk, ref_dv) = _out_and_grads(lambda q, k, v: _dense_attention(q, k, v, mask, None), q, k, v, ct)
+    rows = slice(3 * tile, (6 if causal else 5) * tile)
+    assert np.isnan(np.asarray(out)).any()  # the NaN tiles are real
+    for got, want in ((out, ref), (dq, ref_dq)):
+        assert _relative_error(got[:, rows], want[:, rows]) < TOLERANCE[1]
+    if causal:
+        for got, want in ((dk, ref_dk), (dv, ref_dv)):
+            assert _relative_error(got[:, 3 * tile:5 * tile], want[:, 3 * tile:5 * tile]) < TOLERANCE[1]
+
+
+LOWERINGS = [("triton", "cuda", "__gpu$xla.gpu.triton"), ("mosaic_tpu", "tpu", "tpu_custom_call")]
+
+
+@pytest.mark.parametrize("implementation, platform, custom_call", LOWERINGS)
+def test_lowers_for_the_accelerator(implementation, platform, custom_call):
+    """Gemma 2's local layers at a training shape (batch 2, len 4096, 16 heads over 8 kv heads, head_dim 128, bf16,
+    packed, causal window of 1024 keys, soft cap 50, with and without dropout): forward and backward lower to
+    exactly the three Pallas kernels, with no device. Each declares the band's cost: W keys per query, less the
+    first window's triangle."""
+    B, T, H, Hkv, D, W = 2, 4096, 16, 8, 128, 1024
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, Hkv, D), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(q, k, v, ids, key):
+        out = flash_attention(q, k, v, causal=True, segment_ids=ids, window=(W - 1, 0), logit_soft_cap=50.0,
+                              implementation=implementation, dropout_rate=0.1 if key is not None else 0.0,
+                              dropout_rng=key)
+        return out.astype(jnp.float32).sum()
+
+    for key in (None, jax.random.key(0)):
+        with for_gpu() if platform == "cuda" else contextlib.nullcontext():
+            text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, kv, kv, ids, key).lower(
+                lowering_platforms=(platform,)).as_text()
+        assert text.count(f"@{custom_call}(") == 3
+        for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+            assert kernel in text
+    pairs = B * H * (W * T - W * (W - 1) // 2)
+    flops = {name: cost.flops for name, cost, *_ in _pallas_calls(jax.grad(loss, (0, 1, 2)), q, kv, kv, ids, None)}
+    assert flops == {"flash_attention_fwd": 4 * D * pairs, "flash_attention_dq": 6 * D * pairs,
+                     "flash_attention_dkv": 8 * D * pairs}
+
+
+
+def test_mosaic_grids_walk_only_the_band():
+    """The Mosaic kernels' reduction axes span the most tiles of the band any tile sees, not every tile: at 4096
+    tokens in 512-key tiles (dq: 256-query ones) a causal window of 1024 keys takes 3 kv steps per query tile
+    where causal attention takes 8, and the dk/dv kernel 6 query steps of 16."""
+    q = jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16)
+    blocks = BlockSizes(512, 512, 256, 512)
+
+    def grids(window):
+        f = lambda q, k, v: flash_attention(q, k, v, causal=True, window=window, block_sizes=blocks,  # noqa: E731
+                                            implementation="mosaic_tpu").astype(jnp.float32).sum()
+        text = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(q, q, q))
+        return re.findall(r"grid=\(([\d, ]*)\)", text)
+
+    assert grids(None) == ["1, 2, 8, 8", "1, 2, 16, 8", "1, 2, 8, 1, 16"]
+    assert grids((1023, 0)) == ["1, 2, 8, 3", "1, 2, 16, 3", "1, 2, 8, 1, 6"]

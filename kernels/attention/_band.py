@@ -39,18 +39,16 @@ def q_range(j, block_q, block_k, num_q_blocks, band):
     return kv_range(j, block_k, block_q, num_q_blocks, band[::-1])
 
 
-def inside(i, j, block_q, block_k, band):
-    """Whether every (query, key) of query tile i and kv tile j lies in the band, so the tile needs no position
-    mask; None when the band is unbounded on both sides."""
+def inner_range(i, block_q, block_k, band):
+    """(first, stop) of the kv tiles wholly inside query tile i's band, which need no position mask; either None
+    where the band is unbounded on that side. Mirrored (`band[::-1]`, the block sizes swapped): the query tiles
+    wholly inside kv tile i's band."""
     left, right = band
-    terms = []
-    if left is not None:  # the tile's first key is within `left` of its last query
-        terms.append(j * block_k >= (i + 1) * block_q - 1 - left)
-    if right is not None:  # its last key is within `right` after its first query
-        terms.append((j + 1) * block_k - 1 <= i * block_q + right)
-    if not terms:
-        return None
-    return terms[0] if len(terms) == 1 else terms[0] & terms[1]
+    maximum, _, div = _ops(i)
+    # The tile's first key within `left` of the tile's last query, its last key within `right` after its first.
+    first = None if left is None else div(maximum((i + 1) * block_q - 1 - left, 0) + block_k - 1, block_k)
+    stop = None if right is None else div(i * block_q + right + 1, block_k)
+    return first, stop
 
 
 def tiles_seen(num_blocks, block_q, block_k, num_other_blocks, band, ranges):

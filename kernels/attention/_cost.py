@@ -44,6 +44,11 @@ def _kv_rows_streamed(T, S, bq, bk, causal, kv_len, window):
                                 _band.kv_range).sum()) * bk
 
 
+def band_of(plan):
+    """The window and soft-cap arguments of the estimates below, from a kernel's plan."""
+    return dict(window=plan.window, soft_cap=plan.logit_soft_cap is not None)
+
+
 def _nbytes(arrays):
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays)
 

@@ -22,7 +22,7 @@ from kernels.attention.reference import dropout_keys
 from kernels.matmul.formats import quantize_int8
 
 _IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
-_BANDED = ("xla",)  # the implementations with sliding windows and soft caps so far
+_BANDED = ("xla", "triton", "mosaic_tpu")  # the implementations with sliding windows and soft caps so far
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 

@@ -4,13 +4,14 @@ Forward: one program per (q block, batch, head) loops over kv blocks with an onl
 (log2(e) folded into the logit scale, so each exponential is one `ex2.approx`), and saves the output and the
 base-2 log-sum-exp. Backward: a dq pass (one program per q block, looping over kv blocks) and a dk/dv pass (one
 program per kv block and kv head, looping over the q heads of its group and over q blocks), so neither needs atomics
-and k/v are never repeated for grouped-query attention. Under causal masking the loops start/stop at the diagonal;
-under segment ids they start and stop at the first and last block whose id range meets the fixed block's
-(`_block_bounds`, computed outside the kernel). Dropout regenerates its mask in every kernel from the (batch row,
+and k/v are never repeated for grouped-query attention. Under causal masking and a sliding window the loops run
+over the blocks inside the band (`_band`: from the window's left edge to the diagonal); under segment ids they start
+and stop at the first and last block whose id range meets the fixed block's (`_block_bounds`, computed outside the
+kernel). A soft cap bends each logit (`reference.soft_cap`) and the backward passes multiply by its derivative. Dropout regenerates its mask in every kernel from the (batch row,
 head) key and the tile's positions (`reference.dropout_multiplier`).
 
-Each kernel runs one loop over its blocks, with the causal mask under a uniform branch on the blocks that straddle
-the diagonal, behind a guard that skips an empty loop. One loop per region (or a zero-trip path to the loop's exit)
+Each kernel runs one loop over its blocks, with the position mask under a uniform branch on the blocks that straddle
+the band's edges, behind a guard that skips an empty loop. One loop per region (or a zero-trip path to the loop's exit)
 joins the in-flight wgmma accumulator with registers that other instructions defined, and ptxas then serializes
 every wgmma of the kernel (C7515 on sm_90a); skipping a block under `lax.cond` kept Triton from pipelining the loop
 at all. The registers and shared memory before and after: kernels/README.md (Hopper compile tier).
@@ -22,8 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.attention import _cost
-from kernels.attention.reference import NEG_INF, attention_mask, dropout_multiplier
+from kernels.attention import _band, _cost
+from kernels.attention.reference import NEG_INF, attention_mask, dropout_multiplier, soft_cap
 
 try:
     from jax.experimental.pallas import triton as plgpu
@@ -45,26 +46,31 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _masked_logits(a, b, scale, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal):
-    """Scaled logits a @ b^T with masked entries set to NEG_INF. Positions and ids are shaped to broadcast in the
-    result's orientation ([q, k] or [k, q]). `on_diagonal` (False, or a traced bool) says the block straddles the
-    causal diagonal: only then is the causal mask applied, under a branch, so blocks below it skip its arithmetic."""
-    s = _dot_nt(a, b) * scale
+def _masked_logits(a, b, scale, q_pos, k_pos, q_ids, kv_ids, plan, on_edge):
+    """(logits a @ b^T * scale, soft-capped, in the exp2 domain, with masked entries set to NEG_INF; the soft cap's
+    derivative or None). `scale`: sm_scale (times int8 keys' scales). Positions and ids are shaped to broadcast in
+    the result's orientation ([q, k] or [k, q]). `on_edge` (False, or a traced bool) says the block straddles an
+    edge of the causal / window band: only then is the position mask applied, under a branch, so blocks inside the
+    band skip its arithmetic."""
+    if plan.logit_soft_cap is None:
+        s, d_cap = _dot_nt(a, b) * (scale * _LOG2E), None
+    else:
+        s, d_cap = soft_cap(_dot_nt(a, b) * scale, plan.logit_soft_cap)
+        s = s * _LOG2E
     mask = attention_mask(q_pos, k_pos, q_ids, kv_ids, causal=False, kv_len=plan.kv_len)
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
-    if on_diagonal is False:
-        return s
-    visible = attention_mask(q_pos, k_pos, None, None, causal=True, kv_len=None)
-    return lax.cond(on_diagonal, lambda s: jnp.where(visible, s, NEG_INF), lambda s: s, s)
+    if on_edge is False:
+        return s, d_cap
+    visible = attention_mask(q_pos, k_pos, None, None, causal=plan.causal, kv_len=None, window=plan.window)
+    return lax.cond(on_edge, lambda s: jnp.where(visible, s, NEG_INF), lambda s: s, s), d_cap
 
 
-def _loop(lo, hi, diagonal, body, carry):
-    """body(idx, carry, on_diagonal) over the blocks [lo, hi), on_diagonal true for those in `diagonal` = (first,
-    stop) (None: no causal mask). One loop, entered only when non-empty (see the module's docstring: C7515)."""
-    on_diagonal = (lambda idx: False) if diagonal is None else (
-        lambda idx: jnp.logical_and(idx >= diagonal[0], idx < diagonal[1]))
-    run = lambda c: lax.fori_loop(lo, hi, lambda idx, c: body(idx, c, on_diagonal(idx)), c)  # noqa: E731
+def _loop(lo, hi, on_edge, body, carry):
+    """body(idx, carry, on_edge(idx)) over the blocks [lo, hi); on_edge None: no position mask. One loop, entered
+    only when non-empty (see the module's docstring: C7515)."""
+    run = lambda c: lax.fori_loop(  # noqa: E731
+        lo, hi, lambda idx, c: body(idx, c, False if on_edge is None else on_edge(idx)), c)
     if isinstance(lo, int) and isinstance(hi, int):
         return run(carry) if lo < hi else carry
     return lax.cond(lo < hi, run, lambda c: c, carry)
@@ -78,14 +84,25 @@ def _bounded(lo, hi, bounds_refs):
     return jnp.maximum(lo, first_ref[...]), jnp.minimum(hi, stop_ref[...])
 
 
-def _loop_over_kv_blocks(i, block_q, block_k, num_kv_blocks, causal, bounds_refs, body, carry):
-    """body(j, carry, on_diagonal) over the kv blocks q block i can see: all, or up to the diagonal under causal,
-    within the segment-id bounds."""
-    if not causal:
-        return _loop(*_bounded(0, num_kv_blocks, bounds_refs), None, body, carry)
-    end = jnp.minimum(num_kv_blocks, lax.div((i + 1) * block_q + block_k - 1, block_k))
-    unmasked_end = jnp.minimum(end, lax.div(i * block_q + 1, block_k))  # blocks whose last key <= first query
-    return _loop(*_bounded(0, end, bounds_refs), (unmasked_end, end), body, carry)
+def _band_loop(visible, inner, bounds_refs, body, carry):
+    """body(idx, carry, on_edge) over the `visible` blocks (first, stop) of the band, narrowed to the segment-id
+    bounds; on_edge: idx outside the `inner` blocks (`_band.inner_range`), which need no position mask."""
+    first, stop = inner
+
+    def on_edge(idx):
+        if first is None:
+            return idx >= stop
+        return idx < first if stop is None else jnp.logical_or(idx < first, idx >= stop)
+
+    return _loop(*_bounded(*visible, bounds_refs), None if inner == (None, None) else on_edge, body, carry)
+
+
+def _loop_over_kv_blocks(i, block_q, block_k, num_kv_blocks, plan, bounds_refs, body, carry):
+    """body(j, carry, on_edge) over the kv blocks q block i can see: those in the causal / window band, within the
+    segment-id bounds."""
+    band = _band.edges(plan.causal, plan.window)
+    return _band_loop(_band.kv_range(i, block_q, block_k, num_kv_blocks, band),
+                      _band.inner_range(i, block_q, block_k, band), bounds_refs, body, carry)
 
 
 def _split_refs(refs, has_ids, has_keys, num_inputs):
@@ -132,20 +149,19 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False)
     q_pos = (i * bq + jnp.arange(bq))[:, None]
     q_ids = None if qid_ref is None else qid_ref[...][:, None]
     key = None if keys_ref is None else keys_ref[...]
-    qk_scale = plan.sm_scale * _LOG2E
 
-    def visit(j, carry, on_diagonal):
+    def visit(j, carry, on_edge):
         acc, m, l = carry
         kv_slice = pl.ds(j * bk, bk)
         v, k = v_ref[kv_slice, :], k_ref[kv_slice, :]
         if has_scales:  # int8 tiles converted where read; the key scales multiply the logits' columns
             v, k = v.astype(q.dtype), k.astype(q.dtype)
-            qk = qk_scale * ks_ref[kv_slice][None, :]
+            scale = plan.sm_scale * ks_ref[kv_slice][None, :]
         else:
-            qk = qk_scale
+            scale = plan.sm_scale
         kv_ids = None if kid_ref is None else kid_ref[kv_slice][None, :]
         k_pos = (j * bk + jnp.arange(bk))[None, :]
-        s = _masked_logits(q, k, qk, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal)
+        s, _ = _masked_logits(q, k, scale, q_pos, k_pos, q_ids, kv_ids, plan, on_edge)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was summed under the old max (0 wipes masked-only rows)
         p = jnp.exp2(s - m_new[:, None])
@@ -162,7 +178,7 @@ def _fwd_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks, has_scales=False)
         jnp.full((bq,), NEG_INF, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, l = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan.causal, bounds, visit, init)
+    acc, m, l = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan, bounds, visit, init)
     visible = m > NEG_INF / 2
     l = jnp.where(visible, l, 1.0)
     o_ref[...] = jnp.where(visible[:, None], acc / l[:, None], 0.0).astype(o_ref.dtype)
@@ -178,22 +194,22 @@ def _dq_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
     q_pos = (i * bq + jnp.arange(bq))[:, None]
     q_ids = None if qid_ref is None else qid_ref[...][:, None]
     key = None if keys_ref is None else keys_ref[...]
-    qk_scale = plan.sm_scale * _LOG2E
 
-    def visit(j, dq, on_diagonal):
+    def visit(j, dq, on_edge):
         kv_slice = pl.ds(j * bk, bk)
         k = k_ref[kv_slice, :]
         kv_ids = None if kid_ref is None else kid_ref[kv_slice][None, :]
         k_pos = (j * bk + jnp.arange(bk))[None, :]
-        s = _masked_logits(q, k, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal)
+        s, d_cap = _masked_logits(q, k, plan.sm_scale, q_pos, k_pos, q_ids, kv_ids, plan, on_edge)
         p = jnp.exp2(s - lse[:, None])
         dp = _dot_nt(do, v_ref[kv_slice, :])
         if key is not None:
             dp = dp * dropout_multiplier(key, q_pos, k_pos, plan.dropout_rate)
         ds = p * (dp - delta[:, None])
+        ds = ds if d_cap is None else ds * d_cap
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan.causal, bounds, visit, jnp.zeros(q.shape, jnp.float32))
+    dq = _loop_over_kv_blocks(i, bq, bk, num_kv_blocks, plan, bounds, visit, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * plan.sm_scale).astype(dq_ref.dtype)
 
 
@@ -206,37 +222,31 @@ def _dkv_kernel(*refs, plan, has_ids, has_keys, groups):
     k, v = k_ref[...], v_ref[...]
     k_pos = (j * bk + jnp.arange(bk))[:, None]
     kv_ids = None if kid_ref is None else kid_ref[...][:, None]
-    qk_scale = plan.sm_scale * _LOG2E
     num_q_blocks = q_ref.shape[0] // bq
+    band = _band.edges(plan.causal, plan.window)
 
     # Works on transposed blocks ([kv, q]) so that dv = p^T do and dk = ds^T q are plain matmuls.
-    def visit(g, i, carry, on_diagonal):
+    def visit(g, i, carry, on_edge):
         dk, dv = carry
         q_slice = pl.ds(i * bq, bq)
         q, do = q_ref[q_slice, g, :], do_ref[q_slice, g, :]
         q_ids = None if qid_ref is None else qid_ref[q_slice][None, :]
         q_pos = (i * bq + jnp.arange(bq))[None, :]
-        s_t = _masked_logits(k, q, qk_scale, q_pos, k_pos, q_ids, kv_ids, plan, on_diagonal)
+        s_t, d_cap = _masked_logits(k, q, plan.sm_scale, q_pos, k_pos, q_ids, kv_ids, plan, on_edge)
         p_t = jnp.exp2(s_t - lse_ref[g, q_slice][None, :])
+        keep = None if keys_ref is None else dropout_multiplier(keys_ref[g], q_pos, k_pos, plan.dropout_rate)
+        dv = dv + _dot((p_t if keep is None else p_t * keep).astype(do.dtype), do)
+        if d_cap is not None:  # folded in once dv has read p: one [bk, bq] tile fewer alive (255 registers and a
+            p_t = p_t * d_cap  # spill on sm_90a with the cap's derivative kept beside p and dp)
         dp_t = _dot_nt(v, do)
-        if keys_ref is not None:
-            keep = dropout_multiplier(keys_ref[g], q_pos, k_pos, plan.dropout_rate)
-            dv = dv + _dot((p_t * keep).astype(do.dtype), do)
-            dp_t = dp_t * keep
-        else:
-            dv = dv + _dot(p_t.astype(do.dtype), do)
+        dp_t = dp_t if keep is None else dp_t * keep
         ds_t = p_t * (dp_t - delta_ref[g, q_slice][None, :])
         return dk + _dot(ds_t.astype(q.dtype), q), dv
 
     def per_head(g, carry):
-        body = lambda i, c, on_diagonal: visit(g, i, c, on_diagonal)  # noqa: E731
-        if not plan.causal:
-            return _loop(*_bounded(0, num_q_blocks, bounds), None, body, carry)
-        # q blocks ending before this kv block starts see none of it; those starting at or after its last key see
-        # all of it.
-        first = jnp.minimum(num_q_blocks, lax.div(j * bk, bq))
-        unmasked_start = jnp.minimum(num_q_blocks, lax.div(j * bk + bk - 1 + bq - 1, bq))
-        return _loop(*_bounded(first, num_q_blocks, bounds), (first, unmasked_start), body, carry)
+        body = lambda i, c, on_edge: visit(g, i, c, on_edge)  # noqa: E731
+        return _band_loop(_band.q_range(j, bq, bk, num_q_blocks, band), _band.inner_range(j, bk, bq, band[::-1]),
+                          bounds, body, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, per_head, (zeros, zeros))
@@ -290,7 +300,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         interpret=plan.interpret,
         name="flash_attention_fwd",
         cost_estimate=_cost.forward(q.shape, k.shape, q.dtype.itemsize, k.dtype.itemsize, (bq, bk), plan.causal,
-                                    plan.kv_len, [*ids, *key_ops, *scales]),
+                                    plan.kv_len, [*ids, *key_ops, *scales], **_cost.band_of(plan)),
     )(q, k, v, *ids, *key_ops, *scales)
 
 
@@ -332,7 +342,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         name="flash_attention_dq",
         cost_estimate=_cost.backward_dq(q.shape, k.shape, q.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
-                                        [*ids, *key_ops]),
+                                        [*ids, *key_ops], **_cost.band_of(plan)),
         **common,
     )(q, k, v, do, lse, delta, *ids, *key_ops)
 
@@ -355,7 +365,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="flash_attention_dkv",
         cost_estimate=_cost.backward_dkv(q.shape, k.shape, q.dtype.itemsize, (bq, bk), plan.causal, plan.kv_len,
-                                         [*ids, *key_ops]),
+                                         [*ids, *key_ops], **_cost.band_of(plan)),
         **common,
     )(q, k, v, do, lse, delta, *ids, *key_ops)
     return dq, dk, dv
