@@ -1,5 +1,5 @@
-"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3) with Hugging Face checkpoint
-import/export and generation.
+"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3, Mistral) with Hugging Face
+checkpoint import/export and generation.
 
 Parameters are a plain nested dict of arrays; Dense kernels are [in, out]. Decoder-only models:
 `model.apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None) -> logits [B, T, vocab]` (float32);
@@ -15,6 +15,7 @@ from models.layers import ModelOptions, stack_layers
 from models.llama import Llama, LlamaConfig
 from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,
                          save_lora_adapter)
+from models.mistral import Mistral, MistralConfig
 from models.opt import OPT, OPTConfig
 from models.quantize import dequantize, quantize
 from models.qwen2 import Qwen2, Qwen2Config

@@ -1,6 +1,7 @@
 """LLaMA (1, 2, 3, 3.1 and its relatives with the same layout): RMSNorm, rotary embeddings with the rope-scaling
 variants, grouped-query attention, SwiGLU, tied or untied embeddings. Config, module and Hugging Face conversion."""
 import dataclasses
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -33,7 +34,20 @@ class LlamaConfig(layers.ModelOptions):
     # from attention_bias (None: the same), RMSNorm of each q and k head before rope.
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
-
+    # Fields of the families of this layout with windows, post-norms and soft-caps (models/mistral.py, gemma.py),
+    # constants here: the sliding window (transformers' sliding_window: a query sees that many newest positions),
+    # the logit scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), attention and final logit
+    # soft-caps, the sliding layers' own rope (theta None: the global one), a norm after attention and after the
+    # MLP, norms scaling by norm_offset + w, embeddings times sqrt(hidden_size).
+    sliding_window: ClassVar[int | None] = None
+    query_pre_attn_scalar: ClassVar[float | None] = None
+    attn_logit_softcap: ClassVar[float | None] = None
+    final_logit_softcap: ClassVar[float | None] = None
+    rope_local_theta: ClassVar[float | None] = None
+    rope_local_scaling: ClassVar[tuple] = ()
+    post_norms: ClassVar[bool] = False
+    norm_offset: ClassVar[float] = 0.0
+    scale_embeddings: ClassVar[bool] = False
 
 
 _LLAMA2 = dict(norm_eps=1e-5, max_position_embeddings=4096)
@@ -62,28 +76,43 @@ NAMED_CONFIGS = {
 
 
 class LlamaBlock(nn.Module):
+    """Pre-norm attention and gated MLP, each added to the residual stream; with the config's options (above) a
+    sliding window, soft-caps, a second rope, and post-norms on both branches (Gemma). `layer` ({'sliding': bool,
+    traced under a layer scan}) is given where the layers differ (`layers.apply_layers`)."""
     config: LlamaConfig
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x, ctx, cache):
+    def __call__(self, x, ctx, cache, layer=None):
         c = self.config
         kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
-        rotary = layers.Rotary(c.dim_per_head, c.rope_theta, interleaved=False, scaling=c.rope_scaling,
-                               max_position_embeddings=c.max_position_embeddings)
-        h = layers.Norm("rms", c.norm_eps, name="attn_norm", **kw)(x)
+        norm = functools.partial(layers.Norm, "rms", c.norm_eps, offset=c.norm_offset, **kw)
+        rope = functools.partial(layers.Rotary, c.dim_per_head, interleaved=False,
+                                 max_position_embeddings=c.max_position_embeddings)
+        rotary_sliding = None if c.rope_local_theta is None else rope(c.rope_local_theta,
+                                                                       scaling=c.rope_local_scaling)
+        sliding = any(layers.sliding_layers(c)) if layer is None else layer["sliding"]
+        h = norm(name="attn_norm")(x)
         h, cache = layers.Attention(c.num_heads, c.kv_heads, c.dim_per_head, causal=True, use_bias=c.attention_bias,
                                     out_bias=c.o_bias, qk_norm_eps=c.norm_eps if c.qk_norm else None,
-                                    rotary=rotary, std=c.initializer_range,
+                                    norm_offset=c.norm_offset, rotary=rope(c.rope_theta, scaling=c.rope_scaling),
+                                    rotary_sliding=rotary_sliding, window=c.sliding_window,
+                                    logit_soft_cap=c.attn_logit_softcap,
+                                    sm_scale=c.query_pre_attn_scalar and c.query_pre_attn_scalar ** -0.5,
+                                    std=c.initializer_range,
                                     implementation=c.attention_implementation, interpret=c.kernel_interpret,
                                     dropout_rate=c.attention_dropout_rate, deterministic=self.deterministic,
-                                    name="attn", **kw, **layers.sublayer_options(c))(h, ctx, cache)
+                                    name="attn", **kw, **layers.sublayer_options(c))(h, ctx, cache, sliding=sliding)
+        if c.post_norms:
+            h = norm(name="attn_post_norm")(h)
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         x = x + drop(h)
-        h = layers.Norm("rms", c.norm_eps, name="mlp_norm", **kw)(x)
+        h = norm(name="mlp_norm")(x)
         h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias, std=c.initializer_range,
                        implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw,
                        deterministic=self.deterministic, **layers.sublayer_options(c))(h)
+        if c.post_norms:
+            h = norm(name="mlp_post_norm")(h)
         return x + drop(h), cache
 
 
@@ -119,21 +148,42 @@ def config_to_hf(c):
         hidden_act=c.hidden_act, initializer_range=c.initializer_range, attention_dropout=c.attention_dropout_rate)
 
 
+def from_hf(config_cls, hf, options, **fields):
+    """`config_cls` (a LlamaConfig) from the config.json dict of a family of this layout: LLaMA's fields, then
+    `fields` (models/qwen2.py, mistral.py, gemma.py)."""
+    c = config_from_hf(hf, **options)
+    return config_cls(**{**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, **fields})
+
+
+def to_hf(c, model_type, architecture, drop=()):
+    """LLaMA's config.json dict as `model_type`'s, without the keys in `drop`."""
+    hf = {k: v for k, v in config_to_hf(c).items() if k not in drop}
+    return {**hf, "model_type": model_type, "architectures": [architecture]}
+
+
 def hf_tensor_map(c):
-    """[(our param path, Hugging Face tensor name ('{i}' = layer index), transpose, layers or None)]."""
+    """[(our param path, Hugging Face tensor name ('{i}' = layer index), transpose, layers or None)], with the
+    layout's options: o's bias only with o_bias (None: attention_bias), q_norm / k_norm with qk_norm, and with
+    post_norms Gemma's four norms a layer (its post_attention_layernorm follows attention; LLaMA's precedes the
+    MLP)."""
     L = c.num_layers
     out = [(("embed", "embedding"), "model.embed_tokens.weight", False, None),
            (("final_norm", "scale"), "model.norm.weight", False, None)]
     for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
         out.append((("layers", "attn", ours, "kernel"), f"model.layers.{{i}}.self_attn.{theirs}.weight", True, L))
-        if c.attention_bias:
+        if c.attention_bias if ours != "o" or c.o_bias is None else c.o_bias:
             out.append((("layers", "attn", ours, "bias"), f"model.layers.{{i}}.self_attn.{theirs}.bias", False, L))
+    if c.qk_norm:
+        out += [(("layers", "attn", f"{x}_norm", "scale"), f"model.layers.{{i}}.self_attn.{x}_norm.weight", False, L)
+                for x in "qk"]
     for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         out.append((("layers", "mlp", ours, "kernel"), f"model.layers.{{i}}.mlp.{theirs}.weight", True, L))
         if c.mlp_bias:
             out.append((("layers", "mlp", ours, "bias"), f"model.layers.{{i}}.mlp.{theirs}.bias", False, L))
-    out += [(("layers", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight", False, L),
-            (("layers", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", False, L)]
+    norms = (("attn_norm", "input_layernorm"), ("attn_post_norm", "post_attention_layernorm"),
+             ("mlp_norm", "pre_feedforward_layernorm"), ("mlp_post_norm", "post_feedforward_layernorm")) \
+        if c.post_norms else (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
+    out += [(("layers", ours, "scale"), f"model.layers.{{i}}.{theirs}.weight", False, L) for ours, theirs in norms]
     if not c.tie_word_embeddings:
         out.append((("lm_head", "kernel"), "lm_head.weight", True, None))
     return out

@@ -47,7 +47,7 @@ def config_to_hf(c):
 
 def from_hf(config_cls, hf, options, **fields):
     """`config_cls` (a LlamaConfig) from a Qwen config.json dict: LLaMA's fields, then `fields`. ValueError for a
-    sliding window, which the attention kernels do not take yet."""
+    sliding window, which no released Qwen2 / 2.5 / 3 dense model turns on."""
     if hf.get("use_sliding_window"):
         raise ValueError(f"'use_sliding_window' is {json.dumps(hf['use_sliding_window'])}; sliding-window attention is "
                          "not supported yet (expected false)")
@@ -55,24 +55,15 @@ def from_hf(config_cls, hf, options, **fields):
         layer = hf["layer_types"].index("sliding_attention")
         raise ValueError(f"'layer_types' has 'sliding_attention' at layer {layer}; sliding-window attention is not "
                          "supported yet (expected only 'full_attention')")
-    c = llama.config_from_hf(hf, **options)
-    return config_cls(**{**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}, **fields})
+    return llama.from_hf(config_cls, hf, options, **fields)
 
 
 def to_hf(c, model_type, architecture, drop=()):
     """LLaMA's config.json dict as `model_type`'s, without the keys in `drop` and mlp_bias (no Qwen field)."""
-    hf = {k: v for k, v in llama.config_to_hf(c).items() if k not in ("mlp_bias", *drop)}
-    return {**hf, "model_type": model_type, "architectures": [architecture], "use_sliding_window": False}
+    return {**llama.to_hf(c, model_type, architecture, ("mlp_bias", *drop)), "use_sliding_window": False}
 
 
-def hf_tensor_map(c):
-    """[(our param path, Hugging Face tensor name ('{i}' = layer index), transpose, layers or None)]: LLaMA's, o's
-    bias only with o_bias, q_norm / k_norm with qk_norm (same names in Qwen2 and Qwen3)."""
-    out = [e for e in llama.hf_tensor_map(c) if c.o_bias is not False or e[0] != ("layers", "attn", "o", "bias")]
-    if c.qk_norm:
-        out += [(("layers", "attn", f"{x}_norm", "scale"), f"model.layers.{{i}}.self_attn.{x}_norm.weight", False,
-                 c.num_layers) for x in "qk"]
-    return out
+hf_tensor_map = llama.hf_tensor_map
 
 
 Config, Model = Qwen2Config, Qwen2

@@ -39,5 +39,5 @@ def config_to_hf(c):
     return qwen2.to_hf(c, "qwen3", "Qwen3ForCausalLM")
 
 
-hf_tensor_map = qwen2.hf_tensor_map
+hf_tensor_map = llama.hf_tensor_map
 Config, Model = Qwen3Config, Qwen3

@@ -4,15 +4,14 @@ for fresh parameters on a layout. Checkpoint formats live elsewhere (`models.hf`
 import jax
 import jax.numpy as jnp
 
-from models import gptj, llama, opt, qwen2, qwen3, t5
+from models import gptj, llama, mistral, opt, qwen2, qwen3, t5
 
 # model_type -> family module (each has Config, Model, NAMED_CONFIGS, config_from_hf, config_to_hf, hf_tensor_map).
-FAMILIES = {"llama": llama, "gptj": gptj, "opt": opt, "t5": t5, "qwen2": qwen2, "qwen3": qwen3}
+FAMILIES = {"llama": llama, "gptj": gptj, "opt": opt, "t5": t5, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral}
 
 
 def family(model_type):
-    """The family module of a `model_type` ('llama', 'gptj', 'opt', 't5', 'qwen2', 'qwen3'); ValueError for any
-    other."""
+    """The family module of a `model_type` (a `FAMILIES` key); ValueError for any other."""
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
     return FAMILIES[model_type]
@@ -27,8 +26,8 @@ def model_type(model):
 
 
 def get_config(family, name="tiny", **overrides):
-    """Named config of a family ('llama', 'gptj', 'opt', 't5', 'qwen2', 'qwen3'), e.g. get_config('llama',
-    'llama3-8b', scan_layers=True). `overrides` replace any config field."""
+    """Named config of a family (a `FAMILIES` key), e.g. get_config('llama', 'llama3-8b', scan_layers=True).
+    `overrides` replace any config field."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} is unknown; expected one of {sorted(FAMILIES)}")
     named = FAMILIES[family].NAMED_CONFIGS

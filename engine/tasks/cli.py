@@ -489,7 +489,7 @@ def finish(trainer, workdir):
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
 
-DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3")
+DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3", "mistral")
 
 
 def define_decoder_flags(*, init_from_help,

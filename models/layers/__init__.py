@@ -8,13 +8,14 @@
 - mlp.py: `MLP` (gated or not).
 - parallel.py: `split_tokens` / `gather_tokens` (context and sequence parallelism of the residual stream).
 - stack.py: `apply_layers` (scan, remat, pipeline).
-- decoder.py: `DecoderLM`, `decoder_context`, `token_embedding`, `lm_output`, `stack_layers`.
+- decoder.py: `DecoderLM`, `decoder_context`, `token_embedding`, `lm_output`, `stack_layers`, `sliding_layers`.
 
 Layouts: activations [batch, len, d_model]; attention heads [batch, len, heads, head_dim]. Dense kernels are stored
 [in, out] (the transpose of PyTorch's Linear.weight). Parameters are a plain nested dict of arrays.
 """
 from models.layers.attention import Attention, attend, empty_cache
-from models.layers.decoder import DecoderLM, decoder_context, lm_output, stack_layers, token_embedding
+from models.layers.decoder import (DecoderLM, decoder_context, lm_output, sliding_layers, stack_layers,
+                                   token_embedding)
 from models.layers.linear import Linear, activation, lora_a_init
 from models.layers.mlp import MLP
 from models.layers.norms import Norm

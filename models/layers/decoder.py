@@ -42,11 +42,12 @@ def token_embedding(vocab_size, features, *, std=0.02, name=None, dtype=jnp.floa
                     param_dtype=param_dtype, name=name)
 
 
-def lm_output(x, embed, tied, new_cache, layer_cache, return_hidden, *, head_bias=False, std=0.02,
-              dtype=jnp.float32, param_dtype=jnp.float32):
+def lm_output(x, embed, tied, new_cache, layer_cache, return_hidden, *, head_bias=False, logit_soft_cap=None,
+              std=0.02, dtype=jnp.float32, param_dtype=jnp.float32):
     """Final projection of a decoder (call from its compact method). Tied heads reuse the embedding table; an untied
-    head is 'lm_head' [d_model, vocab]. Returns float32 logits [B, T, vocab] (or the hidden states [B, T, d_model]
-    when return_hidden, for a fused linear + cross-entropy), plus the updated cache when there is one."""
+    head is 'lm_head' [d_model, vocab]. logit_soft_cap c: logits c * tanh(logits / c) (Gemma 2). Returns float32
+    logits [B, T, vocab] (or the hidden states [B, T, d_model] when return_hidden, for a fused linear +
+    cross-entropy, which then has to apply the soft-cap), plus the updated cache when there is one."""
     if tied:
         head = embed.attend
     else:
@@ -55,6 +56,8 @@ def lm_output(x, embed, tied, new_cache, layer_cache, return_hidden, *, head_bia
         _ = linear.kernel  # create the head's parameters even when only hidden states are returned
         head = linear
     out = x if return_hidden else head(x).astype(jnp.float32)
+    if logit_soft_cap is not None and not return_hidden:
+        out = logit_soft_cap * jnp.tanh(out / logit_soft_cap)
     if new_cache is None:
         return out
     return out, {**new_cache, "layers": layer_cache}
@@ -65,7 +68,10 @@ class DecoderLM(nn.Module):
     head. A family subclasses it and sets `block` (its layer), `norm_kind`, `head_bias` and, for OPT,
     `position_offset`; its config provides num_layers, hidden_size, vocab_size, norm_eps, initializer_range,
     tie_word_embeddings, kv_heads and dim_per_head (and optionally embed_dim, final_layer_norm,
-    layer_norm_elementwise_affine, max_position_embeddings).
+    layer_norm_elementwise_affine, max_position_embeddings, and the LLaMA layout's options: norm_offset (norms scale
+    by offset + w), scale_embeddings (embeddings times sqrt(hidden_size) in the compute dtype, as transformers'
+    Gemma), final_logit_softcap, sliding_window and sliding_layers (one bool per layer; where they differ each block
+    gets {'sliding': its flag}, `apply_layers`)).
 
     __call__(input_ids [B, T], attention_mask [B, T] | None, *, positions, cache, return_hidden, train) -> logits
     [B, T, vocab] float32, or (logits, cache) when a cache (from init_cache) is passed; see decoder_context for the
@@ -89,6 +95,8 @@ class DecoderLM(nn.Module):
         ctx, new_cache = decoder_context(input_ids, attention_mask, positions, cache)
         embed = token_embedding(c.vocab_size, embed_dim, name="embed", **lin)
         x = embed(input_ids)
+        if getattr(c, "scale_embeddings", False):
+            x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
         if embed_dim != c.hidden_size:
             x = Linear(embed_dim, c.hidden_size, name="project_in", **lin)(x)
         if self.position_offset is not None:
@@ -97,20 +105,33 @@ class DecoderLM(nn.Module):
             x = x + table(ctx["positions"] + self.position_offset)
         if self.embed_dropout:
             x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
+        sliding = sliding_layers(c)
         x, layer_cache = apply_layers(self.block, split_tokens(x, c.sequence_parallel), ctx, cache, c, owner=self,
+                                      per_layer={"sliding": sliding} if len(set(sliding)) > 1 else None,
                                       deterministic=not train)
         if getattr(c, "final_layer_norm", True):
-            x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, name="final_norm", **kw)(x)
+            x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, offset=getattr(c, "norm_offset", 0.0),
+                     name="final_norm", **kw)(x)
         x = gather_tokens(x, c.sequence_parallel)
         if embed_dim != c.hidden_size:
             x = Linear(c.hidden_size, embed_dim, name="project_out", **lin)(x)
         return lm_output(x, embed, c.tie_word_embeddings, new_cache, layer_cache, return_hidden,
-                         head_bias=self.head_bias, **lin)
+                         head_bias=self.head_bias, logit_soft_cap=getattr(c, "final_logit_softcap", None), **lin)
 
     def init_cache(self, batch, max_len, dtype=None):
-        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt + generated)."""
+        """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt + generated); sliding layers keep
+        rings of their window."""
         c = self.config
-        return empty_cache(c.num_layers, batch, max_len, c.kv_heads, c.dim_per_head, dtype or c.dtype)
+        return empty_cache(c.num_layers, batch, max_len, c.kv_heads, c.dim_per_head, dtype or c.dtype,
+                           window=getattr(c, "sliding_window", None), sliding=sliding_layers(c))
+
+
+def sliding_layers(config):
+    """One bool per layer of a decoder config: does it attend within config.sliding_window (none without a window;
+    every layer unless the config's sliding_layers says otherwise)."""
+    if getattr(config, "sliding_window", None) is None:
+        return (False,) * config.num_layers
+    return tuple(getattr(config, "sliding_layers", (True,) * config.num_layers))
 
 
 def stack_layers(model, params):

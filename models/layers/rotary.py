@@ -81,6 +81,11 @@ class Rotary:
 
     def __call__(self, x, positions):
         """x [batch, len, heads, head_dim], positions int [batch, len] -> x with its first `dim` features rotated."""
+        return self.rotate(x, positions, *self.frequencies(positions))
+
+    def frequencies(self, positions):
+        """(inverse frequencies [dim/2] float32, cos/sin multiplier) for a call at `positions` (dynamic NTK grows its
+        base from them)."""
         inv, att = self._static_inv_freq()
         inv = jnp.asarray(inv)
         s = dict(self.scaling)
@@ -90,6 +95,11 @@ class Rotary:
             factor, d = s["factor"], self.dim
             base = self.theta * ((factor * seq_len / self.max_position_embeddings) - (factor - 1)) ** (d / (d - 2))
             inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        return inv, att
+
+    def rotate(self, x, positions, inv, att):
+        """x rotated by the angles positions * inv, cos and sin times att (`frequencies`' pair, which may be traced:
+        a layer scan picks one of two ropes per layer)."""
         angles = positions[..., None].astype(jnp.float32) * inv  # [B, T, dim/2]
         cos = (jnp.cos(angles) * att)[:, :, None, :]
         sin = (jnp.sin(angles) * att)[:, :, None, :]

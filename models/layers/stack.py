@@ -12,7 +12,8 @@ _REMAT_POLICIES = {
 }
 
 
-def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, **block_kwargs):
+def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, per_layer=None,
+                 **block_kwargs):
     """Runs the blocks of a stack (config.num_layers unless given); call from inside a parent's compact method.
 
     A block is a Module whose __call__(x, ctx, layer_cache) returns (x, layer_cache); it is built with
@@ -21,7 +22,16 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     'layers' are stacked [num_layers, ...] either way, so generation does not care which. config.remat wraps each
     block in nn.remat. Under a mesh with a `stage` axis (and no cache) the scanned stack runs as a pipeline
     (`models.pipeline`); `owner`, the calling module, lends it the stacked weights, and a stack without an owner
-    refuses such a mesh. Returns (x, new cache['layers'] or None)."""
+    refuses such a mesh. Returns (x, new cache['layers'] or None).
+
+    per_layer {name: one value per layer} (Gemma: which layers attend within the sliding window) is for layers that
+    differ: each block gets a fourth argument {name: its value}. Unscanned, the values are Python constants. Scanned,
+    they are [num_layers] arrays scanned beside the stacked weights, so one compiled body still serves every layer
+    (the block branches on the traced value with lax.cond / jnp.where), and remat, the pipeline (which indexes them
+    by layer) and the engine's overlapped ZeRO-3 stack see the same single-block scan as for uniform layers. Such a
+    stack's cache has no common per-layer shape (sliding layers keep rings of the window, the others every
+    position: `empty_cache`'s {'full', 'sliding'}), so a cached call (generation) of a scanned stack runs its layers
+    one after the other on slices of the stacked weights, each with its kind's cache."""
     num_layers = config.num_layers if num_layers is None else num_layers
     scan, remat = config.scan_layers, config.remat
     cache = None if cache is None else cache["layers"]
@@ -37,32 +47,71 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
             raise ValueError(f"a mesh with stage={stages} needs scan_layers=True (the pipeline splits the stacked "
                              "layer weights); got scan_layers=False")
         if not owner.is_initializing():
-            return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages), None
+            return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer), None
+    split_cache = per_layer is not None and cache is not None
+    if split_cache and scan and not owner.is_initializing():
+        return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
+        layer = () if per_layer is None else ({k: jnp.asarray(v) for k, v in per_layer.items()},)
         stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                        in_axes=(nn.broadcast, 0), length=num_layers)
-        return stack(name=name, **block_kwargs)(x, ctx, cache)
-    caches = []
+                        in_axes=(nn.broadcast, 0) + (0,) * len(layer), length=num_layers)
+        return stack(name=name, **block_kwargs)(x, ctx, cache, *layer)
+    caches, taken = [], {}
     for i in range(num_layers):
-        layer_cache = None if cache is None else jax.tree_util.tree_map(lambda a: a[i], cache)
-        x, layer_cache = block_cls(name=f"{name}_{i}", **block_kwargs)(x, ctx, layer_cache)
-        caches.append(layer_cache)
+        layer = () if per_layer is None else ({k: v[i] for k, v in per_layer.items()},)
+        kind = _cache_kind(per_layer, i) if split_cache else None
+        layer_cache = None if cache is None else jax.tree_util.tree_map(
+            lambda a: a[taken.get(kind, 0)], cache if kind is None else cache[kind])
+        taken[kind] = taken.get(kind, 0) + 1
+        x, layer_cache = block_cls(name=f"{name}_{i}", **block_kwargs)(x, ctx, layer_cache, *layer)
+        caches.append((kind, layer_cache))
     if cache is None:
         return x, None
-    return x, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *caches)
+    return x, _restack(caches)
 
 
-def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages):
+def _cache_kind(per_layer, i):
+    """The part of a split cache ('full' or 'sliding') layer i reads."""
+    return "sliding" if per_layer["sliding"][i] else "full"
+
+
+def _restack(caches):
+    """[(kind or None, layer cache)] in layer order -> the stacked cache (split by kind when kinds are given)."""
+    stacked = lambda cs: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *cs)  # noqa: E731
+    if caches[0][0] is None:
+        return stacked([c for _, c in caches])
+    return {kind: stacked([c for k, c in caches if k == kind]) for kind in ("full", "sliding")}
+
+
+def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers):
+    """A scanned stack's cached call when its layers' caches differ in shape: each layer is the block applied to its
+    slice of the stacked weights `owner`'s `name`, with its kind's cache (`apply_layers`)."""
+    block, weights = block_cls(parent=None, **block_kwargs), owner.variables["params"][name]
+    caches, taken = [], {}
+    for i in range(num_layers):
+        kind = _cache_kind(per_layer, i)
+        j = taken.get(kind, 0)
+        taken[kind] = j + 1
+        layer_cache = jax.tree_util.tree_map(lambda a: a[j], cache[kind])
+        x, layer_cache = block.apply({"params": jax.tree_util.tree_map(lambda w: w[i], weights)}, x, ctx,
+                                     layer_cache, {k: v[i] for k, v in per_layer.items()})
+        caches.append((kind, layer_cache))
+    return x, _restack(caches)
+
+
+def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer):
     """The scanned stack `owner`'s `name` as a pipeline of `stages` stages: each layer is the block applied to its
-    slice of the stacked weights (dropout keys folded per layer and micro-batch)."""
+    slice of the stacked weights (dropout keys folded per layer and micro-batch; per-layer values indexed by it)."""
     block = block_cls(parent=None, **block_kwargs)
     key = None if block_kwargs.get("deterministic", True) else owner.make_rng("dropout")
+    values = {} if per_layer is None else {k: jnp.asarray(v) for k, v in per_layer.items()}
 
     def layer_fn(w, h, c, layer, micro):
         rngs = {} if key is None else {"dropout": jax.random.fold_in(jax.random.fold_in(key, layer), micro)}
-        return block.apply({"params": w}, h, c, None, rngs=rngs)[0]
+        extra = () if per_layer is None else ({k: v[layer] for k, v in values.items()},)
+        return block.apply({"params": w}, h, c, None, *extra, rngs=rngs)[0]
 
     if config.remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
