@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import engine
-from kernels.attention import BlockSizes, _band, _cost, decode_attention, flash_attention
+from kernels.attention import (BlockSizes, _band, _cost, decode_attention, dropout_keys, flash_attention,
+                               mha_reference)
 from tests.targets import for_gpu
 from tests.test_cost_estimates import _pallas_calls
 
@@ -367,3 +368,38 @@ def test_mosaic_grids_walk_only_the_band():
 
     assert grids(None) == ["1, 2, 8, 8", "1, 2, 16, 8", "1, 2, 8, 1, 16"]
     assert grids((1023, 0)) == ["1, 2, 8, 3", "1, 2, 16, 3", "1, 2, 8, 1, 6"]
+
+
+@pytest.mark.parametrize("variant", _slow_on_mosaic(VARIANTS))
+def test_dropout_with_a_window_and_a_soft_cap_matches_autodiff_of_the_oracle(variant):
+    """Dropout's hashed mask at the band's absolute positions (the 'xla' path's query chunks included): output and
+    gradients equal jax.grad of `mha_reference` with the same window, cap and mask (packed, GQA, unaligned)."""
+    kwargs, m = VARIANTS[variant]
+    case = _scaled((True, (12, 0), 2.0, True, 4, 2, 45, 45), m)
+    causal, window, cap = case[:3]
+    q, k, v, ct, ids = _inputs(case)
+    rate, key = 0.3, jax.random.key(5)
+    keys = dropout_keys(key, q.shape[0], q.shape[2])
+    common = dict(causal=causal, segment_ids=ids, window=window, logit_soft_cap=cap, dropout_rate=rate)
+    out, grads = _out_and_grads(lambda *a: flash_attention(*a, dropout_rng=key, **common, **kwargs), q, k, v, ct)
+    ref, ref_grads = _out_and_grads(lambda *a: mha_reference(*a, dropout_keys=keys, **common), q, k, v, ct)
+    assert _relative_error(out, ref) < TOLERANCE[0]
+    for name, g, ref_g in zip("qkv", grads, ref_grads):
+        assert _relative_error(g, ref_g) < TOLERANCE[1], name
+
+
+def test_xla_path_runs_over_the_band_only():
+    """The 'xla' path cuts the queries into chunks spanning the window and scans each over the kv blocks it sees:
+    at 8192 tokens in 512-key blocks a causal window of 512 keys scans 2 blocks (forward and backward) where causal
+    attention scans 16, each step's logits the same size (16 chunks of 512 queries against 512 keys, or 8192
+    queries against 512 keys), so an eighth of the work."""
+    x = jax.ShapeDtypeStruct((1, 8192, 2, 64), jnp.float32)
+
+    def scans(window):
+        loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, window=window,  # noqa: E731
+                                                       implementation="xla"))
+        text = str(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(x, x, x))
+        return re.findall(r"length=(\d+)", text), set(re.findall(r"f32\[(\d+,2,1,\d+),512\]", text))
+
+    assert scans(None) == (["16", "16"], {"1,2,1,8192"})
+    assert scans((511, 0)) == (["2", "2"], {"16,2,1,512"})

@@ -22,7 +22,6 @@ from kernels.attention.reference import dropout_keys
 from kernels.matmul.formats import quantize_int8
 
 _IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
-_BANDED = ("xla", "triton", "mosaic_tpu")  # the implementations with sliding windows and soft caps so far
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -435,9 +434,6 @@ def _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_s
     """(q, k, v, q_ids, kv_ids) padded to whole tiles (and Triton's power-of-two head dim), and the _Plan."""
     B, T, H, D = q.shape
     S = k.shape[1]
-    if impl not in _BANDED and (window is not None or logit_soft_cap is not None):
-        raise ValueError(f"window={window}, logit_soft_cap={logit_soft_cap} with implementation={impl!r}; expected "
-                         f"one of {_BANDED} for a window or a soft cap")
     blocks = choose_block_sizes(impl, D, T, S, block_sizes)
     if impl == "xla":
         t_pad, s_pad = T, _round_up(S, blocks.block_k)

@@ -4,17 +4,22 @@
 implementation (`forward` / `backward`, glued by `kernels.attention.api`) is FlashAttention written with `lax.scan`
 over kv blocks: the forward keeps a running max and sum (online softmax) and saves only the output and the
 log-sum-exp; the backward recomputes each block's probabilities from the lse. Peak memory is one
-[batch, heads, len, block_k] block instead of the full matrix, which is what lets the models train on CPU.
+[batch, heads, len, block_k] block instead of the full matrix, which is what lets the models train on CPU. Under a
+sliding window the queries are cut into chunks, each scanning only the kv blocks it sees (`_Chunks`).
 
 Dropout on the attention probabilities draws no random numbers: whether (query i, key j) of head h in batch row b is
 kept is a hash of (seed, b, h, i, j) (`dropout_keys`, `dropout_multiplier`), so every implementation, forward and
 backward, regenerates the same mask tile by tile, and it does not depend on tiles or on how a mesh splits the batch
 and the heads.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from kernels.attention import _band
 
 # Logit of a masked entry: finite so that `s - max` never computes inf - inf. A row whose running max is still
 # NEG_INF has seen no visible key; the kernels test `m > NEG_INF / 2` to find fully-masked rows (output 0, lse +inf).
@@ -149,7 +154,16 @@ def _kv_blocks(x, block_k):
     return jnp.swapaxes(x.reshape(B, S // block_k, block_k, *x.shape[2:]), 0, 1)
 
 
-def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None):
+def _positions(T, j, block_k, starts):
+    """(query positions, key positions of kv block j), shaped [T, 1] and [1, bk], or with `starts` (the first query's
+    and key's position per row, [B] each) [B, 1, 1, T, 1] and [B, 1, 1, 1, bk]."""
+    q_pos, k_pos = jnp.arange(T)[:, None], j * block_k + jnp.arange(block_k)[None, :]
+    if starts is None:
+        return q_pos, k_pos
+    return tuple(start[:, None, None, None, None] + pos for start, pos in zip(starts, (q_pos, k_pos)))
+
+
+def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None, starts=None):
     """(scaled logits [B, Hkv, G, T, bk] of one kv block (times the keys' int8 scales), soft-capped, masked entries
     NEG_INF; the soft cap's derivative or None)."""
     T, bk = qg.shape[1], k_blk.shape[1]
@@ -157,8 +171,7 @@ def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None):
     s = s if k_scale is None else s * k_scale
     s, d_cap = soft_cap(s, plan.logit_soft_cap)
     mask = attention_mask(
-        jnp.arange(T)[:, None],
-        j * bk + jnp.arange(bk)[None, :],
+        *_positions(T, j, bk, starts),
         None if q_ids is None else q_ids[:, None, None, :, None],
         None if ids_blk is None else ids_blk[:, None, None, None, :],
         causal=plan.causal,
@@ -168,18 +181,88 @@ def _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, k_scale=None):
     return (s if mask is None else jnp.where(mask, s, NEG_INF)), d_cap
 
 
-def _block_dropout(keys, T, j, block_k, plan):
+def _block_dropout(keys, T, j, block_k, plan, starts=None):
     """The dropout multiplier [B, Hkv, G, T, bk] of kv block j (None without dropout)."""
     if keys is None:
         return None
-    return dropout_multiplier(keys[..., None, None], jnp.arange(T)[:, None], j * block_k + jnp.arange(block_k)[None, :],
-                              plan.dropout_rate)
+    return dropout_multiplier(keys[..., None, None], *_positions(T, j, block_k, starts), plan.dropout_rate)
+
+
+class _Chunks:
+    """A sliding window's band cut into query chunks, each with the kv blocks it sees, so that the scan runs over
+    those blocks only: O(len * window) instead of O(len * kv_len). A chunk spans at least the window (and a kv
+    block), so the chunks' kv slices, gathered side by side, hold each key about twice. The blockwise forward and
+    backward run on the chunks as batch rows, their positions offset (`starts`); dk and dv are summed back into
+    the keys. None (`of`) where a window has no left edge or one chunk would hold every query."""
+
+    def __init__(self, T, S, plan, size):
+        bk = plan.blocks.block_k
+        band = _band.edges(plan.causal, plan.window)
+        self.size, self.count, self.T = size, -(-T // size), T
+        first, stop = _band.kv_range(np.arange(self.count), self.size, bk, S // bk, band)
+        steps = max(int(np.max(stop - first)), 1)
+        self.blocks = first[:, None] + np.arange(steps)  # [chunks, steps]; past the last block: masked keys
+        self.starts = (np.arange(self.count) * self.size, first * bk)
+        self.plan = dataclasses.replace(plan, kv_len=plan.kv_len or S)  # masks the keys of clamped blocks
+
+    @classmethod
+    def of(cls, T, S, plan):
+        left, right = _band.edges(plan.causal, plan.window)
+        if left is None:
+            return None
+        bk = plan.blocks.block_k
+        size = -(-max(left + right + 1, bk) // bk) * bk  # the window's span in whole kv blocks
+        return cls(T, S, plan, size) if size < T else None
+
+    def rows(self, x, fill=0):
+        """x [B, T, ...] -> [B * chunks, size, ...] (padded with `fill`)."""
+        x = jnp.pad(x, [(0, 0), (0, self.count * self.size - self.T)] + [(0, 0)] * (x.ndim - 2),
+                    constant_values=fill)
+        return x.reshape(x.shape[0] * self.count, self.size, *x.shape[2:])
+
+    def unrows(self, x):
+        """`rows`' inverse: [B * chunks, size, ...] -> [B, T, ...]."""
+        return x.reshape(-1, self.count * self.size, *x.shape[2:])[:, :self.T]
+
+    def slices(self, x):
+        """x [B, S, ...] -> [B * chunks, steps * bk, ...]: each chunk's kv blocks (the clamped ones masked)."""
+        bk = self.plan.blocks.block_k
+        blocks = x.reshape(x.shape[0], -1, bk, *x.shape[2:])
+        index = np.minimum(self.blocks, blocks.shape[1] - 1).reshape(-1)
+        gathered = jnp.take(blocks, index, axis=1)  # [B, chunks * steps, bk, ...]
+        return gathered.reshape(x.shape[0] * self.count, self.blocks.shape[1] * bk, *x.shape[2:])
+
+    def unslices(self, x, S):
+        """`slices`' adjoint: [B * chunks, steps * bk, ...] summed back into [B, S, ...]."""
+        bk = self.plan.blocks.block_k
+        parts = x.reshape(-1, self.blocks.size, bk, *x.shape[2:])
+        index = np.minimum(self.blocks, S // bk - 1).reshape(-1)
+        total = jnp.zeros((parts.shape[0], S // bk, *parts.shape[2:]), jnp.float32).at[:, index].add(parts)
+        return total.reshape(parts.shape[0], S, *x.shape[2:]).astype(x.dtype)
+
+    def row_starts(self, B):
+        return tuple(jnp.asarray(np.tile(start, B), jnp.int32) for start in self.starts)
+
+    def keys(self, keys):
+        return None if keys is None else jnp.repeat(keys, self.count, axis=0)
 
 
 def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     """Returns (out [B, T, H, D], lse [B, Hkv, G, T] float32); S must be a multiple of plan.blocks.block_k.
     kv_scales: None, or (k_scale, v_scale) float32 [B, S, Hkv] of an int8 k and v (each key's and value's row
     scale: logits are (q . k) * k_scale, and p * v_scale multiplies v)."""
+    chunks = None if kv_scales is not None else _Chunks.of(q.shape[1], k.shape[1], plan)
+    if chunks is None:
+        return _forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales)
+    out, lse = _forward(chunks.rows(q), chunks.slices(k), chunks.slices(v),
+                        None if q_ids is None else chunks.rows(q_ids), None if kv_ids is None else chunks.slices(kv_ids),
+                        chunks.keys(keys), chunks.plan, starts=chunks.row_starts(q.shape[0]))
+    lse = jnp.moveaxis(lse, 3, 1)  # [B * chunks, size, Hkv, G]
+    return chunks.unrows(out), jnp.moveaxis(chunks.unrows(lse), 1, 3)
+
+
+def _forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None, starts=None):
+    """`forward` by one scan over every kv block; starts: see `_positions`."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
@@ -200,14 +283,15 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         j, ids_blk, k_blk = lax.optimization_barrier((j, ids_blk, k_blk))
         if k_scale is not None:
             k_blk, v_blk = k_blk.astype(q.dtype), v_blk.astype(q.dtype)
-        s, _ = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, None if k_scale is None else as_columns(k_scale))
+        s, _ = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, None if k_scale is None else as_columns(k_scale),
+                             starts)
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         # Rows with no visible key so far get p = 1 on masked entries; alpha = 0 wipes that once a visible key
         # arrives, and rows that never see one are zeroed at the end.
         p = jnp.exp(s - m_new[..., None])
         l = alpha * l + p.sum(axis=-1)  # the softmax's own sum: dropout rescales the kept terms, not the sum
-        keep = _block_dropout(keys, T, j, block_k, plan)
+        keep = _block_dropout(keys, T, j, block_k, plan, starts)
         p = p if keep is None else p * keep
         p = p if v_scale is None else p * as_columns(v_scale)
         pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
@@ -245,6 +329,20 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
 
     With dropout (out = (p * keep) v): dv = (p * keep)^T do, and dp = (do v^T) * keep enters the softmax backward;
     delta = <out, do> is still sum_j p_ij dp_ij. A soft cap multiplies the logits' gradient by its derivative."""
+    chunks = _Chunks.of(q.shape[1], k.shape[1], plan)
+    if chunks is None:
+        return _backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan)
+    B, S = q.shape[0], k.shape[1]
+    lse = jnp.moveaxis(chunks.rows(jnp.moveaxis(lse, 3, 1), fill=jnp.inf), 1, 3)  # padded queries: p = 0
+    dq, dk, dv = _backward(chunks.rows(q), chunks.slices(k), chunks.slices(v),
+                           None if q_ids is None else chunks.rows(q_ids),
+                           None if kv_ids is None else chunks.slices(kv_ids), chunks.keys(keys), chunks.rows(out),
+                           lse, chunks.rows(do), chunks.plan, starts=chunks.row_starts(B))
+    return chunks.unrows(dq), chunks.unslices(dk, S), chunks.unslices(dv, S)
+
+
+def _backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan, starts=None):
+    """`backward` by one scan over every kv block; starts: see `_positions`."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -258,10 +356,10 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
 
     def step(dq, xs):
         j, k_blk, v_blk, ids_blk = xs
-        s, d_cap = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan)
+        s, d_cap = _block_logits(qg, k_blk, ids_blk, j, q_ids, plan, starts=starts)
         p = jnp.exp(s - lse[..., None])  # masked entries and fully-masked rows (lse = +inf) give exactly 0
         dp = jnp.einsum("btkgd,bskd->bkgts", dog, v_blk, preferred_element_type=jnp.float32)
-        keep = _block_dropout(keys, T, j, block_k, plan)
+        keep = _block_dropout(keys, T, j, block_k, plan, starts)
         p_kept = p if keep is None else p * keep
         dp = dp if keep is None else dp * keep
         ds = p * (dp - delta[..., None]) * plan.sm_scale
