@@ -183,6 +183,7 @@ def _dq_kernel(*refs, plan, has_ids, has_keys, num_kv_blocks):
         s, d_cap = _masked_logits(q_ref[...], k, plan, i * bq, j * bk, qid_ref, kid_ref, transposed=False)
         p = jnp.exp(s - lse_ref[...])
         p = p if d_cap is None else p * d_cap  # folded in at once: one [bq, bk] temporary fewer across the dot
+        # (dk/dv cannot: dv reads p; issuing dv before dp fits v6e's tiles but not v5e's: kernels/README.md)
         dp = _dot_nt(do_ref[...], v_ref[...])
         keep = _dropout(plan, keys_ref, b, h, s.shape, i * bq, j * bk, transposed=False)
         ds = p * ((dp if keep is None else dp * keep) - delta_ref[...])
@@ -212,12 +213,13 @@ def _dkv_kernel(*refs, plan, has_ids, has_keys, num_q_blocks):
         q, do = q_ref[...], do_ref[...]
         s_t, d_cap = _masked_logits(q, k_ref[...], plan, i * bq, j * bk, qid_ref, kid_ref, transposed=True)
         p_t = jnp.exp(s_t - lse_ref[...])
-        keep = _dropout(plan, keys_ref, b, h_kv * pl.num_programs(3) + g, s_t.shape, i * bq, j * bk, transposed=True)
-        dv_scr[...] += _dot((p_t if keep is None else p_t * keep).astype(do.dtype), do)
-        p_t = p_t if d_cap is None else p_t * d_cap  # once dv has read p: one [bk, bq] temporary fewer
         dp_t = _dot_nt(v_ref[...], do)
+        keep = _dropout(plan, keys_ref, b, h_kv * pl.num_programs(3) + g, s_t.shape, i * bq, j * bk, transposed=True)
+        p_kept = p_t if keep is None else p_t * keep
         dp_t = dp_t if keep is None else dp_t * keep
+        dv_scr[...] += _dot(p_kept.astype(do.dtype), do)
         ds_t = p_t * (dp_t - delta_ref[...])
+        ds_t = ds_t if d_cap is None else ds_t * d_cap
         dk_scr[...] += _dot(ds_t.astype(q.dtype), q)
 
     @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, step == pl.num_programs(4) - 1))

@@ -215,7 +215,9 @@ class _Chunks:
         return cls(T, S, plan, size) if size < T else None
 
     def rows(self, x, fill=0):
-        """x [B, T, ...] -> [B * chunks, size, ...] (padded with `fill`)."""
+        """x [B, T, ...] -> [B * chunks, size, ...] (padded with `fill`); None stays None."""
+        if x is None:
+            return None
         x = jnp.pad(x, [(0, 0), (0, self.count * self.size - self.T)] + [(0, 0)] * (x.ndim - 2),
                     constant_values=fill)
         return x.reshape(x.shape[0] * self.count, self.size, *x.shape[2:])
@@ -225,7 +227,10 @@ class _Chunks:
         return x.reshape(-1, self.count * self.size, *x.shape[2:])[:, :self.T]
 
     def slices(self, x):
-        """x [B, S, ...] -> [B * chunks, steps * bk, ...]: each chunk's kv blocks (the clamped ones masked)."""
+        """x [B, S, ...] -> [B * chunks, steps * bk, ...]: each chunk's kv blocks (the clamped ones masked); None
+        stays None."""
+        if x is None:
+            return None
         bk = self.plan.blocks.block_k
         blocks = x.reshape(x.shape[0], -1, bk, *x.shape[2:])
         index = np.minimum(self.blocks, blocks.shape[1] - 1).reshape(-1)
@@ -254,8 +259,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     chunks = None if kv_scales is not None else _Chunks.of(q.shape[1], k.shape[1], plan)
     if chunks is None:
         return _forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales)
-    out, lse = _forward(chunks.rows(q), chunks.slices(k), chunks.slices(v),
-                        None if q_ids is None else chunks.rows(q_ids), None if kv_ids is None else chunks.slices(kv_ids),
+    out, lse = _forward(chunks.rows(q), chunks.slices(k), chunks.slices(v), chunks.rows(q_ids), chunks.slices(kv_ids),
                         chunks.keys(keys), chunks.plan, starts=chunks.row_starts(q.shape[0]))
     lse = jnp.moveaxis(lse, 3, 1)  # [B * chunks, size, Hkv, G]
     return chunks.unrows(out), jnp.moveaxis(chunks.unrows(lse), 1, 3)
@@ -334,10 +338,9 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         return _backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan)
     B, S = q.shape[0], k.shape[1]
     lse = jnp.moveaxis(chunks.rows(jnp.moveaxis(lse, 3, 1), fill=jnp.inf), 1, 3)  # padded queries: p = 0
-    dq, dk, dv = _backward(chunks.rows(q), chunks.slices(k), chunks.slices(v),
-                           None if q_ids is None else chunks.rows(q_ids),
-                           None if kv_ids is None else chunks.slices(kv_ids), chunks.keys(keys), chunks.rows(out),
-                           lse, chunks.rows(do), chunks.plan, starts=chunks.row_starts(B))
+    dq, dk, dv = _backward(chunks.rows(q), chunks.slices(k), chunks.slices(v), chunks.rows(q_ids),
+                           chunks.slices(kv_ids), chunks.keys(keys), chunks.rows(out), lse, chunks.rows(do),
+                           chunks.plan, starts=chunks.row_starts(B))
     return chunks.unrows(dq), chunks.unslices(dk, S), chunks.unslices(dv, S)
 
 

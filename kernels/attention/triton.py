@@ -7,12 +7,13 @@ program per kv block and kv head, looping over the q heads of its group and over
 and k/v are never repeated for grouped-query attention. Under causal masking and a sliding window the loops run
 over the blocks inside the band (`_band`: from the window's left edge to the diagonal); under segment ids they start
 and stop at the first and last block whose id range meets the fixed block's (`_block_bounds`, computed outside the
-kernel). A soft cap bends each logit (`reference.soft_cap`) and the backward passes multiply by its derivative. Dropout regenerates its mask in every kernel from the (batch row,
-head) key and the tile's positions (`reference.dropout_multiplier`).
+kernel). A soft cap bends each logit (`reference.soft_cap`) and the backward passes multiply by its derivative.
+Dropout regenerates its mask in every kernel from the (batch row, head) key and the tile's positions
+(`reference.dropout_multiplier`).
 
 Each kernel runs one loop over its blocks, with the position mask under a uniform branch on the blocks that straddle
-the band's edges, behind a guard that skips an empty loop. One loop per region (or a zero-trip path to the loop's exit)
-joins the in-flight wgmma accumulator with registers that other instructions defined, and ptxas then serializes
+the band's edges, behind a guard that skips an empty loop. One loop per region (or a zero-trip path to the loop's
+exit) joins the in-flight wgmma accumulator with registers that other instructions defined, and ptxas then serializes
 every wgmma of the kernel (C7515 on sm_90a); skipping a block under `lax.cond` kept Triton from pipelining the loop
 at all. The registers and shared memory before and after: kernels/README.md (Hopper compile tier).
 """
