@@ -1,5 +1,5 @@
-"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3, Mistral) with Hugging Face
-checkpoint import/export and generation.
+"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3, Mistral, Gemma 2, Gemma 3 text) with
+Hugging Face checkpoint import/export and generation.
 
 Parameters are a plain nested dict of arrays; Dense kernels are [in, out]. Decoder-only models:
 `model.apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None) -> logits [B, T, vocab]` (float32);
@@ -7,6 +7,8 @@ attention_mask is 0 on padding, 1 on tokens, or per-sequence ids > 0 for packed 
 `model.apply({'params': p}, input_ids, decoder_input_ids, attention_mask=None, decoder_attention_mask=None)`.
 """
 from models.flops import train_flops_per_example
+from models.gemma2 import Gemma2, Gemma2Config
+from models.gemma3 import Gemma3, Gemma3Config
 from models.generate import generate
 from models.gptj import GPTJ, GPTJConfig
 from models.hf import (config_from_hf, load_model, load_pretrained, load_sequence_classifier, load_tokenizer,

@@ -75,8 +75,8 @@ def main(argv):
     task = None
     if FLAGS.init_from:
         model, params, tokenizer = cli.load_hf(
-            FLAGS.init_from, families=["llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "t5"],
-            mesh=mesh)
+            FLAGS.init_from, families=["llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text",
+                                       "t5"], mesh=mesh)
     else:
         tasks = ("lm", "seq2seq", "sft", "dpo", "ppo")
         task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh, tasks=tasks, checkpoint=FLAGS.checkpoint)

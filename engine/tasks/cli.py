@@ -489,7 +489,7 @@ def finish(trainer, workdir):
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
 
-DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3", "mistral")
+DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
 
 
 def define_decoder_flags(*, init_from_help,

@@ -139,7 +139,7 @@ def stack_layers(model, params):
     under `layers`): the layout a pipeline splits over stages. Unchanged when already scanned. Decoder-only
     families (a `DecoderLM`); ValueError otherwise."""
     if not isinstance(model, DecoderLM):
-        raise ValueError("a pipeline needs a decoder-only model (LLaMA, GPT-J, OPT, Qwen2, Qwen3); got "
+        raise ValueError("a pipeline needs a decoder-only model (LLaMA, GPT-J, OPT, Qwen, Mistral, Gemma); got "
                          f"{type(model).__name__}")
     if model.config.scan_layers:
         return model, params
