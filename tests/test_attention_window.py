@@ -44,9 +44,8 @@ MOSAIC_DEFAULT = (3, 4)
 
 def _case_id(case):
     causal, window, cap, segments, h, hkv, t, s = case
-    return (f"{'causal' if causal else 'full'}-w{window[0]}_{window[1] if window else ''}-cap{cap}-"
-            f"{'seg' if segments else 'noseg'}-h{h}kv{hkv}-t{t}s{s}") if window else (
-        f"{'causal' if causal else 'full'}-nowindow-cap{cap}-{'seg' if segments else 'noseg'}-h{h}kv{hkv}-t{t}s{s}")
+    band = "nowindow" if window is None else f"w{window[0]}_{window[1]}"
+    return f"{'causal' if causal else 'full'}-{band}-cap{cap}-{'seg' if segments else 'noseg'}-h{h}kv{hkv}-t{t}s{s}"
 
 
 def _scaled(case, m):
