@@ -3,12 +3,14 @@
 Counted as in the PaLM paper (appendix B) and MaxText: a token passing through a weight matrix of N entries costs
 2N FLOPs forward and 4N backward (6N), and attention costs two matmuls of 2 x heads x head_dim FLOPs per visible key,
 again x3 for training. Rematerialisation is not counted (MFU measures the model's work, not the recomputation), and
-causal attention counts half the keys, (T + 1) / 2 on average, because the flash kernels skip the masked blocks.
+causal attention counts half the keys, (T + 1) / 2 on average, because the flash kernels skip the masked blocks; a
+layer with a sliding window of W < T counts the keys inside it (the kernels skip the blocks outside too).
 Weights are read off the parameter tree: every Linear 'kernel', plus the embedding table when it doubles as the
 output head (tied); a lookup costs nothing.
 """
 import jax
 
+from models.layers import sliding_layers
 from models.registry import init_params
 
 
@@ -41,5 +43,12 @@ def train_flops_per_example(model, seq_len, decoder_len=None):
         raise ValueError(f"decoder_len={decoder_len!r}; expected None for a decoder-only model")
     T = seq_len
     weights = sum(kernels.values()) + (params["embed"]["embedding"].size if c.tie_word_embeddings else 0)
-    attention = 12 * c.num_layers * c.num_heads * c.dim_per_head * T * (T + 1) / 2
-    return 6 * T * weights + attention
+    pairs = sum(_causal_pairs(T, c.sliding_window if sliding else None) for sliding in sliding_layers(c))
+    return 6 * T * weights + 12 * c.num_heads * c.dim_per_head * pairs
+
+
+def _causal_pairs(T, window):
+    """(query, key) pairs a causal layer of T tokens attends, each query to at most `window` keys (None: all)."""
+    if window is None or window >= T:
+        return T * (T + 1) / 2
+    return window * (window + 1) / 2 + (T - window) * window

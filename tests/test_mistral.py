@@ -173,3 +173,14 @@ def test_memory_plan_of_a_tiny_model(family):
     tiny = jax.eval_shape(lambda: models.init_params(models.create_model(family, "tiny")))
     assert r["params"] == sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(tiny))
     assert r["bytes"]["total"] > 0 and r["collective_bytes_total"] > 0
+
+
+def test_train_flops_count_the_keys_inside_the_window():
+    """Model FLOPs of a windowed model: a window as long as the rows changes nothing; a shorter one removes the
+    attention to the keys outside it (W(W + 1)/2 + (T - W)W pairs a layer instead of T(T + 1)/2)."""
+    def flops(window, T):
+        return models.train_flops_per_example(models.create_model("mistral", "tiny", sliding_window=window), T)
+
+    assert flops(64, 64) == flops(None, 64)
+    per_pair = 12 * 4 * 16 * 2  # heads x head_dim x layers
+    assert flops(None, 64) - flops(8, 64) == per_pair * (64 * 65 / 2 - (8 * 9 / 2 + 56 * 8))
