@@ -88,6 +88,21 @@ def test_greedy_generate_matches_transformers_past_the_window(hf_checkpoint, nam
 
 
 @pytest.mark.slow
+def test_beam_search_reorders_split_caches_like_transformers(hf_checkpoint):
+    """3 beams, 8 tokens past the window: the rings and whole-length caches reordered by beam as transformers'."""
+    import torch
+
+    hf_model, path = hf_checkpoint("gemma3")
+    model, params = models.load_pretrained(path, scan_layers=True)
+    ids = np.random.RandomState(0).randint(3, 128, (B, 16))
+    ours = np.asarray(models.generate(model, params, jnp.asarray(ids), attention_mask=jnp.asarray(MASK),
+                                      max_new_tokens=8, num_beams=3, eos_token_id=2, pad_token_id=0))
+    theirs = hf_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(MASK), max_new_tokens=8,
+                               num_beams=3, do_sample=False, eos_token_id=2, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(ours[:, :theirs.shape[1]], theirs)
+
+
+@pytest.mark.slow
 def test_int8_kv_cache_generates_like_the_float_one(hf_checkpoint):
     _, path = hf_checkpoint("gemma3")
     model, params = models.load_pretrained(path, scan_layers=True)
