@@ -48,8 +48,7 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
                              "layer weights); got scan_layers=False")
         if not owner.is_initializing():
             return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer), None
-    split_cache = per_layer is not None and cache is not None
-    if split_cache and scan and not owner.is_initializing():
+    if per_layer is not None and cache is not None and scan and not owner.is_initializing():
         return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
@@ -58,23 +57,26 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
         stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast, 0) + (0,) * len(layer), length=num_layers)
         return stack(name=name, **block_kwargs)(x, ctx, cache, *layer)
-    caches, taken = [], {}
+    caches = [(None, None)] * num_layers if cache is None else _layer_caches(cache, per_layer, num_layers)
     for i in range(num_layers):
         layer = () if per_layer is None else ({k: v[i] for k, v in per_layer.items()},)
-        kind = _cache_kind(per_layer, i) if split_cache else None
-        layer_cache = None if cache is None else jax.tree_util.tree_map(
-            lambda a: a[taken.get(kind, 0)], cache if kind is None else cache[kind])
-        taken[kind] = taken.get(kind, 0) + 1
-        x, layer_cache = block_cls(name=f"{name}_{i}", **block_kwargs)(x, ctx, layer_cache, *layer)
-        caches.append((kind, layer_cache))
+        x, layer_cache = block_cls(name=f"{name}_{i}", **block_kwargs)(x, ctx, caches[i][1], *layer)
+        caches[i] = (caches[i][0], layer_cache)
     if cache is None:
         return x, None
     return x, _restack(caches)
 
 
-def _cache_kind(per_layer, i):
-    """The part of a split cache ('full' or 'sliding') layer i reads."""
-    return "sliding" if per_layer["sliding"][i] else "full"
+def _layer_caches(cache, per_layer, num_layers):
+    """[(kind, layer i's cache)]: slices of a stacked cache (kind None), or, with per_layer (a split cache), of the
+    part ('full' or 'sliding') of each layer's kind."""
+    kinds = [None if per_layer is None else ("sliding" if per_layer["sliding"][i] else "full")
+             for i in range(num_layers)]
+    out, taken = [], {}
+    for kind in kinds:
+        j = taken[kind] = taken.get(kind, -1) + 1
+        out.append((kind, jax.tree_util.tree_map(lambda a, j=j: a[j], cache if kind is None else cache[kind])))
+    return out
 
 
 def _restack(caches):
@@ -89,15 +91,11 @@ def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_lay
     """A scanned stack's cached call when its layers' caches differ in shape: each layer is the block applied to its
     slice of the stacked weights `owner`'s `name`, with its kind's cache (`apply_layers`)."""
     block, weights = block_cls(parent=None, **block_kwargs), owner.variables["params"][name]
-    caches, taken = [], {}
-    for i in range(num_layers):
-        kind = _cache_kind(per_layer, i)
-        j = taken.get(kind, 0)
-        taken[kind] = j + 1
-        layer_cache = jax.tree_util.tree_map(lambda a: a[j], cache[kind])
+    caches = _layer_caches(cache, per_layer, num_layers)
+    for i, (kind, layer_cache) in enumerate(caches):
         x, layer_cache = block.apply({"params": jax.tree_util.tree_map(lambda w: w[i], weights)}, x, ctx,
                                      layer_cache, {k: v[i] for k, v in per_layer.items()})
-        caches.append((kind, layer_cache))
+        caches[i] = (kind, layer_cache)
     return x, _restack(caches)
 
 
