@@ -2,8 +2,8 @@
 transformers' Qwen2Attention hard-codes. Config, named configs and the Hugging Face conversion; Qwen3
 (`models/qwen3.py`) reuses the conversion.
 
-Sliding-window attention (`use_sliding_window`, off in every released Qwen2 / 2.5 checkpoint) is refused until the
-attention kernels take a window."""
+Sliding-window attention (`use_sliding_window`, off in every released Qwen2 / 2.5 checkpoint) is refused; the block
+would take it as Gemma's per-layer kinds (`models/gemma2.py`), but no checkpoint to check it against exists."""
 import dataclasses
 import json
 
