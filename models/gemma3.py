@@ -20,6 +20,13 @@ class Gemma3Config(gemma2.GemmaConfig):
     qk_norm = True
     sliding_pattern = 6
 
+    def __post_init__(self):
+        super().__post_init__()
+        # transformers' local layers without a window attend to everything but keep their own rope; ours would not
+        if self.sliding_window is None and any(t == SLIDING for t in self.layer_types):
+            raise ValueError("sliding_window=None with 'sliding_attention' layers; expected a window (Gemma 3's local "
+                             "layers)")
+
 
 _GEMMA3 = dict(vocab_size=262208, max_position_embeddings=131072, norm_eps=1e-6, rope_theta=1_000_000.0,
                rope_scaling=(("factor", 8.0), ("rope_type", "linear")), rope_local_theta=10_000.0,

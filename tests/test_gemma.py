@@ -55,7 +55,7 @@ def test_logits_match_transformers_and_round_trip(hf_checkpoint, tmp_path, name,
     c = model.config
     assert models.registry.model_type(model) == ("gemma2" if name == "gemma2" else "gemma3_text")
     assert c.sliding_layers == ((True, False) * 2 if name == "gemma2" else (True, True, False) * 2)
-    variants = [dict(sliding_window=None)]
+    variants = [dict(sliding_window=64)]  # as long as the rows: no window
     variants += [dict(attn_logit_softcap=None), dict(final_logit_softcap=None)] if name == "gemma2" else [
         dict(rope_local_theta=c.rope_theta, rope_local_scaling=c.rope_scaling)]
     for change in variants:
@@ -178,6 +178,8 @@ def test_bad_configs_are_refused_in_one_line(hf_checkpoint, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}/config\.json: {match}"):
             models.load_model(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^sliding_window=None with 'sliding_attention' layers; expected a window"):
+        models.get_config("gemma3_text", "tiny", sliding_window=None)  # its local layers' rope needs them local
 
 
 @pytest.mark.parametrize("family,name,params", [
