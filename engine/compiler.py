@@ -3,7 +3,12 @@
 `configure(platform)` must run before JAX initialises its backend (the first `jax.devices()` or computation): XLA
 reads `XLA_FLAGS` (GPU) and libtpu reads `LIBTPU_INIT_ARGS` (TPU) once, at start-up. It appends only the flags of
 `platform`, never overrides one the user already set, and does nothing for 'cpu' (tests and plans compile as is).
-Unknown flags abort XLA, so every GPU flag here is one the pinned jaxlib (0.10.2) and 0.11 both know.
+Unknown flags abort XLA, so every GPU flag here is one the pinned jaxlib (0.10.2) and 0.11 both know; the TPU
+tier (tests/test_tpu_step.py) compiles with every TPU flag, which libtpu would refuse if it did not know one.
+
+Every script calls it (`engine.tasks.cli.run`, before the script's `main`); a library user calls
+`engine.compiler.configure()` first thing, before anything asks JAX for a device. Called after the backend is up
+it changes nothing and logs a warning saying so.
 """
 import os
 
@@ -80,4 +85,14 @@ def configure(platform=None):
     if added:
         os.environ[var] = " ".join([current, *added]).strip()
         logging.info("compiler: %s += %s", var, " ".join(added))
+        if backend_started():
+            logging.warning("compiler.configure(%r) ran after JAX started its backend: the %s flags take effect "
+                            "only in the next process (call it before anything asks JAX for a device)", platform,
+                            var)
     return added
+
+
+def backend_started():
+    """Whether JAX has initialised a backend (after which XLA and libtpu no longer read their flags)."""
+    from jax._src import xla_bridge  # noqa: PLC0415 - jax's own test of it; no public one
+    return xla_bridge.backends_are_initialized()

@@ -61,7 +61,7 @@ def _multiplicities(comps, entry):
             body = re.search(r"\bbody=%([\w.\-]+)", line)
             if body:
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                callees.append((body.group(1), int(trip.group(1)) if trip else 1))
+                callees.append((body.group(1), int(trip.group(1)) if trip else _trip_count(comps, name, line)))
             for key in ("calls", "to_apply"):
                 callees += [(c, 1) for c in re.findall(rf"\b{key}=%([\w.\-]+)", line)]
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
@@ -72,6 +72,33 @@ def _multiplicities(comps, entry):
                     mult[callee] = mult[name] * times
                     stack.append(callee)
     return mult
+
+
+def _trip_count(comps, comp, line):
+    """The trip count of a while loop whose backend config does not state it (XLA:TPU's): its condition `i < N`
+    on the counter at tuple index 0, N a constant, from the counter's initial constant (0 when not found); 1 when
+    the condition is another."""
+    cond = re.search(r"\bcondition=%([\w.\-]+)", line)
+    lines = comps.get(cond.group(1), ()) if cond else ()
+    consts = {m.group(1): int(m.group(2)) for m in (re.match(r"\s*%([\w.\-]+) = s32\[\]\S* constant\((-?\d+)\)", l)
+                                                    for l in lines) if m}
+    counters = {m.group(1) for m in (re.match(r"\s*%([\w.\-]+) = s32\[\]\S* get-tuple-element\(.*index=0\b", l)
+                                     for l in lines) if m}
+    bound = next((consts[m.group(2)] for m in (re.search(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT", l)
+                                                for l in lines) if m and m.group(1) in counters
+                  and m.group(2) in consts), None)
+    if bound is None:
+        return 1
+    init = 0
+    operand = re.search(r" while\(%([\w.\-]+)\)", line)
+    defs = {m.group(1): m.group(2) for m in (re.match(r"\s*%([\w.\-]+) = .*? tuple\((.*?)\)", l)
+                                             for l in comps.get(comp, ())) if m}
+    first = re.match(r"%([\w.\-]+)", defs.get(operand.group(1), "")) if operand else None
+    if first:
+        start = next((re.search(r"constant\((-?\d+)\)", l) for l in comps.get(comp, ())
+                      if re.match(rf"\s*%{re.escape(first.group(1))} = s32\[\]", l)), None)
+        init = int(start.group(1)) if start else 0
+    return max(bound - init, 1)
 
 
 def _narrow_source(comps, comp, operand):
@@ -153,25 +180,59 @@ def collective_bytes(hlo, num_devices, root=None, hosts=None):
     `root` (a computation's name, e.g. one of `conditional_branches`), per run of that computation instead. Every
     branch of a conditional counts as run (the sum over branches, not the one taken). hosts: the host of each
     logical device id (`hosts_of`); then only the collectives whose replica groups span hosts are counted."""
+    out = {c: 0 for c in COLLECTIVES}
+    for kind, groups, sent in _collectives(hlo, num_devices, root):
+        if hosts is None or any(len({hosts[i] for i in g}) > 1 for g in groups):
+            out[kind] += sent
+    return out
+
+
+def bytes_by_axes(hlo, mesh):
+    """{'fsdp': bytes, 'data,fsdp': bytes, ...}: the bytes one device sends per step (as `collective_bytes`),
+    grouped by the mesh axes its collectives' groups span (a group's devices differ along exactly those axes;
+    the program's logical ids are `mesh.devices` in row-major order)."""
+    out = {}
+    shape = mesh.devices.shape
+    for _, groups, sent in _collectives(hlo, mesh.devices.size):
+        coords = [np.unravel_index(np.asarray(g), shape) for g in groups]
+        spanned = [a for i, a in enumerate(mesh.axis_names) if any(len(set(c[i].tolist())) > 1 for c in coords)]
+        key = ",".join(spanned) or "none"
+        out[key] = out.get(key, 0) + sent
+    return out
+
+
+def _collectives(hlo, num_devices, root=None):
+    """(type, replica groups, bytes one device sends per step) of every collective of compiled HLO text (see
+    `collective_bytes`); a collective-permute's groups are its source-target pairs."""
     comps, entry = _computations(hlo)
     mult = _multiplicities(comps, root or entry)
-    out = {c: 0 for c in COLLECTIVES}
     for comp, lines in comps.items():
         times = mult.get(comp, 0)
+        # XLA:TPU's async collective fusions repeat their collective in the fusions that continue and finish it
+        # (AsyncCollectiveDone, async_collective_fusion.*): one transfer, counted where it starts.
+        if not times or comp.startswith("async_collective_fusion") or any(
+                'custom_call_target="AsyncCollectiveDone"' in line for line in lines):
+            continue
         for line in lines:
             m = _INSTR.match(line)
-            if not m or not times:
+            if not m:
                 continue
             kind = m.group(3).removesuffix("-start")
             if kind not in COLLECTIVES:
                 continue
+            # XLA:TPU's reduce-scatter: an all-reduce sliced by partition id, fused (all-reduce-scatter.*)
+            whole = kind == "all-reduce" and comp.startswith("all-reduce-scatter")
+            kind = "reduce-scatter" if whole else kind
             groups = replica_groups(line, num_devices)
-            n = len(groups[0])
-            if hosts is not None and all(len({hosts[i] for i in g}) == 1 for g in groups):
-                continue
+            pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+            if kind == "collective-permute" and pairs:
+                groups = [np.array([int(a), int(b)]) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+            n = len(groups[0]) if groups else 1
             shapes = _shapes(m.group(2))
-            if m.group(3).endswith("-start") and kind in ("all-gather", "collective-permute") and len(shapes) > 1:
-                shapes = shapes[len(shapes) // 2:]  # (operands..., results...): count the results
+            if m.group(3).endswith("-start"):
+                shapes = [x for x in shapes if x[1] > 1 or x[0] not in ("u32", "s32")]  # XLA:TPU's sync words
+                if kind in ("all-gather", "collective-permute") and len(shapes) > 1:
+                    shapes = shapes[len(shapes) // 2:]  # (operands..., results...): count the results
             operands = re.findall(r"%([\w.\-]+)", m.group(4).split(")")[0])
             size = 0
             for i, (dtype, elements) in enumerate(shapes):
@@ -179,11 +240,10 @@ def collective_bytes(hlo, num_devices, root=None, hosts=None):
                 if kind == "all-gather" and dtype == "f32" and i < len(operands):
                     narrow = _narrow_source(comps, comp, operands[i])
                 size += elements * _BYTES[narrow or dtype]
-            if kind == "reduce-scatter":
+            if kind == "reduce-scatter" and not whole:
                 size *= n  # the result is 1/n of what each device feeds in
             factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind, (n - 1) / n)
-            out[kind] += int(size * factor * times)
-    return out
+            yield kind, groups, int(size * factor * times)
 
 
 def parse_mesh(mesh):
@@ -217,13 +277,21 @@ def memory_per_device(compiled):
             "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total}
 
 
+# HBM per TPU device by `device_kind`, for compile-only devices, which report no memory statistics. What XLA:TPU
+# lets a program use is a little less (v5e: 15.75 GiB of its 16); the compiler refuses a larger program itself.
+TPU_HBM_BYTES = {"TPU v4": 32 << 30, "TPU v5 lite": 16 << 30, "TPU v5": 95 << 30, "TPU v6 lite": 32 << 30}
+
+
 def device_memory_bytes(device):
     """The bytes `device` can hold for a program (`memory_stats()['bytes_limit']`, what XLA's allocator may use on a
-    GPU or TPU), or None where the backend does not say (CPU)."""
+    GPU or TPU; a compile-only TPU device's HBM from `TPU_HBM_BYTES`), or None where the backend does not say
+    (CPU)."""
     try:
         stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
-        return None
+    except Exception:  # noqa: BLE001 - a backend without memory statistics (compile-only devices among them)
+        stats = None
+    if not stats and getattr(device, "platform", None) == "tpu":
+        return TPU_HBM_BYTES.get(device.device_kind)
     return (stats or {}).get("bytes_limit")
 
 
@@ -240,10 +308,70 @@ def diloco_bytes(hlo, fragments, num_devices, hosts=None):
 
 
 def hosts_of(devices):
-    """The host of each device, for telling the fast links from the slow: a TPU's slice (ICI within, DCN between),
-    else its process (one per machine, as jax.distributed runs on GPUs and CPUs)."""
-    return [d.slice_index if d.platform == "tpu" and hasattr(d, "slice_index") else d.process_index
-            for d in devices]
+    """The host of each device, for telling the fast links from the slow: a TPU's slice (ICI within, DCN between; a
+    single slice's devices, which carry no `slice_index`, all 0 whatever their process), else its process (one per
+    machine, as jax.distributed runs on GPUs and CPUs)."""
+    return [getattr(d, "slice_index", 0) if d.platform == "tpu" else d.process_index for d in devices]
+
+
+# TPU generations by the name Cloud TPU gives their slices ("v5p-8"), with the suffix's unit (TensorCores for v4 and
+# v5p, two per chip; chips for v5e and v6e) and their ICI torus's rank (3-D: v4, v5p; 2-D: v5e, v6e).
+TPU_GENERATIONS = {"v4": (2, 3), "v5p": (2, 3), "v5e": (1, 2), "v6e": (1, 2)}
+_TARGET = re.compile(r"tpu:(v4|v5p|v5e|v6e)-(\d+)(?:x(\d+))?")
+
+
+def parse_target(target):
+    """A target name -> None (this machine's own devices: 'cpu', None) or (generation, chips per slice, the
+    topology name `jax.experimental.topologies.get_topology_desc` takes, slices). Names: 'tpu:<generation>-<n>'
+    as Cloud TPU spells slices (v4-8, v5p-8: n TensorCores, two per chip; v5e-8, v6e-8: n chips), with 'x<s>' for
+    s slices joined by the data-centre network (tpu:v5e-16x2). A bad name is a ValueError of one line."""
+    if target in (None, "", "cpu"):
+        return None
+    m = _TARGET.fullmatch(str(target))
+    cores, rank = TPU_GENERATIONS.get(m.group(1), (1, 0)) if m else (1, 0)
+    chips = int(m.group(2)) // cores if m else 0
+    slices = int(m.group(3) or 1) if m else 0
+    shape = _torus(chips, rank) if m and int(m.group(2)) % cores == 0 else None
+    if shape is None or slices < 1:
+        raise ValueError(f"target={target!r}; expected 'cpu' or 'tpu:<generation>-<n>[x<slices>]' with generation "
+                         f"one of {sorted(TPU_GENERATIONS)} and n a slice size of it (v5p-8, v4-16: TensorCores, "
+                         "4 or more chips, a power of two; v5e-8, v6e-16: chips, 4 or more, a power of two), "
+                         "e.g. tpu:v5p-8 or tpu:v5e-16x2")
+    return m.group(1), chips, f"{m.group(1)}:{'x'.join(map(str, shape))}", slices
+
+
+def _torus(chips, rank):
+    """The ICI torus of `chips` chips as libtpu names it (2x2x1, 2x2x2, 2x2x4, ... for 3-D; 2x2, 2x4, 4x4, ... for
+    2-D: the smallest dimension doubled first), or None unless chips is a power of two >= 4."""
+    if rank not in (2, 3) or chips < 4 or chips & (chips - 1):
+        return None
+    dims = [2, 2] + [1] * (rank - 2)
+    while math.prod(dims) < chips:
+        dims[dims.index(min(dims))] *= 2
+    return sorted(dims, reverse=rank == 3 and dims.count(1) > 0) if rank == 3 else sorted(dims)
+
+
+def target_devices(target):
+    """The compile-only devices of `target` (`parse_target`; None or 'cpu': `jax.devices()`): a TPU slice's come
+    from libtpu (`jax[tpu]`) without a TPU, so a program compiled for them is what XLA:TPU and Mosaic compile for
+    the real slice (memory per chip from its buffer assignment). Run with JAX_PLATFORMS=cpu on a machine without a
+    TPU."""
+    parsed = parse_target(target)
+    if parsed is None:
+        return jax.devices()
+    generation, _, topology, slices = parsed
+    try:
+        import libtpu  # noqa: F401, PLC0415 - only to tell a missing install from a bad topology
+    except ImportError:
+        raise ValueError(f"target={target!r} needs libtpu: pip install 'jax[tpu]=={jax.__version__}' (make "
+                         "test-tpu's environment has it)") from None
+    from jax.experimental import topologies  # noqa: PLC0415
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
+    except Exception as e:  # noqa: BLE001 - libtpu's refusal, as one line
+        raise ValueError(f"target={target!r} ({topology}, {slices} slice(s)): libtpu refused it: "
+                         f"{str(e).splitlines()[0][:200]}") from None
+    return list(desc.devices)
 
 
 def _bytes_per_step(trainer, hlo, num_devices, hosts=None):

@@ -1,7 +1,13 @@
-"""Ahead-of-time memory and communication plan of the real train step, on simulated CPU devices (nothing allocated).
+"""Ahead-of-time memory and communication plan of the real train step, on simulated CPU devices or for a TPU slice
+(nothing allocated, no accelerator needed).
 
   .venv/bin/python scripts/plan_memory.py --model=llama --model_config=llama-7b --num_devices=8 --mesh=1,8,1 \
       --zero_stage=0 --per_device_batch_size=1 --seq_len=2048 --remat=full --compute_dtype=bfloat16
+
+`--target=tpu:v5p-8` (v4-8, v5e-8, v6e-16, ...; `tpu:v5e-16x2` for two slices; needs `jax[tpu]`, e.g. make
+test-tpu's .venv-tpu) compiles the same step with XLA:TPU and Mosaic for that slice's compile-only devices (the
+engine's TPU compiler flags applied, the Mosaic kernels by default) and reports real per-chip bytes; --mesh then
+defaults to FSDP over every chip.
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
 per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--context_parallel`
@@ -16,24 +22,30 @@ import os
 from absl import flags
 
 
-from engine import compiler
-
+from engine import compiler, plan
 from engine.tasks import cli, planning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama", "Model family (models.FAMILIES).")
 flags.DEFINE_string("model_config", "llama-7b", "Named config of the family (e.g. tiny, llama-7b, llama-65b).")
-flags.DEFINE_integer("num_devices", 8, "Simulated devices.", lower_bound=1)
-flags.DEFINE_string("mesh", "1,8,1", "Mesh sizes data,fsdp,model (their product is --num_devices).")
+flags.DEFINE_string("target", "cpu", "What to compile for: 'cpu' (simulated CPU devices) or a TPU slice "
+                    "'tpu:<generation>-<n>[x<slices>]' (tpu:v5p-8, tpu:v5e-8, tpu:v4-8, tpu:v6e-8, tpu:v5e-16x2).")
+flags.DEFINE_integer("num_devices", None, "Devices to plan on (default: 8 simulated CPU devices, or every chip of "
+                     "--target).", lower_bound=1)
+flags.DEFINE_string("mesh", None, "Mesh sizes data,fsdp,model (their product is --num_devices; default 1,N,1).")
 flags.DEFINE_integer("zero_stage", 0, "0, 1 or 2.")
 flags.DEFINE_integer("per_device_batch_size", 1, "Rows per device per micro-batch.", lower_bound=1)
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.", lower_bound=2)
 flags.DEFINE_enum("remat", "full", ["none", "full", "dots"], "Remat policy of each layer.")
 flags.DEFINE_enum("compute_dtype", "bfloat16", ["float32", "bfloat16"], "Forward/backward dtype.")
 flags.DEFINE_integer("accumulate", 1, "Micro-batches per update.", lower_bound=1)
-flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit"], "The Trainer's step implementation.")
-flags.DEFINE_enum("loss_implementation", "xla", ["plain", "xla"], "plain: materialised logits; xla: the blockwise "
-                  "linear + cross-entropy (no [tokens, vocab] array).")
+flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit", "auto"], "The Trainer's step implementation "
+                  "(auto: the Trainer's choice for the target, shard_map on TPU).")
+flags.DEFINE_enum("loss_implementation", "auto", ["plain", "auto", "xla", "mosaic_tpu"], "plain: materialised "
+                  "logits; else the fused linear + cross-entropy (no [tokens, vocab] array): xla (blockwise), "
+                  "mosaic_tpu, or auto: the target's own (mosaic_tpu on TPU, xla on CPU).")
+flags.DEFINE_enum("attention_implementation", "auto", ["auto", "xla", "mosaic_tpu"], "The flash attention's "
+                  "implementation (auto: the target's own, as for --loss_implementation).")
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
 flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
                      "--mesh product).", lower_bound=1)
@@ -66,20 +78,26 @@ flags.DEFINE_enum("quantize", "none", ["none", "int8", "nf4"], "The frozen proje
 
 def main(argv):
     del argv
-    # The simulated devices exist only if XLA sees the flag before JAX starts its backend.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={FLAGS.num_devices}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    compiler.configure("cpu")
-    from engine import plan
-    kwargs = dict(model=FLAGS.model, model_config=FLAGS.model_config, num_devices=FLAGS.num_devices,
+    target = plan.parse_target(FLAGS.target)  # a bad name fails here, before JAX starts
+    num_devices = FLAGS.num_devices or (None if target else 8)
+    if target is None:  # the simulated devices exist only if XLA sees the flag before JAX starts its backend
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={num_devices}").strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"  # a TPU target's devices are libtpu's compile-only ones, not a backend
+    compiler.configure("tpu" if target else "cpu")  # a TPU slice's program as a run there compiles it
+    if FLAGS.mesh is None:
+        n = num_devices or len(plan.target_devices(FLAGS.target))
+        FLAGS.mesh = f"1,{n // (FLAGS.pipeline_stages * FLAGS.context_parallel)},1"
+    kwargs = dict(model=FLAGS.model, model_config=FLAGS.model_config, target=FLAGS.target, num_devices=num_devices,
                   per_device_batch_size=FLAGS.per_device_batch_size, seq_len=FLAGS.seq_len, remat=FLAGS.remat,
                   compute_dtype=FLAGS.compute_dtype, accumulate=FLAGS.accumulate, step=FLAGS.train_step,
                   hbm_gb=FLAGS.hbm_gb, lora_rank=FLAGS.lora_rank, param_dtype=FLAGS.param_dtype,
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
                   sequence_parallel=FLAGS.sequence_parallel, rlhf=None if FLAGS.rlhf == "none" else FLAGS.rlhf,
-                  loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
+                  loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation,
+                  attention_implementation=FLAGS.attention_implementation)
     if FLAGS.sweep:
+        kwargs["num_devices"] = num_devices or len(plan.target_devices(FLAGS.target))
         results = planning.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
         for r in results:
             print(json.dumps(r), flush=True)

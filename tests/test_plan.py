@@ -158,6 +158,41 @@ def test_compiler_flags_only_for_their_platform(monkeypatch):
         compiler.configure("metal")
 
 
+_START_PROBE = """
+import json, os, runpy, sys
+import engine, models
+from engine import compiler
+from engine.tasks import cli, planning
+from engine.tasks.rlhf import ppo
+
+def probe(platform=None):  # what cli.run finds when it configures the flags: JAX's backend must not be up yet
+    print(json.dumps(compiler.backend_started()), flush=True)
+    os._exit(0)
+
+compiler.configure = probe
+for script in sys.argv[1:]:
+    if os.fork() == 0:
+        sys.argv = [script]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+        os._exit(3)  # main ran without configuring the flags
+    assert os.waitstatus_to_exitcode(os.wait()[1]) == 0, script
+"""
+
+
+def test_every_script_configures_the_compiler_flags_before_jax_starts():
+    """`cli.run` calls `engine.compiler.configure()` before the script's `main`; XLA and libtpu read the flags once,
+    when JAX starts its backend, so nothing a script does at import (its flags, its module-level code) may start it
+    first. Each script runs (forked from one warm interpreter) up to that call."""
+    scripts = sorted(os.path.join(ROOT, "scripts", f) for f in os.listdir(os.path.join(ROOT, "scripts"))
+                     if f.endswith(".py") and "cli.run(main)" in open(os.path.join(ROOT, "scripts", f)).read())
+    assert len(scripts) >= 10
+    out = subprocess.run([sys.executable, "-c", _START_PROBE, *scripts], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["false"] * len(scripts), out.stdout
+
+
 def test_installed_xla_knows_every_gpu_flag():
     """XLA aborts at start-up on an unknown XLA_FLAGS entry, and it parses the GPU flags on any platform: a flag an
     XLA upgrade removed would fail here, not on the first GPU job. (A bogus flag does abort this way.)"""

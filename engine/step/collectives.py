@@ -35,11 +35,30 @@ def _int8_rows(x):
     return q, scale[..., None]
 
 
+def to_bfloat16(x):
+    """float32 -> bfloat16 rounded to nearest even, exactly as `x.astype(jnp.bfloat16)`, through the integer bits.
+    Why not `astype`: XLA:TPU's bfloat16 propagation sees a stacked fp32 weight whose only use in the layer loop is
+    its bf16 cast, and casts the whole stack once outside the loop, alive from the forward pass to the end of the
+    backward (3.2 GB per chip for LLaMA-7B on v5p-8); the integer ops keep the stack fp32 and cast one layer at a
+    time."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits + ((bits >> 16) & 1) + jnp.uint32(0x7FFF)
+    y = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return jnp.where(jnp.isnan(x), jnp.bfloat16(jnp.nan), y)
+
+
+def cast(x, dtype):
+    """`x.astype(dtype)`; fp32 -> bf16 through `to_bfloat16`."""
+    if x.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
+        return to_bfloat16(x)
+    return x.astype(dtype)
+
+
 def all_gather(x, dims, dtype, int8=False):
     """A shard `x` all-gathered in `dtype` over `dims` ((dim, axes), ...); with `int8` (and two or more dims) as
     codes and row scales (`Int8.weights`; floating shards only: an int8 base weight already travels as int8)."""
     if not (int8 and x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)):
-        y = x.astype(dtype)
+        y = cast(x, dtype)
         for dim, axes in dims:
             y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
         return y

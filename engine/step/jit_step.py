@@ -2,7 +2,7 @@
 import jax
 
 from engine.step.update import (accumulate_gradients, apply_update, combine, current_loss_scale, partition,
-                                trained_grad_fn, trained_user_grad_fn)
+                                select_guard, trained_grad_fn, trained_user_grad_fn)
 
 
 def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key, trainable=None,
@@ -14,6 +14,8 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
     grad_fn: None, or the Trainer's `grad_fn(params, micro_batch, rng) -> ((loss, metrics), grads)` in place of
     differentiating `loss_fn` (no loss scale)."""
     constrain = lambda g: jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)  # noqa: E731
+    mesh = next((getattr(s, "mesh", None) for s in jax.tree.leaves(grad_shardings)), None)
+    select = select_guard(mesh.devices.flat[0]) if mesh is not None and hasattr(mesh, "devices") else False
 
     def step(params, opt_state, batch, step):
         rng = jax.random.fold_in(key, step)
@@ -24,7 +26,7 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
         else:
             value_and_grad = trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable)
         loss, metrics, grads = accumulate_gradients(value_and_grad, trained, batch, rng, accumulate, constrain)
-        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale, select)
         return combine(trained, frozen, trainable), opt_state, metrics
 
     return step

@@ -3,6 +3,7 @@ iteration's collective runs beside the previous layer's compute, in the forward 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+from jax.experimental.layout import with_layout_constraint
 
 from engine.sharding import scan_counts
 from engine.step.collectives import all_gather, reduce_scatter
@@ -72,6 +73,7 @@ class _LayerStack:
         self.slots = [x.layer() for x in xs if isinstance(x, Sharded)]
         self.plain = [x for x in xs if not isinstance(x, Sharded)]
         self.stacked = [x.local for x in xs if isinstance(x, Sharded)]
+        self.layouts = [x.layout for x in xs if isinstance(x, Sharded)]  # their local stacks' (and gradients')
 
     def position(self, t):
         """The layer iteration t runs."""
@@ -149,6 +151,11 @@ class _Backward:
         self.y_mask = [jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in stack.body.jaxpr.outvars[stack.n_carry:]]
         self.ws = _pick(self.ws_all, self.w_mask)  # the weights that get gradients
         self.grad_slots = _pick(stack.slots, self.w_mask)
+        self.grad_layouts = _pick(stack.layouts, self.w_mask)
+
+    def constrain(self, bufs):
+        """The weight gradients' stacks in their weights' layouts (`Sharded.layout`)."""
+        return [b if l is None else with_layout_constraint(b, l) for b, l in zip(bufs, self.grad_layouts)]
 
     def scatter(self, gs):
         return [reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype, s.int8.gradients)
@@ -195,8 +202,8 @@ class _Backward:
         shift = (late != late).astype(jnp.int32)
         buffers = lambda xs: [jnp.full(x.shape, late, x.dtype) for x in xs]  # noqa: E731
         state = (_pick(self.ct_carry, self.k_mask), self.stack.gather(self.ws_all, n - 1 + shift), None,
-                 [jnp.zeros(x.shape, jnp.float32) for x in _pick(self.consts, self.c_mask)], buffers(self.ws),
-                 buffers(_pick(self.plain, self.x_mask)))
+                 [jnp.zeros(x.shape, jnp.float32) for x in _pick(self.consts, self.c_mask)],
+                 self.constrain(buffers(self.ws)), buffers(_pick(self.plain, self.x_mask)))
         state = self.step(state, n - 1, self.saved_last, n > 1, False, shift)
         if n > 2:
             index = lambda x, t: jax.lax.dynamic_index_in_dim(x, t, 0, keepdims=False)  # noqa: E731
@@ -205,7 +212,7 @@ class _Backward:
         if n > 1:
             state = self.step(state, 0, [x[0] for x in saved], False, True, shift)
         ct_k, _, pending, acc_c, buf_w, buf_x = state
-        buf_w = self.put(buf_w, self.scatter(pending), 0)
+        buf_w = self.constrain(self.put(buf_w, self.scatter(pending), 0))
         none = lambda xs: [None] * len(xs)  # noqa: E731 - a zero cotangent
         ct_consts = [a.astype(c.dtype) for a, c in zip(acc_c, _pick(self.consts, self.c_mask))]
         return (_merge(ct_consts, self.c_mask, none(self.consts)), _merge(ct_k, self.k_mask, none(self.stack.init)),

@@ -9,12 +9,12 @@ GATHERED = "zero3_gathered"  # checkpoint name of every ZeRO-3-gathered weight: 
 
 class Sharded:
     """A parameter still split over manual axes inside the traced loss: the local shard, how to gather it (`int8`: an
-    `Int8`), and the element-wise casts the loss applied to it (deferred to after the gather, so the gather moves the
-    fewest bytes)."""
+    `Int8`), the element-wise casts the loss applied to it (deferred to after the gather, so the gather moves the
+    fewest bytes), and the shard's device layout where it is not row-major (its gradient is laid out alike)."""
 
-    def __init__(self, local, dims, dtype, reduce_dtype, casts=(), int8=Int8()):
+    def __init__(self, local, dims, dtype, reduce_dtype, casts=(), int8=Int8(), layout=None):
         self.local, self.dims, self.dtype, self.reduce_dtype, self.casts = local, dims, dtype, reduce_dtype, casts
-        self.int8 = int8
+        self.int8, self.layout = int8, layout
 
     def full(self):
         return self.apply_casts(checkpoint_name(
@@ -27,10 +27,11 @@ class Sharded:
         return y
 
     def rebuild(self, local):
-        return Sharded(local, self.dims, self.dtype, self.reduce_dtype, self.casts, self.int8)
+        return Sharded(local, self.dims, self.dtype, self.reduce_dtype, self.casts, self.int8, self.layout)
 
     def cast(self, eqn):
-        return Sharded(self.local, self.dims, self.dtype, self.reduce_dtype, self.casts + (eqn,), self.int8)
+        return Sharded(self.local, self.dims, self.dtype, self.reduce_dtype, self.casts + (eqn,), self.int8,
+                       self.layout)
 
     def layer(self):
         """How one slice along the (unsplit) leading dim of this stacked parameter is gathered: a scan's layer."""

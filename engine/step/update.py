@@ -200,17 +200,25 @@ def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lamb
     return loss * scale, jax.tree.map(lambda m: m * scale, metrics), grads
 
 
-def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None):
+def select_guard(device):
+    """`apply_update`'s select= for a step compiled for `device`'s platform: True on TPU."""
+    return getattr(device, "platform", None) == "tpu"
+
+
+def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None, select=False):
     """The optimizer update, applied only when loss and gradient norm are finite; returns (params, opt_state, metrics).
 
-    The guard is a `lax.cond` around the whole update rather than a `where` on its result: the where keeps old and
-    new state alive together (one more gradient-sized temporary per device), the cond lets the update run in place
-    in the donated buffers. loss_scale: the `LossScale` the gradients were computed
-    under (they are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's)."""
+    How the guard keeps the update in place in the donated buffers depends on the compiler, so the step says which
+    (`select_guard`). By default a `lax.cond` around the whole update: a `where` on its result keeps old and new
+    state alive together on XLA:CPU (LLaMA-7B on 8 devices: 3.2 GB more per device). select=True (XLA:TPU): a `where`
+    on each new leaf, fused into the leaf's element-wise update: XLA:TPU lays the multi-output fusion inside a
+    conditional's branch out row-major and copies every column-major parameter, moment and gradient into it
+    (LLaMA-7B on v5p-8: 4.3 GB more per chip). loss_scale: the `LossScale` the gradients were computed under (they
+    are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's)."""
     if loss_scale is not None:
         state, opt_state = opt_state["loss_scale"], opt_state["optimizer"]
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / state["scale"]).astype(g.dtype), grads)
-        params, opt_state, metrics = apply_update(optimizer, params, opt_state, grads, loss, metrics)
+        params, opt_state, metrics = apply_update(optimizer, params, opt_state, grads, loss, metrics, select=select)
         metrics["loss_scale"] = state["scale"]
         return params, {"optimizer": opt_state, "loss_scale": loss_scale.next(state, metrics["finite"])}, metrics
     grad_norm = optax.global_norm(grads)
@@ -221,7 +229,11 @@ def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_opt_state
 
-    new_params, new_opt_state = jax.lax.cond(finite, update, lambda state: state[:2], (params, opt_state, grads))
+    if select:
+        new = update((params, opt_state, grads))
+        new_params, new_opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, (params, opt_state))
+    else:
+        new_params, new_opt_state = jax.lax.cond(finite, update, lambda state: state[:2], (params, opt_state, grads))
     out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **metrics}
     lr = find_learning_rate(new_opt_state)
     if lr is not None:

@@ -19,14 +19,21 @@ from engine.tasks import lm
 from engine.tasks.rlhf import ppo
 
 
-def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_batch_size=1, seq_len=2048,
-         remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
-         loss_implementation="xla", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-         pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
-         context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
-         rlhf=None):
+def plan(**kwargs):
+    """`compile_plan(**kwargs)`'s result dict alone."""
+    return compile_plan(**kwargs)[0]
+
+
+def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, zero_stage=0, per_device_batch_size=1,
+                 seq_len=2048, remat="full", compute_dtype="bfloat16", accumulate=1, step="shard_map", hbm_gb=None,
+                 loss_implementation="auto", attention_implementation="auto", lora_rank=0, param_dtype="float32",
+                 quantize=None, stages=1, pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1,
+                 diloco_outer_dtype="float32", context=1, zero_quantized_weights=False,
+                 zero_quantized_gradients=False, sequence_parallel=False, rlhf=None, config_overrides=None):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
-    AdamW (fp32 master weights and moments) on the first `num_devices` devices, and returns a dict: parameter count,
+    AdamW (fp32 master weights and moments) on the first `num_devices` devices (None: all) of `target` (None or
+    'cpu': this machine's, e.g. simulated CPU devices; 'tpu:v5p-8', 'tpu:v5e-16x2': a TPU slice's compile-only
+    devices from libtpu, `engine.plan.parse_target`), and returns a dict: parameter count,
     per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per collective type,
     their sum, and, with `hbm_gb`, whether the total fits. lora_rank > 0: LoRA adapters (float32) on every
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
@@ -39,12 +46,28 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
     axis, on top of the others; the jit step, the only one that runs it). zero_quantized_weights /
     zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
     sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
+    loss_implementation: None (materialised [tokens, vocab] logits) or the fused head + loss kernel's
+    implementation; attention_implementation: the flash attention's; 'auto' for either: the target's own kernels
+    (Mosaic on a TPU target, the blockwise 'xla' path on CPU). step: 'shard_map', 'jit' or 'auto' (the Trainer's
+    choice for the target: shard_map on TPU, jit on CPU).
     rlhf='ppo' | 'grpo': the update step of `engine.tasks.rlhf.ppo` on experience rows instead of the language-model loss: PPO
     trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
     under LoRA), GRPO {'actor'} alone. The frozen reference and reward model are not in that step: their weights
-    add their bytes (none with LoRA, where they are the trained models' frozen base)."""
+    add their bytes (none with LoRA, where they are the trained models' frozen base). config_overrides: fields of
+    the named config replaced (e.g. {'num_layers': 4}).
+
+    On several TPU slices the result adds 'cross_slice_bytes' (what each device sends over the data-centre network
+    per step); every result has 'bytes_by_axes' (bytes sent by the mesh axes the collectives span). A program
+    larger than a TPU target's memory is a ValueError quoting the compiler. Returns (the result, the
+    `jax.stages.Compiled` step)."""
     settings = dict(locals())  # the keyword arguments, as given: the result repeats them
-    data, fsdp, tp = _check_arguments(settings)
+    devices = engine.plan.target_devices(target)
+    settings["num_devices"] = num_devices = len(devices) if num_devices is None else num_devices
+    if hbm_gb is None and engine.plan.parse_target(target):  # a TPU target's chips: their HBM is the budget
+        settings["hbm_gb"] = engine.plan.device_memory_bytes(devices[0]) / 1e9
+    data, fsdp, tp = _check_arguments(settings, devices)
+    settings.update(loss_implementation=_implementation(loss_implementation, devices),
+                    attention_implementation=_implementation(attention_implementation, devices))
     dtype = jnp.dtype(compute_dtype)
     network, abstract, n_params = _network(settings)
     params, loss_fn, trainable, rows_of = _training(network, abstract, settings)
@@ -57,7 +80,7 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
         step = "auto"  # DiLoCo has its own step
     trainer = engine.Trainer(
         mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
-                              devices=jax.devices()[:num_devices]),
+                              devices=devices[:num_devices]),
         collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
         accumulate_grad_batches=accumulate, trainable=trainable, diloco=diloco,
         precision=engine.Precision(compute_dtype=dtype),
@@ -65,17 +88,42 @@ def plan(*, model, model_config, num_devices, mesh, zero_stage=0, per_device_bat
                                        zero_quantized_gradients=zero_quantized_gradients))
     rows = per_device_batch_size * data * fsdp
     batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), t) for k, t in rows_of.items()}
-    compiled = compile_step(trainer, batch)
+    compiled = _compile(trainer, batch, settings)
+    step = trainer._step_kind  # noqa: SLF001 - 'auto' as the Trainer resolved it
     memory = memory_per_device(compiled)
-    comm, outer = _communication(compiled.as_text(), diloco, num_devices)
+    hlo = compiled.as_text()
+    comm, outer = _communication(hlo, diloco, num_devices)
     result = _result(settings, step=step, mesh=[data, fsdp, tp], params=n_params, trained_params=n_trained,
                      param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract)),
                      memory=memory, collective_bytes=comm, outer=outer)
+    result["bytes_by_axes"] = engine.plan.bytes_by_axes(hlo, trainer.mesh)
+    hosts = engine.plan.hosts_of(trainer.mesh.devices.flat)  # the program's logical ids: the mesh's devices
+    if len(set(hosts)) > 1:
+        result["cross_slice_bytes"] = sum(_communication(hlo, diloco, num_devices, hosts)[0].values())
     logging.info("plan %s", result)
-    return result
+    return result, compiled
 
 
-def _check_arguments(settings):
+def _compile(trainer, batch, settings):
+    """The step compiled; a TPU target's refusal for want of memory as a ValueError (a plan that does not fit)."""
+    try:
+        return compile_step(trainer, batch)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        message = " ".join(str(e).split())
+        raise ValueError(f"does not fit on {settings['target']}: {message[:400]}") from None
+
+
+def _implementation(name, devices):
+    """A kernel implementation for `plan`: 'auto' -> the devices' own ('mosaic_tpu' on TPU, 'triton' on GPU, else
+    'xla'); anything else as given (None: no kernel)."""
+    if name != "auto":
+        return name
+    return {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton"}.get(devices[0].platform, "xla")
+
+
+def _check_arguments(settings, devices):
     """`plan`'s argument checks; returns the mesh's (data, fsdp, model)."""
     data, fsdp, tp = parse_mesh(settings["mesh"])
     stages, context, num_devices = settings["stages"], settings["context"], settings["num_devices"]
@@ -86,9 +134,11 @@ def _check_arguments(settings):
         extra = "".join(f" with {n}={v}" for n, v in (("stages", stages), ("context", context)) if v > 1)
         raise ValueError(f"mesh={data},{fsdp},{tp}{extra} has {stages * context * data * fsdp * tp} devices; "
                          f"expected num_devices={num_devices}")
-    if num_devices > jax.device_count():
-        raise ValueError(f"num_devices={num_devices}; only {jax.device_count()} devices exist (set XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={num_devices} before JAX starts)")
+    if num_devices > len(devices):
+        where = (f"the target {settings['target']} has {len(devices)}" if engine.plan.parse_target(settings["target"])
+                 else f"only {len(devices)} devices exist (set XLA_FLAGS=--xla_force_host_platform_device_count="
+                      f"{num_devices} before JAX starts)")
+        raise ValueError(f"num_devices={num_devices}; {where}")
     if settings["model"] not in models.FAMILIES:
         raise ValueError(f"model={settings['model']!r}; expected one of {sorted(models.FAMILIES)}")
     if settings["zero_stage"] not in (0, 1, 2):
@@ -104,8 +154,10 @@ def _check_arguments(settings):
 
 def _network(s):
     """(the model, its abstract parameters as trained, its parameter count without quantisation)."""
-    config = models.get_config(s["model"], s["model_config"], scan_layers=True, remat=s["remat"],
+    config = models.get_config(s["model"], s["model_config"], **(s["config_overrides"] or {}),
+                               scan_layers=True, remat=s["remat"],
                                dtype=jnp.dtype(s["compute_dtype"]).name, lora_rank=s["lora_rank"],
+                               attention_implementation=s["attention_implementation"],
                                param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
                                pipeline_microbatches=s["pipeline_microbatches"],
                                sequence_parallel=s["sequence_parallel"])
@@ -141,11 +193,12 @@ def _training(network, abstract, s):
     return params, loss_fn, trainable, rows_of
 
 
-def _communication(hlo, diloco, num_devices):
-    """(bytes sent per collective, each DiLoCo part's outer step's or None) of the compiled step."""
+def _communication(hlo, diloco, num_devices, hosts=None):
+    """(bytes sent per collective, each DiLoCo part's outer step's or None) of the compiled step (hosts: only
+    across them, `engine.plan.collective_bytes`)."""
     if diloco is None:
-        return collective_bytes(hlo, num_devices), None
-    comm, outer = diloco_bytes(hlo, diloco.fragments, num_devices)
+        return collective_bytes(hlo, num_devices, hosts=hosts), None
+    comm, outer = diloco_bytes(hlo, diloco.fragments, num_devices, hosts=hosts)
     if outer is None:
         raise RuntimeError(f"plan: expected one DiLoCo switch of {diloco.fragments + 1} branches in the compiled "
                            "step")
@@ -155,7 +208,8 @@ def _communication(hlo, diloco, num_devices):
 def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, collective_bytes, outer):
     """`plan`'s result dict."""
     microbatches = s["pipeline_microbatches"] or s["stages"]
-    result = {"model": s["model"], "model_config": s["model_config"], "num_devices": s["num_devices"], "mesh": mesh,
+    result = {"model": s["model"], "model_config": s["model_config"], "target": s["target"] or "cpu",
+              "num_devices": s["num_devices"], "mesh": mesh,
               "stages": s["stages"], "context": s["context"], "pipeline_microbatches": microbatches,
               "idle_share": models.pipeline.bubble_fraction(s["stages"], microbatches),
               "zero_stage": s["zero_stage"], "step": step,
@@ -163,7 +217,8 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
               "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],
               "per_device_batch_size": s["per_device_batch_size"], "seq_len": s["seq_len"], "remat": s["remat"],
               "compute_dtype": jnp.dtype(s["compute_dtype"]).name,
-              "loss_implementation": s["loss_implementation"] or "plain", "params": params,
+              "loss_implementation": s["loss_implementation"] or "plain",
+              "attention_implementation": s["attention_implementation"], "params": params,
               "trained_params": trained_params, "param_bytes": param_bytes, "lora_rank": s["lora_rank"],
               "param_dtype": jnp.dtype(s["param_dtype"]).name, "quantize": s["quantize"], "bytes": memory,
               "state_16psi_per_device": 16 * params // s["num_devices"],
@@ -182,7 +237,8 @@ def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
     """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), and, up to `max_stages`,
     every pipeline stage count that divides the devices (one micro-batch per stage, `per_device_batch_size` x stages
     rows per data position: the global batch the same mesh would have with its stages turned into data positions),
-    ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does).
+    ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does); on
+    several TPU slices by the bytes crossing slices first.
     A configuration that fails to compile comes back with its 'error'."""
     results = []
     stage_counts = [s for s in range(1, max_stages + 1) if num_devices % s == 0]
@@ -197,6 +253,7 @@ def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
                 logging.warning("sweep: stages %d mesh %s zero %d failed: %s", stages, (data, fsdp, tp), zero, e)
                 results.append({"mesh": [data, fsdp, tp], "stages": stages, "zero_stage": zero,
                                 "error": str(e).splitlines()[0][:200]})
-    ok = sorted((r for r in results if "error" not in r),
-                key=lambda r: (not r.get("fits", True), r["bytes"]["total"], r["collective_bytes_total"]))
+    ok = sorted((r for r in results if "error" not in r),  # several slices: the bytes between them first
+                key=lambda r: (not r.get("fits", True), r.get("cross_slice_bytes", 0), r["bytes"]["total"],
+                               r["collective_bytes_total"]))
     return ok + [r for r in results if "error" in r]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from kernels import _partition
-from kernels._dispatch import resolve_implementation
+from kernels._dispatch import resolve_implementation, tpu_generation
 from kernels.attention import mosaic_tpu, reference, triton
 from kernels.attention.reference import dropout_keys
 from kernels.matmul.formats import quantize_int8
@@ -46,8 +46,8 @@ class BlockSizes:
 
 # Heuristic defaults per implementation, keyed by the largest head_dim they apply to. Triton numbers follow the
 # FlashAttention-2 Triton tutorial's H100 configs (128x64 forward tiles; smaller tiles at head_dim 256 to fit shared
-# memory); Mosaic uses 512-wide tiles, which keep the MXU busy across TPU generations while fitting VMEM. Not yet
-# tuned on hardware: scripts/bench_kernels.py is the tool for that.
+# memory); Mosaic's row is for tracing off TPU (interpret mode, lowering), a TPU takes its generation's row of
+# `_MOSAIC_BLOCKS`. Not yet timed on hardware: scripts/bench_kernels.py is the tool for that.
 _DEFAULT_BLOCKS = {
     # 'xla' scans over kv only (block_q unused); 512-key steps bound its temporaries to [B, H, T, 512].
     "xla": {1 << 30: BlockSizes(block_q=1, block_k=512, block_q_bwd=1, block_k_bwd=512)},
@@ -60,6 +60,18 @@ _DEFAULT_BLOCKS = {
         128: BlockSizes(512, 512, 256, 512),
         1 << 30: BlockSizes(256, 512, 256, 256),
     },
+}
+# Mosaic tiles per TPU generation (`kernels._dispatch.tpu_generation`), keyed by head dim like `_DEFAULT_BLOCKS`:
+# the largest (block_q, block_k) of the forward kernel and of the backward kernels that compile under the
+# generation's default scoped VMEM (16 MiB on v4, v5e and v5p; 32 MiB on v6e) with every mask (causal or not, with
+# segment ids or not: Mosaic's temporaries differ by mask), with and without grouped kv heads, at head dims 128 and
+# 256 and lengths 2048 and 8192 (`scripts/tpu_compile_report.py --search`, then tests/test_tpu_kernels.py: a 2048-key
+# forward tile on v5p passed with GQA 32/8 and overflowed by 0.2 MiB in LLaMA-7B's step, 32 kv heads with segments).
+_MOSAIC_BLOCKS = {  # head dim 64 takes 128's tiles: a 64-lane tile is padded to 128 lanes in VMEM
+    "v4": {128: BlockSizes(1024, 1024, 1024, 1024), 1 << 30: BlockSizes(1024, 512, 1024, 512)},
+    "v5e": {128: BlockSizes(1024, 1024, 1024, 1024), 1 << 30: BlockSizes(1024, 512, 1024, 512)},
+    "v5p": {128: BlockSizes(1024, 1024, 1024, 1024), 1 << 30: BlockSizes(1024, 512, 1024, 512)},
+    "v6e": {128: BlockSizes(2048, 2048, 2048, 1024), 1 << 30: BlockSizes(2048, 1024, 2048, 512)},
 }
 # What `scripts/bench_kernels.py --tune` times, per implementation, keyed by the pass it times ('fwd', or 'fwd+bwd'
 # for the backward tiles). Each candidate is laid over the heuristic default like a `block_sizes` override, so a
@@ -650,9 +662,11 @@ def _round_up(n, multiple):
 
 
 def choose_block_sizes(impl, head_dim, q_len, kv_len, override=None):
-    """The BlockSizes `flash_attention` uses: the heuristic table, then `override`'s non-None fields, then clipped to
-    the (tile-rounded) sequence lengths."""
+    """The BlockSizes `flash_attention` uses: the heuristic table (Mosaic: the traced-for TPU generation's), then
+    `override`'s non-None fields, then clipped to the (tile-rounded) sequence lengths."""
     table = _DEFAULT_BLOCKS[impl]
+    if impl == "mosaic_tpu":
+        table = _MOSAIC_BLOCKS.get(tpu_generation(), table)
     default = table[min(d for d in table if d >= head_dim)]
     chosen = {f.name: getattr(default, f.name) for f in dataclasses.fields(BlockSizes)}
     if override is not None:

@@ -3,6 +3,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kernels._dispatch import tpu_generation
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -44,6 +46,18 @@ _TABLE = {
 }
 
 
+# Mosaic tiles per TPU generation (`kernels._dispatch.tpu_generation`; the ('mosaic_tpu', op) rows above serve
+# tracing off TPU): per op the largest (block_m, block_n, block_k) whose every forward and backward kernel compiles
+# under the generation's default scoped VMEM (16 MiB on v4, v5e and v5p; 32 MiB on v6e), on 4096-wide bf16
+# operands (`scripts/tpu_compile_report.py --search`; kernels/README.md records the search and the compiles).
+_MOSAIC_BY_GENERATION = {
+    **{generation: {"matmul": BlockSizes(1024, 1024, 512), "gated": BlockSizes(1024, 512, 256),
+                    "loss": BlockSizes(512, 1024, 1024)} for generation in ("v4", "v5e", "v5p")},
+    "v6e": {"matmul": BlockSizes(1024, 2048, 1024), "gated": BlockSizes(1024, 1024, 512),
+            "loss": BlockSizes(2048, 1024, 512)},
+}
+
+
 # What `scripts/bench_kernels.py --tune` times per (implementation, op), the default first; (block_m, block_n,
 # block_k, num_warps, num_stages) for Triton: wider tiles and deeper pipelines for the one-accumulator matmul, fewer
 # registers' worth for the two-accumulator gated kernel and the loss. 'xla' has nothing to tune.
@@ -68,6 +82,9 @@ TUNING_SPACE = {
 
 
 def default_block_sizes(implementation, op):
+    """The table's tiles for `op` ('matmul', 'gated' or 'loss'); Mosaic's for the TPU generation being traced for."""
+    if implementation == "mosaic_tpu" and tpu_generation() in _MOSAIC_BY_GENERATION:
+        return _MOSAIC_BY_GENERATION[tpu_generation()][op]
     return _TABLE[(implementation, op)]
 
 

@@ -1,0 +1,116 @@
+"""The Mosaic kernels compiled by the real TPU compilers (Mosaic and XLA:TPU in libtpu, on compile-only devices:
+`kernels/tpu_compile.py`) for v4, v5e, v5p and v6e with their generation's block tables: each program compiles
+under the scoped VMEM its kernels state they need (`tpu_compile.vmem_needs`, at most the generation's default
+limit), fits the device's HBM, and no kernel compiles below one copy of its windows.
+
+Run with `make test-tpu` (the `tpu` tier: its own environment with jax[tpu]); skipped without libtpu. Every
+program is forward and backward together (`value_and_grad`), so an op's forward and backward kernels compile in one
+program. kernels/README.md records the tier's runtime and the report of the same compiles.
+"""
+import itertools
+
+import pytest
+
+from kernels import tpu_compile
+from kernels.attention import BlockSizes
+from kernels.tpu_compile import (HBM_BYTES, SCOPED_VMEM_BYTES, KiB, attention_case, compile_case,
+                                 context_parallel_case, matmul_cases, vmem_needs)
+from tests.tpu_targets import GENERATIONS, tpu_devices
+
+pytestmark = pytest.mark.tpu
+
+
+def _compiles(generation, case):
+    """Compiles `case` for `generation` (skipping without libtpu) under the scoped VMEM its kernels state they need,
+    or the default limit where they state more (Mosaic then gives up double buffers: kernels/README.md); asserts it
+    fits VMEM and HBM."""
+    tpu_devices(generation)
+    need = max(need for _, need in vmem_needs(case, generation).values())
+    result = compile_case(generation, case, scoped_vmem=min(need, SCOPED_VMEM_BYTES[generation]))
+    assert result.overflow is None, f"{case.kernel} {case.label}: {result.overflow}"
+    assert result.hbm_bytes <= HBM_BYTES[generation], \
+        f"{case.kernel} {case.label}: {result.hbm_bytes / 2**30:.2f} GiB > {HBM_BYTES[generation] / 2**30} GiB"
+    return result
+
+
+# ---- flash attention: every generation a few settings, v5p the whole cross product ----
+
+REPRESENTATIVE = [(1024, 64, "segments"), (8192, 128, "causal"), (32768, 256, "causal+segments")]
+CROSS = [setting for setting in itertools.product((1024, 8192, 32768), (64, 128, 256),
+                                                 ("causal", "segments", "causal+segments"))
+         if setting not in REPRESENTATIVE]
+
+
+def _id(setting):
+    length, head_dim, mask = setting
+    return f"T{length}-D{head_dim}-{mask}"
+
+
+@pytest.mark.parametrize("setting", REPRESENTATIVE, ids=_id)
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_attention_compiles(generation, setting):
+    _compiles(generation, attention_case(*setting))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_attention_without_grouped_kv_heads_compiles(generation, head_dim):
+    """32 query and 32 kv heads with segment ids at 2048 tokens (LLaMA-7B's packed rows): the forward's VMEM need
+    grows with the kv heads' ids and windows, and a tile that fit GQA 32/8 overflowed here (the block tables)."""
+    _compiles(generation, attention_case(2048, head_dim, "causal+segments", heads=32, kv_heads=32))
+
+
+@pytest.mark.parametrize("setting", CROSS, ids=_id)
+def test_attention_cross_product_compiles_on_v5p(setting):
+    _compiles("v5p", attention_case(*setting))
+
+
+# ---- the LLaMA MLP and head ----
+
+@pytest.mark.parametrize("index", range(4), ids=["gated_mlp", "fused_matmul", "loss-32000", "loss-128256"])
+@pytest.mark.parametrize("model", ["7B", "70B"])
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_llama_mlp_and_head_compile(generation, model, index):
+    cases = matmul_cases(model)
+    if index >= len(cases):
+        pytest.skip(f"LLaMA-{model} has one vocabulary")
+    _compiles(generation, cases[index])
+
+
+# ---- context parallelism over the slice ----
+
+@pytest.mark.parametrize("kind, collective", [("ulysses", "all-to-all"), ("ring", "collective-permute")])
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_context_parallel_attention_compiles(generation, kind, collective):
+    case = context_parallel_case(generation, kind)
+    tpu_devices(generation)
+    compiled = tpu_compile.compile_with(case.lower(generation))
+    assert tpu_compile.device_bytes(compiled) <= HBM_BYTES[generation]
+    assert collective in compiled.as_text(), f"{kind} attention without {collective}"
+
+
+# ---- the stated VMEM need against the compiler ----
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_no_kernel_compiles_below_one_copy_of_its_windows(generation):
+    """The lower end of the bracket the stated need closes from above (`_compiles`): a limit under the largest
+    kernel's windows, held once, overflows, and the compiler names a kernel of the program."""
+    tpu_devices(generation)
+    for case in (attention_case(8192, 128, "causal"), *matmul_cases("7B")[:3]):
+        needs = vmem_needs(case, generation)
+        windows = max(w for w, _ in needs.values())
+        result = compile_case(generation, case, scoped_vmem=windows - 64 * KiB)
+        assert result.overflow is not None, f"{case.kernel} compiled in {windows - 64 * KiB} bytes"
+        assert result.overflow.kernel in needs, result.overflow
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_the_default_scoped_vmem_is_the_stated_one(generation):
+    """SCOPED_VMEM_BYTES, which the block search and the tables assume, is what libtpu lends a kernel by default:
+    a forward kernel on tiles twice the largest that fit overflows it, and the error states the limit."""
+    tpu_devices(generation)
+    tiles = (4096, 2048) if generation == "v6e" else (2048, 2048)
+    case = attention_case(4096, 128, "none", heads=1, kv_heads=1, block_sizes=BlockSizes(*tiles, 128, 128))
+    result = compile_case(generation, case)
+    assert result.overflow is not None and result.overflow.kernel == "flash_attention_fwd", result
+    assert result.overflow.limit == SCOPED_VMEM_BYTES[generation], result.overflow
