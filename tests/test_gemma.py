@@ -195,3 +195,12 @@ def test_named_configs_have_the_released_parameter_counts(family, name, params):
 def test_memory_plan_of_a_tiny_gemma3():
     """tests/test_mistral.py's tiny plan, through the scanned local / global stack."""
     memory_plan_of_a_tiny_model("gemma3_text")
+
+
+def test_the_fused_head_and_loss_refuses_a_final_soft_cap():
+    """The fused head + loss kernel computes plain logits: Gemma 2's final soft-cap would be left out of the loss
+    silently, so it is refused in one line; plain logits take it."""
+    model = models.create_model("gemma2", "tiny")
+    with pytest.raises(ValueError, match=r"loss_implementation='xla' with a final logit soft-cap .*plain logits"):
+        lm.lm_loss_fn(model, "xla")
+    lm.lm_loss_fn(model, None)

@@ -87,6 +87,10 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
     'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter.
     Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`."""
     check_implementation(implementation)
+    cap = getattr(getattr(model, "config", None), "final_logit_softcap", None)
+    if implementation is not None and cap is not None:  # the fused kernel computes plain logits: a wrong loss
+        raise ValueError(f"loss_implementation={implementation!r} with a final logit soft-cap ({cap}, Gemma 2); "
+                         "expected plain logits (--loss_implementation=plain): the fused head + loss does not cap")
 
     def loss_fn(params, batch, rng, is_training):
         out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
