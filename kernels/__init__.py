@@ -2,7 +2,7 @@
 
 Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and the dispatching public op.
 """
-from kernels._dispatch import IMPLEMENTATIONS, resolve_implementation
+from kernels._dispatch import IMPLEMENTATIONS, implementation_for_platform, resolve_implementation
 from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, context_size, tracing_mesh, under_mesh,
                                 vmapped)
 from kernels.attention import (decode_attention, dropout_keys, dropout_multiplier, flash_attention, mha_reference,

@@ -10,13 +10,16 @@ IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 _BY_BACKEND = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
 
 
+def implementation_for_platform(platform, *, interpret=False):
+    """The fastest implementation on `platform` ('gpu', 'cuda', 'rocm', 'tpu', 'cpu', ...): a device's own
+    kernels, else 'xla' ('triton' in interpret mode)."""
+    return _BY_BACKEND.get(platform, "triton" if interpret else "xla")
+
+
 def resolve_implementation(implementation, *, interpret=False):
     """Returns the implementation name to run; raises ValueError for an unknown one."""
     if implementation is None:
-        backend = jax.default_backend()
-        if backend in _BY_BACKEND:
-            return _BY_BACKEND[backend]
-        return "triton" if interpret else "xla"
+        return implementation_for_platform(jax.default_backend(), interpret=interpret)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; expected None or one of {IMPLEMENTATIONS}")
     return implementation

@@ -12,6 +12,7 @@ import optax
 from absl import logging
 
 import engine
+import kernels
 import models
 from engine.plan import (parse_mesh, collective_bytes, compile_step, diloco_bytes, memory_per_device,
                          mesh_shapes)
@@ -118,9 +119,7 @@ def _compile(trainer, batch, settings):
 def _implementation(name, devices):
     """A kernel implementation for `plan`: 'auto' -> the devices' own ('mosaic_tpu' on TPU, 'triton' on GPU, else
     'xla'); anything else as given (None: no kernel)."""
-    if name != "auto":
-        return name
-    return {"tpu": "mosaic_tpu", "gpu": "triton", "cuda": "triton"}.get(devices[0].platform, "xla")
+    return name if name != "auto" else kernels.implementation_for_platform(devices[0].platform)
 
 
 def _check_arguments(settings, devices):
