@@ -14,6 +14,7 @@ math (`jax.jit(f).lower(...).cost_analysis()`), written here apart from the kern
   the loss's forward against the materialising `linear_cross_entropy_reference`. The estimates count the epilogues
   by tracing them, so they read 0.997 to 1.005 of XLA's count; `MATMUL_TOLERANCE` covers the sums of two-term
   accumulators and the reductions they leave out.
+- the grouped matmul: its forward, dx and dw kernels against the dense product of the same rows.
 Bytes accessed are at least every input and output once.
 """
 import functools
@@ -26,6 +27,7 @@ from jax.extend import core as jex_core
 
 from kernels.attention import flash_attention, mha_reference
 from kernels.attention.api import decode_attention
+from kernels.grouped_matmul import grouped_matmul
 from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, mosaic_tpu, reference, triton
 from kernels.matmul import BlockSizes as MatmulBlocks
 
@@ -239,3 +241,23 @@ def test_public_ops_total_the_textbook_matmul_count(impl):
         calls = _pallas_calls(jax.grad(lambda *a: fn(*a).sum(), argnums=tuple(range(len(args)))), *args)
         total = sum(cost.flops for _, cost, *_ in calls)
         _assert_close(total, products * 2 * M * N * K, MATMUL_TOLERANCE, op)
+
+
+# ---- the grouped matmul ----
+
+_GROUPED = (jax.ShapeDtypeStruct((512, K), jnp.float32), jax.ShapeDtypeStruct((4, K, N), jnp.float32),
+            jax.ShapeDtypeStruct((4,), jnp.int32))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_grouped_matmul_kernels_count_one_product_per_row(impl):
+    """The forward, dx and dw kernels each count every row's product with its group's weight once: XLA's count of
+    the dense [M, K] x [K, N] product (the extra tile of a group boundary is left out, as _cost.py says)."""
+    loss = lambda x, w, sizes: grouped_matmul(x, w, sizes, implementation=impl, block_sizes=_MATMUL_BLOCKS).sum()
+    calls = _pallas_calls(jax.grad(loss, (0, 1)), *_GROUPED)
+    _assert_declared(calls)
+    assert sorted(name for name, *_ in calls) == ["grouped_matmul", "grouped_matmul", "grouped_matmul_transposed"]
+    x, w, _ = _GROUPED
+    ref = _xla(jnp.dot, x, jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
+    for name, cost, *_ in calls:
+        _assert_close(cost.flops, ref["flops"], MATMUL_TOLERANCE, f"{name} flops")

@@ -1,0 +1,95 @@
+"""`grouped_matmul`: one weight matrix per group of rows (a mixture-of-experts layer's experts on its tokens sorted
+by expert), with the input checks, the per-backend tiles and the custom_vjp over a backend's `gmm` / `tgmm` (the
+interface in `reference.py`).
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kernels._dispatch import resolve_implementation
+from kernels.grouped_matmul import mosaic_tpu, reference, triton
+from kernels.matmul import _blocks
+from kernels.matmul._blocks import BlockSizes
+from kernels.matmul.api import _instantiate, _marked  # the family's custom_vjp helpers: skip a frozen weight's dw
+
+__all__ = ["grouped_matmul"]
+
+_BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Starting points, not measurements: the fused matmul's Triton tiles (kernels/matmul/_blocks.py); on TPU 256 rows,
+# since every group boundary inside a row tile costs one more tile's product (7 boundaries of 8 experts at 256 rows
+# add 1024 x K x N to Mixtral's 16384 x K x N); the 'xla' scan's 512-row steps keep its dots large.
+DEFAULT_BLOCK_SIZES = {
+    "triton": BlockSizes(128, 128, 64, num_warps=8, num_stages=3),
+    "mosaic_tpu": BlockSizes(256, 1024, 512),
+    "xla": BlockSizes(512, 128, 128),
+}
+
+
+class _Config(NamedTuple):
+    implementation: str
+    blocks: BlockSizes
+    interpret: bool
+
+    @property
+    def backend(self):
+        return _BACKENDS[self.implementation]
+
+
+def _check(x, w, group_sizes):
+    if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"x.dtype={x.dtype}; expected one of float32, bfloat16, float16")
+    if x.ndim != 2 or 0 in x.shape:
+        raise ValueError(f"x.shape={tuple(x.shape)}; expected [m, k] with m, k > 0")
+    if w.ndim != 3 or w.shape[1] != x.shape[1] or 0 in w.shape:
+        raise ValueError(f"w.shape={tuple(w.shape)}; expected [groups, {x.shape[1]}, n] (k of x.shape[1])")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w.dtype={w.dtype}; expected x.dtype={x.dtype}")
+    if jnp.dtype(group_sizes.dtype) != jnp.int32:
+        raise ValueError(f"group_sizes.dtype={group_sizes.dtype}; expected int32")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes.shape={tuple(group_sizes.shape)}; expected ({w.shape[0]},), one per group "
+                         f"of w")
+
+
+def grouped_matmul(x, w, group_sizes, *, implementation=None, interpret=False, block_sizes=None):
+    """Row r of group g is `x[r] @ w[g]`, float32 accumulation, output in x's dtype.
+
+    x: [M, K], its rows sorted by group: group g is the `group_sizes[g]` rows after groups 0 ... g - 1; w: [G, K, N]
+    in x's dtype, one weight per group; group_sizes: int32 [G], summing to at most M (the rows past the sum are
+    padding and come out zero; a larger sum is cut at M). Returns [M, N].
+
+    The backward is two grouped products: dx = dy @ w[g].T per group, and dw[g] = x[rows of g].T @ dy[rows of g]
+    (zero for an empty group); group_sizes gets no gradient, and a frozen w (not differentiated: LoRA, a frozen
+    base) no dw product. `block_sizes` (kernels.matmul.BlockSizes): block_m
+    rows, block_n output columns, block_k contraction per tile (dw's tiles are block_k x block_n over block_m rows);
+    None fields keep `DEFAULT_BLOCK_SIZES`.
+    """
+    _check(x, w, group_sizes)
+    implementation = resolve_implementation(implementation, interpret=interpret)
+    _blocks.validate(block_sizes, implementation)
+    cfg = _Config(implementation, block_sizes or DEFAULT_BLOCK_SIZES[implementation], bool(interpret))
+    return _grouped(x, w, group_sizes, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x, w, group_sizes, cfg):
+    return cfg.backend.gmm(x, w, group_sizes, blocks=cfg.blocks, interpret=cfg.interpret)
+
+
+def _grouped_fwd(x, w, group_sizes, cfg):
+    return _grouped(x, w, group_sizes, cfg), (x, w, group_sizes)
+
+
+def _grouped_bwd(cfg, residuals_marks, dy):
+    (x, w, group_sizes), (want_x, want_w, _) = residuals_marks
+    dy, run = _instantiate(dy), dict(blocks=cfg.blocks, interpret=cfg.interpret)
+    dx = cfg.backend.gmm(dy, w, group_sizes, trans_rhs=True, **run) if want_x is not None else None
+    dw = cfg.backend.tgmm(x, dy, group_sizes, out_dtype=w.dtype, **run) if want_w is not None else None
+    return dx, dw, None
+
+
+_grouped.defvjp(_marked(_grouped_fwd, 3), _grouped_bwd, symbolic_zeros=True)
