@@ -114,3 +114,32 @@ def test_the_default_scoped_vmem_is_the_stated_one(generation):
     result = compile_case(generation, case)
     assert result.overflow is not None and result.overflow.kernel == "flash_attention_fwd", result
     assert result.overflow.limit == SCOPED_VMEM_BYTES[generation], result.overflow
+
+
+# ---- the grouped matmul: Mixtral-8x7B's experts ----
+
+# 8192 tokens routed top-2 (16384 rows) through 8 experts: the up (and gate) projection 4096 -> 14336 and the down
+# projection 14336 -> 4096, forward, dx and dw in one program; ragged sizes are a runtime input.
+MIXTRAL_EXPERTS = {"up": (16384, 4096, 14336), "down": (16384, 14336, 4096)}
+
+
+def _grouped_case(projection):
+    import jax
+    import jax.numpy as jnp
+
+    from kernels.grouped_matmul import grouped_matmul
+
+    m, k, n = MIXTRAL_EXPERTS[projection]
+
+    def loss_and_grads(x, w, sizes):
+        loss = lambda x, w: grouped_matmul(x, w, sizes, implementation="mosaic_tpu").astype(jnp.float32).sum()
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    return tpu_compile.Case("grouped_matmul", f"Mixtral-8x7B {projection} [{m}, {k}] x [8, {k}, {n}]", loss_and_grads,
+                            (((m, k), jnp.bfloat16), ((8, k, n), jnp.bfloat16), ((8,), jnp.int32)))
+
+
+@pytest.mark.parametrize("projection", MIXTRAL_EXPERTS)
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_mixtral_grouped_matmul_compiles(generation, projection):
+    _compiles(generation, _grouped_case(projection))
