@@ -4,6 +4,7 @@
   python scripts/bench_kernels.py --kernels=attention --seq_lens=2048,4096,8192,16384 --dtype=bfloat16
   python scripts/bench_kernels.py --kernels=matmul
   python scripts/bench_kernels.py --kernels=decode     # one generation step against a half-filled KV cache
+  python scripts/bench_kernels.py --kernels=grouped    # the MoE grouped matmul at Mixtral-8x7B's expert sizes
   python scripts/bench_kernels.py --tune=attention,matmul   # search the ops' block sizes instead
 
 Each row: median wall time per call over --iters samples after --warmup runs (random normal inputs, jitted; a
@@ -28,6 +29,7 @@ from engine.flops import peak_tflops
 from kernels.attention import BlockSizes, decode_attention, flash_attention
 from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE
 from kernels.attention.api import choose_block_sizes
+from kernels.grouped_matmul import grouped_matmul
 from kernels._dispatch import resolve_implementation
 from kernels.matmul import _blocks as matmul_blocks
 from kernels.matmul import benchmark as matmul_benchmark
@@ -60,6 +62,8 @@ flags.DEFINE_list(
 )
 
 flags.DEFINE_list("decode_batches", None, "decode: sequences per step; default 1,8 (CPU: 2).")
+flags.DEFINE_list("grouped_shape", None, "grouped: rows,k,n,groups; default Mixtral-8x7B's experts on 8192 "
+                  "tokens routed top-2, 16384,4096,14336,8 (CPU: 512,128,256,4).")
 flags.DEFINE_list("decode_cache_lens", None, "decode: KV cache slots, half of them filled; default 8192,32768 "
                   "(CPU: 512).")
 
@@ -276,7 +280,32 @@ def bench_decode():
     return rows
 
 
-_KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul, "decode": bench_decode}
+def bench_grouped():
+    """grouped_matmul (default implementation) vs its 'xla' path and jax.lax.ragged_dot, forward and
+    forward+backward, every row in a group and the groups' sizes proportional to 1, 2, ..., G (a skewed router)."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    m, k, n, g = map(int, FLAGS.grouped_shape or (["512", "128", "256", "4"] if on_cpu else
+                                                  ["16384", "4096", "14336", "8"]))
+    sizes = [m * (i + 1) // (g * (g + 1) // 2) for i in range(g)]
+    sizes[-1] += m - sum(sizes)
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    args = (jax.random.normal(key_x, (m, k), dtype), (jax.random.normal(key_w, (g, k, n)) * k ** -0.5).astype(dtype),
+            jnp.asarray(sizes, jnp.int32))
+    ours, selection = _ours()
+    paths = {"grouped_matmul[xla]": functools.partial(grouped_matmul, implementation="xla"),
+             "jax.lax.ragged_dot": jax.lax.ragged_dot}
+    paths = {f"grouped_matmul[{ours}]": functools.partial(grouped_matmul, **selection), **paths}  # ours first
+    shape = f"{m}x{k}x{n} G{g} {dtype.name}"
+    rows = [_measure(f"{name} fwd", shape, fn, args, 2 * m * k * n) for name, fn in paths.items()]
+    for name, fn in paths.items():  # dx and dw: two more products of the forward's size
+        grads = jax.grad(lambda x, w, s, fn=fn: fn(x, w, s).astype(jnp.float32).sum(), (0, 1))
+        rows.append(_measure(f"{name} fwd+bwd", shape, grads, args, 6 * m * k * n))
+    return rows
+
+
+_KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul, "decode": bench_decode,
+                    "grouped": bench_grouped}
 _TUNERS = {"attention": tune_attention, "matmul": tune_matmul}
 
 
