@@ -36,18 +36,24 @@ class GemmaConfig(llama.LlamaConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.layer_types:
-            object.__setattr__(self, "layer_types", tuple(
-                SLIDING if (i + 1) % self.sliding_pattern else FULL for i in range(self.num_layers)))
-        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {SLIDING, FULL}:
-            raise ValueError(f"layer_types={list(self.layer_types)}; expected {self.num_layers} (num_layers) of "
-                             f"{SLIDING!r} / {FULL!r}")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window={self.sliding_window!r}; expected a positive integer or None")
+        check_layer_types(self, lambda i: (i + 1) % self.sliding_pattern)
 
     @property
     def sliding_layers(self):
         return tuple(t == SLIDING for t in self.layer_types)
+
+
+def check_layer_types(c, sliding):
+    """A config's layer_types and window (Gemma's, Qwen's): empty layer_types become layer i's kind by the family's
+    rule `sliding(i)` (truthy: local); ValueError unless num_layers of 'sliding_attention' / 'full_attention' and a
+    window that is a positive integer or None."""
+    if not c.layer_types:
+        object.__setattr__(c, "layer_types", tuple(SLIDING if sliding(i) else FULL for i in range(c.num_layers)))
+    if len(c.layer_types) != c.num_layers or set(c.layer_types) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types={list(c.layer_types)}; expected {c.num_layers} (num_layers) of "
+                         f"{SLIDING!r} / {FULL!r}")
+    if c.sliding_window is not None and (isinstance(c.sliding_window, bool) or c.sliding_window < 1):
+        raise ValueError(f"sliding_window={c.sliding_window!r}; expected a positive integer or None")
 
 
 @dataclasses.dataclass(frozen=True)

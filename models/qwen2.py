@@ -1,18 +1,38 @@
 """Qwen2 and Qwen2.5: the LLaMA layout (`llama.LlamaBlock`) with biases on q, k and v and none on o, which
 transformers' Qwen2Attention hard-codes. Config, named configs and the Hugging Face conversion; Qwen3
-(`models/qwen3.py`) reuses the conversion.
+(`models/qwen3.py`) reuses the config's window and the conversion.
 
-Sliding-window attention (`use_sliding_window`, off in every released Qwen2 / 2.5 checkpoint) is refused; the block
-would take it as Gemma's per-layer kinds (`models/gemma2.py`), but no checkpoint to check it against exists."""
+Sliding-window attention as transformers' Qwen2 / Qwen3 (off in every released checkpoint): with
+`use_sliding_window`, the layers that `layer_types` marks 'sliding_attention' (without it, transformers' rule: the
+layers from `max_window_layers` on) attend within `sliding_window`; the others attend to everything. It is Gemma's
+machinery (`models/gemma2.py`): the kinds scanned beside the stacked weights, local layers' KV caches rings of the
+window."""
 import dataclasses
-import json
 
-from models import layers, llama
+from models import gemma2, layers, llama
+from models.gemma2 import SLIDING
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen2Config(llama.LlamaConfig):
-    """LlamaConfig's fields; attention_bias stands for q, k and v (always on in Qwen2), mlp_bias stays off."""
+class QwenConfig(llama.LlamaConfig):
+    """LlamaConfig's fields and the window: sliding_window (transformers' when use_sliding_window; None: none) in
+    the layers layer_types marks 'sliding_attention' (empty: layers from max_window_layers on)."""
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: tuple = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        gemma2.check_layer_types(self, lambda i: self.sliding_window is not None and i >= self.max_window_layers)
+
+    @property
+    def sliding_layers(self):
+        return tuple(t == SLIDING for t in self.layer_types)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config(QwenConfig):
+    """QwenConfig's fields; attention_bias stands for q, k and v (always on in Qwen2), mlp_bias stays off."""
     attention_bias: bool = True
     o_bias = False
 
@@ -46,21 +66,20 @@ def config_to_hf(c):
 
 
 def from_hf(config_cls, hf, options, **fields):
-    """`config_cls` (a LlamaConfig) from a Qwen config.json dict: LLaMA's fields, then `fields`. ValueError for a
-    sliding window, which no released Qwen2 / 2.5 / 3 dense model turns on."""
-    if hf.get("use_sliding_window"):
-        raise ValueError(f"'use_sliding_window' is {json.dumps(hf['use_sliding_window'])}; sliding-window attention is "
-                         "not supported yet (expected false)")
-    if "sliding_attention" in (hf.get("layer_types") or ()):
-        layer = hf["layer_types"].index("sliding_attention")
-        raise ValueError(f"'layer_types' has 'sliding_attention' at layer {layer}; sliding-window attention is not "
-                         "supported yet (expected only 'full_attention')")
-    return llama.from_hf(config_cls, hf, options, **fields)
+    """`config_cls` (a QwenConfig) from a Qwen config.json dict: LLaMA's fields, the window as transformers reads it
+    (sliding_window only with use_sliding_window), then `fields`."""
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+    return llama.from_hf(config_cls, hf, options, sliding_window=window,
+                         max_window_layers=hf.get("max_window_layers", 28),
+                         layer_types=tuple(hf.get("layer_types") or ()), **fields)
 
 
 def to_hf(c, model_type, architecture, drop=()):
-    """LLaMA's config.json dict as `model_type`'s, without the keys in `drop` and mlp_bias (no Qwen field)."""
-    return {**llama.to_hf(c, model_type, architecture, ("mlp_bias", *drop)), "use_sliding_window": False}
+    """LLaMA's config.json dict as `model_type`'s, without the keys in `drop` and mlp_bias (no Qwen field), with
+    the window."""
+    return {**llama.to_hf(c, model_type, architecture, ("mlp_bias", *drop)),
+            "use_sliding_window": c.sliding_window is not None, "sliding_window": c.sliding_window,
+            "max_window_layers": c.max_window_layers, "layer_types": list(c.layer_types)}
 
 
 hf_tensor_map = llama.hf_tensor_map

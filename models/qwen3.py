@@ -8,8 +8,9 @@ from models import layers, llama, qwen2
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config(llama.LlamaConfig):
-    """LlamaConfig's fields; q and k heads normalised (the scales' epsilon is norm_eps, as in transformers)."""
+class Qwen3Config(qwen2.QwenConfig):
+    """QwenConfig's fields (the window as Qwen2's); q and k heads normalised (the scales' epsilon is norm_eps, as in
+    transformers)."""
     qk_norm = True
 
 
