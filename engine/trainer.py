@@ -32,7 +32,7 @@ from engine.checkpoint import Checkpointer, abstract_like
 from engine.config import RESTORE_CHECKPOINTS, Checkpointing, Logging, Parallelism, Precision, check
 from engine.flops import peak_tflops
 from engine import plan as plan_lib
-from engine.sharding import add_axis, auto_shard, log_sharding, path_str
+from engine.sharding import add_axis, auto_shard, device_tile, log_sharding, path_str
 import kernels
 
 _validate = check
@@ -463,7 +463,7 @@ class Trainer:
                              _auto_specs(abstract_params, self.mesh, self.loss_fn, self._batch_spec, rules))
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         shapes = jax.tree.map(lambda x: x.shape, abstract_params)
-        data_axis = lambda spec, shape: add_axis(spec, shape, "data", sizes)  # noqa: E731
+        data_axis = lambda spec, shape: add_axis(spec, shape, "data", sizes, tile=device_tile(self.mesh))  # noqa: E731
         grad_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)
                       if self.zero_stage >= 2 else self._param_specs)
         self._update_specs = (jax.tree.map(data_axis, self._param_specs, shapes, is_leaf=is_spec)

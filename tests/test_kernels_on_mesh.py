@@ -229,6 +229,34 @@ def test_vocab_parallel_cross_entropy_equals_the_reference(impl):
     _assert_close(got, want, tol=1e-4)
 
 
+def test_vocab_parallel_cross_entropy_found_around_a_pallas_call():
+    """Inside the shard_map step (data and fsdp manual, the other axes automatic) a Pallas loss sits in a shard_map
+    of its own over the automatic axes: `vocab_parallel_loss` finds the call through it (else the step gathers the
+    whole head), and its `run` there (Triton, interpreted) equals the materialised reference, loss and gradients."""
+    from kernels.matmul import reference
+    n, d, v = 64, 32, 256
+    x, w = _normal(0, (n, d)), _normal(1, (d, v))
+    labels = jnp.where(jnp.arange(n) % 5 == 0, -100, (jnp.arange(n) * 37) % v).astype(jnp.int32)
+    mesh = engine.make_mesh(data=1, fsdp=8)
+
+    def in_step(fn):
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P("fsdp"), P(None, "fsdp"), P("fsdp")), out_specs=P("fsdp"),
+                             axis_names={"data", "fsdp"}, check_vma=False)
+
+    loss = lambda x, w, l: kernels.linear_cross_entropy(x, w, l, implementation="triton", interpret=True)  # noqa: E731
+    traced = jax.make_jaxpr(in_step(loss))(x, w, labels)
+    (step_body,) = [e.params["jaxpr"] for e in traced.jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert [e.primitive.name for e in step_body.eqns] == ["shard_map"]
+    call = kernels.matmul.vocab_parallel_loss(step_body.eqns[0])
+    assert call is not None and call.cfg.implementation == "triton"
+
+    def sharded(x, w):
+        return in_step(lambda x, w, l: call.run(x, w, l, "fsdp"))(x, w, labels)
+
+    want = _value_and_grads(lambda x, w: reference.linear_cross_entropy_reference(x, w, labels), [x, w])
+    _assert_close(_value_and_grads(sharded, [x, w]), want, tol=1e-4)
+
+
 @pytest.mark.parametrize("cache", ["float", "int8"])
 def test_decode_attention_on_a_mesh_equals_the_reference(cache):
     """kernels.decode_attention under a 2x2x2 mesh (rows over data x fsdp, kv heads over model; the cache's splits

@@ -209,6 +209,19 @@ def test_fsdp_splits_largest_remaining_dim():
                    r"norm/scale": P()})  # under FSDP_MIN_ELEMENTS
 
 
+def test_add_axis_keeps_tpu_shards_whole_tiles():
+    """With a device tile (TPU: 8 x 128) the split leaves whole tiles where a dim allows it: LLaMA-7B's MLP kernel
+    [4096, 11008] on 4 chips splits its rows (1024 x 11008), not into 2752 columns (XLA:TPU would all-reduce its
+    gradient whole); where no dim keeps whole tiles, or without a tile (CPU, GPU), the largest dim as before."""
+    sizes = {"fsdp": 4}
+    assert engine.add_axis(P(), (4096, 11008), "fsdp", sizes) == P(None, "fsdp")
+    assert engine.add_axis(P(), (4096, 11008), "fsdp", sizes, tile=(8, 128)) == P("fsdp")
+    assert engine.add_axis(P(), (32, 4096, 11008), "fsdp", sizes, tile=(8, 128)) == P(None, "fsdp")
+    assert engine.add_axis(P(), (11008, 4096), "fsdp", sizes, tile=(8, 128)) == P("fsdp")
+    assert engine.add_axis(P(), (20, 100), "fsdp", sizes, tile=(8, 128)) == P(None, "fsdp")  # none whole: largest
+    assert engine.sharding.device_tile(engine.make_mesh(data=1, fsdp=8)) is None  # these CPU devices
+
+
 def test_add_axis_combines_when_no_free_dim_divides():
     sizes = {"data": 1, "fsdp": 4, "model": 2}
     assert engine.add_axis(P("model"), (64, 6), "fsdp", sizes, min_elements=0) == P(("model", "fsdp"))

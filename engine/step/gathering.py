@@ -95,7 +95,8 @@ def _vocab_split_loss(eqn, invals):
         return None
     x, w, labels = invals
     split = (isinstance(w, Sharded) and not isinstance(x, Sharded) and not isinstance(labels, Sharded)
-             and len(w.dims) == 1 and w.dims[0][0] == 1 and w.local.ndim == 2 and x.shape[0] <= w.local.shape[1])
+             and len(w.dims) == 1 and w.dims[0][0] == 1 and w.local.ndim == 2
+             and x.size // x.shape[-1] <= w.local.shape[1])
     return loss if split else None
 
 

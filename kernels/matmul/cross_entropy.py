@@ -2,10 +2,12 @@
 
 The contract with a caller that re-evaluates a traced program (the engine's shard_map step, which holds the output
 weight split by vocabulary columns and must not gather it): every `linear_cross_entropy` call traces as one `jit`
-equation `(x [N, D], w [D, V], labels [N]) -> loss [N]` whose body opens with `loss_call_p` applied to x. That
+equation `(x [N, D], w [D, V], labels [N]) -> loss [N]` whose body opens with `loss_call_p` applied to x (for a
+Pallas implementation on a mesh, inside the `shard_map` that `kernels/_partition.py` puts around it). That
 primitive is the identity under every transformation; its one parameter, `loss`, is the call's static settings as a
-`VocabParallelLoss`. `vocab_parallel_loss(eqn)` returns those settings for such an equation and None for any other,
-and `VocabParallelLoss.run` computes the same loss with w's vocabulary split over a manual mesh axis. Nothing is
+`VocabParallelLoss`. `vocab_parallel_loss(eqn)` returns those settings for such an equation (the `jit`, or a
+`shard_map` holding its operands whole around it) and None for any other, and `VocabParallelLoss.run` computes the
+same loss with w's vocabulary split over a manual mesh axis. Nothing is
 registered globally and no name is matched: the equation carries what the caller needs.
 """
 import functools
@@ -70,13 +72,29 @@ class VocabParallelLoss(NamedTuple):
         slice `axis_index(axis_name)`. The group's rows are all-gathered, each device sweeps its own slice
         blockwise, a log-sum-exp across devices (a max and a sum of N·G floats) gives each row's loss, and the
         backward reduce-scatters the rows' gradient while each device keeps its slice's gradient whole: no device
-        ever holds the whole weight or its gradient. Returns this device's per-token loss [N]."""
-        return _vocab_parallel(self.ignore_index, _with_vocab_chunk(self.cfg, w.shape[1]), axis_name, x, w, labels)
+        ever holds the whole weight or its gradient. x [..., D] and labels [...] are flattened to rows. Returns this
+        device's per-token loss, labels' shape. A Pallas kernel runs inside a `shard_map` over the ambient mesh's
+        automatic axes, holding every operand whole (`kernels/_partition.py`: Mosaic refuses any automatic axis)."""
+        cfg = _with_vocab_chunk(self.cfg, w.shape[1])
+
+        def rows(x, w, labels):
+            return _vocab_parallel(self.ignore_index, cfg, axis_name, x.reshape(-1, x.shape[-1]), w,
+                                   labels.reshape(-1)).reshape(labels.shape)
+
+        return _partition.shard(rows, (x, w, labels), (_P(), _P(), _P()), _P(), cfg.implementation)
 
 
 def vocab_parallel_loss(eqn):
     """The `VocabParallelLoss` of a traced `linear_cross_entropy` call: `eqn` (an equation of a jaxpr) when it is
-    the call's `jit`, whose body opens with `loss_call_p` on its first input; None for any other equation."""
+    the call's `jit`, whose body opens with `loss_call_p` on its first input, or a `shard_map` around that `jit` that
+    splits none of its operands (a Pallas implementation's on a mesh); None for any other equation."""
+    if eqn.primitive.name == "shard_map" and len(eqn.invars) == 3:
+        body = eqn.params["jaxpr"]
+        whole = all(not any(spec) for spec in (*eqn.params["in_specs"], *eqn.params["out_specs"]))
+        calls = [e for e in body.eqns if e.primitive is jex_core.primitives.jit_p]
+        if whole and len(calls) == 1 and calls[0].invars[1] is body.invars[1]:
+            return vocab_parallel_loss(calls[0])
+        return None
     if eqn.primitive is not jex_core.primitives.jit_p or len(eqn.invars) != 3:
         return None
     body = eqn.params["jaxpr"].jaxpr
