@@ -81,9 +81,10 @@ def gmm_operands(lhs, rhs, *, trans_rhs, blocks, implementation):
 
 
 def tgmm_operands(lhs, rhs, *, blocks, implementation):
-    """The weight gradient's operands lhs [M, K] and rhs [M, N] zero-padded to whole blocks. Returns (lhs, rhs,
-    (k, n), (block_m, block_k, block_n), (padded m, k, n))."""
+    """The weight gradient's operands lhs [M, K] and rhs [M, N] zero-padded to whole blocks, its tiles as the fused
+    matmul's dw: [block_m, block_n] output tiles over (K, N), block_k rows of M per step. Returns (lhs, rhs, (k, n),
+    (rows per step, k tile, n tile), (padded m, k, n))."""
     (m, k), n = lhs.shape, rhs.shape[1]
     (bm, mp), (bk, kp), (bn, np_) = (_fit(b, dim, implementation) for b, dim in
-                                     ((blocks.block_m, m), (blocks.block_k, k), (blocks.block_n, n)))
+                                     ((blocks.block_k, m), (blocks.block_m, k), (blocks.block_n, n)))
     return pad_to(lhs, (mp, kp)), pad_to(rhs, (mp, np_)), (k, n), (bm, bk, bn), (mp, kp, np_)

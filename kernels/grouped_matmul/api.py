@@ -19,13 +19,14 @@ __all__ = ["grouped_matmul"]
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# Starting points, not measurements: the fused matmul's Triton tiles (kernels/matmul/_blocks.py); on TPU 256 rows,
-# since every group boundary inside a row tile costs one more tile's product (7 boundaries of 8 experts at 256 rows
-# add 1024 x K x N to Mixtral's 16384 x K x N); the 'xla' scan's 512-row steps keep its dots large.
+# Starting points, not timings: the fused matmul's Triton tiles (kernels/matmul/_blocks.py); on TPU 256 rows, since
+# every group boundary inside a row tile costs one more tile's product (kernels/README.md, grouped matmul), and
+# Mixtral's experts compile at these tiles on v4-v6e within the default scoped VMEM; the 'xla' scan's 512-row steps
+# (block_m; block_k in dw) keep its dots large.
 DEFAULT_BLOCK_SIZES = {
     "triton": BlockSizes(128, 128, 64, num_warps=8, num_stages=3),
     "mosaic_tpu": BlockSizes(256, 1024, 512),
-    "xla": BlockSizes(512, 128, 128),
+    "xla": BlockSizes(512, 128, 512),
 }
 
 
@@ -65,7 +66,8 @@ def grouped_matmul(x, w, group_sizes, *, implementation=None, interpret=False, b
     The backward is two grouped products: dx = dy @ w[g].T per group, and dw[g] = x[rows of g].T @ dy[rows of g]
     (zero for an empty group); group_sizes gets no gradient, and a frozen w (not differentiated: LoRA, a frozen
     base) no dw product. `block_sizes` (kernels.matmul.BlockSizes): block_m
-    rows, block_n output columns, block_k contraction per tile (dw's tiles are block_k x block_n over block_m rows);
+    rows, block_n output columns, block_k contraction per tile (dw, as the fused matmul's: [block_m, block_n] tiles of
+    [K, N], block_k rows per step);
     None fields keep `DEFAULT_BLOCK_SIZES`.
     """
     _check(x, w, group_sizes)

@@ -51,7 +51,7 @@ def gmm(lhs, rhs, group_sizes, *, trans_rhs=False, blocks, interpret=False):
 def tgmm(lhs, rhs, group_sizes, *, out_dtype, blocks, interpret=False):
     del interpret
     m, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[1]
-    x, bm = _row_tiles(lhs, blocks.block_m)
+    x, bm = _row_tiles(lhs, blocks.block_k)  # rows per step, as in the kernels' dw
     dy, _ = _row_tiles(rhs, bm)
     num_groups = group_sizes.shape[0]
     v = _groups.visits(_groups.group_offsets(group_sizes, m), bm, x.shape[0])
