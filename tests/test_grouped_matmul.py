@@ -18,11 +18,11 @@ from tests.targets import for_gpu
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to the largest magnitude of the float32 result
 
-# Small blocks so the small shapes span several row tiles; Mosaic needs multiples of 128 (its TPU interpreter is the
-# slowest, so its default case has one column and one contraction block).
+# Small blocks so the small shapes span several row tiles, K and N not block multiples (zero-padded); Mosaic needs
+# multiples of 128 (its TPU interpreter is the slowest, so its case has one column and one contraction block).
 IMPLEMENTATIONS = {
-    "xla": dict(blocks=BlockSizes(16, 16, 16), interpret=False, shape=(50, 32, 48)),
-    "triton": dict(blocks=BlockSizes(16, 16, 16, num_warps=1, num_stages=1), interpret=True, shape=(50, 32, 48)),
+    "xla": dict(blocks=BlockSizes(16, 16, 16), interpret=False, shape=(50, 40, 56)),
+    "triton": dict(blocks=BlockSizes(16, 16, 16, num_warps=1, num_stages=1), interpret=True, shape=(50, 40, 56)),
     "mosaic_tpu": dict(blocks=BlockSizes(128, 128, 128), interpret=True, shape=(300, 128, 128)),
 }
 # Group sizes per case, as fractions of M: "ragged" holds an empty first, middle and last group, groups straddling
