@@ -1,7 +1,7 @@
 """Grouped matmul: every implementation (the Pallas ones in interpret mode) against the materialising reference,
 value and both gradients, over ragged groups (empty first, middle and last groups, tiles straddling group
-boundaries, padding rows past the groups); the (row tile, group) visits the kernels walk; input validation; lowering
-for GPU and TPU at Mixtral-8x7B's sizes."""
+boundaries, padding rows past the groups); the (row tile, group) visits the kernels walk; a frozen weight; the op on a
+mesh; input validation; lowering for GPU and TPU at Mixtral-8x7B's sizes."""
 import contextlib
 import re
 
@@ -15,6 +15,8 @@ from kernels.grouped_matmul import _groups
 from kernels.grouped_matmul.reference import grouped_matmul_reference
 from kernels.matmul import BlockSizes
 from tests.targets import for_gpu
+
+S = jax.ShapeDtypeStruct
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to the largest magnitude of the float32 result
 
@@ -146,8 +148,46 @@ def test_bad_input_raises_before_tracing(call, message):
     pytest.raises(ValueError, call).match(re.escape(message))
 
 
+def _on_mesh_case():
+    """x's 64 rows over data 2 x fsdp 2 (16 per block: groups straddle blocks, one block is all padding), w's 32
+    columns over model 2."""
+    import engine  # noqa: PLC0415
+
+    mesh = engine.make_mesh(data=2, fsdp=2, model=2)
+    keys = jax.random.split(jax.random.key(3), 2)
+    x, w = jax.random.normal(keys[0], (64, 16)), jax.random.normal(keys[1], (3, 16, 32))
+    sizes = jnp.array([5, 0, 30], jnp.int32)
+    put = lambda a, *spec: jax.device_put(a, jax.NamedSharding(mesh, jax.P(*spec)))  # noqa: E731
+    return mesh, (x, w, sizes), (put(x, ("data", "fsdp")), put(w, None, None, "model"), put(sizes))
+
+
+def test_pallas_kernel_on_a_mesh_equals_the_reference():
+    mesh, args, sharded = _on_mesh_case()
+    blocks = IMPLEMENTATIONS["triton"]["blocks"]
+    loss = lambda impl, **kw: lambda x, w, s: jnp.sum(grouped_matmul(x, w, s, implementation=impl, **kw) ** 2)
+    want = jax.value_and_grad(loss("xla", block_sizes=blocks), (0, 1))(*args)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss("triton", interpret=True, block_sizes=blocks), (0, 1)))(*sharded)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_lowering_for_tpu_on_an_engine_mesh_runs_local_blocks():
+    """Mosaic refuses a custom call in a region with an automatic axis: the op's shard_map makes them manual, and
+    each kernel gets its block: 256 of the 1024 rows, 256 of the 512 columns (dw: 256 rows of x and dy)."""
+    mesh = _on_mesh_case()[0]
+    sharded = lambda shape, dtype, *spec: S(shape, dtype, sharding=jax.NamedSharding(mesh, jax.P(*spec)))  # noqa
+    args = (sharded((1024, 256), jnp.float32, ("data", "fsdp")), sharded((3, 256, 512), jnp.float32, None, None,
+                                                                          "model"), sharded((3,), jnp.int32))
+    loss = lambda x, w, s: jnp.sum(grouped_matmul(x, w, s, implementation="mosaic_tpu"))  # noqa: E731
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    operands = re.findall(r"custom_call @tpu_custom_call\(.*?\).*?: \((.*?)\) ->", text)
+    assert len(operands) == 3, operands
+    assert all("tensor<256x256xf32>" in t and "1024x" not in t and "x512x" not in t for t in operands), operands
+
+
 # Mixtral-8x7B's experts: 8192 tokens routed top-2 (16384 rows), model dim 4096, expert MLP 14336, 8 experts.
-S = jax.ShapeDtypeStruct
 MIXTRAL = (S((16384, 4096), jnp.bfloat16), S((8, 4096, 14336), jnp.bfloat16), S((8,), jnp.int32))
 PLATFORMS = {"cuda": ("triton", "__gpu$xla.gpu.triton"), "tpu": ("mosaic_tpu", "tpu_custom_call")}
 

@@ -7,7 +7,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from kernels import _partition
 from kernels._dispatch import resolve_implementation
 from kernels.grouped_matmul import mosaic_tpu, reference, triton
 from kernels.matmul import _blocks
@@ -17,6 +19,7 @@ from kernels.matmul.api import _instantiate, _marked  # the family's custom_vjp 
 __all__ = ["grouped_matmul"]
 
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_P = jax.sharding.PartitionSpec
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Starting points, not timings: the fused matmul's Triton tiles (kernels/matmul/_blocks.py); on TPU 256 rows, since
@@ -69,12 +72,31 @@ def grouped_matmul(x, w, group_sizes, *, implementation=None, interpret=False, b
     rows, block_n output columns, block_k contraction per tile (dw, as the fused matmul's: [block_m, block_n] tiles of
     [K, N], block_k rows per step);
     None fields keep `DEFAULT_BLOCK_SIZES`.
+
+    On a mesh a Pallas implementation runs in a shard_map over the automatic axes (kernels/_partition.py): x's rows
+    over the batch axes where they divide (each block's groups cut from the global sizes), w's columns over `model`;
+    call it inside your own shard_map (expert parallelism) with each block's sizes.
     """
     _check(x, w, group_sizes)
     implementation = resolve_implementation(implementation, interpret=interpret)
     _blocks.validate(block_sizes, implementation)
     cfg = _Config(implementation, block_sizes or DEFAULT_BLOCK_SIZES[implementation], bool(interpret))
-    return _grouped(x, w, group_sizes, cfg)
+    axes = _partition.auto_axes(implementation)
+    rows, cols = _partition.batch_axes(axes, x.shape[0]), _partition.model_axis(axes, w.shape[2])
+    return _partition.shard(lambda x, w, sizes: _grouped(x, w, _local_sizes(sizes, x.shape[0], rows), cfg),
+                            (x, w, group_sizes), (_P(rows, None), _P(None, None, cols), _P()), _P(rows, cols),
+                            implementation)
+
+
+def _local_sizes(group_sizes, num_rows, row_axes):
+    """The group sizes within this block of `num_rows` rows of x split over `row_axes` (a contiguous slice of the
+    sorted rows: a group may straddle blocks), or as given when the rows are whole."""
+    if row_axes is None:
+        return group_sizes
+    start = lax.axis_index(row_axes) * num_rows
+    ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+    local = lambda row: jnp.clip(row - start, 0, num_rows)  # noqa: E731
+    return (local(ends) - local(ends - jnp.maximum(group_sizes, 0))).astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
