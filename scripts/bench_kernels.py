@@ -5,15 +5,15 @@
   python scripts/bench_kernels.py --kernels=matmul
   python scripts/bench_kernels.py --kernels=decode     # one generation step against a half-filled KV cache
   python scripts/bench_kernels.py --kernels=grouped    # the MoE grouped matmul at Mixtral-8x7B's expert sizes
-  python scripts/bench_kernels.py --tune=attention,matmul   # search the ops' block sizes instead
+  python scripts/bench_kernels.py --tune=attention,matmul,grouped   # search the ops' block sizes instead
 
 Each row: median wall time per call over --iters samples after --warmup runs (random normal inputs, jitted; a
 sample is back-to-back calls blocked on once), achieved TFLOP/s and the fraction of the device's dense peak for
 that dtype. On CPU the defaults are small shapes: a smoke check that every path runs, not a measurement.
 
-`--tune` times every candidate of the ops' `TUNING_SPACE` (kernels/attention/api.py, kernels/matmul/_blocks.py) at
-one benchmark shape per op and prints them fastest first, the heuristic default marked; an interrupt (SIGINT, e.g.
-`timeout -s INT`) ends the search and still prints what was measured.
+`--tune` times every candidate of the ops' `TUNING_SPACE` (kernels/attention/api.py, kernels/matmul/_blocks.py,
+kernels/grouped_matmul/api.py) at one benchmark shape per op and prints them fastest first, the heuristic default
+marked; an interrupt (SIGINT, e.g. `timeout -s INT`) ends the search and still prints what was measured.
 """
 import dataclasses
 import functools
@@ -30,6 +30,7 @@ from kernels.attention import BlockSizes, decode_attention, flash_attention
 from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE
 from kernels.attention.api import choose_block_sizes
 from kernels.grouped_matmul import grouped_matmul
+from kernels.grouped_matmul.api import TUNING_SPACE as GROUPED_TUNING_SPACE
 from kernels._dispatch import resolve_implementation
 from kernels.matmul import _blocks as matmul_blocks
 from kernels.matmul import benchmark as matmul_benchmark
@@ -56,7 +57,8 @@ flags.DEFINE_enum("implementation", None, ["xla", "triton", "mosaic_tpu"], "Our 
 flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in Pallas's interpreter (a CPU smoke check).")
 flags.DEFINE_integer("max_candidates", 0, "--tune: time at most this many candidates per table (0: all).")
 flags.DEFINE_list("tune", [], "Kernel families whose block sizes to search instead of printing the benchmark tables: "
-                  "attention at the first --seq_lens and --causal entries, the matmuls at their benchmark sizes.")
+                  "attention at the first --seq_lens and --causal entries, the matmuls and grouped at their benchmark "
+                  "sizes.")
 flags.DEFINE_list(
     "attention_blocks", None, "Override: block_q,block_k,block_q_bwd,block_k_bwd[,num_warps,num_stages] (for tuning)."
 )
@@ -280,9 +282,9 @@ def bench_decode():
     return rows
 
 
-def bench_grouped():
-    """grouped_matmul (default implementation) vs its 'xla' path and jax.lax.ragged_dot, forward and
-    forward+backward, every row in a group and the groups' sizes proportional to 1, 2, ..., G (a skewed router)."""
+def _grouped_setup():
+    """(x, w, group_sizes) of the grouped benchmark, its shape label and its forward FLOPs: every row in a group, the
+    groups' sizes proportional to 1, 2, ..., G (a skewed router)."""
     on_cpu = jax.default_backend() == "cpu"
     dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
     m, k, n, g = map(int, FLAGS.grouped_shape or (["512", "128", "256", "4"] if on_cpu else
@@ -292,21 +294,45 @@ def bench_grouped():
     key_x, key_w = jax.random.split(jax.random.key(0))
     args = (jax.random.normal(key_x, (m, k), dtype), (jax.random.normal(key_w, (g, k, n)) * k ** -0.5).astype(dtype),
             jnp.asarray(sizes, jnp.int32))
+    return args, f"{m}x{k}x{n} G{g} {dtype.name}", 2 * m * k * n
+
+
+def _grouped_grads(fn):
+    return jax.grad(lambda x, w, s: fn(x, w, s).astype(jnp.float32).sum(), (0, 1))
+
+
+def bench_grouped():
+    """grouped_matmul (default implementation) vs its 'xla' path and jax.lax.ragged_dot, forward and
+    forward+backward (dx and dw: two more products of the forward's size)."""
+    args, shape, flops = _grouped_setup()
     ours, selection = _ours()
     paths = {"grouped_matmul[xla]": functools.partial(grouped_matmul, implementation="xla"),
              "jax.lax.ragged_dot": jax.lax.ragged_dot}
     paths = {f"grouped_matmul[{ours}]": functools.partial(grouped_matmul, **selection), **paths}  # ours first
-    shape = f"{m}x{k}x{n} G{g} {dtype.name}"
-    rows = [_measure(f"{name} fwd", shape, fn, args, 2 * m * k * n) for name, fn in paths.items()]
-    for name, fn in paths.items():  # dx and dw: two more products of the forward's size
-        grads = jax.grad(lambda x, w, s, fn=fn: fn(x, w, s).astype(jnp.float32).sum(), (0, 1))
-        rows.append(_measure(f"{name} fwd+bwd", shape, grads, args, 6 * m * k * n))
+    rows = [_measure(f"{name} fwd", shape, fn, args, flops) for name, fn in paths.items()]
+    rows += [_measure(f"{name} fwd+bwd", shape, _grouped_grads(fn), args, 3 * flops) for name, fn in paths.items()]
     return rows
+
+
+def tune_grouped():
+    """The grouped matmul's tuning space at the benchmark shape, forward and forward+backward, beside its 'xla'
+    path."""
+    args, shape, flops = _grouped_setup()
+    impl, selection = _ours()
+    if impl not in GROUPED_TUNING_SPACE:
+        logging.info("tune grouped_matmul: implementation %r has no block sizes to tune", impl)
+        return
+    xla = functools.partial(grouped_matmul, implementation="xla")
+    for backward in (False, True):
+        make = lambda blocks: functools.partial(grouped_matmul, block_sizes=blocks, **selection)  # noqa: E731
+        _search(f"tune grouped_matmul[{impl}] {'fwd+bwd' if backward else 'fwd'} {shape}", GROUPED_TUNING_SPACE[impl],
+                (lambda b: _grouped_grads(make(b))) if backward else make, args, flops * (3 if backward else 1),
+                lambda b: b, ("grouped_matmul[xla]", _grouped_grads(xla) if backward else xla))
 
 
 _KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul, "decode": bench_decode,
                     "grouped": bench_grouped}
-_TUNERS = {"attention": tune_attention, "matmul": tune_matmul}
+_TUNERS = {"attention": tune_attention, "matmul": tune_matmul, "grouped": tune_grouped}
 
 
 def _print_table(title, rows, first_columns=("kernel", "shape")):

@@ -32,6 +32,16 @@ DEFAULT_BLOCK_SIZES = {
     "xla": BlockSizes(512, 128, 512),
 }
 
+# What `scripts/bench_kernels.py --tune=grouped` times, the default first: the Triton tiles of the fused matmul's
+# search; on TPU fewer rows (less work re-done at group boundaries) against more (fewer re-reads of the weights).
+TUNING_SPACE = {
+    "triton": [BlockSizes(m, n, k, num_warps=w, num_stages=s) for m, n, k, w, s in (
+        (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
+        (64, 256, 32, 4, 4))],
+    "mosaic_tpu": [BlockSizes(m, n, k) for m, n, k in (
+        (256, 1024, 512), (128, 1024, 512), (512, 1024, 512), (256, 512, 512), (256, 2048, 512), (512, 512, 1024))],
+}
+
 
 class _Config(NamedTuple):
     implementation: str
