@@ -78,10 +78,9 @@ def grouped_matmul(x, w, group_sizes, *, implementation=None, interpret=False, b
 
     The backward is two grouped products: dx = dy @ w[g].T per group, and dw[g] = x[rows of g].T @ dy[rows of g]
     (zero for an empty group); group_sizes gets no gradient, and a frozen w (not differentiated: LoRA, a frozen
-    base) no dw product. `block_sizes` (kernels.matmul.BlockSizes): block_m
+    base) no dw product. `block_sizes` (kernels.matmul.BlockSizes, replacing `DEFAULT_BLOCK_SIZES` whole): block_m
     rows, block_n output columns, block_k contraction per tile (dw, as the fused matmul's: [block_m, block_n] tiles of
-    [K, N], block_k rows per step);
-    None fields keep `DEFAULT_BLOCK_SIZES`.
+    [K, N], block_k rows per step).
 
     On a mesh a Pallas implementation runs in a shard_map over the automatic axes (kernels/_partition.py): x's rows
     over the batch axes where they divide (each block's groups cut from the global sizes), w's columns over `model`;
