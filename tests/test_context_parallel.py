@@ -274,6 +274,38 @@ def test_llama_on_a_context_mesh_beyond_its_heads_has_the_unsplit_gradients():
     _assert_unsplit_gradients(lm.lm_loss_fn(model), params, batch, engine.make_mesh(data=1, context=8))
 
 
+def _windowed_batch():
+    """Two 32-token rows of two 16-token documents each: a window of 8 keys is shorter than every document."""
+    tokens = np.random.RandomState(0).randint(0, 120, (2, 33)).astype(np.int32)
+    segments = np.repeat([[1, 2]], 16, axis=1).repeat(2, axis=0).astype(np.int32)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "segment_ids": segments}
+
+
+@pytest.mark.slow  # CI time: tests/test_sequence_parallel.py runs Gemma 2 on this mesh by default
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windowed_family_on_a_context_mesh_has_the_unsplit_gradients(family):
+    """Sliding windows (the tiny configs' 8 keys; Gemma 2's local layers under the scanned lax.cond, its soft-caps)
+    through Ulysses on data 2 x context 2 x model 2 (each device attends over whole rows of its heads): loss and
+    every gradient equal those without a mesh."""
+    model = models.create_model(family, "tiny", scan_layers=True, remat="full")
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    _assert_unsplit_gradients(lm.lm_loss_fn(model), params, _windowed_batch(),
+                              engine.make_mesh(data=2, context=2, model=2))
+
+
+def test_a_windowed_family_beyond_its_heads_is_refused_in_one_line():
+    """Context 8 over the tiny Mistral's 4 query heads would take ring attention, which has no windows: one
+    ValueError line naming the window and what would run it."""
+    model = models.create_model("mistral", "tiny", scan_layers=True)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    loss = lm.lm_loss_fn(model)
+    with jax.set_mesh(engine.make_mesh(data=1, context=8)), pytest.raises(ValueError) as refusal:
+        jax.jit(lambda p, b: loss(p, b, None, False)[0]).lower(params, _windowed_batch())
+    assert str(refusal.value) == (  # (pytest's match would read JAX's note on its filtered traceback too)
+        "flash_attention with window=(7, 0) on a mesh with context=8 whose 4 query heads per device do not divide by "
+        "it (ring attention); expected window=None or query heads per device divisible by context")
+
+
 def test_shard_map_step_refuses_a_context_mesh():
     with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2; expected step='jit'"):
         engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=lm.collate_lm, loss_fn=lambda *a: 0.0,

@@ -36,6 +36,9 @@ def _batch(family, rows=4, seq=32):
     pytest.param("opt", dict(data=2, model=4), {}, marks=pytest.mark.slow),
     pytest.param("t5", dict(data=2, context=2, model=2), {}, marks=pytest.mark.slow),  # both stacks, cross-attention
     pytest.param("llama", dict(data=2, context=2, model=2), KERNELS, marks=pytest.mark.slow),
+    # sliding windows of 8 keys in 32-token rows (Gemma 2: its local / global scan, soft-caps), Ulysses
+    ("gemma2", dict(data=2, context=2, model=2), {}),
+    pytest.param("mistral", dict(data=2, model=4), {}, marks=pytest.mark.slow),
 ])
 def test_loss_and_gradients_equal_the_unsplit_model(family, mesh, options):
     model = models.create_model(family, "tiny", scan_layers=family != "t5", remat="full", sequence_parallel=True,
