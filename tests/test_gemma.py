@@ -160,11 +160,19 @@ def test_load_sharded_train_and_generate(tmp_path, family):
     train_and_generate(tmp_path, family)
 
 
-def test_sharded_checkpoint_streams_onto_a_mesh_and_lora_on_an_int8_base(hf_checkpoint, tmp_path):
-    """tests/test_qwen.py's LoRA run on a Gemma 3 directory rewritten as several safetensors files: read with
+@pytest.mark.parametrize("name", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_sharded_checkpoint_streams_onto_a_mesh_and_lora_on_an_int8_base(hf_checkpoint, tmp_path, name):
+    """tests/test_qwen.py's LoRA run on a Gemma directory rewritten as several safetensors files: read with
     lora_rank and quantize='int8' straight onto 2x2x2 (the norms float and frozen), adapter-only training lowers the
     loss, the export gives transformers the trained model's logits."""
-    lora_on_an_int8_base(lambda _: (None, sharded_copy(hf_checkpoint("gemma3")[1], tmp_path / "sharded")), tmp_path)
+    # Gemma 2's reload may differ by more than 2e-5 (1.6e-5 here, 4.6e-5 reported): not the merge, nor the soft-caps or
+    # the window, but float32 rounding of its trained GeGLU stack run as a scan. In float64 the int8 + LoRA model and
+    # its merged export agree within 1.5e-6 (the norms' statistics stay float32); in float32 the trained scanned stack
+    # ends 1.7e-5 from float64 (4e-5 with the merged weights), the same weights unscanned 2.9e-6, with fresh random
+    # adapters or SiLU in place of GeLU about 1e-6, and the caps or window removed change nothing. The reload compares
+    # the scanned trained model with the unscanned export, so it sees the scanned program's error.
+    lora_on_an_int8_base(lambda _: (None, sharded_copy(hf_checkpoint(name)[1], tmp_path / "sharded")), tmp_path,
+                         reload_atol=2e-5 if name == "gemma3" else 6e-5)
 
 
 def test_bad_configs_are_refused_in_one_line(hf_checkpoint, tmp_path):

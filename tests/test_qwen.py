@@ -133,10 +133,11 @@ def test_load_sharded_train_and_generate(tmp_path, family):
     train_and_generate(tmp_path, family)
 
 
-def test_lora_on_an_int8_base_loaded_onto_a_mesh(hf_checkpoint, tmp_path):
+def test_lora_on_an_int8_base_loaded_onto_a_mesh(hf_checkpoint, tmp_path, reload_atol=2e-5):
     """A transformers Qwen2 directory read with lora_rank and quantize='int8' onto 2x2x2 (projections int8 as read,
     q / k / v biases float and frozen): adapter-only training lowers the loss, and the export (adapters merged,
-    weights dequantised) gives transformers the trained model's logits."""
+    weights dequantised) gives transformers the trained model's logits, and ours read back unscanned within
+    `reload_atol` of the trained scanned model's (other families' runs pass theirs)."""
     _, path = hf_checkpoint("qwen2-tied")
     mesh = engine.make_mesh(data=2, fsdp=2, model=2)
     model, params = models.load_pretrained(path, scan_layers=True, lora_rank=8, quantize="int8",
@@ -160,7 +161,7 @@ def test_lora_on_an_int8_base_loaded_onto_a_mesh(hf_checkpoint, tmp_path):
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert _max_diff("qwen2", exported, model, after) <= 1e-4
     np.testing.assert_allclose(_our_logits(*models.load_pretrained(str(tmp_path)), IDS, MASK),
-                               _our_logits(model, after, IDS, MASK), atol=2e-5)
+                               _our_logits(model, after, IDS, MASK), atol=reload_atol)
 
 
 @pytest.mark.parametrize("family,name,params", [
