@@ -134,8 +134,9 @@ def min_scoped_vmem(lowered, resolution=16 * KiB, start=256 * KiB):
 # ---- what a kernel needs of VMEM, from its own BlockSpecs and body ----
 
 # Float32 copies of a kernel's largest intermediate its body may hold at once (logits [block_q, block_k], an
-# accumulator [block_m, block_n]): measured on v5p up to 1.8 beyond the windows and scratch (kernels/README.md).
-TEMPORARY_TILES = 2
+# accumulator [block_m, block_n]), per generation: measured up to 1.8 beyond the windows and scratch on v5p
+# (kernels/README.md), 2.3 on v4 (the attention's dq kernel at head dim 256, 32 kv heads with segment ids).
+TEMPORARY_TILES = {"v4": 3, "v5e": 2, "v5p": 2, "v6e": 2}
 
 
 def tile_bytes(shape, dtype):
@@ -165,15 +166,16 @@ def _largest_value(jaxpr):
     return largest
 
 
-def pallas_call_vmem(eqn):
-    """The scoped VMEM (bytes) a traced Mosaic `pallas_call` equation needs with its blocks: two buffers of every
-    pipelined window (so the next block's copy overlaps this block's compute), its scratch, and TEMPORARY_TILES
-    float32 copies of its body's largest value. Under a tighter limit Mosaic still compiles a kernel down to about
+def pallas_call_vmem(eqn, generation=None):
+    """The scoped VMEM (bytes) a traced Mosaic `pallas_call` equation needs with its blocks on `generation` (None:
+    the most any generation needs): two buffers of every pipelined window (so the next block's copy overlaps this
+    block's compute), its scratch, and TEMPORARY_TILES float32 copies of its body's largest value. Under a tighter limit Mosaic still compiles a kernel down to about
     one copy of its windows (it gives up the double buffers), so this is the need of the pipelined kernel."""
     grid = eqn.params["grid_mapping"]
     windows = sum(tile_bytes(m.transformed_block_aval.shape, m.array_aval.dtype) for m in grid.block_mappings)
     scratch = sum(tile_bytes(a.shape, a.dtype) for a in grid.scratch_avals)
-    return 2 * windows + scratch + TEMPORARY_TILES * _largest_value(eqn.params["jaxpr"])
+    copies = TEMPORARY_TILES[generation] if generation else max(TEMPORARY_TILES.values())
+    return 2 * windows + scratch + copies * _largest_value(eqn.params["jaxpr"])
 
 
 def window_bytes(eqn):
@@ -221,7 +223,7 @@ def vmem_needs(case, generation=None):
     needs = {}
     for name, eqn in calls:
         windows, need = needs.get(name, (0, 0))
-        needs[name] = max(windows, window_bytes(eqn)), max(need, pallas_call_vmem(eqn))
+        needs[name] = max(windows, window_bytes(eqn)), max(need, pallas_call_vmem(eqn, generation))
     return needs
 
 

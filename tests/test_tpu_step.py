@@ -6,9 +6,8 @@ gathers overlap the layers' matmuls.
 
 Run with `make test-tpu ARGS=tests/test_tpu_step.py` (its own environment with jax[tpu]); skipped without libtpu.
 Each plan is `scripts/plan_memory.py --target=tpu:...` in a process of its own (the TPU flags are read once, when
-libtpu starts; two plans compile at once). engine/README.md#planning-and-the-automatic-mesh records the figures and
-the tier's runtime; the compiles marked `slow` as well run with `-m tpu` (the make target), not with
-`-m "tpu and not slow"`.
+libtpu starts; two plans compile at once). engine/README.md#figures records the figures; the compiles marked `slow`
+run with `-m tpu` (the make target), not with `-m "tpu and not slow"`.
 """
 import concurrent.futures
 import functools
@@ -30,8 +29,8 @@ LLAMA_7B = ("--model=llama", "--model_config=llama-7b", "--per_device_batch_size
             "--remat=full", "--compute_dtype=bfloat16")
 GB = 1e9
 # MaxText 0.2.5's llama2-7b on the same compiler, same batch, remat, precision and optimizer state (GB per chip;
-# ../shared/peers/README.md), and what the engine's default step must stay under: measured 30.90 / 16.82 GB
-# (0.95x / 0.98x MaxText; the issue's target of 0.9x is not reached yet), with 2% for compiler drift.
+# ../shared/peers/README.md), and what the engine's default step must stay under: measured 30.87 / 16.79 GB
+# (0.95x / 0.98x MaxText; engine/README.md#figures), with 2% for compiler drift.
 MAXTEXT_GB = {"v5p": 32.51, "v5e": 17.09}
 BOUND_GB = {"v5p": 31.5, "v5e": 17.09}
 CHIPS = {"v5p": 4, "v5e": 8}
