@@ -267,14 +267,18 @@ def mesh_shapes(num_devices):
 
 def memory_per_device(compiled):
     """{'arguments', 'outputs', 'aliased', 'temporaries', 'total'} bytes per device of a `jax.stages.Compiled`
-    (total: what the program holds at once, its donated arguments counted once), or None where the backend does
-    not report them."""
+    (total: what the program holds at once, its donated arguments counted once), plus 'peak' where the compiler
+    reports its heap's high-water mark (XLA:TPU; below the total by what its temporaries' block holds beyond it), or
+    None where the backend does not report them."""
     mem = compiled.memory_analysis()
     if mem is None:
         return None
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    return {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
-            "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total}
+    result = {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+              "aliased": mem.alias_size_in_bytes, "temporaries": mem.temp_size_in_bytes, "total": total}
+    if getattr(mem, "peak_memory_in_bytes", 0) > 0:
+        result["peak"] = mem.peak_memory_in_bytes
+    return result
 
 
 # HBM per TPU device by `device_kind`, for compile-only devices, which report no memory statistics. What XLA:TPU

@@ -32,6 +32,7 @@ GB = 1e9
 # ../shared/peers/README.md), and what the engine's default step must stay under: measured 30.87 / 16.79 GB
 # (0.95x / 0.98x MaxText; engine/README.md#figures), with 2% for compiler drift.
 MAXTEXT_GB = {"v5p": 32.51, "v5e": 17.09}
+MAXTEXT_PEAK_GB = {"v5p": 31.18, "v5e": 16.10}  # the compiler's heap high-water mark (peak_memory_in_bytes)
 BOUND_GB = {"v5p": 31.5, "v5e": 17.09}
 CHIPS = {"v5p": 4, "v5e": 8}
 _POOL = concurrent.futures.ThreadPoolExecutor(2)  # two compiles at once: each is mostly one core
@@ -71,10 +72,11 @@ def test_default_step_needs_less_than_maxtext(generation):
     r = plan(generation, "--train_step=auto")
     assert r["step"] == "shard_map" and r["mesh"] == [1, CHIPS[generation], 1]
     assert r["attention_implementation"] == r["loss_implementation"] == "mosaic_tpu"
-    total = r["bytes"]["total"] / GB
-    print(f"{generation}-8: {total:.2f} GB per chip (temporaries {r['bytes']['temporaries'] / GB:.2f}), "
-          f"MaxText {MAXTEXT_GB[generation]}")
+    total, peak = r["bytes"]["total"] / GB, r["bytes"]["peak"] / GB
+    print(f"{generation}-8: {total:.2f} GB per chip (temporaries {r['bytes']['temporaries'] / GB:.2f}, peak "
+          f"{peak:.2f}), MaxText {MAXTEXT_GB[generation]} (peak {MAXTEXT_PEAK_GB[generation]})")
     assert total <= BOUND_GB[generation], f"{total:.2f} GB > {BOUND_GB[generation]}"
+    assert peak <= 0.96 * MAXTEXT_PEAK_GB[generation], f"peak {peak:.2f} GB"  # measured 0.92x / 0.95x
 
 
 # ---- every layout the engine trains, compiled for both slices ----
