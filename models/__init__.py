@@ -1,5 +1,5 @@
-"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3, Mistral, Gemma 2, Gemma 3 text) with
-Hugging Face checkpoint import/export and generation.
+"""Native Flax model definitions (LLaMA, GPT-J, OPT, T5, Qwen2 / 2.5, Qwen3, Mistral, Gemma 2, Gemma 3 text, Mixtral,
+Qwen3-MoE) with Hugging Face checkpoint import/export and generation.
 
 Parameters are a plain nested dict of arrays; Dense kernels are [in, out]. Decoder-only models:
 `model.apply({'params': p}, input_ids [B, T], attention_mask [B, T] | None) -> logits [B, T, vocab]` (float32);
@@ -18,10 +18,12 @@ from models.llama import Llama, LlamaConfig
 from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_lora_adapter, merge_lora,
                          save_lora_adapter)
 from models.mistral import Mistral, MistralConfig
+from models.mixtral import Mixtral, MixtralConfig
 from models.opt import OPT, OPTConfig
 from models.quantize import dequantize, quantize
 from models.qwen2 import Qwen2, Qwen2Config
 from models.qwen3 import Qwen3, Qwen3Config
+from models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from models.registry import FAMILIES, create_model, get_config, init_params, param_shardings
 from models.reward import SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model, save_reward_model
 from models.t5 import T5, T5Config

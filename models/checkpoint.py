@@ -2,22 +2,31 @@
 tensor map expanded to the parameter tree as the model stores it, and getting / setting a leaf by its path.
 
 A family's `hf_tensor_map(config)` lists (our param path, Hugging Face tensor name with '{i}' for the layer index,
-transpose, number of layers or None)."""
+transpose, layers[, experts]): layers is None (no layer loop), their number, or the indices of the layers that hold
+the tensor (Qwen3-MoE's dense and sparse layers; unscanned models only); experts, when given, is the number of
+per-expert tensors ('{e}' in the name) stacked into one leading [experts] dim (after the layers' under a scan)."""
 from models import registry
 
 
 def tensor_entries(config, tensor_map):
     """Expands a family's map to (our path, [hf names], transpose, stacked) with layer loops unrolled the way the
-    model stores them (one stacked array under scan_layers, `layers_{i}` sub-trees otherwise)."""
-    for path, name, transpose, num_layers in tensor_map:
-        if num_layers is None:
-            yield path, [name], transpose, False
-        elif config.scan_layers:
-            yield path, [name.format(i=i) for i in range(num_layers)], transpose, True
+    model stores them (one stacked array under scan_layers, `layers_{i}` sub-trees otherwise). stacked counts the
+    leading dims the names are stacked into (0, 1 or 2: layers, experts), the names in row-major order of them."""
+    for path, name, transpose, layers, *experts in tensor_map:
+        def per_expert(name=name, experts=experts, **i):
+            return [name.format(e=e, **i) for e in range(experts[0])] if experts else [name.format(**i)]
+
+        extra = 1 if experts else 0
+        if layers is None:
+            yield path, per_expert(), transpose, extra
+            continue
+        indices = range(layers) if isinstance(layers, int) else layers
+        if config.scan_layers:
+            yield path, [n for i in indices for n in per_expert(i=i)], transpose, 1 + extra
         else:
             at = path.index("layers")
-            for i in range(num_layers):
-                yield path[:at] + (f"layers_{i}",) + path[at + 1:], [name.format(i=i)], transpose, False
+            for i in indices:
+                yield path[:at] + (f"layers_{i}",) + path[at + 1:], per_expert(i=i), transpose, extra
 
 
 def model_entries(model):

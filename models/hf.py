@@ -237,7 +237,7 @@ def _load(path, dtype, layout, options, classifier):
         if classifier and our_path[0] == "lm_head":
             host = np.zeros(expected.shape, expected.dtype)
         else:
-            want = expected.shape[1:] if stacked else expected.shape
+            want = expected.shape[stacked:]  # one tensor's shape (stacked: leading layer / expert dims)
             want_stored = tuple(reversed(want)) if transpose else tuple(want)
             arrays = []
             for hf_name in names:
@@ -246,7 +246,7 @@ def _load(path, dtype, layout, options, classifier):
                     raise ValueError(f"tensor {hf_name!r} in {path} has shape {a.shape}; the config needs "
                                      f"{want_stored} (params{checkpoint.path_str(our_path)})")
                 arrays.append(a.T if transpose else a)
-            host = np.stack(arrays) if stacked else arrays[0]
+            host = np.stack(arrays).reshape(expected.shape[:stacked] + want) if stacked else arrays[0]
             del arrays
             host = host.astype(np.float32 if quantized else expected.dtype)
         values = {our_path[-1]: host}
@@ -300,6 +300,7 @@ def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=Non
         if score is not None and our_path[0] == "lm_head":
             continue
         value = np.asarray(jax.device_get(checkpoint.get_path(params, our_path)))
+        value = value.reshape((-1,) + value.shape[stacked:]) if stacked else value  # one row per name
         for i, hf_name in enumerate(names):
             a = value[i] if stacked else value
             tensors[hf_name] = np.ascontiguousarray(a.T if transpose else a)

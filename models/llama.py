@@ -108,9 +108,13 @@ class LlamaBlock(nn.Module):
         drop = nn.Dropout(c.dropout_rate, deterministic=self.deterministic)
         x = x + drop(h)
         h = norm(name="mlp_norm")(x)
-        h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias, std=c.initializer_range,
-                       implementation=c.mlp_implementation, interpret=c.kernel_interpret, name="mlp", **kw,
-                       deterministic=self.deterministic, **layers.sublayer_options(c))(h)
+        if layers.is_sparse_layer(c, self.name):  # a mixture of experts (models/mixtral.py, qwen3_moe.py)
+            h = layers.moe_block(c, name="mlp", **kw)(h, ctx["segment_ids"] > 0)
+        else:
+            h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias,
+                           std=c.initializer_range, implementation=c.mlp_implementation,
+                           interpret=c.kernel_interpret, name="mlp", **kw, deterministic=self.deterministic,
+                           **layers.sublayer_options(c))(h)
         if c.post_norms:
             h = norm(name="mlp_post_norm")(h)
         return x + drop(h), cache

@@ -4,11 +4,11 @@ for fresh parameters on a layout. Checkpoint formats live elsewhere (`models.hf`
 import jax
 import jax.numpy as jnp
 
-from models import gemma2, gemma3, gptj, llama, mistral, opt, qwen2, qwen3, t5
+from models import gemma2, gemma3, gptj, llama, mistral, mixtral, opt, qwen2, qwen3, qwen3_moe, t5
 
 # model_type -> family module (each has Config, Model, NAMED_CONFIGS, config_from_hf, config_to_hf, hf_tensor_map).
 FAMILIES = {"llama": llama, "gptj": gptj, "opt": opt, "t5": t5, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral,
-            "gemma2": gemma2, "gemma3_text": gemma3}
+            "gemma2": gemma2, "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
 
 
 def family(model_type):

@@ -85,19 +85,39 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
     next-token cross-entropy over the labelled positions, plus the number of tokens and (with plain logits) token
     accuracy. implementation: None (plain logits) or a kernel implementation for the fused head + loss ('xla',
     'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter.
-    Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`."""
+    Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`. A mixture-of-experts model
+    (config.num_experts) adds its router losses with the config's weights and reports both (`add_router_losses`)."""
     check_implementation(implementation)
     cap = getattr(getattr(model, "config", None), "final_logit_softcap", None)
     if implementation is not None and cap is not None:  # the fused kernel computes plain logits: a wrong loss
         raise ValueError(f"loss_implementation={implementation!r} with a final logit soft-cap ({cap}, Gemma 2); "
                          "expected plain logits (--loss_implementation=plain): the fused head + loss does not cap")
 
+    moe = bool(getattr(getattr(model, "config", None), "num_experts", 0))
+
     def loss_fn(params, batch, rng, is_training):
         out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
-                          return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
-        return loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+                          return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng),
+                          mutable=["intermediates"] if moe else False)
+        if not moe:
+            return loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+        out, state = out
+        loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
+        return add_router_losses(model.config, loss, metrics, state.get("intermediates", {}))
     loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
     return loss_fn
+
+
+def add_router_losses(config, loss, metrics, intermediates):
+    """(loss + router_aux_loss_coef · load balancing + router_z_loss_coef · z-loss, metrics with both terms) for a
+    mixture-of-experts model (`models.layers.router_losses` of the statistics its layers sowed; unchanged when there
+    are none, as under a pipeline)."""
+    terms = models.layers.router_losses(intermediates)
+    if terms is None:
+        return loss, metrics
+    balance, z = terms
+    metrics = {**metrics, "load_balancing_loss": balance, "router_z_loss": z}
+    return loss + config.router_aux_loss_coef * balance + config.router_z_loss_coef * z, metrics
 
 
 def until_eos(ids, eos_id):

@@ -6,6 +6,8 @@
 - rotary.py: `segment_positions`, `Rotary` (with the rope-scaling variants), `rope_from_hf` / `rope_to_hf`.
 - attention.py: `attend`, `Attention` (with its KV cache), `empty_cache`.
 - mlp.py: `MLP` (gated or not).
+- moe.py: `MoE` (router, dropless experts on kernels.grouped_matmul), `MoEOptions`, `moe_block`,
+  `is_sparse_layer` / `sparse_layers`, `router_losses` (load balancing and z-loss from the sown router statistics).
 - parallel.py: `split_tokens` / `gather_tokens` (context and sequence parallelism of the residual stream).
 - stack.py: `apply_layers` (scan, remat, pipeline).
 - decoder.py: `DecoderLM`, `decoder_context`, `token_embedding`, `lm_output`, `stack_layers`, `sliding_layers`.
@@ -18,6 +20,7 @@ from models.layers.decoder import (DecoderLM, decoder_context, lm_output, slidin
                                    token_embedding)
 from models.layers.linear import Linear, activation, lora_a_init
 from models.layers.mlp import MLP
+from models.layers.moe import MoE, MoEOptions, is_sparse_layer, moe_block, router_losses, sparse_layers
 from models.layers.norms import Norm
 from models.layers.options import LORA_TARGETS, QUANTIZE_FORMATS, ModelOptions, sublayer_options
 from models.layers.parallel import gather_tokens, split_tokens

@@ -31,7 +31,10 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     by layer) and the engine's overlapped ZeRO-3 stack see the same single-block scan as for uniform layers. Such a
     stack's cache has no common per-layer shape (sliding layers keep rings of the window, the others every
     position: `empty_cache`'s {'full', 'sliding'}), so a cached call (generation) of a scanned stack runs its layers
-    one after the other on slices of the stacked weights, each with its kind's cache."""
+    one after the other on slices of the stacked weights, each with its kind's cache.
+
+    What a block sows into 'intermediates' (the MoE router's statistics, `layers.moe`) comes out stacked
+    [num_layers, ...] from a scan, per `{name}_{i}` otherwise; the pipeline drops it."""
     num_layers = config.num_layers if num_layers is None else num_layers
     scan, remat = config.scan_layers, config.remat
     cache = None if cache is None else cache["layers"]
@@ -54,7 +57,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
         layer = () if per_layer is None else ({k: jnp.asarray(v) for k, v in per_layer.items()},)
-        stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+        stack = nn.scan(block_cls, variable_axes={"params": 0, "intermediates": 0},
+                        split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast, 0) + (0,) * len(layer), length=num_layers)
         return stack(name=name, **block_kwargs)(x, ctx, cache, *layer)
     caches = [(None, None)] * num_layers if cache is None else _layer_caches(cache, per_layer, num_layers)

@@ -1,0 +1,195 @@
+"""The mixture-of-experts feed-forward block (`MoE`): a softmax top-k router and dropless experts on
+`kernels.grouped_matmul`, the per-family options it reads (`MoEOptions`), which layers are sparse
+(`is_sparse_layer`), and the router's auxiliary losses (`router_losses`) from the statistics each layer sows.
+
+Dropless (MegaBlocks, Gale et al., 2022): every token's k copies are sorted by expert into ragged groups, so no
+capacity factor drops a token and none is padded; the expert weights are stacked with the expert dim first
+([E, D, F] / [E, F, D]), the layout an expert-parallel split over the experts would keep."""
+import dataclasses
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import kernels
+from models.layers.linear import Linear, activation
+from models.layers.options import Dtype
+from models.layers.parallel import gather_tokens, split_tokens
+
+STATS = "router_stats"  # the name each MoE layer sows its router statistics under, in 'intermediates'
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEOptions:
+    """The mixture-of-experts fields of a family's config (models/mixtral.py, qwen3_moe.py: the first base of its
+    config class, before the dense family's config).
+
+    num_experts E, num_experts_per_tok k (the top-k), moe_intermediate_size (each expert's hidden width; None:
+    intermediate_size), norm_topk_prob (the k routing weights renormalised to sum to 1: Mixtral always, Qwen3-MoE
+    by its config), decoder_sparse_step and mlp_only_layers (Qwen3-MoE: layer i is sparse when (i + 1) is a
+    multiple of the step and i is not listed; the others have the dense MLP of intermediate_size),
+    router_aux_loss_coef (the weight of the load-balancing loss in the LM loss, transformers' field) and
+    router_z_loss_coef (ST-MoE's router z-loss weight; no transformers field, 0: off)."""
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        """The family's checks (MoEOptions comes first in its bases), then a ValueError naming the first bad MoE
+        field."""
+        super().__post_init__()
+        positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+        if not positive(self.num_experts):
+            raise ValueError(f"num_experts={self.num_experts!r}; expected a positive integer")
+        if not positive(self.num_experts_per_tok) or self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok!r}; expected an integer in 1 ... "
+                             f"{self.num_experts} (num_experts)")
+        if self.moe_intermediate_size is not None and not positive(self.moe_intermediate_size):
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size!r}; expected a positive integer "
+                             "or None")
+        if not positive(self.decoder_sparse_step):
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step!r}; expected a positive integer")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if isinstance(self.mlp_only_layers, (str, list)) or bad:
+            raise ValueError(f"mlp_only_layers={self.mlp_only_layers!r}; expected a tuple of layer indices in 0 ... "
+                             f"{self.num_layers - 1}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected a number >= 0")
+        if self.scan_layers and len(set(sparse_layers(self))) > 1:
+            raise ValueError(f"scan_layers=True with dense layers among the sparse ones (mlp_only_layers="
+                             f"{self.mlp_only_layers}, decoder_sparse_step={self.decoder_sparse_step}); expected "
+                             "scan_layers=False: a scan needs one kind of layer")
+
+
+def sparse_layers(config):
+    """One bool per layer: does it have the MoE block (transformers' Qwen3-MoE rule; every layer for Mixtral)."""
+    return tuple(i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
+                 for i in range(config.num_layers))
+
+
+def is_sparse_layer(config, block_name):
+    """Whether the block named `block_name` ('layers_{i}' unscanned; a scanned stack has one kind, checked by
+    `MoEOptions`) of a decoder config has the MoE block; False for a config without experts."""
+    if not getattr(config, "num_experts", 0):
+        return False
+    index = re.fullmatch(r".*_(\d+)", block_name or "")
+    return sparse_layers(config)[int(index.group(1)) if index and not config.scan_layers else 0]
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts gated MLP: y = sum over the token's top-k experts e of p_e · down_e(act(gate_e(x)) ·
+    up_e(x)), p the router's softmax (float32) over its E logits, renormalised over the k when norm_topk_prob.
+
+    Parameters: router/kernel [D, E] and experts/{gate, up} [E, D, F], experts/down [E, F, D]. x [B, T, D], valid
+    [B, T] bool (False: padding, left out of the router statistics) -> [B, T, D]. The k copies of the tokens are
+    sorted by expert and run through `kernels.grouped_matmul` (`implementation`: None = the backend's best, 'xla' on
+    CPU), then unsorted and summed with their weights. Each call sows {'counts': top-k assignments per expert [E],
+    'probs': router probabilities summed per expert [E], 'z': sum of logsumexp(logits)^2, 'tokens'} over the valid
+    tokens into 'intermediates' under `STATS` when that collection is mutable (`router_losses`)."""
+    num_experts: int
+    top_k: int
+    hidden: int
+    act: str = "silu"
+    norm_topk_prob: bool = True
+    std: float = 0.02
+    implementation: str | None = None
+    interpret: bool = False
+    sequence_parallel: bool = False
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, valid=None):
+        x = gather_tokens(x, self.sequence_parallel)
+        B, T, D = x.shape
+        E, k, F = self.num_experts, self.top_k, self.hidden
+        tokens = x.reshape(B * T, D).astype(self.dtype)
+        logits = Linear(D, E, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype, name="router")(tokens)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, k)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdims=True)
+        valid = jnp.ones((B * T,), bool) if valid is None or valid.shape != (B, T) else valid.reshape(B * T)
+        self._sow_stats(logits.astype(jnp.float32), probs, chosen, valid)
+
+        experts = _Experts(E, D, F, self.std, self.param_dtype, name="experts")()
+        w = {name: experts[name].astype(self.dtype) for name in ("gate", "up", "down")}
+        flat = chosen.reshape(-1)  # [N * k]: copy j of token n at n * k + j
+        order = jnp.argsort(flat, stable=True)  # the copies sorted by expert
+        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        rows = tokens[order // k]  # [N * k, D]
+        mm = lambda a, b: kernels.grouped_matmul(a, b, group_sizes, implementation=self.implementation,  # noqa
+                                                 interpret=self.interpret)
+        h = activation(self.act)(mm(rows, w["gate"])) * mm(rows, w["up"])
+        out = mm(h, w["down"])[jnp.argsort(order)].reshape(B * T, k, D)  # back in token order
+        y = jnp.einsum("nkd,nk->nd", out, weights.astype(self.dtype)).reshape(B, T, D)
+        return split_tokens(y, self.sequence_parallel)
+
+    def _sow_stats(self, logits, probs, chosen, valid):
+        mask = valid.astype(jnp.float32)
+        counts = jnp.zeros((self.num_experts,), jnp.float32).at[chosen.reshape(-1)].add(
+            jnp.repeat(mask, self.top_k))
+        z = jax.nn.logsumexp(logits, axis=-1) ** 2
+        self.sow("intermediates", STATS, {"counts": counts, "probs": (probs * mask[:, None]).sum(0),
+                                          "z": (z * mask).sum(), "tokens": mask.sum()})
+
+
+class _Experts(nn.Module):
+    """The stacked expert weights: gate and up [E, D, F], down [E, F, D] (a module of their own so they sit under
+    `experts/` apart from the router)."""
+    num_experts: int
+    features: int
+    hidden: int
+    std: float
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self):
+        E, D, F = self.num_experts, self.features, self.hidden
+        init = nn.initializers.normal(self.std)
+        return {name: self.param(name, init, (E,) + shape, self.param_dtype)
+                for name, shape in (("gate", (D, F)), ("up", (D, F)), ("down", (F, D)))}
+
+
+def moe_block(config, **kw):
+    """The `MoE` of a decoder config with `MoEOptions` (the MLP's hidden_act, initializer_range, mlp_implementation
+    and kernel_interpret)."""
+    c = config
+    return MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size or c.intermediate_size, c.hidden_act,
+               c.norm_topk_prob, std=c.initializer_range, implementation=c.mlp_implementation,
+               interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, **kw)
+
+
+def router_losses(intermediates):
+    """(load_balancing, z_loss) float32 scalars from the statistics the MoE layers sowed into `intermediates` (the
+    collection of a `model.apply(..., mutable=['intermediates'])`), or None when there are none.
+
+    load_balancing is transformers' `load_balancing_loss_func` (Switch Transformer, eq. 4-6, as Mixtral and
+    Qwen3-MoE train): E · Σ_e f_e P_e, with f_e the top-k assignments to expert e and P_e its summed router
+    probability, both over every layer's valid tokens and divided by their count (so Σ f = k, and a uniform
+    router gives k). z_loss is ST-MoE's (Zoph et al., 2022): the mean of logsumexp(router logits)^2 over the
+    layers' valid tokens."""
+    found = []
+
+    def walk(node):
+        for key, value in node.items():
+            if key == STATS:
+                found.extend(value)
+            elif isinstance(value, dict):
+                walk(value)
+
+    walk(intermediates)
+    if not found:
+        return None
+    E = found[0]["counts"].shape[-1]
+    total = lambda name, *shape: sum(s[name].reshape(-1, *shape).sum(0) for s in found)  # noqa: E731
+    tokens = jnp.maximum(total("tokens"), 1.0)
+    load_balancing = E * jnp.sum(total("counts", E) / tokens * total("probs", E) / tokens)
+    return load_balancing, total("z") / tokens

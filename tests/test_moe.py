@@ -1,0 +1,198 @@
+"""Mixture of experts (models/layers/moe.py, models/mixtral.py, models/qwen3_moe.py): the MoE layer against a dense
+per-token loop (output and gradients), Mixtral and Qwen3-MoE against transformers on tiny random models (logits of
+a left-padded batch and the load-balancing loss, greedy generation, checkpoint round trips), a Trainer step on
+2x2x2 against one device, the router losses in the LM loss, the named real sizes."""
+import dataclasses
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import engine
+import models
+from engine.tasks import lm
+from models import layers
+from tests.test_mistral import IDS, MASK, check_greedy_generate, check_round_trip, hf_builder
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64)
+_CONFIGS = {
+    # top-2 of 4 experts of 32; a window of 4 inside the 16-token rows
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)),
+    # layer 1 dense (mlp_only_layers), top-2 of 4 experts not renormalised (transformers' default)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(TINY, intermediate_size=96, moe_intermediate_size=32, head_dim=32, num_experts=4,
+                       num_experts_per_tok=2, mlp_only_layers=[1])),
+    "qwen3_moe-sparse": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                         dict(TINY, intermediate_size=96, moe_intermediate_size=32, head_dim=32, num_experts=4,
+                              num_experts_per_tok=2, norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    return hf_builder(tmp_path_factory, _CONFIGS)
+
+
+# ----------------------------------------------------------------------------------------------- the layer
+
+def _dense_reference(layer, params, x, activation):
+    """The MoE output token by token: each token through its top-k experts, weighted by their routing weights."""
+    w = params["experts"]
+
+    def one(token):
+        probs = jax.nn.softmax(token @ params["router"]["kernel"])
+        top, chosen = jax.lax.top_k(probs, layer.top_k)
+        top = top / top.sum() if layer.norm_topk_prob else top
+        y = jnp.zeros_like(token)
+        for j in range(layer.top_k):
+            gate, up, down = (w[name][chosen[j]] for name in ("gate", "up", "down"))
+            y = y + top[j] * (activation(token @ gate) * (token @ up)) @ down
+        return y
+
+    return jax.vmap(one)(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_layer_equals_a_dense_per_token_reference(norm_topk_prob):
+    """Output and the gradients of x and of every weight (router included) within fp32 rounding of the loop over
+    tokens; 3 x 5 tokens, top-2 of 4 experts (the sorted copies fall in ragged groups)."""
+    layer = layers.MoE(num_experts=4, top_k=2, hidden=24, norm_topk_prob=norm_topk_prob, std=0.3)
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 16))
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    r = jax.random.normal(jax.random.PRNGKey(2), x.shape)  # a random cotangent
+
+    ours = lambda p, x: jnp.sum(layer.apply({"params": p}, x) * r)  # noqa: E731
+    dense = lambda p, x: jnp.sum(_dense_reference(layer, p, x, jax.nn.silu) * r)  # noqa: E731
+    np.testing.assert_allclose(layer.apply({"params": params}, x), _dense_reference(layer, params, x, jax.nn.silu),
+                               atol=1e-5, rtol=1e-5)
+    grads, want = jax.jit(jax.grad(ours, (0, 1)))(params, x), jax.jit(jax.grad(dense, (0, 1)))(params, x)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+    assert np.abs(np.asarray(grads[0]["router"]["kernel"])).max() > 1e-3  # the router is trained through the weights
+
+
+def test_router_losses_of_uniform_and_collapsed_routers():
+    """A router with zero logits balances perfectly (load balancing k, z-loss log(E)^2); one that sends every token
+    to the same experts is penalised (E / k times more); padding tokens do not count."""
+    layer = layers.MoE(num_experts=4, top_k=2, hidden=8)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 16))
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+
+    def losses(router, valid=None):
+        p = {**params, "router": {"kernel": router}}
+        _, state = layer.apply({"params": p}, x, valid, mutable=["intermediates"])
+        return [float(v) for v in layers.router_losses(state["intermediates"])]
+
+    balance, z = losses(jnp.zeros((16, 4)))
+    assert balance == pytest.approx(2.0, abs=1e-6) and z == pytest.approx(np.log(4) ** 2, rel=1e-6)
+    collapsed = jnp.zeros((16, 4)).at[:, :2].set(1e3 * jnp.sign(x[0, 0])[:, None])  # experts 0, 1 for x[0, 0]
+    valid = jnp.zeros((2, 6), bool).at[0, 0].set(True)
+    assert losses(collapsed, valid)[0] == pytest.approx(4.0, rel=1e-5)
+
+
+def test_lm_loss_adds_the_router_losses_with_the_config_weights():
+    model = models.create_model("mixtral", "tiny", num_layers=1, router_aux_loss_coef=0.5, router_z_loss_coef=0.25)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    batch = lm.collate_lm([{"tokens": np.arange(3, 20, dtype=np.int32), "segment_ids": np.ones(17, np.int32)}] * 2)
+    loss, metrics = jax.jit(lm.lm_loss_fn(model), static_argnums=(2, 3))(params, batch, None, False)
+    logits = jax.jit(model.apply)({"params": params}, batch["input_ids"], batch["segment_ids"])
+    plain = lm.loss_and_metrics(model, params, logits, batch["labels"], None, False)[0]  # the cross-entropy
+    assert float(loss) == pytest.approx(float(plain) + 0.5 * float(metrics["load_balancing_loss"])
+                                        + 0.25 * float(metrics["router_z_loss"]), rel=1e-6)
+    assert metrics["load_balancing_loss"] >= 2.0 - 1e-5  # k, for a perfectly balanced router
+
+
+# ----------------------------------------------------------------------------------------------- the families
+
+def _hf_aux_loss(hf_model):
+    import torch
+
+    positions = np.maximum(np.cumsum(MASK, 1) - 1, 0)
+    with torch.no_grad():
+        return float(hf_model(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK),
+                              position_ids=torch.tensor(positions), output_router_logits=True).aux_loss)
+
+
+def _our_aux_loss(model, params):
+    _, state = model.apply({"params": params}, jnp.asarray(IDS), jnp.asarray(MASK), mutable=["intermediates"])
+    return float(layers.router_losses(state["intermediates"])[0])
+
+
+@pytest.mark.parametrize("name,scan", [("mixtral", True), ("qwen3_moe", False),
+                                       pytest.param("mixtral", False, marks=pytest.mark.slow),
+                                       pytest.param("qwen3_moe-sparse", True, marks=pytest.mark.slow)])
+def test_logits_and_load_balancing_match_transformers_and_round_trip(hf_checkpoint, tmp_path, name, scan):
+    """A left-padded batch of 16-token rows: logits within 1e-4 of transformers', load -> save -> load an identity,
+    transformers reads the export back (tests/test_mistral.py's `check_round_trip`); the load-balancing loss over the
+    real tokens equals transformers' aux_loss."""
+    hf_model, path = hf_checkpoint(name)
+    model, params = check_round_trip(hf_model, path, tmp_path, scan)
+    assert models.registry.model_type(model) == name.split("-")[0]
+    assert _our_aux_loss(model, params) == pytest.approx(_hf_aux_loss(hf_model), rel=1e-5)
+    saved = {k for k in json.loads((tmp_path / "config.json").read_text())}
+    assert {"num_experts_per_tok", "router_aux_loss_coef"} <= saved
+    if name == "qwen3_moe":  # layer 1 dense: a gated MLP of intermediate_size, no router
+        assert set(params["layers_1"]["mlp"]) == {"gate", "up", "down"}
+        assert params["layers_0"]["mlp"]["experts"]["down"].shape == (4, 32, 64)
+
+
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_greedy_generate_matches_transformers(hf_checkpoint, name):
+    hf_model, path = hf_checkpoint(name)
+    check_greedy_generate(hf_model, *models.load_pretrained(path, scan_layers=name == "mixtral"), new=8)
+
+
+def test_trainer_step_on_2x2x2_equals_one_device():
+    """One SGD step (the update is the gradient: Adam's first step would amplify rounding in the near-zero ones) of
+    the tiny Qwen3-MoE through the Trainer on a data 2 x fsdp 2 x model 2 mesh and on one device:
+    the same loss, router metrics and updated weights."""
+    model = models.create_model("qwen3_moe", "tiny", scan_layers=True, router_z_loss_coef=1e-3)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    rng = np.random.RandomState(0)
+    rows = [{"tokens": rng.randint(3, 120, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
+            for _ in range(4)]  # one global batch: 1 row x data 2 x fsdp 2, or 4 rows on one device
+
+    def step(mesh, per_device):
+        trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model),
+                                 params=params, optimizer=optax.sgd(1.0))
+        trainer.fit(rows, per_device_batch_size=per_device, max_steps=1, log_every=1)
+        return trainer.history[-1], jax.device_get(trainer.params)
+
+    (split, split_params), (single, single_params) = (step(engine.make_mesh(data=2, fsdp=2, model=2), 1),
+                                                      step(engine.make_mesh(devices=jax.devices()[:1]), 4))
+    for key in ("loss", "load_balancing_loss", "router_z_loss"):
+        assert split[key] == pytest.approx(single[key], rel=1e-5), key
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(split_params)[0],
+                            jax.tree_util.tree_leaves(single_params)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), split_params, jax.device_get(params))
+    assert moved["layers"]["mlp"]["experts"]["gate"] > 1e-4 and moved["layers"]["mlp"]["router"]["kernel"] > 1e-4
+
+
+@pytest.mark.parametrize("family,name,count", [("mixtral", "mixtral-8x7b", 46_702_792_704),
+                                               ("qwen3_moe", "qwen3-30b-a3b", 30_532_122_624)])
+def test_named_configs_have_the_released_parameter_counts(family, name, count):
+    """The counts transformers reports for mistralai/Mixtral-8x7B-v0.1 (46.7B) and Qwen/Qwen3-30B-A3B (30.5B)."""
+    shapes = jax.eval_shape(lambda: models.init_params(models.create_model(family, name, scan_layers=True)))
+    assert sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(shapes)) == count
+
+
+def test_bad_moe_configs_are_refused_in_one_line(hf_checkpoint, tmp_path):
+    config = json.loads(open(f"{hf_checkpoint('qwen3_moe')[1]}/config.json").read())
+    for change, match in ((dict(num_experts_per_tok=5), r"num_experts_per_tok=5; expected an integer in 1 \.\.\. 4 "
+                                                        r"\(num_experts\)"),
+                          (dict(mlp_only_layers=[2]), r"mlp_only_layers=\(2,\); expected a tuple of layer indices in "
+                                                      r"0 \.\.\. 1")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path))}/config\.json: {match}$"):
+            models.load_model(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^scan_layers=True with dense layers among the sparse ones .*; expected "
+                                         r"scan_layers=False: a scan needs one kind of layer$"):
+        models.create_model("qwen3_moe", "tiny", scan_layers=True, mlp_only_layers=(1,))
+    assert dataclasses.replace(models.get_config("mixtral"), num_experts=8).num_experts == 8
