@@ -120,8 +120,10 @@ def _hf_aux_loss(hf_model):
 
 
 def _our_aux_loss(model, params):
-    _, state = model.apply({"params": params}, jnp.asarray(IDS), jnp.asarray(MASK), mutable=["intermediates"])
-    return float(layers.router_losses(state["intermediates"])[0])
+    def balance(params):
+        _, state = model.apply({"params": params}, jnp.asarray(IDS), jnp.asarray(MASK), mutable=["intermediates"])
+        return layers.router_losses(state["intermediates"])[0]
+    return float(jax.jit(balance)(params))
 
 
 @pytest.mark.parametrize("name,scan", [("mixtral", True), ("qwen3_moe", False),
