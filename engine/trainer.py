@@ -1106,7 +1106,7 @@ def restore_params(workdir, *, mesh, params, loss_fn, checkpoint="latest"):
     source = Checkpointer(workdir, name=name) if os.path.isdir(os.path.join(workdir, name)) else None
     step = None if source is None else source.latest_step()
     if step is None:
-        raise FileNotFoundError(f"checkpoint={checkpoint!r}: workdir={workdir} has no {name.rstrip('s')} checkpoint "
+        raise FileNotFoundError(f"checkpoint={checkpoint!r}: workdir={workdir} has no {checkpoint} checkpoint "
                                 "yet; expected a workdir a Trainer saved to" + (" with fit(save_best=...) "
                                                                               "(--save_best)" if name == "best" else ""))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
