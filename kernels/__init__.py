@@ -6,6 +6,6 @@ from kernels._dispatch import IMPLEMENTATIONS, implementation_for_platform, reso
 from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, context_size, tracing_mesh, under_mesh,
                                 vmapped)
 from kernels.attention import (decode_attention, dropout_keys, dropout_multiplier, flash_attention, mha_reference,
-                               quantize_kv)
+                               paged_attention, quantize_kv)
 from kernels.grouped_matmul import grouped_matmul  # the op; the sub-package stays importable by its path
 from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, quantize_int8

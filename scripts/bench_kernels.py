@@ -5,6 +5,7 @@
   python scripts/bench_kernels.py --kernels=matmul
   python scripts/bench_kernels.py --kernels=decode     # one generation step against a half-filled KV cache
   python scripts/bench_kernels.py --kernels=grouped    # the MoE grouped matmul at Mixtral-8x7B's expert sizes
+  python scripts/bench_kernels.py --kernels=paged      # paged_attention against decode_attention, ragged lengths
   python scripts/bench_kernels.py --tune=attention,matmul,grouped   # search the ops' block sizes instead
 
 Each row: median wall time per call over --iters samples after --warmup runs (random normal inputs, jitted; a
@@ -26,7 +27,7 @@ from absl import app, flags, logging
 
 
 from engine.flops import peak_tflops
-from kernels.attention import BlockSizes, decode_attention, flash_attention
+from kernels.attention import BlockSizes, decode_attention, flash_attention, paged_attention
 from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE
 from kernels.attention.api import choose_block_sizes
 from kernels.grouped_matmul import grouped_matmul
@@ -67,7 +68,8 @@ flags.DEFINE_list("decode_batches", None, "decode: sequences per step; default 1
 flags.DEFINE_list("grouped_shape", None, "grouped: rows,k,n,groups; default Mixtral-8x7B's experts on 8192 "
                   "tokens routed top-2, 16384,4096,14336,8 (CPU: 512,128,256,4).")
 flags.DEFINE_list("decode_cache_lens", None, "decode: KV cache slots, half of them filled; default 8192,32768 "
-                  "(CPU: 512).")
+                  "(CPU: 512). paged: the most tokens a sequence holds, lengths drawn from its upper half.")
+flags.DEFINE_list("page_sizes", None, "paged: tokens per page; default 16,64 (CPU: 16).")
 
 
 def _ours():
@@ -250,14 +252,19 @@ def tune_matmul():
                     lambda b: b, baseline)
 
 
+def _decode_setup():
+    """(on CPU?, dtype, heads, kv_heads, head_dim) of the decoding benchmarks (decode, paged)."""
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
+    heads, kv_heads = FLAGS.heads or (4 if on_cpu else 32), FLAGS.kv_heads or (2 if on_cpu else 8)
+    return on_cpu, dtype, heads, kv_heads, FLAGS.head_dim or (64 if on_cpu else 128)
+
+
 def bench_decode():
     """decode_attention (default splits) vs flash_attention (one program per query head over the whole cache, the
     decode path before it) and jax.nn.dot_product_attention with key lengths, for one new token against a cache
     whose first half is filled. The note is the bandwidth of reading the filled keys and values once."""
-    on_cpu = jax.default_backend() == "cpu"
-    dtype = jnp.dtype(FLAGS.dtype or ("float32" if on_cpu else "bfloat16"))
-    heads, kv_heads = FLAGS.heads or (4 if on_cpu else 32), FLAGS.kv_heads or (2 if on_cpu else 8)
-    head_dim = FLAGS.head_dim or (64 if on_cpu else 128)
+    on_cpu, dtype, heads, kv_heads, head_dim = _decode_setup()
     ours, selection = _ours()
     rows = []
     for batch in map(int, FLAGS.decode_batches or (["2"] if on_cpu else ["1", "8"])):
@@ -279,6 +286,54 @@ def bench_decode():
                 if row[2] != "-":
                     row[-1] = f"{kv_bytes / (float(row[2]) / 1e3) / 1e9:.0f} GB/s"
                 rows.append(row)
+    return rows
+
+
+def _paged_inputs(batch, cache_len, page, kv_heads, head_dim, dtype):
+    """(k, v contiguous [batch, cache_len, kv_heads, head_dim], their pages [kv_heads, batch * pages, page,
+    head_dim] in a random order, the page table, lengths drawn uniformly from [cache_len / 2, cache_len])."""
+    max_pages = cache_len // page
+    key_k, key_v, key_order, key_len = jax.random.split(jax.random.key(cache_len + page), 4)
+    k, v = (jax.random.normal(key, (batch, cache_len, kv_heads, head_dim), dtype) for key in (key_k, key_v))
+    table = jax.random.permutation(key_order, batch * max_pages).reshape(batch, max_pages).astype(jnp.int32)
+
+    def paged(x):  # [batch, max_pages, page, kv_heads, head_dim] -> the pool, page table[b, i] holding page i of b
+        pages = x.reshape(batch, max_pages, page, kv_heads, head_dim).transpose(3, 0, 1, 2, 4)
+        return jnp.zeros((kv_heads, batch * max_pages, page, head_dim), dtype).at[:, table].set(pages)
+
+    lengths = jax.random.randint(key_len, (batch,), cache_len // 2, cache_len + 1, jnp.int32)
+    return k, v, paged(k), paged(v), table, lengths
+
+
+def bench_paged():
+    """paged_attention (pages in a random order) vs decode_attention (default splits) on the same tokens in a
+    contiguous cache, one new token per sequence of ragged length. The note is the bandwidth of reading the filled
+    keys and values once."""
+    on_cpu, dtype, heads, kv_heads, head_dim = _decode_setup()
+    ours, selection = _ours()
+    rows = []
+    for batch in map(int, FLAGS.decode_batches or (["2"] if on_cpu else ["8", "64"])):
+        for cache_len in map(int, FLAGS.decode_cache_lens or (["256"] if on_cpu else ["2048", "8192"])):
+            for page in map(int, FLAGS.page_sizes or (["16"] if on_cpu else ["16", "64"])):
+                k, v, k_pages, v_pages, table, lengths = _paged_inputs(batch, cache_len, page, kv_heads, head_dim,
+                                                                       dtype)
+                q = jax.random.normal(jax.random.key(1), (batch, heads, head_dim), dtype)
+                ids = (jnp.ones((batch, 1), jnp.int32),
+                       (jnp.arange(cache_len)[None] < lengths[:, None]).astype(jnp.int32))
+                paths = {
+                    f"paged_attention[{ours}]": (lambda q, k, v, table, lengths: paged_attention(
+                        q, k, v, table, lengths, **selection), (q, k_pages, v_pages, table, lengths)),
+                    f"decode_attention[{ours}]": (lambda q, k, v: decode_attention(
+                        q[:, None], k, v, segment_ids=ids, **selection), (q, k, v)),
+                }
+                tokens = int(lengths.sum())
+                shape = f"B{batch} {tokens // batch}/{cache_len} page {page} H{heads}/{kv_heads} D{head_dim}"
+                kv_bytes = 2 * tokens * kv_heads * head_dim * dtype.itemsize
+                for name, (attend, args) in paths.items():
+                    row = _measure(name, shape, attend, args, 4 * heads * tokens * head_dim)
+                    if row[2] != "-":
+                        row[-1] = f"{kv_bytes / (float(row[2]) / 1e3) / 1e9:.0f} GB/s"
+                    rows.append(row)
     return rows
 
 
@@ -331,7 +386,7 @@ def tune_grouped():
 
 
 _KERNEL_FAMILIES = {"attention": bench_attention, "matmul": bench_matmul, "decode": bench_decode,
-                    "grouped": bench_grouped}
+                    "grouped": bench_grouped, "paged": bench_paged}
 _TUNERS = {"attention": tune_attention, "matmul": tune_matmul, "grouped": tune_grouped}
 
 

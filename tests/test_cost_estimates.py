@@ -261,3 +261,32 @@ def test_grouped_matmul_kernels_count_one_product_per_row(impl):
     ref = _xla(jnp.dot, x, jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
     for name, cost, *_ in calls:
         _assert_close(cost.flops, ref["flops"], MATMUL_TOLERANCE, f"{name} flops")
+
+
+# ---- paged attention ----
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_paged_attention_estimate_counts_the_contiguous_decode(impl):
+    """The kernel's flops are decode attention's over the whole table (lengths are runtime values: an upper bound):
+    XLA's count of mha_reference of one query per sequence to max_pages * page_size keys; with a window of w keys,
+    w of them. One page per block, so the Mosaic kernel takes the pool once and its bytes cover every operand
+    (without a window: with one, the pages before it are not read)."""
+    from kernels.attention.paged import paged_attention
+    batch, pages, page = 4, 16, 16
+    q = jax.ShapeDtypeStruct((batch, 8, D), jnp.float32)
+    pool = jax.ShapeDtypeStruct((2, batch * pages, page, D), jnp.float32)
+    table, lengths = jax.ShapeDtypeStruct((batch, pages), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)
+    costs = {}
+    for window, keys in ((None, pages * page), ((99, 0), 100)):
+        calls = _pallas_calls(functools.partial(paged_attention, implementation=impl, pages_per_block=1,
+                                                window=window), q, pool, pool, table, lengths)
+        if window is None:  # with a window the pages before it are not read: bytes below the pool's
+            _assert_declared(calls)
+        (name, cost, *_), = calls
+        cache = jax.ShapeDtypeStruct((batch, keys, 2, D), jnp.float32)
+        ref = _xla(mha_reference, jax.ShapeDtypeStruct((batch, 1, 8, D), jnp.float32), cache, cache)
+        assert name == "paged_attention"
+        _assert_close(cost.flops, ref["flops"], ATTENTION_TOLERANCE, f"paged flops, window {window}")
+        _assert_close(cost.transcendentals, ref["transcendentals"], ATTENTION_TOLERANCE, "paged transcendentals")
+        costs[window] = cost
+    assert costs[(99, 0)].bytes_accessed < costs[None].bytes_accessed / 2

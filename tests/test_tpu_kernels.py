@@ -60,6 +60,19 @@ def test_attention_without_grouped_kv_heads_compiles(generation, head_dim):
     _compiles(generation, attention_case(2048, head_dim, "causal+segments", heads=32, kv_heads=32))
 
 
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_windowed_soft_capped_attention_compiles(generation, family):
+    """Sliding windows and soft-caps in the Mosaic kernels: Gemma 2's local layers (16 / 8 heads of 256, a window of
+    4096 keys, logits capped at 50) and Mistral-7B's (32 / 8 heads of 128, a window of 4096 keys) at 8k tokens."""
+    if family == "gemma2":
+        case = attention_case(8192, 256, "causal+segments", heads=16, kv_heads=8, window=(4095, 0),
+                              logit_soft_cap=50.0)
+    else:
+        case = attention_case(8192, 128, "causal", window=(4095, 0))
+    _compiles(generation, case)
+
+
 @pytest.mark.parametrize("setting", CROSS, ids=_id)
 def test_attention_cross_product_compiles_on_v5p(setting):
     _compiles("v5p", attention_case(*setting))
@@ -143,3 +156,38 @@ def _grouped_case(projection):
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_mixtral_grouped_matmul_compiles(generation, projection):
     _compiles(generation, _grouped_case(projection))
+
+
+# ---- paged attention: a decoding step of 64 sequences of 2048 tokens ----
+
+def _paged_case(page, dtype):
+    import jax.numpy as jnp
+
+    from kernels import paged_attention
+
+    batch, heads, kv_heads, dim, max_pages = 64, 32, 8, 128, 2048 // page
+    pool = ((kv_heads, batch * max_pages, page, dim), jnp.int8 if dtype == "int8" else jnp.bfloat16)
+    scale = ((kv_heads, batch * max_pages, page), jnp.float32)
+
+    def step(q, k, v, table, lengths, *scales):
+        int8 = dict(k_scale=scales[0], v_scale=scales[1]) if scales else {}
+        return paged_attention(q, k, v, table, lengths, **int8, window=(1023, 0), implementation="mosaic_tpu")
+
+    shapes = (((batch, heads, dim), jnp.bfloat16), pool, pool, ((batch, max_pages), jnp.int32), ((batch,), jnp.int32),
+              *((scale, scale) if dtype == "int8" else ()))
+    return tpu_compile.Case("paged_attention", f"B{batch} 2048 tokens page {page} {dtype}", step, shapes)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_attention_compiles_on_v5p(page, dtype):
+    """bf16 pages under the kernel's stated VMEM need; int8 pages under the default limit: XLA relays the scales
+    [kv_heads, num_pages, page_size] out as the kernel's (1, page_size) rows in a copy of its own, which needs more
+    VMEM than the kernel (kernels/README.md, Paged attention)."""
+    case = _paged_case(page, dtype)
+    if dtype == "bfloat16":
+        _compiles("v5p", case)
+        return
+    tpu_devices("v5p")
+    result = compile_case("v5p", case)
+    assert result.overflow is None and result.hbm_bytes <= HBM_BYTES["v5p"], result
