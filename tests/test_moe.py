@@ -84,10 +84,14 @@ def test_router_losses_of_uniform_and_collapsed_routers():
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 16))
     params = layer.init(jax.random.PRNGKey(0), x)["params"]
 
-    def losses(router, valid=None):
-        p = {**params, "router": {"kernel": router}}
-        _, state = layer.apply({"params": p}, x, valid, mutable=["intermediates"])
-        return [float(v) for v in layers.router_losses(state["intermediates"])]
+    @jax.jit
+    def router_losses(router, valid):
+        _, state = layer.apply({"params": {**params, "router": {"kernel": router}}}, x, valid,
+                               mutable=["intermediates"])
+        return layers.router_losses(state["intermediates"])
+
+    def losses(router, valid=jnp.ones((2, 6), bool)):
+        return [float(v) for v in router_losses(router, valid)]
 
     balance, z = losses(jnp.zeros((16, 4)))
     assert balance == pytest.approx(2.0, abs=1e-6) and z == pytest.approx(np.log(4) ** 2, rel=1e-6)
