@@ -206,6 +206,38 @@ def test_shard_map_step_with_the_overlapped_layer_stack_equals_the_jit_step():
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+# The released config.json files (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B), as transformers 4.x wrote them
+_RELEASED = {
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], attention_dropout=0.0, bos_token_id=1, eos_token_id=2, hidden_act="silu",
+        hidden_size=4096, initializer_range=0.02, intermediate_size=14336, max_position_embeddings=32768,
+        model_type="mixtral", num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32,
+        num_key_value_heads=8, num_local_experts=8, output_router_logits=False, rms_norm_eps=1e-05,
+        rope_theta=1000000.0, router_aux_loss_coef=0.02, sliding_window=None, tie_word_embeddings=False,
+        torch_dtype="bfloat16", use_cache=True, vocab_size=32000),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+        decoder_sparse_step=1, eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=2048,
+        initializer_range=0.02, intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48,
+        mlp_only_layers=[], model_type="qwen3_moe", moe_intermediate_size=768, norm_topk_prob=True,
+        num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+        output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000.0,
+        router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+        use_cache=True, use_sliding_window=False, vocab_size=151936),
+}
+
+
+@pytest.mark.parametrize("family,name", [("mixtral", "mixtral-8x7b"), ("qwen3_moe", "qwen3-30b-a3b")])
+def test_released_config_json_reads_as_the_named_config(family, name):
+    """The released config.json (Qwen3-MoE's `num_experts`, transformers 5's `num_local_experts` both read) gives the
+    named config, and our export of it names the same experts."""
+    config = models.config_from_hf(_RELEASED[name])
+    assert config == models.get_config(family, name)
+    exported = models.registry.family(family).config_to_hf(config)
+    assert {k: exported[k] for k in ("num_experts_per_tok", "router_aux_loss_coef")} == {
+        k: _RELEASED[name][k] for k in ("num_experts_per_tok", "router_aux_loss_coef")}
+
+
 @pytest.mark.parametrize("family,name,count", [("mixtral", "mixtral-8x7b", 46_702_792_704),
                                                ("qwen3_moe", "qwen3-30b-a3b", 30_532_122_624)])
 def test_named_configs_have_the_released_parameter_counts(family, name, count):
