@@ -55,7 +55,7 @@ class MoEOptions:
                              "or None")
         if not positive(self.decoder_sparse_step):
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step!r}; expected a positive integer")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        bad = [i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
         if isinstance(self.mlp_only_layers, (str, list)) or bad:
             raise ValueError(f"mlp_only_layers={self.mlp_only_layers!r}; expected a tuple of layer indices in 0 ... "
                              f"{self.num_layers - 1}")
