@@ -181,9 +181,9 @@ def _paged_case(page, dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("page", [16, 64])
 def test_paged_attention_compiles_on_v5p(page, dtype):
-    """bf16 pages under the kernel's stated VMEM need; int8 pages under the default limit: XLA relays the scales
-    [kv_heads, num_pages, page_size] out as the kernel's (1, page_size) rows in a copy of its own, which needs more
-    VMEM than the kernel (kernels/README.md, Paged attention)."""
+    """bf16 pages under the kernel's stated VMEM need; int8 pages under the default limit: XLA gathers the scales
+    into each sequence's token order before the kernel, and its copies need more VMEM than the kernel states
+    (kernels/README.md, Paged attention)."""
     case = _paged_case(page, dtype)
     if dtype == "bfloat16":
         _compiles("v5p", case)

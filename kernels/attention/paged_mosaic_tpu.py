@@ -6,8 +6,10 @@ operand (the pool passed pages_per_block times, each BlockSpec a [page_size, hea
 table[b, block * pages_per_block + p]), which the Pallas pipeline fetches one step ahead. Step s visits the page
 block `_paged.block_range`'s first + s, clamped to the last one holding a visible key, so steps past it re-use the
 resident pages (no DMA) and `pl.when` skips their compute: a window of w keys reads about w keys' pages. The G query
-heads of the kv head are the rows of the query tile (padded to 8 sublanes); the running max, sum and output stay in
-VMEM scratch across the steps.
+heads of the kv head are the rows of the query tile (padded to 8 sublanes), the block's pages are stacked into one
+[block_keys, head_dim] tile (one matmul per block instead of one per page); the running max, sum and output stay
+in VMEM scratch across the steps. int8 pages' scales arrive as one lane-dense row per block, gathered by XLA into
+each sequence's token order (the pool's [kv_heads, num_pages, page_size] pads page_size to 128 lanes on TPU).
 """
 import jax
 import jax.numpy as jnp
@@ -29,8 +31,7 @@ def _block(length, step, plan):
 def _kernel(lengths_ref, table_ref, q_ref, *refs, plan, has_scales):
     n = plan.pages_per_block
     k_refs, v_refs, refs = refs[:n], refs[n:2 * n], refs[2 * n:]
-    (ks_refs, vs_refs, refs) = (refs[:n], refs[n:2 * n], refs[2 * n:]) if has_scales else ((None,) * n,) * 2 + (refs,)
-    o_ref, m_scr, l_scr, acc_scr = refs
+    ks_ref, vs_ref, o_ref, m_scr, l_scr, acc_scr = refs if has_scales else (None, None, *refs)
     b, step = pl.program_id(0), pl.program_id(2)
     length = lengths_ref[b]
     block, in_range = _block(length, step, plan)
@@ -44,22 +45,18 @@ def _kernel(lengths_ref, table_ref, q_ref, *refs, plan, has_scales):
     @pl.when(in_range)
     def _visit():
         q = q_ref[...]
-        pos = jax.lax.broadcasted_iota(jnp.int32, (1, plan.page_size), 1)
-        # The block's pages as separate [rows, page_size] logit tiles under one running max: one rescale per block,
-        # no lane concatenation of 16-wide tiles.
-        logits = [_paged.masked_logits(_dot_nt(q, k_refs[p][...].astype(q.dtype)),
-                                       None if ks_refs[p] is None else ks_refs[p][...],
-                                       (block * n + p) * plan.page_size + pos, length, plan) for p in range(n)]
+        # The block's pages stacked along sublanes (each converted first: int8 packs 32 rows a tile) into one
+        # [block_keys, head_dim] tile: one q k^T and one p v per block.
+        k, v = (jnp.concatenate([r[...].astype(q.dtype) for r in refs], axis=0) for refs in (k_refs, v_refs))
+        pos = block * plan.block_keys + jax.lax.broadcasted_iota(jnp.int32, (1, plan.block_keys), 1)
+        s = _paged.masked_logits(_dot_nt(q, k), None if ks_ref is None else ks_ref[...], pos, length, plan)
 
         def weighted(probs):
-            total = 0.0
-            for p, v_ref, vs_ref in zip(probs, v_refs, vs_refs):
-                p = p if vs_ref is None else p * vs_ref[...]
-                total = total + _dot(p.astype(q.dtype), v_ref[...].astype(q.dtype))
-            return total
+            p = probs[0] if vs_ref is None else probs[0] * vs_ref[...]
+            return _dot(p.astype(q.dtype), v)
 
-        m, l, acc = _paged.online_softmax(m_scr[...], l_scr[...], acc_scr[...], logits, weighted)
-        m_scr[...], l_scr[...], acc_scr[...] = m, l, acc
+        m_scr[...], l_scr[...], acc_scr[...] = _paged.online_softmax(m_scr[...], l_scr[...], acc_scr[...], [s],
+                                                                     weighted)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _finish():
@@ -83,17 +80,19 @@ def paged_attention(q, k_pages, v_pages, table, lengths, scales, plan):
         return index
 
     page_specs = [pl.BlockSpec((None, None, ps, D), page(p)) for p in range(n)]
-    # Scales [KV, num_pages, page_size] as [KV, num_pages, 1, page_size]: a (1, page_size) row per page.
-    scale_ops = [] if scales is None else [s[:, :, None, :] for s in scales for _ in range(n)]
-    scale_specs = [] if scales is None else [
-        pl.BlockSpec((None, None, 1, ps), page(p)) for _ in scales for p in range(n)]
+    # int8 scales gathered into each sequence's token order, [KV, B, 1, max_pages * page_size]: a lane-dense
+    # (1, block_keys) row per block (the pool's [KV, num_pages, page_size] pads page_size to 128 lanes on TPU).
+    scale_ops = [] if scales is None else [
+        s[:, jnp.clip(table, 0, num_pages - 1)].reshape(KV, B, 1, max_pages * ps) for s in scales]
+    scale_spec = pl.BlockSpec((None, None, 1, plan.block_keys),
+                              lambda b, h, step, lengths_ref, _: (h, b, 0, _block(lengths_ref[b], step, plan)[0]))
     q_spec = pl.BlockSpec((None, None, rows, D), lambda b, h, step, *_: (b, h, 0, 0))
     out = pl.pallas_call(
         lambda *refs: _kernel(*refs, plan=plan, has_scales=scales is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(B, KV, _paged.num_steps(max_pages, plan)),
-            in_specs=[q_spec, *page_specs, *page_specs, *scale_specs],
+            in_specs=[q_spec, *page_specs, *page_specs, *[scale_spec] * len(scale_ops)],
             out_specs=q_spec,
             scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                             pltpu.VMEM((rows, D), jnp.float32)],
@@ -102,6 +101,6 @@ def paged_attention(q, k_pages, v_pages, table, lengths, scales, plan):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if plan.interpret else False,
         name="paged_attention",
-        cost_estimate=_paged.cost_estimate(H, qg, k_pages, plan, [table, lengths, *(scales or ())]),
+        cost_estimate=_paged.cost_estimate(H, qg, k_pages, plan, [table, lengths, *scale_ops]),
     )(lengths, table.reshape(-1), qg, *[k_pages] * n, *[v_pages] * n, *scale_ops)
     return out[:, :, :G].reshape(B, H, D)
