@@ -18,7 +18,7 @@ import engine
 import models
 from engine.tasks import cli, lm, text_data
 
-FAMILIES = ["llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"]
+FAMILIES = list(cli.DECODER_FAMILIES)
 FLAGS = flags.FLAGS
 cli.define_training_flags(workdir="workdir", max_steps=400, learning_rate=3e-3, warmup_steps=30, log_every=20,
                           save_every=100)

@@ -62,6 +62,12 @@ def _stdlib_txt(path):
     return path
 
 
+def test_scripts_offer_every_decoder_family():
+    """The scripts' --model and --init_from take every decoder family the registry has (MoE ones included)."""
+    decoders = {name for name, family in models.FAMILIES.items() if issubclass(family.Model, models.layers.DecoderLM)}
+    assert set(cli.DECODER_FAMILIES) == decoders
+
+
 def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_path):
     """The main job from a Hugging Face directory (made by models.save_pretrained): loss falls, TensorBoard, trace,
     checkpoints, run.json, evals every 3 steps keeping the best one's state; the same command resumes (here with the

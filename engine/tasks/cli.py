@@ -489,7 +489,8 @@ def finish(trainer, workdir):
 
 # ----------------------------------------------------------------------------------------------- models and workdirs
 
-DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+DECODER_FAMILIES = ("llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "mixtral",
+                    "qwen3_moe")
 
 
 def define_decoder_flags(*, init_from_help,
