@@ -20,6 +20,7 @@ from models.lora import (LORA_TRAINABLE, adapters_off, add_lora, has_lora, load_
 from models.mistral import Mistral, MistralConfig
 from models.mixtral import Mixtral, MixtralConfig
 from models.opt import OPT, OPTConfig
+from models.paged_generate import PagedEngine, generate_continuous, page_bytes
 from models.quantize import dequantize, quantize
 from models.qwen2 import Qwen2, Qwen2Config
 from models.qwen3 import Qwen3, Qwen3Config

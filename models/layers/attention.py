@@ -6,6 +6,12 @@ with a cache writes its tokens at `index`; a call with more than one token is a 
 A layer with a sliding window of W keeps a ring buffer of min(W, max_len) slots instead, token `index` in slot
 index % W (what a query may still see: the W newest positions, its own included); a stack whose layers differ holds
 {'full': ..., 'sliding': ...} under 'layers', each stacked over its own layers (`empty_cache`).
+
+A paged cache (`models.paged_generate`) holds {'layers': {'k_pages', 'v_pages': [layers, kv_heads, num_pages,
+page_size, head_dim]}, 'page_table': int32 [batch, max_pages], 'lengths': int32 [batch] (tokens cached per row)}:
+row b's position p lives in slot p % page_size of page page_table[b, p // page_size]; padding (segment id 0) writes
+to the pool's last page, a scratch page no table entry of a live sequence names. A call with more than one token is a
+prefill from length 0 (flash attention over its own keys); one token attends through `kernels.paged_attention`.
 """
 
 import flax.linen as nn
@@ -148,7 +154,10 @@ class Attention(nn.Module):
         else:
             k, v = project_kv(x)
             quantized = cache is not None and "k_scale" in cache  # an int8 cache (`empty_cache`)
-            if cache is not None:
+            paged = cache is not None and "k_pages" in cache  # a paged cache (module docstring)
+            if paged:
+                cache = _write_pages(cache, k, v, ctx)
+            elif cache is not None:
                 idx = ctx["cache_index"]
                 write = lambda buf, x: _write_slots(buf, x, idx)  # noqa: E731
                 if quantized:
@@ -157,7 +166,9 @@ class Attention(nn.Module):
                              "k_scale": write(cache["k_scale"], k_scale), "v_scale": write(cache["v_scale"], v_scale)}
                 else:
                     cache = {**cache, "k": write(cache["k"], k), "v": write(cache["v"], v)}
-            if cache is not None and T == 1:  # decode step: every filled slot of the cache (a ring's slots are
+            if paged and T == 1:
+                out = self._paged_decode(q, cache, ctx, sliding, opts)
+            elif cache is not None and T == 1:  # decode step: every filled slot of the cache (a ring's slots are
                 # all within the window), the cache split across programs and a kv head's query heads read together
                 # (kernels.decode_attention); T5's relative position bias goes through `attend`
                 kv_seg = _slot_segment_ids(ctx["kv_segment_ids"], ctx["cache_index"] + T, cache["k"].shape[1])
@@ -192,6 +203,21 @@ class Attention(nn.Module):
         return attend(q, read("k"), read("v"), causal=False, q_segment_ids=segment_ids[0],
                       kv_segment_ids=segment_ids[1], **opts)
 
+    def _paged_decode(self, q, cache, ctx, sliding, opts):
+        """A decode step's attention through the page table (`kernels.paged_attention`), the window's pages only."""
+        def read(window):
+            out = kernels.paged_attention(q[:, 0], cache["k_pages"], cache["v_pages"], ctx["page_table"],
+                                          ctx["lengths"] + 1, scale=self.sm_scale, window=window,
+                                          logit_soft_cap=self.logit_soft_cap, implementation=self.implementation,
+                                          interpret=self.interpret)
+            return out[:, None]
+
+        if opts["bias"] is not None:
+            raise ValueError("a paged cache with a relative position bias (T5); expected a decoder-only model")
+        if isinstance(sliding, bool):
+            return read((self.window - 1, 0) if sliding else None)
+        return jax.lax.cond(sliding, lambda: read((self.window - 1, 0)), lambda: read(None))
+
     def _rope(self, x, positions, sliding):
         """x [B, T, heads, head_dim] rotated by this layer's rope (`rotary_sliding` where `sliding`)."""
         if self.rotary is None:
@@ -217,6 +243,23 @@ def _write_slots(buf, new, index):
     if T > slots:  # a prefill (index 0) longer than a sliding layer's ring
         return jnp.roll(new[:, T - slots:], (T - slots) % slots, axis=1)
     return jax.lax.dynamic_update_slice(buf, new, (0, index % slots) + (0,) * (buf.ndim - 2))
+
+
+def _write_pages(cache, k, v, ctx):
+    """The paged cache with k, v [B, T, kv_heads, head_dim] written at positions lengths .. lengths + T - 1 of each
+    row; padding tokens and idle rows (segment id 0) go to the scratch page (the pool's last)."""
+    T = k.shape[1]
+    num_pages, page_size = cache["k_pages"].shape[1:3]
+    table = ctx["page_table"]
+    pos = ctx["lengths"][:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    index = jnp.clip(pos // page_size, 0, table.shape[1] - 1)
+    page = jnp.where(ctx["segment_ids"] > 0, jnp.take_along_axis(table, index, axis=1), num_pages - 1)
+    slot = pos % page_size
+
+    def write(pool, x):  # pool[:, page, slot] is [kv_heads, B, T, head_dim]
+        return pool.at[:, page, slot].set(jnp.moveaxis(x, 2, 0).astype(pool.dtype))
+
+    return {**cache, "k_pages": write(cache["k_pages"], k), "v_pages": write(cache["v_pages"], v)}
 
 
 def _slot_segment_ids(kv_segment_ids, written, slots):

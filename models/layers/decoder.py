@@ -20,13 +20,21 @@ def decoder_context(input_ids, attention_mask, positions, cache):
 
     attention_mask int [B, T]: 0 = padding, 1 = token; larger ids mark packed sequences (a token sees only its own
     sequence). Positions default to the position within the sequence, counting the tokens already in the cache.
-    Returns (ctx, cache without 'layers' but with index / segment ids advanced, or None)."""
+    A paged cache (with 'page_table') gives row b positions lengths[b] + t and ctx 'page_table' / 'lengths'.
+    Returns (ctx, cache without 'layers' but with index / segment ids (or lengths) advanced, or None)."""
     B, T = input_ids.shape
     seg = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
     ctx = {"segment_ids": seg}
     if cache is None:
         ctx["positions"] = segment_positions(seg) if positions is None else positions
         return ctx, None
+    if "page_table" in cache:  # a paged cache (models/layers/attention.py): each row continues at its own length
+        lengths = cache["lengths"]
+        if positions is None:
+            positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        ctx.update(positions=positions, page_table=cache["page_table"], lengths=lengths)
+        added = jnp.sum(seg > 0, axis=1, dtype=jnp.int32)
+        return ctx, {"page_table": cache["page_table"], "lengths": lengths + added}
     idx = cache["index"]
     if positions is None:
         seen = jnp.sum(cache["segment_ids"] > 0, axis=1, dtype=jnp.int32)

@@ -1,0 +1,251 @@
+"""Continuous batching over a paged KV cache (vLLM's scheme) for the decoder-only families: `PagedEngine`,
+`generate_continuous`.
+
+The cache is one pool of pages per layer, k and v [kv_heads, num_pages + 1, page_size, head_dim] (the last page a
+scratch page that padding and idle slots write to), and a page table per sequence slot (models/layers/attention.py
+has the layout). A host-side free list hands a sequence pages as it grows and takes them back when it ends. The
+scheduler keeps up to `max_batch` sequences in flight: it admits waiting requests first come, first served when a slot
+is free and the pool can hold the request's whole length on top of what the running ones may still take (so no
+sequence ever waits for a page, and none needs preempting), prefills each alone through the model's normal forward
+(flash attention; its keys and values written into its pages), then decodes every slot together, one token each,
+in one compiled step of fixed shape, attention read through `kernels.paged_attention`. A sequence retires at its
+own EOS or length limit and its pages return to the free list. Compiled once per prompt-length bucket (prefill) and
+once per page-table width (decode), never per request mix.
+"""
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels
+from models.generate import _bucket, _mesh_of
+from models.layers.decoder import DecoderLM, sliding_layers
+
+
+def paged_cache(model, num_pages, page_size, dtype=None):
+    """Zeroed page pools of a decoder: {'k_pages', 'v_pages': [layers, kv_heads, num_pages + 1, page_size,
+    head_dim]} (the last page the scratch page) in `dtype` (default the compute dtype); a stack whose layers differ
+    in their window (Gemma) holds {'full', 'sliding'}, each over its own layers, as `layers.empty_cache`."""
+    c = model.config
+
+    def stack(n):
+        shape = (n, c.kv_heads, num_pages + 1, page_size, c.dim_per_head)
+        return {"k_pages": jnp.zeros(shape, dtype or c.dtype), "v_pages": jnp.zeros(shape, dtype or c.dtype)}
+
+    sliding = sliding_layers(c)
+    if len(set(sliding)) > 1:
+        return {"full": stack(sliding.count(False)), "sliding": stack(sliding.count(True))}
+    return stack(c.num_layers)
+
+
+def page_bytes(model, page_size, dtype=None):
+    """Bytes one page takes over every layer, keys and values."""
+    c = model.config
+    return 2 * c.num_layers * c.kv_heads * page_size * c.dim_per_head * jnp.dtype(dtype or c.dtype).itemsize
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: list
+    max_new_tokens: int
+    eos_id: int | None
+    temperature: float
+    top_k: int  # 0: none
+    top_p: float  # 1.0: none
+    seed: int
+    tokens: list = dataclasses.field(default_factory=list)  # generated so far
+    pages: list = dataclasses.field(default_factory=list)
+
+    def pages_needed(self, page_size):
+        """Pages of its whole length: the prompt and every generated token but the last (never fed back)."""
+        return -(-(len(self.prompt) + self.max_new_tokens - 1) // page_size)
+
+
+class PagedEngine:
+    """Continuous batching of greedy or sampled generation over a paged KV cache (the module docstring).
+
+    PagedEngine(model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None, cache_dtype=None):
+    max_batch sequence slots decoded together; the pool holds num_pages pages of page_size tokens, or as many as
+    memory_bytes holds (`page_bytes`). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns
+    its id; run() serves every queued request and returns {id: generated token ids} (the EOS included when met).
+    Greedy outputs equal `models.generate`'s up to each EOS. After run() the free list is full again.
+    """
+
+    def __init__(self, model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
+                 cache_dtype=None):
+        if not isinstance(model, DecoderLM):
+            raise ValueError(f"model={type(model).__name__}; expected a decoder-only model (a layers.DecoderLM)")
+        for name, value in (("max_batch", max_batch), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}; expected a positive int")
+        if (num_pages is None) == (memory_bytes is None):
+            raise ValueError(f"num_pages={num_pages!r}, memory_bytes={memory_bytes!r}; expected exactly one of them")
+        if num_pages is None:
+            num_pages = int(memory_bytes) // page_bytes(model, page_size, cache_dtype)
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages={num_pages!r} (memory_bytes={memory_bytes!r}); expected at least one page")
+        self.model, self.params = model, params
+        self.max_batch, self.page_size, self.num_pages = max_batch, page_size, num_pages
+        self.free_pages = list(range(num_pages))  # the free list; page num_pages is the scratch page
+        self.traces = collections.Counter()  # traces of each compiled function ('prefill', 'decode')
+        self.admission_order = []  # request ids as admitted
+        self.peak_pages = 0  # most pages in use at once
+        self._pools = paged_cache(model, num_pages, page_size, cache_dtype)
+        self._waiting = collections.deque()
+        self._next_id = 0
+        self._table_width = 1  # page-table entries per slot: grows (a new compile) to a power of two when needed
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+
+    def add_request(self, prompt_ids, max_new_tokens, *, eos_id=None, temperature=0.0, top_k=None, top_p=None,
+                    seed=0):
+        """Queues a prompt (a sequence of token ids) for up to max_new_tokens new tokens, ending early at eos_id.
+        temperature 0 is greedy; otherwise sampling from softmax(logits / temperature), restricted to the top_k
+        tokens and / or the smallest set with probability >= top_p, its keys drawn from `seed`. Returns its id."""
+        prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+        vocab = self.model.config.vocab_size
+        if np.ndim(prompt_ids) != 1 or not prompt or not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt_ids of shape {np.shape(prompt_ids)}; expected a non-empty 1-D sequence of "
+                             f"token ids in [0, {vocab})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}; expected a positive int")
+        if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+            raise ValueError(f"temperature={temperature}, top_k={top_k}, top_p={top_p}; expected temperature >= 0, "
+                             "top_k >= 1, 0 < top_p <= 1")
+        request = _Request(self._next_id, prompt, max_new_tokens, eos_id, float(temperature), top_k or 0,
+                           1.0 if top_p is None else float(top_p), int(seed))
+        if request.pages_needed(self.page_size) > self.num_pages:
+            raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs "
+                             f"{request.pages_needed(self.page_size)} pages of {self.page_size}; expected at most "
+                             f"num_pages={self.num_pages}")
+        self._next_id += 1
+        self._waiting.append(request)
+        return request.id
+
+    def run(self):
+        """Serves every queued request; returns {id: generated token ids}."""
+        width = max((r.pages_needed(self.page_size) for r in self._waiting), default=1)
+        self._table_width = max(self._table_width, 1 << (width - 1).bit_length())
+        slots = [None] * self.max_batch
+        done = {}
+        with kernels.under_mesh(_mesh_of(self.params)):
+            while self._waiting or any(slots):
+                for i in range(self.max_batch):  # admit first come, first served while it fits
+                    if slots[i] is None and self._waiting and self._fits(self._waiting[0], slots):
+                        slots[i] = self._start(self._waiting.popleft())
+                        self._retire_if_done(slots, i, done)
+                if any(slots):
+                    self._step(slots, done)
+        return done
+
+    def _fits(self, request, slots):
+        """Whether the free pages cover the request's whole length besides what the running ones may still take."""
+        owed = sum(r.pages_needed(self.page_size) - len(r.pages) for r in slots if r is not None)
+        return len(self.free_pages) - owed >= request.pages_needed(self.page_size)
+
+    def _allocate(self, request, length):
+        """Gives the request pages up to `length` tokens."""
+        while len(request.pages) * self.page_size < length:
+            request.pages.append(self.free_pages.pop())
+        self.peak_pages = max(self.peak_pages, self.num_pages - len(self.free_pages))
+
+    def _table(self, requests):
+        table = np.full((len(requests), self._table_width), self.num_pages, np.int32)
+        for i, r in enumerate(requests):
+            if r is not None:
+                table[i, :len(r.pages)] = r.pages
+        return table
+
+    @staticmethod
+    def _sampling(requests):
+        """Per-row temperature, top_k, top_p and the PRNG key of each row's next token."""
+        rows = [r or _Request(-1, [], 1, None, 0.0, 0, 1.0, 0) for r in requests]
+        keys = np.stack([np.asarray(jax.random.fold_in(jax.random.PRNGKey(r.seed), len(r.tokens))) for r in rows]
+                        ) if any(r.temperature > 0 for r in rows) else np.zeros((len(rows), 2), np.uint32)
+        return (np.array([r.temperature for r in rows], np.float32), np.array([r.top_k for r in rows], np.int32),
+                np.array([r.top_p for r in rows], np.float32), keys)
+
+    def _start(self, request):
+        """Prefills a request in its slot (alone, its prompt right-padded to a bucket); its first token."""
+        self.admission_order.append(request.id)
+        n = len(request.prompt)
+        self._allocate(request, n)
+        ids = np.zeros((1, _bucket(n)), np.int32)
+        ids[0, :n] = request.prompt
+        mask = (np.arange(ids.shape[1]) < n).astype(np.int32)[None]
+        token, self._pools = self._prefill(self.params, self._pools, ids, mask, self._table([request]),
+                                           np.int32(n - 1), *self._sampling([request]))
+        request.tokens.append(int(token[0]))
+        return request
+
+    def _step(self, slots, done):
+        """One decode step of every slot; retires the sequences it ends."""
+        for r in slots:
+            if r is not None:  # the token fed in goes at position len(prompt) + len(tokens) - 1
+                self._allocate(r, len(r.prompt) + len(r.tokens))
+        tokens = np.array([r.tokens[-1] if r else 0 for r in slots], np.int32)
+        lengths = np.array([len(r.prompt) + len(r.tokens) - 1 if r else 0 for r in slots], np.int32)
+        active = np.array([r is not None for r in slots], np.int32)
+        new, self._pools = self._decode(self.params, self._pools, tokens, self._table(slots), lengths, active,
+                                        *self._sampling(slots))
+        new = np.asarray(new)
+        for i, r in enumerate(slots):
+            if r is not None:
+                r.tokens.append(int(new[i]))
+                self._retire_if_done(slots, i, done)
+
+    def _retire_if_done(self, slots, i, done):
+        r = slots[i]
+        if len(r.tokens) >= r.max_new_tokens or (r.eos_id is not None and r.tokens[-1] == r.eos_id):
+            self.free_pages.extend(reversed(r.pages))
+            r.pages = []
+            done[r.id] = r.tokens
+            slots[i] = None
+
+    def _prefill_fn(self, params, pools, ids, mask, table, last, *sampling):
+        self.traces["prefill"] += 1
+        cache = {"layers": pools, "page_table": table, "lengths": jnp.zeros((1,), jnp.int32)}
+        logits, cache = self.model.apply({"params": params}, ids, mask, cache=cache)
+        return _select(logits[:, last].astype(jnp.float32), *sampling), cache["layers"]
+
+    def _decode_fn(self, params, pools, tokens, table, lengths, active, *sampling):
+        self.traces["decode"] += 1
+        cache = {"layers": pools, "page_table": table, "lengths": lengths}
+        logits, cache = self.model.apply({"params": params}, tokens[:, None], active[:, None], cache=cache)
+        return _select(logits[:, -1].astype(jnp.float32), *sampling), cache["layers"]
+
+
+def _select(logits, temperature, top_k, top_p, keys):
+    """Each row's next token from float32 logits [B, V]: argmax where its temperature is 0, else a sample of its
+    temperature, top_k (0: all) and top_p (1: all) from its key (`models.generate`'s filters, row by row)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample():
+        x = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        ordered = jnp.sort(x, axis=-1)[:, ::-1]
+        kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, x.shape[-1] - 1)[:, None], axis=1)
+        x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+        ordered = jnp.sort(x, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # the top token is always kept
+        threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where((top_p[:, None] < 1) & (x < threshold), -jnp.inf, x)
+        sampled = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
+
+
+def generate_continuous(model, params, requests, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
+                        cache_dtype=None):
+    """Generation for many requests through one `PagedEngine`. requests: dicts of `PagedEngine.add_request`'s arguments
+    (prompt_ids, max_new_tokens, and optionally eos_id, temperature, top_k, top_p, seed). Returns each request's
+    generated token ids, in order."""
+    engine = PagedEngine(model, params, max_batch=max_batch, page_size=page_size, num_pages=num_pages,
+                    memory_bytes=memory_bytes, cache_dtype=cache_dtype)
+    ids = [engine.add_request(**request) for request in requests]
+    out = engine.run()
+    return [out[i] for i in ids]

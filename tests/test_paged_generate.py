@@ -1,0 +1,140 @@
+"""models.paged_generate: continuous batching over a paged KV cache, against `models.generate` (greedy), and the
+scheduler's invariants (every request finished, no page leaked, first come first served, one decode compile)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+
+
+def _model(family, **overrides):
+    model = models.create_model(family, "tiny", **overrides)
+    return model, models.init_params(model, jax.random.PRNGKey(1))
+
+
+def _requests(seed, count, vocab, max_prompt=12, max_new=10):
+    rng = np.random.default_rng(seed)
+    return [dict(prompt_ids=rng.integers(1, vocab, int(rng.integers(1, max_prompt + 1))).tolist(),
+                 max_new_tokens=int(rng.integers(1, max_new + 1))) for _ in range(count)]
+
+
+def _reference(model, params, requests):
+    """Each request's greedy tokens from one left-padded `models.generate` batch, cut at its length and EOS."""
+    T = max(len(r["prompt_ids"]) for r in requests)
+    ids = np.zeros((len(requests), T), np.int32)
+    mask = np.zeros_like(ids)
+    for i, r in enumerate(requests):
+        ids[i, T - len(r["prompt_ids"]):] = r["prompt_ids"]
+        mask[i, T - len(r["prompt_ids"]):] = 1
+    new = np.asarray(models.generate(model, params, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                     max_new_tokens=max(r["max_new_tokens"] for r in requests)))[:, T:]
+    out = []
+    for row, r in zip(new.tolist(), requests):
+        row = row[:r["max_new_tokens"]]
+        if r.get("eos_id") in row:
+            row = row[:row.index(r["eos_id"]) + 1]
+        out.append(row)
+    return out
+
+
+def _serve(model, params, requests, **kwargs):
+    engine = models.PagedEngine(model, params, **kwargs)
+    ids = [engine.add_request(**r) for r in requests]
+    out = engine.run()
+    assert sorted(out) == ids  # every request finished
+    assert sorted(engine.free_pages) == list(range(engine.num_pages))  # no page leaked
+    assert engine.traces["decode"] == 1  # one decode compile for the whole run
+    return engine, [out[i] for i in ids]
+
+
+def test_greedy_equals_generate_with_fewer_slots_than_requests_and_eos():
+    model, params = _model("llama")
+    requests = _requests(0, 6, model.config.vocab_size)
+    plain = _reference(model, params, requests)
+    # An EOS met mid-way by two requests: they retire early, their slots and pages go to the waiting ones.
+    eos = plain[2][len(plain[2]) // 2]
+    for r in requests[:3]:
+        r["eos_id"] = eos
+    expected = _reference(model, params, requests)
+    engine, out = _serve(model, params, requests, max_batch=3, page_size=4, num_pages=16)
+    assert out == expected
+    assert engine.admission_order == list(range(len(requests)))
+
+
+def test_scheduler_under_random_arrival_and_a_tight_pool():
+    """Shuffled requests of random lengths, 2 slots, a pool just large enough for the longest: every request ends at
+    its own limit (or EOS), nothing leaks, admission stays first come first served (nobody starves), the pool is
+    never over-committed, and the outputs equal a roomy engine's (the schedule changes nothing)."""
+    model, params = _model("llama")
+    requests = _requests(1, 8, model.config.vocab_size, max_prompt=9, max_new=8)
+    np.random.default_rng(2).shuffle(requests)
+    for r in requests[::3]:
+        r["eos_id"] = 5
+    page_size = 2
+    need = max(-(-(len(r["prompt_ids"]) + r["max_new_tokens"] - 1) // page_size) for r in requests)
+    engine, out = _serve(model, params, requests, max_batch=2, page_size=page_size, num_pages=need + 1)
+    assert engine.admission_order == list(range(len(requests)))
+    assert engine.peak_pages <= engine.num_pages
+    for r, tokens in zip(requests, out):
+        assert len(tokens) == r["max_new_tokens"] or tokens[-1] == r.get("eos_id")
+    assert out == _reference(model, params, requests)
+
+
+def test_window_shorter_than_the_outputs():
+    """Mistral with a window of 4 (paged_attention's window, pages before it never read) over 12 new tokens."""
+    model, params = _model("mistral", sliding_window=4)
+    requests = [dict(prompt_ids=[3, 9, 27, 81, 115, 17, 51], max_new_tokens=12), dict(prompt_ids=[7, 2],
+                                                                                        max_new_tokens=9)]
+    _, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=8)
+    assert out == _reference(model, params, requests)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,overrides", [("gemma2", {}), ("llama", dict(scan_layers=True)),
+                                              ("qwen3", {}), ("mixtral", {})])
+def test_families(family, overrides):
+    """Local / global layers with soft-caps (Gemma 2: the split cache), a scanned stack, q / k norms, experts."""
+    model, params = _model(family, **overrides)
+    requests = _requests(3, 4, model.config.vocab_size, max_new=12)
+    _, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=12)
+    assert out == _reference(model, params, requests)
+
+
+def test_sampling_settings_per_request():
+    """Sampled rows follow their own seed (the same seed, the same tokens, whatever shares the batch), greedy rows
+    beside them stay greedy, and top_k=1 is greedy."""
+    model, params = _model("llama")
+    prompt = [5, 6, 7]
+    requests = [dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, seed=3),
+                dict(prompt_ids=prompt, max_new_tokens=6),
+                dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, seed=3),
+                dict(prompt_ids=prompt, max_new_tokens=6, temperature=5.0, top_k=1, seed=4),
+                dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=5)]
+    _, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=8)
+    greedy = _reference(model, params, requests[1:2])[0]
+    assert out[0] == out[2] and out[1] == greedy and out[3] == greedy
+    assert all(0 <= t < model.config.vocab_size for t in out[4])
+
+
+def test_pool_from_a_memory_budget_and_bad_input():
+    model, params = _model("llama")
+    c = model.config
+    per_page = models.page_bytes(model, 8)
+    assert per_page == 2 * c.num_layers * c.kv_heads * 8 * c.dim_per_head * 4
+    assert models.PagedEngine(model, params, max_batch=2, page_size=8, memory_bytes=10 * per_page + 1).num_pages == 10
+    bad = [(dict(max_batch=0, num_pages=4), r"^max_batch=0; expected a positive int$"),
+           (dict(max_batch=1), r"^num_pages=None, memory_bytes=None; expected exactly one of them$"),
+           (dict(max_batch=1, memory_bytes=10), r"^num_pages=0 \(memory_bytes=10\); expected at least one page$")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            models.PagedEngine(model, params, **kwargs)
+    engine = models.PagedEngine(model, params, max_batch=1, page_size=4, num_pages=2)
+    with pytest.raises(ValueError, match=r"^prompt_ids of shape \(0,\); expected a non-empty 1-D sequence"):
+        engine.add_request([], 3)
+    with pytest.raises(ValueError, match=r"^max_new_tokens=0; expected a positive int$"):
+        engine.add_request([1], 0)
+    with pytest.raises(ValueError, match=r"needs 3 pages of 4; expected at most num_pages=2$"):
+        engine.add_request([1] * 8, 2)
+    with pytest.raises(ValueError, match=r"^model=T5; expected a decoder-only model"):
+        models.PagedEngine(models.create_model("t5", "tiny"), {}, max_batch=1, num_pages=1)
