@@ -26,13 +26,18 @@ from models.layers.decoder import DecoderLM, sliding_layers
 
 def paged_cache(model, num_pages, page_size, dtype=None):
     """Zeroed page pools of a decoder: {'k_pages', 'v_pages': [layers, kv_heads, num_pages + 1, page_size,
-    head_dim]} (the last page the scratch page) in `dtype` (default the compute dtype); a stack whose layers differ
-    in their window (Gemma) holds {'full', 'sliding'}, each over its own layers, as `layers.empty_cache`."""
+    head_dim]} (the last page the scratch page) in `dtype` (default the compute dtype; int8 adds float32 'k_scale',
+    'v_scale' [layers, kv_heads, num_pages + 1, page_size], `kernels.quantize_kv`'s); a stack whose layers differ in
+    their window (Gemma) holds {'full', 'sliding'}, each over its own layers, as `layers.empty_cache`."""
     c = model.config
+    dtype = jnp.dtype(dtype or c.dtype)
 
     def stack(n):
         shape = (n, c.kv_heads, num_pages + 1, page_size, c.dim_per_head)
-        return {"k_pages": jnp.zeros(shape, dtype or c.dtype), "v_pages": jnp.zeros(shape, dtype or c.dtype)}
+        pools = {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
+        if dtype == jnp.int8:
+            pools.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
+        return pools
 
     sliding = sliding_layers(c)
     if len(set(sliding)) > 1:
@@ -41,9 +46,11 @@ def paged_cache(model, num_pages, page_size, dtype=None):
 
 
 def page_bytes(model, page_size, dtype=None):
-    """Bytes one page takes over every layer, keys and values."""
+    """Bytes one page takes over every layer, keys and values (int8: with their float32 scales)."""
     c = model.config
-    return 2 * c.num_layers * c.kv_heads * page_size * c.dim_per_head * jnp.dtype(dtype or c.dtype).itemsize
+    dtype = jnp.dtype(dtype or c.dtype)
+    per_token = c.dim_per_head * dtype.itemsize + (4 if dtype == jnp.int8 else 0)
+    return 2 * c.num_layers * c.kv_heads * page_size * per_token
 
 
 @dataclasses.dataclass
@@ -69,7 +76,9 @@ class PagedEngine:
 
     PagedEngine(model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None, cache_dtype=None):
     max_batch sequence slots decoded together; the pool holds num_pages pages of page_size tokens, or as many as
-    memory_bytes holds (`page_bytes`). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns
+    memory_bytes holds (`page_bytes`). cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values
+    as int8 with a float32 scale per token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
+    `generate(kv_cache_dtype='int8')`). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns
     its id; run() serves every queued request and returns {id: generated token ids} (the EOS included when met).
     Greedy outputs equal `models.generate`'s up to each EOS. After run() the free list is full again.
     """
@@ -81,6 +90,9 @@ class PagedEngine:
         for name, value in (("max_batch", max_batch), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
+        if cache_dtype is not None and cache_dtype not in ("int8", jnp.int8):
+            # paged_attention reads float pages in the queries' dtype: the compute dtype
+            raise ValueError(f"cache_dtype={cache_dtype!r}; expected None (the compute dtype) or 'int8'")
         if (num_pages is None) == (memory_bytes is None):
             raise ValueError(f"num_pages={num_pages!r}, memory_bytes={memory_bytes!r}; expected exactly one of them")
         if num_pages is None:

@@ -19,7 +19,7 @@ def _requests(seed, count, vocab, max_prompt=12, max_new=10):
                  max_new_tokens=int(rng.integers(1, max_new + 1))) for _ in range(count)]
 
 
-def _reference(model, params, requests):
+def _reference(model, params, requests, kv_cache_dtype=None):
     """Each request's greedy tokens from one left-padded `models.generate` batch, cut at its length and EOS."""
     T = max(len(r["prompt_ids"]) for r in requests)
     ids = np.zeros((len(requests), T), np.int32)
@@ -28,7 +28,8 @@ def _reference(model, params, requests):
         ids[i, T - len(r["prompt_ids"]):] = r["prompt_ids"]
         mask[i, T - len(r["prompt_ids"]):] = 1
     new = np.asarray(models.generate(model, params, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
-                                     max_new_tokens=max(r["max_new_tokens"] for r in requests)))[:, T:]
+                                     max_new_tokens=max(r["max_new_tokens"] for r in requests),
+                                     kv_cache_dtype=kv_cache_dtype))[:, T:]
     out = []
     for row, r in zip(new.tolist(), requests):
         row = row[:r["max_new_tokens"]]
@@ -48,7 +49,9 @@ def _serve(model, params, requests, **kwargs):
     return engine, [out[i] for i in ids]
 
 
-def test_greedy_equals_generate_with_fewer_slots_than_requests_and_eos():
+def test_greedy_equals_generate_with_fewer_slots_than_requests_eos_and_sampled_neighbours():
+    """Greedy requests equal generate's whatever shares their batch; sampled ones follow their own seed (the same
+    seed, the same tokens) and top_k=1 samples greedily."""
     model, params = _model("llama")
     requests = _requests(0, 6, model.config.vocab_size)
     plain = _reference(model, params, requests)
@@ -56,9 +59,16 @@ def test_greedy_equals_generate_with_fewer_slots_than_requests_and_eos():
     eos = plain[2][len(plain[2]) // 2]
     for r in requests[:3]:
         r["eos_id"] = eos
+    prompt = requests[4]["prompt_ids"]
+    requests[4:4] = [dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, seed=3),
+                     dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=5)]
+    requests += [dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, seed=3),
+                 dict(prompt_ids=prompt, max_new_tokens=6, temperature=5.0, top_k=1, seed=4)]
     expected = _reference(model, params, requests)
     engine, out = _serve(model, params, requests, max_batch=3, page_size=4, num_pages=16)
-    assert out == expected
+    greedy = [i for i, r in enumerate(requests) if r.get("temperature", 0) == 0 or r.get("top_k") == 1]
+    assert [out[i] for i in greedy] == [expected[i] for i in greedy]
+    assert out[4] == out[8] and len(out[5]) == 6
     assert engine.admission_order == list(range(len(requests)))
 
 
@@ -90,6 +100,15 @@ def test_window_shorter_than_the_outputs():
     assert out == _reference(model, params, requests)
 
 
+def test_int8_pages_equal_generates_int8_cache():
+    """int8 pages with kernels.quantize_kv's scales decode as generate(kv_cache_dtype='int8') does."""
+    model, params = _model("llama")
+    requests = _requests(4, 3, model.config.vocab_size)
+    engine, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=10, cache_dtype="int8")
+    assert engine._pools["k_pages"].dtype == jnp.int8
+    assert out == _reference(model, params, requests, kv_cache_dtype="int8")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [("gemma2", {}), ("llama", dict(scan_layers=True)),
                                               ("qwen3", {}), ("mixtral", {})])
@@ -101,31 +120,18 @@ def test_families(family, overrides):
     assert out == _reference(model, params, requests)
 
 
-def test_sampling_settings_per_request():
-    """Sampled rows follow their own seed (the same seed, the same tokens, whatever shares the batch), greedy rows
-    beside them stay greedy, and top_k=1 is greedy."""
-    model, params = _model("llama")
-    prompt = [5, 6, 7]
-    requests = [dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, seed=3),
-                dict(prompt_ids=prompt, max_new_tokens=6),
-                dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, seed=3),
-                dict(prompt_ids=prompt, max_new_tokens=6, temperature=5.0, top_k=1, seed=4),
-                dict(prompt_ids=prompt, max_new_tokens=6, temperature=1.0, top_p=0.9, seed=5)]
-    _, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=8)
-    greedy = _reference(model, params, requests[1:2])[0]
-    assert out[0] == out[2] and out[1] == greedy and out[3] == greedy
-    assert all(0 <= t < model.config.vocab_size for t in out[4])
-
-
 def test_pool_from_a_memory_budget_and_bad_input():
     model, params = _model("llama")
     c = model.config
     per_page = models.page_bytes(model, 8)
     assert per_page == 2 * c.num_layers * c.kv_heads * 8 * c.dim_per_head * 4
     assert models.PagedEngine(model, params, max_batch=2, page_size=8, memory_bytes=10 * per_page + 1).num_pages == 10
+    assert models.page_bytes(model, 8, "int8") == 2 * c.num_layers * c.kv_heads * 8 * (c.dim_per_head + 4)
     bad = [(dict(max_batch=0, num_pages=4), r"^max_batch=0; expected a positive int$"),
            (dict(max_batch=1), r"^num_pages=None, memory_bytes=None; expected exactly one of them$"),
-           (dict(max_batch=1, memory_bytes=10), r"^num_pages=0 \(memory_bytes=10\); expected at least one page$")]
+           (dict(max_batch=1, memory_bytes=10), r"^num_pages=0 \(memory_bytes=10\); expected at least one page$"),
+           (dict(max_batch=1, num_pages=4, cache_dtype="bfloat16"),
+            r"^cache_dtype='bfloat16'; expected None \(the compute dtype\) or 'int8'$")]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
             models.PagedEngine(model, params, **kwargs)

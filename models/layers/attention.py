@@ -8,7 +8,8 @@ index % W (what a query may still see: the W newest positions, its own included)
 {'full': ..., 'sliding': ...} under 'layers', each stacked over its own layers (`empty_cache`).
 
 A paged cache (`models.paged_generate`) holds {'layers': {'k_pages', 'v_pages': [layers, kv_heads, num_pages,
-page_size, head_dim]}, 'page_table': int32 [batch, max_pages], 'lengths': int32 [batch] (tokens cached per row)}:
+page_size, head_dim]} (int8 pages with float32 'k_scale', 'v_scale' [layers, kv_heads, num_pages, page_size],
+`kernels.quantize_kv`), 'page_table': int32 [batch, max_pages], 'lengths': int32 [batch] (tokens cached per row)}:
 row b's position p lives in slot p % page_size of page page_table[b, p // page_size]; padding (segment id 0) writes
 to the pool's last page, a scratch page no table entry of a live sequence names. A call with more than one token is a
 prefill from length 0 (flash attention over its own keys); one token attends through `kernels.paged_attention`.
@@ -206,8 +207,9 @@ class Attention(nn.Module):
     def _paged_decode(self, q, cache, ctx, sliding, opts):
         """A decode step's attention through the page table (`kernels.paged_attention`), the window's pages only."""
         def read(window):
+            scales = {n: cache[n] for n in ("k_scale", "v_scale") if n in cache}  # int8 pages
             out = kernels.paged_attention(q[:, 0], cache["k_pages"], cache["v_pages"], ctx["page_table"],
-                                          ctx["lengths"] + 1, scale=self.sm_scale, window=window,
+                                          ctx["lengths"] + 1, **scales, scale=self.sm_scale, window=window,
                                           logit_soft_cap=self.logit_soft_cap, implementation=self.implementation,
                                           interpret=self.interpret)
             return out[:, None]
@@ -256,10 +258,14 @@ def _write_pages(cache, k, v, ctx):
     page = jnp.where(ctx["segment_ids"] > 0, jnp.take_along_axis(table, index, axis=1), num_pages - 1)
     slot = pos % page_size
 
-    def write(pool, x):  # pool[:, page, slot] is [kv_heads, B, T, head_dim]
+    def write(pool, x):  # pool[:, page, slot] is [kv_heads, B, T, ...]
         return pool.at[:, page, slot].set(jnp.moveaxis(x, 2, 0).astype(pool.dtype))
 
-    return {**cache, "k_pages": write(cache["k_pages"], k), "v_pages": write(cache["v_pages"], v)}
+    if "k_scale" not in cache:
+        return {**cache, "k_pages": write(cache["k_pages"], k), "v_pages": write(cache["v_pages"], v)}
+    (k8, k_scale), (v8, v_scale) = kernels.quantize_kv(k), kernels.quantize_kv(v)
+    return {**cache, "k_pages": write(cache["k_pages"], k8), "v_pages": write(cache["v_pages"], v8),
+            "k_scale": write(cache["k_scale"], k_scale), "v_scale": write(cache["v_scale"], v_scale)}
 
 
 def _slot_segment_ids(kv_segment_ids, written, slots):
