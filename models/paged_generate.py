@@ -127,6 +127,8 @@ class PagedEngine:
         if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
             raise ValueError(f"temperature={temperature}, top_k={top_k}, top_p={top_p}; expected temperature >= 0, "
                              "top_k >= 1, 0 < top_p <= 1")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed={seed!r}; expected an int in [0, 2**32)")
         request = _Request(self._next_id, prompt, max_new_tokens, eos_id, float(temperature), top_k or 0,
                            1.0 if top_p is None else float(top_p), int(seed))
         if request.pages_needed(self.page_size) > self.num_pages:
@@ -173,12 +175,11 @@ class PagedEngine:
 
     @staticmethod
     def _sampling(requests):
-        """Per-row temperature, top_k, top_p and the PRNG key of each row's next token."""
+        """Per-row temperature, top_k, top_p, seed and tokens generated so far (its next key's index)."""
         rows = [r or _Request(-1, [], 1, None, 0.0, 0, 1.0, 0) for r in requests]
-        keys = np.stack([np.asarray(jax.random.fold_in(jax.random.PRNGKey(r.seed), len(r.tokens))) for r in rows]
-                        ) if any(r.temperature > 0 for r in rows) else np.zeros((len(rows), 2), np.uint32)
         return (np.array([r.temperature for r in rows], np.float32), np.array([r.top_k for r in rows], np.int32),
-                np.array([r.top_p for r in rows], np.float32), keys)
+                np.array([r.top_p for r in rows], np.float32), np.array([r.seed for r in rows], np.uint32),
+                np.array([len(r.tokens) for r in rows], np.int32))
 
     def _start(self, request):
         """Prefills a request in its slot (alone, its prompt right-padded to a bucket); its first token."""
@@ -230,9 +231,10 @@ class PagedEngine:
         return _select(logits[:, -1].astype(jnp.float32), *sampling), cache["layers"]
 
 
-def _select(logits, temperature, top_k, top_p, keys):
+def _select(logits, temperature, top_k, top_p, seed, count):
     """Each row's next token from float32 logits [B, V]: argmax where its temperature is 0, else a sample of its
-    temperature, top_k (0: all) and top_p (1: all) from its key (`models.generate`'s filters, row by row)."""
+    temperature, top_k (0: all) and top_p (1: all) (`models.generate`'s filters, row by row) drawn with the key
+    fold_in(PRNGKey(seed), tokens generated so far), so a request's draws do not depend on its neighbours."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample():
@@ -245,6 +247,7 @@ def _select(logits, temperature, top_k, top_p, keys):
         keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # the top token is always kept
         threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
         x = jnp.where((top_p[:, None] < 1) & (x < threshold), -jnp.inf, x)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seed, count)
         sampled = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
         return jnp.where(temperature > 0, sampled, greedy)
 

@@ -140,6 +140,8 @@ def test_pool_from_a_memory_budget_and_bad_input():
         engine.add_request([], 3)
     with pytest.raises(ValueError, match=r"^max_new_tokens=0; expected a positive int$"):
         engine.add_request([1], 0)
+    with pytest.raises(ValueError, match=r"^seed=-1; expected an int in \[0, 2\*\*32\)$"):
+        engine.add_request([1], 2, temperature=1.0, seed=-1)
     with pytest.raises(ValueError, match=r"needs 3 pages of 4; expected at most num_pages=2$"):
         engine.add_request([1] * 8, 2)
     with pytest.raises(ValueError, match=r"^model=T5; expected a decoder-only model"):
