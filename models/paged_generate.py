@@ -74,20 +74,23 @@ class _Request:
 class PagedEngine:
     """Continuous batching of greedy or sampled generation over a paged KV cache (the module docstring).
 
-    PagedEngine(model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None, cache_dtype=None):
-    max_batch sequence slots decoded together; the pool holds num_pages pages of page_size tokens, or as many as
-    memory_bytes holds (`page_bytes`). cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values
-    as int8 with a float32 scale per token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
-    `generate(kv_cache_dtype='int8')`). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns
-    its id; run() serves every queued request and returns {id: generated token ids} (the EOS included when met).
-    Greedy outputs equal `models.generate`'s up to each EOS. After run() the free list is full again.
+    PagedEngine(model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None, cache_dtype=None,
+    max_len=None): max_batch sequence slots decoded together; the pool holds num_pages pages of page_size tokens, or
+    as many as memory_bytes holds (`page_bytes`). max_len: the longest request (prompt + new tokens) it takes, which
+    fixes the decode step's shape; None: the page table widens (one more compile) when a longer request arrives.
+    cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values as int8 with a float32 scale per
+    token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
+    `generate(kv_cache_dtype='int8')`). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns its
+    id; run() serves every queued request and returns {id: generated token ids} (the EOS included when met); step()
+    is one round of it, so requests can arrive while others run. Greedy outputs equal `models.generate`'s up to each
+    EOS. Once idle, the free list is full again.
     """
 
     def __init__(self, model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
-                 cache_dtype=None):
+                 cache_dtype=None, max_len=None):
         if not isinstance(model, DecoderLM):
             raise ValueError(f"model={type(model).__name__}; expected a decoder-only model (a layers.DecoderLM)")
-        for name, value in (("max_batch", max_batch), ("page_size", page_size)):
+        for name, value in (("max_batch", max_batch), ("page_size", page_size), ("max_len", max_len or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
         if cache_dtype is not None and cache_dtype not in ("int8", jnp.int8):
@@ -108,7 +111,10 @@ class PagedEngine:
         self._pools = paged_cache(model, num_pages, page_size, cache_dtype)
         self._waiting = collections.deque()
         self._next_id = 0
-        self._table_width = 1  # page-table entries per slot: grows (a new compile) to a power of two when needed
+        self._slots = [None] * max_batch  # the running request of each slot
+        self.max_len = max_len
+        # Page-table entries per slot, a power of two: fixed by max_len, else grown (a new compile) when needed.
+        self._table_width = 1 if max_len is None else _power_of_two(-(-max_len // page_size))
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
 
@@ -131,6 +137,9 @@ class PagedEngine:
             raise ValueError(f"seed={seed!r}; expected an int in [0, 2**32)")
         request = _Request(self._next_id, prompt, max_new_tokens, eos_id, float(temperature), top_k or 0,
                            1.0 if top_p is None else float(top_p), int(seed))
+        if self.max_len is not None and len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens; expected at most "
+                             f"max_len={self.max_len} tokens")
         if request.pages_needed(self.page_size) > self.num_pages:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs "
                              f"{request.pages_needed(self.page_size)} pages of {self.page_size}; expected at most "
@@ -139,20 +148,27 @@ class PagedEngine:
         self._waiting.append(request)
         return request.id
 
-    def run(self):
-        """Serves every queued request; returns {id: generated token ids}."""
+    def step(self):
+        """One round of the scheduler: admits (and prefills) the waiting requests that fit, first come first served,
+        then decodes one token of every running sequence. Returns {id: generated token ids} of the requests that
+        finished in it. Requests may be added between steps (arriving while others run)."""
         width = max((r.pages_needed(self.page_size) for r in self._waiting), default=1)
-        self._table_width = max(self._table_width, 1 << (width - 1).bit_length())
-        slots = [None] * self.max_batch
-        done = {}
+        self._table_width = max(self._table_width, _power_of_two(width))
+        slots, done = self._slots, {}
         with kernels.under_mesh(_mesh_of(self.params)):
-            while self._waiting or any(slots):
-                for i in range(self.max_batch):  # admit first come, first served while it fits
-                    if slots[i] is None and self._waiting and self._fits(self._waiting[0], slots):
-                        slots[i] = self._start(self._waiting.popleft())
-                        self._retire_if_done(slots, i, done)
-                if any(slots):
-                    self._step(slots, done)
+            for i in range(self.max_batch):
+                if slots[i] is None and self._waiting and self._fits(self._waiting[0], slots):
+                    slots[i] = self._start(self._waiting.popleft())
+                    self._retire_if_done(slots, i, done)
+            if any(slots):
+                self._step(slots, done)
+        return done
+
+    def run(self):
+        """Steps until every queued request is served; returns {id: generated token ids}."""
+        done = {}
+        while self._waiting or any(self._slots):
+            done.update(self.step())
         return done
 
     def _fits(self, request, slots):
@@ -231,6 +247,10 @@ class PagedEngine:
         return _select(logits[:, -1].astype(jnp.float32), *sampling), cache["layers"]
 
 
+def _power_of_two(n):
+    return 1 << (n - 1).bit_length()
+
+
 def _select(logits, temperature, top_k, top_p, seed, count):
     """Each row's next token from float32 logits [B, V]: argmax where its temperature is 0, else a sample of its
     temperature, top_k (0: all) and top_p (1: all) (`models.generate`'s filters, row by row) drawn with the key
@@ -255,12 +275,12 @@ def _select(logits, temperature, top_k, top_p, seed, count):
 
 
 def generate_continuous(model, params, requests, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
-                        cache_dtype=None):
+                        cache_dtype=None, max_len=None):
     """Generation for many requests through one `PagedEngine`. requests: dicts of `PagedEngine.add_request`'s arguments
     (prompt_ids, max_new_tokens, and optionally eos_id, temperature, top_k, top_p, seed). Returns each request's
     generated token ids, in order."""
     engine = PagedEngine(model, params, max_batch=max_batch, page_size=page_size, num_pages=num_pages,
-                    memory_bytes=memory_bytes, cache_dtype=cache_dtype)
+                    memory_bytes=memory_bytes, cache_dtype=cache_dtype, max_len=max_len)
     ids = [engine.add_request(**request) for request in requests]
     out = engine.run()
     return [out[i] for i in ids]

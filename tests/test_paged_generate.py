@@ -73,19 +73,29 @@ def test_greedy_equals_generate_with_fewer_slots_than_requests_eos_and_sampled_n
 
 
 def test_scheduler_under_random_arrival_and_a_tight_pool():
-    """Shuffled requests of random lengths, 2 slots, a pool just large enough for the longest: every request ends at
-    its own limit (or EOS), nothing leaks, admission stays first come first served (nobody starves), the pool is
-    never over-committed, and the outputs equal a roomy engine's (the schedule changes nothing)."""
+    """Requests of random lengths arriving at random steps while others run, 2 slots, a pool just large enough for
+    the longest: every request ends at its own limit (or EOS), nothing leaks, admission stays first come first
+    served (nobody starves), the pool is never over-committed, one decode compile (max_len fixes its shape), and
+    the outputs equal generate's (the schedule changes nothing)."""
     model, params = _model("llama")
     requests = _requests(1, 8, model.config.vocab_size, max_prompt=9, max_new=8)
-    np.random.default_rng(2).shuffle(requests)
     for r in requests[::3]:
         r["eos_id"] = 5
     page_size = 2
     need = max(-(-(len(r["prompt_ids"]) + r["max_new_tokens"] - 1) // page_size) for r in requests)
-    engine, out = _serve(model, params, requests, max_batch=2, page_size=page_size, num_pages=need + 1)
-    assert engine.admission_order == list(range(len(requests)))
-    assert engine.peak_pages <= engine.num_pages
+    engine = models.PagedEngine(model, params, max_batch=2, page_size=page_size, num_pages=need + 1, max_len=17)
+    arrivals = np.sort(np.random.default_rng(2).integers(0, 12, len(requests)))
+    out, ids, step = {}, [], 0
+    while len(ids) < len(requests) or engine._waiting or any(engine._slots):
+        ids += [engine.add_request(**requests[i]) for i in np.flatnonzero(arrivals == step)]
+        out.update(engine.step())
+        held = [page for r in engine._slots if r is not None for page in r.pages]
+        assert len(set(held)) == len(held) and sorted(held + engine.free_pages) == list(range(engine.num_pages))
+        step += 1
+    assert sorted(out) == ids == engine.admission_order  # all finished, admitted in arrival order
+    assert sorted(engine.free_pages) == list(range(engine.num_pages))
+    assert engine.traces["decode"] == 1
+    out = [out[i] for i in ids]
     for r, tokens in zip(requests, out):
         assert len(tokens) == r["max_new_tokens"] or tokens[-1] == r.get("eos_id")
     assert out == _reference(model, params, requests)
@@ -144,5 +154,7 @@ def test_pool_from_a_memory_budget_and_bad_input():
         engine.add_request([1], 2, temperature=1.0, seed=-1)
     with pytest.raises(ValueError, match=r"needs 3 pages of 4; expected at most num_pages=2$"):
         engine.add_request([1] * 8, 2)
+    with pytest.raises(ValueError, match=r"^a request of 3 prompt \+ 4 new tokens; expected at most max_len=6 tokens$"):
+        models.PagedEngine(model, params, max_batch=1, num_pages=4, max_len=6).add_request([1, 2, 3], 4)
     with pytest.raises(ValueError, match=r"^model=T5; expected a decoder-only model"):
         models.PagedEngine(models.create_model("t5", "tiny"), {}, max_batch=1, num_pages=1)
