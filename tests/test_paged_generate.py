@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import engine
 import models
 
 
@@ -158,3 +159,15 @@ def test_pool_from_a_memory_budget_and_bad_input():
         models.PagedEngine(model, params, max_batch=1, num_pages=4, max_len=6).add_request([1, 2, 3], 4)
     with pytest.raises(ValueError, match=r"^model=T5; expected a decoder-only model"):
         models.PagedEngine(models.create_model("t5", "tiny"), {}, max_batch=1, num_pages=1)
+
+
+@pytest.mark.slow
+def test_parameters_sharded_over_a_mesh():
+    """Parameters on data 2 x fsdp 2 x model 2 (auto_layout): the same tokens as on one device."""
+    model, params = _model("llama")
+    mesh = engine.make_mesh(data=2, fsdp=2, model=2)
+    sharded = models.init_params(model, jax.random.PRNGKey(1), layout=engine.auto_layout(mesh))
+    requests = _requests(5, 3, model.config.vocab_size)
+    settings = dict(max_batch=2, page_size=4, num_pages=10)
+    assert models.generate_continuous(model, sharded, requests, **settings) == \
+        models.generate_continuous(model, params, requests, **settings)
