@@ -161,15 +161,25 @@ class PagedEngine:
                     slots[i] = self._start(self._waiting.popleft())
                     self._retire_if_done(slots, i, done)
             if any(slots):
-                self._step(slots, done)
+                self._decode_all(slots, done)
         return done
 
     def run(self):
         """Steps until every queued request is served; returns {id: generated token ids}."""
         done = {}
-        while self._waiting or any(self._slots):
+        while self.busy:
             done.update(self.step())
         return done
+
+    @property
+    def busy(self):
+        """Whether a request is waiting or running."""
+        return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    @property
+    def held_pages(self):
+        """{request id: its pages} of the running sequences."""
+        return {r.id: list(r.pages) for r in self._slots if r is not None}
 
     def _fits(self, request, slots):
         """Whether the free pages cover the request's whole length besides what the running ones may still take."""
@@ -210,7 +220,7 @@ class PagedEngine:
         request.tokens.append(int(token[0]))
         return request
 
-    def _step(self, slots, done):
+    def _decode_all(self, slots, done):
         """One decode step of every slot; retires the sequences it ends."""
         for r in slots:
             if r is not None:  # the token fed in goes at position len(prompt) + len(tokens) - 1

@@ -87,10 +87,10 @@ def test_scheduler_under_random_arrival_and_a_tight_pool():
     engine = models.PagedEngine(model, params, max_batch=2, page_size=page_size, num_pages=need + 1, max_len=17)
     arrivals = np.sort(np.random.default_rng(2).integers(0, 12, len(requests)))
     out, ids, step = {}, [], 0
-    while len(ids) < len(requests) or engine._waiting or any(engine._slots):
+    while len(ids) < len(requests) or engine.busy:
         ids += [engine.add_request(**requests[i]) for i in np.flatnonzero(arrivals == step)]
         out.update(engine.step())
-        held = [page for r in engine._slots if r is not None for page in r.pages]
+        held = [page for pages in engine.held_pages.values() for page in pages]
         assert len(set(held)) == len(held) and sorted(held + engine.free_pages) == list(range(engine.num_pages))
         step += 1
     assert sorted(out) == ids == engine.admission_order  # all finished, admitted in arrival order
