@@ -1,7 +1,7 @@
 """What the TPU compilers make of the project's Mosaic kernels, without a TPU: one markdown table per question.
 
   make test-tpu                                                         # builds .venv-tpu (and runs the tier)
-  .venv-tpu/bin/python scripts/tpu_compile_report.py                    # the table kernels/README.md records
+  .venv-tpu/bin/python scripts/tpu_compile_report.py                    # every case, compiled (kernels/README.md)
   .venv-tpu/bin/python scripts/tpu_compile_report.py --min_vmem --generations=v5p
   .venv-tpu/bin/python scripts/tpu_compile_report.py --search           # the largest tiles per generation
 
