@@ -153,7 +153,8 @@ def test_shard_map_step_runs_the_overlapped_layer_stack():
     _assert_same_run(*runs)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", pytest.param("gemma2", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default suite trains Gemma 2 through the scripts (tests/test_family_scripts.py)
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma2"])
 def test_load_sharded_train_and_generate(tmp_path, family):
     """tests/test_models_train.py's run: the tiny config (window 8 in 16-token rows) saved, loaded onto 2x2x2,
     trained through the Trainer (the loss falls, one compilation), sharded and single-device generation agree."""
@@ -200,6 +201,7 @@ def test_named_configs_have_the_released_parameter_counts(family, name, params):
     named_config_counts(family, name, params)
 
 
+@pytest.mark.slow  # plans of a family run by default in tests/test_mistral.py
 def test_memory_plan_of_a_tiny_gemma3():
     """tests/test_mistral.py's tiny plan, through the scanned local / global stack."""
     memory_plan_of_a_tiny_model("gemma3_text")

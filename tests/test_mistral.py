@@ -145,6 +145,7 @@ def test_load_sharded_train_and_generate(tmp_path):
     train_and_generate(tmp_path, "mistral")
 
 
+@pytest.mark.slow  # the same run on Gemma 3 and Qwen is in the default suite
 def test_sharded_checkpoint_streams_onto_a_mesh_and_lora_on_an_int8_base(hf_checkpoint, tmp_path):
     """tests/test_qwen.py's LoRA run on a Mistral directory rewritten as several safetensors files: read with
     lora_rank and quantize='int8' straight onto 2x2x2, adapter-only training lowers the loss, the export gives

@@ -181,6 +181,7 @@ def test_memory_plan_of_a_tiny_qwen3():
     assert r["bytes"]["total"] > 0 and r["collective_bytes_total"] > 0
 
 
+@pytest.mark.slow  # a new family's directory through a training script (SFT): tests/test_family_scripts.py
 def test_train_lm_fine_tunes_a_qwen3_directory(tmp_path):
     model = models.create_model("qwen3", "tiny", vocab_size=320)  # byte-level tokens need 320
     models.save_pretrained(model, models.init_params(model, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
