@@ -75,3 +75,17 @@ def test_no_import_cycles():
         if name not in state:
             visit(name, [name])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_installed_package_shadows_ours():
+    """Hugging Face's `kernels` (required by transformers >= 5.25) has this project's top-level name: installed in
+    the same environment it would replace ours in subprocesses (pyproject.toml pins transformers below it)."""
+    import importlib.metadata  # noqa: PLC0415
+
+    for name in PACKAGES:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        raise AssertionError(f"the installed distribution {dist.metadata['Name']} {dist.version} provides a "
+                             f"top-level '{name}', this project's package; uninstall it")
