@@ -505,7 +505,7 @@ def decode_attention(q, k, v, *, segment_ids=None, k_scale=None, v_scale=None, s
     kv_len / num_splits keys: with one sequence and 8 kv heads `flash_attention` runs 32 programs over the whole
     cache, this one 8 * num_splits programs over a slice each.
     """
-    scales = _validate_kv_scales(q, k, v, k_scale, v_scale)
+    scales = _validate_kv_scales(k, v, k_scale, v_scale)
     as_q = lambda a: jax.ShapeDtypeStruct(a.shape, q.dtype)  # noqa: E731  (an int8 cache: checked as q's dtype)
     q_ids, kv_ids = _validate(q, *((k, v) if scales is None else (as_q(k), as_q(v))), False, segment_ids, sm_scale,
                               interpret, block_sizes)
@@ -695,19 +695,23 @@ def _fit_length(impl, length):
     return _round_up(length, _MIN_BLOCK[impl])
 
 
-def _validate_kv_scales(q, k, v, k_scale, v_scale):
-    """None for a float cache; (k_scale, v_scale) for an int8 one, whose scales must be float [B, S, KVH]."""
+def _validate_kv_scales(k, v, k_scale, v_scale, *, names=("k", "v"), what="int8 k and v",
+                        layout="[batch, kv_len, kv_heads]"):
+    """None for a float cache; (k_scale, v_scale) for an int8 one, whose scales must be float over k's first three
+    dims (`layout`; `names` and `what` name the cache in the errors: decode_attention's k and v, paged_attention's
+    pages)."""
     if getattr(k, "dtype", None) != jnp.int8 and getattr(v, "dtype", None) != jnp.int8:
         if k_scale is not None or v_scale is not None:
-            raise ValueError(f"k_scale / v_scale with k.dtype={k.dtype}; expected int8 k and v with them")
+            raise ValueError(f"k_scale / v_scale with {names[0]}.dtype={k.dtype}; expected {what} with them")
         return None
     if k.dtype != jnp.int8 or v.dtype != jnp.int8:
-        raise ValueError(f"k.dtype={k.dtype}, v.dtype={v.dtype}; expected both int8 (a quantised cache) or neither")
+        raise ValueError(f"{names[0]}.dtype={k.dtype}, {names[1]}.dtype={v.dtype}; expected both int8 or neither "
+                         "(a quantised cache)")
     want = tuple(k.shape[:3])
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is None or tuple(s.shape) != want or not jnp.issubdtype(s.dtype, jnp.floating):
-            raise ValueError(f"{name}={None if s is None else (tuple(s.shape), str(s.dtype))}; int8 k and v need "
-                             f"float scales [batch, kv_len, kv_heads] = {want}")
+            raise ValueError(f"{name}={None if s is None else (tuple(s.shape), str(s.dtype))}; {what} need float "
+                             f"scales {layout} = {want}")
     return k_scale, v_scale
 
 

@@ -14,7 +14,8 @@ from jax import lax
 
 from kernels import _partition
 from kernels.attention import _paged, paged_mosaic_tpu, paged_triton
-from kernels.attention.api import _DTYPES, _implementation, _validate_soft_cap, _validate_window
+from kernels.attention.api import (_DTYPES, _implementation, _validate_kv_scales, _validate_soft_cap,
+                                   _validate_window)
 from kernels.attention.reference import NEG_INF
 
 _KERNELS = {"triton": paged_triton, "mosaic_tpu": paged_mosaic_tpu}
@@ -159,21 +160,10 @@ def _validate(q, k_pages, v_pages, page_table, lengths, k_scale, v_scale, scale,
         raise ValueError(f"scale={scale!r}; expected None or a positive float")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret={interpret!r}; expected a bool")
-    quantised = (k_pages.dtype == jnp.int8, v_pages.dtype == jnp.int8)
-    if not any(quantised):
-        if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-            raise ValueError(f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}; expected q's dtype "
-                             f"{q.dtype} or int8")
-        if k_scale is not None or v_scale is not None:
-            raise ValueError(f"k_scale / v_scale with k_pages.dtype={k_pages.dtype}; expected int8 pages with them")
-        return None
-    if not all(quantised):
-        raise ValueError(f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}; expected both int8 or "
-                         "neither")
-    want = tuple(k_pages.shape[:3])
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None or tuple(s.shape) != want or not jnp.issubdtype(s.dtype, jnp.floating):
-            raise ValueError(f"{name}={None if s is None else (tuple(s.shape), str(s.dtype))}; int8 pages need float "
-                             f"scales [kv_heads, num_pages, page_size] = {want}")
-    return k_scale, v_scale
+    if k_pages.dtype != jnp.int8 and v_pages.dtype != jnp.int8 and (k_pages.dtype != q.dtype
+                                                                     or v_pages.dtype != q.dtype):
+        raise ValueError(f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}; expected q's dtype "
+                         f"{q.dtype} or int8")
+    return _validate_kv_scales(k_pages, v_pages, k_scale, v_scale, names=("k_pages", "v_pages"), what="int8 pages",
+                               layout="[kv_heads, num_pages, page_size]")
 
