@@ -11,6 +11,15 @@ sequence ever waits for a page, and none needs preempting), prefills each alone 
 in one compiled step of fixed shape, attention read through `kernels.paged_attention`. A sequence retires at its
 own EOS or length limit and its pages return to the free list. Compiled once per prompt-length bucket (prefill) and
 once per page-table width (decode), never per request mix.
+
+Shared prompt pages (GRPO's G samples of one prompt, best-of-n): a request whose prompt equals that of a running
+request is not prefilled again; it takes the same prompt pages (a reference count per page; a page returns to the
+free list at count 0) and draws its first token from the prompt's stored last logits with its own sampling settings
+and seed. So for G samples, submit G requests with the same prompt (and different seeds); nothing else changes. Full
+prompt pages are only ever read. A partially filled last prompt page is copied on write: a sample about to write
+its own token into it while others still hold it gets a private copy first (a sole holder writes in place). A prompt
+is offered while all its pages are held. Admission counts a shared page once: a request joining a prompt reserves
+only its own pages (and one copy). `share_prompts=False` prefills and stores every request's prompt alone.
 """
 import collections
 import dataclasses
@@ -64,30 +73,41 @@ class _Request:
     top_p: float  # 1.0: none
     seed: int
     tokens: list = dataclasses.field(default_factory=list)  # generated so far
-    pages: list = dataclasses.field(default_factory=list)
+    pages: list = dataclasses.field(default_factory=list)  # its page table row (prompt pages possibly shared)
+    reserved: int = 0  # pages it may take from the free list over its life (`PagedEngine._reserve`)
+    taken: int = 0  # pages it has taken so far
 
     def pages_needed(self, page_size):
         """Pages of its whole length: the prompt and every generated token but the last (never fed back)."""
         return -(-(len(self.prompt) + self.max_new_tokens - 1) // page_size)
 
 
+@dataclasses.dataclass
+class _Prompt:
+    """A prompt's pages, prefilled once, and its last position's float32 logits [1, vocab], from which every request
+    sharing it draws its first token."""
+    pages: list
+    logits: object
+
+
 class PagedEngine:
     """Continuous batching of greedy or sampled generation over a paged KV cache (the module docstring).
 
     PagedEngine(model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None, cache_dtype=None,
-    max_len=None): max_batch sequence slots decoded together; the pool holds num_pages pages of page_size tokens, or
-    as many as memory_bytes holds (`page_bytes`). max_len: the longest request (prompt + new tokens) it takes, which
-    fixes the decode step's shape; None: the page table widens (one more compile) when a longer request arrives.
-    cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values as int8 with a float32 scale per
-    token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
-    `generate(kv_cache_dtype='int8')`). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns its
-    id; run() serves every queued request and returns {id: generated token ids} (the EOS included when met); step()
-    is one round of it, so requests can arrive while others run. Greedy outputs equal `models.generate`'s up to each
-    EOS. Once idle, the free list is full again.
+    max_len=None, share_prompts=True): max_batch sequence slots decoded together; the pool holds num_pages pages of
+    page_size tokens, or as many as memory_bytes holds (`page_bytes`). max_len: the longest request (prompt + new
+    tokens) it takes, which fixes the decode step's shape; None: the page table widens (one more compile) when a
+    longer request arrives. cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values as int8
+    with a float32 scale per token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
+    `generate(kv_cache_dtype='int8')`). share_prompts: requests with equal prompts share their prompt's pages (the
+    module docstring). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns its id; run() serves
+    every queued request and returns {id: generated token ids} (the EOS included when met); step() is one round of
+    it, so requests can arrive while others run. Greedy outputs equal `models.generate`'s up to each
+    EOS, sampled ones the same tokens whether their prompt is shared or not. Once idle, the free list is full again.
     """
 
     def __init__(self, model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
-                 cache_dtype=None, max_len=None):
+                 cache_dtype=None, max_len=None, share_prompts=True):
         if not isinstance(model, DecoderLM):
             raise ValueError(f"model={type(model).__name__}; expected a decoder-only model (a layers.DecoderLM)")
         for name, value in (("max_batch", max_batch), ("page_size", page_size), ("max_len", max_len or 1)):
@@ -105,9 +125,14 @@ class PagedEngine:
         self.model, self.params = model, params
         self.max_batch, self.page_size, self.num_pages = max_batch, page_size, num_pages
         self.free_pages = list(range(num_pages))  # the free list; page num_pages is the scratch page
+        self.share_prompts = bool(share_prompts)
+        self._refs = np.zeros(num_pages, np.int64)  # the page tables naming each page
+        self._prompts = {}  # prompt tokens -> _Prompt, while every one of its pages is held
+        self._prompt_of_page = {}  # page -> the prompt tokens whose _Prompt lists it
         self.traces = collections.Counter()  # traces of each compiled function ('prefill', 'decode')
         self.admission_order = []  # request ids as admitted
         self.peak_pages = 0  # most pages in use at once
+        self.prefills = 0  # prompts prefilled (a shared prompt once)
         self._pools = paged_cache(model, num_pages, page_size, cache_dtype)
         self._waiting = collections.deque()
         self._next_id = 0
@@ -117,6 +142,8 @@ class PagedEngine:
         self._table_width = 1 if max_len is None else _power_of_two(-(-max_len // page_size))
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
+        self._first = jax.jit(_select)
+        self._copy = jax.jit(_copy_pages, donate_argnums=0)
 
     def add_request(self, prompt_ids, max_new_tokens, *, eos_id=None, temperature=0.0, top_k=None, top_p=None,
                     seed=0):
@@ -157,7 +184,7 @@ class PagedEngine:
         slots, done = self._slots, {}
         with kernels.under_mesh(_mesh_of(self.params)):
             for i in range(self.max_batch):
-                if slots[i] is None and self._waiting and self._fits(self._waiting[0], slots):
+                while slots[i] is None and self._waiting and self._fits(self._waiting[0]):
                     slots[i] = self._start(self._waiting.popleft())
                     self._retire_if_done(slots, i, done)
             if any(slots):
@@ -178,19 +205,65 @@ class PagedEngine:
 
     @property
     def held_pages(self):
-        """{request id: its pages} of the running sequences."""
+        """{request id: its pages} of the running sequences (a shared prompt page under each of its holders)."""
         return {r.id: list(r.pages) for r in self._slots if r is not None}
 
-    def _fits(self, request, slots):
-        """Whether the free pages cover the request's whole length besides what the running ones may still take."""
-        owed = sum(r.pages_needed(self.page_size) - len(r.pages) for r in slots if r is not None)
-        return len(self.free_pages) - owed >= request.pages_needed(self.page_size)
+    @property
+    def page_refs(self):
+        """int [num_pages]: how many running sequences hold each page (0: on the free list)."""
+        return self._refs.copy()
+
+    def _fits(self, request):
+        """Whether the free pages cover what the request may take besides what the running ones may still take."""
+        owed = sum(r.reserved - r.taken for r in self._slots if r is not None)
+        return len(self.free_pages) - owed >= self._reserve(request, tuple(request.prompt) in self._prompts)
+
+    def _reserve(self, request, shared):
+        """Pages a request may take from the free list: its prompt's unless it joins a prompt held already, the pages
+        past the prompt, and when it joins one, a copy of its partly filled last page (the first of the prompt's
+        holders to write there copies, the last writes in place: one copy fewer than writers, which the first
+        holder's missing reservation pays for)."""
+        n, m, size = len(request.prompt), request.max_new_tokens, self.page_size
+        prompt_pages = -(-n // size)
+        past = request.pages_needed(size) - prompt_pages
+        return past + (int(n % size > 0 and m > 1) if shared else prompt_pages)
+
+    def _take(self, request):
+        page = self.free_pages.pop()
+        self._refs[page] = 1
+        request.taken += 1
+        self.peak_pages = max(self.peak_pages, self.num_pages - len(self.free_pages))
+        return page
 
     def _allocate(self, request, length):
         """Gives the request pages up to `length` tokens."""
         while len(request.pages) * self.page_size < length:
-            request.pages.append(self.free_pages.pop())
-        self.peak_pages = max(self.peak_pages, self.num_pages - len(self.free_pages))
+            request.pages.append(self._take(request))
+
+    def _write_at(self, request, position, copies):
+        """Makes the page of `position` the request's own before it writes there: a page others hold too is copied
+        (copy on write; (source, copy) appended to `copies`). A sole holder writes a prompt's last page in place and
+        the prompt stays shared: its slots past the prompt are never read by a newcomer, who copies the page (and
+        overwrites them) before writing there itself."""
+        i = position // self.page_size
+        page = request.pages[i]
+        if self._refs[page] > 1:
+            self._refs[page] -= 1
+            request.pages[i] = self._take(request)
+            copies.append((page, request.pages[i]))
+
+    def _forget_prompt(self, key):
+        for page in self._prompts.pop(key).pages:
+            del self._prompt_of_page[page]
+
+    def _release(self, request):
+        for page in reversed(request.pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self.free_pages.append(page)
+                if page in self._prompt_of_page:
+                    self._forget_prompt(self._prompt_of_page[page])
+        request.pages = []
 
     def _table(self, requests):
         table = np.full((len(requests), self._table_width), self.num_pages, np.int32)
@@ -208,23 +281,42 @@ class PagedEngine:
                 np.array([len(r.tokens) for r in rows], np.int32))
 
     def _start(self, request):
-        """Prefills a request in its slot (alone, its prompt right-padded to a bucket); its first token."""
+        """Admits a request: it joins the running prompt equal to its own, or its prompt is prefilled (alone, right-
+        padded to a bucket) into fresh pages; its first token is drawn from the prompt's last logits."""
         self.admission_order.append(request.id)
-        n = len(request.prompt)
-        self._allocate(request, n)
-        ids = np.zeros((1, _bucket(n)), np.int32)
-        ids[0, :n] = request.prompt
-        mask = (np.arange(ids.shape[1]) < n).astype(np.int32)[None]
-        token, self._pools = self._prefill(self.params, self._pools, ids, mask, self._table([request]),
-                                           np.int32(n - 1), *self._sampling([request]))
-        request.tokens.append(int(token[0]))
+        key = tuple(request.prompt)
+        prompt = self._prompts.get(key)
+        request.reserved = self._reserve(request, prompt is not None)
+        if prompt is None:
+            n = len(request.prompt)
+            self._allocate(request, n)
+            ids = np.zeros((1, _bucket(n)), np.int32)
+            ids[0, :n] = request.prompt
+            mask = (np.arange(ids.shape[1]) < n).astype(np.int32)[None]
+            logits, self._pools = self._prefill(self.params, self._pools, ids, mask, self._table([request]),
+                                                np.int32(n - 1))
+            self.prefills += 1
+            prompt = _Prompt(list(request.pages), logits)
+            if self.share_prompts:
+                self._prompts[key] = prompt
+                self._prompt_of_page.update((page, key) for page in prompt.pages)
+        else:
+            request.pages = list(prompt.pages)
+            self._refs[request.pages] += 1
+        request.tokens.append(int(self._first(prompt.logits, *self._sampling([request]))[0]))
         return request
 
     def _decode_all(self, slots, done):
         """One decode step of every slot; retires the sequences it ends."""
+        copies = []
         for r in slots:
             if r is not None:  # the token fed in goes at position len(prompt) + len(tokens) - 1
                 self._allocate(r, len(r.prompt) + len(r.tokens))
+                self._write_at(r, len(r.prompt) + len(r.tokens) - 1, copies)
+        if copies:  # at most one per slot: padded to a fixed shape with scratch-to-scratch copies
+            pairs = np.full((2, self.max_batch), self.num_pages, np.int32)
+            pairs[:, :len(copies)] = np.array(copies, np.int32).T
+            self._pools = self._copy(self._pools, *pairs)
         tokens = np.array([r.tokens[-1] if r else 0 for r in slots], np.int32)
         lengths = np.array([len(r.prompt) + len(r.tokens) - 1 if r else 0 for r in slots], np.int32)
         active = np.array([r is not None for r in slots], np.int32)
@@ -239,22 +331,26 @@ class PagedEngine:
     def _retire_if_done(self, slots, i, done):
         r = slots[i]
         if len(r.tokens) >= r.max_new_tokens or (r.eos_id is not None and r.tokens[-1] == r.eos_id):
-            self.free_pages.extend(reversed(r.pages))
-            r.pages = []
+            self._release(r)
             done[r.id] = r.tokens
             slots[i] = None
 
-    def _prefill_fn(self, params, pools, ids, mask, table, last, *sampling):
+    def _prefill_fn(self, params, pools, ids, mask, table, last):
         self.traces["prefill"] += 1
         cache = {"layers": pools, "page_table": table, "lengths": jnp.zeros((1,), jnp.int32)}
         logits, cache = self.model.apply({"params": params}, ids, mask, cache=cache)
-        return _select(logits[:, last].astype(jnp.float32), *sampling), cache["layers"]
+        return logits[:, last].astype(jnp.float32), cache["layers"]
 
     def _decode_fn(self, params, pools, tokens, table, lengths, active, *sampling):
         self.traces["decode"] += 1
         cache = {"layers": pools, "page_table": table, "lengths": lengths}
         logits, cache = self.model.apply({"params": params}, tokens[:, None], active[:, None], cache=cache)
         return _select(logits[:, -1].astype(jnp.float32), *sampling), cache["layers"]
+
+
+def _copy_pages(pools, source, copy):
+    """The pools with page source[i] copied to page copy[i] in every layer (leaves [layers, kv_heads, pages, ...])."""
+    return jax.tree.map(lambda x: x.at[:, :, copy].set(x[:, :, source]), pools)
 
 
 def _power_of_two(n):
@@ -285,12 +381,13 @@ def _select(logits, temperature, top_k, top_p, seed, count):
 
 
 def generate_continuous(model, params, requests, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
-                        cache_dtype=None, max_len=None):
+                        cache_dtype=None, max_len=None, share_prompts=True):
     """Generation for many requests through one `PagedEngine`. requests: dicts of `PagedEngine.add_request`'s arguments
     (prompt_ids, max_new_tokens, and optionally eos_id, temperature, top_k, top_p, seed). Returns each request's
     generated token ids, in order."""
     engine = PagedEngine(model, params, max_batch=max_batch, page_size=page_size, num_pages=num_pages,
-                    memory_bytes=memory_bytes, cache_dtype=cache_dtype, max_len=max_len)
+                         memory_bytes=memory_bytes, cache_dtype=cache_dtype, max_len=max_len,
+                         share_prompts=share_prompts)
     ids = [engine.add_request(**request) for request in requests]
     out = engine.run()
     return [out[i] for i in ids]

@@ -74,12 +74,16 @@ def test_greedy_equals_generate_with_fewer_slots_than_requests_eos_and_sampled_n
 
 
 def test_scheduler_under_random_arrival_and_a_tight_pool():
-    """Requests of random lengths arriving at random steps while others run, 2 slots, a pool just large enough for
-    the longest: every request ends at its own limit (or EOS), nothing leaks, admission stays first come first
-    served (nobody starves), the pool is never over-committed, one decode compile (max_len fixes its shape), and
-    the outputs equal generate's (the schedule changes nothing)."""
+    """Requests of random lengths (some repeating an earlier prompt, so sharing its pages while it runs) arriving at
+    random steps while others run, 2 slots, a pool just large enough for the longest: every request ends at its own
+    limit (or EOS), nothing leaks, each page's reference count is the number of running sequences naming it (never
+    negative) and with the free list the held pages partition the pool after every step, admission stays first come
+    first served (nobody starves), one decode compile (max_len fixes its shape), and the outputs equal generate's
+    (the schedule changes nothing)."""
     model, params = _model("llama")
     requests = _requests(1, 8, model.config.vocab_size, max_prompt=9, max_new=8)
+    for i, j in ((1, 0), (2, 0), (6, 5)):
+        requests[i]["prompt_ids"] = requests[j]["prompt_ids"]
     for r in requests[::3]:
         r["eos_id"] = 5
     page_size = 2
@@ -90,16 +94,57 @@ def test_scheduler_under_random_arrival_and_a_tight_pool():
     while len(ids) < len(requests) or engine.busy:
         ids += [engine.add_request(**requests[i]) for i in np.flatnonzero(arrivals == step)]
         out.update(engine.step())
-        held = [page for pages in engine.held_pages.values() for page in pages]
-        assert len(set(held)) == len(held) and sorted(held + engine.free_pages) == list(range(engine.num_pages))
+        _check_pool(engine)
         step += 1
     assert sorted(out) == ids == engine.admission_order  # all finished, admitted in arrival order
     assert sorted(engine.free_pages) == list(range(engine.num_pages))
     assert engine.traces["decode"] == 1
+    assert engine.prefills < len(requests)  # some prompt was shared
     out = [out[i] for i in ids]
     for r, tokens in zip(requests, out):
         assert len(tokens) == r["max_new_tokens"] or tokens[-1] == r.get("eos_id")
     assert out == _reference(model, params, requests)
+
+
+def _check_pool(engine):
+    """Each page's count is the number of running sequences naming it; held and free pages partition the pool."""
+    held = [page for pages in engine.held_pages.values() for page in pages]
+    refs = engine.page_refs
+    assert refs.min() >= 0
+    assert np.array_equal(refs, np.bincount(held, minlength=engine.num_pages)[:engine.num_pages])
+    assert len(set(engine.free_pages)) == len(engine.free_pages)
+    assert sorted(set(held) | set(engine.free_pages)) == list(range(engine.num_pages))
+    assert not set(held) & set(engine.free_pages)
+
+
+def test_shared_prompt_pages():
+    """GRPO-shaped groups (several requests per prompt, 4 slots so some join a prompt while others of it run): the
+    greedy ones equal generate's per row, the sampled ones (a seed each) equal the same requests served unshared, a
+    shared prompt is prefilled once, fewer pages are held, and the pool stays a partition with counts that match."""
+    model, params = _model("llama")
+    rng = np.random.default_rng(7)
+    partial, full = rng.integers(1, 100, 10).tolist(), rng.integers(1, 100, 12).tolist()  # pages of 4: 2.5 and 3
+    requests = [dict(prompt_ids=partial, max_new_tokens=n) for n in (3, 9, 1, 6)]
+    requests += [dict(prompt_ids=full, max_new_tokens=n) for n in (5, 8)]
+    requests += [dict(prompt_ids=partial[:9], max_new_tokens=7, temperature=1.0, seed=s, top_p=0.9 if s else None)
+                 for s in range(4)]
+    expected = _reference(model, params, requests[:6])
+    served = {}
+    for share in (True, False):
+        engine = models.PagedEngine(model, params, max_batch=4, page_size=4, num_pages=24, share_prompts=share)
+        ids = [engine.add_request(**r) for r in requests]
+        out = {}
+        while engine.busy:
+            out.update(engine.step())
+            _check_pool(engine)
+        assert sorted(engine.free_pages) == list(range(engine.num_pages))
+        served[share] = engine, [out[i] for i in ids]
+    (shared, out), (alone, out_alone) = served[True], served[False]
+    assert out[:6] == expected
+    assert out == out_alone
+    assert len(set(map(tuple, out[6:]))) > 1  # the seeds differ, so do the samples
+    assert alone.prefills == len(requests) and shared.prefills < alone.prefills
+    assert shared.peak_pages < alone.peak_pages
 
 
 def test_window_shorter_than_the_outputs():
