@@ -1,7 +1,10 @@
-"""The device mesh: five named axes, `('data', 'fsdp', 'stage', 'context', 'model')`.
+"""The device mesh: six named axes, `('data', 'fsdp', 'expert', 'stage', 'context', 'model')`.
 
 - `data`: pure data parallelism; weights replicated (ZeRO-1/2 may still split optimizer state / gradients over it).
 - `fsdp`: ZeRO-3 / fully sharded data parallelism; weights, gradients and optimizer state split.
+- `expert`: expert parallelism: rows split as over `data`, and each mixture-of-experts layer's experts split over it
+  (`engine.auto_shard`); the layer sends each token to its experts' devices and back by all-to-all
+  (`models.layers.moe`). Size 1 unless asked for.
 - `stage`: pipeline parallelism; each stage holds a contiguous block of the layer stack (GPipe schedule in
   `models.pipeline`, weights placed by `engine.auto_shard`). Size 1 unless asked for.
 - `context`: context (sequence) parallelism: each device of a group holds a contiguous slice of every row's tokens;
@@ -12,7 +15,7 @@
 The `model` and `context` axes are innermost (their all-reduces and all-to-alls sit on every layer's path) so that,
 on several hosts, they stay inside one host's fast interconnect (NVLink / ICI)
 and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout): devices are
-placed stage-major, then data, fsdp, context, model. The axes' order in the mesh differs from that placement because XLA
+placed stage-major, then data, fsdp, expert, context, model. The axes' order in the mesh differs from that placement because XLA
 (JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.
 """
 import math
@@ -23,9 +26,9 @@ from absl import logging
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from kernels.axes import AXES, CONTEXT, DATA, FSDP, MODEL, STAGE
+from kernels.axes import AXES, CONTEXT, DATA, EXPERT, FSDP, MODEL, STAGE
 
-_PLACEMENT = (STAGE, DATA, FSDP, CONTEXT, MODEL)  # the device grid's order, outermost first
+_PLACEMENT = (STAGE, DATA, FSDP, EXPERT, CONTEXT, MODEL)  # the device grid's order, outermost first
 
 
 def _resolve_sizes(sizes, n_devices):
@@ -37,8 +40,8 @@ def _resolve_sizes(sizes, n_devices):
     if len(fill) > 1:
         raise ValueError(f"make_mesh: only one axis size may be -1, got {' and '.join(f'{n}=-1' for n in fill)}")
     known = math.prod(size for size in sizes if size != -1)
-    # The messages leave out stage and context axes of 1 (no pipeline, no context parallelism: the usual case).
-    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n not in (STAGE, CONTEXT) or s != 1)
+    # The messages leave out expert, stage and context axes of 1 (no pipeline, no context parallelism: the usual case).
+    shown = " x ".join(f"{n}={s}" for n, s in named.items() if n not in (EXPERT, STAGE, CONTEXT) or s != 1)
     if fill:
         if n_devices % known:
             raise ValueError(f"make_mesh: {n_devices} devices cannot be split into {shown} ({known} does not divide "
@@ -53,8 +56,9 @@ def _device_grid(shape, devices):
     """Places devices on the `_PLACEMENT`-ordered grid `shape`: per-host blocks for the stage and data axes, the
     model axis inside a host."""
     n_hosts = len({d.process_index for d in devices})
-    stage, data, fsdp, context, model = shape
+    stage, data, fsdp, expert, context, model = shape
     data *= stage  # the stages split the outer (data) block: stage-major, then data
+    fsdp *= expert  # expert sits inside the fsdp block: fsdp-major, then expert
     model *= context  # context and model share the inner (in-host) block: context-major, then model
     if n_hosts > 1:
         per_host = len(devices) // n_hosts
@@ -78,9 +82,9 @@ def _device_grid(shape, devices):
         return np.array(devices, dtype=object).reshape(shape)
 
 
-def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, context=1, devices=None):
-    """Builds a `Mesh` with axes `('data', 'fsdp', 'stage', 'context', 'model')`; one size may be -1 to take the
-    remaining devices.
+def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, context=1, expert=1, devices=None):
+    """Builds a `Mesh` with axes `('data', 'fsdp', 'expert', 'stage', 'context', 'model')`; one size may be -1 to
+    take the remaining devices.
 
     `devices` defaults to all devices of all processes (`jax.devices()`). Raises `ValueError` when the sizes do not
     multiply to the device count, when more than one size is -1, or a size is 0 or negative.
@@ -88,7 +92,7 @@ def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, context=1, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: devices is empty; expected at least one device")
-    shape = _resolve_sizes((data, fsdp, stage, context, model), len(devices))
+    shape = _resolve_sizes((data, fsdp, expert, stage, context, model), len(devices))
     placed = tuple(shape[AXES.index(a)] for a in _PLACEMENT)
     grid = np.transpose(_device_grid(placed, devices), [_PLACEMENT.index(a) for a in AXES])
     return Mesh(grid, AXES)

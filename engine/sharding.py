@@ -29,7 +29,8 @@ from absl import logging
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from kernels.axes import CONTEXT, FSDP, MODEL, STAGE
+from kernels.axes import CONTEXT, EXPERT, FSDP, MODEL, STAGE
+from kernels.grouped_matmul import TRACE_NAME as GROUPED_MATMUL
 
 # Parameters smaller than this (elements) stay replicated over `fsdp`: splitting norms and small biases saves
 # nothing and costs a gather each.
@@ -158,6 +159,7 @@ class _Analysis:
         self.used = set()             # param indices the program reads
         self.scanned = {}             # param index -> the param dim a scan iterates over (stacked layers)
         self.companions = {}          # param index -> (param it is combined with, {its dim: our dim}): see `combine`
+        self.experts = {}             # param index -> its group dim in a grouped matmul (a mixture's experts)
 
     def _divisible(self, pid, pdim):
         return pdim is not None and self.shapes[pid][pdim] % self.model_size == 0
@@ -251,6 +253,9 @@ class _Analysis:
             return self.walk(body, ins[p["cond_nconsts"]:p["cond_nconsts"] + nc] + carry)
         if name == "cond":
             return self.walk(p["branches"][0].jaxpr, ins[1:])
+        if (name in ("jit", "pjit") and p.get("name") == GROUPED_MATMUL and len(in_shapes) == 3
+                and len(in_shapes[1]) == 3 and ins[1].origin is not None):
+            return [self.grouped(ins[0], ins[1])]
         inner = _inner_jaxpr(p)
         if inner is not None and len(inner.invars) == len(ins):
             return self.walk(inner, ins)
@@ -319,6 +324,20 @@ class _Analysis:
         outs = self.walk(p["jaxpr"].jaxpr, ins[:nc + ncarry] + xs)
         carry, ys = outs[:ncarry], outs[ncarry:]
         return carry + [_Info(y.split + 1 if y.split is not None else None) for y in ys]
+
+    def grouped(self, x, w):
+        """`kernels.grouped_matmul`: x [M, K] times the weight w [G, K, N] of each row's group. w's group dim is an
+        expert dim (`expert`); over `model` w is a matmul weight contracted over K, split like a `dot`'s."""
+        pid, pdims = w.origin
+        self.experts.setdefault(pid, pdims[0])
+        if pid not in self.decided:
+            if x.split == 1 and self._divisible(pid, pdims[1]):
+                self._decide(pid, pdims[1], "row")
+            elif self._divisible(pid, pdims[2]) or not self._divisible(pid, pdims[1]):
+                self._decide(pid, pdims[2] if self._divisible(pid, pdims[2]) else None, "column")
+            else:
+                self._decide(pid, pdims[1], "row")
+        return _Info(1 if self.decided[pid] is not None and self.decided[pid] == pdims[2] else None)
 
     def gather(self, operand, dnums):
         """A gather from a parameter is an embedding lookup: split its vocabulary (indexed) dim, else the hidden one."""
@@ -390,8 +409,8 @@ class _Analysis:
 
 
 def _trace_decisions(params, trace_fn, model_size):
-    """({path: (param dim or None, kind)}, {paths the program reads}, {path: dim a scan iterates over}) from the
-    traced program. It is traced outside any mesh, so a model sees its plain layer stack, not its pipeline."""
+    """({path: (param dim or None, kind)}, {paths the program reads}, {path: dim a scan iterates over}, {path: its
+    experts' dim}) from the traced program. It is traced outside any mesh, so a model sees its plain layer stack, not its pipeline."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_str(p) for p, _ in flat]
     shapes = [_shape(x) for _, x in flat]
@@ -407,7 +426,8 @@ def _trace_decisions(params, trace_fn, model_size):
     analysis.walk(closed.jaxpr, ins)
     analysis.follow_companions()
     decided = {paths[pid]: (pdim, analysis.kind[pid]) for pid, pdim in analysis.decided.items()}
-    return decided, {paths[pid] for pid in analysis.used}, {paths[pid]: d for pid, d in analysis.scanned.items()}
+    return (decided, {paths[pid] for pid in analysis.used}, {paths[pid]: d for pid, d in analysis.scanned.items()},
+            {paths[pid]: d for pid, d in analysis.experts.items()})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -634,7 +654,8 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
 
     A dimension is split only if the axis size divides it (else the other rule is tried, else the parameter is
     replicated). With `stage > 1`, stacked layer weights are split over `stage` along their layer dim (see the module
-    docstring). With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
+    docstring). With `expert > 1`, the weights the traced program passes to `kernels.grouped_matmul` (a mixture of
+    experts' stacked experts) are split over `expert` along their group dim. With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
     divisible dimension split over `fsdp` (on a TPU, one that leaves the shards whole memory tiles first:
     `add_axis`); with `context > 1`, over `context` too (a context group computes on the same rows, so, like ZeRO-3,
     it holds one copy of the weights between its devices, gathered where used).
@@ -642,13 +663,14 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     sizes, tile = _axis_sizes(mesh), device_tile(mesh)
     compiled_rules = _check_rules(rules)
     leaves = _leaves_in_creation_order(params)
-    model_size, stage_size = sizes.get(MODEL, 1), sizes.get(STAGE, 1)
-    decisions, stacked = {}, {}
-    if stage_size > 1 and trace_fn is None:
-        raise ValueError(f"auto_shard: a mesh with stage={stage_size} needs trace_fn (the traced program shows which "
-                         "parameters are stacked layers); got trace_fn=None")
-    if trace_fn is not None and (model_size > 1 or stage_size > 1):
-        traced, used, stacked = _trace_decisions(params, trace_fn, model_size)
+    model_size, stage_size, expert_size = sizes.get(MODEL, 1), sizes.get(STAGE, 1), sizes.get(EXPERT, 1)
+    decisions, stacked, experts = {}, {}, {}
+    for axis, size, what in ((STAGE, stage_size, "are stacked layers"), (EXPERT, expert_size, "are experts")):
+        if size > 1 and trace_fn is None:
+            raise ValueError(f"auto_shard: a mesh with {axis}={size} needs trace_fn (the traced program shows which "
+                             f"parameters {what}); got trace_fn=None")
+    if trace_fn is not None and (model_size > 1 or stage_size > 1 or expert_size > 1):
+        traced, used, stacked, experts = _trace_decisions(params, trace_fn, model_size)
         stacked = _follow_stacked_kernels(leaves, stacked)
     if model_size > 1:
         names = _name_decisions(leaves, model_size)
@@ -676,6 +698,10 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
         if (stage_size > 1 and layer_dim is not None and entries[layer_dim] is None
                 and not shape[layer_dim] % stage_size):
             entries[layer_dim] = STAGE
+        expert_dim = experts.get(key)
+        if expert_size > 1 and expert_dim is not None and entries[expert_dim] is None and not (
+                shape[expert_dim] % expert_size):
+            entries[expert_dim] = EXPERT
         specs[key] = add_axis(add_axis(P(*entries), shape, FSDP, sizes, tile=tile), shape, CONTEXT, sizes, tile=tile)
     return jax.tree_util.tree_map_with_path(lambda p, _: specs[path_str(p)], params)
 

@@ -178,12 +178,18 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
     check_zero_quantized(parallelism.int8, mesh, step, diloco is not None)
     if diloco is not None:
         return "diloco"
+    # Rows split over `expert` beside an automatic `model` inside the shard_map step abort XLA's SPMD partitioner
+    # (jaxlib 0.10.2, dense models too: "partition_group_list ... Check failed").
+    expert_model = sizes.get("expert", 1) > 1 and sizes.get("model", 1) > 1
     if step == "auto" and any(parallelism.int8):
-        return "shard_map"
-    if step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
+        step = "shard_map"
+    elif step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
         pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
-        jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
-        return "jit" if jit else "shard_map"
+        jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1 or expert_model
+        step = "jit" if jit else "shard_map"
+    if step == "shard_map" and expert_model:
+        raise ValueError(f"the shard_map step on a mesh with expert={sizes['expert']} and model={sizes['model']}; "
+                         "expected step='jit' (and no Parallelism.int8), or expert or model of 1")
     return step
 
 

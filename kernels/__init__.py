@@ -3,8 +3,8 @@
 Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and the dispatching public op.
 """
 from kernels._dispatch import IMPLEMENTATIONS, implementation_for_platform, resolve_implementation
-from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, context_size, tracing_mesh, under_mesh,
-                                vmapped)
+from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, automatic_axes, batch_axes, context_size,
+                                shard, tracing_mesh, under_mesh, vmapped)
 from kernels.attention import (decode_attention, dropout_keys, dropout_multiplier, flash_attention, mha_reference,
                                paged_attention, quantize_kv)
 from kernels.grouped_matmul import grouped_matmul  # the op; the sub-package stays importable by its path

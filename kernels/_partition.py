@@ -106,7 +106,7 @@ def model_axis(axes, *sizes):
     return MODEL_AXIS if size and all(s % size == 0 for s in sizes) else None
 
 
-def shard(fn, args, in_specs, out_specs, implementation):
+def shard(fn, args, in_specs, out_specs, implementation, every_axis=False):
     """`fn(*args)`, in a `jax.shard_map` over the axes the specs name (directly when they name none). Pallas outputs
     carry no varying-axes type, hence `check_vma=False`; the backward pass still sums the gradients of inputs that
     are replicated over an axis (the weights over the batch axes). For a Pallas `implementation` every automatic
@@ -115,12 +115,15 @@ def shard(fn, args, in_specs, out_specs, implementation):
     ("cannot be automatically partitioned"; every engine mesh has some of size 1), and so do interpret mode's
     callbacks. The axis of an enclosing vmap over blocks (`vmapped`: a pipeline's `stage`, DiLoCo's `data`) is
     manual for every implementation ('xla' too, whose only shard_map is context parallelism's), since the batching
-    adds it to the specs of the vmapped dim. Otherwise 'xla' is left to the partitioner, like everywhere else."""
+    adds it to the specs of the vmapped dim. Otherwise 'xla' is left to the partitioner, like everywhere else.
+    `every_axis`: every automatic axis manual whatever the implementation (an 'xla' body with collectives of its own
+    over some axes, which XLA's partitioner may not meet beside automatic ones: models.layers.moe's expert
+    exchange)."""
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
             named.update((entry,) if isinstance(entry, str) else (entry or ()))
-    if implementation != "xla":
+    if implementation != "xla" or every_axis:
         named.update(_automatic_axes(include_size_one=True))
     elif named:  # 'xla' context parallelism, maybe inside a vmap over blocks
         named.update(a for a in _VMAPPED.get() if a in _automatic_axes(include_size_one=True))

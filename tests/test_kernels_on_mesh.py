@@ -202,7 +202,7 @@ def test_generate_traces_under_the_parameters_mesh(monkeypatch):
     monkeypatch.setattr(gen, "_compiled", spy)
     got = models.generate(model, placed, prompt, max_new_tokens=4)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert seen and dict(seen[0].shape) == {"stage": 1, "data": 1, "fsdp": 4, "context": 1, "model": 2}
+    assert seen and dict(seen[0].shape) == {"stage": 1, "data": 1, "fsdp": 4, "context": 1, "model": 2, "expert": 1}
 
 
 @pytest.mark.parametrize("impl", [dict(implementation="xla"), dict(implementation="triton", interpret=True)])

@@ -77,6 +77,88 @@ def test_moe_layer_equals_a_dense_per_token_reference(norm_topk_prob):
     assert np.abs(np.asarray(grads[0]["router"]["kernel"])).max() > 1e-3  # the router is trained through the weights
 
 
+@pytest.mark.parametrize("mesh", [dict(data=2, expert=4), dict(fsdp=2, expert=2, model=2), dict(data=1, expert=8)])
+def test_expert_parallel_layer_equals_the_dense_reference_and_exchanges_by_all_to_all(mesh):
+    """On a mesh with an `expert` axis (rows over the batch axes, the experts over `expert`, their hidden units over
+    `model`) the layer's output and gradients equal the per-token loop, and its tokens travel by all-to-all: one
+    each way in the forward pass, with the per-expert counts. 8 experts top-2, 16 x 3 tokens."""
+    layer = layers.MoE(num_experts=8, top_k=2, hidden=16, std=0.3)
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 3, 8))
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    r = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    mesh = engine.make_mesh(**mesh)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: layer.apply({"params": p}, x))
+    assert specs["experts"]["gate"][0] == "expert" and specs["experts"]["down"][0] == "expert"
+    on_mesh = lambda tree, specs: jax.tree.map(  # noqa: E731
+        lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), tree, specs)
+    xs = on_mesh(x, jax.sharding.PartitionSpec(("data", "fsdp", "expert")))
+    ours = lambda p, x: jnp.sum(layer.apply({"params": p}, x) * r)  # noqa: E731
+    dense = lambda p, x: jnp.sum(_dense_reference(layer, p, x, jax.nn.silu) * r)  # noqa: E731
+    with jax.set_mesh(mesh):
+        forward = jax.jit(lambda p, x: layer.apply({"params": p}, x)).lower(on_mesh(params, specs), xs)
+        np.testing.assert_allclose(forward.compile()(on_mesh(params, specs), xs),
+                                   _dense_reference(layer, params, x, jax.nn.silu), atol=1e-5, rtol=1e-5)
+        grads = jax.jit(jax.grad(ours, (0, 1)))(on_mesh(params, specs), xs)
+    assert forward.as_text().count("all_to_all") == 3  # the tokens there and back, the counts
+    want = jax.jit(jax.grad(dense, (0, 1)))(params, x)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_auto_shard_splits_the_experts_over_expert_from_the_dataflow():
+    """The weights the traced program hands to `kernels.grouped_matmul` are split over `expert` along their group
+    dim, whatever their names; over `model` gate and up are column-split and down row-split along the hidden units
+    (Megatron's pair), the rest of the model as before."""
+    model = models.create_model("mixtral", "tiny", scan_layers=True)
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    batch = lm.collate_lm([{"tokens": np.arange(3, 20, dtype=np.int32), "segment_ids": np.ones(17, np.int32)}] * 4)
+    trace = lambda p: lm.lm_loss_fn(model)(p, batch, None, True)  # noqa: E731
+    P = jax.sharding.PartitionSpec
+    specs = engine.auto_shard(params, engine.make_mesh(data=1, fsdp=2, expert=2, model=2), trace_fn=trace)
+    experts = specs["layers"]["mlp"]["experts"]
+    assert (experts["gate"], experts["up"], experts["down"]) == (
+        P(None, "expert", "fsdp", "model"), P(None, "expert", "fsdp", "model"), P(None, "expert", "model", "fsdp"))
+    assert specs["layers"]["attn"]["q"]["kernel"] == P(None, "fsdp", "model")
+    renamed = {**params, "layers": {**params["layers"], "mlp": {**params["layers"]["mlp"]}}}
+    with pytest.raises(ValueError, match=r"a mesh with expert=2 needs trace_fn .*got trace_fn=None"):
+        engine.auto_shard(renamed, engine.make_mesh(data=4, expert=2))
+
+
+@pytest.mark.parametrize("mesh, step", [(dict(data=2, expert=4), "jit"), (dict(fsdp=2, expert=2, model=2), "jit"),
+                                        (dict(data=2, fsdp=2, expert=2), "shard_map")])
+def test_expert_parallel_trainer_step_equals_one_device(mesh, step):
+    """One SGD step of the tiny Mixtral through the Trainer on an expert-parallel mesh equals the step on one device
+    (loss, z-loss and every updated weight); the experts stay split over `expert`."""
+    model = models.create_model("mixtral", "tiny", scan_layers=True, router_aux_loss_coef=0.0,
+                                router_z_loss_coef=1e-2)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    rng = np.random.RandomState(0)
+    rows = [{"tokens": rng.randint(3, 120, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
+            for _ in range(8)]
+    mesh = engine.make_mesh(**mesh)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
+                             optimizer=optax.sgd(1.0), parallelism=engine.Parallelism(step=step))
+    trainer.fit(rows, per_device_batch_size=8 // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]),
+                max_steps=1, log_every=1)
+    split = trainer.history[-1]
+    assert trainer.params["layers"]["mlp"]["experts"]["gate"].sharding.spec[1] == "expert"
+    (loss, single), grads = jax.jit(jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True),
+                                    static_argnums=(2, 3))(params, lm.collate_lm(rows), None, True)
+    assert split["loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert split["router_z_loss"] == pytest.approx(float(single["router_z_loss"]), rel=1e-5)
+    for (path, a), p, g in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0],
+                               jax.tree.leaves(params), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
+    model = models.create_model("mixtral", "tiny")
+    with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):
+        engine.Trainer(mesh=engine.make_mesh(data=2, expert=2, model=2), collate_fn=lm.collate_lm,
+                       loss_fn=lm.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
+                       optimizer=optax.sgd(1.0), parallelism=engine.Parallelism(step="shard_map"))
+
+
 def test_router_losses_of_uniform_and_collapsed_routers():
     """A router with zero logits balances perfectly (load balancing k, z-loss log(E)^2); one that sends every token
     to the same experts is penalised (E / k times more); padding tokens do not count."""

@@ -45,22 +45,27 @@ def _both_ways(module, *args, mesh=None):
 # ---------------------------------------------------------------------------------------------------- make_mesh
 
 def test_make_mesh_shapes_and_fill():
-    assert engine.make_mesh().shape == {"stage": 1, "data": 8, "fsdp": 1, "context": 1, "model": 1}
+    assert engine.make_mesh().shape == {"stage": 1, "data": 8, "fsdp": 1, "context": 1, "model": 1, "expert": 1}
     m = engine.make_mesh(data=2, fsdp=-1, model=2)
-    assert m.axis_names == ("data", "fsdp", "stage", "context", "model")
-    assert dict(m.shape) == {"data": 2, "fsdp": 2, "stage": 1, "context": 1, "model": 2}
+    assert m.axis_names == ("data", "fsdp", "expert", "stage", "context", "model")
+    assert dict(m.shape) == {"data": 2, "fsdp": 2, "stage": 1, "context": 1, "model": 2, "expert": 1}
     assert sorted(d.id for d in m.devices.flat) == list(range(8))
     sub = engine.make_mesh(data=1, model=4, devices=jax.devices()[:4])
-    assert dict(sub.shape) == {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "model": 4}
+    assert dict(sub.shape) == {"stage": 1, "data": 1, "fsdp": 1, "context": 1, "model": 4, "expert": 1}
     piped = engine.make_mesh(stage=2, model=2)
-    assert dict(piped.shape) == {"data": 2, "fsdp": 1, "stage": 2, "context": 1, "model": 2}
+    assert dict(piped.shape) == {"data": 2, "fsdp": 1, "stage": 2, "context": 1, "model": 2, "expert": 1}
     # Placed stage-major: each stage a contiguous block of devices, the model pairs inside it.
-    assert [sorted(d.id for d in piped.devices[:, :, s].flat) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sorted(d.id for d in piped.devices[:, :, :, s].flat) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # context sits inside data, outside model: a context group is a contiguous block, model pairs within it.
     ctx = engine.make_mesh(data=2, context=2, model=2)
-    assert dict(ctx.shape) == {"data": 2, "fsdp": 1, "stage": 1, "context": 2, "model": 2}
+    assert dict(ctx.shape) == {"data": 2, "fsdp": 1, "stage": 1, "context": 2, "model": 2, "expert": 1}
     assert [sorted(d.id for d in ctx.devices[i].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [sorted(d.id for d in ctx.devices[0, 0, 0, c].flat) for c in range(2)] == [[0, 1], [2, 3]]
+    assert [sorted(d.id for d in ctx.devices[0, 0, 0, 0, c].flat) for c in range(2)] == [[0, 1], [2, 3]]
+    # expert sits inside fsdp, outside model: an expert group's all-to-all stays within a data block.
+    moe = engine.make_mesh(data=2, expert=2, model=2)
+    assert dict(moe.shape) == {"data": 2, "fsdp": 1, "stage": 1, "context": 1, "model": 2, "expert": 2}
+    assert [sorted(d.id for d in moe.devices[i].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sorted(d.id for d in moe.devices[0, 0, e].flat) for e in range(2)] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -243,7 +248,7 @@ def test_rules_override_first_match_wins():
 
 @pytest.mark.parametrize("rules, message", [
     ([(r"lm_head", P("tensor"))], r"sharding rule 'lm_head' names mesh axis 'tensor' for parameter 'lm_head/kernel' "
-                                  r"of shape \(32, 64\); the mesh has axes \('data', 'fsdp', 'stage', 'context', 'model'\)"),
+                                  r"of shape \(32, 64\); the mesh has axes \('data', 'fsdp', 'expert', 'stage', 'context', 'model'\)"),
     ([(r"norm/scale", P("model"))], r"splits dim 0 \(size 32\)"),
     ([(r"down_proj", P(None, None, "model"))], r"3 entries for parameter 'layers_0/down_proj/kernel' of shape"),
     ([(r"mlp", "model")], r"rules: entry .*expected a \(regex string, PartitionSpec\) pair"),

@@ -34,7 +34,10 @@ from engine.step.update import (apply_update, checked_user_gradients, combine, c
 from kernels import axes
 
 _P = jax.sharding.PartitionSpec
-MANUAL_AXES = axes.BATCH  # the axes the step handles by hand; the others stay with the compiler
+# The axes the step handles by hand; the others stay with the compiler. `expert` splits the rows too, but a
+# mixture-of-experts layer exchanges its tokens over it in a shard_map of its own (models/layers/moe.py), so here it
+# stays automatic, like `model`.
+MANUAL_AXES = (axes.DATA, axes.FSDP)
 
 
 def _spec_axes(spec, ndim, manual=True):

@@ -4,6 +4,6 @@
 backend implements, `triton.py` / `mosaic_tpu.py` the Pallas kernels, `_groups.py` the group offsets and the
 (row tile, group) visits the kernels walk, `_cost.py` their cost estimates.
 """
-from kernels.grouped_matmul.api import grouped_matmul
+from kernels.grouped_matmul.api import TRACE_NAME, grouped_matmul
 
-__all__ = ["grouped_matmul"]
+__all__ = ["TRACE_NAME", "grouped_matmul"]

@@ -16,7 +16,11 @@ from kernels.matmul import _blocks
 from kernels.matmul._blocks import BlockSizes
 from kernels.matmul.api import _instantiate, _marked  # the family's custom_vjp helpers: skip a frozen weight's dw
 
-__all__ = ["grouped_matmul"]
+__all__ = ["TRACE_NAME", "grouped_matmul"]
+
+# The name of the `jit` equation a traced call shows (its operands x, w, group_sizes): `engine.auto_shard` reads the
+# weights' group dim there (the experts of a mixture-of-experts layer, split over the `expert` axis).
+TRACE_NAME = "grouped_matmul"
 
 _BACKENDS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
 _P = jax.sharding.PartitionSpec
@@ -92,9 +96,12 @@ def grouped_matmul(x, w, group_sizes, *, implementation=None, interpret=False, b
     cfg = _Config(implementation, block_sizes or DEFAULT_BLOCK_SIZES[implementation], bool(interpret))
     axes = _partition.auto_axes(implementation)
     rows, cols = _partition.batch_axes(axes, x.shape[0]), _partition.model_axis(axes, w.shape[2])
-    return _partition.shard(lambda x, w, sizes: _grouped(x, w, _local_sizes(sizes, x.shape[0], rows), cfg),
-                            (x, w, group_sizes), (_P(rows, None), _P(None, None, cols), _P()), _P(rows, cols),
-                            implementation)
+
+    def grouped_matmul(x, w, group_sizes):  # named: the traced `jit` equation carries TRACE_NAME
+        return _partition.shard(lambda x, w, sizes: _grouped(x, w, _local_sizes(sizes, x.shape[0], rows), cfg),
+                                (x, w, group_sizes), (_P(rows, None), _P(None, None, cols), _P()), _P(rows, cols),
+                                implementation)
+    return jax.jit(grouped_matmul)(x, w, group_sizes)
 
 
 def _local_sizes(group_sizes, num_rows, row_axes):

@@ -4,7 +4,8 @@
 
 Dropless (MegaBlocks, Gale et al., 2022): every token's k copies are sorted by expert into ragged groups, so no
 capacity factor drops a token and none is padded; the expert weights are stacked with the expert dim first
-([E, D, F] / [E, F, D]), the layout an expert-parallel split over the experts would keep."""
+([E, D, F] / [E, F, D]). On a mesh with an `expert` axis the experts are split over it (`engine.auto_shard`) and each
+layer exchanges its tokens with their experts' devices by all-to-all (`_expert_parallel`)."""
 import dataclasses
 import re
 
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from kernels import axes
 from models.layers.linear import Linear, activation
 from models.layers.options import Dtype
 from models.layers.parallel import gather_tokens, split_tokens
@@ -120,17 +122,23 @@ class MoE(nn.Module):
         self._sow_stats(logits.astype(jnp.float32), probs, chosen, valid)
 
         experts = _Experts(E, D, F, self.std, self.param_dtype, name="experts")()
-        w = {name: experts[name].astype(self.dtype) for name in ("gate", "up", "down")}
-        flat = chosen.reshape(-1)  # [N * k]: copy j of token n at n * k + j
-        order = jnp.argsort(flat, stable=True)  # the copies sorted by expert
-        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        rows = tokens[order // k]  # [N * k, D]
-        mm = lambda a, b: kernels.grouped_matmul(a, b, group_sizes, implementation=self.implementation,  # noqa
-                                                 interpret=self.interpret)
-        h = activation(self.act)(mm(rows, w["gate"])) * mm(rows, w["up"])
-        out = mm(h, w["down"])[jnp.argsort(order)].reshape(B * T, k, D)  # back in token order
+        w = tuple(experts[name].astype(self.dtype) for name in ("gate", "up", "down"))
+        ep = kernels.auto_axis_size(axes.EXPERT)
+        if ep > 1 and E % ep == 0 :
+            out = _expert_parallel(self._ffn, tokens, chosen, w, ep)
+        else:
+            order, group_sizes = _sorted_copies(chosen, E)
+            out = self._ffn(tokens[order // k], group_sizes, w)[jnp.argsort(order)].reshape(B * T, k, D)
         y = jnp.einsum("nkd,nk->nd", out, weights.astype(self.dtype)).reshape(B, T, D)
         return split_tokens(y, self.sequence_parallel)
+
+    def _ffn(self, rows, group_sizes, w):
+        """The experts' gated MLP on rows sorted by expert (group_sizes rows each; the rows past them come out zero),
+        w = (gate, up, down) stacked over those experts."""
+        mm = lambda a, b: kernels.grouped_matmul(a, b, group_sizes, implementation=self.implementation,  # noqa
+                                                 interpret=self.interpret)
+        gate, up, down = w
+        return mm(activation(self.act)(mm(rows, gate)) * mm(rows, up), down)
 
     def _sow_stats(self, logits, probs, chosen, valid):
         mask = valid.astype(jnp.float32)
@@ -139,6 +147,56 @@ class MoE(nn.Module):
         z = jax.nn.logsumexp(logits, axis=-1) ** 2
         self.sow("intermediates", STATS, {"counts": counts, "probs": (probs * mask[:, None]).sum(0),
                                           "z": (z * mask).sum(), "tokens": mask.sum()})
+
+
+def _sorted_copies(chosen, num_experts):
+    """(order, group_sizes): the token copies chosen [N, k] (copy j of token n at n * k + j) sorted by expert, and
+    how many each expert got (int32 [num_experts])."""
+    flat = chosen.reshape(-1)
+    return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def _expert_parallel(ffn, tokens, chosen, w, ep):
+    """Expert parallelism (GShard's dispatch, dropless): `ffn` over the experts split into `ep` blocks on the ambient
+    mesh's automatic `expert` axis, each token copy sent to the device holding its expert and its output sent back,
+    both by one all-to-all. tokens [N, D], chosen [N, k] -> the copies' outputs [N, k, D].
+
+    Runs in a shard_map manual over every automatic axis (XLA's partitioner fails on the exchange beside an automatic
+    `model`): the rows split over the batch axes that divide N (each device routes its own rows; rows whole over
+    `expert` are routed by every device of it, which gives the same result), each expert's hidden units over
+    `model` where it divides them (Megatron's split: the outputs are summed over `model`), whole otherwise. A device
+    sends each of the ep others a block of N_local * k rows, the most one can receive, so nothing is dropped and the
+    shapes are static; the grouped matmul skips the padding (rows past the groups). The received rows are sorted by
+    local expert before it and unsorted after it."""
+    N, k = chosen.shape
+    P = jax.sharding.PartitionSpec
+    rows = P(kernels.batch_axes(kernels.automatic_axes(), N))
+    model = kernels.auto_axis_size(axes.MODEL)
+    tp = axes.MODEL if model > 1 and w[0].shape[2] % model == 0 else None
+
+    def local(tokens, chosen, *w):
+        n, D = tokens.shape
+        el, capacity = w[0].shape[0], n * k  # experts per device; rows per block
+        order, counts = _sorted_copies(chosen, el * ep)
+        dest = chosen.reshape(-1)[order] // el  # each sorted copy's device
+        first = (jnp.cumsum(counts) - counts)[dest * el]  # where its device's copies start among the sorted ones
+        slot = dest * capacity + jnp.arange(capacity) - first  # its row in the send buffer [ep * capacity]
+        send = jnp.zeros((ep * capacity, D), tokens.dtype).at[slot].set(tokens[order // k])
+        exchange = lambda x: jax.lax.all_to_all(x, axes.EXPERT, 0, 0, tiled=True)  # noqa: E731
+        received = exchange(send.reshape(ep, capacity, D)).reshape(ep * capacity, D)
+        sizes = exchange(counts.reshape(ep, el))  # [source, local expert]
+        # The local expert of each received row (el: padding), its rows sorted by it for the grouped matmul.
+        expert_of = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(capacity), side="right"))(
+            jnp.cumsum(sizes, axis=1)).reshape(-1)
+        by_expert = jnp.argsort(expert_of, stable=True)
+        out = ffn(received[by_expert], sizes.sum(0).astype(jnp.int32), w)[jnp.argsort(by_expert)]
+        if tp:  # each model device holds a slice of every expert's hidden units: partial sums
+            out = jax.lax.psum(out, tp)
+        back = exchange(out.reshape(ep, capacity, D)).reshape(ep * capacity, D)
+        return back[slot][jnp.argsort(order)].reshape(n, k, D)
+
+    experts = (P(axes.EXPERT, None, tp), P(axes.EXPERT, None, tp), P(axes.EXPERT, tp, None))
+    return kernels.shard(local, (tokens, chosen) + w, (rows, rows) + experts, rows, "xla", every_axis=True)
 
 
 class _Experts(nn.Module):
