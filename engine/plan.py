@@ -246,23 +246,39 @@ def _collectives(hlo, num_devices, root=None):
             yield kind, groups, int(size * factor * times)
 
 
+MESH_AXES = ("data", "fsdp", "model", "expert")  # a layout's sizes, in this order (expert only when > 1)
+
+
 def parse_mesh(mesh):
+    """'data,fsdp,model[,expert]' (or a tuple of them) -> the sizes as a tuple; ValueError naming `mesh` otherwise."""
     sizes = mesh
     if isinstance(mesh, str):
         try:
             sizes = tuple(int(x) for x in mesh.split(","))
         except ValueError:
             sizes = None
-    if not (isinstance(sizes, (tuple, list)) and len(sizes) == 3
+    if not (isinstance(sizes, (tuple, list)) and len(sizes) in (3, 4)
             and all(isinstance(x, int) and x >= 1 for x in sizes)):
-        raise ValueError(f"mesh={mesh!r}; expected three positive sizes 'data,fsdp,model', e.g. '1,8,1'")
+        raise ValueError(f"mesh={mesh!r}; expected three or four positive sizes 'data,fsdp,model[,expert]', e.g. "
+                         "'1,8,1'")
     return tuple(sizes)
 
 
-def mesh_shapes(num_devices):
-    """Every (data, fsdp, model) whose product is `num_devices`."""
-    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
-    return [(d, f, num_devices // (d * f)) for d in divisors for f in divisors if num_devices % (d * f) == 0]
+def mesh_sizes(mesh):
+    """A layout's sizes (data, fsdp, model[, expert]) as `make_mesh`'s keyword arguments."""
+    return dict(zip(MESH_AXES, mesh))
+
+
+def mesh_shapes(num_devices, experts=0):
+    """Every (data, fsdp, model) whose product is `num_devices`; with `experts` (a mixture's expert count), also
+    every (data, fsdp, model, expert) with an expert size > 1 dividing it."""
+    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
+    shapes = [(d, f, num_devices // (d * f)) for d in divisors(num_devices) for f in divisors(num_devices)
+              if num_devices % (d * f) == 0]
+    for e in divisors(num_devices)[1:]:
+        if experts and experts % e == 0:
+            shapes += [shape + (e,) for shape in mesh_shapes(num_devices // e)]
+    return shapes
 
 
 def memory_per_device(compiled):
@@ -394,40 +410,41 @@ def compile_step(trainer, batch):
     return trainer.compile(batch)
 
 
-def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memory_bytes=None):
+def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memory_bytes=None, experts=0):
     """The automatic choice of a layout (RedCoast's and Alpa's aim, by measurement rather than a cost model): the
     train step of `make_trainer(mesh)` (an `engine.Trainer` over abstract parameters, no workdir) compiled for the
     one global `batch` ({name: jax.ShapeDtypeStruct [accumulate, rows, ...]}) on every (data, fsdp, model) of the
-    `devices` (default all) left after `stages` x `context`, read off the compiled programs, best first: those whose
+    `devices` (default all) left after `stages` x `context` (with `experts`, a mixture's expert count: also every
+    (data, fsdp, model, expert), `mesh_shapes`), read off the compiled programs, best first: those whose
     memory per device fits `memory_bytes` (None: any), then by bytes each device sends per step (DiLoCo's outer
     steps averaged over their rounds), then by memory. With the global batch fixed every layout does the same
     useful work, so what differs is the communication (and, for a memory limit, the fit). Devices on more than one
     host (`hosts_of`): the bytes of collectives whose groups span hosts are ranked first, before all bytes sent (the
-    links between hosts are the slow ones: MaxText's DCN against ICI). Each result: {'mesh': [data, fsdp, model],
+    links between hosts are the slow ones: MaxText's DCN against ICI). Each result: {'mesh': [data, fsdp, model(, expert)],
     'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes', 'collective_bytes_total', 'fits'}, and
     across hosts 'cross_host_bytes'; a layout that does not compile (heads that `model` does not divide, say)
     comes last with its 'error'."""
     devices = list(jax.devices() if devices is None else devices)
     results = []
-    for data, fsdp, tp in mesh_shapes(len(devices) // (stages * context)):
+    for shape in mesh_shapes(len(devices) // (stages * context), experts):
         try:
-            mesh = make_mesh(data=data, fsdp=fsdp, model=tp, stage=stages, context=context, devices=devices)
+            mesh = make_mesh(**mesh_sizes(shape), stage=stages, context=context, devices=devices)
             trainer = make_trainer(mesh)
             compiled = compile_step(trainer, batch)
         except Exception as e:  # noqa: BLE001 - one layout that cannot run must not end the search
-            logging.info("mesh %s does not compile: %s", (data, fsdp, tp), e)
-            results.append({"mesh": [data, fsdp, tp], "stages": stages, "context": context,
+            logging.info("mesh %s does not compile: %s", shape, e)
+            results.append({"mesh": list(shape), "stages": stages, "context": context,
                             "error": str(e).splitlines()[0][:200]})
             continue
         hlo = compiled.as_text()
         comm = _bytes_per_step(trainer, hlo, len(devices))
         memory = memory_per_device(compiled)
-        results.append({"mesh": [data, fsdp, tp], "stages": stages, "context": context, "bytes": memory,
+        results.append({"mesh": list(shape), "stages": stages, "context": context, "bytes": memory,
                         "collective_bytes": comm, "collective_bytes_total": sum(comm.values())})
         hosts = hosts_of(mesh.devices.flat)  # the program's logical ids are the mesh's devices in order
         if len(set(hosts)) > 1:
             results[-1]["cross_host_bytes"] = sum(_bytes_per_step(trainer, hlo, len(devices), hosts).values())
-        logging.info("mesh %s: %s bytes per device, %d bytes sent per step", (data, fsdp, tp),
+        logging.info("mesh %s: %s bytes per device, %d bytes sent per step", shape,
                      memory and memory["total"], sum(comm.values()))  # a long search shows its progress
     return rank_layouts(results, memory_bytes)
 
@@ -445,7 +462,9 @@ def format_table(results):
     totals = [r["bytes"]["total"] for r in results if r.get("bytes")]
     unit, scale = ("GB", 1e9) if not totals or min(totals) >= 1e9 else ("MB", 1e6)
     hosts = any("cross_host_bytes" in r for r in results)  # a column of its own only when it was measured
-    head = (f"{'rank':>4}  {'data,fsdp,model':>15}  {'stages':>6}  {'idle':>4}  {'zero':>4}  {'total ' + unit:>9}  "
+    axes = ",".join(MESH_AXES[:max([len(r["mesh"]) for r in results] + [3])])
+    w = len(axes)
+    head = (f"{'rank':>4}  {axes:>{w}}  {'stages':>6}  {'idle':>4}  {'zero':>4}  {'total ' + unit:>9}  "
             f"{'args ' + unit:>8}  {'temp ' + unit:>8}  {'sent ' + unit:>8}  {'all-gather':>10}  {'red-scat':>9}  "
             f"{'all-red':>8}  {'a2a':>6}  {'permute':>7}  " + (f"{'x-host ' + unit:>10}  " if hosts else "") + "fits")
     lines = [head]
@@ -453,11 +472,11 @@ def format_table(results):
     for i, r in enumerate(results, 1):
         mesh, stages, zero = ",".join(str(x) for x in r["mesh"]), r.get("stages", 1), r.get("zero_stage", "")
         if "error" in r:
-            lines.append(f"{'-':>4}  {mesh:>15}  {stages:>6}  {'':>4}  {zero:>4}  error: {r['error']}")
+            lines.append(f"{'-':>4}  {mesh:>{w}}  {stages:>6}  {'':>4}  {zero:>4}  error: {r['error']}")
             continue
         b, c = r["bytes"] or dict.fromkeys(("total", "arguments", "temporaries"), float("nan")), r["collective_bytes"]
         idle = f"{r.get('idle_share', 0.0):.2f}"
-        lines.append(f"{i:>4}  {mesh:>15}  {stages:>6}  {idle:>4}  {zero:>4}  {size(b['total']):>9}  "
+        lines.append(f"{i:>4}  {mesh:>{w}}  {stages:>6}  {idle:>4}  {zero:>4}  {size(b['total']):>9}  "
                      f"{size(b['arguments']):>8}  "
                      f"{size(b['temporaries']):>8}  {size(r['collective_bytes_total']):>8}  "
                      f"{size(c['all-gather']):>10}  {size(c['reduce-scatter']):>9}  {size(c['all-reduce']):>8}  "

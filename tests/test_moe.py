@@ -151,6 +151,23 @@ def test_expert_parallel_trainer_step_equals_one_device(mesh, step):
         np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+def test_plan_of_an_expert_mesh_holds_a_share_of_the_experts_and_sends_tokens_by_all_to_all():
+    """`plan` on data 2 x expert 4 against data 8: the arguments (weights and optimizer state) shrink by the
+    experts' three quarters, the step sends all-to-all bytes over `expert` and none without it."""
+    from engine.tasks import planning
+    common = dict(model="mixtral", model_config="tiny", num_devices=8, seq_len=64)
+    dense, split = planning.plan(mesh="8,1,1", **common), planning.plan(mesh="2,1,1,4", **common)
+    assert split["mesh"] == [2, 1, 1, 4] and dense["mesh"] == [8, 1, 1]
+    assert dense["collective_bytes"]["all-to-all"] == 0 < split["collective_bytes"]["all-to-all"]
+    assert split["bytes_by_axes"]["expert"] > 0
+    model = models.create_model("mixtral", "tiny")
+    experts = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: models.init_params(
+        model, jax.random.PRNGKey(0)))["layers_0"]["mlp"]["experts"])) * model.config.num_layers
+    # fp32 weights + two Adam moments: 12 bytes per parameter, the experts' held 1/4 of them
+    saved = dense["bytes"]["arguments"] - split["bytes"]["arguments"]
+    assert saved == pytest.approx(12 * experts * 3 / 4, rel=0.02)
+
+
 def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
     model = models.create_model("mixtral", "tiny")
     with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):

@@ -56,7 +56,7 @@ def test_embedding_table_is_gathered_when_the_lookups_outnumber_its_rows():
 def test_bad_mesh_and_budget_are_reported():
     with pytest.raises(ValueError, match=r"mesh=2,2,1 has 4 devices; expected num_devices=8"):
         planning.plan(mesh="2,2,1", **TINY)
-    with pytest.raises(ValueError, match=r"mesh='1,x,1'; expected three positive sizes"):
+    with pytest.raises(ValueError, match=r"mesh='1,x,1'; expected three or four positive sizes"):
         planning.plan(mesh="1,x,1", **TINY)
     with pytest.raises(ValueError, match=r"diloco_fragments=2, diloco_outer_dtype='float32'; expected "
                                          r"diloco_inner_steps > 0"):
@@ -67,6 +67,9 @@ def test_bad_mesh_and_budget_are_reported():
 
 def test_mesh_shapes_and_collective_parsing():
     assert sorted(plan.mesh_shapes(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    # a mixture of 2 experts: also every layout with expert=2 (expert=4 does not divide its experts)
+    assert sorted(s for s in plan.mesh_shapes(4, experts=2) if len(s) == 4) == [(1, 1, 2, 2), (1, 2, 1, 2),
+                                                                                (2, 1, 1, 2)]
     hlo = """HloModule m
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {

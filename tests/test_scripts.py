@@ -528,13 +528,13 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--init_from=/nonexistent"): "--init_from=/nonexistent is not a directory",
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
-        ("train_ppo.py", "--mesh=auto"): "--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this "
+        ("train_ppo.py", "--mesh=auto"): "--mesh=auto; expected integers data,fsdp,model[,expert] such as 2,2,2 (this "
                                          f"script does not choose a layout: {cli.AUTO_MESH_SCRIPTS} do)",
         ("train_sft.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive "
                                                 "budget with --mesh=auto",
         ("train_lm.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive budget "
                                                "with --mesh=auto",
-        ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three integers",
+        ("finetune_seq2seq.py", "--mesh=1,1"): "--mesh='1,1'; expected three or four integers",
         ("finetune_seq2seq.py", "--dropout_rate=1.5"): "--dropout_rate=1.5: 1.5 is not a number in the range",
         ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",
         ("generate.py", "--prompts=x", "stray"): "unexpected arguments ['stray']",

@@ -83,7 +83,8 @@ def test_default_corpus_is_local_and_sized():
 
 def test_parse_mesh():
     assert cli.parse_mesh("2,-1,2") == {"data": 2, "fsdp": -1, "model": 2}
-    with pytest.raises(ValueError, match=r"--mesh='2,2'; expected three integers"):
+    assert cli.parse_mesh("2,1,1,4") == {"data": 2, "fsdp": 1, "model": 1, "expert": 4}
+    with pytest.raises(ValueError, match=r"--mesh='2,2'; expected three or four integers data,fsdp,model\[,expert\]"):
         cli.parse_mesh("2,2")
 
 

@@ -59,8 +59,9 @@ def define_flags():
     if "mesh" in FLAGS:
         return
     define_data_flags()
-    flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model; one may be -1 (the rest of the "
-                        f"devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel. {AUTO_MESH_SCRIPTS} "
+    flags.DEFINE_string("mesh", "-1,1,1", "Device mesh sizes data,fsdp,model[,expert]; one may be -1 (the rest of "
+                        "the devices). data: replicated weights; fsdp: ZeRO-3; model: tensor parallel; expert: a "
+                        f"mixture-of-experts model's experts split (rows too, as over data). {AUTO_MESH_SCRIPTS} "
                         "also take 'auto': every layout compiled ahead of time, the one that fits and sends least "
                         "chosen, --per_device_batch_size rows per device kept as the global batch.")
     flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
@@ -182,14 +183,16 @@ def loss_implementation():
 
 
 def parse_mesh(text):
-    """'2,2,2' or '-1,1,2' -> dict(data=, fsdp=, model=); ValueError naming the flag otherwise."""
+    """'2,2,2', '-1,1,2' or '2,1,1,4' -> dict(data=, fsdp=, model=[, expert=]); ValueError naming the flag
+    otherwise."""
     try:
         sizes = [int(x) for x in text.split(",")]
     except ValueError:
         sizes = []
-    if len(sizes) != 3:
-        raise ValueError(f"--mesh={text!r}; expected three integers data,fsdp,model such as 2,2,2 or -1,1,2")
-    return dict(zip(("data", "fsdp", "model"), sizes))
+    if len(sizes) not in (3, 4):
+        raise ValueError(f"--mesh={text!r}; expected three or four integers data,fsdp,model[,expert] such as 2,2,2, "
+                         "-1,1,2 or 2,1,1,4")
+    return engine.plan.mesh_sizes(sizes)
 
 
 def parse_profile_steps(values):
@@ -257,7 +260,7 @@ def start(auto=False):
         _check_optimizer_flags()
     if FLAGS.mesh == "auto":
         if not auto:
-            raise ValueError("--mesh=auto; expected three integers data,fsdp,model such as 2,2,2 (this script does "
+            raise ValueError("--mesh=auto; expected integers data,fsdp,model[,expert] such as 2,2,2 (this script does "
                              f"not choose a layout: {AUTO_MESH_SCRIPTS} do)")
         return None
     mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel, **parse_mesh(FLAGS.mesh))
@@ -268,12 +271,12 @@ def start(auto=False):
     return mesh
 
 
-def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None):
+def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None, experts=0):
     """--mesh=auto: the layout `engine.plan.rank_meshes` ranks first for one global batch of --per_device_batch_size
     rows per device (those left after --pipeline_stages x --context_parallel), `example` (one training example)
     standing for every row; the ranking is printed. make_trainer(mesh): the run's Trainer over abstract parameters
     (no workdir). memory_gb: the per-device budget (default: the device's own limit; none on CPU). devices: default
-    all. Returns (mesh, rows per data position of that mesh)."""
+    all. experts: the model's expert count (a mixture of experts: layouts with an `expert` axis ranked too). Returns (mesh, rows per data position of that mesh)."""
     stages, context = FLAGS.pipeline_stages, FLAGS.context_parallel
     devices = jax.devices() if devices is None else list(devices)
     positions = len(devices) // (stages * context)
@@ -283,7 +286,7 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None)
     budget = memory_gb * 1e9 if memory_gb is not None else engine.plan.device_memory_bytes(devices[0])
     started = time.perf_counter()
     ranked = engine.plan.rank_meshes(make_trainer, batch, devices=devices, stages=stages, context=context,
-                                     memory_bytes=budget)
+                                     memory_bytes=budget, experts=experts)
     if jax.process_index() == 0:
         print(f"--mesh=auto: {len(ranked)} layouts of {positions} devices for {rows} rows per step"
               + (f", {budget / 1e9:.2f} GB per device" if budget else "")
@@ -292,8 +295,9 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None)
     best = ranked[0]
     if jax.process_count() > 1:  # every process ranked the same programs; one choice still binds them all (two
         # processes on different meshes would wait for each other's collectives for ever)
-        chosen = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray(best["mesh"], np.int32)))
-        best = next(r for r in ranked if tuple(r["mesh"]) == chosen)
+        chosen = tuple(int(x) for x in multihost_utils.broadcast_one_to_all(
+            np.asarray(best["mesh"] + [1] * (4 - len(best["mesh"])), np.int32)))
+        best = next(r for r in ranked if tuple(r["mesh"] + [1] * (4 - len(r["mesh"]))) == chosen)
     if "error" in best:
         raise ValueError(f"--mesh=auto: no layout of {positions} devices compiles (mesh {best['mesh']}: "
                          f"{best['error']}); expected a model and flags that train on some --mesh")
@@ -302,11 +306,12 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None)
         raise ValueError(f"--mesh=auto: no layout fits {budget / 1e9:.2f} GB per device (the least, mesh "
                          f"{','.join(map(str, least['mesh']))}, needs {least['bytes']['total'] / 1e9:.2f} GB); "
                          "expected a larger budget, --remat, a smaller --per_device_batch_size or more devices")
-    data, fsdp, tp = best["mesh"]
+    sizes = engine.plan.mesh_sizes(best["mesh"])
+    per_position = rows // (sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1))
     if jax.process_index() == 0:
-        print(f"--mesh=auto chose {data},{fsdp},{tp}: {rows // (data * fsdp)} rows per data position")
-    mesh = engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp, devices=devices)
-    return mesh, rows // (data * fsdp)
+        print(f"--mesh=auto chose {','.join(map(str, best['mesh']))}: {per_position} rows per data position")
+    mesh = engine.make_mesh(stage=stages, context=context, **sizes, devices=devices)
+    return mesh, per_position
 
 
 def choose_decoder_mesh(make_trainer, collate_fn, encode, records, *, tasks):
@@ -317,7 +322,7 @@ def choose_decoder_mesh(make_trainer, collate_fn, encode, records, *, tasks):
     model, params, tokenizer = describe_decoder(tasks=tasks, seq_len=FLAGS.seq_len)
     (example, *_), _ = encode(records[:1], tokenizer, seq_len=FLAGS.seq_len)
     return choose_mesh(lambda mesh: make_trainer(mesh, model, params), collate_fn, example,
-                       memory_gb=FLAGS.mesh_memory_gb)
+                       memory_gb=FLAGS.mesh_memory_gb, experts=getattr(model.config, "num_experts", 0))
 
 
 def trainer_kwargs():

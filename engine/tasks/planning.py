@@ -66,7 +66,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     settings["num_devices"] = num_devices = len(devices) if num_devices is None else num_devices
     if hbm_gb is None and engine.plan.parse_target(target):  # a TPU target's chips: their HBM is the budget
         settings["hbm_gb"] = engine.plan.device_memory_bytes(devices[0]) / 1e9
-    data, fsdp, tp = _check_arguments(settings, devices)
+    sizes = _check_arguments(settings, devices)
+    data, fsdp = sizes["data"], sizes["fsdp"]
     settings.update(loss_implementation=_implementation(loss_implementation, devices),
                     attention_implementation=_implementation(attention_implementation, devices))
     dtype = jnp.dtype(compute_dtype)
@@ -80,21 +81,20 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                                outer_dtype=diloco_outer_dtype)
         step = "auto"  # DiLoCo has its own step
     trainer = engine.Trainer(
-        mesh=engine.make_mesh(stage=stages, context=context, data=data, fsdp=fsdp, model=tp,
-                              devices=devices[:num_devices]),
+        mesh=engine.make_mesh(stage=stages, context=context, **sizes, devices=devices[:num_devices]),
         collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
         accumulate_grad_batches=accumulate, trainable=trainable, diloco=diloco,
         precision=engine.Precision(compute_dtype=dtype),
         parallelism=engine.Parallelism(step=step, zero_stage=zero_stage, zero_quantized_weights=zero_quantized_weights,
                                        zero_quantized_gradients=zero_quantized_gradients))
-    rows = per_device_batch_size * data * fsdp
+    rows = per_device_batch_size * data * fsdp * sizes.get("expert", 1)
     batch = {k: jax.ShapeDtypeStruct((accumulate, rows, seq_len), t) for k, t in rows_of.items()}
     compiled = _compile(trainer, batch, settings)
     step = trainer._step_kind  # noqa: SLF001 - 'auto' as the Trainer resolved it
     memory = memory_per_device(compiled)
     hlo = compiled.as_text()
     comm, outer = _communication(hlo, diloco, num_devices)
-    result = _result(settings, step=step, mesh=[data, fsdp, tp], params=n_params, trained_params=n_trained,
+    result = _result(settings, step=step, mesh=list(parse_mesh(settings["mesh"])), params=n_params, trained_params=n_trained,
                      param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract)),
                      memory=memory, collective_bytes=comm, outer=outer)
     result["bytes_by_axes"] = engine.plan.bytes_by_axes(hlo, trainer.mesh)
@@ -123,15 +123,17 @@ def _implementation(name, devices):
 
 
 def _check_arguments(settings, devices):
-    """`plan`'s argument checks; returns the mesh's (data, fsdp, model)."""
-    data, fsdp, tp = parse_mesh(settings["mesh"])
+    """`plan`'s argument checks; returns the mesh's sizes ({data, fsdp, model[, expert]})."""
+    shape = parse_mesh(settings["mesh"])
+    sizes = engine.plan.mesh_sizes(shape)
+    n = math.prod(shape)
     stages, context, num_devices = settings["stages"], settings["context"], settings["num_devices"]
     for name, value in (("stages", stages), ("context", context)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}; expected a positive integer")
-    if stages * context * data * fsdp * tp != num_devices:
-        extra = "".join(f" with {n}={v}" for n, v in (("stages", stages), ("context", context)) if v > 1)
-        raise ValueError(f"mesh={data},{fsdp},{tp}{extra} has {stages * context * data * fsdp * tp} devices; "
+    if stages * context * n != num_devices:
+        extra = "".join(f" with {k}={v}" for k, v in (("stages", stages), ("context", context)) if v > 1)
+        raise ValueError(f"mesh={','.join(map(str, shape))}{extra} has {stages * context * n} devices; "
                          f"expected num_devices={num_devices}")
     if num_devices > len(devices):
         where = (f"the target {settings['target']} has {len(devices)}" if engine.plan.parse_target(settings["target"])
@@ -148,7 +150,7 @@ def _check_arguments(settings, devices):
                                                or settings["diloco_outer_dtype"] != "float32"):
         raise ValueError(f"diloco_fragments={settings['diloco_fragments']!r}, diloco_outer_dtype="
                          f"{settings['diloco_outer_dtype']!r}; expected diloco_inner_steps > 0 with them")
-    return data, fsdp, tp
+    return sizes
 
 
 def _network(s):
@@ -233,24 +235,30 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
 
 
 def sweep(*, num_devices, max_stages=1, per_device_batch_size=1, **kwargs):
-    """`plan` for every mesh factorisation and zero stage (1 and 2 only where `data` > 1), and, up to `max_stages`,
+    """`plan` for every mesh factorisation (with an `expert` axis too for a mixture of experts) and zero stage (1 and 2
+    only where `data` > 1), and, up to `max_stages`,
     every pipeline stage count that divides the devices (one micro-batch per stage, `per_device_batch_size` x stages
     rows per data position: the global batch the same mesh would have with its stages turned into data positions),
     ranked by per-device total memory, then bytes sent (the global batch follows data x fsdp, as `plan`'s does); on
     several TPU slices by the bytes crossing slices first.
     A configuration that fails to compile comes back with its 'error'."""
     results = []
+    try:
+        experts = getattr(models.get_config(kwargs.get("model"), kwargs.get("model_config"),
+                                            **(kwargs.get("config_overrides") or {})), "num_experts", 0)
+    except (KeyError, TypeError, ValueError):  # a bad model or config: every layout's plan says so
+        experts = 0
     stage_counts = [s for s in range(1, max_stages + 1) if num_devices % s == 0]
     for stages in stage_counts:
-        for (data, fsdp, tp), zero in itertools.product(mesh_shapes(num_devices // stages), (0, 1, 2)):
-            if zero and data == 1:
+        for shape, zero in itertools.product(mesh_shapes(num_devices // stages, experts), (0, 1, 2)):
+            if zero and shape[0] == 1:
                 continue
             try:
-                results.append(plan(num_devices=num_devices, mesh=(data, fsdp, tp), zero_stage=zero, stages=stages,
+                results.append(plan(num_devices=num_devices, mesh=shape, zero_stage=zero, stages=stages,
                                     per_device_batch_size=per_device_batch_size * stages, **kwargs))
             except Exception as e:  # noqa: BLE001 - one bad layout (e.g. heads not divisible) must not end the sweep
-                logging.warning("sweep: stages %d mesh %s zero %d failed: %s", stages, (data, fsdp, tp), zero, e)
-                results.append({"mesh": [data, fsdp, tp], "stages": stages, "zero_stage": zero,
+                logging.warning("sweep: stages %d mesh %s zero %d failed: %s", stages, shape, zero, e)
+                results.append({"mesh": list(shape), "stages": stages, "zero_stage": zero,
                                 "error": str(e).splitlines()[0][:200]})
     ok = sorted((r for r in results if "error" not in r),  # several slices: the bytes between them first
                 key=lambda r: (not r.get("fits", True), r.get("cross_slice_bytes", 0), r["bytes"]["total"],
