@@ -6,7 +6,8 @@ again x3 for training. Rematerialisation is not counted (MFU measures the model'
 causal attention counts half the keys, (T + 1) / 2 on average, because the flash kernels skip the masked blocks; a
 layer with a sliding window of W < T counts the keys inside it (the kernels skip the blocks outside too).
 Weights are read off the parameter tree: every Linear 'kernel', plus the embedding table when it doubles as the
-output head (tied); a lookup costs nothing.
+output head (tied); a lookup costs nothing. A mixture of experts' stacked experts count the share a token passes
+through: k of E (its top-k), the router being a Linear of its own.
 """
 import jax
 
@@ -14,10 +15,18 @@ from models.layers import sliding_layers
 from models.registry import init_params
 
 
-def _kernel_sizes(params):
-    """{path tuple: entries} of every Linear kernel (stacked layers included)."""
+def _kernel_sizes(params, active_experts=1.0):
+    """{path tuple: entries} of every Linear kernel (stacked layers included), and of every stacked expert weight
+    times `active_experts` (the share of the experts a token passes through)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {tuple(k.key for k in path): leaf.size for path, leaf in leaves if path[-1].key == "kernel"}
+    sizes = {}
+    for path, leaf in leaves:
+        keys = tuple(k.key for k in path)
+        if keys[-1] == "kernel":
+            sizes[keys] = leaf.size
+        elif "experts" in keys[:-1]:
+            sizes[keys] = leaf.size * active_experts
+    return sizes
 
 
 def train_flops_per_example(model, seq_len, decoder_len=None):
@@ -28,7 +37,7 @@ def train_flops_per_example(model, seq_len, decoder_len=None):
         raise ValueError(f"seq_len={seq_len!r}; expected a positive int")
     c = model.config
     params = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-    kernels = _kernel_sizes(params)
+    kernels = _kernel_sizes(params, getattr(c, "num_experts_per_tok", 1) / getattr(c, "num_experts", 1))
     if hasattr(c, "d_kv"):  # T5
         if not isinstance(decoder_len, int) or decoder_len < 1:
             raise ValueError(f"decoder_len={decoder_len!r}; expected a positive int for an encoder-decoder model")

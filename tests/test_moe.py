@@ -168,6 +168,19 @@ def test_plan_of_an_expert_mesh_holds_a_share_of_the_experts_and_sends_tokens_by
     assert saved == pytest.approx(12 * experts * 3 / 4, rel=0.02)
 
 
+def test_train_flops_count_the_experts_a_token_passes_through():
+    """Mixtral's model FLOPs are a dense model's with k of the E experts' MLP per token (the router a [D, E] matmul):
+    6 x tokens x (attention and head weights + router + k x one expert) + attention, as models.flops counts a LLaMA."""
+    moe = models.create_model("mixtral", "tiny", num_layers=2)
+    c = moe.config
+    F = c.moe_intermediate_size or c.intermediate_size
+    dense = models.create_model("llama", "tiny", num_layers=2, hidden_size=c.hidden_size, num_heads=c.num_heads,
+                                num_kv_heads=c.kv_heads, vocab_size=c.vocab_size,
+                                intermediate_size=F * c.num_experts_per_tok)
+    router = 6 * 16 * c.num_layers * c.hidden_size * c.num_experts
+    assert models.train_flops_per_example(moe, 16) == pytest.approx(models.train_flops_per_example(dense, 16) + router)
+
+
 def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
     model = models.create_model("mixtral", "tiny")
     with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):
