@@ -138,8 +138,9 @@ class PagedEngine:
         self._next_id = 0
         self._slots = [None] * max_batch  # the running request of each slot
         self.max_len = max_len
-        # Page-table entries per slot, a power of two: fixed by max_len, else grown (a new compile) when needed.
-        self._table_width = 1 if max_len is None else _power_of_two(-(-max_len // page_size))
+        # Page-table entries per slot: max_len's pages (paged_attention reads every entry's block, so none spare),
+        # else a power of two grown (a new compile) when a longer request arrives.
+        self._table_width = 1 if max_len is None else -(-max_len // page_size)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
         self._first = jax.jit(_select)
@@ -179,8 +180,9 @@ class PagedEngine:
         """One round of the scheduler: admits (and prefills) the waiting requests that fit, first come first served,
         then decodes one token of every running sequence. Returns {id: generated token ids} of the requests that
         finished in it. Requests may be added between steps (arriving while others run)."""
-        width = max((r.pages_needed(self.page_size) for r in self._waiting), default=1)
-        self._table_width = max(self._table_width, _power_of_two(width))
+        if self.max_len is None:
+            width = max((r.pages_needed(self.page_size) for r in self._waiting), default=1)
+            self._table_width = max(self._table_width, _power_of_two(width))
         slots, done = self._slots, {}
         with kernels.under_mesh(_mesh_of(self.params)):
             for i in range(self.max_batch):
