@@ -4,7 +4,9 @@ per-token KL penalty, with a critic (value model) for the advantages.
 
 One iteration (`fit_ppo`):
 1. Rollout: the actor samples a response to each of `rollout_batch_size` prompts (`lm.generate_tokens`, with its
-   KV cache). Each prompt + response becomes an `engine.tasks.rlhf.preference` row (only the response labelled).
+   KV cache; or, with `PPOConfig(rollout_engine='paged')`, `models.PagedEngine`: continuous batching over a paged
+   KV cache, a group's samples sharing their prompt's pages). Each prompt + response becomes an
+   `engine.tasks.rlhf.preference` row (only the response labelled).
 2. Scoring, one compiled pass of an `engine.Predictor`: the actor's and the reference's log-probabilities of the
    response tokens, the critic's values at every position and the reward model's score of the whole sequence (or,
    instead of a reward model, `reward_fn(prompt, response)` on the host: a rule or a verifier).
@@ -51,18 +53,26 @@ from models.generate import KV_CACHE_DTYPES
 
 EXPERIENCE_FILE = "ppo_experience.npz"
 ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+ROLLOUT_ENGINES = ("static", "paged")
+_PAGE_SIZE = 16  # tokens per page of the paged rollouts (the engine's default)
 _STATS = ("score", "kl", "response_tokens", "ended")
 
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """max_new_tokens: response length at most; temperature: of the rollouts' sampling; kl_coef: the per-token KL
-    penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for the value
+    """max_new_tokens: response length at most; temperature: of the rollouts' sampling (0: greedy); kl_coef: the
+    per-token KL penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for the value
     change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; unfinished_reward: when
     set, the reward of a response cut off at max_new_tokens before its EOS (TRL's non-EOS penalty): a learnt reward
     model has only seen finished responses and may score unfinished ones highly, which PPO then exploits.
     kv_cache_dtype: the rollouts' KV cache storage (None: the actor's compute dtype; 'int8': half of bf16's bytes,
     `models.generate`); the rows are scored by full forward passes, so only the sampling sees its rounding.
+    rollout_engine: 'static' (`models.generate`: one left-padded batch, a contiguous cache of prompt +
+    max_new_tokens per row, every row decoded until the longest ends) or 'paged' (`models.PagedEngine`: continuous
+    batching over a paged KV cache, a row retiring at its own EOS, the samples of one prompt sharing its pages;
+    kv_cache_dtype None or 'int8' only). Greedy rollouts are the same tokens either way; sampled ones are not (the
+    static path draws from one key for the batch, the engine from a seed per row). rollout_kv_memory_gb: 'paged'
+    only, the pool's size (None: pages for every row of the rollout at once, unshared).
     advantage_estimator: 'gae' (a critic's values, the KL penalty in the rewards) or 'grpo' (no critic: each
     response's score against its prompt's group, the KL in the loss; see the module's docstring);
     samples_per_prompt: responses sampled per prompt in a rollout (GRPO's group size, at least 2 for it);
@@ -81,10 +91,12 @@ class PPOConfig:
     advantage_estimator: str = "gae"
     samples_per_prompt: int = 1
     scale_rewards: bool = True
+    rollout_engine: str = "static"
+    rollout_kv_memory_gb: Optional[float] = None
 
     def __post_init__(self):
         checks = {"max_new_tokens": isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-                  "temperature": self.temperature > 0, "kl_coef": self.kl_coef >= 0,
+                  "temperature": self.temperature >= 0, "kl_coef": self.kl_coef >= 0,
                   "clip_ratio": 0 < self.clip_ratio < 1, "value_clip": self.value_clip > 0,
                   "value_coef": self.value_coef >= 0, "gamma": 0 < self.gamma <= 1, "lam": 0 <= self.lam <= 1,
                   "unfinished_reward": self.unfinished_reward is None or isinstance(self.unfinished_reward,
@@ -93,15 +105,27 @@ class PPOConfig:
                   "advantage_estimator": self.advantage_estimator in ADVANTAGE_ESTIMATORS,
                   "samples_per_prompt": isinstance(self.samples_per_prompt, int) and self.samples_per_prompt >= (
                       2 if self.advantage_estimator == "grpo" else 1),
-                  "scale_rewards": isinstance(self.scale_rewards, bool)}
+                  "scale_rewards": isinstance(self.scale_rewards, bool),
+                  "rollout_engine": self.rollout_engine in ROLLOUT_ENGINES,
+                  "rollout_kv_memory_gb": self.rollout_kv_memory_gb is None or (
+                      isinstance(self.rollout_kv_memory_gb, (int, float)) and self.rollout_kv_memory_gb > 0)}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is out of range; expected max_new_tokens "
-                                 ">= 1, temperature > 0, kl_coef >= 0, 0 < clip_ratio < 1, value_clip > 0, value_coef "
+                                 ">= 1, temperature >= 0, kl_coef >= 0, 0 < clip_ratio < 1, value_clip > 0, value_coef "
                                  ">= 0, 0 < gamma <= 1, 0 <= lam <= 1, unfinished_reward None or a number, "
                                  "kv_cache_dtype None, 'int8', 'bfloat16', 'float16' or 'float32', "
                                  f"advantage_estimator one of {ADVANTAGE_ESTIMATORS}, samples_per_prompt >= 1 (>= 2 "
-                                 "with 'grpo': a group to compare with), scale_rewards a bool")
+                                 "with 'grpo': a group to compare with), scale_rewards a bool, rollout_engine one "
+                                 f"of {ROLLOUT_ENGINES}, rollout_kv_memory_gb None or > 0")
+        paged = self.rollout_engine == "paged"
+        if paged and self.kv_cache_dtype not in (None, "int8"):
+            raise ValueError(f"PPOConfig.kv_cache_dtype={self.kv_cache_dtype!r} with rollout_engine='paged'; "
+                             "expected None (the actor's compute dtype) or 'int8': the paged cache's storages")
+        if not paged and self.rollout_kv_memory_gb is not None:
+            raise ValueError(f"PPOConfig.rollout_kv_memory_gb={self.rollout_kv_memory_gb!r} with rollout_engine="
+                             f"{self.rollout_engine!r}; expected it with rollout_engine='paged' only (the static "
+                             "cache is one batch of prompt + max_new_tokens rows)")
 
 
 def advantages_and_returns(rewards, values, mask, *, gamma, lam):
@@ -234,6 +258,20 @@ class PPO:
         self.mesh, self.seq_len, self.config = mesh, seq_len, config
         self.implementation, self.interpret = implementation, interpret
         self._scorer = Predictor(mesh=mesh, collate_fn=preference.collate_preferences, pred_fn=self._score)
+        if config.rollout_engine == "paged":
+            if not isinstance(actor, models.layers.DecoderLM):
+                raise ValueError(f"actor={type(actor).__name__} with rollout_engine='paged'; expected a decoder-only "
+                                 "model (a models.layers.DecoderLM), or rollout_engine='static'")
+            if jax.process_count() > 1:
+                raise ValueError(f"rollout_engine='paged' on {jax.process_count()} processes; expected one process "
+                                 "(the engine's scheduler reads each step's tokens on its host), or "
+                                 "rollout_engine='static'")
+            if config.rollout_kv_memory_gb is not None:
+                one_row = -(-seq_len // _PAGE_SIZE) * models.page_bytes(actor, _PAGE_SIZE, config.kv_cache_dtype)
+                if config.rollout_kv_memory_gb * 2 ** 30 < one_row:
+                    raise ValueError(f"PPOConfig.rollout_kv_memory_gb={config.rollout_kv_memory_gb} holds less than "
+                                     f"one row of {seq_len} tokens ({one_row / 2 ** 30:.3g} GB); expected at least that")
+        self.paged_engine = None  # the rollouts' models.PagedEngine, made at the first paged rollout and kept
 
     # -------------------------------------------------------------------------------------------- scoring, loss
     def _score(self, params, batch, rng):
@@ -273,15 +311,19 @@ class PPO:
         temperature = self.config.temperature if temperature is None else temperature
         tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
                   for n, p in enumerate(prompts)]
-        responses = lm.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
-                                         max_new_tokens=self.config.max_new_tokens, temperature=temperature,
-                                         seed=seed, kv_cache_dtype=self.config.kv_cache_dtype)
+        if self.config.rollout_engine == "paged":
+            responses, capped = self._paged_generate(params["actor"], tokens, temperature, seed)
+        else:
+            responses = lm.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
+                                           max_new_tokens=self.config.max_new_tokens, temperature=temperature,
+                                           seed=seed, kv_cache_dtype=self.config.kv_cache_dtype)
+            capped = [False] * len(responses)
         rows = []
         for n, (prompt, response) in enumerate(zip(tokens, responses)):
             ids, labels, segments, cut = preference.token_row(prompt, response, self.seq_len)
-            if cut:
+            if cut or capped[n]:
                 raise ValueError(f"seq_len={self.seq_len}: prompt {n} ({len(prompt)} tokens with the separator) and "
-                                 f"its response ({len(response)}) do not fit; expected seq_len >= the longest "
+                                 f"its response ({len(response)}{'+' if capped[n] else ''}) do not fit; expected seq_len >= the longest "
                                  "prompt + max_new_tokens - 1")
             rows.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
         frozen = {} if self.ref_from_actor else {"ref": self.ref_params}
@@ -298,6 +340,34 @@ class PPO:
                 s["score"] = self.config.unfinished_reward
             s["score"] = np.float32(s["score"])
         return responses, rows, scored
+
+    def _paged_generate(self, actor_params, prompts, temperature, seed):
+        """(responses, capped) of token-id `prompts` through `self.paged_engine`: each row a request of its own seed
+        (distinct in a rollout, drawn from `seed`), the rows of one prompt (GRPO's group) sharing its pages. A row's
+        request is capped at the seq_len + 1 tokens a row holds (so the decode step's page table has one width for
+        every rollout); capped[n]: row n met that cap before its EOS and max_new_tokens, where the static path's row
+        would have been cut. Runs on the actor's parameters as they are placed (the engine's jitted steps follow
+        their shardings, as `models.generate` does), its KV pool in the compute dtype or int8."""
+        c, max_len = self.config, self.seq_len + 1
+        if self.paged_engine is None or self.paged_engine.max_batch < len(prompts):
+            self.paged_engine = None  # its pool goes before the larger one is made
+            # A row's tokens but its last (never fed back) fill at most seq_len positions.
+            pool = (dict(num_pages=len(prompts) * -(-self.seq_len // _PAGE_SIZE)) if c.rollout_kv_memory_gb is None
+                    else dict(memory_bytes=int(c.rollout_kv_memory_gb * 2 ** 30)))
+            self.paged_engine = models.PagedEngine(self.actor, actor_params, max_batch=len(prompts),
+                                                   page_size=_PAGE_SIZE, cache_dtype=c.kv_cache_dtype,
+                                                   max_len=max_len, **pool)
+        engine = self.paged_engine
+        engine.params = actor_params  # this rollout's policy; the compiled steps take the parameters as arguments
+        base = int(np.random.SeedSequence(seed % 2 ** 64).generate_state(1)[0])
+        limits = [min(c.max_new_tokens, max_len - len(p)) for p in prompts]
+        ids = [engine.add_request(p, limit, eos_id=self.tokenizer.eos_id, temperature=temperature,
+                                  seed=(base + n) % 2 ** 32) for n, (p, limit) in enumerate(zip(prompts, limits))]
+        out = engine.run()
+        responses = [out[i] for i in ids]
+        eos = self.tokenizer.eos_id
+        capped = [len(r) == limit < c.max_new_tokens and r[-1] != eos for r, limit in zip(responses, limits)]
+        return responses, capped
 
     def rollout(self, params, prompts, *, seed, per_device_batch_size=8):
         """Experience for one iteration from string `prompts`, each answered config.samples_per_prompt times (in
