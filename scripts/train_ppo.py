@@ -69,7 +69,7 @@ flags.DEFINE_integer("samples_per_prompt", 0, "Responses sampled per prompt in e
                      "grpo, which needs at least 2).", lower_bound=0)
 flags.DEFINE_integer("ppo_epochs", 1, "Epochs of updates on each iteration's experience.", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens per response at most.", lower_bound=1)
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts.", lower_bound=1e-3)
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the rollouts (0: greedy).", lower_bound=0.0)
 flags.DEFINE_float("kl_coef", 0.05, "Per-token KL penalty towards the reference policy (grpo: the weight of the "
                    "KL term of the loss).", lower_bound=0.0)
 flags.DEFINE_float("clip_ratio", 0.2, "PPO's clipping of the probability ratio.", lower_bound=1e-3, upper_bound=0.999)
@@ -81,6 +81,13 @@ flags.DEFINE_float("unfinished_reward", -5.0, "The reward of a response cut off 
                    "those it overrates); keep it below the scores of bad finished responses.")
 flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "bfloat16", "float32"], "The rollouts' KV cache: auto "
                   "= the actor's compute dtype; int8 = int8 keys and values, a scale per token and head.")
+flags.DEFINE_enum("rollout_engine", "static", list(ppo.ROLLOUT_ENGINES), "How the rollouts generate: static = "
+                  "one batch through models.generate, a contiguous cache of prompt + --max_new_tokens per row until "
+                  "the longest row ends; paged = models.PagedEngine, continuous batching over a paged KV cache, each "
+                  "row retiring at its EOS, the --samples_per_prompt rows of a prompt sharing its pages (greedy "
+                  "rollouts equal the static ones; sampled ones draw other random streams).")
+flags.DEFINE_float("rollout_kv_memory_gb", 0.0, "--rollout_engine=paged: the KV page pool's size in GB (0: pages "
+                   "for every row of a rollout at once).", lower_bound=0.0)
 flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily before and after training (0: none).",
                      lower_bound=0)
 FLAGS.set_default("per_device_batch_size", 16)
@@ -139,6 +146,12 @@ def _check_flags():
     if grpo and samples < 2:
         raise ValueError(f"--samples_per_prompt={samples} with --advantage_estimator=grpo; expected at least 2 (a "
                          "group to compare each response with)")
+    if FLAGS.rollout_engine == "paged" and FLAGS.kv_cache_dtype not in ("auto", "int8"):
+        raise ValueError(f"--kv_cache_dtype={FLAGS.kv_cache_dtype} with --rollout_engine=paged; expected auto or "
+                         "int8 (the paged cache's storages)")
+    if FLAGS.rollout_engine != "paged" and FLAGS.rollout_kv_memory_gb:
+        raise ValueError(f"--rollout_kv_memory_gb={FLAGS.rollout_kv_memory_gb} with --rollout_engine="
+                         f"{FLAGS.rollout_engine}; expected it with --rollout_engine=paged only")
     rule = FLAGS.verifiable_reward != "none"
     if not FLAGS.reward_from and FLAGS.data and not rule:
         raise ValueError("--reward_from is empty; expected the workdir of scripts/train_reward.py, or "
@@ -156,7 +169,8 @@ def _ppo_config(samples):
                          unfinished_reward=FLAGS.unfinished_reward,
                          kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
                          advantage_estimator=FLAGS.advantage_estimator, samples_per_prompt=samples,
-                         scale_rewards=FLAGS.scale_rewards)
+                         scale_rewards=FLAGS.scale_rewards, rollout_engine=FLAGS.rollout_engine,
+                         rollout_kv_memory_gb=FLAGS.rollout_kv_memory_gb or None)
 
 
 def _reward_model(mesh, tokenizer):

@@ -509,3 +509,85 @@ def test_grpo_refuses_a_critic_and_a_group_of_one(sft_params):
     with pytest.raises(ValueError, match="no 'backbone'"):
         ppo.PPO(critic=None, config=grpo, **{**common, "reward_fn": None}, reward_model=rm,
                 reward_params={"score": {"kernel": jnp.zeros((64, 1))}})
+
+
+# ------------------------------------------------------------------------------------------ paged-engine rollouts
+
+def _rollouts_by_engine(task, params, prompts, seed):
+    """{engine: task.rollout(...)} of one task (one compiled scoring pass) with each rollout engine."""
+    out = {}
+    for rollout_engine in ppo.ROLLOUT_ENGINES:
+        task.config = dataclasses.replace(task.config, rollout_engine=rollout_engine)
+        out[rollout_engine] = task.rollout(params, prompts, seed=seed)
+    return out
+
+
+def _assert_same_examples(want, got):
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_paged_greedy_ppo_equals_the_static_rollout_and_update(sft_params):
+    """PPOConfig(rollout_engine='paged', temperature=0) on a 2x1x2 mesh (the engine on the placed parameters): the
+    rollout's rows, log-probabilities, values, rewards, advantages and stats, and the first update's loss, metrics
+    and gradients, equal the static path's (`models.generate`) bit for bit."""
+    mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    task, params = _ppo(sft_params, mesh, temperature=0.0)
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(8, seed=7)]
+    runs = _rollouts_by_engine(task, params, prompts, seed=3)
+    (static, static_stats), (paged, paged_stats) = runs["static"], runs["paged"]
+    assert paged_stats == static_stats
+    _assert_same_examples(static, paged)
+    assert len({int((ex["labels"] >= 0).sum()) for ex in static}) > 1  # rows retire at their own EOS
+    assert np.abs(static[0]["advantages"]).max() > 0
+    update = jax.jit(jax.value_and_grad(task.loss_fn(), has_aux=True), static_argnums=(2, 3))
+    (loss, metrics), grads = update(params, preference.collate_preferences(static), None, True)
+    (loss_p, metrics_p), grads_p = update(params, preference.collate_preferences(paged), None, True)
+    assert float(loss) == float(loss_p) != 0.0 and jax.device_get(metrics) == jax.device_get(metrics_p)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_p)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_paged_grpo_groups_share_their_prompt_pages(sft_params):
+    """GRPO through the paged engine: greedy rollouts (every group's rows alike) equal the static path's, each
+    prompt prefilled once for its whole group (one device: the test above has the mesh); sampled rollouts draw a
+    seed per row (groups vary, the same seed gives the same rollout) and score what they sample (old log-
+    probabilities the reference's, each score the rule's reward of the decoded response)."""
+    mesh = engine.make_mesh(devices=jax.devices()[:1])
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(4, seed=7)]
+    paged, params = _grpo(sft_params, mesh, temperature=0.0)
+    runs = _rollouts_by_engine(paged, params, prompts, seed=3)
+    assert runs["paged"][1] == runs["static"][1]
+    _assert_same_examples(runs["static"][0], runs["paged"][0])
+    pool = paged.paged_engine
+    assert pool.prefills == len(prompts) and pool.traces == {"prefill": 1, "decode": 1}
+    assert sorted(pool.free_pages) == list(range(pool.num_pages))  # every page back
+    paged.config = dataclasses.replace(paged.config, temperature=1.0)
+    rows = [p for p in prompts for _ in range(4)]
+    responses, _, scored = paged.generate_and_score(params, rows, seed=5)
+    assert any(len({tuple(r) for r in responses[4 * g:4 * g + 4]}) > 1 for g in range(len(prompts)))
+    assert paged.generate_and_score(params, rows, seed=5)[0] == responses
+    assert paged.generate_and_score(params, rows, seed=6)[0] != responses
+    assert pool.prefills == 4 * len(prompts) and pool.traces == {"prefill": 1, "decode": 1}
+    for prompt, response, s in zip(rows, responses, scored):
+        text = TOK.decode([i for i in response if i != TOK.eos_id])
+        assert s["score"] == np.float32(preference.toy_reward(prompt, text))
+        np.testing.assert_array_equal(s["log_probs"], s["ref_log_probs"])
+
+
+def test_paged_rollout_settings_refused_in_one_line(sft_params):
+    with pytest.raises(ValueError, match=r"^PPOConfig.kv_cache_dtype='bfloat16' with rollout_engine='paged'; "
+                                         r"expected None \(the actor's compute dtype\) or 'int8'"):
+        ppo.PPOConfig(rollout_engine="paged", kv_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"^PPOConfig.rollout_kv_memory_gb=1.0 with rollout_engine='static'; "
+                                         r"expected it with rollout_engine='paged' only"):
+        ppo.PPOConfig(rollout_kv_memory_gb=1.0)
+    with pytest.raises(ValueError, match=r"^PPOConfig.rollout_engine='vllm' is out of range"):
+        ppo.PPOConfig(rollout_engine="vllm")
+    with pytest.raises(ValueError, match=r"^PPOConfig.rollout_kv_memory_gb=1e-09 holds less than one row of 14 "
+                                         r"tokens"):
+        _ppo(sft_params, engine.make_mesh(devices=jax.devices()[:1]), rollout_engine="paged",
+             rollout_kv_memory_gb=1e-9)
