@@ -6,6 +6,11 @@ prompt.
   python scripts/generate.py --workdir=workdir_seq2seq --prompts='owl cat yak bee'
   python scripts/generate.py --init_from=/path/to/hf_llama --prompts_file=prompts.txt --mesh=1,1,-1 --temperature=0.7
   python scripts/generate.py --init_from=/path/to/hf_llama --init_adapter=/path/to/peft_adapter --quantize=int8
+  python scripts/generate.py --init_from=/path/to/hf_llama --prompts_file=prompts.txt --engine=paged --batch_size=64
+
+--engine=paged serves every prompt through one `models.PagedEngine` (continuous batching over a paged KV cache,
+--batch_size sequences in flight, equal prompts sharing their pages): greedy text equal to the static path's;
+sampled prompt n draws with seed --seed + n (not the static path's draws); decoder-only models, no beam search.
 """
 import os
 
@@ -30,7 +35,10 @@ flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt at mos
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
 flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this total probability (1: all).")
-flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
+flags.DEFINE_integer("batch_size", 32, "Prompts per generate call (--engine=paged: sequences in flight).")
+flags.DEFINE_enum("engine", "static", ["static", "paged"], "static: models.generate over batches of --batch_size "
+                  "prompts; paged: continuous batching of all of them over a paged KV cache (models.PagedEngine).")
+flags.DEFINE_integer("page_size", 16, "--engine=paged: tokens per page of the KV cache.", lower_bound=1)
 flags.DEFINE_integer("num_beams", 1, "Beam search with this many beams per prompt (1: greedy or sampling); "
                      "deterministic, so not with --temperature > 0.")
 flags.DEFINE_float("length_penalty", 1.0, "Beam search: a hypothesis scores its summed log-probability / its length "
@@ -86,18 +94,47 @@ def main(argv):
     # A model tuned on prompt/response rows (SFT, DPO, PPO) answers after the separator it was trained with.
     sep = preference.separator(tokenizer) if task in ("sft", "dpo", "ppo") else None
     after_prompt = () if sep is None else (sep,)
+    kv_cache_dtype = None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype
+    if FLAGS.engine == "paged":
+        show(prompts, paged_texts(model, params, tokenizer, prompts, after_prompt, kv_cache_dtype))
+        return
     for start in range(0, len(prompts), FLAGS.batch_size):
         batch = prompts[start:start + FLAGS.batch_size]
         outs = lm.generate_texts(model, params, tokenizer, batch, max_new_tokens=FLAGS.max_new_tokens,
                                    temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
                                    top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + start,
-                                   after_prompt=after_prompt,
-                                   kv_cache_dtype=None if FLAGS.kv_cache_dtype == "auto" else FLAGS.kv_cache_dtype,
+                                   after_prompt=after_prompt, kv_cache_dtype=kv_cache_dtype,
                                    num_beams=FLAGS.num_beams, length_penalty=FLAGS.length_penalty,
                                    early_stopping={"true": True, "false": False}.get(FLAGS.early_stopping, "never"))
-        if jax.process_index() == 0:
-            for prompt, out in zip(batch, outs):
-                print(f"--- {prompt!r}:\n{out}", flush=True)
+        show(batch, outs)
+
+
+def show(prompts, outs):
+    if jax.process_index() == 0:
+        for prompt, out in zip(prompts, outs):
+            print(f"--- {prompt!r}:\n{out}", flush=True)
+
+
+def paged_texts(model, params, tokenizer, prompts, after_prompt, kv_cache_dtype):
+    """Every prompt's continuation (decoded up to EOS) through one PagedEngine, --batch_size in flight, a pool that
+    holds --batch_size of the longest request."""
+    if getattr(model, "is_encoder_decoder", False) or FLAGS.num_beams > 1 or kv_cache_dtype not in (None, "int8"):
+        raise ValueError(f"--engine=paged with a {type(model).__name__}, --num_beams={FLAGS.num_beams}, "
+                         f"--kv_cache_dtype={FLAGS.kv_cache_dtype}; expected a decoder-only model, --num_beams=1 and "
+                         "--kv_cache_dtype auto or int8")
+    encoded = [tokenizer.encode(p) + list(after_prompt) for p in prompts]
+    for n, (prompt, tokens) in enumerate(zip(prompts, encoded)):
+        if not tokens:
+            raise ValueError(f"prompt {n} ({prompt!r}) has no tokens; expected a non-empty prompt")
+    max_len = max(len(t) for t in encoded) + FLAGS.max_new_tokens
+    requests = [dict(prompt_ids=tokens, max_new_tokens=FLAGS.max_new_tokens, eos_id=tokenizer.eos_id,
+                     temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
+                     top_p=FLAGS.top_p if FLAGS.top_p < 1 else None, seed=FLAGS.seed + n)
+                for n, tokens in enumerate(encoded)]
+    new = models.generate_continuous(model, params, requests, max_batch=FLAGS.batch_size, page_size=FLAGS.page_size,
+                                     num_pages=FLAGS.batch_size * -(-max_len // FLAGS.page_size),
+                                     cache_dtype=kv_cache_dtype, max_len=max_len)
+    return [tokenizer.decode([i for i in row if i != tokenizer.eos_id]) for row in new]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """models.paged_generate: continuous batching over a paged KV cache, against `models.generate` (greedy), and the
 scheduler's invariants (every request finished, no page leaked, first come first served, one decode compile)."""
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +10,10 @@ import pytest
 
 import engine
 import models
+from tests.prewarmed import run_scripts
+from tests.xla_flags import cpu_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _model(family, **overrides):
@@ -216,3 +223,20 @@ def test_parameters_sharded_over_a_mesh():
     settings = dict(max_batch=2, page_size=4, num_pages=10)
     assert models.generate_continuous(model, sharded, requests, **settings) == \
         models.generate_continuous(model, params, requests, **settings)
+
+
+@pytest.mark.slow
+def test_generate_script_paged_engine_equals_static(tmp_path):
+    """scripts/generate.py --engine=paged on a tiny LLaMA Hugging Face directory: the same greedy text as the static
+    path, prompts from --prompts_file (two equal, so sharing pages) on fewer slots than prompts."""
+    model = models.create_model("llama", "tiny", vocab_size=320)  # byte-level tokens need 320
+    models.save_pretrained(model, models.init_params(model, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
+    (tmp_path / "prompts.txt").write_text("the cat\nowl\n\nthe cat\nsat on a mat\n")
+    args = [f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--prompts_file={tmp_path / 'prompts.txt'}",
+            "--max_new_tokens=6", "--batch_size=2"]
+    env = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu")
+    (code, static, err), (paged_code, paged, paged_err) = run_scripts(
+        [("generate.py", *args), ("generate.py", *args, "--engine=paged", "--page_size=4")], env, ROOT)
+    assert code == 0 and paged_code == 0, err[-2000:] + paged_err[-2000:]
+    assert re.findall(r"^--- '(.*)':$", paged, re.M) == ["the cat", "owl", "the cat", "sat on a mat"]
+    assert paged == static
