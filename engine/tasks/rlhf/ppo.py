@@ -61,10 +61,10 @@ _STATS = ("score", "kl", "response_tokens", "ended")
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
     """max_new_tokens: response length at most; temperature: of the rollouts' sampling (0: greedy); kl_coef: the
-    per-token KL penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for the value
-    change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; unfinished_reward: when
-    set, the reward of a response cut off at max_new_tokens before its EOS (TRL's non-EOS penalty): a learnt reward
-    model has only seen finished responses and may score unfinished ones highly, which PPO then exploits.
+    per-token KL penalty towards the reference; clip_ratio: PPO's epsilon for the probability ratio; value_clip: for
+    the value change; value_coef: weight of the value loss; gamma, lam: GAE's discount and lambda; unfinished_reward:
+    when set, the reward of a response cut off at max_new_tokens before its EOS (TRL's non-EOS penalty): a learnt
+    reward model has only seen finished responses and may score unfinished ones highly, which PPO then exploits.
     kv_cache_dtype: the rollouts' KV cache storage (None: the actor's compute dtype; 'int8': half of bf16's bytes,
     `models.generate`); the rows are scored by full forward passes, so only the sampling sees its rounding.
     rollout_engine: 'static' (`models.generate`: one left-padded batch, a contiguous cache of prompt +
@@ -270,7 +270,8 @@ class PPO:
                 one_row = -(-seq_len // _PAGE_SIZE) * models.page_bytes(actor, _PAGE_SIZE, config.kv_cache_dtype)
                 if config.rollout_kv_memory_gb * 2 ** 30 < one_row:
                     raise ValueError(f"PPOConfig.rollout_kv_memory_gb={config.rollout_kv_memory_gb} holds less than "
-                                     f"one row of {seq_len} tokens ({one_row / 2 ** 30:.3g} GB); expected at least that")
+                                     f"one row of {seq_len} tokens ({one_row / 2 ** 30:.3g} GB); expected at least "
+                                     "that")
         self.paged_engine = None  # the rollouts' models.PagedEngine, made at the first paged rollout and kept
 
     # -------------------------------------------------------------------------------------------- scoring, loss
@@ -322,8 +323,9 @@ class PPO:
         for n, (prompt, response) in enumerate(zip(tokens, responses)):
             ids, labels, segments, cut = preference.token_row(prompt, response, self.seq_len)
             if cut or capped[n]:
+                more = "+" if capped[n] else ""  # the paged engine stopped it at the row's end
                 raise ValueError(f"seq_len={self.seq_len}: prompt {n} ({len(prompt)} tokens with the separator) and "
-                                 f"its response ({len(response)}{'+' if capped[n] else ''}) do not fit; expected seq_len >= the longest "
+                                 f"its response ({len(response)}{more}) do not fit; expected seq_len >= the longest "
                                  "prompt + max_new_tokens - 1")
             rows.append({"input_ids": ids, "labels": labels, "segment_ids": segments})
         frozen = {} if self.ref_from_actor else {"ref": self.ref_params}
