@@ -32,7 +32,7 @@ flags.DEFINE_string("target", "cpu", "What to compile for: 'cpu' (simulated CPU 
                     "'tpu:<generation>-<n>[x<slices>]' (tpu:v5p-8, tpu:v5e-8, tpu:v4-8, tpu:v6e-8, tpu:v5e-16x2).")
 flags.DEFINE_integer("num_devices", None, "Devices to plan on (default: 8 simulated CPU devices, or every chip of "
                      "--target).", lower_bound=1)
-flags.DEFINE_string("mesh", None, "Mesh sizes data,fsdp,model (their product is --num_devices; default 1,N,1).")
+flags.DEFINE_string("mesh", None, "Mesh sizes data,fsdp,model[,expert] (their product is --num_devices; default 1,N,1).")
 flags.DEFINE_integer("zero_stage", 0, "0, 1 or 2.")
 flags.DEFINE_integer("per_device_batch_size", 1, "Rows per device per micro-batch.", lower_bound=1)
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.", lower_bound=2)

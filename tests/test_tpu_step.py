@@ -129,6 +129,31 @@ def test_llama7b_pipeline_and_context_meshes_compile(generation, kind):
     assert (r["stages"], r["context"]) == ((2, 1) if kind == "pipeline" else (1, 2))
 
 
+# ---- expert parallelism ----
+
+_SMALL_MIXTRAL = {"num_layers": 2, "hidden_size": 1024, "intermediate_size": 2048, "num_heads": 8, "num_kv_heads": 8,
+                  "vocab_size": 32000}
+_MOE_WORKER = """
+import json, sys
+from engine.tasks import planning
+from tests.test_tpu_step import _SMALL_MIXTRAL
+print(json.dumps(planning.plan(model="mixtral", model_config="mixtral-8x7b", config_overrides=_SMALL_MIXTRAL,
+                               target="tpu:v5p-8", mesh=sys.argv[1], seq_len=2048, step="auto")))
+"""
+
+
+@pytest.mark.parametrize("mesh", ["1,1,1,4", "1,2,1,2"])
+def test_mixtral_expert_parallel_step_compiles_with_the_mosaic_grouped_matmul(mesh):
+    """A two-layer Mixtral (8 experts, top-2) on v5p-8 with its experts over `expert` (alone, and beside fsdp): the
+    shard_map step, the Mosaic grouped matmul inside the layer's all-to-all exchange, compiles and fits."""
+    tpu_devices("v5p")
+    proc = _run(["-c", _MOE_WORKER, mesh])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["step"] == "shard_map" and r["mesh"] == [int(x) for x in mesh.split(",")] and r["fits"]
+    assert r["collective_bytes"]["all-to-all"] > 0 and r["bytes_by_axes"]["expert"] > 0
+
+
 # ---- the overlap flags ----
 
 _SMALL_LLAMA = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "num_layers": 4,
