@@ -250,7 +250,7 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
         trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
         local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
         args = [Sharded(x, pl.gather, s.compute_type(x), s.reduce_dtype, int8=s.int8,
-                        layout=s.layout(x.shape, x.dtype)) if pl.gather
+                        layout=s.layout(x.shape, x.dtype), auto=pl.auto_spec) if pl.gather
                 else x.astype(s.compute_type(x)) for x, pl in zip(local_leaves, layout.plans)]
         flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
         loss, metrics = out_tree.unflatten(eval_gathering(closed.jaxpr, closed.consts, flat_in, s.remat))
