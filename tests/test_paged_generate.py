@@ -228,15 +228,20 @@ def test_parameters_sharded_over_a_mesh():
 @pytest.mark.slow
 def test_generate_script_paged_engine_equals_static(tmp_path):
     """scripts/generate.py --engine=paged on a tiny LLaMA Hugging Face directory: the same greedy text as the static
-    path, prompts from --prompts_file (two equal, so sharing pages) on fewer slots than prompts."""
+    path, prompts from --prompts_file (two equal, so sharing pages) on fewer slots than prompts; beam search refused
+    in one line."""
     model = models.create_model("llama", "tiny", vocab_size=320)  # byte-level tokens need 320
     models.save_pretrained(model, models.init_params(model, jax.random.PRNGKey(0)), str(tmp_path / "hf"))
     (tmp_path / "prompts.txt").write_text("the cat\nowl\n\nthe cat\nsat on a mat\n")
     args = [f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--prompts_file={tmp_path / 'prompts.txt'}",
             "--max_new_tokens=6", "--batch_size=2"]
     env = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu")
-    (code, static, err), (paged_code, paged, paged_err) = run_scripts(
-        [("generate.py", *args), ("generate.py", *args, "--engine=paged", "--page_size=4")], env, ROOT)
+    (code, static, err), (paged_code, paged, paged_err), (beams_code, _, beams_err) = run_scripts(
+        [("generate.py", *args), ("generate.py", *args, "--engine=paged", "--page_size=4"),
+         ("generate.py", *args, "--engine=paged", "--num_beams=2")], env, ROOT)
     assert code == 0 and paged_code == 0, err[-2000:] + paged_err[-2000:]
     assert re.findall(r"^--- '(.*)':$", paged, re.M) == ["the cat", "owl", "the cat", "sat on a mat"]
     assert paged == static
+    assert beams_code == 2 and beams_err.strip().splitlines()[-1] == (
+        "error: --engine=paged with a Llama, --num_beams=2, --kv_cache_dtype=auto; expected a decoder-only model, "
+        "--num_beams=1 and --kv_cache_dtype auto or int8")
