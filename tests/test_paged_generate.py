@@ -167,8 +167,10 @@ def test_int8_pages_equal_generates_int8_cache():
     """int8 pages with kernels.quantize_kv's scales decode as generate(kv_cache_dtype='int8') does."""
     model, params = _model("llama")
     requests = _requests(4, 3, model.config.vocab_size)
+    requests[1]["prompt_ids"] = requests[0]["prompt_ids"]  # shared int8 pages (and scales), copied on write
     engine, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=10, cache_dtype="int8")
     assert engine._pools["k_pages"].dtype == jnp.int8
+    assert engine.prefills == len(requests) - 1
     assert out == _reference(model, params, requests, kv_cache_dtype="int8")
 
 
@@ -179,7 +181,9 @@ def test_families(family, overrides):
     """Local / global layers with soft-caps (Gemma 2: the split cache), a scanned stack, q / k norms, experts."""
     model, params = _model(family, **overrides)
     requests = _requests(3, 4, model.config.vocab_size, max_new=12)
-    _, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=12)
+    requests[1]["prompt_ids"] = requests[0]["prompt_ids"]  # shared pages (Gemma 2: in both pools)
+    engine, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=12)
+    assert engine.prefills == len(requests) - 1
     assert out == _reference(model, params, requests)
 
 
