@@ -77,7 +77,9 @@ def test_moe_layer_equals_a_dense_per_token_reference(norm_topk_prob):
     assert np.abs(np.asarray(grads[0]["router"]["kernel"])).max() > 1e-3  # the router is trained through the weights
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, expert=4), dict(fsdp=2, expert=2, model=2), dict(data=1, expert=8)])
+@pytest.mark.parametrize("mesh", [pytest.param(dict(data=2, expert=4), marks=pytest.mark.slow),
+                                  dict(fsdp=2, expert=2, model=2),
+                                  pytest.param(dict(data=1, expert=8), marks=pytest.mark.slow)])
 def test_expert_parallel_layer_equals_the_dense_reference_and_exchanges_by_all_to_all(mesh):
     """On a mesh with an `expert` axis (rows over the batch axes, the experts over `expert`, their hidden units over
     `model`) the layer's output and gradients equal the per-token loop, and its tokens travel by all-to-all: one
@@ -125,8 +127,10 @@ def test_auto_shard_splits_the_experts_over_expert_from_the_dataflow():
 
 
 @pytest.mark.parametrize("mesh, step, remat", [
-    (dict(data=2, expert=4), "jit", "none"), (dict(fsdp=2, expert=2, model=2), "jit", "none"),
-    (dict(data=2, fsdp=2, expert=2), "shard_map", "none"), (dict(fsdp=2, expert=4), "shard_map", "full")])
+    pytest.param(dict(data=2, expert=4), "jit", "none", marks=pytest.mark.slow),
+    (dict(fsdp=2, expert=2, model=2), "jit", "none"),
+    pytest.param(dict(data=2, fsdp=2, expert=2), "shard_map", "none", marks=pytest.mark.slow),
+    (dict(fsdp=2, expert=4), "shard_map", "full")])
 def test_expert_parallel_trainer_step_equals_one_device(mesh, step, remat):
     """One SGD step of the tiny Mixtral through the Trainer on an expert-parallel mesh equals the step on one device
     (loss, z-loss and every updated weight); the experts stay split over `expert`. remat='full': the shard_map
@@ -153,6 +157,7 @@ def test_expert_parallel_trainer_step_equals_one_device(mesh, step, remat):
         np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_plan_of_an_expert_mesh_holds_a_share_of_the_experts_and_sends_tokens_by_all_to_all():
     """`plan` on data 2 x expert 4 against data 8: the arguments (weights and optimizer state) shrink by the
     experts' three quarters, the step sends all-to-all bytes over `expert` and none without it; fsdp 2 x expert 4
