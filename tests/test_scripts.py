@@ -445,6 +445,7 @@ def test_train_lm_fine_tunes_a_hugging_face_directory(tmp_path, family):
     assert json.loads((tmp_path / "work" / "run.json").read_text())["family"] == family
 
 
+@pytest.mark.slow  # CI time (27 s); the T5 task's loss and packing: tests/test_text_and_scripts.py
 def test_finetune_seq2seq_resumes_and_generate_reads_its_workdir(tmp_path):
     args = [f"--workdir={tmp_path}", "--toy_size=64", "--eval_size=16", "--log_every=4", "--save_every=4",
             "--per_device_batch_size=2", "--mesh=4,1,2", "--learning_rate=1e-2", "--samples=2",
