@@ -163,6 +163,12 @@ ATTENTION_SHAPE = dict(batch=1, seq_len=4096, heads=32, kv_heads=8, head_dim=128
 DECODE_CACHE = 8192
 # The matmuls: 4096 tokens through LLaMA-7B's MLP (4096 -> 11008) and head (32000 words).
 MLP_SHAPE = dict(tokens=4096, model=4096, hidden=11008, vocab=32000)
+# Mixtral-8x7B's experts: 4096 tokens routed top-2 of 8 (8192 rows sorted by expert), 4096 -> 14336 (w1 / w3) and
+# 14336 -> 4096 (w2).
+EXPERTS_SHAPE = dict(rows=8192, model=4096, hidden=14336, experts=8)
+# Paged decoding: one step of 64 sequences with up to 2048 cached tokens each in pages of 16, same heads as
+# `ATTENTION_SHAPE`; the pool holds every sequence's pages (8192).
+PAGED_SHAPE = dict(batch=64, heads=32, kv_heads=8, head_dim=128, max_tokens=2048, page_size=16)
 
 
 def _sds(shape, dtype=jnp.bfloat16):
@@ -176,7 +182,8 @@ def _summed(fn):
 def production_cases():
     """{case: (fn, abstract args, labels of its kernels in lowered order)}: every Triton kernel the project runs
     in training and generation, at `ATTENTION_SHAPE` / `MLP_SHAPE` with the default block sizes."""
-    from kernels.attention import decode_attention, flash_attention, quantize_kv
+    from kernels.attention import decode_attention, flash_attention, paged_attention
+    from kernels.grouped_matmul import grouped_matmul
     from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy
 
     a = ATTENTION_SHAPE
@@ -198,6 +205,16 @@ def production_cases():
     w_int8, w_scale = _sds(w_up.shape, jnp.int8), _sds((m["hidden"],), jnp.float32)
     value_and_grad = lambda f, n: jax.value_and_grad(f, tuple(range(n)))  # noqa: E731
     loss = lambda x, w, labels: jnp.sum(linear_cross_entropy(x, w, labels, implementation="triton"))  # noqa: E731
+    e = EXPERTS_SHAPE
+    group_sizes = _sds((e["experts"],), jnp.int32)
+    experts = lambda x, w, sizes: grouped_matmul(x, w, sizes, implementation="triton")  # noqa: E731
+    p = PAGED_SHAPE
+    max_pages = p["max_tokens"] // p["page_size"]
+    pool_shape = (p["kv_heads"], p["batch"] * max_pages, p["page_size"], p["head_dim"])
+    paged_q, pool, int8_pool = (_sds((p["batch"], p["heads"], p["head_dim"])), _sds(pool_shape),
+                                _sds(pool_shape, jnp.int8))
+    table, lengths, pool_scale = (_sds((p["batch"], max_pages), jnp.int32), _sds((p["batch"],), jnp.int32),
+                                  _sds(pool_shape[:3], jnp.float32))
     # The loss's backward sweeps the vocabulary in chunks (kernels/matmul/_blocks.py); 32000 leaves a last, narrower
     # chunk, whose three kernels are the same code at another width.
     return {
@@ -233,6 +250,23 @@ def production_cases():
             value_and_grad(loss, 2), (x, w_head, labels),
             ("fwd", "bwd: d logits", "bwd: dx", "bwd: dw", "bwd: d logits (last chunk)", "bwd: dx (last chunk)",
              "bwd: dw (last chunk)")),
+        # Mixture-of-experts experts: the up projection (w1 / w3) and the down projection (w2), each forward, dx
+        # (a grouped product against w[g].T) and dw (the transposed product, one [K, N] per expert).
+        "grouped_matmul, Mixtral-8x7B w1": (
+            value_and_grad(_summed(experts), 2), (_sds((e["rows"], e["model"])),
+                                                  _sds((e["experts"], e["model"], e["hidden"])), group_sizes),
+            ("fwd", "bwd: dx", "bwd: dw")),
+        "grouped_matmul, Mixtral-8x7B w2": (
+            value_and_grad(_summed(experts), 2), (_sds((e["rows"], e["hidden"])),
+                                                  _sds((e["experts"], e["hidden"], e["model"])), group_sizes),
+            ("fwd", "bwd: dx", "bwd: dw")),
+        "paged decode": (lambda q, k, v, table, lengths: paged_attention(q, k, v, table, lengths,
+                                                                         implementation="triton"),
+                         (paged_q, pool, pool, table, lengths), ("fwd",)),
+        "paged decode, int8 pages": (
+            lambda q, k, v, table, lengths, ks, vs: paged_attention(q, k, v, table, lengths, k_scale=ks, v_scale=vs,
+                                                                    implementation="triton"),
+            (paged_q, int8_pool, int8_pool, table, lengths, pool_scale, pool_scale), ("fwd",)),
     }
 
 

@@ -48,7 +48,7 @@ def test_every_triton_kernel_compiles_for_sm_90a_within_hopper_limits(reports):
     for label, r in reports.items():
         assert 0 < r.registers <= 255, label
         assert 0 < r.shared_bytes <= gpu_compile.MAX_SHARED_BYTES, label
-        # Hopper's wgmma, or mma.sync where a tile has too few rows for it (decoding: 16-row query tiles).
+        # Hopper's wgmma, or mma.sync where a tile has too few rows for it (decoding, paged too: 16-row query tiles).
         assert "wgmma.mma_async" in r.ptx or ("decode" in label and "mma.sync" in r.ptx), f"{label}: no tensor cores"
 
 
@@ -62,10 +62,10 @@ def test_no_kernel_spills(reports):
 def test_no_kernel_serializes_its_wgmma_and_attention_stays_pipelined(reports):
     serialized = [label for label, r in reports.items() if r.wgmma_serialized]
     assert not serialized, f"ptxas C7515 (wgmma serialized) in {serialized}"
-    # Not by giving the pipelining up: the attention loops copy their kv / q tiles ahead (num_stages) and keep their
-    # wgmma asynchronous.
+    # Not by giving the pipelining up: the attention loops copy their kv / q tiles ahead (num_stages; the paged
+    # kernel its gathered page rows) and keep their wgmma asynchronous.
     for label, r in reports.items():
-        if label.startswith(("attention", "decode")):
+        if label.startswith(("attention", "decode", "paged")):
             assert "async_copy_global_to_local" in r.ttgir, label
         if label.startswith("attention"):
             assert "isAsync = true" in r.ttgir, label
