@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The one prepared run for a lent GPU (the device tool runs it from the repository root), inside a ~520 s budget:
-#   1. kernel correctness (scripts/check_kernels.py: compiled Triton kernels against the float32 reference), then
+#   1. kernel correctness (scripts/check_kernels.py: compiled Triton kernels against the float32 reference, the
+#      grouped matmul at Mixtral-8x7B's experts and paged attention included), then
 #      the main job end to end (scripts/train_lm.py, README line 1, with the Triton MLP and the fused loss too): its
 #      eval losses compare with the CPU run's (scripts/README.md);
 #   2. the benchmark tables of issues 5 and 6 (scripts/bench_kernels.py: flash attention at 2k-16k, the fused
-#      matmuls at LLM sizes, beside XLA and cuDNN; one decoding step against 8k and 32k caches);
+#      matmuls at LLM sizes, beside XLA and cuDNN; one decoding step against 8k and 32k caches), then the grouped
+#      matmul at Mixtral-8x7B's experts (beside its 'xla' path and ragged_dot) and paged decoding (beside
+#      decode_attention): last, so that the older tables still print if the budget runs out;
 #   3. with what is left of the budget, the block-size search (bench_kernels.py --tune): attention at 8k causal, then
 #      the matmuls; interrupted (SIGINT) at the deadline, it still prints what it measured.
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
@@ -40,7 +43,8 @@ if [ "$MODE" != tune ]; then
     --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
     > "$OUT/train_lm.log" 2>&1
   train=$?
-  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul,decode --attention_dropout=0.1 \
+  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --kernels=attention,matmul,decode,grouped,paged \
+    --attention_dropout=0.1 \
     > "$OUT/bench_kernels.log" 2>&1
   bench=$?
 fi
@@ -51,7 +55,7 @@ if [ "$tune_time" -gt 30 ]; then
 fi
 if [ "$MODE" != tune ]; then
   grep -E "blocks|BlockSizes" "$OUT/bench_kernels.log" | head -20
-  grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -80
+  grep -v -E "^[IWE][0-9]{4} " "$OUT/bench_kernels.log" | tail -110
 fi
 # Per search: its title, the fastest two rows, the default and the baseline (all rows are in $OUT/tune.log).
 [ -f "$OUT/tune.log" ] && grep -v -E "^[IWE][0-9]{4} " "$OUT/tune.log" \
