@@ -425,6 +425,9 @@ def _trace_decisions(params, trace_fn, model_size):
                                       for i, (path, s) in enumerate(zip(paths, shapes))]
     analysis.walk(closed.jaxpr, ins)
     analysis.follow_companions()
+    for other, (pid, dims) in analysis.companions.items():  # a quantised expert stack's scales: its expert dim
+        if pid in analysis.experts and dims.get(analysis.experts[pid]) is not None:
+            analysis.experts.setdefault(other, dims[analysis.experts[pid]])
     decided = {paths[pid]: (pdim, analysis.kind[pid]) for pid, pdim in analysis.decided.items()}
     return (decided, {paths[pid] for pid in analysis.used}, {paths[pid]: d for pid, d in analysis.scanned.items()},
             {paths[pid]: d for pid, d in analysis.experts.items()})

@@ -251,7 +251,7 @@ def _load(path, dtype, layout, options, classifier):
             host = host.astype(np.float32 if quantized else expected.dtype)
         values = {our_path[-1]: host}
         if quantized:  # quantised as read, never whole in float on a device
-            values = dict(zip(("kernel", "kernel_scale"), QUANTIZERS[quantized](host)))
+            values = dict(zip((our_path[-1], f"{our_path[-1]}_scale"), QUANTIZERS[quantized](host)))
         for name, array in values.items():
             where = our_path[:-1] + (name,)
             value = (jnp.asarray(array) if shardings is None

@@ -1,5 +1,6 @@
-"""Weight-only storage of the attention and MLP projections (q, k, v, o, gate, up, down): a frozen base for LoRA
-(QLoRA's idea) in the formats of `kernels.matmul.formats`.
+"""Weight-only storage of the attention and MLP projections (q, k, v, o, gate, up, down) and of a mixture's stacked
+experts (gate, up, down [E, ...], with a scale per expert): a frozen base for LoRA (QLoRA's idea) in the formats of
+`kernels.matmul.formats`.
 - 'int8' (a quarter of float32's bytes): each kernel W [..., in, out] becomes `kernel` int8 q = round(W / s) and
   `kernel_scale` float32 s [..., out] = max|W[:, j]| / 127; layers.Linear computes (x q) s.
 - 'nf4' (QLoRA's 4-bit NormalFloat, 4.5 bits a weight): `kernel` uint8 [..., in / 2, out] (two codes a byte) and
@@ -19,17 +20,26 @@ QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4}
 _DEQUANTIZERS = {"int8": dequantize_int8, "nf4": dequantize_nf4}
 
 
+EXPERT_WEIGHTS = ("gate", "up", "down")  # a mixture's stacked experts (layers.MoE), stored quantised like a kernel
+
+
 def is_quantized_kernel(path):
-    """Whether a parameter path (tuple of names) is a projection kernel that `quantize` stores as int8."""
-    return len(path) >= 2 and path[-1] == "kernel" and path[-2] in LORA_TARGETS
+    """Whether a parameter path (tuple of names) is a weight that `quantize` stores quantised: a projection kernel,
+    or one of a mixture's stacked expert weights."""
+    return len(path) >= 2 and ((path[-1] == "kernel" and path[-2] in LORA_TARGETS)
+                               or (path[-2] == "experts" and path[-1] in EXPERT_WEIGHTS))
 
 
 def _map_projections(params, fn, path=()):
+    """params with fn(node, name) applied to every dict holding a quantisable weight `name` (a projection's
+    'kernel', an expert stack's 'gate' / 'up' / 'down')."""
     if not isinstance(params, dict):
         return params
-    if "kernel" in params and is_quantized_kernel(path + ("kernel",)):
-        return fn(params)
-    return {k: _map_projections(v, fn, path + (k,)) for k, v in params.items()}
+    names = [k for k in params if is_quantized_kernel(path + (k,))]
+    for name in names:
+        params = fn(params, name)
+    return {k: v if k in names or k.endswith("_scale") and k[:-len("_scale")] in names
+            else _map_projections(v, fn, path + (k,)) for k, v in params.items()}
 
 
 def quantize(model, params, fmt="int8"):
@@ -41,9 +51,9 @@ def quantize(model, params, fmt="int8"):
         return model, params
     model, params = dequantize(model, params)
 
-    def one(node):
-        q, scale = jax.jit(QUANTIZERS[fmt])(node["kernel"])
-        return {**node, "kernel": q, "kernel_scale": scale}
+    def one(node, name):
+        q, scale = jax.jit(QUANTIZERS[fmt])(node[name])
+        return {**node, name: q, f"{name}_scale": scale}
 
     return model.clone(config=dataclasses.replace(model.config, quantize=fmt)), _map_projections(params, one)
 
@@ -55,8 +65,8 @@ def dequantize(model, params):
         return model, params
     dtype = jnp.dtype(model.config.param_dtype)
 
-    def one(node):
-        kernel = _DEQUANTIZERS[model.config.quantize](node["kernel"], node["kernel_scale"], dtype)
-        return {**{k: v for k, v in node.items() if k != "kernel_scale"}, "kernel": kernel}
+    def one(node, name):
+        weight = _DEQUANTIZERS[model.config.quantize](node[name], node[f"{name}_scale"], dtype)
+        return {**{k: v for k, v in node.items() if k != f"{name}_scale"}, name: weight}
 
     return model.clone(config=dataclasses.replace(model.config, quantize=None)), _map_projections(params, one)

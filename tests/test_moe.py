@@ -192,6 +192,57 @@ def test_train_flops_count_the_experts_a_token_passes_through():
     assert models.train_flops_per_example(moe, 16) == pytest.approx(models.train_flops_per_example(dense, 16) + router)
 
 
+@pytest.mark.parametrize("fmt, tolerance", [("int8", 0.02), ("nf4", 0.25)])
+def test_quantized_experts_are_close_to_float_and_load_quantised_as_read(hf_checkpoint, fmt, tolerance):
+    """A mixture's stacked experts stored as int8 / nf4 with a scale per expert (`models.quantize`, as its
+    projections): logits within `tolerance` of the float model's largest; dequantize gives back float experts; a
+    transformers directory read with quantize='int8' holds what quantising the float read gives (nf4 needs rows in
+    blocks of 64: a model of 128-wide experts, not read)."""
+    if fmt == "int8":
+        _, path = hf_checkpoint("mixtral")
+        model, params = models.load_pretrained(path, scan_layers=True)
+    else:
+        model = models.create_model("mixtral", "tiny", scan_layers=True, hidden_size=128, intermediate_size=128)
+        params = models.init_params(model, jax.random.PRNGKey(0))
+    qmodel, qparams = models.quantize(model, params, fmt)
+    experts = qparams["layers"]["mlp"]["experts"]
+    assert experts["gate"].dtype == (jnp.int8 if fmt == "int8" else jnp.uint8) and "gate_scale" in experts
+    ids = jnp.asarray(IDS)
+    ref = model.apply({"params": params}, ids)
+    assert float(jnp.abs(qmodel.apply({"params": qparams}, ids) - ref).max()) < tolerance * float(jnp.abs(ref).max())
+    _, back = models.dequantize(qmodel, qparams)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    if fmt == "int8":
+        _, read = models.load_pretrained(path, scan_layers=True, quantize=fmt)
+        for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(read)[0], jax.tree.leaves(qparams)):
+            # quantised on the host as read, on the device by `quantize`: scales within float32 rounding, codes
+            # within 1
+            codes = jnp.issubdtype(a.dtype, jnp.integer)
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=0 if codes else 1e-6,
+                                       atol=1.0 if codes else 0, err_msg=jax.tree_util.keystr(p))
+
+
+def test_lora_on_an_int8_mixture_on_an_expert_mesh_trains_the_adapters_alone():
+    """QLoRA on a mixture: int8 experts and projections, adapters on the attention, on data 1 x fsdp 2 x expert 2 x
+    model 2 (each expert's int8 codes and scales split over `expert`): the loss falls and only adapters move."""
+    mesh = engine.make_mesh(fsdp=2, expert=2, model=2)
+    model = models.create_model("mixtral", "tiny", scan_layers=True, lora_rank=4)
+    params = models.add_lora(model, models.init_params(models.create_model("mixtral", "tiny", scan_layers=True),
+                                                       jax.random.PRNGKey(0)))
+    model, params = models.quantize(model, params, "int8")
+    rng = np.random.RandomState(0)
+    rows = [{"tokens": rng.randint(3, 11, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
+            for _ in range(32)]
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
+                             optimizer=optax.adam(3e-2), trainable=models.LORA_TRAINABLE)
+    trainer.fit(rows, per_device_batch_size=2, max_steps=4, log_every=4)
+    assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.1
+    experts = trainer.params["layers"]["mlp"]["experts"]
+    assert experts["gate"].dtype == jnp.int8 and experts["gate_scale"].sharding.spec[1] == "expert"
+    for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(trainer.params)):
+        assert ("lora" in engine.sharding.path_str(p)) != np.array_equal(a, jax.device_get(b)), p
+
+
 def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
     model = models.create_model("mixtral", "tiny")
     with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):

@@ -41,6 +41,22 @@ def lora_a_init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+def quantized_params(module, name, fmt, shape, std):
+    """Declares a fresh quantised weight of float shape [..., K, N] in `module`: `name` ('int8': int8 [..., K, N];
+    'nf4': two codes a byte, uint8 [..., K / 2, N]) and `name`_scale (float32 [..., N]; nf4: [..., K / 64, N]),
+    uniformly random codes scaled to the float init's standard deviation `std` (a real base comes quantised from a
+    float checkpoint: `models.quantize`, `load_pretrained(quantize=...)`). Returns (codes, scale)."""
+    *lead, k, n = shape
+    if fmt == "int8":
+        return (module.param(name, lambda key, s: jax.random.randint(key, s, -127, 128, jnp.int8), tuple(shape)),
+                module.param(f"{name}_scale", lambda key, s: jnp.full(s, std * 3 ** 0.5 / 127), (*lead, n)))
+    if k % NF4_BLOCK:
+        raise ValueError(f"quantize='nf4' on a projection of {k} inputs ({module.name}); expected a multiple of "
+                         f"{NF4_BLOCK}")
+    return (module.param(name, lambda key, s: jax.random.randint(key, s, 0, 256).astype(jnp.uint8), (*lead, k // 2, n)),
+            module.param(f"{name}_scale", lambda key, s: jnp.full(s, std / _NF4_STD), (*lead, k // NF4_BLOCK, n)))
+
+
 class Linear(nn.Module):
     """y = act(x @ kernel + bias), kernel [in, out]. With `implementation` the matmul, bias and activation run fused in
     kernels.fused_matmul. `weight()` gives the kernel as the fused gated MLP reads it; `.bias` the bias.
@@ -65,18 +81,8 @@ class Linear(nn.Module):
         shape = (self.in_features, self.features)
         # Fresh quantised kernels: uniformly random codes scaled to the float init's standard deviation. A real base
         # comes quantised from a float checkpoint (`models.quantize`, `load_pretrained(quantize=...)`).
-        if self.quantize == "int8":
-            self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, -127, 128, jnp.int8), shape)
-            self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std * 3 ** 0.5 / 127),
-                                           (self.features,))
-        elif self.quantize == "nf4":
-            if self.in_features % NF4_BLOCK:
-                raise ValueError(f"quantize='nf4' on a projection of {self.in_features} inputs ({self.name}); "
-                                 f"expected a multiple of {NF4_BLOCK}")
-            self.kernel = self.param("kernel", lambda k, s: jax.random.randint(k, s, 0, 256).astype(jnp.uint8),
-                                     (self.in_features // 2, self.features))
-            self.kernel_scale = self.param("kernel_scale", lambda k, s: jnp.full(s, self.std / _NF4_STD),
-                                           (self.in_features // NF4_BLOCK, self.features))
+        if self.quantize:
+            self.kernel, self.kernel_scale = quantized_params(self, "kernel", self.quantize, shape, self.std)
         else:
             self.kernel = self.param("kernel", nn.initializers.normal(self.std), shape, self.param_dtype)
         self.bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) \

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 import kernels
 from kernels import axes
-from models.layers.linear import Linear, activation
+from kernels.matmul.formats import dequantize_int8, dequantize_nf4
+from models.layers.linear import Linear, activation, quantized_params
 from models.layers.options import Dtype
 from models.layers.parallel import gather_tokens, split_tokens
 
@@ -104,6 +105,7 @@ class MoE(nn.Module):
     implementation: str | None = None
     interpret: bool = False
     sequence_parallel: bool = False
+    quantize: str | None = None
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -121,8 +123,7 @@ class MoE(nn.Module):
         valid = jnp.ones((B * T,), bool) if valid is None or valid.shape != (B, T) else valid.reshape(B * T)
         self._sow_stats(logits.astype(jnp.float32), probs, chosen, valid)
 
-        experts = _Experts(E, D, F, self.std, self.param_dtype, name="experts")()
-        w = tuple(experts[name].astype(self.dtype) for name in ("gate", "up", "down"))
+        w = _Experts(E, D, F, self.std, self.quantize, self.dtype, self.param_dtype, name="experts")()
         ep = kernels.auto_axis_size(axes.EXPERT)
         if ep > 1 and E % ep == 0 :
             out = _expert_parallel(self._ffn, tokens, chosen, w, ep)
@@ -201,19 +202,27 @@ def _expert_parallel(ffn, tokens, chosen, w, ep):
 
 class _Experts(nn.Module):
     """The stacked expert weights: gate and up [E, D, F], down [E, F, D] (a module of their own so they sit under
-    `experts/` apart from the router)."""
+    `experts/` apart from the router), returned as (gate, up, down) in the compute dtype. quantize='int8' / 'nf4'
+    (a frozen base, `models.quantize`): each stored quantised with its `<name>_scale` (layers.Linear's formats, per
+    expert), dequantised here, one layer at a time inside a scanned stack."""
     num_experts: int
     features: int
     hidden: int
     std: float
+    quantize: str | None
+    dtype: Dtype
     param_dtype: Dtype
 
     @nn.compact
     def __call__(self):
         E, D, F = self.num_experts, self.features, self.hidden
-        init = nn.initializers.normal(self.std)
-        return {name: self.param(name, init, (E,) + shape, self.param_dtype)
-                for name, shape in (("gate", (D, F)), ("up", (D, F)), ("down", (F, D)))}
+        shapes = (("gate", (E, D, F)), ("up", (E, D, F)), ("down", (E, F, D)))
+        if not self.quantize:
+            init = nn.initializers.normal(self.std)
+            return tuple(self.param(name, init, shape, self.param_dtype).astype(self.dtype) for name, shape in shapes)
+        dequantize = {"int8": dequantize_int8, "nf4": dequantize_nf4}[self.quantize]
+        return tuple(dequantize(*quantized_params(self, name, self.quantize, shape, self.std), self.dtype)
+                     for name, shape in shapes)
 
 
 def moe_block(config, **kw):
@@ -222,7 +231,7 @@ def moe_block(config, **kw):
     c = config
     return MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size or c.intermediate_size, c.hidden_act,
                c.norm_topk_prob, std=c.initializer_range, implementation=c.mlp_implementation,
-               interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, **kw)
+               interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, quantize=c.quantize, **kw)
 
 
 def router_losses(intermediates):
