@@ -7,10 +7,12 @@ Every row draws fresh random normal inputs, runs the kernel forward and backward
 compares the output and every gradient with the 'xla' implementation run in float32 at the highest matmul precision
 on the same (rounded) inputs, by ||ours - reference|| / ||reference||. Limits (device/METHOD.md): float32 1e-3 (GPU
 matrix units run float32 dots as tf32, about 3e-4), 16-bit inputs 2e-2; a row also passes at no more than twice the
-error of the plain 'xla' path run in the same dtype (shown beside it). A NaN or inf fails. The last row is a small
-LLaMA (scanned, rematerialised) with the kernels in its attention and MLP, its arguments every parameter.
+error of the plain 'xla' path run in the same dtype (shown beside it). A NaN or inf fails. paged_attention is
+forward only (it has no gradient), so its rows compare the output alone. The last row is a small LLaMA (scanned,
+rematerialised) with the kernels in its attention and MLP, its arguments every parameter.
 """
 import sys
+from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 from absl import flags
@@ -23,6 +25,16 @@ flags.DEFINE_enum("size", None, ["small", "large"], "Shapes; default large on an
 flags.DEFINE_integer("seed", 0, "First random key; every row uses a fresh one.")
 
 LIMITS = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+
+
+class Case(NamedTuple):
+    """One row per dtype: `fn(impl_kwargs, *args)`, its args as float shapes (fresh normal draws in the row's dtype)
+    or `make_args(key, dtype)`; `backward`: also compare the gradients of every arg under a random cotangent."""
+    name: str
+    shape: str
+    fn: Callable
+    args: Union[Sequence[tuple], Callable]
+    backward: bool = True
 
 
 def _model_case(small):
@@ -54,12 +66,64 @@ def _model_case(small):
         return [jax.tree.map(lambda p: p.astype(dtype), params)]
 
     cfg = model({}, "float32").config
-    return ("llama layers (scan, remat)", f"B{B} T{T} d{cfg.hidden_size} H{cfg.num_heads}/{cfg.kv_heads} "
-            f"L{cfg.num_layers}", fn, make_args)
+    return Case("llama layers (scan, remat)", f"B{B} T{T} d{cfg.hidden_size} H{cfg.num_heads}/{cfg.kv_heads} "
+                f"L{cfg.num_layers}", fn, make_args)
+
+
+def _grouped_cases(small):
+    """grouped_matmul forward and both backward products (d0: dx = dy @ w[g].T, d1: dw[g] = x[g].T @ dy[g]) at
+    Mixtral-8x7B's experts (top-2 of 8 over 2048 tokens: 4096 rows, 4096 -> 14336) or a small shape. The groups are
+    ragged, one is empty, and the last rows belong to none (padding: zero out, zero dx)."""
+    import jax.numpy as jnp
+
+    import kernels
+    M, K, N, G = (200, 64, 96, 4) if small else (4096, 4096, 14336, 8)
+    weights = [3, 0, 1, 2] if small else [5, 1, 0, 3, 2, 4, 1, 2]  # group 1 (small) / 2 (large) is empty
+    used = M - 8  # padding rows past the last group
+    sizes = [used * w // sum(weights) for w in weights]
+    sizes[-1] += used - sum(sizes)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    return [Case("grouped_matmul ragged", f"{M}x{K}x{N} G{G} sizes {'/'.join(map(str, sizes))}",
+                 lambda impl, x, w: kernels.grouped_matmul(x, w, group_sizes, **impl), [(M, K), (G, K, N)])]
+
+
+def _paged_cases(small):
+    """paged_attention (forward only) for one decoding step: GQA, ragged lengths including an empty sequence and one
+    filling its whole table, pages in a random order of a pool larger than the batch needs; bf16 / f32 pages, and
+    int8 pages (fixed) whose per-token scales are the arguments."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels
+    B, H, KVH, D, T, P = (4, 4, 2, 64, 96, 16) if small else (8, 32, 8, 128, 2048, 16)
+    max_pages, num_pages = T // P, B * (T // P) + 3
+    rng = np.random.RandomState(T)
+    table = jnp.asarray(rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages), jnp.int32)
+    lengths = rng.randint(1, T, B)
+    lengths[0], lengths[-1] = 0, T
+    lengths = jnp.asarray(lengths, jnp.int32)
+    pages = (KVH, num_pages, P, D)
+    k8, v8 = (jnp.asarray(rng.randint(-127, 128, pages), jnp.int8) for _ in range(2))
+
+    def int8_args(key, dtype):
+        kq, ks, kv = jax.random.split(key, 3)
+        scale = lambda k: (jnp.abs(jax.random.normal(k, pages[:3])) / 127).astype(jnp.float32)  # noqa: E731
+        return [jax.random.normal(kq, (B, H, D), jnp.float32).astype(dtype), scale(ks), scale(kv)]
+
+    shape = f"B{B} T{T} page {P} H{H}/{KVH} D{D} lengths {int(lengths.min())}-{int(lengths.max())}"
+    return [
+        Case("paged_attention GQA", shape,
+             lambda impl, q, k, v: kernels.paged_attention(q, k, v, table, lengths, **impl),
+             [(B, H, D), pages, pages], backward=False),
+        Case("paged_attention int8 pages", shape,
+             lambda impl, q, ks, vs: kernels.paged_attention(q, k8, v8, table, lengths, k_scale=ks, v_scale=vs,
+                                                             **impl),
+             int8_args, backward=False),
+    ]
 
 
 def cases(size):
-    """(name, shape text, fn(impl_kwargs, *args), arg shapes or make_args(key, dtype)) per kernel."""
+    """A `Case` per kernel."""
     import jax
     import jax.numpy as jnp
 
@@ -77,28 +141,30 @@ def cases(size):
         return jnp.asarray(out)
 
     return [
-        ("flash_attention causal GQA", f"B{B} T{T} H{H}/{KVH} D{D}",
-         lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, **impl),
-         [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
-        ("flash_attention segments", f"B{B} T{T} H{H} D{D}",
-         lambda impl, q, k, v: kernels.flash_attention(q, k, v, segment_ids=jnp.asarray(np.tile(seg, (B, 1))),
-                                                       **impl),
-         [(B, T, H, D), (B, T, H, D), (B, T, H, D)]),
+        Case("flash_attention causal GQA", f"B{B} T{T} H{H}/{KVH} D{D}",
+             lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, **impl),
+             [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
+        Case("flash_attention segments", f"B{B} T{T} H{H} D{D}",
+             lambda impl, q, k, v: kernels.flash_attention(q, k, v, segment_ids=jnp.asarray(np.tile(seg, (B, 1))),
+                                                           **impl),
+             [(B, T, H, D), (B, T, H, D), (B, T, H, D)]),
         # The mask is a hash computed in the kernel: this row checks the GPU's integer ops give the reference's mask.
-        ("flash_attention dropout 0.1", f"B{B} T{T} H{H}/{KVH} D{D}",
-         lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
-                                                       dropout_rng=jax.random.key(0), **impl),
-         [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
-        ("fused_matmul bias+gelu", f"{N}x{K}x{F}",
-         lambda impl, x, w, b: kernels.fused_matmul(x, w, b, activation="gelu", **impl), [(N, K), (K, F), (F,)]),
-        ("gated_mlp silu", f"{N}x{K}x{F}",
-         lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl), [(N, K), (K, F), (K, F)]),
+        Case("flash_attention dropout 0.1", f"B{B} T{T} H{H}/{KVH} D{D}",
+             lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, dropout_rate=0.1,
+                                                           dropout_rng=jax.random.key(0), **impl),
+             [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
+        Case("fused_matmul bias+gelu", f"{N}x{K}x{F}",
+             lambda impl, x, w, b: kernels.fused_matmul(x, w, b, activation="gelu", **impl), [(N, K), (K, F), (F,)]),
+        Case("gated_mlp silu", f"{N}x{K}x{F}",
+             lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl), [(N, K), (K, F), (K, F)]),
         # int8 weights (fixed) converted in the kernel; the arguments are x and the two column scales.
-        ("gated_mlp int8 weights", f"{N}x{K}x{F}",
-         lambda impl, x, sg, su: kernels.gated_mlp(x, q_gate, q_up, w_gate_scale=sg, w_up_scale=su, **impl),
-         [(N, K), (F,), (F,)]),
-        ("linear_cross_entropy", f"N{N} D{K} V{V}",
-         lambda impl, x, w: kernels.linear_cross_entropy(x, w, labels(N, V), **impl), [(N, K), (K, V)]),
+        Case("gated_mlp int8 weights", f"{N}x{K}x{F}",
+             lambda impl, x, sg, su: kernels.gated_mlp(x, q_gate, q_up, w_gate_scale=sg, w_up_scale=su, **impl),
+             [(N, K), (F,), (F,)]),
+        Case("linear_cross_entropy", f"N{N} D{K} V{V}",
+             lambda impl, x, w: kernels.linear_cross_entropy(x, w, labels(N, V), **impl), [(N, K), (K, V)]),
+        *_grouped_cases(small),
+        *_paged_cases(small),
         _model_case(small),
     ]
 
@@ -126,9 +192,10 @@ def _part_names(args):
     return names
 
 
-def check(name, fn, shapes, dtype, impl, key):
-    """(max relative error over the output and the gradients, the worst part's name, the same error of the plain
-    'xla' implementation run in `dtype`), each against 'xla' in float32 at the highest matmul precision."""
+def check(name, fn, shapes, dtype, impl, key, backward=True):
+    """(max relative error over the output and the gradients (the output alone without `backward`), the worst
+    part's name, the same error of the plain 'xla' implementation run in `dtype`), each against 'xla' in float32 at
+    the highest matmul precision."""
     import jax
     import jax.numpy as jnp
     key, cotangent_key = jax.random.split(key)
@@ -139,6 +206,8 @@ def check(name, fn, shapes, dtype, impl, key):
                 for k, s in zip(jax.random.split(key, len(shapes)), shapes)]
 
     def value_and_vjp(impl, *args):
+        if not backward:
+            return fn(impl, *args)
         out, vjp = jax.vjp(lambda *a: fn(impl, *a), *args)
         cotangent = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
         return out, vjp(cotangent)
@@ -170,10 +239,10 @@ def main(argv):
     for dtype_name in FLAGS.dtypes:
         if dtype_name not in LIMITS:
             raise ValueError(f"--dtypes has {dtype_name!r}; expected some of {sorted(LIMITS)}")
-        for name, shape, fn, shapes in cases(size):
+        for name, shape, fn, shapes, backward in cases(size):
             key, sub = jax.random.split(key)
             try:
-                error, part, plain_error = check(name, fn, shapes, jnp.dtype(dtype_name), impl, sub)
+                error, part, plain_error = check(name, fn, shapes, jnp.dtype(dtype_name), impl, sub, backward)
                 ok = passes(error, plain_error, dtype_name)
                 rows.append((name, shape, dtype_name, f"{error:.2e}", f"{plain_error:.2e}", part,
                              "ok" if ok else "FAIL"))
