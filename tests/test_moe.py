@@ -243,6 +243,30 @@ def test_lora_on_an_int8_mixture_on_an_expert_mesh_trains_the_adapters_alone():
         assert ("lora" in engine.sharding.path_str(p)) != np.array_equal(a, jax.device_get(b)), p
 
 
+def test_dpo_and_grpo_losses_add_the_router_losses():
+    """The DPO and PPO / GRPO losses of a mixture-of-experts policy add its router losses with the config's weights,
+    as the LM loss does: the loss with router_aux_loss_coef=0.5 is the one with 0 plus half the reported term."""
+    from engine.tasks.rlhf import ppo, preference
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, 120, (2, 2, 12)).astype(np.int32)
+    labels = np.where(np.arange(12) >= 6, ids, -100).astype(np.int32)
+    pairs = {"input_ids": ids, "segment_ids": np.ones_like(ids), "labels": labels,
+             "ref_log_probs": rng.randn(2, 2).astype(np.float32)}
+    rows = {k: v.reshape(4, 12) for k, v in pairs.items() if k != "ref_log_probs"}
+    rows.update(old_log_probs=np.zeros((4, 12), np.float32), ref_log_probs=np.zeros((4, 12), np.float32),
+                advantages=rng.randn(4, 12).astype(np.float32))
+    for loss_of in (lambda m: preference.dpo_loss_fn(m)(params, pairs, None, False),
+                    lambda m: ppo.ppo_loss_fn(m, None)({"actor": params}, rows, None, False)):
+        losses = {}
+        for coef in (0.0, 0.5):
+            model = models.create_model("mixtral", "tiny", router_aux_loss_coef=coef)
+            params = models.init_params(model, jax.random.PRNGKey(0))
+            losses[coef] = loss_of(model)
+        (plain, metrics), (weighted, _) = losses[0.0], losses[0.5]
+        assert metrics["load_balancing_loss"] > 1.0
+        assert float(weighted) == pytest.approx(float(plain) + 0.5 * float(metrics["load_balancing_loss"]), rel=1e-5)
+
+
 def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
     model = models.create_model("mixtral", "tiny")
     with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):

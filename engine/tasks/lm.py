@@ -93,26 +93,29 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
         raise ValueError(f"loss_implementation={implementation!r} with a final logit soft-cap ({cap}, Gemma 2); "
                          "expected plain logits (--loss_implementation=plain): the fused head + loss does not cap")
 
-    moe = bool(getattr(getattr(model, "config", None), "num_experts", 0))
-
     def loss_fn(params, batch, rng, is_training):
-        out = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
-                          return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng),
-                          mutable=["intermediates"] if moe else False)
-        if not moe:
-            return loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
-        out, state = out
+        out, sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
+                                 return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
         loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
-        return add_router_losses(model.config, loss, metrics, state.get("intermediates", {}))
+        return add_router_losses(model.config, loss, metrics, sown)
     loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
     return loss_fn
+
+
+def apply_sowing(model, params, *args, **kwargs):
+    """(model.apply({'params': params}, *args, **kwargs), what its layers sowed into 'intermediates'): a mixture of
+    experts' router statistics ({} for any other model, which runs as plain apply)."""
+    if not getattr(getattr(model, "config", None), "num_experts", 0):
+        return model.apply({"params": params}, *args, **kwargs), {}
+    out, state = model.apply({"params": params}, *args, mutable=["intermediates"], **kwargs)
+    return out, state.get("intermediates", {})
 
 
 def add_router_losses(config, loss, metrics, intermediates):
     """(loss + router_aux_loss_coef · load balancing + router_z_loss_coef · z-loss, metrics with both terms) for a
     mixture-of-experts model (`models.layers.router_losses` of the statistics its layers sowed; unchanged when there
     are none, as under a pipeline)."""
-    terms = models.layers.router_losses(intermediates)
+    terms = models.layers.router_losses(intermediates) if intermediates else None
     if terms is None:
         return loss, metrics
     balance, z = terms

@@ -159,10 +159,11 @@ def group_advantages(scores, group_size, scale=True):
 
 
 def _log_probs(actor, params, batch, implementation, interpret):
-    """log pi(label) [B, T] (0 where unlabelled) of `actor` with `params`."""
-    out = actor.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
-                      return_hidden=implementation is not None)
-    return -lm.token_losses(actor, params, out, batch["labels"], implementation, interpret)
+    """(log pi(label) [B, T] (0 where unlabelled) of `actor` with `params`, a mixture of experts' router
+    statistics: `lm.apply_sowing`)."""
+    out, sown = lm.apply_sowing(actor, params, batch["input_ids"], batch["segment_ids"],
+                                return_hidden=implementation is not None)
+    return -lm.token_losses(actor, params, out, batch["labels"], implementation, interpret), sown
 
 
 def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, interpret=False):
@@ -170,7 +171,8 @@ def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, inter
     experience rows: mean over response tokens of the clipped policy loss + value_coef x the clipped value loss;
     metrics policy_loss, value_loss, clip_fraction (tokens whose ratio was clipped), approx_kl (to the rollout's
     policy) and tokens. critic None (GRPO): params {'actor'}, and instead of the value loss kl_coef x the k3
-    estimate of the KL to the reference (the rows' ref_log_probs), metric kl. implementation: as `PPO`'s."""
+    estimate of the KL to the reference (the rows' ref_log_probs), metric kl. implementation: as `PPO`'s. A mixture
+    of experts actor adds its router losses (`lm.add_router_losses`)."""
     c = config
 
     def loss_fn(params, batch, rng, is_training):
@@ -178,7 +180,7 @@ def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, inter
         mask = batch["labels"] >= 0
         n = jnp.maximum(mask.sum(), 1)
         mean = lambda x: jnp.where(mask, x, 0.0).sum() / n  # noqa: E731
-        log_probs = _log_probs(actor, params["actor"], batch, implementation, interpret)
+        log_probs, sown = _log_probs(actor, params["actor"], batch, implementation, interpret)
         log_ratio = jnp.where(mask, log_probs - batch["old_log_probs"], 0.0)
         ratio = jnp.exp(log_ratio)
         adv = batch["advantages"]
@@ -190,12 +192,12 @@ def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, inter
         if critic is None:  # GRPO: the KL to the reference in the loss (k3: unbiased, never negative)
             ref_ratio = jnp.where(mask, batch["ref_log_probs"] - log_probs, 0.0)
             metrics["kl"] = mean(jnp.exp(ref_ratio) - ref_ratio - 1)
-            return policy_loss + c.kl_coef * metrics["kl"], metrics
+            return lm.add_router_losses(getattr(actor, "config", None), policy_loss + c.kl_coef * metrics["kl"], metrics, sown)
         values = critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])
         old, ret = batch["old_values"], batch["returns"]
         clipped = old + jnp.clip(values - old, -c.value_clip, c.value_clip)
         metrics["value_loss"] = mean(0.5 * jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2))
-        return policy_loss + c.value_coef * metrics["value_loss"], metrics
+        return lm.add_router_losses(getattr(actor, "config", None), policy_loss + c.value_coef * metrics["value_loss"], metrics, sown)
     loss_fn.weight_metric = "tokens"
     return loss_fn
 
@@ -281,7 +283,7 @@ class PPO:
     # -------------------------------------------------------------------------------------------- scoring, loss
     def _score(self, params, batch, rng):
         del rng
-        log_probs = lambda p: _log_probs(self.actor, p, batch, self.implementation, self.interpret)  # noqa: E731
+        log_probs = lambda p: _log_probs(self.actor, p, batch, self.implementation, self.interpret)[0]  # noqa: E731
         ref = models.adapters_off(params["actor"]) if self.ref_from_actor else params["ref"]
         out = {"log_probs": log_probs(params["actor"]), "ref_log_probs": log_probs(ref)}
         if self.critic is not None:

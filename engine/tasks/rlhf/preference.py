@@ -210,12 +210,17 @@ def collate_preferences(examples):
 def sequence_log_probs(model, params, batch, *, implementation=None, interpret=False, train=False, rng=None):
     """log p(response | prompt) of both rows of each example: float32 [B, 2]. implementation: None (plain logits)
     or a kernel implementation for the fused head (`lm.token_losses`)."""
+    return _log_probs_and_sown(model, params, batch, implementation, interpret, train, rng)[0]
+
+
+def _log_probs_and_sown(model, params, batch, implementation, interpret, train, rng):
+    """(`sequence_log_probs`, a mixture of experts' router statistics: `lm.apply_sowing`)."""
     B, R, T = batch["input_ids"].shape
     flat = lambda x: x.reshape(B * R, T)  # noqa: E731
-    out = model.apply({"params": params}, flat(batch["input_ids"]), flat(batch["segment_ids"]),
-                      return_hidden=implementation is not None, train=train, rngs=lm.dropout_rngs(rng))
+    out, sown = lm.apply_sowing(model, params, flat(batch["input_ids"]), flat(batch["segment_ids"]),
+                                return_hidden=implementation is not None, train=train, rngs=lm.dropout_rngs(rng))
     losses = lm.token_losses(model, params, out, flat(batch["labels"]), implementation, interpret)
-    return -losses.sum(-1).reshape(B, R)
+    return -losses.sum(-1).reshape(B, R), sown
 
 
 def reference_log_probs(model, params, examples, *, mesh, per_device_batch_size, implementation=None):
@@ -250,7 +255,8 @@ def dpo_loss_fn(model, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, im
     batch must carry 'ref_log_probs' (`with_reference`). With h = (pi_c - ref_c) - (pi_r - ref_r) per triple:
     loss_type 'sigmoid' is DPO's -log sigmoid(beta h), and with label_smoothing e the conservative DPO of labels
     flipped with probability e, -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h); 'ipo' is IPO's
-    (h - 1 / (2 beta))^2 (Azar et al., 2023), which does not drive h to infinity on deterministic preferences."""
+    (h - 1 / (2 beta))^2 (Azar et al., 2023), which does not drive h to infinity on deterministic preferences. A
+    mixture of experts adds its router losses (`lm.add_router_losses`)."""
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
         raise ValueError(f"beta={beta!r}; expected a positive number")
     if loss_type not in DPO_LOSSES:
@@ -263,8 +269,7 @@ def dpo_loss_fn(model, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, im
     def loss_fn(params, batch, rng, is_training):
         if "ref_log_probs" not in batch:
             raise ValueError("the batch has no 'ref_log_probs'; expected examples from preference.with_reference")
-        log_probs = sequence_log_probs(model, params, batch, implementation=implementation, interpret=interpret,
-                                       train=is_training, rng=rng)
+        log_probs, sown = _log_probs_and_sown(model, params, batch, implementation, interpret, is_training, rng)
         chosen, rejected = _rewards(beta, log_probs, batch["ref_log_probs"])
         margin = chosen - rejected
         metrics = {"reward_accuracy": jnp.mean(margin > 0), "reward_margin": jnp.mean(margin),
@@ -274,7 +279,7 @@ def dpo_loss_fn(model, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, im
         else:
             losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(margin) - label_smoothing * jax.nn.log_sigmoid(
                 -margin)
-        return jnp.mean(losses), metrics
+        return lm.add_router_losses(getattr(model, "config", None), jnp.mean(losses), metrics, sown)
     return loss_fn
 
 
