@@ -524,19 +524,36 @@ def _is_adapter(key):
 
 
 def _follow_adapted_kernels(leaves, decisions):
-    """LoRA adapters (`lora_a` [..., in, r], `lora_b` [..., r, out] beside a `kernel` [..., in, out]) follow their
-    kernel: a column-split kernel splits B's columns (A replicated: x A needs no collective), a row-split one A's
+    """LoRA adapters (`lora_a` [..., in, r], `lora_b` [..., r, out] beside a `kernel` [..., in, out], or a mixture's
+    pair beside its expert stack: `_adapted_weight`) follow their kernel: a column-split kernel splits B's columns (A replicated: x A needs no collective), a row-split one A's
     rows (x A is then summed across `model`, only r wide). Traced alone, A's small r dim would be split and B's
     product all-reduced at full width."""
     keys = {"/".join(p) for p, _ in leaves}
     for path, leaf in leaves:
         key = "/".join(path)
-        if path[-1] not in ("lora_a", "lora_b") or "/".join(path[:-1] + ("kernel",)) not in keys:
+        if path[-1] not in ("lora_a", "lora_b") or _adapted_weight(path) not in keys:
             continue
-        dim = decisions.get("/".join(path[:-1] + ("kernel",)), (None, None))[0]
+        dim = decisions.get(_adapted_weight(path), (None, None))[0]
         ndim = len(_shape(leaf))
         follows = (dim == ndim - 1) if path[-1] == "lora_b" else (dim == ndim - 2)
         decisions[key] = (dim if follows else None, "follow")
+
+
+def _adapted_weight(path):
+    """The path of the weight a LoRA adapter (path tuple ending in lora_a / lora_b) belongs to: its `kernel`, or
+    for a mixture's pair `experts/lora/<name>/` the expert stack `experts/<name>`."""
+    if len(path) >= 4 and path[-4:-2] == ("experts", "lora"):
+        return "/".join(path[:-3] + (path[-2],))
+    return "/".join(path[:-1] + ("kernel",))
+
+
+def _follow_expert_adapters(leaves, experts):
+    """A mixture's LoRA pairs (`experts/lora/<name>/lora_a|b` [..., E, in, r] / [..., E, r, out]) take their expert
+    stack's expert dim: traced as plain replicated values (`_is_adapter`), they are not seen entering the grouped
+    matmul themselves."""
+    for path, _ in leaves:
+        if _is_adapter("/".join(path)) and _adapted_weight(path) in experts:
+            experts["/".join(path)] = experts[_adapted_weight(path)]
 
 
 def _follow_stacked_kernels(leaves, stacked):
@@ -675,6 +692,7 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     if trace_fn is not None and (model_size > 1 or stage_size > 1 or expert_size > 1):
         traced, used, stacked, experts = _trace_decisions(params, trace_fn, model_size)
         stacked = _follow_stacked_kernels(leaves, stacked)
+        _follow_expert_adapters(leaves, experts)
     if model_size > 1:
         names = _name_decisions(leaves, model_size)
         if trace_fn is None:

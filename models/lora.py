@@ -1,7 +1,9 @@
 """LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") around the native models.
 
 A config with `lora_rank > 0` gives every projection named in `lora_targets` two float32 adapters beside its kernel,
-`lora_a` [in, rank] and `lora_b` [rank, out] (layers.Linear): y = x W + (x A) B alpha / rank. Training only the
+`lora_a` [in, rank] and `lora_b` [rank, out] (layers.Linear): y = x W + (x A) B alpha / rank; a mixture's expert
+stacks named there (gate, up, down) get a pair per expert under `experts/lora/<name>/` ([E, in, rank], [E, rank,
+out]: layers.MoE; merged like the others, not written as PEFT adapters). Training only the
 adapters (`engine.Trainer(trainable=LORA_TRAINABLE)`) keeps the base weights frozen, so they need no gradient, no
 optimizer state and may be stored in 16 bits or as int8 (`models.quantize`): what lets a 7B model fine-tune on one
 GPU. `add_lora` puts fresh
@@ -58,15 +60,21 @@ def merge_lora(model, params):
         return (without_lora(model) if model.config.lora_rank else model), params
     scale = model.config.lora_alpha / model.config.lora_rank
 
+    def folded(weight, pair):
+        delta = jnp.einsum("...ir,...ro->...io", pair["lora_a"].astype(jnp.float32),
+                           pair["lora_b"].astype(jnp.float32)) * scale
+        return (weight.astype(jnp.float32) + delta).astype(weight.dtype)
+
     def merge(tree):
         if not isinstance(tree, dict):
             return tree
         if "lora_a" in tree and "lora_b" in tree:
-            kernel = tree["kernel"]
-            delta = jnp.einsum("...ir,...ro->...io", tree["lora_a"].astype(jnp.float32),
-                               tree["lora_b"].astype(jnp.float32)) * scale
             merged = {k: v for k, v in tree.items() if k not in ("lora_a", "lora_b")}
-            merged["kernel"] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+            merged["kernel"] = folded(tree["kernel"], tree)
+            return merged
+        if isinstance(tree.get("lora"), dict) and "gate" in tree:  # a mixture's experts: a pair per expert weight
+            merged = {k: v for k, v in tree.items() if k != "lora"}
+            merged.update({name: folded(tree[name], pair) for name, pair in tree["lora"].items()})
             return merged
         return {k: merge(v) for k, v in tree.items()}
 
@@ -124,6 +132,10 @@ def _adapted_modules(model):
 def save_lora_adapter(model, params, path):
     """Writes the LoRA adapters of `params` (a model with lora_rank > 0) as a PEFT adapter directory; the base model
     is what `merge_lora` would fold them into, e.g. the checkpoint the run started from."""
+    if any("/experts/lora/" in f"/{_path(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
+        raise ValueError("save_lora_adapter: the model has LoRA pairs on a mixture's experts, which this PEFT "
+                         "export does not write; expected the merged export (models.save_pretrained, export_hf.py "
+                         "without --peft) or lora_targets without gate, up and down")
     if not model.config.lora_rank or not has_lora(params):
         raise ValueError("save_lora_adapter: expected a model with lora_rank > 0 and parameters holding its adapters")
     from safetensors.numpy import save_file  # noqa: PLC0415

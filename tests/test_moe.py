@@ -222,9 +222,44 @@ def test_quantized_experts_are_close_to_float_and_load_quantised_as_read(hf_chec
                                        atol=1.0 if codes else 0, err_msg=jax.tree_util.keystr(p))
 
 
+def test_lora_on_the_experts_merges_exactly_and_is_split_with_them():
+    """LoRA pairs per expert (`experts/lora/<name>/lora_a|b`, gate / up / down adapted by default): the adapted model
+    equals its merge (x W + x A B alpha / r, expert by expert); on fsdp 2 x expert 2 x model 2 the pairs follow their
+    stack (expert dim; over `model` B of gate / up by columns and A of down by rows) and the output is unchanged;
+    PEFT export and adapter dropout refuse expert pairs in one line."""
+    model = models.create_model("mixtral", "tiny", scan_layers=True, lora_rank=4)
+    params = models.add_lora(model, models.init_params(models.create_model("mixtral", "tiny", scan_layers=True),
+                                                       jax.random.PRNGKey(0)))
+    pairs = params["layers"]["mlp"]["experts"]["lora"]
+    assert sorted(pairs) == ["down", "gate", "up"] and pairs["gate"]["lora_a"].shape == (2, 4, 64, 4)
+    params = jax.tree_util.tree_map_with_path(  # B at random: the adapters change the output
+        lambda p, x: 0.1 * jax.random.normal(jax.random.PRNGKey(3), x.shape) if "lora_b" in jax.tree_util.keystr(p)
+        else x, params)
+    ids = jnp.asarray(np.random.RandomState(0).randint(3, 120, (8, 16)), jnp.int32)
+    out = model.apply({"params": params}, ids)
+    merged_model, merged = models.merge_lora(model, params)
+    base = models.create_model("mixtral", "tiny", scan_layers=True)
+    assert float(jnp.abs(base.apply({"params": models.init_params(base, jax.random.PRNGKey(0))}, ids) - out).max()) > 1e-3
+    np.testing.assert_allclose(merged_model.apply({"params": merged}, ids), out, atol=1e-5)
+    mesh = engine.make_mesh(fsdp=2, expert=2, model=2)
+    batch = lm.collate_lm([{"tokens": np.arange(3, 20, dtype=np.int32), "segment_ids": np.ones(17, np.int32)}] * 8)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: lm.lm_loss_fn(model)(p, batch, None, True))
+    spec = specs["layers"]["mlp"]["experts"]["lora"]
+    assert spec["gate"]["lora_b"][1] == spec["down"]["lora_a"][1] == "expert"
+    assert spec["gate"]["lora_b"][3] == spec["down"]["lora_a"][2] == "model"
+    placed = jax.tree.map(lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), params, specs)
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(jax.jit(lambda p: model.apply({"params": p}, ids))(placed), out, atol=1e-5)
+    with pytest.raises(ValueError, match=r"LoRA pairs on a mixture's experts, which this PEFT export does not write"):
+        models.save_lora_adapter(model, params, "/nonexistent")
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1 with LoRA on the experts \(down, gate, up in "):
+        models.create_model("mixtral", "tiny", lora_rank=4, lora_dropout=0.1)
+
+
 def test_lora_on_an_int8_mixture_on_an_expert_mesh_trains_the_adapters_alone():
-    """QLoRA on a mixture: int8 experts and projections, adapters on the attention, on data 1 x fsdp 2 x expert 2 x
-    model 2 (each expert's int8 codes and scales split over `expert`): the loss falls and only adapters move."""
+    """QLoRA on a mixture: int8 experts and projections, adapters on the attention and on every expert, on data 1 x
+    fsdp 2 x expert 2 x model 2 (each expert's int8 codes, scales and pairs split over `expert`): the loss falls and
+    only adapters move."""
     mesh = engine.make_mesh(fsdp=2, expert=2, model=2)
     model = models.create_model("mixtral", "tiny", scan_layers=True, lora_rank=4)
     params = models.add_lora(model, models.init_params(models.create_model("mixtral", "tiny", scan_layers=True),
@@ -239,6 +274,7 @@ def test_lora_on_an_int8_mixture_on_an_expert_mesh_trains_the_adapters_alone():
     assert trainer.history[-1]["loss"] < trainer.history[0]["loss"] - 0.1
     experts = trainer.params["layers"]["mlp"]["experts"]
     assert experts["gate"].dtype == jnp.int8 and experts["gate_scale"].sharding.spec[1] == "expert"
+    assert experts["lora"]["up"]["lora_a"].sharding.spec[1] == "expert"
     for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(trainer.params)):
         assert ("lora" in engine.sharding.path_str(p)) != np.array_equal(a, jax.device_get(b)), p
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import kernels
 from kernels import axes
 from kernels.matmul.formats import dequantize_int8, dequantize_nf4
-from models.layers.linear import Linear, activation, quantized_params
+from models.layers.linear import Linear, activation, lora_a_init, quantized_params
 from models.layers.options import Dtype
 from models.layers.parallel import gather_tokens, split_tokens
 
@@ -65,6 +65,11 @@ class MoEOptions:
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected a number >= 0")
+        experts_adapted = sorted(set(self.lora_targets) & {"gate", "up", "down"}) if self.lora_rank else []
+        if self.lora_dropout and experts_adapted:
+            raise ValueError(f"lora_dropout={self.lora_dropout} with LoRA on the experts ({', '.join(experts_adapted)} "
+                             "in lora_targets of a mixture of experts); expected lora_dropout=0 or lora_targets "
+                             "without gate, up and down")
         if self.scan_layers and len(set(sparse_layers(self))) > 1:
             raise ValueError(f"scan_layers=True with dense layers among the sparse ones (mlp_only_layers="
                              f"{self.mlp_only_layers}, decoder_sparse_step={self.decoder_sparse_step}); expected "
@@ -106,6 +111,9 @@ class MoE(nn.Module):
     interpret: bool = False
     sequence_parallel: bool = False
     quantize: str | None = None
+    lora_rank: int = 0
+    lora_scale: float = 1.0
+    lora_targets: tuple = ()
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
 
@@ -123,7 +131,8 @@ class MoE(nn.Module):
         valid = jnp.ones((B * T,), bool) if valid is None or valid.shape != (B, T) else valid.reshape(B * T)
         self._sow_stats(logits.astype(jnp.float32), probs, chosen, valid)
 
-        w = _Experts(E, D, F, self.std, self.quantize, self.dtype, self.param_dtype, name="experts")()
+        w = _Experts(E, D, F, self.std, self.quantize, self.lora_rank, self.lora_targets, self.dtype,
+                     self.param_dtype, name="experts")()
         ep = kernels.auto_axis_size(axes.EXPERT)
         if ep > 1 and E % ep == 0 :
             out = _expert_parallel(self._ffn, tokens, chosen, w, ep)
@@ -135,11 +144,17 @@ class MoE(nn.Module):
 
     def _ffn(self, rows, group_sizes, w):
         """The experts' gated MLP on rows sorted by expert (group_sizes rows each; the rows past them come out zero),
-        w = (gate, up, down) stacked over those experts."""
+        w = {'gate', 'up', 'down'} stacked over those experts, and the LoRA pairs '<name>_lora_a' / '_lora_b' of
+        the adapted ones (x W + (x A) B alpha / rank, per expert)."""
         mm = lambda a, b: kernels.grouped_matmul(a, b, group_sizes, implementation=self.implementation,  # noqa
                                                  interpret=self.interpret)
-        gate, up, down = w
-        return mm(activation(self.act)(mm(rows, gate)) * mm(rows, up), down)
+
+        def project(x, name):
+            y = mm(x, w[name])
+            if f"{name}_lora_a" in w:
+                y = y + mm(mm(x, w[f"{name}_lora_a"]), w[f"{name}_lora_b"]) * jnp.asarray(self.lora_scale, y.dtype)
+            return y
+        return project(activation(self.act)(project(rows, "gate")) * project(rows, "up"), "down")
 
     def _sow_stats(self, logits, probs, chosen, valid):
         mask = valid.astype(jnp.float32)
@@ -173,11 +188,11 @@ def _expert_parallel(ffn, tokens, chosen, w, ep):
     P = jax.sharding.PartitionSpec
     rows = P(kernels.batch_axes(kernels.automatic_axes(), N))
     model = kernels.auto_axis_size(axes.MODEL)
-    tp = axes.MODEL if model > 1 and w[0].shape[2] % model == 0 else None
+    tp = axes.MODEL if model > 1 and w["gate"].shape[2] % model == 0 else None
 
-    def local(tokens, chosen, *w):
+    def local(tokens, chosen, w):
         n, D = tokens.shape
-        el, capacity = w[0].shape[0], n * k  # experts per device; rows per block
+        el, capacity = w["gate"].shape[0], n * k  # experts per device; rows per block
         order, counts = _sorted_copies(chosen, el * ep)
         dest = chosen.reshape(-1)[order] // el  # each sorted copy's device
         first = (jnp.cumsum(counts) - counts)[dest * el]  # where its device's copies start among the sorted ones
@@ -196,33 +211,70 @@ def _expert_parallel(ffn, tokens, chosen, w, ep):
         back = exchange(out.reshape(ep, capacity, D)).reshape(ep * capacity, D)
         return back[slot][jnp.argsort(order)].reshape(n, k, D)
 
-    experts = (P(axes.EXPERT, None, tp), P(axes.EXPERT, None, tp), P(axes.EXPERT, tp, None))
-    return kernels.shard(local, (tokens, chosen) + w, (rows, rows) + experts, rows, "xla", every_axis=True)
+    # Megatron's pair over `model`: gate and up (and their B) split by columns, down (and its A) by rows
+    columns, rows_split = P(axes.EXPERT, None, tp), P(axes.EXPERT, tp, None)
+    specs = {name: columns if name in ("gate", "up", "gate_lora_b", "up_lora_b") else rows_split
+             if name in ("down", "down_lora_a") else P(axes.EXPERT) for name in w}
+    return kernels.shard(local, (tokens, chosen, w), (rows, rows, specs), rows, "xla", every_axis=True)
 
 
 class _Experts(nn.Module):
     """The stacked expert weights: gate and up [E, D, F], down [E, F, D] (a module of their own so they sit under
-    `experts/` apart from the router), returned as (gate, up, down) in the compute dtype. quantize='int8' / 'nf4'
-    (a frozen base, `models.quantize`): each stored quantised with its `<name>_scale` (layers.Linear's formats, per
-    expert), dequantised here, one layer at a time inside a scanned stack."""
+    `experts/` apart from the router), returned as {'gate', 'up', 'down'} in the compute dtype. quantize='int8' /
+    'nf4' (a frozen base, `models.quantize`): each stored quantised with its `<name>_scale` (layers.Linear's
+    formats, per expert), dequantised here, one layer at a time inside a scanned stack. lora_rank > 0: the weights
+    named in lora_targets get a LoRA pair per expert under `lora/<name>/` (lora_a [E, in, r], lora_b [E, r, out]),
+    returned as '<name>_lora_a' / '<name>_lora_b'."""
     num_experts: int
     features: int
     hidden: int
     std: float
     quantize: str | None
+    lora_rank: int
+    lora_targets: tuple
     dtype: Dtype
     param_dtype: Dtype
 
     @nn.compact
     def __call__(self):
         E, D, F = self.num_experts, self.features, self.hidden
-        shapes = (("gate", (E, D, F)), ("up", (E, D, F)), ("down", (E, F, D)))
+        shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
         if not self.quantize:
             init = nn.initializers.normal(self.std)
-            return tuple(self.param(name, init, shape, self.param_dtype).astype(self.dtype) for name, shape in shapes)
-        dequantize = {"int8": dequantize_int8, "nf4": dequantize_nf4}[self.quantize]
-        return tuple(dequantize(*quantized_params(self, name, self.quantize, shape, self.std), self.dtype)
-                     for name, shape in shapes)
+            w = {name: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
+                 for name, shape in shapes.items()}
+        else:
+            dequantize = {"int8": dequantize_int8, "nf4": dequantize_nf4}[self.quantize]
+            w = {name: dequantize(*quantized_params(self, name, self.quantize, shape, self.std), self.dtype)
+                 for name, shape in shapes.items()}
+        adapted = {name: shape for name, shape in shapes.items() if self.lora_rank and name in self.lora_targets}
+        if adapted:
+            pairs = _ExpertAdapters(adapted, self.lora_rank, name="lora")()
+            w.update({f"{name}_{part}": v.astype(self.dtype) for name, pair in pairs.items()
+                      for part, v in pair.items()})
+        return w
+
+
+class _ExpertAdapters(nn.Module):
+    """LoRA pairs per expert, {name: {'lora_a' [E, in, r], 'lora_b' [E, r, out]}} (B zero: a fresh pair changes
+    nothing), float32 like every adapter."""
+    shapes: dict
+    rank: int
+
+    @nn.compact
+    def __call__(self):
+        return {name: _ExpertPair(shape, self.rank, name=name)() for name, shape in self.shapes.items()}
+
+
+class _ExpertPair(nn.Module):
+    shape: tuple
+    rank: int
+
+    @nn.compact
+    def __call__(self):
+        E, fan_in, fan_out = self.shape
+        return {"lora_a": self.param("lora_a", lora_a_init, (E, fan_in, self.rank), jnp.float32),
+                "lora_b": self.param("lora_b", nn.initializers.zeros, (E, self.rank, fan_out), jnp.float32)}
 
 
 def moe_block(config, **kw):
@@ -231,7 +283,9 @@ def moe_block(config, **kw):
     c = config
     return MoE(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size or c.intermediate_size, c.hidden_act,
                c.norm_topk_prob, std=c.initializer_range, implementation=c.mlp_implementation,
-               interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, quantize=c.quantize, **kw)
+               interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, quantize=c.quantize,
+               lora_rank=c.lora_rank, lora_scale=c.lora_alpha / max(c.lora_rank, 1),
+               lora_targets=tuple(t for t in c.lora_targets if t in ("gate", "up", "down")), **kw)
 
 
 def router_losses(intermediates):
