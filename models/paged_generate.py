@@ -30,28 +30,25 @@ import numpy as np
 
 import kernels
 from models.generate import _bucket, _mesh_of
-from models.layers.decoder import DecoderLM, sliding_layers
+from models.layers.decoder import DecoderLM
 
 
 def paged_cache(model, num_pages, page_size, dtype=None):
-    """Zeroed page pools of a decoder: {'k_pages', 'v_pages': [layers, kv_heads, num_pages + 1, page_size,
-    head_dim]} (the last page the scratch page) in `dtype` (default the compute dtype; int8 adds float32 'k_scale',
-    'v_scale' [layers, kv_heads, num_pages + 1, page_size], `kernels.quantize_kv`'s); a stack whose layers differ in
-    their window (Gemma) holds {'full', 'sliding'}, each over its own layers, as `layers.empty_cache`."""
+    """Zeroed page pools of a decoder, one per layer: [{'k_pages', 'v_pages': [kv_heads, num_pages + 1, page_size,
+    head_dim]}] (the last page the scratch page) in `dtype` (default the compute dtype; int8 adds float32 'k_scale',
+    'v_scale' [kv_heads, num_pages + 1, page_size], `kernels.quantize_kv`'s). A list, not a stack, so each layer
+    updates its own pool in place (slicing a stacked pool copies it every step)."""
     c = model.config
     dtype = jnp.dtype(dtype or c.dtype)
 
-    def stack(n):
-        shape = (n, c.kv_heads, num_pages + 1, page_size, c.dim_per_head)
-        pools = {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
+    def pools():
+        shape = (c.kv_heads, num_pages + 1, page_size, c.dim_per_head)
+        out = {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
         if dtype == jnp.int8:
-            pools.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
-        return pools
+            out.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
+        return out
 
-    sliding = sliding_layers(c)
-    if len(set(sliding)) > 1:
-        return {"full": stack(sliding.count(False)), "sliding": stack(sliding.count(True))}
-    return stack(c.num_layers)
+    return [pools() for _ in range(c.num_layers)]
 
 
 def page_bytes(model, page_size, dtype=None):
@@ -206,6 +203,11 @@ class PagedEngine:
         return bool(self._waiting) or any(r is not None for r in self._slots)
 
     @property
+    def cache_dtype(self):
+        """The pages' dtype (int8 for a quantised cache)."""
+        return self._pools[0]["k_pages"].dtype
+
+    @property
     def held_pages(self):
         """{request id: its pages} of the running sequences (a shared prompt page under each of its holders)."""
         return {r.id: list(r.pages) for r in self._slots if r is not None}
@@ -351,8 +353,8 @@ class PagedEngine:
 
 
 def _copy_pages(pools, source, copy):
-    """The pools with page source[i] copied to page copy[i] in every layer (leaves [layers, kv_heads, pages, ...])."""
-    return jax.tree.map(lambda x: x.at[:, :, copy].set(x[:, :, source]), pools)
+    """The pools with page source[i] copied to page copy[i] in every layer (leaves [kv_heads, pages, ...])."""
+    return jax.tree.map(lambda x: x.at[:, copy].set(x[:, source]), pools)
 
 
 def _power_of_two(n):

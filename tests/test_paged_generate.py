@@ -169,7 +169,7 @@ def test_int8_pages_equal_generates_int8_cache():
     requests = _requests(4, 3, model.config.vocab_size)
     requests[1]["prompt_ids"] = requests[0]["prompt_ids"]  # shared int8 pages (and scales), copied on write
     engine, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=10, cache_dtype="int8")
-    assert engine._pools["k_pages"].dtype == jnp.int8
+    assert engine.cache_dtype == jnp.int8
     assert engine.prefills == len(requests) - 1
     assert out == _reference(model, params, requests, kv_cache_dtype="int8")
 

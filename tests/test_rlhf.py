@@ -208,7 +208,7 @@ def test_rollouts_with_an_int8_kv_cache_score_what_they_sample(sft_params):
     # The paged engine's pages in int8 (kernels.quantize_kv's, as generate's int8 cache): the same greedy tokens.
     task8.config = dataclasses.replace(task8.config, rollout_engine="paged")
     assert task8.generate_and_score(params, prompts, seed=3, temperature=0.0)[0] == greedy8
-    assert task8.paged_engine._pools["k_pages"].dtype == jnp.int8
+    assert task8.paged_engine.cache_dtype == jnp.int8
     with pytest.raises(ValueError, match="PPOConfig.kv_cache_dtype='int4' is out of range"):
         ppo.PPOConfig(kv_cache_dtype="int4")
 

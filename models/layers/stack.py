@@ -51,7 +51,7 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
                              "layer weights); got scan_layers=False")
         if not owner.is_initializing():
             return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer), None
-    if per_layer is not None and cache is not None and scan and not owner.is_initializing():
+    if (per_layer is not None or isinstance(cache, list)) and cache is not None and scan and not owner.is_initializing():
         return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
@@ -74,6 +74,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
 def _layer_caches(cache, per_layer, num_layers):
     """[(kind, layer i's cache)]: slices of a stacked cache (kind None), or, with per_layer (a split cache), of the
     part ('full' or 'sliding') of each layer's kind."""
+    if isinstance(cache, list):  # a cache per layer (paged pools): used as it is, never sliced out of a stack
+        return [(list, c) for c in cache]
     kinds = [None if per_layer is None else ("sliding" if per_layer["sliding"][i] else "full")
              for i in range(num_layers)]
     out, taken = [], {}
@@ -85,6 +87,8 @@ def _layer_caches(cache, per_layer, num_layers):
 
 def _restack(caches):
     """[(kind or None, layer cache)] in layer order -> the stacked cache (split by kind when kinds are given)."""
+    if caches[0][0] is list:
+        return [c for _, c in caches]
     stacked = lambda cs: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *cs)  # noqa: E731
     if caches[0][0] is None:
         return stacked([c for _, c in caches])
@@ -97,8 +101,9 @@ def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_lay
     block, weights = block_cls(parent=None, **block_kwargs), owner.variables["params"][name]
     caches = _layer_caches(cache, per_layer, num_layers)
     for i, (kind, layer_cache) in enumerate(caches):
+        layer = () if per_layer is None else ({k: v[i] for k, v in per_layer.items()},)
         x, layer_cache = block.apply({"params": jax.tree_util.tree_map(lambda w: w[i], weights)}, x, ctx,
-                                     layer_cache, {k: v[i] for k, v in per_layer.items()})
+                                     layer_cache, *layer)
         caches[i] = (kind, layer_cache)
     return x, _restack(caches)
 
