@@ -15,8 +15,8 @@
 The `model` and `context` axes are innermost (their all-reduces and all-to-alls sit on every layer's path) so that,
 on several hosts, they stay inside one host's fast interconnect (NVLink / ICI)
 and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout): devices are
-placed stage-major, then data, fsdp, expert, context, model. The axes' order in the mesh differs from that placement because XLA
-(JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.
+placed stage-major, then data, fsdp, expert, context, model. The axes' order in the mesh differs from that placement
+because XLA (JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.
 """
 import math
 

@@ -420,9 +420,9 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     steps averaged over their rounds), then by memory. With the global batch fixed every layout does the same
     useful work, so what differs is the communication (and, for a memory limit, the fit). Devices on more than one
     host (`hosts_of`): the bytes of collectives whose groups span hosts are ranked first, before all bytes sent (the
-    links between hosts are the slow ones: MaxText's DCN against ICI). Each result: {'mesh': [data, fsdp, model(, expert)],
-    'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes', 'collective_bytes_total', 'fits'}, and
-    across hosts 'cross_host_bytes'; a layout that does not compile (heads that `model` does not divide, say)
+    links between hosts are the slow ones: MaxText's DCN against ICI). Each result: {'mesh': [data, fsdp, model]
+    (and expert where > 1), 'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes',
+    'collective_bytes_total', 'fits'}, and across hosts 'cross_host_bytes'; a layout that does not compile (heads that `model` does not divide, say)
     comes last with its 'error'."""
     devices = list(jax.devices() if devices is None else devices)
     results = []

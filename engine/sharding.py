@@ -410,7 +410,8 @@ class _Analysis:
 
 def _trace_decisions(params, trace_fn, model_size):
     """({path: (param dim or None, kind)}, {paths the program reads}, {path: dim a scan iterates over}, {path: its
-    experts' dim}) from the traced program. It is traced outside any mesh, so a model sees its plain layer stack, not its pipeline."""
+    experts' dim}) from the traced program. It is traced outside any mesh, so a model sees its plain layer stack,
+    not its pipeline."""
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_str(p) for p, _ in flat]
     shapes = [_shape(x) for _, x in flat]
@@ -525,8 +526,9 @@ def _is_adapter(key):
 
 def _follow_adapted_kernels(leaves, decisions):
     """LoRA adapters (`lora_a` [..., in, r], `lora_b` [..., r, out] beside a `kernel` [..., in, out], or a mixture's
-    pair beside its expert stack: `_adapted_weight`) follow their kernel: a column-split kernel splits B's columns (A replicated: x A needs no collective), a row-split one A's
-    rows (x A is then summed across `model`, only r wide). Traced alone, A's small r dim would be split and B's
+    pair beside its expert stack: `_adapted_weight`) follow their kernel: a column-split kernel splits B's columns
+    (A replicated: x A needs no collective), a row-split one A's rows (x A is then summed across `model`, only r
+    wide). Traced alone, A's small r dim would be split and B's
     product all-reduced at full width."""
     keys = {"/".join(p) for p, _ in leaves}
     for path, leaf in leaves:
@@ -675,9 +677,9 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     A dimension is split only if the axis size divides it (else the other rule is tried, else the parameter is
     replicated). With `stage > 1`, stacked layer weights are split over `stage` along their layer dim (see the module
     docstring). With `expert > 1`, the weights the traced program passes to `kernels.grouped_matmul` (a mixture of
-    experts' stacked experts) are split over `expert` along their group dim. With `fsdp > 1`, parameters of at least `FSDP_MIN_ELEMENTS` elements also get their largest remaining
-    divisible dimension split over `fsdp` (on a TPU, one that leaves the shards whole memory tiles first:
-    `add_axis`); with `context > 1`, over `context` too (a context group computes on the same rows, so, like ZeRO-3,
+    experts' stacked experts) are split over `expert` along their group dim. With `fsdp > 1`, parameters of at
+    least `FSDP_MIN_ELEMENTS` elements also get their largest remaining divisible dimension split over `fsdp` (on a
+    TPU, one that leaves the shards whole memory tiles first: `add_axis`); with `context > 1`, over `context` too (a context group computes on the same rows, so, like ZeRO-3,
     it holds one copy of the weights between its devices, gathered where used).
     """
     sizes, tile = _axis_sizes(mesh), device_tile(mesh)

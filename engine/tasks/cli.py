@@ -276,7 +276,8 @@ def choose_mesh(make_trainer, collate_fn, example, memory_gb=None, devices=None,
     rows per device (those left after --pipeline_stages x --context_parallel), `example` (one training example)
     standing for every row; the ranking is printed. make_trainer(mesh): the run's Trainer over abstract parameters
     (no workdir). memory_gb: the per-device budget (default: the device's own limit; none on CPU). devices: default
-    all. experts: the model's expert count (a mixture of experts: layouts with an `expert` axis ranked too). Returns (mesh, rows per data position of that mesh)."""
+    all. experts: the model's expert count (a mixture of experts: layouts with an `expert` axis ranked too).
+    Returns (mesh, rows per data position of that mesh)."""
     stages, context = FLAGS.pipeline_stages, FLAGS.context_parallel
     devices = jax.devices() if devices is None else list(devices)
     positions = len(devices) // (stages * context)

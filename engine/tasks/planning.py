@@ -94,7 +94,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     memory = memory_per_device(compiled)
     hlo = compiled.as_text()
     comm, outer = _communication(hlo, diloco, num_devices)
-    result = _result(settings, step=step, mesh=list(parse_mesh(settings["mesh"])), params=n_params, trained_params=n_trained,
+    result = _result(settings, step=step, mesh=list(parse_mesh(settings["mesh"])), params=n_params,
+                     trained_params=n_trained,
                      param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract)),
                      memory=memory, collective_bytes=comm, outer=outer)
     result["bytes_by_axes"] = engine.plan.bytes_by_axes(hlo, trainer.mesh)

@@ -9,7 +9,8 @@ index % W (what a query may still see: the W newest positions, its own included)
 
 A paged cache (`models.paged_generate`) holds {'layers': [one {'k_pages', 'v_pages': [kv_heads, num_pages,
 page_size, head_dim]} per layer] (int8 pages with float32 'k_scale', 'v_scale' [kv_heads, num_pages, page_size],
-`kernels.quantize_kv`; a list: each layer updates its own pool in place), 'page_table': int32 [batch, max_pages], 'lengths': int32 [batch] (tokens cached per row)}:
+`kernels.quantize_kv`; a list: each layer updates its own pool in place), 'page_table': int32 [batch, max_pages],
+'lengths': int32 [batch] (tokens cached per row)}:
 row b's position p lives in slot p % page_size of page page_table[b, p // page_size]; padding (segment id 0) writes
 to the pool's last page, a scratch page no table entry of a live sequence names. A call with more than one token is a
 prefill from length 0 (flash attention over its own keys); one token attends through `kernels.paged_attention`.

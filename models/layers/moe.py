@@ -134,7 +134,7 @@ class MoE(nn.Module):
         w = _Experts(E, D, F, self.std, self.quantize, self.lora_rank, self.lora_targets, self.dtype,
                      self.param_dtype, name="experts")()
         ep = kernels.auto_axis_size(axes.EXPERT)
-        if ep > 1 and E % ep == 0 :
+        if ep > 1 and E % ep == 0:
             out = _expert_parallel(self._ffn, tokens, chosen, w, ep)
         else:
             order, group_sizes = _sorted_copies(chosen, E)
