@@ -130,7 +130,7 @@ class PagedEngine:
         self.admission_order = []  # request ids as admitted
         self.peak_pages = 0  # most pages in use at once
         self.prefills = 0  # prompts prefilled (a shared prompt once)
-        self._pools = paged_cache(model, num_pages, page_size, cache_dtype)
+        self._pools = _placed(paged_cache(model, num_pages, page_size, cache_dtype), _mesh_of(params))
         self._waiting = collections.deque()
         self._next_id = 0
         self._slots = [None] * max_batch  # the running request of each slot
@@ -201,6 +201,11 @@ class PagedEngine:
     def busy(self):
         """Whether a request is waiting or running."""
         return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    @property
+    def pools(self):
+        """The page pools, one dict per layer (`paged_cache`), as they lie on the devices now."""
+        return self._pools
 
     @property
     def cache_dtype(self):
@@ -350,6 +355,20 @@ class PagedEngine:
         cache = {"layers": pools, "page_table": table, "lengths": lengths}
         logits, cache = self.model.apply({"params": params}, tokens[:, None], active[:, None], cache=cache)
         return _select(logits[:, -1].astype(jnp.float32), *sampling), cache["layers"]
+
+
+def _placed(pools, mesh):
+    """The pools on the parameters' mesh (None: as they are) with their kv heads over `model` where it divides
+    them, as the attention's k / v projections are split (each device then holds and reads only its heads' pages),
+    whole on every device otherwise."""
+    if mesh is None:
+        return pools
+    model = dict(mesh.shape).get(kernels.MODEL_AXIS, 1)
+
+    def place(x):
+        spec = jax.sharding.PartitionSpec(kernels.MODEL_AXIS if x.shape[0] % model == 0 else None)
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    return jax.tree.map(place, pools)
 
 
 def _copy_pages(pools, source, copy):

@@ -219,14 +219,20 @@ def test_pool_from_a_memory_budget_and_bad_input():
 
 @pytest.mark.slow
 def test_parameters_sharded_over_a_mesh():
-    """Parameters on data 2 x fsdp 2 x model 2 (auto_layout): the same tokens as on one device."""
+    """Parameters on data 2 x fsdp 2 x model 2 (auto_layout): the same tokens as on one device; the pools on that
+    mesh with their kv heads over `model`, before and after the run."""
     model, params = _model("llama")
     mesh = engine.make_mesh(data=2, fsdp=2, model=2)
     sharded = models.init_params(model, jax.random.PRNGKey(1), layout=engine.auto_layout(mesh))
     requests = _requests(5, 3, model.config.vocab_size)
     settings = dict(max_batch=2, page_size=4, num_pages=10)
-    assert models.generate_continuous(model, sharded, requests, **settings) == \
-        models.generate_continuous(model, params, requests, **settings)
+    paged = models.PagedEngine(model, sharded, **settings)
+    heads = lambda: {x.sharding.spec for pool in paged.pools for x in jax.tree.leaves(pool)}  # noqa: E731
+    assert heads() == {jax.sharding.PartitionSpec("model")}
+    ids = [paged.add_request(**r) for r in requests]
+    out = paged.run()
+    assert [out[i] for i in ids] == models.generate_continuous(model, params, requests, **settings)
+    assert heads() == {jax.sharding.PartitionSpec("model")}
 
 
 @pytest.mark.slow
