@@ -291,6 +291,7 @@ def test_pack_one_4mb_document():
     assert rows[-1]["tokens"][tail - 1] == 258 and rows[-1]["segment_ids"][tail:].tolist() == [0] * (128 - tail)
 
 
+@pytest.mark.slow  # CI time; the SentencePiece tokenizer itself: the tests above
 def test_train_lm_takes_a_users_sentencepiece_model_and_generate_reads_the_workdir(sp_model, tmp_path):
     """A fresh model on --tokenizer=<tokenizer.model>: the vocabulary follows it, run.json and the workdir carry it,
     and generate.py decodes with it."""

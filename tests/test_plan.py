@@ -234,6 +234,7 @@ def test_zero1_on_a_model_split_mesh_adds_only_the_weight_regather():
     assert 0 < extra <= 4 * zero1["params"] * (2 - 1) // 2, extra
 
 
+@pytest.mark.slow  # CI time; the LM plans above
 def test_rlhf_plans_hold_the_critic_and_its_state_for_ppo_only():
     """The PPO update step takes actor and critic (a RewardModel of the same backbone) with their AdamW moments,
     GRPO's the actor's alone: on one device the arguments differ by exactly the critic's parameters x 3 (weights, two

@@ -702,6 +702,7 @@ def _scalars(logdir):
     return scalars
 
 
+@pytest.mark.slow  # CI time; TensorBoard files: the main job's test
 def test_console_shows_the_project_lines_and_tensorboard_every_eval(tmp_path):
     """The default console: the script's own lines only (no Orbax or JAX INFO, no parameter table), everything in
     the workdir's log.txt; the evals the script prints, before and after training, are in TensorBoard at their

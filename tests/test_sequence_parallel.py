@@ -71,6 +71,7 @@ def test_shard_map_step_trains_like_the_jit_step_and_gathers_tokens():
     assert len(token_gathers) >= 4, "expected the blocks' token all-gathers"  # forward and backward, in loops
 
 
+@pytest.mark.slow  # CI time; its values: the tests above
 def test_plan_needs_less_memory():
     """A tiny LLaMA on data 4 x model 2 (every head split), 512 tokens, remat 'dots': fewer temporaries with the
     residual stream split, no all-to-all or weight gather (the backward's layouts are stated: `_reshard`), and

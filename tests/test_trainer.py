@@ -343,6 +343,7 @@ def test_sigterm_or_ctrl_c_saves_and_exits_cleanly(tmp_path, signum):
     assert resumed.step == step
 
 
+@pytest.mark.slow  # CI time; one process: test_sigterm_or_ctrl_c_saves_and_exits_cleanly
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
     """A scheduler's SIGTERM reaching one process of two: the stop is agreed at the next log point, both save the
     same step and return (before, the other process waited in the next step's collective forever)."""
