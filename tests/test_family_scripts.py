@@ -1,5 +1,5 @@
 """Every script with the families of windows, soft-caps and q / k norms (Qwen3, Mistral, Gemma 2, Gemma 3 text,
-Qwen2 with a window): from a tiny transformers directory whose window (4) is shorter than the rows, the chain train_lm.py, SFT -> reward
+Qwen2 with a window) and the mixtures of experts (Mixtral, Qwen3-MoE): from a tiny transformers directory whose window (4) is shorter than the rows, the chain train_lm.py, SFT -> reward
 model -> PPO and GRPO -> DPO -> generate.py -> export_hf.py runs to the end with finite losses; the exported
 language model is transformers' to 1e-4 on a left-padded batch and generates greedily as ours does, the exported
 reward model scores as ours does, and generate.py prints what `models.generate` gives in this process. The default
@@ -31,8 +31,16 @@ _CONFIGS = {name: (config, model, dict(fields, vocab_size=320, num_hidden_layers
                 # the window in layer 1 (from max_window_layers on), layer 0 full
                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, use_sliding_window=True, sliding_window=4,
                                                                   max_window_layers=1)),
-            }.items(), (2, 2, 2, 3, 2))}
-_FAMILY = {"qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2": "qwen2"}
+                # the mixtures of experts: 4 experts of 32, top-2 (Mixtral with a window of 4)
+                "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                            dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                 sliding_window=4)),
+                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                              dict(TINY, intermediate_size=96, moe_intermediate_size=32, head_dim=32, num_experts=4,
+                                   num_experts_per_tok=2, norm_topk_prob=True)),
+            }.items(), (2, 2, 2, 3, 2, 2, 2))}
+_FAMILY = {"qwen3": "qwen3", "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text", "qwen2": "qwen2",
+           "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 # the toy task's rows (prompt, separator, sorted answer, EOS: 10-16 tokens) on a 4 x 1 x 2 mesh
 _TOY = ["--toy_size=64", "--eval_size=8", "--per_device_batch_size=1", "--mesh=-1,1,2", "--log_every=2"]
 _ANSWERS = ["--eval_answers=2", "--max_new_tokens=6"]  # SFT's and PPO's greedy answers
