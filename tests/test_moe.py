@@ -304,6 +304,19 @@ def test_dpo_and_grpo_losses_add_the_router_losses():
         assert float(weighted) == pytest.approx(float(plain) + 0.5 * float(metrics["load_balancing_loss"]), rel=1e-5)
 
 
+def test_a_sharded_checkpoint_streams_onto_an_expert_mesh(hf_checkpoint, tmp_path):
+    """Mixtral saved in 64 KiB safetensors shards (an index) and read with `auto_layout` of fsdp 2 x expert 2 x model
+    2: every tensor lands on its shard (the experts over `expert`) and equals the unsharded read."""
+    model, params = models.load_pretrained(hf_checkpoint("mixtral")[1], scan_layers=True)
+    models.save_pretrained(model, params, str(tmp_path), max_shard_bytes=64 * 1024)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    mesh = engine.make_mesh(fsdp=2, expert=2, model=2)
+    _, placed = models.load_pretrained(str(tmp_path), scan_layers=True, layout=engine.auto_layout(mesh))
+    assert placed["layers"]["mlp"]["experts"]["gate"].sharding.spec[1] == "expert"
+    for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(placed)[0], jax.tree.leaves(params)):
+        np.testing.assert_array_equal(jax.device_get(a), b, err_msg=jax.tree_util.keystr(p))
+
+
 def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
     model = models.create_model("mixtral", "tiny")
     with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):
