@@ -1,10 +1,10 @@
 """Every script with the families of windows, soft-caps and q / k norms (Qwen3, Mistral, Gemma 2, Gemma 3 text,
-Qwen2 with a window) and the mixtures of experts (Mixtral, Qwen3-MoE): from a tiny transformers directory whose window (4) is shorter than the rows, the chain train_lm.py, SFT -> reward
-model -> PPO and GRPO -> DPO -> generate.py -> export_hf.py runs to the end with finite losses; the exported
-language model is transformers' to 1e-4 on a left-padded batch and generates greedily as ours does, the exported
-reward model scores as ours does, and generate.py prints what `models.generate` gives in this process. The default
-suite runs Gemma 2 (local / global layers, both soft-caps) through SFT, generate.py and export_hf.py; the whole
-chain of every family is slow."""
+Qwen2 with a window) and the mixtures of experts (Mixtral, Qwen3-MoE): from a tiny transformers directory whose
+window (4) is shorter than the rows, the chain train_lm.py, SFT -> reward model -> PPO and GRPO -> DPO ->
+generate.py -> export_hf.py runs to the end with finite losses; the exported language model is transformers' to
+1e-4 on a left-padded batch and generates greedily as ours does, the exported reward model scores as ours does, and
+generate.py prints what `models.generate` gives in this process. All slow (CI time): Gemma 2 through SFT,
+generate.py and export_hf.py (22 s), and the whole chain of every family (105-195 s each)."""
 import math
 import re
 
@@ -85,6 +85,7 @@ def _check_generate_and_export(family, hf_model, workdir, generated, exported, g
         check_greedy_generate(theirs, model, params)
 
 
+@pytest.mark.slow  # CI time (22 s); Gemma 2 itself: tests/test_gemma.py, the scripts: the chains below
 def test_gemma2_sft_generate_and_export(hf_checkpoint, tmp_path):
     """The default suite's chain: SFT from a transformers Gemma 2 directory, then generate.py and export_hf.py of the
     SFT workdir side by side."""

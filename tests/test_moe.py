@@ -129,7 +129,7 @@ def test_auto_shard_splits_the_experts_over_expert_from_the_dataflow():
 
 @pytest.mark.parametrize("mesh, step, remat", [
     pytest.param(dict(data=2, expert=4), "jit", "none", marks=pytest.mark.slow),
-    (dict(fsdp=2, expert=2, model=2), "jit", "none"),
+    pytest.param(dict(fsdp=2, expert=2, model=2), "jit", "none", marks=pytest.mark.slow),
     pytest.param(dict(data=2, fsdp=2, expert=2), "shard_map", "none", marks=pytest.mark.slow),
     (dict(fsdp=2, expert=4), "shard_map", "full")])
 def test_expert_parallel_trainer_step_equals_one_device(mesh, step, remat):
@@ -272,6 +272,7 @@ def test_lora_on_an_int8_mixture_on_an_expert_mesh_trains_the_adapters_alone():
     assert experts["lora"]["up"]["lora_a"].sharding.spec[1] == "expert"
 
 
+@pytest.mark.slow  # CI time (12 s)
 def test_dpo_and_grpo_losses_add_the_router_losses():
     """The DPO and PPO / GRPO losses of a mixture-of-experts policy add its router losses with the config's weights,
     as the LM loss does: the loss with router_aux_loss_coef=0.5 is the one with 0 plus half the reported term."""
