@@ -1,8 +1,9 @@
 """From user examples to global device batches: shuffling, per-host collation, device placement, prefetch.
 
 A training batch has a leading micro-batch axis: `[accumulate, global_micro_batch, ...]`, split over the data axes
-(`data` x `fsdp`) along its second axis. Each process collates only the rows its own devices hold and the global
-array is assembled with `jax.make_array_from_process_local_data`, so no host ever collates the whole global batch.
+(`data` x `fsdp` x `expert`) along its second axis. Each process collates only the rows its own devices hold and
+the global array is assembled with `jax.make_array_from_process_local_data`, so no host ever collates the whole
+global batch.
 """
 import collections.abc
 import itertools

@@ -20,9 +20,9 @@ def _rows(preds):
 
 
 class Predictor:
-    """Runs `pred_fn` batch by batch. The global batch is `per_device_batch_size x data x fsdp` examples (devices
-    along `model` share examples); the last batch is padded and the padding dropped, so `predict` returns exactly
-    `len(examples)` outputs in input order."""
+    """Runs `pred_fn` batch by batch. The global batch is `per_device_batch_size x data x fsdp x expert` examples
+    (devices along `model` share examples); the last batch is padded and the padding dropped, so `predict` returns
+    exactly `len(examples)` outputs in input order."""
 
     def __init__(self, *, mesh, collate_fn, pred_fn, output_fn=None, seed=0):
         for name, fn in (("collate_fn", collate_fn), ("pred_fn", pred_fn)):

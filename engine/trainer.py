@@ -4,8 +4,8 @@ User functions:
   collate_fn(examples: list) -> dict of numpy arrays, one row per example.
   loss_fn(params, batch, rng, is_training) -> loss | (loss, metrics_dict): pure JAX, scalar mean loss.
 
-Data flow of one optimizer update: `per_device_batch_size x (data x fsdp)` examples per micro-batch (devices along
-`model` share examples), `accumulate_grad_batches` micro-batches per update. Each host collates its own rows
+Data flow of one optimizer update: `per_device_batch_size x (data x fsdp x expert)` examples per micro-batch (devices
+along `model` share examples), `accumulate_grad_batches` micro-batches per update. Each host collates its own rows
 (engine/data.py), a background thread places the next batch on the devices while the current step runs, and one
 compiled step scans over the micro-batches, accumulates gradients (sharded like the parameters, or further split over
 `data` with ZeRO-2), applies the optimizer and returns the donated state.
@@ -670,7 +670,8 @@ class Trainer:
         updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10 epochs each
         time (RedCoast's loop), and `fit(total_epochs=N, max_steps=M)` resumes to its original target.
 
-        The global batch of one update is `per_device_batch_size x data x fsdp x accumulate_grad_batches` examples.
+        The global batch of one update is `per_device_batch_size x data x fsdp x expert x accumulate_grad_batches`
+        examples.
         `train_examples`: a list or other Sequence, e.g. `engine.tasks.text_data.TokenWindows` (shuffled each epoch
         from `seed`), any iterable (streamed in order, iterated once per epoch), or a callable `epoch -> examples`
         called at the start of each epoch with its index over the Trainer's life (fresh tasks or episodes per
@@ -765,8 +766,8 @@ class Trainer:
         if seen % rows:
             raise ValueError(f"fit: {rows} examples per update, but the checkpoint of step {self._step} was trained "
                              f"with {old} and stopped {seen} examples into epoch {self._epoch}, not a whole number of "
-                             f"batches of {rows}; expected a batch size (per_device_batch_size x data x fsdp x "
-                             f"accumulate_grad_batches) that divides {seen}, or {old}")
+                             f"batches of {rows}; expected a batch size (per_device_batch_size x data x fsdp x expert "
+                             f"x accumulate_grad_batches) that divides {seen}, or {old}")
         logging.warning("resuming with %d examples per update instead of the checkpoint's %d: the data position "
                         "(%d examples into epoch %d) is batch %d of the new size", rows, old, seen, self._epoch,
                         seen // rows)
@@ -804,7 +805,7 @@ class Trainer:
             return max_steps
         if len(train_examples) < rows:
             raise ValueError(f"train_examples has {len(train_examples)} examples, fewer than one global batch of "
-                             f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp="
+                             f"{rows} (per_device_batch_size={per_device_batch_size} x data*fsdp*expert="
                              f"{data_lib.data_parallel_size(self.mesh)} x accumulate_grad_batches={self.accumulate})")
         remaining = max(0, last_epoch - self._epoch) * (len(train_examples) // rows) - self._batch_in_epoch
         return self._step + remaining if max_steps is None else min(max_steps, self._step + remaining)
@@ -1097,7 +1098,7 @@ class Trainer:
 
 
 def global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches=1):
-    """Examples per optimizer update: `per_device_batch_size x data x fsdp x accumulate_grad_batches`."""
+    """Examples per optimizer update: `per_device_batch_size x data x fsdp x expert x accumulate_grad_batches`."""
     return per_device_batch_size * data_lib.data_parallel_size(mesh) * accumulate_grad_batches
 
 
