@@ -71,11 +71,10 @@ class PPOConfig:
     max_new_tokens per row, every row decoded until the longest ends) or 'paged' (`models.PagedEngine`: continuous
     batching over a paged KV cache, a row retiring at its own EOS, the samples of one prompt sharing its pages;
     kv_cache_dtype None or 'int8' only). Greedy rollouts are the same tokens either way; sampled ones are not (the
-    static path draws from one key for the batch, the engine from a seed per row). On the tests' shapes (8 to 64
-    rows of ~6-token responses, a tiny LLaMA on CPU) paged generation took 2-3.5x static's wall time (its host
-    scheduler's per-step cost), hence the default. The engine runs on the actor's parameters as placed (its jitted
-    steps follow their shardings); its pool is made at the first paged rollout and kept, through the updates too, so
-    that its steps compile once. rollout_kv_memory_gb: 'paged' only, the pool's size (None: pages for every row of
+    static path draws from one key for the batch, the engine from a seed per row). Static is the default: on short
+    responses the engine's per-step host scheduling costs more than it saves (models/README.md). The engine runs on
+    the actor's parameters as placed (its jitted steps follow their shardings); its pool is made at the first paged
+    rollout and kept, through the updates too, so that its steps compile once. rollout_kv_memory_gb: 'paged' only, the pool's size (None: pages for every row of
     the rollout at once, unshared).
     advantage_estimator: 'gae' (a critic's values, the KL penalty in the rewards) or 'grpo' (no critic: each
     response's score against its prompt's group, the KL in the loss; see the module's docstring);
