@@ -74,8 +74,8 @@ class PPOConfig:
     static path draws from one key for the batch, the engine from a seed per row). Static is the default: on short
     responses the engine's per-step host scheduling costs more than it saves (models/README.md). The engine runs on
     the actor's parameters as placed (its jitted steps follow their shardings); its pool is made at the first paged
-    rollout and kept, through the updates too, so that its steps compile once. rollout_kv_memory_gb: 'paged' only, the pool's size (None: pages for every row of
-    the rollout at once, unshared).
+    rollout and kept, through the updates too, so that its steps compile once. rollout_kv_memory_gb: 'paged' only,
+    the pool's size (None: pages for every row of the rollout at once, unshared).
     advantage_estimator: 'gae' (a critic's values, the KL penalty in the rewards) or 'grpo' (no critic: each
     response's score against its prompt's group, the KL in the loss; see the module's docstring);
     samples_per_prompt: responses sampled per prompt in a rollout (GRPO's group size, at least 2 for it);
