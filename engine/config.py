@@ -13,6 +13,7 @@ from engine import step as step_lib
 NAN_POLICIES = ("raise", "skip")
 STEPS = ("auto", "shard_map", "jit")
 RESTORE_CHECKPOINTS = ("latest", "best")
+GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def check(name, value, ok, expected):
@@ -39,10 +40,16 @@ class Precision:
       keeps, applies and adjusts its own scale.
     nan_policy: 'raise' (stop with an error naming the step) or 'skip' (drop that update). Either way a non-finite
       update is never applied.
+    grad_dtype: the dtype the gradients are held in from the backward pass to the optimizer update, the running sum
+      over micro-batches included (MaxText's grad_dtype). None: the parameters' dtype. jnp.bfloat16 halves the
+      memory they take (engine/README.md#figures): the shard_map step still sums each gradient over `fsdp` in
+      float32 and rounds the sum (a `data` axis then adds the rounded partial sums in float32); the update (gradient
+      norm, non-finite guard, optimizer) computes in the parameters' dtype.
     """
     compute_dtype: object = None
     loss_scale: object = "auto"
     nan_policy: str = "raise"
+    grad_dtype: object = None
 
     def __post_init__(self):
         if self.compute_dtype is not None:
@@ -57,6 +64,13 @@ class Precision:
               or isinstance(scale, step_lib.LossScale),
               "None, 'auto', 'dynamic', a number >= 1 (a fixed scale) or an engine.LossScale")
         check("nan_policy", self.nan_policy, self.nan_policy in NAN_POLICIES, f"one of {NAN_POLICIES}")
+        if self.grad_dtype is not None:
+            try:
+                dtype = jnp.dtype(self.grad_dtype)
+            except TypeError:
+                dtype = None
+            check("grad_dtype", self.grad_dtype, dtype in GRAD_DTYPES, "None, jnp.float32 or jnp.bfloat16")
+            object.__setattr__(self, "grad_dtype", dtype)
 
     def resolved_loss_scale(self):
         """None or the `engine.LossScale` the step applies ('auto' decided by compute_dtype)."""

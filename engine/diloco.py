@@ -265,7 +265,8 @@ def _mean_delta(global_part, replicas_part, specs, mesh, dtype, replicas):
 
 
 def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key,
-                      trainable=None, plan=None, mesh=None, specs=None, sync=False, loss_scale=None):
+                      trainable=None, plan=None, mesh=None, specs=None, sync=False, loss_scale=None,
+                      grad_dtype=None):
     """`step(global_params, state, batch, step) -> (global_params, state, metrics)`: one inner step on every replica
     and the outer step of each part whose offset `step + 1` reaches. The batch [accumulate, rows, ...] is split
     into replicas along its data-major rows; every metric is per replica, [R]. trainable: as in
@@ -280,9 +281,9 @@ def diloco_train_step(*, diloco, replicas, loss_fn, optimizer, accumulate, compu
 
     loss_scale: an `engine.LossScale` (float16 compute): each replica scales its loss by its own scale (in its inner
     state) and skips and lowers it on its own overflows, as `jit_train_step` does for the whole model; the outer
-    step sees the replicas' parameters only."""
+    step sees the replicas' parameters only. grad_dtype: as in `engine.step.jit_train_step`, for the inner steps."""
     return _DiLoCoStep(diloco, replicas, loss_fn, optimizer, accumulate, compute_dtype, remat, key, trainable, plan,
-                       mesh, specs, sync, loss_scale).step
+                       mesh, specs, sync, loss_scale, grad_dtype).step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +304,7 @@ class _DiLoCoStep:
     specs: object
     sync: bool
     loss_scale: object
+    grad_dtype: object = None
 
     @property
     def parts(self):
@@ -311,7 +313,8 @@ class _DiLoCoStep:
     def inner(self, params, opt_state, batch, rng, frozen):
         grad_fn = trained_grad_fn(self.loss_fn, self.compute_dtype, self.remat, frozen, self.trainable,
                                   current_loss_scale(opt_state, self.loss_scale))
-        loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate)
+        loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate,
+                                                     grad_dtype=self.grad_dtype)
         return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale)
 
     def outer(self, args):  # fragments=1: the whole trees

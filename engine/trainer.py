@@ -596,7 +596,7 @@ class Trainer:
         if sync not in self._step_fn:
             common = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, accumulate=self.accumulate,
                           compute_dtype=self.compute_dtype, remat=self.remat, key=self._key,
-                          trainable=self._trainable)
+                          trainable=self._trainable, grad_dtype=self.precision.grad_dtype)
             user = {} if self.grad_fn is None else {"grad_fn": self.grad_fn}
             if self._step_kind == "diloco":
                 impl = diloco_lib.diloco_train_step(

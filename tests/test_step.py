@@ -297,7 +297,47 @@ def test_bf16_gradient_reductions_lower_to_bf16_collectives():
         assert kinds == {name}, kinds
 
 
+@pytest.mark.parametrize("mesh", ["1x8x1", pytest.param("2x2x2", marks=pytest.mark.slow)])
+def test_bf16_gradients_are_held_in_bf16_and_differ_by_their_rounding(mesh):
+    """Precision(grad_dtype=bf16) on a remat'd scan-over-layers LLaMA: the hand-pipelined layer stack keeps its
+    gradient buffers in bf16 (the compiled shard_map step holds bf16 arrays of the local weight stacks' shapes; with
+    fp32 gradients it holds none), and one SGD step of either step differs from the fp32 gradients' step by at most
+    the rounding of the gradients to bf16 (2^-8 of the largest of each leaf's gradient on 1x8x1, where the fsdp sum
+    is rounded once; twice that where each of data's two partial sums is rounded, 2x2x2), and does differ."""
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=3, intermediate_size=96)
+    params = models.init_params(model, jax.random.PRNGKey(1))
+    lr = 0.5
+
+    def run(kind, grad_dtype):
+        loss = lm.lm_loss_fn(model, "xla")
+        loss.weight_metric = "tokens"
+        trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm, loss_fn=loss,
+                                 params=params, optimizer=optax.sgd(lr), precision=engine.Precision(
+                                     grad_dtype=grad_dtype), parallelism=engine.Parallelism(step=kind))
+        trainer.fit(_packed_rows(16, seq=10, seed=1), per_device_batch_size=1, max_steps=1, log_every=1)
+        return trainer
+
+    exact = run("jit", None)
+    grads = jax.tree.map(lambda a, b: (np.asarray(a) - np.asarray(b)) / lr, params, jax.device_get(exact.params))
+    bound = 2.0 ** -8 * (1 if mesh == "1x8x1" else 2)
+    for kind in ("jit", "shard_map"):
+        got = run(kind, jnp.bfloat16)
+        diffs = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), jax.device_get(exact.params),
+                             jax.device_get(got.params))
+        for (path, d), g in zip(jax.tree_util.tree_flatten_with_path(diffs)[0], jax.tree.leaves(grads)):
+            assert d.max() <= lr * bound * np.abs(g).max() * 1.01 + 1e-7, (kind, jax.tree_util.keystr(path))
+        assert max(d.max() for d in jax.tree.leaves(diffs)) > 0, kind
+    stacked = {tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(got.params["layers"]) if x.ndim == 3}
+    held = lambda trainer, dt: {tuple(int(d) for d in m.split(","))  # noqa: E731
+                                for m in re.findall(dt + r"\[([\d,]+)\]", trainer.compiled_step().as_text())}
+    assert stacked <= held(got, "bf16"), (stacked, held(got, "bf16"))
+    fp32 = run("shard_map", None)
+    assert not stacked & held(fp32, "bf16")
+
+
 def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"grad_dtype=.*float16.*; expected None, jnp.float32 or jnp.bfloat16"):
+        engine.Precision(grad_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('auto', 'shard_map', 'jit'\)"):
         engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
                        params=task.init_params(), optimizer=optax.sgd(0.1), parallelism=engine.Parallelism(step="pmap"))

@@ -89,20 +89,21 @@ def reduce_scatter(g, dims, reduce_dtype, dtype, int8=False):
     return g.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def zero3_gather(x, dims, dtype, reduce_dtype, int8):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def zero3_gather(x, dims, dtype, reduce_dtype, int8, grad_dtype=None):
     """ZeRO-3 all-gather of a parameter shard in `dtype` (the compute dtype: bf16 gathers move half the bytes of
-    fp32); its backward reduce-scatters the gradient in `reduce_dtype` and returns it in the shard's dtype. `int8`:
-    an `Int8`."""
+    fp32); its backward reduce-scatters the gradient in `reduce_dtype`, rounds it to `grad_dtype` (None: no rounding)
+    and returns it in the shard's dtype. `int8`: an `Int8`."""
     return all_gather(x, dims, dtype, int8.weights)
 
 
-def _gather_fwd(x, dims, dtype, reduce_dtype, int8):
-    return zero3_gather(x, dims, dtype, reduce_dtype, int8), jnp.zeros((0,), x.dtype)
+def _gather_fwd(x, dims, dtype, reduce_dtype, int8, grad_dtype):
+    return zero3_gather(x, dims, dtype, reduce_dtype, int8, grad_dtype), jnp.zeros((0,), x.dtype)
 
 
-def _gather_bwd(dims, dtype, reduce_dtype, int8, res, g):
-    return (reduce_scatter(g, dims, reduce_dtype, res.dtype, int8.gradients),)
+def _gather_bwd(dims, dtype, reduce_dtype, int8, grad_dtype, res, g):
+    g = reduce_scatter(g, dims, reduce_dtype, grad_dtype or res.dtype, int8.gradients)
+    return (g.astype(res.dtype),)
 
 
 zero3_gather.defvjp(_gather_fwd, _gather_bwd)

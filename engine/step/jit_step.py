@@ -6,13 +6,14 @@ from engine.step.update import (accumulate_gradients, apply_update, combine, cur
 
 
 def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key, trainable=None,
-                   loss_scale=None, grad_fn=None):
+                   loss_scale=None, grad_fn=None, grad_dtype=None):
     """The reference step: plain `jax.jit` semantics, the compiler's partitioner does every collective.
     trainable: None (every parameter trains) or a tree of bools of the parameters' structure; the optimizer state
     and `grad_shardings` then cover the trained leaves only (`partition(...)[0]`), the frozen ones pass through.
     loss_scale: None or a `LossScale` (its state in the optimizer state, see `init_opt_state`).
     grad_fn: None, or the Trainer's `grad_fn(params, micro_batch, rng) -> ((loss, metrics), grads)` in place of
-    differentiating `loss_fn` (no loss scale)."""
+    differentiating `loss_fn` (no loss scale).
+    grad_dtype: None or the dtype the gradients are held in until the update (`Precision.grad_dtype`)."""
     constrain = lambda g: jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)  # noqa: E731
     mesh = next((getattr(s, "mesh", None) for s in jax.tree.leaves(grad_shardings)), None)
     select = select_guard(mesh.devices.flat[0]) if mesh is not None and hasattr(mesh, "devices") else False
@@ -25,8 +26,10 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
                                              current_loss_scale(opt_state, loss_scale))
         else:
             value_and_grad = trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable)
-        loss, metrics, grads = accumulate_gradients(value_and_grad, trained, batch, rng, accumulate, constrain)
-        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale, select)
+        loss, metrics, grads = accumulate_gradients(value_and_grad, trained, batch, rng, accumulate, constrain,
+                                                     grad_dtype)
+        trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale,
+                                                   select)
         return combine(trained, frozen, trainable), opt_state, metrics
 
     return step

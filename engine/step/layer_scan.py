@@ -159,7 +159,8 @@ class _Backward:
         return [b if l is None else with_layout_constraint(b, l) for b, l in zip(bufs, self.grad_layouts)]
 
     def scatter(self, gs):
-        return [s.in_blocks(lambda g, s=s, w=w: reduce_scatter(g, s.dims, s.reduce_dtype, w.dtype, s.int8.gradients), g)
+        return [s.in_blocks(lambda g, s=s, w=w: reduce_scatter(g, s.dims, s.reduce_dtype, s.grad_dtype or w.dtype,
+                                                               s.int8.gradients), g)
                 for g, w, s in zip(gs, self.ws, self.grad_slots)]
 
     def put(self, buffers, values, t):
@@ -201,10 +202,12 @@ class _Backward:
         for c in _pick(self.ct_carry, self.k_mask)[:1]:
             late = jnp.ravel(c)[0].astype(jnp.float32) * 0
         shift = (late != late).astype(jnp.int32)
-        buffers = lambda xs: [jnp.full(x.shape, late, x.dtype) for x in xs]  # noqa: E731
+        buffers = lambda xs, dtypes: [jnp.full(x.shape, late, d or x.dtype) for x, d in zip(xs, dtypes)]  # noqa: E731
+        plain = _pick(self.plain, self.x_mask)
         state = (_pick(self.ct_carry, self.k_mask), self.stack.gather(self.ws_all, n - 1 + shift), None,
                  [jnp.zeros(x.shape, jnp.float32) for x in _pick(self.consts, self.c_mask)],
-                 self.constrain(buffers(self.ws)), buffers(_pick(self.plain, self.x_mask)))
+                 self.constrain(buffers(self.ws, [s.grad_dtype for s in self.grad_slots])),
+                 buffers(plain, [None] * len(plain)))
         state = self.step(state, n - 1, self.saved_last, n > 1, False, shift)
         if n > 2:
             index = lambda x, t: jax.lax.dynamic_index_in_dim(x, t, 0, keepdims=False)  # noqa: E731
@@ -213,7 +216,8 @@ class _Backward:
         if n > 1:
             state = self.step(state, 0, [x[0] for x in saved], False, True, shift)
         ct_k, _, pending, acc_c, buf_w, buf_x = state
-        buf_w = self.constrain(self.put(buf_w, self.scatter(pending), 0))
+        # Held in the slots' grad_dtype; returned in the weights' (the step's cast back to grad_dtype cancels it).
+        buf_w = [b.astype(w.dtype) for b, w in zip(self.constrain(self.put(buf_w, self.scatter(pending), 0)), self.ws)]
         none = lambda xs: [None] * len(xs)  # noqa: E731 - a zero cotangent
         ct_consts = [a.astype(c.dtype) for a, c in zip(acc_c, _pick(self.consts, self.c_mask))]
         return (_merge(ct_consts, self.c_mask, none(self.consts)), _merge(ct_k, self.k_mask, none(self.stack.init)),

@@ -86,7 +86,7 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
                          compute_dtype, remat, key, reduce_dtype=jnp.float32, weight_metric=None, trainable=None,
-                         loss_scale=None, int8=Int8(), grad_fn=None):
+                         loss_scale=None, int8=Int8(), grad_fn=None, grad_dtype=None):
     """The overlapped step (see the module's docstring); the arguments are `jit_train_step`'s, and:
 
     `param_specs`: the parameters' PartitionSpecs; a parameter split over a data axis (`fsdp`) is ZeRO-3's.
@@ -108,9 +108,12 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
     `grad_fn`: None, or the Trainer's `grad_fn(params, micro_batch, rng) -> ((loss, metrics), grads)` on each
     device's rows in place of differentiating `loss_fn`: the ZeRO-3 shards are gathered whole before it (no
     layer-by-layer gathering) and its gradients reduce-scattered back after it; the reductions are the same.
+    `grad_dtype`: None or the dtype the gradients are held in from their reduction to the update
+      (`Precision.grad_dtype`): each is summed across devices in `reduce_dtype` and rounded to it once; the ZeRO-3
+      layer stack's buffers (remat='full') and the micro-batches' running sum are in it.
     """
     settings = _Settings.checked(mesh, micro_loss_fn(loss_fn, None), key, compute_dtype, reduce_dtype, remat,
-                                 accumulate, zero_stage, weight_metric, int8)
+                                 accumulate, zero_stage, weight_metric, int8, grad_dtype)
     if grad_fn is not None:
         if loss_scale is not None:
             raise ValueError("grad_fn with a loss scale; expected loss_scale=None (the loss is scaled before the "
@@ -153,10 +156,11 @@ class _Settings:
     sizes: dict
     grad_fn: object = None
     device: object = None
+    grad_dtype: object = None
 
     @classmethod
     def checked(cls, mesh, micro, key, compute_dtype, reduce_dtype, remat, accumulate, zero_stage, weight_metric,
-                int8):
+                int8, grad_dtype=None):
         if jnp.dtype(reduce_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"reduce_dtype={reduce_dtype!r}; expected jnp.float32 or jnp.bfloat16")
         if zero_stage not in (0, 1, 2):
@@ -164,7 +168,8 @@ class _Settings:
         if not isinstance(int8, Int8):
             raise ValueError(f"int8={int8!r}; expected an engine.step.Int8")
         return cls(micro, key, compute_dtype, jnp.dtype(reduce_dtype), remat, accumulate, zero_stage, weight_metric,
-                   int8, dict(zip(mesh.axis_names, mesh.devices.shape)), device=mesh.devices.flat[0])
+                   int8, dict(zip(mesh.axis_names, mesh.devices.shape)), device=mesh.devices.flat[0],
+                   grad_dtype=None if grad_dtype is None else jnp.dtype(grad_dtype))
 
     def layout(self, shape, dtype):
         """The layout the mesh's devices give an array of this (per-device) shape and dtype by default, which is
@@ -192,6 +197,10 @@ class _Settings:
     @property
     def n_shards(self):
         return math.prod(self.sizes.get(a, 1) for a in MANUAL_AXES)
+
+    def held_type(self, x):
+        """The dtype the gradient of parameter `x` is held in."""
+        return x.dtype if self.grad_dtype is None else self.grad_dtype
 
     def compute_type(self, x):
         floating = self.compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
@@ -232,7 +241,7 @@ def _local_gradients(s, layout, local_params, local_batch, step, scale):
     inv = 1.0 / s.accumulate
     grads = [reduce_gradient(g, () if s.zero_stage == 2 else pl.scatter, pl.reduce, s.reduce_dtype, pl.auto_spec,
                              s.int8.gradients) * inv for g, pl in zip(grads, layout.trained(layout.plans))]
-    grads = [s.constrain(g.astype(x.dtype)) for g, x in zip(grads, layout.trained(local_leaves))]
+    grads = [s.constrain(g.astype(s.held_type(x))) for g, x in zip(grads, layout.trained(local_leaves))]
     loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, s.live) if s.live else v) * inv, (loss, metrics))
     return grads, loss, metrics
 
@@ -250,7 +259,8 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
         trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
         local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
         args = [Sharded(x, pl.gather, s.compute_type(x), s.reduce_dtype, int8=s.int8,
-                        layout=s.layout(x.shape, x.dtype), auto=pl.auto_spec) if pl.gather
+                        layout=s.layout(x.shape, s.held_type(x)), auto=pl.auto_spec, grad_dtype=s.grad_dtype)
+                if pl.gather
                 else x.astype(s.compute_type(x)) for x, pl in zip(local_leaves, layout.plans)]
         flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
         loss, metrics = out_tree.unflatten(eval_gathering(closed.jaxpr, closed.consts, flat_in, s.remat))
@@ -292,16 +302,16 @@ def _shard_weight(s, metrics):
 
 
 def _micro_gradients(s, layout, grad_fn, rng, shard, local_leaves, micro_batch, i):
-    """(fp32 gradients, weighted loss, weighted metrics) of micro-batch i; under ZeRO-2 the gradients already
-    reduce-scattered over `data`, so partial sums stay split between micro-batches."""
+    """(gradients in fp32 or grad_dtype, weighted loss, weighted metrics) of micro-batch i; under ZeRO-2 the
+    gradients already reduce-scattered over `data`, so partial sums stay split between micro-batches."""
     micro_rng = jax.random.fold_in(rng, i)
     if shard is not None:
         micro_rng = jax.random.fold_in(micro_rng, shard)
     (_, (loss, metrics, weight)), grads = grad_fn(layout.trained(local_leaves), layout.trained(local_leaves, False),
                                                   micro_batch, micro_rng)
-    grads = [g.astype(jnp.float32) for g in grads]
+    grads = [g.astype(s.grad_dtype or jnp.float32) for g in grads]
     if s.zero_stage == 2:
-        grads = [reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients)
+        grads = [reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients).astype(g.dtype)
                  for g, pl in zip(grads, layout.trained(layout.plans))]
     metrics = {k: v if k == s.weight_metric else v * weight for k, v in metrics.items()}
     return grads, loss * weight, metrics

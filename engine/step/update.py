@@ -177,12 +177,13 @@ def trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable):
     return value_and_grad
 
 
-def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g):
+def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g, grad_dtype=None):
     """Mean loss, metrics and gradients over the `accumulate` micro-batches of `batch`, in one `lax.scan`; the running
-    sum stays in fp32 and is passed through `constrain` (its sharding) after every micro-batch."""
+    sum is passed through `constrain` (its sharding) after every micro-batch. The gradients, the running sum included,
+    are held in `grad_dtype` (None: the running sum in fp32, the mean in the parameters' dtypes)."""
     if accumulate == 1:
         (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(rng, 0))
-        return loss, metrics, constrain(grads)
+        return loss, metrics, constrain(cast_floating(grads, grad_dtype))
 
     def body(carry, xs):
         micro_batch, i = xs
@@ -191,12 +192,12 @@ def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lamb
         acc_g = constrain(jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g))
         return (acc_g, acc_loss + loss, jax.tree.map(jnp.add, acc_m, metrics)), None
 
-    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, grad_dtype or jnp.float32), params))
     (_, metric_shapes), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch), rng)
     init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes))
     (grads, loss, metrics), _ = jax.lax.scan(body, init, (batch, jnp.arange(accumulate)))
     scale = 1.0 / accumulate
-    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
+    grads = jax.tree.map(lambda g, p: (g * scale).astype(grad_dtype or p.dtype), grads, params)
     return loss * scale, jax.tree.map(lambda m: m * scale, metrics), grads
 
 
@@ -214,7 +215,9 @@ def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=
     on each new leaf, fused into the leaf's element-wise update: XLA:TPU lays the multi-output fusion inside a
     conditional's branch out row-major and copies every column-major parameter, moment and gradient into it
     (LLaMA-7B on v5p-8: 4.3 GB more per chip). loss_scale: the `LossScale` the gradients were computed under (they
-    are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's)."""
+    are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's). Gradients held in a narrower
+    dtype than their parameters (`Precision.grad_dtype`) are widened to it first, inside the update's fusions."""
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype) if g.dtype != p.dtype else g, grads, params)
     if loss_scale is not None:
         state, opt_state = opt_state["loss_scale"], opt_state["optimizer"]
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / state["scale"]).astype(g.dtype), grads)

@@ -78,6 +78,8 @@ def define_flags():
     flags.DEFINE_integer("per_device_batch_size", 4, "Examples per device (along data x fsdp) per micro-batch.")
     flags.DEFINE_integer("accumulate_grad_batches", 1, "Micro-batches per optimizer update.")
     flags.DEFINE_enum("compute_dtype", "float32", list(_DTYPES), "Forward/backward dtype; master weights stay fp32.")
+    flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
+                      "optimizer update (engine.Precision.grad_dtype): bfloat16 halves their memory.")
     flags.DEFINE_bool("remat", False, "Rematerialise the forward pass in the backward pass (less memory).")
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-process runs (else "
                         "ENGINE_COORDINATOR_ADDRESS or SLURM).")
@@ -330,7 +332,8 @@ def trainer_kwargs():
     """The Trainer arguments the shared flags set: its seed, accumulation, `engine.Precision`,
     `engine.Parallelism` and DiLoCo."""
     kwargs = dict(accumulate_grad_batches=FLAGS.accumulate_grad_batches, seed=FLAGS.seed,
-                  precision=engine.Precision(compute_dtype=_DTYPES[FLAGS.compute_dtype]),
+                  precision=engine.Precision(compute_dtype=_DTYPES[FLAGS.compute_dtype],
+                                            grad_dtype=_DTYPES[FLAGS.grad_dtype]),
                   parallelism=engine.Parallelism(zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
                                                  offload_optimizer=FLAGS.offload_optimizer,
                                                  zero_quantized_weights=FLAGS.zero_quantized_weights,
