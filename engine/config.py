@@ -45,11 +45,17 @@ class Precision:
       memory they take (engine/README.md#figures): the shard_map step still sums each gradient over `fsdp` in
       float32 and rounds the sum (a `data` axis then adds the rounded partial sums in float32); the update (gradient
       norm, non-finite guard, optimizer) computes in the parameters' dtype.
+    reduce_dtype: the dtype the shard_map step's gradient reductions across devices (ZeRO-3's per-layer
+      reduce-scatters, the data-parallel all-reduce) carry and sum in, as FSDP's reduce_dtype. None: float32.
+      jnp.bfloat16 halves the bytes sent and the full-size gradients waiting for their reduction (MaxText's step
+      reduces in bf16 too; engine/README.md#figures); GPU and TPU only (XLA:CPU aborts on bf16 reductions in this
+      step), and not in the jit step, whose reductions the compiler places in the backward pass's dtype.
     """
     compute_dtype: object = None
     loss_scale: object = "auto"
     nan_policy: str = "raise"
     grad_dtype: object = None
+    reduce_dtype: object = None
 
     def __post_init__(self):
         if self.compute_dtype is not None:
@@ -64,13 +70,20 @@ class Precision:
               or isinstance(scale, step_lib.LossScale),
               "None, 'auto', 'dynamic', a number >= 1 (a fixed scale) or an engine.LossScale")
         check("nan_policy", self.nan_policy, self.nan_policy in NAN_POLICIES, f"one of {NAN_POLICIES}")
-        if self.grad_dtype is not None:
-            try:
-                dtype = jnp.dtype(self.grad_dtype)
-            except TypeError:
-                dtype = None
-            check("grad_dtype", self.grad_dtype, dtype in GRAD_DTYPES, "None, jnp.float32 or jnp.bfloat16")
-            object.__setattr__(self, "grad_dtype", dtype)
+        for name in ("grad_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    dtype = jnp.dtype(value)
+                except TypeError:
+                    dtype = None
+                check(name, value, dtype in GRAD_DTYPES, "None, jnp.float32 or jnp.bfloat16")
+                object.__setattr__(self, name, dtype)
+
+    @property
+    def reduces_narrow(self):
+        """Whether gradient reductions are asked for in a dtype narrower than float32."""
+        return self.reduce_dtype not in (None, jnp.dtype(jnp.float32))
 
     def resolved_loss_scale(self):
         """None or the `engine.LossScale` the step applies ('auto' decided by compute_dtype)."""

@@ -177,6 +177,8 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
                          "(context parallelism runs in the jit step)")
     check_zero_quantized(parallelism.int8, mesh, step, diloco is not None)
     if diloco is not None:
+        _validate("reduce_dtype", precision.reduce_dtype, not precision.reduces_narrow, "None with diloco (its "
+                  "replicas reduce nothing per step)")
         return "diloco"
     # Rows split over `expert` beside an automatic `model` inside the shard_map step abort XLA's SPMD partitioner
     # (jaxlib 0.10.2, dense models too: "partition_group_list ... Check failed").
@@ -190,6 +192,11 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
     if step == "shard_map" and expert_model:
         raise ValueError(f"the shard_map step on a mesh with expert={sizes['expert']} and model={sizes['model']}; "
                          "expected step='jit' (and no Parallelism.int8), or expert or model of 1")
+    if precision.reduces_narrow:
+        platform = mesh.devices.flat[0].platform
+        _validate("reduce_dtype", precision.reduce_dtype, step == "shard_map" and platform != "cpu",
+                  f"None with the {step} step on {platform} devices (bf16 reductions run in the shard_map step on "
+                  "GPU and TPU; the jit step's are the compiler's, and XLA:CPU aborts on them)")
     return step
 
 
@@ -607,7 +614,8 @@ class Trainer:
                 impl = step_lib.shard_map_train_step(
                     mesh=self.mesh, param_specs=self._param_specs, update_specs=self._update_specs,
                     zero_stage=self.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None),
-                    loss_scale=self._loss_scale, int8=self._int8, **user, **common)
+                    loss_scale=self._loss_scale, int8=self._int8,
+                    reduce_dtype=self.precision.reduce_dtype or jnp.float32, **user, **common)
             else:
                 impl = step_lib.jit_train_step(grad_shardings=self._grad_sh, loss_scale=self._loss_scale, **user,
                                                **common)

@@ -40,6 +40,8 @@ flags.DEFINE_enum("remat", "full", ["none", "full", "dots"], "Remat policy of ea
 flags.DEFINE_enum("compute_dtype", "bfloat16", ["float32", "bfloat16"], "Forward/backward dtype.")
 flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
                   "update (engine.Precision.grad_dtype).")
+flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "
+                  "reductions carry and sum in (engine.Precision.reduce_dtype; GPU and TPU targets).")
 flags.DEFINE_integer("accumulate", 1, "Micro-batches per update.", lower_bound=1)
 flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit", "auto"], "The Trainer's step implementation "
                   "(auto: the Trainer's choice for the target, shard_map on TPU).")
@@ -92,7 +94,7 @@ def main(argv):
         FLAGS.mesh = f"1,{n // (FLAGS.pipeline_stages * FLAGS.context_parallel)},1"
     kwargs = dict(model=FLAGS.model, model_config=FLAGS.model_config, target=FLAGS.target, num_devices=num_devices,
                   per_device_batch_size=FLAGS.per_device_batch_size, seq_len=FLAGS.seq_len, remat=FLAGS.remat,
-                  compute_dtype=FLAGS.compute_dtype, grad_dtype=FLAGS.grad_dtype,
+                  compute_dtype=FLAGS.compute_dtype, grad_dtype=FLAGS.grad_dtype, reduce_dtype=FLAGS.reduce_dtype,
                   accumulate=FLAGS.accumulate, step=FLAGS.train_step,
                   hbm_gb=FLAGS.hbm_gb, lora_rank=FLAGS.lora_rank, param_dtype=FLAGS.param_dtype,
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,

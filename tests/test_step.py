@@ -336,8 +336,15 @@ def test_bf16_gradients_are_held_in_bf16_and_differ_by_their_rounding(mesh):
 
 
 def test_bad_input_errors():
-    with pytest.raises(ValueError, match=r"grad_dtype=.*float16.*; expected None, jnp.float32 or jnp.bfloat16"):
-        engine.Precision(grad_dtype=jnp.float16)
+    for name in ("grad_dtype", "reduce_dtype"):
+        with pytest.raises(ValueError, match=name + r"=.*float16.*; expected None, jnp.float32 or jnp.bfloat16"):
+            engine.Precision(**{name: jnp.float16})
+    for step in ("auto", "shard_map"):  # bf16 reductions: GPU / TPU only (the XLA CPU compiler aborts on them)
+        with pytest.raises(ValueError, match=r"reduce_dtype=.*bfloat16.*; expected None with the \w+ step on cpu"):
+            engine.Trainer(mesh=engine.make_mesh(fsdp=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                           params=task.init_params(), optimizer=optax.sgd(0.1),
+                           precision=engine.Precision(reduce_dtype=jnp.bfloat16),
+                           parallelism=engine.Parallelism(step=step))
     with pytest.raises(ValueError, match=r"step='pmap'; expected one of \('auto', 'shard_map', 'jit'\)"):
         engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
                        params=task.init_params(), optimizer=optax.sgd(0.1), parallelism=engine.Parallelism(step="pmap"))

@@ -34,6 +34,9 @@ GB = 1e9
 MAXTEXT_GB = {"v5p": 32.51, "v5e": 17.09}
 MAXTEXT_PEAK_GB = {"v5p": 31.18, "v5e": 16.10}  # the compiler's heap high-water mark (peak_memory_in_bytes)
 BOUND_GB = {"v5p": 31.5, "v5e": 17.09}
+# MaxText's llama2-7b with grad_dtype=bfloat16 (its gradient stacks in bf16; it reduces them in bf16 either way).
+MAXTEXT_BF16_GRADIENTS_GB = {"v5p": 29.06}
+BF16_GRADIENTS = ("--train_step=auto", "--grad_dtype=bfloat16", "--reduce_dtype=bfloat16")
 CHIPS = {"v5p": 4, "v5e": 8}
 _POOL = concurrent.futures.ThreadPoolExecutor(2)  # two compiles at once: each is mostly one core
 
@@ -77,6 +80,21 @@ def test_default_step_needs_less_than_maxtext(generation):
           f"{peak:.2f}), MaxText {MAXTEXT_GB[generation]} (peak {MAXTEXT_PEAK_GB[generation]})")
     assert total <= BOUND_GB[generation], f"{total:.2f} GB > {BOUND_GB[generation]}"
     assert peak <= 0.96 * MAXTEXT_PEAK_GB[generation], f"peak {peak:.2f} GB"  # measured 0.92x / 0.95x
+
+
+@pytest.mark.parametrize("generation", ["v5p", "v5e"])
+def test_bf16_gradients_need_at_most_nine_tenths_of_maxtext(generation):
+    """The default step with its gradients held and reduced in bf16 (`Precision(grad_dtype=, reduce_dtype=)`): at
+    most 0.9x MaxText's default per-chip total (fp32 gradient stacks), and below MaxText's own with bf16 gradients."""
+    _prefetch(*((g, BF16_GRADIENTS) for g in ("v5p", "v5e")))
+    r = plan(generation, *BF16_GRADIENTS)
+    assert r["step"] == "shard_map" and r["grad_dtype"] == r["reduce_dtype"] == "bfloat16"
+    total = r["bytes"]["total"] / GB
+    print(f"{generation}-8, bf16 gradients: {total:.2f} GB per chip (peak {r['bytes']['peak'] / GB:.2f}), "
+          f"{total / MAXTEXT_GB[generation]:.3f}x MaxText's {MAXTEXT_GB[generation]}")
+    assert total <= 0.9 * MAXTEXT_GB[generation], f"{total:.2f} GB"
+    if generation in MAXTEXT_BF16_GRADIENTS_GB:
+        assert total < MAXTEXT_BF16_GRADIENTS_GB[generation], f"{total:.2f} GB"
 
 
 # ---- every layout the engine trains, compiled for both slices ----

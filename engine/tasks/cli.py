@@ -80,6 +80,8 @@ def define_flags():
     flags.DEFINE_enum("compute_dtype", "float32", list(_DTYPES), "Forward/backward dtype; master weights stay fp32.")
     flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
                       "optimizer update (engine.Precision.grad_dtype): bfloat16 halves their memory.")
+    flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "
+                      "reductions carry and sum in (engine.Precision.reduce_dtype; GPU and TPU only).")
     flags.DEFINE_bool("remat", False, "Rematerialise the forward pass in the backward pass (less memory).")
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-process runs (else "
                         "ENGINE_COORDINATOR_ADDRESS or SLURM).")
@@ -333,7 +335,8 @@ def trainer_kwargs():
     `engine.Parallelism` and DiLoCo."""
     kwargs = dict(accumulate_grad_batches=FLAGS.accumulate_grad_batches, seed=FLAGS.seed,
                   precision=engine.Precision(compute_dtype=_DTYPES[FLAGS.compute_dtype],
-                                            grad_dtype=_DTYPES[FLAGS.grad_dtype]),
+                                            grad_dtype=_DTYPES[FLAGS.grad_dtype],
+                                            reduce_dtype=_DTYPES[FLAGS.reduce_dtype]),
                   parallelism=engine.Parallelism(zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
                                                  offload_optimizer=FLAGS.offload_optimizer,
                                                  zero_quantized_weights=FLAGS.zero_quantized_weights,

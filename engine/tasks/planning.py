@@ -26,17 +26,19 @@ def plan(**kwargs):
 
 
 def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, zero_stage=0, per_device_batch_size=1,
-                 seq_len=2048, remat="full", compute_dtype="bfloat16", grad_dtype=None, accumulate=1, step="shard_map",
-                 hbm_gb=None, loss_implementation="auto", attention_implementation="auto", lora_rank=0,
-                 param_dtype="float32", quantize=None, stages=1, pipeline_microbatches=0, diloco_inner_steps=0,
-                 diloco_fragments=1, diloco_outer_dtype="float32", context=1, zero_quantized_weights=False,
-                 zero_quantized_gradients=False, sequence_parallel=False, rlhf=None, config_overrides=None):
+                 seq_len=2048, remat="full", compute_dtype="bfloat16", grad_dtype=None, reduce_dtype=None,
+                 accumulate=1, step="shard_map", hbm_gb=None, loss_implementation="auto",
+                 attention_implementation="auto", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
+                 pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
+                 context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
+                 rlhf=None, config_overrides=None):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
-    AdamW (fp32 master weights and moments; gradients held in `grad_dtype`, None: fp32) on the first `num_devices`
-    devices (None: all) of `target` (None or 'cpu': this machine's, e.g. simulated CPU devices; 'tpu:v5p-8',
-    'tpu:v5e-16x2': a TPU slice's compile-only devices from libtpu, `engine.plan.parse_target`), and returns a dict:
-    parameter count, per-device bytes (arguments, outputs, aliased, temporaries, total), per-device bytes sent per
-    collective type, their sum, and, with `hbm_gb`, whether the total fits. lora_rank > 0: LoRA adapters (float32) on every
+    AdamW (fp32 master weights and moments; gradients held in `grad_dtype` and reduced in `reduce_dtype`, None:
+    fp32) on the first `num_devices` devices (None: all) of `target` (None or 'cpu': this machine's, e.g.
+    simulated CPU devices; 'tpu:v5p-8', 'tpu:v5e-16x2': a TPU slice's compile-only devices from libtpu,
+    `engine.plan.parse_target`), and returns a dict: parameter count, per-device bytes (arguments, outputs,
+    aliased, temporaries, total), per-device bytes sent per collective type, their sum, and, with `hbm_gb`, whether
+    the total fits. lora_rank > 0: LoRA adapters (float32) on every
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
     quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
@@ -84,7 +86,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
         mesh=engine.make_mesh(stage=stages, context=context, **sizes, devices=devices[:num_devices]),
         collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params, optimizer=optax.adamw(1e-4),
         accumulate_grad_batches=accumulate, trainable=trainable, diloco=diloco,
-        precision=engine.Precision(compute_dtype=dtype, grad_dtype=grad_dtype),
+        precision=engine.Precision(compute_dtype=dtype, grad_dtype=grad_dtype, reduce_dtype=reduce_dtype),
         parallelism=engine.Parallelism(step=step, zero_stage=zero_stage, zero_quantized_weights=zero_quantized_weights,
                                        zero_quantized_gradients=zero_quantized_gradients))
     rows = per_device_batch_size * data * fsdp * sizes.get("expert", 1)
@@ -219,7 +221,7 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
               "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],
               "per_device_batch_size": s["per_device_batch_size"], "seq_len": s["seq_len"], "remat": s["remat"],
               "compute_dtype": jnp.dtype(s["compute_dtype"]).name,
-              "grad_dtype": None if s["grad_dtype"] is None else jnp.dtype(s["grad_dtype"]).name,
+              **{k: None if s[k] is None else jnp.dtype(s[k]).name for k in ("grad_dtype", "reduce_dtype")},
               "loss_implementation": s["loss_implementation"] or "plain",
               "attention_implementation": s["attention_implementation"], "params": params,
               "trained_params": trained_params, "param_bytes": param_bytes, "lora_rank": s["lora_rank"],
