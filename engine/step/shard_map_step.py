@@ -109,8 +109,9 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
     device's rows in place of differentiating `loss_fn`: the ZeRO-3 shards are gathered whole before it (no
     layer-by-layer gathering) and its gradients reduce-scattered back after it; the reductions are the same.
     `grad_dtype`: None or the dtype the gradients are held in from their reduction to the update
-      (`Precision.grad_dtype`): each is summed across devices in `reduce_dtype` and rounded to it once; the ZeRO-3
-      layer stack's buffers (remat='full') and the micro-batches' running sum are in it.
+      (`Precision.grad_dtype`): each is summed over `fsdp` in `reduce_dtype` and rounded to it (a `data` axis then
+      adds the rounded partial sums); the ZeRO-3 layer stack's buffers (remat='full') and the micro-batches' running
+      sum are in it.
     """
     settings = _Settings.checked(mesh, micro_loss_fn(loss_fn, None), key, compute_dtype, reduce_dtype, remat,
                                  accumulate, zero_stage, weight_metric, int8, grad_dtype)
