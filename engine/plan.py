@@ -422,8 +422,8 @@ def rank_meshes(make_trainer, batch, *, devices=None, stages=1, context=1, memor
     host (`hosts_of`): the bytes of collectives whose groups span hosts are ranked first, before all bytes sent (the
     links between hosts are the slow ones: MaxText's DCN against ICI). Each result: {'mesh': [data, fsdp, model]
     (and expert where > 1), 'stages', 'context', 'bytes' (memory_per_device), 'collective_bytes',
-    'collective_bytes_total', 'fits'}, and across hosts 'cross_host_bytes'; a layout that does not compile (heads that `model` does not divide, say)
-    comes last with its 'error'."""
+    'collective_bytes_total', 'fits'}, and across hosts 'cross_host_bytes'; a layout that does not compile (heads
+    that `model` does not divide, say) comes last with its 'error'."""
     devices = list(jax.devices() if devices is None else devices)
     results = []
     for shape in mesh_shapes(len(devices) // (stages * context), experts):

@@ -679,8 +679,9 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     docstring). With `expert > 1`, the weights the traced program passes to `kernels.grouped_matmul` (a mixture of
     experts' stacked experts) are split over `expert` along their group dim. With `fsdp > 1`, parameters of at
     least `FSDP_MIN_ELEMENTS` elements also get their largest remaining divisible dimension split over `fsdp` (on a
-    TPU, one that leaves the shards whole memory tiles first: `add_axis`); with `context > 1`, over `context` too (a context group computes on the same rows, so, like ZeRO-3,
-    it holds one copy of the weights between its devices, gathered where used).
+    TPU, one that leaves the shards whole memory tiles first: `add_axis`); with `context > 1`, over `context` too
+    (a context group computes on the same rows, so, like ZeRO-3, it holds one copy of the weights between its
+    devices, gathered where used).
     """
     sizes, tile = _axis_sizes(mesh), device_tile(mesh)
     compiled_rules = _check_rules(rules)

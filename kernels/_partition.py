@@ -5,9 +5,9 @@ gathers every input onto every device and each device computes the whole op. Whe
 (`jax.set_mesh(mesh)`, or inside the engine's shard_map step, whose `model` axis stays automatic), each op instead
 runs its kernel in a `jax.shard_map` over the mesh's automatic axes, on the blocks the engine's layout gives it
 (engine/sharding.py): rows (batch) over `data`, `fsdp` and `expert`, attention heads and output features over
-`model`, each only where the size divides. Outside a mesh, or on axes that are already manual, nothing changes. A `context` axis
-(context parallelism: each device holds a slice of every row's tokens) is manual around attention for every implementation ('xla' too), which trades sequence slices for head
-slices (`kernels.attention.api`).
+`model`, each only where the size divides. Outside a mesh, or on axes that are already manual, nothing changes. A
+`context` axis (context parallelism: each device holds a slice of every row's tokens) is manual around attention
+for every implementation ('xla' too), which trades sequence slices for head slices (`kernels.attention.api`).
 """
 import contextlib
 import contextvars

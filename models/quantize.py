@@ -12,15 +12,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul.formats import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from kernels.matmul.formats import DEQUANTIZERS, quantize_int8, quantize_nf4
 from models.layers import LORA_TARGETS
+from models.layers.moe import EXPERT_WEIGHTS
 
 __all__ = ["QUANTIZERS", "dequantize", "is_quantized_kernel", "quantize", "quantize_int8", "quantize_nf4"]
 QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4}
-_DEQUANTIZERS = {"int8": dequantize_int8, "nf4": dequantize_nf4}
-
-
-EXPERT_WEIGHTS = ("gate", "up", "down")  # a mixture's stacked experts (layers.MoE), stored quantised like a kernel
 
 
 def is_quantized_kernel(path):
@@ -66,7 +63,7 @@ def dequantize(model, params):
     dtype = jnp.dtype(model.config.param_dtype)
 
     def one(node, name):
-        weight = _DEQUANTIZERS[model.config.quantize](node[name], node[f"{name}_scale"], dtype)
+        weight = DEQUANTIZERS[model.config.quantize](node[name], node[f"{name}_scale"], dtype)
         return {**{k: v for k, v in node.items() if k != f"{name}_scale"}, name: weight}
 
     return model.clone(config=dataclasses.replace(model.config, quantize=None)), _map_projections(params, one)

@@ -301,9 +301,10 @@ def test_bf16_gradient_reductions_lower_to_bf16_collectives():
 def test_bf16_gradients_are_held_in_bf16_and_differ_by_their_rounding(mesh):
     """Precision(grad_dtype=bf16) on a remat'd scan-over-layers LLaMA: the hand-pipelined layer stack keeps its
     gradient buffers in bf16 (the compiled shard_map step holds bf16 arrays of the local weight stacks' shapes; the
-    model computes in fp32 here, so nothing else is bf16), and one SGD step of either step differs from the fp32 gradients' step by at most
-    the rounding of the gradients to bf16 (2^-8 of the largest of each leaf's gradient on 1x8x1, where the fsdp sum
-    is rounded once; twice that where each of data's two partial sums is rounded, 2x2x2), and does differ."""
+    model computes in fp32 here, so nothing else is bf16), and one SGD step of either step differs from the fp32
+    gradients' step by at most the rounding of the gradients to bf16 (2^-8 of the largest of each leaf's gradient on
+    1x8x1, where the fsdp sum is rounded once; twice that where each of data's two partial sums is rounded, 2x2x2),
+    and does differ."""
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", num_layers=3, intermediate_size=96)
     params = models.init_params(model, jax.random.PRNGKey(1))
     lr = 0.5

@@ -64,3 +64,6 @@ def dequantize_nf4(packed, absmax, dtype=jnp.float32):
     values = jnp.asarray(NF4_LEVELS, jnp.float32)[index.astype(jnp.int32)]
     values = values.reshape(*lead, absmax.shape[-2], -1, n) * absmax[..., None, :].astype(jnp.float32)
     return values.reshape(*lead, 2 * half, n).astype(dtype)
+
+
+DEQUANTIZERS = {"int8": dequantize_int8, "nf4": dequantize_nf4}  # by a config's `quantize` name

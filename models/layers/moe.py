@@ -15,12 +15,13 @@ import jax.numpy as jnp
 
 import kernels
 from kernels import axes
-from kernels.matmul.formats import dequantize_int8, dequantize_nf4
+from kernels.matmul.formats import DEQUANTIZERS
 from models.layers.linear import Linear, activation, lora_a_init, quantized_params
 from models.layers.options import Dtype
 from models.layers.parallel import gather_tokens, split_tokens
 
 STATS = "router_stats"  # the name each MoE layer sows its router statistics under, in 'intermediates'
+EXPERT_WEIGHTS = ("gate", "up", "down")  # the stacked expert weights, under `experts/`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class MoEOptions:
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected a number >= 0")
-        experts_adapted = sorted(set(self.lora_targets) & {"gate", "up", "down"}) if self.lora_rank else []
+        experts_adapted = sorted(set(self.lora_targets) & set(EXPERT_WEIGHTS)) if self.lora_rank else []
         if self.lora_dropout and experts_adapted:
             raise ValueError(f"lora_dropout={self.lora_dropout} with LoRA on the experts ({', '.join(experts_adapted)} "
                              "in lora_targets of a mixture of experts); expected lora_dropout=0 or lora_targets "
@@ -244,7 +245,7 @@ class _Experts(nn.Module):
             w = {name: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
                  for name, shape in shapes.items()}
         else:
-            dequantize = {"int8": dequantize_int8, "nf4": dequantize_nf4}[self.quantize]
+            dequantize = DEQUANTIZERS[self.quantize]
             w = {name: dequantize(*quantized_params(self, name, self.quantize, shape, self.std), self.dtype)
                  for name, shape in shapes.items()}
         adapted = {name: shape for name, shape in shapes.items() if self.lora_rank and name in self.lora_targets}
@@ -285,7 +286,7 @@ def moe_block(config, **kw):
                c.norm_topk_prob, std=c.initializer_range, implementation=c.mlp_implementation,
                interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, quantize=c.quantize,
                lora_rank=c.lora_rank, lora_scale=c.lora_alpha / max(c.lora_rank, 1),
-               lora_targets=tuple(t for t in c.lora_targets if t in ("gate", "up", "down")), **kw)
+               lora_targets=tuple(t for t in c.lora_targets if t in EXPERT_WEIGHTS), **kw)
 
 
 def router_losses(intermediates):

@@ -51,7 +51,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
                              "layer weights); got scan_layers=False")
         if not owner.is_initializing():
             return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer), None
-    if (per_layer is not None or isinstance(cache, list)) and cache is not None and scan and not owner.is_initializing():
+    layered = per_layer is not None or isinstance(cache, list)
+    if layered and cache is not None and scan and not owner.is_initializing():
         return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)

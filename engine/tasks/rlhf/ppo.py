@@ -191,14 +191,14 @@ def ppo_loss_fn(actor, critic, config=PPOConfig(), *, implementation=None, inter
         if critic is None:  # GRPO: the KL to the reference in the loss (k3: unbiased, never negative)
             ref_ratio = jnp.where(mask, batch["ref_log_probs"] - log_probs, 0.0)
             metrics["kl"] = mean(jnp.exp(ref_ratio) - ref_ratio - 1)
-            return lm.add_router_losses(getattr(actor, "config", None), policy_loss + c.kl_coef * metrics["kl"],
-                                        metrics, sown)
-        values = critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])
-        old, ret = batch["old_values"], batch["returns"]
-        clipped = old + jnp.clip(values - old, -c.value_clip, c.value_clip)
-        metrics["value_loss"] = mean(0.5 * jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2))
-        return lm.add_router_losses(getattr(actor, "config", None), policy_loss + c.value_coef * metrics["value_loss"],
-                                    metrics, sown)
+            loss = policy_loss + c.kl_coef * metrics["kl"]
+        else:
+            values = critic.apply({"params": params["critic"]}, batch["input_ids"], batch["segment_ids"])
+            old, ret = batch["old_values"], batch["returns"]
+            clipped = old + jnp.clip(values - old, -c.value_clip, c.value_clip)
+            metrics["value_loss"] = mean(0.5 * jnp.maximum((values - ret) ** 2, (clipped - ret) ** 2))
+            loss = policy_loss + c.value_coef * metrics["value_loss"]
+        return lm.add_router_losses(getattr(actor, "config", None), loss, metrics, sown)
     loss_fn.weight_metric = "tokens"
     return loss_fn
 
