@@ -1,17 +1,24 @@
-"""Correctness of the compiled kernels on the machine it runs on: one table, exit status 1 on any failure.
+"""Correctness of the compiled kernels on the machine it runs on: one table, printed row by row as each is measured,
+exit status 1 on any failure.
 
   python scripts/check_kernels.py                 # on a GPU/TPU: the default (Pallas) implementation, compiled
   python scripts/check_kernels.py --interpret     # on CPU: the Triton kernels in Pallas's interpreter (a smoke run)
 
 Every row draws fresh random normal inputs, runs the kernel forward and backward under a random cotangent, and
-compares the output and every gradient with the 'xla' implementation run in float32 at the highest matmul precision
-on the same (rounded) inputs, by ||ours - reference|| / ||reference||. Limits (device/METHOD.md): float32 1e-3 (GPU
-matrix units run float32 dots as tf32, about 3e-4), 16-bit inputs 2e-2; a row also passes at no more than twice the
-error of the plain 'xla' path run in the same dtype (shown beside it). A NaN or inf fails. paged_attention is
-forward only (it has no gradient), so its rows compare the output alone. The last row is a small LLaMA (scanned,
-rematerialised) with the kernels in its attention and MLP, its arguments every parameter.
+compares the output and every gradient with the 'xla' implementation run in float32 on the same (rounded) inputs, by
+||ours - reference|| / ||reference||. The reference runs on the host's CPU by default (`--reference=host`): XLA:CPU
+computes float32 dots in float32 and compiles these programs in about a second, where a GPU compiles (and autotunes)
+every float32 dot at `Precision.HIGHEST` as a multi-pass gemm that XLA autotunes (on an H200 the first such reference
+took 90 s to compile). `--reference=device` runs it on the accelerator at the highest matmul precision, as before. Limits
+(device/METHOD.md): float32 1e-3 (GPU matrix units run float32 dots as tf32, about 3e-4), 16-bit inputs 2e-2; a row
+also passes at no more than twice the error of the plain 'xla' path run in the same dtype on the device (shown beside
+it). A NaN or inf fails. paged_attention is forward only (it has no gradient), so its rows compare the output alone.
+Rows run cheapest first; the last is a small LLaMA (scanned, rematerialised) with the kernels in its attention and
+MLP, its arguments every parameter. Each row shows the seconds spent compiling ours and the plain path on the device
+and the reference's seconds (compile and run), so a slow check says where its time goes.
 """
 import sys
+import time
 from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
@@ -23,6 +30,8 @@ flags.DEFINE_bool("interpret", False, "Run the Triton kernels in Pallas's interp
 flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
 flags.DEFINE_enum("size", None, ["small", "large"], "Shapes; default large on an accelerator, small on CPU.")
 flags.DEFINE_integer("seed", 0, "First random key; every row uses a fresh one.")
+flags.DEFINE_enum("reference", "host", ["host", "device"], "Where the float32 reference runs: the host's CPU (exact "
+                  "float32 dots, compiled in seconds) or the accelerator at the highest matmul precision.")
 
 LIMITS = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 
@@ -140,7 +149,10 @@ def cases(size):
         out[::7] = -100  # ignored tokens
         return jnp.asarray(out)
 
+    # Cheapest first (forward-only paged decoding, then attention, the matmuls, the experts, the model), so the first
+    # rows print within seconds and a run cut short keeps the most rows.
     return [
+        *_paged_cases(small),
         Case("flash_attention causal GQA", f"B{B} T{T} H{H}/{KVH} D{D}",
              lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, **impl),
              [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
@@ -164,7 +176,6 @@ def cases(size):
         Case("linear_cross_entropy", f"N{N} D{K} V{V}",
              lambda impl, x, w: kernels.linear_cross_entropy(x, w, labels(N, V), **impl), [(N, K), (K, V)]),
         *_grouped_cases(small),
-        *_paged_cases(small),
         _model_case(small),
     ]
 
@@ -192,10 +203,29 @@ def _part_names(args):
     return names
 
 
-def check(name, fn, shapes, dtype, impl, key, backward=True):
-    """(max relative error over the output and the gradients (the output alone without `backward`), the worst
-    part's name, the same error of the plain 'xla' implementation run in `dtype`), each against 'xla' in float32 at
-    the highest matmul precision."""
+class Result(NamedTuple):
+    """A row's measurement: `error` (max relative error over the output and the gradients, the output alone without
+    `backward`), `part` (the worst part's name), `plain_error` (the same error of the plain 'xla' implementation run
+    in the row's dtype), `seconds` {'ours', 'xla': compile seconds on the device; 'reference': compile + run}."""
+    error: float
+    part: str
+    plain_error: float
+    seconds: dict
+
+
+def _compiled(fn, args):
+    """(fn jitted and compiled ahead of time for `args`, its compile seconds)."""
+    import jax
+    lowered = jax.jit(fn).lower(*args)
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - start
+
+
+def check(name, fn, shapes, dtype, impl, key, backward=True, reference="host"):
+    """`Result` of one row: `fn(impl, *args)` (and its gradients under a random cotangent) against the 'xla'
+    implementation in float32, computed on the host's CPU (`reference='host'`) or on the default device at the
+    highest matmul precision ('device')."""
     import jax
     import jax.numpy as jnp
     key, cotangent_key = jax.random.split(key)
@@ -205,22 +235,42 @@ def check(name, fn, shapes, dtype, impl, key, backward=True):
         args = [jax.random.normal(k, s, jnp.float32).astype(dtype)
                 for k, s in zip(jax.random.split(key, len(shapes)), shapes)]
 
-    def value_and_vjp(impl, *args):
-        if not backward:
-            return fn(impl, *args)
-        out, vjp = jax.vjp(lambda *a: fn(impl, *a), *args)
-        cotangent = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
-        return out, vjp(cotangent)
+    def value_and_vjp(impl):
+        def run(cotangent_key, *args):
+            if not backward:
+                return fn(impl, *args)
+            out, vjp = jax.vjp(lambda *a: fn(impl, *a), *args)
+            cotangent = jax.random.normal(cotangent_key, out.shape, jnp.float32).astype(out.dtype)
+            return out, vjp(cotangent)
+        return run
 
     xla = {"implementation": "xla"}
-    ours = jax.jit(lambda *a: value_and_vjp(impl, *a))(*args)
-    plain = jax.jit(lambda *a: value_and_vjp(xla, *a))(*args)
-    with jax.default_matmul_precision("highest"):
-        ref = jax.jit(lambda *a: value_and_vjp(xla, *a))(*jax.tree.map(lambda a: a.astype(jnp.float32), args))
+    seconds = {}
+    ours, seconds["ours"] = _compiled(value_and_vjp(impl), [cotangent_key, *args])
+    ours = jax.block_until_ready(ours(cotangent_key, *args))
+    plain, seconds["xla"] = _compiled(value_and_vjp(xla), [cotangent_key, *args])
+    plain = jax.block_until_ready(plain(cotangent_key, *args))
+    start = time.perf_counter()
+    ref_args = [cotangent_key, *jax.tree.map(lambda a: a.astype(jnp.float32), args)]
+    host = jax.devices("cpu")[0] if reference == "host" else None
+    with jax.default_device(host), jax.default_matmul_precision("highest"):
+        # On the host the arguments (and the constants the cases close over, made uncommitted) follow to the CPU.
+        ref = jax.jit(value_and_vjp(xla))(*jax.device_put(ref_args, host))
+        ref = jax.device_get(ref)
+    seconds["reference"] = time.perf_counter() - start
     errors = lambda got: [relative_error(o, r) for o, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
     ours_errors = errors(ours)
     worst = int(np.argmax(ours_errors))
-    return ours_errors[worst], _part_names(args)[worst], max(errors(plain))
+    return Result(ours_errors[worst], _part_names(args)[worst], max(errors(plain)), seconds)
+
+
+COLUMNS = (("kernel", 28), ("shape", 48), ("dtype", 8), ("rel err", 8), ("xla same dtype", 14), ("compile s ours/xla", 18),
+           ("ref s", 6), ("worst", 12), ("result", 0))
+
+
+def _row(cells):
+    """One table line, printed at once (a run cut short keeps every row it measured)."""
+    print("  ".join(str(c).ljust(w) for c, (_, w) in zip(cells, COLUMNS)).rstrip(), flush=True)
 
 
 def main(argv):
@@ -234,29 +284,30 @@ def main(argv):
     chosen = impl.get("implementation") or resolve_implementation(None)
     if chosen == "xla":
         raise ValueError("no Pallas kernel to check on this backend; expected a GPU/TPU, or --interpret")
-    size = FLAGS.size or ("small" if on_cpu else "large")
-    rows, failed, key = [], 0, jax.random.key(FLAGS.seed)
     for dtype_name in FLAGS.dtypes:
         if dtype_name not in LIMITS:
             raise ValueError(f"--dtypes has {dtype_name!r}; expected some of {sorted(LIMITS)}")
-        for name, shape, fn, shapes, backward in cases(size):
+    size = FLAGS.size or ("small" if on_cpu else "large")
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  implementation: {chosen}"
+          f"{' (interpret)' if FLAGS.interpret else ''}  reference: float32 on the {FLAGS.reference}", flush=True)
+    _row([name for name, _ in COLUMNS])
+    rows = failed = 0
+    key = jax.random.key(FLAGS.seed)
+    for name, shape, fn, shapes, backward in cases(size):
+        for dtype_name in FLAGS.dtypes:
             key, sub = jax.random.split(key)
             try:
-                error, part, plain_error = check(name, fn, shapes, jnp.dtype(dtype_name), impl, sub, backward)
-                ok = passes(error, plain_error, dtype_name)
-                rows.append((name, shape, dtype_name, f"{error:.2e}", f"{plain_error:.2e}", part,
-                             "ok" if ok else "FAIL"))
+                r = check(name, fn, shapes, jnp.dtype(dtype_name), impl, sub, backward, FLAGS.reference)
+                ok = passes(r.error, r.plain_error, dtype_name)
+                s = r.seconds
+                _row((name, shape, dtype_name, f"{r.error:.2e}", f"{r.plain_error:.2e}",
+                      f"{s['ours']:.1f}/{s['xla']:.1f}", f"{s['reference']:.1f}", r.part, "ok" if ok else "FAIL"))
             except Exception as e:  # noqa: BLE001 - a kernel that fails to compile is a failed row, not a crash
                 ok = False
-                rows.append((name, shape, dtype_name, "-", "-", "-", f"FAIL {type(e).__name__}: {str(e)[:80]}"))
+                _row((name, shape, dtype_name, "-", "-", "-", "-", "-", f"FAIL {type(e).__name__}: {str(e)[:80]}"))
+            rows += 1
             failed += not ok
-    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  implementation: {chosen}"
-          f"{' (interpret)' if FLAGS.interpret else ''}")
-    header = ("kernel", "shape", "dtype", "rel err", "xla same dtype", "worst", "result")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    for r in [header] + rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-    print(f"{len(rows) - failed}/{len(rows)} passed")
+    print(f"{rows - failed}/{rows} passed")
     if failed:
         sys.exit(1)
 

@@ -246,7 +246,9 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
     assert "--- 'def':" in gen.stdout
     again = _run("train_lm.py", f"--workdir={tmp_path / 'pipe'}", "--mesh=4,1,2", *common, ok=False)
     assert again.returncode == 2 and "fields ['scan_layers'] differ" in again.stderr
-    assert again.stderr.strip().endswith("its layers are stacked for a pipeline, so --pipeline_stages > 1")
+    assert again.stderr.strip().endswith('its layers were scanned (stacked), so --model_overrides with "scan_layers": '
+                                         "true (GPU and TPU runs default to true, CPU runs to false), and "
+                                         "--pipeline_stages > 1 if it ran as a pipeline")
 
 
 @pytest.mark.slow
@@ -643,11 +645,15 @@ def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
     impl = {"implementation": "triton", "interpret": True}
     key = jax.random.key(0)
     gated = lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl)  # noqa: E731
-    error, _, plain = check_kernels.check("gated_mlp", gated, [(24, 32), (32, 48), (32, 48)], jnp.float32, impl, key)
+    error, _, plain, seconds = check_kernels.check("gated_mlp", gated, [(24, 32), (32, 48), (32, 48)], jnp.float32,
+                                                   impl, key)
     assert error <= check_kernels.LIMITS["float32"] and check_kernels.passes(error, plain, "float32")
+    assert set(seconds) == {"ours", "xla", "reference"} and all(s >= 0 for s in seconds.values())
     off = lambda impl, x, g, u: gated(impl, x, g, u) * (1.01 if impl.get("interpret") else 1.0)  # noqa: E731
-    error, part, plain = check_kernels.check("gated_mlp", off, [(24, 32), (32, 48), (32, 48)], jnp.float32, impl, key)
-    assert 5e-3 < error < 2e-2 and plain < 1e-5, (error, part, plain)
+    for reference in ("host", "device"):  # the same row, its float32 reference on the CPU or the default device
+        error, part, plain, _ = check_kernels.check("gated_mlp", off, [(24, 32), (32, 48), (32, 48)], jnp.float32,
+                                                    impl, key, reference=reference)
+        assert 5e-3 < error < 2e-2 and plain < 1e-5, (error, part, plain)
     assert not check_kernels.passes(error, plain, "float32")
     assert not check_kernels.passes(float("inf"), float("inf"), "bfloat16")  # NaN fails even where XLA's is NaN
 
