@@ -2,7 +2,9 @@
 
 Each family lives in its own sub-package: reference, GPU kernel, TPU kernel and the dispatching public op.
 """
-from kernels._dispatch import IMPLEMENTATIONS, implementation_for_platform, resolve_implementation
+from kernels._defaults import default_implementation
+from kernels._dispatch import (ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implementation_for_platform,
+                               resolve_implementation)
 from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, automatic_axes, batch_axes, context_size,
                                 shard, tracing_mesh, under_mesh, vmapped)
 from kernels.attention import (decode_attention, dropout_keys, dropout_multiplier, flash_attention, mha_reference,

@@ -7,6 +7,7 @@
   python scripts/bench_kernels.py --kernels=grouped    # the MoE grouped matmul at Mixtral-8x7B's expert sizes
   python scripts/bench_kernels.py --kernels=paged      # paged_attention against decode_attention, ragged lengths
   python scripts/bench_kernels.py --tune=attention,matmul,grouped   # search the ops' block sizes instead
+  python scripts/bench_kernels.py --write_defaults=kernels/defaults.json   # measure and record the defaults
 
 Each row: median wall time per call over --iters samples after --warmup runs (random normal inputs, jitted; a
 sample is back-to-back calls blocked on once), achieved TFLOP/s and the fraction of the device's dense peak for
@@ -15,10 +16,16 @@ that dtype. On CPU the defaults are small shapes: a smoke check that every path 
 `--tune` times every candidate of the ops' `TUNING_SPACE` (kernels/attention/api.py, kernels/matmul/_blocks.py,
 kernels/grouped_matmul/api.py) at one benchmark shape per op and prints them fastest first, the heuristic default
 marked; an interrupt (SIGINT, e.g. `timeout -s INT`) ends the search and still prints what was measured.
+
+`--write_defaults=PATH` times every implementation the device runs per shape class (attention: each --seq_lens x
+--causal, forward and forward+backward; gated_mlp and linear_cross_entropy: the fused kernel against plain XLA
+matmuls, both passes) and merges the fastest of each into the defaults table at PATH (kernels/_defaults.py), for
+this device kind; other entries are kept.
 """
 import dataclasses
 import functools
 import statistics
+import sys
 import time
 
 import jax
@@ -32,7 +39,9 @@ from kernels.attention.api import TUNING_SPACE as ATTENTION_TUNING_SPACE
 from kernels.attention.api import choose_block_sizes
 from kernels.grouped_matmul import grouped_matmul
 from kernels.grouped_matmul.api import TUNING_SPACE as GROUPED_TUNING_SPACE
-from kernels._dispatch import resolve_implementation
+from kernels import _defaults
+from kernels._dispatch import is_nvidia_gpu, resolve_implementation
+from kernels.attention import triton as attention_triton
 from kernels.matmul import _blocks as matmul_blocks
 from kernels.matmul import benchmark as matmul_benchmark
 
@@ -60,6 +69,10 @@ flags.DEFINE_integer("max_candidates", 0, "--tune: time at most this many candid
 flags.DEFINE_list("tune", [], "Kernel families whose block sizes to search instead of printing the benchmark tables: "
                   "attention at the first --seq_lens and --causal entries, the matmuls and grouped at their benchmark "
                   "sizes.")
+flags.DEFINE_string("write_defaults", None, "Instead of the tables: time every implementation this device runs per "
+                    "shape class (--kernels' attention and matmul: each --seq_lens x --causal; gated_mlp and "
+                    "linear_cross_entropy fused against plain XLA matmuls; forward and forward+backward) and merge "
+                    "the fastest into this defaults table (the checked-in one: kernels/defaults.json).")
 flags.DEFINE_list(
     "attention_blocks", None, "Override: block_q,block_k,block_q_bwd,block_k_bwd[,num_warps,num_stages] (for tuning)."
 )
@@ -147,8 +160,7 @@ def bench_attention():
     dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
     ours, selection = _ours()
     override = BlockSizes(*map(int, FLAGS.attention_blocks)) if FLAGS.attention_blocks else None
-    backend = jax.default_backend()
-    baselines = {"jax.nn[xla]": "xla", "jax.nn[cudnn]": "cudnn"} if backend == "gpu" else {"jax.nn[xla]": "xla"}
+    with_cudnn = ours != "cudnn" and "cudnn" in _attention_candidates()
 
     rows = []
     for seq_len in seq_lens:
@@ -158,16 +170,85 @@ def bench_attention():
             logging.info("%s: %s blocks %s", shape, ours, blocks)
             ours_fn = functools.partial(flash_attention, causal=causal, block_sizes=override, **selection)
             paths = {f"flash_attention[{ours}]": ours_fn}
+            if with_cudnn:  # cuDNN's fused attention, forward and backward
+                paths["flash_attention[cudnn]"] = functools.partial(flash_attention, causal=causal,
+                                                                    implementation="cudnn")
             if FLAGS.attention_dropout:
                 paths[f"flash_attention[{ours}] dropout {FLAGS.attention_dropout:g}"] = functools.partial(
                     ours_fn, dropout_rate=FLAGS.attention_dropout, dropout_rng=jax.random.key(0))
-            for name, impl in baselines.items():
-                paths[name] = functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
+            paths["jax.nn[xla]"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                     implementation="xla")
             for name, attend in paths.items():
                 rows.append(_measure(f"{name} fwd", shape, attend, (q, k, v), fwd_flops))
             for name, attend in paths.items():
                 rows.append(_measure(f"{name} fwd+bwd", shape, _attention_grads(attend), (q, k, v), 3.5 * fwd_flops))
     return rows
+
+
+def _attention_candidates():
+    """{implementation: flash_attention's selecting arguments} of every attention implementation this device runs:
+    'xla'; on an NVIDIA GPU 'triton' and 'cudnn'; on a TPU 'mosaic_tpu'; with --interpret the interpreted 'triton'."""
+    device = jax.devices()[0]
+    names = ["xla"]
+    if FLAGS.interpret:
+        names.append("triton")
+    elif device.platform == "gpu":
+        names += ["triton"] * attention_triton.AVAILABLE + ["cudnn"] * is_nvidia_gpu(device)
+    elif device.platform == "tpu":
+        names.append("mosaic_tpu")
+    return {name: dict(implementation=name, interpret=FLAGS.interpret and name == "triton") for name in names}
+
+
+def _timed(rows, times, name, label, shape, fn, args, flops):
+    """Measures candidate `name` of `label` ('op pass'): its row appended to `rows`, its milliseconds to
+    `times[name]` where it ran."""
+    op, direction = label.split(" ")
+    row = _measure(f"{op}[{name}] {direction}", shape, fn, args, flops)
+    rows.append(row)
+    if row[2] != "-":
+        times[name] = float(row[2])
+
+
+def write_defaults(path, families):
+    """Times every candidate of each shape class of `families` ('attention', 'matmul') and merges the fastest into
+    the defaults table at `path` for this device kind; prints the timings and the choices."""
+    kind = jax.devices()[0].device_kind
+    provenance = dict(jax=jax.__version__, command=" ".join(["scripts/bench_kernels.py", *sys.argv[1:]]))
+    entries, rows = [], []
+    if "attention" in families:
+        dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
+        for seq_len in seq_lens:
+            for causal in causal_modes:
+                args, fwd_flops, shape = _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
+                for training in (False, True):
+                    times = {}
+                    for name, selection in _attention_candidates().items():
+                        attend = functools.partial(flash_attention, causal=causal, **selection)
+                        _timed(rows, times, name, f"flash_attention {'fwd+bwd' if training else 'fwd'}",
+                               f"{shape} {dtype.name}", _attention_grads(attend) if training else attend, args,
+                               fwd_flops * (3.5 if training else 1.0))
+                    if times:
+                        cls = _defaults.shape_class("flash_attention", head_dim=head_dim, seq_len=seq_len,
+                                                    causal=causal, dtype=dtype, training=training)
+                        entries.append(_defaults.make_entry("flash_attention", kind, cls, times,
+                                                            shape=f"{shape} {dtype.name}", **provenance))
+    if "matmul" in families:
+        dtype, size = _matmul_setup()
+        impl, selection = _ours()
+        for case in matmul_benchmark.cases(size, dtype, impl, ("gated_mlp", "linear_cross_entropy"),
+                                           interpret=selection["interpret"]):
+            (_, fused), (_, plain) = case.paths.items()  # the fused kernel, then plain XLA
+            times = {}
+            for name, fn in ((impl, fused), (_defaults.PLAIN, plain)):
+                _timed(rows, times, name, f"{case.kernel} {case.direction}", case.shape, fn, case.args, case.flops)
+            if times:
+                cls = _defaults.shape_class(case.kernel, dtype=dtype, training=case.direction == "fwd+bwd")
+                entries.append(_defaults.make_entry(case.kernel, kind, cls, times, shape=case.shape, **provenance))
+    _print_table("defaults: candidates", rows)
+    _defaults.merge_table(path, entries)
+    print(f"\n## defaults written to {path} for {kind}")
+    for entry in entries:
+        print(f"{entry['op']} {entry['class']}: {entry['choice']}  ({entry['times']} {entry['unit']})")
 
 
 def _matmul_setup():
@@ -404,6 +485,12 @@ def main(argv):
         unknown = [name for name in FLAGS[flag].value if name not in known]
         if unknown:
             raise app.UsageError(f"--{flag}: unknown {unknown}; expected some of {list(known)}")
+    if FLAGS.write_defaults:
+        families = FLAGS.kernels if FLAGS["kernels"].present else ["attention", "matmul"]
+        if set(families) - {"attention", "matmul"}:
+            raise app.UsageError(f"--write_defaults times attention and matmul; --kernels={','.join(families)}")
+        write_defaults(FLAGS.write_defaults, families)
+        return
     if FLAGS.tune:
         for name in FLAGS.tune:
             _TUNERS[name]()

@@ -506,3 +506,173 @@ def test_xla_masks_are_not_kept_for_every_block_of_a_remat_layer_scan(dropout):
     compiled = jax.jit(jax.grad(loss)).trace(*args).lower().compile()
     assert not re.search(r"(pred|f32)\[16,1,4,1,8192,512\]", compiled.as_text())
     assert compiled.memory_analysis().temp_size_in_bytes < 0.5e9
+
+
+# implementation='cudnn': cuDNN through jax.nn.dot_product_attention. This host has no GPU, so the tests check the
+# refusals, the mapping of our arguments onto jax.nn's (its 'xla' path computing in place of its cuDNN one) and the
+# lowering for cuda (cuDNN's forward and backward custom calls, whole and on a mesh's local blocks).
+
+
+@pytest.fixture
+def cudnn_on_xla(monkeypatch):
+    """flash_attention(implementation='cudnn') runs jax.nn.dot_product_attention's 'xla' path in place of its cuDNN
+    one, and on CPU; returns the list of the keyword arguments each call gave jax.nn (and its q's shape)."""
+    from kernels.attention import cudnn
+    calls = []
+
+    def recorder(*args, **kwargs):
+        calls.append({**kwargs, "q_shape": args[0].shape})
+        return jax.nn.dot_product_attention(*args, **{**kwargs, "implementation": "xla"})
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", recorder)
+    monkeypatch.setattr(cudnn, "check_device", lambda interpret: None)
+    return calls
+
+
+@pytest.fixture
+def cudnn_lowering(monkeypatch):
+    """JAX 0.10.2 asks the CUDA plugin for cuDNN's version while tracing, and this host has none: a cuDNN 9.10 is
+    stated instead (JAX 0.11.2 with its CUDA plugin installed finds the library itself)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+    try:
+        fused_attention_stablehlo.check_cudnn_version()
+    except RuntimeError:
+        monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+
+
+@pytest.mark.parametrize("causal, window, t, s, heads, kv_heads, sm_scale, expect", [
+    (True, None, 40, 40, 4, 2, None, dict(is_causal=True, local_window_size=None)),
+    (False, None, 24, 40, 4, 1, 0.3, dict(is_causal=False, local_window_size=None, scale=0.3)),
+    (True, (7, 3), 40, 40, 4, 4, None, dict(is_causal=True, local_window_size=(7, 0))),  # causal cuts the right side
+    (False, (5, 0), 40, 40, 2, 1, None, dict(is_causal=True, local_window_size=(5, 0))),  # a left window is causal
+])
+def test_cudnn_maps_onto_jax_nn_exactly(cudnn_on_xla, causal, window, t, s, heads, kv_heads, sm_scale, expect):
+    """Values and gradients equal the 'xla' implementation's (bf16, GQA without repeating k / v), and jax.nn gets
+    implementation='cudnn' with the mapped mask arguments."""
+    q, k, v, ct, _ = _inputs((causal, False, heads, kv_heads, t, s, 64, jnp.bfloat16))
+
+    def value_and_grads(impl):
+        f = lambda q, k, v: flash_attention(q, k, v, causal=causal, window=window, sm_scale=sm_scale,  # noqa: E731
+                                            implementation=impl)
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct), (0, 1, 2)))(q, k, v)
+
+    got, want = value_and_grads("cudnn"), value_and_grads("xla")
+    assert _relative_error(got[0], want[0]) < 1e-2
+    for g, w in zip(got[1], want[1]):
+        assert g.dtype == jnp.bfloat16 and _relative_error(g, w) < TOLERANCE[jnp.bfloat16][1]
+    assert cudnn_on_xla and all(c["implementation"] == "cudnn" for c in cudnn_on_xla)
+    assert {k: cudnn_on_xla[0].get(k) for k in expect} == expect
+
+
+def test_cudnn_on_a_mesh_runs_each_device_s_rows_and_heads(cudnn_on_xla):
+    """On data 2 x fsdp 2 x model 2 (the Pallas kernels' shard_map): values and gradients equal the unsplit call,
+    and jax.nn sees one row and half the heads."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import engine
+    q, k, v, ct, _ = _inputs((True, False, 4, 2, 32, 32, 64, jnp.bfloat16), batch=4)
+    grads = jax.value_and_grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, implementation="cudnn")
+                                                       .astype(jnp.float32) * ct), (0, 1, 2))
+    want = jax.jit(grads)(q, k, v)
+    mesh = engine.make_mesh(data=2, fsdp=2, model=2)
+    spec = NamedSharding(mesh, P(("data", "fsdp"), None, "model", None))
+    with jax.set_mesh(mesh):
+        got = jax.jit(grads)(*(jax.device_put(x, spec) for x in (q, k, v)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+    assert {c["q_shape"] for c in cudnn_on_xla} == {(4, 32, 4, 64), (1, 32, 2, 64)}  # whole, then a device's
+
+
+@pytest.mark.parametrize("mesh_shape", [None, dict(data=2, fsdp=2, model=2)])
+def test_cudnn_lowers_to_cudnn_forward_and_backward_for_cuda(cudnn_lowering, mesh_shape):
+    """forward + backward of B4 T1024 H8/2 D128 bf16 with a 64-key causal window lowered for cuda: one cuDNN
+    forward and one cuDNN backward custom call, causal with sliding window 64; on a mesh, on each device's 1 row and
+    4 / 1 heads."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import engine
+    mesh = engine.make_mesh(**mesh_shape) if mesh_shape else None
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), None, "model", None)) if mesh else None
+    q = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((4, 1024, 2, 128), jnp.bfloat16, sharding=sharding)
+    grads = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True, window=(63, 0), implementation="cudnn")
+                     .astype(jnp.float32).sum(), (0, 1, 2))
+    with (jax.set_mesh(mesh) if mesh else contextlib.nullcontext()), for_gpu(mesh):
+        text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(__cudnn\$\w+)\(.*?\).*?: \((.*?)\) ->", text)
+    assert [name for name, _ in calls] == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
+    assert re.findall(r"mask_type\\22: \\22(\w+)", text) == ["CAUSAL"] * 2
+    assert re.findall(r"sliding_window_length\\22: (\d+)", text) == ["64"] * 2
+    rows = "1x1024" if mesh else "4x1024"
+    q_type, kv_type = (f"tensor<{rows}x{h}x128xbf16>" for h in ((4, 1) if mesh else (8, 2)))
+    assert all(types.startswith(f"{q_type}, {kv_type}, {kv_type}") for _, types in calls), calls
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(segment_ids=_array((2, 64), jnp.int32)), "segment_ids with implementation='cudnn'; .*per-row lengths"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate with implementation='cudnn'"),
+    (dict(logit_soft_cap=30.0), "logit_soft_cap with implementation='cudnn'"),
+    (dict(block_sizes=BlockSizes(block_q=64)), "block_sizes with implementation='cudnn'; cuDNN picks its own"),
+    (dict(window=(8, 2)), r"window=\(8, 2\) without causal with implementation='cudnn'"),
+    (dict(dtype=jnp.float32), "q.dtype=float32 with implementation='cudnn'; expected bfloat16 or float16"),
+    (dict(head_dim=12), "head_dim=12 with implementation='cudnn'; expected a multiple of 8 up to 256"),
+    (dict(head_dim=512), "head_dim=512 with implementation='cudnn'"),
+    (dict(interpret=True), "implementation='cudnn' with interpret=True; cuDNN runs on an NVIDIA GPU only"),
+])
+def test_cudnn_refuses_what_its_api_cannot_express_in_one_line(kwargs, match):
+    """Traced for an H200 (so the device is right): each argument jax.nn's cuDNN path cannot express is named, with
+    the implementations that take it."""
+    shape = (2, 64, 4, kwargs.pop("head_dim", 64))
+    q = _array(shape, kwargs.pop("dtype", jnp.bfloat16))
+    with for_gpu(), pytest.raises(ValueError, match=match) as error:
+        jax.eval_shape(lambda q: flash_attention(q, q, q, implementation="cudnn", **kwargs), q)
+    assert "\n" not in str(error.value)
+
+
+def test_cudnn_is_refused_off_an_nvidia_gpu_and_by_the_other_ops():
+    """On this CPU, and by every op but flash_attention (they validate against kernels.IMPLEMENTATIONS)."""
+    import kernels
+    x = _array((2, 64, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"^implementation='cudnn' on cpu \(cpu\); cuDNN runs on an NVIDIA GPU only"):
+        jax.eval_shape(lambda q: flash_attention(q, q, q, implementation="cudnn"), x)
+    m, w, ids = _array((64, 32)), _array((32, 48)), _array((64,), jnp.int32)
+    pages = _array((4, 8, 16, 64), jnp.bfloat16)
+    others = {
+        "decode_attention": lambda: decode_attention(x, x, x, implementation="cudnn"),
+        "paged_attention": lambda: kernels.paged_attention(_array((2, 4, 64), jnp.bfloat16), pages, pages,
+                                                           _array((2, 4), jnp.int32), _array((2,), jnp.int32),
+                                                           implementation="cudnn"),
+        "fused_matmul": lambda: kernels.fused_matmul(m, w, implementation="cudnn"),
+        "gated_mlp": lambda: kernels.gated_mlp(m, w, w, implementation="cudnn"),
+        "linear_cross_entropy": lambda: kernels.linear_cross_entropy(m, w, ids, implementation="cudnn"),
+        "grouped_matmul": lambda: kernels.grouped_matmul(m, _array((2, 32, 48)), _array((2,), jnp.int32),
+                                                         implementation="cudnn"),
+    }
+    for name, call in others.items():
+        with pytest.raises(ValueError, match=r"^implementation='cudnn'; expected None or one of \('xla', 'triton', "
+                                             r"'mosaic_tpu'\); 'cudnn' is flash_attention's only"):
+            jax.eval_shape(call)
+
+
+def test_cudnn_under_context_parallelism_runs_ulysses_and_refuses_ring(cudnn_on_xla):
+    """data 2 x context 2 x model 2: 4 heads (2 per model device, divisible by context) exchange tokens for heads
+    (Ulysses) and equal the unsplit call, jax.nn seeing every token of one head; 2 heads would need ring attention,
+    whose blockwise log-sum-exp cuDNN's API does not return: refused in one line."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import engine
+    q, k, v, _, _ = _inputs((True, False, 4, 4, 32, 32, 64, jnp.bfloat16))
+    attend = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="cudnn"))
+    want = attend(q, k, v)
+    mesh = engine.make_mesh(data=2, context=2, model=2)
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data", "context", "model"))) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+        got = attend(*placed)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+        assert cudnn_on_xla[-1]["q_shape"] == (1, 32, 1, 64)
+        with pytest.raises(ValueError, match=r"implementation='cudnn' with 2 heads / 2 kv heads over model=2 and "
+                                             r"context=2; that needs ring attention"):
+            jax.eval_shape(attend, *(x[:, :, :2] for x in (q, k, v)))

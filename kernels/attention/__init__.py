@@ -1,6 +1,6 @@
-"""Attention kernel family: `flash_attention` (reference 'xla', GPU 'triton', TPU 'mosaic_tpu'), `decode_attention`
-(the same forward kernels split along a KV cache), `paged_attention` (a decoding step through a page table) and
-`mha_reference`.
+"""Attention kernel family: `flash_attention` (reference 'xla', GPU 'triton' and 'cudnn', TPU 'mosaic_tpu'),
+`decode_attention` (the same forward kernels split along a KV cache), `paged_attention` (a decoding step through a
+page table) and `mha_reference`.
 
 Layout [batch, len, heads, head_dim] as in `jax.nn.dot_product_attention`; see `flash_attention` for the contract.
 """

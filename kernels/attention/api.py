@@ -4,7 +4,8 @@ Every implementation module (`reference`, `triton`, `mosaic_tpu`) provides
 `forward(q, k, v, q_ids, kv_ids, keys, plan) -> (out, lse)` and
 `backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan) -> (dq, dk, dv)` on inputs already padded to block
 multiples; `keys` is None or the int32 [B, H] dropout keys (`reference.dropout_keys`); the lse layout is private to
-each. This module owns everything around them.
+each. This module owns everything around them. `cudnn` (cuDNN's fused attention through `jax.nn`) is the
+exception: any length, its own tiles and VJP, so it runs whole (`_cudnn_on_mesh`), without padding or lse.
 """
 import dataclasses
 import functools
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 from absl import logging
 
 from kernels import _partition
-from kernels._dispatch import resolve_implementation, tpu_generation
-from kernels.attention import mosaic_tpu, reference, triton
+from kernels._defaults import default_implementation
+from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, resolve_implementation, tpu_generation
+from kernels.attention import cudnn, mosaic_tpu, reference, triton
 from kernels.attention.reference import dropout_keys
 from kernels.matmul.formats import quantize_int8
 
@@ -137,7 +139,12 @@ def flash_attention(
       segment_ids: None, int [batch, len] (self-attention, len == kv_len) or a pair (int [batch, len],
         int [batch, kv_len]); a query attends only to keys with its id. A query that sees no key outputs zeros.
       sm_scale: logit scale; default 1 / sqrt(head_dim).
-      implementation: None (fastest for the backend), 'xla', 'triton' or 'mosaic_tpu'.
+      implementation: None, 'xla', 'triton', 'mosaic_tpu' or 'cudnn' (cuDNN's fused attention through
+        `jax.nn.dot_product_attention`, NVIDIA GPUs; `kernels/attention/cudnn.py` lists what it refuses). None: the
+        measured default of the device kind and shape class (`kernels.default_implementation`, its forward + backward
+        entry: a call does not know whether it will be differentiated) for a call without segment ids, dropout,
+        window, soft cap, block sizes or context parallelism; otherwise, and where the table has no entry, the
+        backend's kernels.
       interpret: run the Pallas kernel in Pallas's interpreter (for CPU tests).
       block_sizes: a `BlockSizes` overriding the heuristic tile sizes.
       dropout_rate: probability in [0, 1) of dropping each attention probability (the kept ones are scaled by
@@ -156,11 +163,18 @@ def flash_attention(
     q_ids, kv_ids = _validate(q, k, v, causal, segment_ids, sm_scale, interpret, block_sizes)
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
     window, logit_soft_cap = _validate_window(window), _validate_soft_cap(logit_soft_cap)
-    impl = _implementation(implementation, interpret)
+    context = _partition.context_size(q.shape[1], k.shape[1])
+    plain = (q_ids is None and not dropout_rate and window is None and logit_soft_cap is None and block_sizes is None
+             and context == 1)
+    shape = dict(head_dim=q.shape[3], seq_len=max(q.shape[1], k.shape[1]), causal=causal, dtype=q.dtype)
+    impl = _implementation(implementation, interpret, ATTENTION_IMPLEMENTATIONS, shape if plain else None)
+    if impl == "cudnn":
+        cudnn.check_device(interpret)
+        cudnn.check(q, k, segment_ids=segment_ids, dropout_rate=dropout_rate, window=window, causal=causal,
+                    logit_soft_cap=logit_soft_cap, block_sizes=block_sizes)
     keys = dropout_keys(dropout_rng, q.shape[0], q.shape[2]) if dropout_rate else None
     settings = dict(impl=impl, causal=causal, sm_scale=sm_scale, interpret=interpret, block_sizes=block_sizes,
                     dropout_rate=dropout_rate, window=window, logit_soft_cap=logit_soft_cap)
-    context = _partition.context_size(q.shape[1], k.shape[1])
     if context > 1:
         return _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings)
     return _padded_attention(q, k, v, q_ids, kv_ids, keys, **settings)
@@ -170,6 +184,8 @@ def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, i
                       window, logit_soft_cap):
     """The attention of `flash_attention` on inputs of any length: padded to whole tiles, run on the ambient mesh's
     rows and heads, the padding cut off."""
+    if impl == "cudnn":
+        return _cudnn_on_mesh(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
     T, D = q.shape[1], q.shape[3]
     q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes,
                                              dropout_rate, window, logit_soft_cap)
@@ -201,6 +217,11 @@ def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
     hq, G = H // M // context, H // KVH  # query heads per device after the exchange; query heads per kv head
     kv_to_heads = (KVH // M) % context == 0
     if (H // M) % context or (not kv_to_heads and G % hq):
+        if settings["impl"] == "cudnn":
+            raise ValueError(f"implementation='cudnn' with {H} heads / {KVH} kv heads over model={M} and "
+                             f"context={context}; that needs ring attention, which merges blocks by a log-sum-exp "
+                             "cuDNN's API does not return: expected heads per device divisible by context (Ulysses), "
+                             "or 'xla', 'triton' or 'mosaic_tpu'")
         return _partition.shard(functools.partial(_ring_attention, context=context, has_ids=q_ids is not None,
                                                   **settings), args, specs, split, settings["impl"])
     core = functools.partial(_padded_attention, **settings)
@@ -431,8 +452,13 @@ def _ring_bwd(ring, residuals, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _implementation(implementation, interpret):
-    impl = resolve_implementation(implementation, interpret=interpret)
+def _implementation(implementation, interpret, allowed=IMPLEMENTATIONS, table_shape=None):
+    """The implementation to run: `implementation` (one of `allowed`); for None the defaults table's choice for a
+    call of `table_shape` (`kernels.default_implementation('flash_attention', **table_shape)`; None: not read) off
+    interpret mode, else the backend's."""
+    impl = resolve_implementation(implementation, interpret=interpret, allowed=allowed)
+    if implementation is None and table_shape is not None and not interpret:
+        impl = default_implementation("flash_attention", **table_shape)
     if impl == "triton" and not triton.AVAILABLE:
         if implementation is not None:
             raise ValueError("implementation='triton'; this JAX has no Pallas Triton backend, expected another")
@@ -602,6 +628,16 @@ def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_s
                                 impl)
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)  # the kernels' +inf (no visible key) as the merge needs it
     return out[:, :T, :, :D], lse[:, :T]
+
+
+def _cudnn_on_mesh(q, k, v, **settings):
+    """`cudnn.attention(q, k, v, **settings)` on the ambient mesh's rows and heads, in the Pallas kernels' shard_map
+    (kernels/_partition.py): XLA's own partitioning of cuDNN's custom call refuses some splits (sequence, head dim),
+    and this way every implementation splits alike."""
+    axes = _partition.auto_axes("cudnn")
+    b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
+    qkv = jax.sharding.PartitionSpec(b, None, m, None)
+    return _partition.shard(functools.partial(cudnn.attention, **settings), (q, k, v), (qkv,) * 3, qkv, "cudnn")
 
 
 def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):

@@ -1,0 +1,146 @@
+"""The measured default implementation of an op, per device kind and shape class.
+
+`default_implementation(op, *, device_kind=None, table=None, **shape)` reads the checked-in table
+(`kernels/defaults.json`), which `scripts/bench_kernels.py --write_defaults=PATH` writes from timings on a
+device: each entry names the fastest measured path of one (op, device kind, shape class). Where the table has no
+entry (or names a path the device cannot run) the answer is the per-backend rule, `implementation_for_platform`.
+
+- `'flash_attention'`: one of `ATTENTION_IMPLEMENTATIONS`. Shape: `head_dim`, `seq_len` (the longer of len and
+  kv_len), `causal`, `dtype`, `training` (True, the default: the forward + backward entry; False: forward only).
+  Classes: dtype, head dim, causal, the length's power-of-two bucket (4096 holds 2049 ... 4096) and pass.
+- `'gated_mlp'`, `'linear_cross_entropy'`: `'plain'` (plain XLA matmuls beat the fused kernel: `silu(x @ w_gate) *
+  (x @ w_up)`; logits, then the cross-entropy) or the fused kernel's implementation. Shape: `dtype`, `training`.
+  Classes: dtype and pass.
+"""
+import datetime
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implementation_for_platform
+
+TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json")
+PLAIN = "plain"
+# Each op's shape-class keys (a table entry's "class") and the choices an entry may name.
+CLASS_KEYS = {"flash_attention": ("dtype", "head_dim", "causal", "seq_len", "pass"),
+              "gated_mlp": ("dtype", "pass"), "linear_cross_entropy": ("dtype", "pass")}
+CHOICES = {"flash_attention": ATTENTION_IMPLEMENTATIONS, "gated_mlp": (PLAIN, *IMPLEMENTATIONS),
+           "linear_cross_entropy": (PLAIN, *IMPLEMENTATIONS)}
+_SHAPE_ARGS = {"flash_attention": ("head_dim", "seq_len", "causal", "dtype"), "gated_mlp": ("dtype",),
+               "linear_cross_entropy": ("dtype",)}
+_RUNS_ON = {"triton": ("gpu",), "cudnn": ("gpu",), "mosaic_tpu": ("tpu",)}  # else everywhere
+
+
+def default_implementation(op, *, device_kind=None, table=None, **shape):
+    """The implementation `op` runs by default on `device_kind` (None: the default backend's first device's, e.g.
+    'NVIDIA H200', 'NVIDIA H100 80GB HBM3', 'TPU v5 lite') for calls of `shape` (see the module docstring), read
+    from `table` (a path; None: the checked-in one). Raises ValueError for an unknown op or shape argument."""
+    cls = shape_class(op, **shape)
+    if device_kind is None:
+        device_kind, platform = jax.devices()[0].device_kind, jax.default_backend()
+    else:
+        platform = _platform(device_kind)
+    entry = _index(table or TABLE).get(_key(op, device_kind, cls))
+    if entry is not None and platform in _RUNS_ON.get(entry["choice"], (platform,)):
+        return entry["choice"]
+    return implementation_for_platform(platform)
+
+
+def shape_class(op, *, training=True, **shape):
+    """The table's class of a call of `op` with `shape` ({key: value} in `CLASS_KEYS[op]` order)."""
+    if op not in CLASS_KEYS:
+        raise ValueError(f"op={op!r}; expected one of {tuple(CLASS_KEYS)}")
+    want = _SHAPE_ARGS[op]
+    if set(shape) != set(want):
+        raise ValueError(f"{op} shape arguments {sorted(shape)}; expected {list(want)} and optionally training")
+    if not isinstance(training, bool):
+        raise ValueError(f"training={training!r}; expected a bool")
+    cls = {"dtype": jnp.dtype(shape["dtype"]).name, "pass": "fwd+bwd" if training else "fwd"}
+    if op == "flash_attention":
+        for name in ("head_dim", "seq_len"):
+            if isinstance(shape[name], bool) or not isinstance(shape[name], int) or shape[name] < 1:
+                raise ValueError(f"{name}={shape[name]!r}; expected a positive int")
+        if not isinstance(shape["causal"], bool):
+            raise ValueError(f"causal={shape['causal']!r}; expected a bool")
+        cls.update(head_dim=shape["head_dim"], causal=shape["causal"], seq_len=1 << (shape["seq_len"] - 1).bit_length())
+    return {key: cls[key] for key in CLASS_KEYS[op]}
+
+
+def _platform(device_kind):
+    """The platform of a device kind: the default backend's for its own kind, else read off the name."""
+    if device_kind == jax.devices()[0].device_kind:
+        return jax.default_backend()
+    if device_kind.startswith("TPU"):
+        return "tpu"
+    return "gpu" if device_kind.startswith(("NVIDIA", "Tesla", "AMD")) else "cpu"
+
+
+def _key(op, device_kind, cls):
+    return op, device_kind, tuple(cls[k] for k in CLASS_KEYS[op])
+
+
+def _index(path):
+    """{(op, device kind, class values): entry} of the table at `path`, re-read when the file changes."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return {}
+    return _indexed(path, (stat.st_ino, stat.st_mtime_ns, stat.st_size))  # `merge_table` replaces the file
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed(path, stamp):
+    del stamp  # part of the cache key only
+    return {_key(e["op"], e["device_kind"], e["class"]): e for e in read_table(path)}
+
+
+def read_table(path=None):
+    """The entries of the table at `path` (None: the checked-in one), each checked; [] for a missing file."""
+    path = path or TABLE
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        table = json.load(f)
+    entries = table.get("entries") if isinstance(table, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a JSON object with a list of \"entries\"")
+    for i, entry in enumerate(entries):
+        op = entry.get("op")
+        ok = (op in CLASS_KEYS and isinstance(entry.get("device_kind"), str)
+              and tuple(entry.get("class", {})) == CLASS_KEYS[op] and entry.get("choice") in CHOICES[op])
+        if not ok:
+            raise ValueError(f"{path}: entry {i} {entry!r}; expected op in {tuple(CLASS_KEYS)}, a device_kind, "
+                             "the op's class keys in order and one of its choices")
+    return entries
+
+
+def make_entry(op, device_kind, cls, times, *, unit="ms", **provenance):
+    """A table entry choosing the fastest of `times` ({candidate: measured time}), with its provenance (the shape
+    measured, the command, the date, the JAX version, ...). The date defaults to today."""
+    provenance.setdefault("date", datetime.date.today().isoformat())
+    choice = min(times, key=times.get)
+    return {"op": op, "device_kind": device_kind, "class": dict(cls), "choice": choice, "times": dict(times),
+            "unit": unit, **provenance}
+
+
+def merge_table(path, entries):
+    """Writes `entries` into the table at `path` (created if missing): each replaces the entry of the same (op,
+    device kind, class), the others are kept. Returns the merged entries, sorted."""
+    merged = {_key(e["op"], e["device_kind"], e["class"]): e for e in read_table(path)}
+    merged.update({_key(e["op"], e["device_kind"], e["class"]): e for e in entries})
+    ordered = [merged[key] for key in sorted(merged, key=repr)]
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "w") as f:
+        json.dump({"about": _ABOUT, "entries": ordered}, f, indent=1)
+        f.write("\n")
+    os.replace(partial, path)  # readers see the old table or the new one, never half of it
+    return ordered
+
+
+_ABOUT = ("The defaults table of kernels/_defaults.py (kernels.default_implementation): per op, device kind and shape "
+          "class, the fastest path measured and what was measured. Written by scripts/bench_kernels.py "
+          "--write_defaults=PATH on a device, which replaces the entries of the classes it times and keeps every "
+          "other; see kernels/README.md.")

@@ -1,0 +1,157 @@
+"""kernels.default_implementation and its table (kernels/_defaults.py, kernels/defaults.json): the checked-in
+entries (issue 44's H200 run) answer only their own device kind and shape classes, every entry carries its
+provenance, flash_attention(implementation=None) reads the table, and `scripts/bench_kernels.py --write_defaults`
+measures, chooses the fastest and merges into a table."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels
+from kernels import _defaults
+from kernels.attention import api, cudnn
+from tests.xla_flags import cpu_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+def _attention(device_kind, seq_len=4096, head_dim=128, causal=True, dtype="bfloat16", **kwargs):
+    return kernels.default_implementation("flash_attention", device_kind=device_kind, head_dim=head_dim,
+                                          seq_len=seq_len, causal=causal, dtype=dtype, **kwargs)
+
+
+def test_the_checked_in_table_answers_only_what_was_measured():
+    """cuDNN at 4k and 8k (lengths 2049 ... 8192) causal, head_dim 128, bf16, both passes, on an H200; plain XLA
+    matmuls for the gated MLP and the loss when trained there. Everything else: the per-backend rule."""
+    for seq_len in (2049, 4096, 5000, 8192):
+        for training in (True, False):
+            assert _attention(H200, seq_len, training=training) == "cudnn", (seq_len, training)
+    for other in (dict(seq_len=2048), dict(seq_len=8193), dict(causal=False), dict(head_dim=64),
+                  dict(dtype="float16"), dict(dtype=jnp.float32)):
+        assert _attention(H200, **other) == "triton", other
+    assert _attention(H100) == "triton" and _attention("TPU v5 lite") == "mosaic_tpu" and _attention("cpu") == "xla"
+    for op in ("gated_mlp", "linear_cross_entropy"):
+        assert kernels.default_implementation(op, device_kind=H200, dtype=jnp.bfloat16) == "plain"
+        assert kernels.default_implementation(op, device_kind=H200, dtype="bfloat16", training=False) == "triton"
+        assert kernels.default_implementation(op, device_kind=H100, dtype="bfloat16") == "triton"
+        assert kernels.default_implementation(op, dtype="bfloat16") == "xla"  # this CPU: the per-backend rule
+
+
+def test_every_entry_states_its_measurement():
+    entries = _defaults.read_table()
+    assert {(e["op"], e["device_kind"]) for e in entries} == {
+        ("flash_attention", H200), ("gated_mlp", H200), ("linear_cross_entropy", H200)}
+    for e in entries:
+        assert e["choice"] == min(e["times"], key=e["times"].get) and len(e["times"]) >= 2, e
+        assert all(e.get(field) for field in ("date", "jax", "command", "shape", "unit", "source")), e
+        assert "issue 44" in e["source"]
+
+
+@pytest.mark.parametrize("op, shape, match", [
+    ("attention", dict(dtype="bfloat16"), "op='attention'; expected one of"),
+    ("gated_mlp", {}, r"gated_mlp shape arguments \[\]; expected \['dtype'\]"),
+    ("flash_attention", dict(dtype="bfloat16", head_dim=128, causal=True), r"expected \['head_dim', 'seq_len'"),
+    ("flash_attention", dict(dtype="bfloat16", head_dim=128, causal=1, seq_len=64), "causal=1; expected a bool"),
+    ("flash_attention", dict(dtype="bfloat16", head_dim=128, causal=True, seq_len=0), "seq_len=0; expected a pos"),
+    ("gated_mlp", dict(dtype="bfloat16", training="yes"), "training='yes'; expected a bool"),
+])
+def test_bad_lookups_raise_one_line(op, shape, match):
+    with pytest.raises(ValueError, match=match):
+        kernels.default_implementation(op, **shape)
+
+
+def test_flash_attention_reads_the_table_for_plain_calls(monkeypatch):
+    """implementation=None asks the table about the call's class (the longer length, its forward + backward entry)
+    and runs its answer, here 'cudnn' (jax.nn's 'xla' path standing in for it on this CPU); calls with what the
+    table does not class (segment ids, a window, interpret mode, ...) keep the per-backend rule."""
+    asked, ran = [], []
+    monkeypatch.setattr(api, "default_implementation", lambda op, **shape: asked.append((op, shape)) or "cudnn")
+    monkeypatch.setattr(cudnn, "check_device", lambda interpret: None)
+    monkeypatch.setattr(cudnn, "dot_product_attention", lambda *a, **k: ran.append(k) or jax.nn.dot_product_attention(
+        *a, **{**k, "implementation": "xla"}))
+    q, kv = (jax.ShapeDtypeStruct((2, n, 4, 64), jnp.bfloat16) for n in (24, 40))
+    jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, causal=True), q, kv)
+    assert asked == [("flash_attention", dict(head_dim=64, seq_len=40, causal=True, dtype=jnp.bfloat16))]
+    assert [r["implementation"] for r in ran] == ["cudnn"]
+    for kwargs in (dict(segment_ids=(jnp.ones((2, 24), jnp.int32), jnp.ones((2, 40), jnp.int32))),
+                   dict(window=(8, 0)), dict(logit_soft_cap=20.0), dict(interpret=True),
+                   dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))):
+        jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, **kwargs), q, kv)
+    assert len(asked) == 1 and len(ran) == 1
+
+
+def _entry(device_kind, seq_len, times, training=True):
+    cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=seq_len, causal=True, dtype="float32",
+                                training=training)
+    return _defaults.make_entry("flash_attention", device_kind, cls, times, command="test", jax=jax.__version__,
+                                shape="test")
+
+
+def test_merge_replaces_its_own_classes_and_keeps_the_others(tmp_path):
+    path = str(tmp_path / "table.py")
+    _defaults.merge_table(path, [_entry(H200, 32, {"triton": 1.0, "cudnn": 2.0}), _entry("cpu", 64, {"xla": 1.0})])
+    assert _attention(H200, 32, 16, dtype="float32", table=path) == "triton"
+    merged = _defaults.merge_table(path, [_entry(H200, 32, {"triton": 3.0, "cudnn": 2.0}),
+                                          _entry(H200, 32, {"triton": 1.0, "cudnn": 2.0}, training=False)])
+    assert len(merged) == 3 and _defaults.read_table(path) == merged
+    assert _attention(H200, 32, 16, dtype="float32", table=path) == "cudnn"  # the file re-read after the rewrite
+    assert _attention(H200, 32, 16, dtype="float32", table=path, training=False) == "triton"
+    assert _attention("cpu", 64, 16, dtype="float32", table=path) == "xla"
+    for table, match in (([], 'expected a JSON object with a list of "entries"'),
+                         ({"entries": [{**merged[0], "choice": "cuda"}]}, "entry 0 .* expected op in")):
+        with open(path, "w") as f:
+            json.dump(table, f)
+        with pytest.raises(ValueError, match=match):
+            _defaults.read_table(path)
+
+
+def test_a_choice_the_device_cannot_run_is_not_taken(tmp_path):
+    """A CPU entry naming the interpreted Triton kernel (what `--interpret` measures) is no CPU default."""
+    path = str(tmp_path / "table.py")
+    _defaults.merge_table(path, [_entry("cpu", 64, {"triton": 1.0, "xla": 2.0})])
+    assert _attention("cpu", 64, 16, dtype="float32", table=path) == "xla"
+
+
+def _write_defaults(path, *args):
+    out = subprocess.run([sys.executable, "scripts/bench_kernels.py", f"--write_defaults={path}", "--seq_lens=32",
+                          "--tokens=32", "--heads=2", "--head_dim=16", "--iters=1", "--warmup=1", "--min_sample_ms=1",
+                          "--causal=true", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, XLA_FLAGS=cpu_devices(1), JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bench_kernels_writes_the_defaults_of_what_it_measured(tmp_path):
+    """On this CPU (attention only: 'xla' is its one implementation): an entry per pass of the measured class for
+    the 'cpu' kind, merged beside an H200 entry already there, and read back by the lookup."""
+    path = str(tmp_path / "table.py")
+    _defaults.merge_table(path, [_entry(H200, 32, {"triton": 1.0, "cudnn": 2.0})])
+    stdout = _write_defaults(path, "--kernels=attention")
+    assert "defaults written to" in stdout
+    entries = _defaults.read_table(path)
+    mine = [e for e in entries if e["device_kind"] == "cpu"]
+    assert len(entries) == 3 and sorted(e["class"]["pass"] for e in mine) == ["fwd", "fwd+bwd"]
+    for e in mine:
+        assert e["choice"] == "xla" and set(e["times"]) == {"xla"} and "--write_defaults" in e["command"]
+        assert {k: v for k, v in e["class"].items() if k != "pass"} == dict(dtype="float32", head_dim=16,
+                                                                            causal=True, seq_len=32)
+    assert _attention("cpu", 32, 16, dtype="float32", table=path) == "xla"
+
+
+@pytest.mark.slow
+def test_bench_kernels_chooses_between_kernels_and_plain_matmuls(tmp_path):
+    """With --interpret: 'xla' against the interpreted Triton attention, and gated_mlp / linear_cross_entropy's
+    interpreted kernels against plain XLA matmuls; every class gets the fastest of its candidates."""
+    path = str(tmp_path / "table.py")
+    _write_defaults(path, "--interpret")
+    entries = _defaults.read_table(path)
+    assert sorted((e["op"], e["class"]["pass"]) for e in entries) == [
+        (op, p) for op in ("flash_attention", "gated_mlp", "linear_cross_entropy") for p in ("fwd", "fwd+bwd")]
+    for e in entries:
+        assert set(e["times"]) == ({"xla", "triton"} if e["op"] == "flash_attention" else {"triton", "plain"}), e
+        assert e["choice"] == min(e["times"], key=e["times"].get)
