@@ -255,3 +255,45 @@ def test_generate_script_paged_engine_equals_static(tmp_path):
     assert beams_code == 2 and beams_err.strip().splitlines()[-1] == (
         "error: --engine=paged with a Llama, --num_beams=2, --kv_cache_dtype=auto; expected a decoder-only model, "
         "--num_beams=1 and --kv_cache_dtype auto or int8")
+
+
+def _ops(lowered):
+    """StableHLO operations in a lowered program's text."""
+    return len(re.findall(r"= (?:\"?)stablehlo\.", lowered.as_text()))
+
+
+def test_generation_compiles_a_bounded_set_of_programs():
+    """Compile time scales with the programs and their size, not the workload: the static path's program does not grow
+    with the new tokens (a while loop) or, scanned, with the layers; the paged engine compiles one decode step and one
+    prefill per prompt-length bucket, and a second request mix over the same buckets compiles nothing."""
+    import importlib
+    static = importlib.import_module("models.generate")
+    sizes = {}
+    for layers, new in ((2, 4), (4, 4), (2, 16)):
+        model, params = _model("llama", num_layers=layers, scan_layers=True)
+        ids = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+        run = static._compiled(model, new, 0.0, None, None, None, 0, None)
+        sizes[layers, new] = _ops(run.trace(params, ids, ids, jax.random.PRNGKey(0)).lower())
+    assert sizes[2, 4] == sizes[4, 4] == sizes[2, 16], sizes
+
+    compiled = []
+    listener = lambda event, seconds, **_: compiled.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model, params = _model("llama")
+        engine = models.PagedEngine(model, params, max_batch=3, page_size=4, num_pages=64, max_len=40)
+        for seed in (0, 1):
+            compiled.clear()
+            rng = np.random.default_rng(seed)  # prompts of 1-24 tokens: buckets 8, 16, 32, every one in both mixes
+            lengths = [1, 9, 17, *rng.integers(1, 25, 5)]
+            for n in lengths:
+                engine.add_request(rng.integers(1, model.config.vocab_size, n).tolist(), int(rng.integers(1, 12)))
+            engine.run()
+            programs = compiled.count("/jax/core/compile/backend_compile_duration")
+            if seed == 0:
+                assert engine.traces == {"decode": 1, "prefill": 3}, engine.traces
+                assert programs <= 8, programs  # decode, 3 prefills, first token, page copy (6 with JAX 0.10)
+            else:
+                assert programs == 0 and engine.traces == {"decode": 1, "prefill": 3}, (programs, engine.traces)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
