@@ -1,0 +1,383 @@
+"""The training step on one GPU at LLM shapes, beside transformers + PyTorch eager and torch.compile (issue 44).
+
+For each shape and row length: the engine's step (a native LLaMA, scanned layers, bf16 compute over fp32 master
+weights, AdamW, `engine.Trainer` on a one-device mesh), then `--torch_peer` (transformers' LlamaForCausalLM, autocast
+bf16 over fp32 weights, fused AdamW) eager and under torch.compile at the same shape and tokens a step. Every run is a
+subprocess of its own: it frees the device between runs (JAX keeps its memory pool until the process ends), JAX and
+PyTorch never share the GPU, and `--per_run_timeout` bounds each one. Each prints one `RESULT {json}` line; this
+process only counts model FLOPs (on the CPU backend, so it takes no GPU memory) and prints the table.
+
+The engine is timed as `fit` runs it: `fit` warms up (its first step compiles), then the compiled step is called
+directly on one placed batch, each step waited for, and the median taken. MFU counts `models.train_flops_per_example`
+(PaLM's 6N + causal attention, no recomputation) over `engine.flops.peak_tflops` of the device, for the peers too.
+
+  .venv/bin/python scripts/bench_gpu_step.py --shapes=tiny --seq_lens=64 --tokens_per_step=256   # CPU smoke test
+  python3 scripts/bench_gpu_step.py --shapes=tinyllama,llama3_8b --seq_lens=2048,8192 --out=$OUT/bench_gpu_step.jsonl
+"""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+import kernels
+from engine.tasks import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+
+# Shapes: a named LLaMA config and the fields that differ from it. TinyLlama-1.1B is LLaMA-2's layout at d 2048.
+# LLaMA-3-8B keeps its width and vocabulary but runs --llama3_layers of its 32 layers, so that it and both peers fit
+# one H200 (139 GiB) at 16384 tokens a step. 8 layers: 8 x 218.1M + 2 x 525.3M (embedding, untied head) = 2.80B
+# parameters; fp32 master weights, fp32 gradients and AdamW's two fp32 moments are 16 B each (44.7 GB), a bf16 copy
+# for the matmuls 5.6 GB. Activations, at today's float32 model dtype: remat 'dots' keeps each layer's weight-matmul
+# outputs (q, k, v, o, gate, up, down: 43008 values a token, 4 B, 16384 tokens) 2.8 GB a layer, 22.5 GB in all, plus
+# the fp32 logits [16384, 128256] and their gradient, 17 GB: about 92 GB with the engine. PyTorch keeps every
+# activation (no checkpointing): about 4.4 GB a layer in bf16 and 25 GB around the loss, about 110 GB. 12 layers
+# would add some 31 GB to the peers' 110 (141 GB, at the card's edge), so 8 leaves room for allocator slack.
+SHAPES = {
+    "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                          vocab_size=256)),
+    "tinyllama": ("llama2-7b", dict(hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
+                                    num_kv_heads=4, vocab_size=32000)),
+    "llama3_8b": ("llama3-8b", {}),  # num_layers: --llama3_layers
+}
+PEER_NAMES = {"eager": "torch eager", "compile": "torch.compile"}
+PEER_FILE = "torch_llama_step.py"
+DEFAULT_PEER = next((p for p in (os.path.join(ROOT, ".peers", PEER_FILE),
+                                 os.path.join(ROOT, "..", "shared", "peers", PEER_FILE)) if os.path.exists(p)),
+                    os.path.join(ROOT, ".peers", PEER_FILE))
+TARGET_RATIO, TARGET_MFU = 1.15, 0.50  # issue 44: over torch.compile's tokens/s; MFU at the LLaMA-3-8B shape
+
+flags.DEFINE_list("shapes", ["tinyllama", "llama3_8b"], f"Model shapes, of {sorted(SHAPES)}.")
+flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")
+flags.DEFINE_integer("tokens_per_step", 16384, "Tokens a step; rows = tokens_per_step // seq_len (at least 1).")
+flags.DEFINE_integer("steps", 10, "Timed steps of each run.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first compiles).")
+flags.DEFINE_integer("llama3_layers", 8, "Layers of the llama3_8b shape (of LLaMA-3-8B's 32; the comment at SHAPES "
+                     "says why 8 fit one H200).")
+flags.DEFINE_enum("remat", "dots", ["full", "dots", "none"], "The engine's rematerialisation of each layer.")
+flags.DEFINE_enum("attention_implementation", None, list(kernels.IMPLEMENTATIONS), "The engine's attention kernel "
+                  "(unset: the backend's default, 'triton' on a GPU).")
+flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS], "The engine's loss: "
+                  "plain logits, or the fused head + loss kernel (kernels.linear_cross_entropy).")
+flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
+                  "with a note when torch has no CUDA, unless this flag is given explicitly (a CPU smoke test).")
+flags.DEFINE_string("torch_peer", DEFAULT_PEER, "Path of torch_llama_step.py (the GPU machine receives only the "
+                    "repository: copy it into .peers/).")
+flags.DEFINE_string("torch_python", sys.executable, "Python that runs the PyTorch peers.")
+flags.DEFINE_integer("per_run_timeout", 300, "Seconds each run (subprocess) may take.")
+flags.DEFINE_string("out", None, "Append every run's result to this JSON-lines file as it finishes.")
+flags.DEFINE_string("worker", None, "Internal: measure the engine at SHAPE:SEQ_LEN and print its RESULT line.")
+
+
+# ------------------------------------------------------------------------------------------------ shapes and FLOPs
+def make_model(shape, seq_len, *, llama3_layers=8, remat="dots", attention_implementation=None):
+    """The native LLaMA (`models.create_model('llama', ...)`) of a shape at rows of `seq_len` tokens, scanned, with
+    the given remat and attention kernel. The model's dtype is left at its default: the step's compute dtype comes
+    from `engine.Precision`, as a user's does."""
+    import models
+    if shape not in SHAPES:
+        raise ValueError(f"shape={shape!r}; expected one of {sorted(SHAPES)}")
+    base, overrides = SHAPES[shape]
+    overrides = dict(overrides, scan_layers=True, remat=remat, attention_implementation=attention_implementation)
+    if shape == "llama3_8b":
+        overrides["num_layers"] = llama3_layers
+    overrides["max_position_embeddings"] = max(seq_len, models.get_config("llama", base).max_position_embeddings)
+    return models.create_model("llama", base, **overrides)
+
+
+def rows_of(tokens_per_step, seq_len):
+    return max(1, tokens_per_step // seq_len)
+
+
+def peer_args(config, seq_len, tokens_per_step, steps, warmup):
+    """torch_llama_step.py's flags for the same shape (its head dim is hidden / heads, as every shape here has)."""
+    return [f"--seq={seq_len}", f"--tokens={tokens_per_step}", f"--layers={config.num_layers}",
+            f"--hidden={config.hidden_size}", f"--ff={config.intermediate_size}", f"--heads={config.num_heads}",
+            f"--kv_heads={config.kv_heads}", f"--vocab={config.vocab_size}", f"--steps={steps}",
+            f"--warmup={warmup}"]
+
+
+def flops_per_step(model, seq_len, rows):
+    """Model FLOPs of one training step of `rows` rows (`models.train_flops_per_example`)."""
+    import models
+    return models.train_flops_per_example(model, seq_len) * rows
+
+
+# ------------------------------------------------------------------------------------------------ the engine's run
+def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers=8, remat="dots",
+                attention_implementation=None, loss_implementation=None):
+    """Measures the engine's step on the first device: {'step_ms' (median), 'tokens_per_s', 'warmup_s' (`fit`'s
+    first `warmup` steps, the compile included), 'peak_gb' (None where the device does not say), 'device_kind',
+    'peak_tflops', 'loss', ...}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import engine
+    import models
+    from engine import data as data_lib
+    from engine.flops import peak_tflops
+    from engine.tasks import lm
+    if steps < 1 or warmup < 1:
+        raise ValueError(f"steps={steps}, warmup={warmup}; expected both >= 1 (the first warm-up step compiles)")
+    model = make_model(shape, seq_len, llama3_layers=llama3_layers, remat=remat,
+                       attention_implementation=attention_implementation)
+    config = model.config
+    device = jax.devices()[0]
+    mesh = engine.make_mesh(data=1, devices=[device])
+    rows = rows_of(tokens_per_step, seq_len)
+    rng = np.random.default_rng(0)
+    examples = [{"tokens": rng.integers(0, config.vocab_size, seq_len + 1, dtype=np.int32),
+                 "segment_ids": np.ones(seq_len + 1, np.int32)} for _ in range(rows * warmup)]
+    params = models.init_params(model, jax.random.key(0), layout=engine.auto_layout(mesh))
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model, loss_implementation),
+                             params=params, optimizer=optax.adamw(1e-4),
+                             precision=engine.Precision(compute_dtype=jnp.bfloat16))
+    del params
+    start = time.perf_counter()
+    trainer.fit(examples, per_device_batch_size=rows, max_steps=warmup, log_every=warmup)
+    jax.block_until_ready(trainer.params)
+    warmup_s = time.perf_counter() - start
+    # The program fit ran, called on fit's state (donated to it: the Trainer is not used again).
+    compiled, params, opt_state = trainer.compiled_step(), trainer.params, trainer.opt_state
+    _, _, batch = next(data_lib.iterate_batches(mesh, examples[:rows], lm.collate_lm, per_device_batch_size=rows))
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        params, opt_state, metrics = compiled(params, opt_state, batch, np.int32(warmup + i))
+        jax.block_until_ready((params, opt_state, metrics))
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    stats = _memory_stats(device)
+    peak = stats.get("peak_bytes_in_use")
+    return dict(run="engine", step_ms=round(step_s * 1e3, 3), tokens_per_s=round(rows * seq_len / step_s, 1),
+                warmup_s=round(warmup_s, 2), peak_gb=None if peak is None else round(peak / 1e9, 2),
+                device_kind=device.device_kind, peak_tflops=peak_tflops(device),
+                loss=float(metrics["loss"]), batch=rows, seq=seq_len, jax=jax.__version__)
+
+
+def _memory_stats(device):
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory statistics (CPU)
+        return {}
+
+
+# ------------------------------------------------------------------------------------------------ subprocesses
+def parse_result(stdout):
+    """The JSON of the last `RESULT {json}` line of a run's output (the engine worker's and torch_llama_step.py's
+    format), or None."""
+    found = None
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            try:
+                found = json.loads(line[len("RESULT "):])
+            except json.JSONDecodeError:
+                continue
+    return found
+
+
+def run_case(cmd, timeout, env=None):
+    """(RESULT dict or None, a one-line note: why it gave none) of a subprocess, in a session of its own so that a
+    timeout ends its children too (torch.compile's compile workers)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, f"timed out after {timeout} s"
+    except BaseException:  # interrupted (SIGINT, SIGTERM): the run ends with this process
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    result = parse_result(out)
+    if result is not None:
+        return result, ""
+    lines = [line.strip() for line in (err + "\n" + out).splitlines() if line.strip()]
+    return None, f"exit {proc.returncode}: {(lines[-1] if lines else 'no output')[:160]}"
+
+
+def torch_has_cuda(python):
+    """Whether `python` imports a torch that sees a CUDA device."""
+    try:
+        out = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and out.stdout.strip().endswith("True")
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def add_figures(records, flops, peak_tflops):
+    """Each record (a dict with 'shape', 'seq', 'run', 'tokens_per_s' or None) with 'mfu' (model FLOPs of the step,
+    `flops[(shape, seq)]`, at its tokens/s over `peak_tflops`; None without a peak) and 'vs_compile' (its tokens/s
+    over torch.compile's at the same shape and row length; None without one)."""
+    compile_tps = {(r["shape"], r["seq"]): r["tokens_per_s"] for r in records
+                   if r["run"] == PEER_NAMES["compile"] and r.get("tokens_per_s")}
+    out = []
+    for r in records:
+        tps, key = r.get("tokens_per_s"), (r["shape"], r["seq"])
+        mfu = ratio = None
+        if tps and peak_tflops:
+            mfu = tps / (r["seq"] * r["rows"]) * flops[key] / (peak_tflops * 1e12)
+        if tps and key in compile_tps:
+            ratio = tps / compile_tps[key]
+        out.append(dict(r, mfu=mfu, vs_compile=ratio))
+    return out
+
+
+def _fmt(value, spec, suffix=""):
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def format_table(records):
+    """The markdown table of `add_figures`' records."""
+    header = ["shape", "seq", "rows", "run", "ms/step", "tokens/s", "MFU", "peak GB", "warm-up s", "vs torch.compile"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in records:
+        run = r["run"] + (f" ({r['note']})" if r.get("note") else "")
+        cells = [r["shape"], str(r["seq"]), str(r["rows"]), run, _fmt(r.get("step_ms"), ".1f"),
+                 _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", " %"),
+                 _fmt(r.get("peak_gb"), ".2f"), _fmt(r.get("warmup_s"), ".1f"), _fmt(r["vs_compile"], ".2f", "x")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def target_lines(records):
+    """Issue 44's targets, one line each where the runs it needs finished: the engine's tokens/s at least 1.15x
+    torch.compile's, and at least 50 % MFU at the llama3_8b shape."""
+    lines = []
+    for r in records:
+        if r["run"] != "engine" or not r.get("tokens_per_s") or r["shape"] == "tiny":
+            continue
+        where = f"{r['shape']} seq {r['seq']}"
+        if r["vs_compile"] is not None:
+            met = "met" if r["vs_compile"] >= TARGET_RATIO else "not met"
+            lines.append(f"target {TARGET_RATIO}x torch.compile, {where}: {r['vs_compile']:.2f}x ({met})")
+        if r["shape"] == "llama3_8b" and r["mfu"] is not None:
+            met = "met" if r["mfu"] >= TARGET_MFU else "not met"
+            lines.append(f"target {100 * TARGET_MFU:.0f} % MFU, {where}: {100 * r['mfu']:.1f} % ({met})")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _check_flags():
+    for shape in FLAGS.shapes:
+        if shape not in SHAPES:
+            raise ValueError(f"--shapes: {shape!r}; expected names of {sorted(SHAPES)}")
+    try:
+        seq_lens = [int(s) for s in FLAGS.seq_lens]
+    except ValueError:
+        raise ValueError(f"--seq_lens={','.join(FLAGS.seq_lens)}; expected positive integers") from None
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"--seq_lens={','.join(FLAGS.seq_lens)}; expected positive integers")
+    unknown = sorted(set(FLAGS.peers) - set(PEER_NAMES))
+    if unknown:
+        raise ValueError(f"--peers: {unknown}; expected names of {sorted(PEER_NAMES)}")
+    for name in ("tokens_per_step", "steps", "warmup", "llama3_layers", "per_run_timeout"):
+        if getattr(FLAGS, name) < 1:
+            raise ValueError(f"--{name}={getattr(FLAGS, name)}; expected an integer >= 1")
+    return seq_lens
+
+
+def _engine_kwargs():
+    return dict(tokens_per_step=FLAGS.tokens_per_step, steps=FLAGS.steps, warmup=FLAGS.warmup,
+                llama3_layers=FLAGS.llama3_layers, remat=FLAGS.remat,
+                attention_implementation=FLAGS.attention_implementation,
+                loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
+
+
+def _worker_cmd(shape, seq_len):
+    cmd = [sys.executable, os.path.abspath(__file__), f"--worker={shape}:{seq_len}"]
+    for name in ("tokens_per_step", "steps", "warmup", "llama3_layers", "remat", "loss_implementation"):
+        cmd.append(f"--{name}={getattr(FLAGS, name)}")
+    if FLAGS.attention_implementation:
+        cmd.append(f"--attention_implementation={FLAGS.attention_implementation}")
+    return cmd
+
+
+def _peers_to_run():
+    """The --peers that will run, and a note on those that will not."""
+    if not FLAGS.peers:
+        return [], None
+    if not os.path.exists(FLAGS.torch_peer):
+        return [], f"PyTorch peers skipped: {FLAGS.torch_peer} not found (mkdir -p .peers && cp " \
+                   f"../shared/peers/{PEER_FILE} .peers/)"
+    if FLAGS["peers"].present or torch_has_cuda(FLAGS.torch_python):
+        return list(FLAGS.peers), None
+    return [], f"PyTorch peers skipped: {FLAGS.torch_python} has no torch with CUDA (--peers=eager runs them anyway)"
+
+
+def _run_shape(shape, seq, peers, child_env, flops, records):
+    """The engine's run and the peers' at one shape and row length, each added to `records`, printed and logged to
+    --out as it ends; the step's model FLOPs go into `flops`."""
+    model = make_model(shape, seq, llama3_layers=FLAGS.llama3_layers)
+    rows = rows_of(FLAGS.tokens_per_step, seq)
+    flops[(shape, seq)] = flops_per_step(model, seq, rows)
+    runs = [("engine", _worker_cmd(shape, seq))]
+    args = peer_args(model.config, seq, FLAGS.tokens_per_step, FLAGS.steps, FLAGS.warmup)
+    runs += [(PEER_NAMES[p], [FLAGS.torch_python, FLAGS.torch_peer, *args] + (["--compile"] if p == "compile" else []))
+             for p in peers]
+    for run, cmd in runs:
+        start = time.perf_counter()
+        result, why = run_case(cmd, FLAGS.per_run_timeout, child_env)
+        record = dict(result or {}, shape=shape, seq=seq, rows=rows, run=run,
+                      wall_s=round(time.perf_counter() - start, 1))
+        if result is None:
+            record.update(note=why, tokens_per_s=None)
+        print(f"{shape} seq {seq}: {run}: " + (f"{record['step_ms']} ms/step, {record['tokens_per_s']:,.0f} tokens/s"
+                                                if result else why), flush=True)
+        if FLAGS.out:
+            with open(FLAGS.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        records.append(record)
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker:
+        shape, _, seq = FLAGS.worker.partition(":")
+        print("RESULT " + json.dumps(engine_case(shape, int(seq), **_engine_kwargs())), flush=True)
+        return
+    seq_lens = _check_flags()
+    child_env = dict(os.environ)
+    # JAX takes 75 % of a GPU's memory by default; the llama3_8b shape wants more (the comment at SHAPES).
+    child_env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    import jax
+    jax.config.update("jax_platforms", "cpu")  # this process counts FLOPs only: the GPU is the runs'
+    peers, note = _peers_to_run()
+    if note:
+        print(note, flush=True)
+    print(f"engine: native LLaMA, scan_layers, remat={FLAGS.remat}, attention="
+          f"{FLAGS.attention_implementation or 'default'}, loss={FLAGS.loss_implementation}; bf16 compute over fp32 "
+          f"master weights, AdamW; one device. {FLAGS.tokens_per_step} tokens a step, median of {FLAGS.steps} steps "
+          f"after {FLAGS.warmup}.", flush=True)
+    records, flops, interrupted = [], {}, False
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM as SIGINT: the table of what finished
+    try:
+        for shape in FLAGS.shapes:
+            for seq in seq_lens:
+                _run_shape(shape, seq, peers, child_env, flops, records)
+    except KeyboardInterrupt:
+        print("interrupted: the table holds the runs that finished", flush=True)
+        interrupted = True
+    peak = next((r["peak_tflops"] for r in records if r.get("peak_tflops")), None)
+    records = add_figures(records, flops, peak)
+    for line in target_lines(records):
+        print(line)
+    print()
+    print(format_table(records), flush=True)
+    if interrupted:
+        raise SystemExit(130)  # 128 + SIGINT, as the training scripts exit when stopped
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,95 @@
+"""scripts/bench_gpu_step.py on the CPU: the engine's measurement on the tiny shape, a peer's `RESULT {json}` line
+parsed from a subprocess, the figures and table built from them; end to end (slow) with a fake PyTorch peer."""
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+import types
+
+import pytest
+from absl import flags
+
+from tests.xla_flags import cpu_devices
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "bench_gpu_step.py")
+# A stand-in for torch_llama_step.py: its RESULT line, torch.compile 25 % faster than eager.
+FAKE_PEER = """import json, sys
+args = dict(a[2:].split("=") for a in sys.argv[1:] if "=" in a)
+ms = 80.0 if "--compile" in sys.argv else 100.0
+tokens = int(args["tokens"]) // int(args["seq"]) * int(args["seq"])
+print("noise before the result")
+print("RESULT " + json.dumps(dict(peer="torch.compile" if "--compile" in sys.argv else "torch eager", step_ms=ms,
+                                  tokens_per_s=tokens / ms * 1e3, mfu=0.1, peak_gb=1.5, warmup_s=2.0,
+                                  seq=int(args["seq"]), layers=int(args["layers"]))))
+"""
+
+
+def _load_script():
+    """The script's functions; its absl flags removed again, so that other tests in this process can define theirs."""
+    before = set(flags.FLAGS)
+    script = types.SimpleNamespace(**runpy.run_path(SCRIPT, run_name="bench_gpu_step"))
+    for name in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, name)
+    return script
+
+
+def _table_rows(stdout):
+    """{run: [cells]} of the markdown table the script prints last."""
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return header, [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_engine_case_peer_parsing_and_table(tmp_path):
+    bench = _load_script()
+    result = bench.engine_case("tiny", 32, tokens_per_step=64, steps=2, warmup=1)
+    assert result["step_ms"] > 0 and result["tokens_per_s"] > 0 and result["warmup_s"] > 0, result
+    assert result["batch"] == 2 and result["peak_tflops"] is None  # a CPU: no peak, no MFU
+    assert bench.parse_result("x\nRESULT {\"a\": 1}\nRESULT {broken\n") == {"a": 1}
+    peer = tmp_path / "peer.py"
+    peer.write_text(FAKE_PEER)
+    model = bench.make_model("tiny", 32)
+    args = bench.peer_args(model.config, 32, 64, 2, 1)
+    parsed, note = bench.run_case([sys.executable, str(peer), *args, "--compile"], timeout=60)
+    assert note == "" and parsed["step_ms"] == 80.0 and parsed["tokens_per_s"] == 800.0 and parsed["layers"] == 2
+    failed, note = bench.run_case([sys.executable, "-c", "raise SystemExit('no cuda here')"], timeout=60)
+    assert failed is None and note == "exit 1: no cuda here", note
+
+    flops = {("tiny", 32): bench.flops_per_step(model, 32, 2)}
+    base = dict(shape="tiny", seq=32, rows=2)
+    records = [dict(base, **result), dict(base, run="torch.compile", **parsed),
+               dict(base, run="torch eager", note="timed out after 60 s", tokens_per_s=None)]
+    figures = bench.add_figures(records, flops, peak_tflops=1e-3)  # a made-up peak, to exercise the MFU column
+    assert figures[1]["vs_compile"] == 1.0 and figures[0]["vs_compile"] == result["tokens_per_s"] / 800.0
+    assert figures[0]["mfu"] == pytest.approx(result["tokens_per_s"] / 64 * flops[("tiny", 32)] / 1e9)
+    header, rows = _table_rows(bench.format_table(figures))
+    assert header[:4] == ["shape", "seq", "rows", "run"] and len(rows) == 3
+    assert rows[2][3] == "torch eager (timed out after 60 s)" and rows[2][4] == "n/a"
+    for row in rows[:2]:
+        assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0 and row[6].endswith(" %"), row
+
+
+@pytest.mark.slow
+def test_script_end_to_end_with_a_fake_peer(tmp_path):
+    """The whole script: the engine in its worker subprocess, the fake peer eager and compiled, the JSON-lines log,
+    the table's rows and ratios."""
+    peer = tmp_path / "peer.py"
+    peer.write_text(FAKE_PEER)
+    log = tmp_path / "runs.jsonl"
+    env = dict(os.environ, XLA_FLAGS=cpu_devices(1), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, SCRIPT, "--shapes=tiny", "--seq_lens=32,64", "--tokens_per_step=128",
+                          "--steps=2", "--warmup=1", "--peers=compile,eager", f"--torch_peer={peer}",
+                          f"--out={log}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    header, rows = _table_rows(out.stdout)
+    assert [(r[1], r[2], r[3]) for r in rows] == [(s, str(128 // int(s)), run) for s in ("32", "64")
+                                                  for run in ("engine", "torch.compile", "torch eager")], rows
+    ratio = header.index("vs torch.compile")
+    for row in rows:
+        assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0, row
+        assert row[6] == "n/a" and re.fullmatch(r"\d+\.\d\dx", row[ratio]), row  # no CPU peak: no MFU
+    assert [r[ratio] for r in rows if r[3] != "engine"] == ["1.00x", "0.80x"] * 2
+    assert len([json.loads(line) for line in log.read_text().splitlines()]) == 6
