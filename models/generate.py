@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from models.layers.options import compute_dtype
 
 
 def _bucket(n):
@@ -105,8 +106,10 @@ def _mesh_of(params):
 
 
 def _prefill(model, variables, ids, mask, max_new, cache_dtype):
-    """(last position's float32 logits [B, V], cache, step(tokens [B], cache) -> (logits, cache))."""
+    """(last position's float32 logits [B, V], cache, step(tokens [B], cache) -> (logits, cache)). The cache is in
+    `cache_dtype`, else the model's compute dtype (that of its parameters unless its config names one)."""
     B = ids.shape[0]
+    cache_dtype = cache_dtype or compute_dtype(model.config, variables["params"])
     if getattr(model, "is_encoder_decoder", False):
         encoder_out = model.apply(variables, ids, mask, method="encode")
 

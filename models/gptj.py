@@ -40,7 +40,7 @@ class GPTJBlock(nn.Module):
     @nn.compact
     def __call__(self, x, ctx, cache):
         c = self.config
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        kw = dict(dtype=layers.config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         rotary = layers.Rotary(c.rotary_dim or c.dim_per_head, 10000.0, interleaved=True,
                                max_position_embeddings=c.max_position_embeddings)
         h = layers.Norm("layer", c.norm_eps, name="norm", **kw)(x)

@@ -172,7 +172,8 @@ class _Reader:
 def load_pretrained(path, *, dtype=jnp.float32, layout=None, **options):
     """Reads a transformers `save_pretrained` directory. Returns (model, params).
 
-    dtype: parameter and computation dtype. layout: where parameters go (`param_shardings`; e.g.
+    dtype: the parameters' dtype; the model computes in the dtype of the parameters it is handed (so a Trainer's
+    `Precision(compute_dtype=)` governs) unless options name a `dtype`. layout: where parameters go (`param_shardings`; e.g.
     `engine.auto_layout(mesh)`); each tensor is placed directly onto its sharding as it is read, so host memory peaks
     near one (layer-stacked) tensor, not the model.
     options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation; lora_rank > 0
@@ -203,7 +204,7 @@ def _model(path, dtype, options):
         raise FileNotFoundError(f"{path} has no config.json")
     hf = _read_json(config_file)
     name = jnp.dtype(dtype).name
-    config = _config_from_hf(hf, config_file, {"dtype": name, "param_dtype": name, **options})
+    config = _config_from_hf(hf, config_file, {"param_dtype": name, **options})
     architectures = hf.get("architectures") or []
     if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
         raise ValueError(f"{config_file}: 'architectures' is {architectures!r}; expected a list of class names")

@@ -85,7 +85,7 @@ class LlamaBlock(nn.Module):
     @nn.compact
     def __call__(self, x, ctx, cache, layer=None):
         c = self.config
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        kw = dict(dtype=layers.config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         norm = functools.partial(layers.Norm, "rms", c.norm_eps, offset=c.norm_offset, **kw)
         rope = functools.partial(layers.Rotary, c.dim_per_head, interleaved=False,
                                  max_position_embeddings=c.max_position_embeddings)

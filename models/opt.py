@@ -58,7 +58,7 @@ class OPTBlock(nn.Module):
     @nn.compact
     def __call__(self, x, ctx, cache):
         c = self.config
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        kw = dict(dtype=layers.config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         norm = dict(kind="layer", eps=c.norm_eps, use_scale=c.layer_norm_elementwise_affine, **kw)
         attn_norm, mlp_norm = layers.Norm(name="attn_norm", **norm), layers.Norm(name="mlp_norm", **norm)
         pre = c.do_layer_norm_before

@@ -31,6 +31,7 @@ import numpy as np
 import kernels
 from models.generate import _bucket, _mesh_of
 from models.layers.decoder import DecoderLM
+from models.layers.options import compute_dtype
 
 
 def paged_cache(model, num_pages, page_size, dtype=None):
@@ -39,7 +40,7 @@ def paged_cache(model, num_pages, page_size, dtype=None):
     'v_scale' [kv_heads, num_pages + 1, page_size], `kernels.quantize_kv`'s). A list, not a stack, so each layer
     updates its own pool in place (slicing a stacked pool copies it every step)."""
     c = model.config
-    dtype = jnp.dtype(dtype or c.dtype)
+    dtype = jnp.dtype(dtype or compute_dtype(c))
 
     def pools():
         shape = (c.kv_heads, num_pages + 1, page_size, c.dim_per_head)
@@ -52,9 +53,10 @@ def paged_cache(model, num_pages, page_size, dtype=None):
 
 
 def page_bytes(model, page_size, dtype=None):
-    """Bytes one page takes over every layer, keys and values (int8: with their float32 scales)."""
+    """Bytes one page takes over every layer, keys and values (int8: with their float32 scales; dtype None:
+    `models.layers.compute_dtype(config)`; pass the parameters' dtype for a model without a config dtype)."""
     c = model.config
-    dtype = jnp.dtype(dtype or c.dtype)
+    dtype = jnp.dtype(dtype or compute_dtype(c))
     per_token = c.dim_per_head * dtype.itemsize + (4 if dtype == jnp.int8 else 0)
     return 2 * c.num_layers * c.kv_heads * page_size * per_token
 
@@ -115,6 +117,7 @@ class PagedEngine:
             raise ValueError(f"cache_dtype={cache_dtype!r}; expected None (the compute dtype) or 'int8'")
         if (num_pages is None) == (memory_bytes is None):
             raise ValueError(f"num_pages={num_pages!r}, memory_bytes={memory_bytes!r}; expected exactly one of them")
+        cache_dtype = cache_dtype or compute_dtype(model.config, params)
         if num_pages is None:
             num_pages = int(memory_bytes) // page_bytes(model, page_size, cache_dtype)
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:

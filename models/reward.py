@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.hf import load_sequence_classifier, save_pretrained
-from models.layers import Linear
+from models.layers import Linear, config_dtype
 
 # `Trainer(trainable=...)`'s regex of a RewardModel's score head, at the top of its parameters or under a key (PPO's
 # 'critic'): with LoRA the head is trained beside the adapters. The paths are '/'-joined down to the leaf
@@ -60,7 +60,7 @@ def init_reward_params(reward_model, backbone_params, rng):
 
 
 def _score_head(width, config):
-    return Linear(width, 1, use_bias=False, std=config.initializer_range, dtype=jnp.dtype(config.dtype),
+    return Linear(width, 1, use_bias=False, std=config.initializer_range, dtype=config_dtype(config),
                   param_dtype=jnp.dtype(config.param_dtype), name="score")
 
 

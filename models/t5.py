@@ -89,7 +89,7 @@ class T5Block(nn.Module):
     @nn.compact
     def __call__(self, x, ctx, cache):
         c = self.config
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        kw = dict(dtype=layers.config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         # transformers' T5 initialisation: q (d_model * d_kv)^-0.5 (T5 does not scale its logits), k and v
         # d_model^-0.5, o (heads * d_kv)^-0.5; MLP in d_model^-0.5, out d_ff^-0.5; all times initializer_factor.
         f = c.initializer_factor
@@ -144,7 +144,7 @@ class T5Stack(nn.Module):
         x = layers.split_tokens(drop(self.embed(input_ids)), c.sequence_parallel)
         x, layer_cache = layers.apply_layers(T5Block, x, ctx, cache, c, decoder=self.decoder, deterministic=not train,
                                              num_layers=c.decoder_layers if self.decoder else c.num_layers)
-        x = drop(layers.Norm("rms", c.layer_norm_eps, name="final_norm", dtype=jnp.dtype(c.dtype),
+        x = drop(layers.Norm("rms", c.layer_norm_eps, name="final_norm", dtype=layers.config_dtype(c),
                              param_dtype=jnp.dtype(c.param_dtype))(x))
         x = layers.gather_tokens(x, c.sequence_parallel)
         return x if cache is None else (x, {**new_cache, "layers": layer_cache})
@@ -165,7 +165,7 @@ class T5(nn.Module):
 
     def setup(self):
         c = self.config
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        kw = dict(dtype=layers.config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         self.shared = layers.token_embedding(c.vocab_size, c.d_model, std=c.initializer_factor, **kw)
         self.encoder = T5Stack(c, decoder=False, embed=self.shared)
         self.decoder = T5Stack(c, decoder=True, embed=self.shared)
@@ -196,7 +196,8 @@ class T5(nn.Module):
 
     def init_cache(self, batch, max_len, dtype=None):
         c = self.config
-        return layers.empty_cache(c.decoder_layers, batch, max_len, c.num_heads, c.d_kv, dtype or c.dtype)
+        return layers.empty_cache(c.decoder_layers, batch, max_len, c.num_heads, c.d_kv,
+                                  dtype or layers.compute_dtype(c))
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face

@@ -159,8 +159,7 @@ def _check_arguments(settings, devices):
 def _network(s):
     """(the model, its abstract parameters as trained, its parameter count without quantisation)."""
     config = models.get_config(s["model"], s["model_config"], **(s["config_overrides"] or {}),
-                               scan_layers=True, remat=s["remat"],
-                               dtype=jnp.dtype(s["compute_dtype"]).name, lora_rank=s["lora_rank"],
+                               scan_layers=True, remat=s["remat"], lora_rank=s["lora_rank"],
                                attention_implementation=s["attention_implementation"],
                                param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
                                pipeline_microbatches=s["pipeline_microbatches"],

@@ -1,6 +1,7 @@
 """Building blocks shared by every family, written once; each family file composes them as `layers.X`.
 
-- options.py: `ModelOptions` (the runtime options of every config), `sublayer_options`, `LORA_TARGETS`.
+- options.py: `ModelOptions` (the runtime options of every config), `sublayer_options`, `LORA_TARGETS`, the compute
+  dtype rule (`compute_dtype`, `config_dtype`, `layer_dtype`: a config's dtype, else the parameters').
 - linear.py: `Linear` (float / int8 / NF4 kernels, LoRA adapters, the fused-matmul path), `activation`.
 - norms.py: `Norm` (RMSNorm, LayerNorm).
 - rotary.py: `segment_positions`, `Rotary` (with the rope-scaling variants), `rope_from_hf` / `rope_to_hf`.
@@ -22,7 +23,8 @@ from models.layers.linear import Linear, activation, lora_a_init
 from models.layers.mlp import MLP
 from models.layers.moe import MoE, MoEOptions, is_sparse_layer, moe_block, router_losses, sparse_layers
 from models.layers.norms import Norm
-from models.layers.options import LORA_TARGETS, QUANTIZE_FORMATS, ModelOptions, sublayer_options
+from models.layers.options import (LORA_TARGETS, QUANTIZE_FORMATS, ModelOptions, compute_dtype, config_dtype,
+                                   layer_dtype, sublayer_options)
 from models.layers.parallel import gather_tokens, split_tokens
 from models.layers.rotary import Rotary, rope_from_hf, rope_to_hf, segment_positions
 from models.layers.stack import apply_layers

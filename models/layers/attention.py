@@ -50,7 +50,9 @@ def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=Non
     S, KVH = k.shape[1], k.shape[2]
     scale = D ** -0.5 if sm_scale is None else sm_scale
     qg = q.reshape(B, T, KVH, H // KVH, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    # The product in the operands' dtype, then float32 (as transformers' T5 under bf16): a float32 product would make
+    # autodiff's backward products float32 matmuls.
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(jnp.float32) * scale
     if logit_soft_cap is not None:
         scores = logit_soft_cap * jnp.tanh(scores / logit_soft_cap)
     if bias is not None:
@@ -115,7 +117,7 @@ class Attention(nn.Module):
     lora_dropout: float = 0.0
     quantize: str | None = None
     sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
-    dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None  # None: the projections' kernels' dtype
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
@@ -196,12 +198,12 @@ class Attention(nn.Module):
         if opts["bias"] is None:
             scales = dict(k_scale=cache["k_scale"], v_scale=cache["v_scale"]) if quantized else {}
             return kernels.decode_attention(
-                q, *((cache["k"], cache["v"]) if quantized else (cache["k"].astype(self.dtype),
-                                                                cache["v"].astype(self.dtype))),
+                q, *((cache["k"], cache["v"]) if quantized else (cache["k"].astype(q.dtype),
+                                                                cache["v"].astype(q.dtype))),
                 segment_ids=segment_ids, sm_scale=self.sm_scale, logit_soft_cap=self.logit_soft_cap,
                 implementation=self.implementation, interpret=self.interpret, **scales)
-        read = (lambda n: (cache[n].astype(jnp.float32) * cache[f"{n}_scale"][..., None]).astype(self.dtype)
-                ) if quantized else (lambda n: cache[n].astype(self.dtype))
+        read = (lambda n: (cache[n].astype(jnp.float32) * cache[f"{n}_scale"][..., None]).astype(q.dtype)
+                ) if quantized else (lambda n: cache[n].astype(q.dtype))
         return attend(q, read("k"), read("v"), causal=False, q_segment_ids=segment_ids[0],
                       kv_segment_ids=segment_ids[1], **opts)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from models.layers.attention import empty_cache
 from models.layers.linear import Linear
 from models.layers.norms import Norm
+from models.layers.options import compute_dtype, config_dtype
 from models.layers.parallel import gather_tokens, split_tokens
 from models.layers.rotary import segment_positions
 from models.layers.stack import apply_layers
@@ -44,14 +45,14 @@ def decoder_context(input_ids, attention_mask, positions, cache):
     return ctx, {"index": idx + T, "segment_ids": kv_seg}
 
 
-def token_embedding(vocab_size, features, *, std=0.02, name=None, dtype=jnp.float32, param_dtype=jnp.float32):
-    """Token embedding table 'embedding' [vocab, features]."""
+def token_embedding(vocab_size, features, *, std=0.02, name=None, dtype=None, param_dtype=jnp.float32):
+    """Token embedding table 'embedding' [vocab, features] (dtype None: vectors in the table's dtype)."""
     return nn.Embed(vocab_size, features, embedding_init=nn.initializers.normal(std), dtype=dtype,
                     param_dtype=param_dtype, name=name)
 
 
 def lm_output(x, embed, tied, new_cache, layer_cache, return_hidden, *, head_bias=False, logit_soft_cap=None,
-              std=0.02, dtype=jnp.float32, param_dtype=jnp.float32):
+              std=0.02, dtype=None, param_dtype=jnp.float32):
     """Final projection of a decoder (call from its compact method). Tied heads reuse the embedding table; an untied
     head is 'lm_head' [d_model, vocab]. logit_soft_cap c: logits c * tanh(logits / c) (Gemma 2). Returns float32
     logits [B, T, vocab] (or the hidden states [B, T, d_model] when return_hidden, for a fused linear +
@@ -96,7 +97,7 @@ class DecoderLM(nn.Module):
     def __call__(self, input_ids, attention_mask=None, *, positions=None, cache=None, return_hidden=False,
                  train=False):
         c = self.config
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        kw = dict(dtype=config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         lin = dict(std=c.initializer_range, **kw)
         embed_dim = getattr(c, "embed_dim", c.hidden_size)
         affine = getattr(c, "layer_norm_elementwise_affine", True)
@@ -128,9 +129,9 @@ class DecoderLM(nn.Module):
 
     def init_cache(self, batch, max_len, dtype=None):
         """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt + generated); sliding layers keep
-        rings of their window."""
+        rings of their window. dtype None: `compute_dtype(config)` (generation passes its parameters' dtype)."""
         c = self.config
-        return empty_cache(c.num_layers, batch, max_len, c.kv_heads, c.dim_per_head, dtype or c.dtype,
+        return empty_cache(c.num_layers, batch, max_len, c.kv_heads, c.dim_per_head, dtype or compute_dtype(c),
                            window=getattr(c, "sliding_window", None), sliding=sliding_layers(c))
 
 

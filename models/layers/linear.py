@@ -6,7 +6,7 @@ import numpy as np
 
 import kernels
 from kernels.matmul.formats import NF4_BLOCK, NF4_LEVELS, dequantize_nf4
-from models.layers.options import Dtype
+from models.layers.options import Dtype, layer_dtype
 
 _NF4_STD = float(np.std(NF4_LEVELS))  # of a uniformly random NF4 code: a fresh kernel's scale divides by it
 
@@ -64,7 +64,8 @@ class Linear(nn.Module):
     product before the activation. quantize='int8' stores the kernel as int8 with a float32 `kernel_scale` [out]:
     y = (x q) * scale, the scale applied to the product (a per-column scale commutes with it), so the dequantised
     weight never exists; the kernel path reads q as int8 and scales in its epilogue. With LoRA the kernel path
-    computes (x q) s alone and the rest follows in plain jnp."""
+    computes (x q) s alone and the rest follows in plain jnp. dtype None: the product is taken in the dtype of the
+    kernel it is handed (a quantised kernel's: its scale's), the input cast to it."""
     in_features: int
     features: int
     use_bias: bool = False
@@ -74,7 +75,7 @@ class Linear(nn.Module):
     lora_dropout: float = 0.0
     deterministic: bool = True
     quantize: str | None = None
-    dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
@@ -91,36 +92,41 @@ class Linear(nn.Module):
             self.lora_a = self.param("lora_a", lora_a_init, (self.in_features, self.lora_rank), jnp.float32)
             self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features), jnp.float32)
 
+    def compute_dtype(self):
+        """`dtype`, else the dtype of the kernel (a quantised kernel's scale) this module is handed."""
+        return layer_dtype(self.dtype, self.kernel_scale if self.quantize else self.kernel)
+
     def weight(self):
         """(kernel, scale): the int8 kernel and its column scale, or the (nf4: dequantised) float kernel in the
         compute dtype and None."""
         if self.quantize == "int8":
             return self.kernel, self.kernel_scale
         if self.quantize == "nf4":
-            return dequantize_nf4(self.kernel, self.kernel_scale, self.dtype), None
-        return self.kernel.astype(self.dtype), None
+            return dequantize_nf4(self.kernel, self.kernel_scale, self.compute_dtype()), None
+        return self.kernel.astype(self.compute_dtype()), None
 
     def __call__(self, x, act=None, implementation=None, interpret=False):
-        x = x.astype(self.dtype)
+        dtype = self.compute_dtype()
+        x = x.astype(dtype)
         w, scale = self.weight()
-        b = None if self.bias is None else self.bias.astype(self.dtype)
+        b = None if self.bias is None else self.bias.astype(dtype)
         if implementation is not None and not self.lora_rank:
             return kernels.fused_matmul(x, w, b, w_scale=scale, activation=kernel_activation(act),
                                         implementation=implementation, interpret=interpret)
         if implementation is not None:
             y = kernels.fused_matmul(x, w, w_scale=scale, implementation=implementation, interpret=interpret)
         else:
-            y = jnp.dot(x, w.astype(self.dtype))
+            y = jnp.dot(x, w.astype(dtype))
             if scale is not None:
-                y = y * scale.astype(self.dtype)
+                y = y * scale.astype(dtype)
         if b is not None:
             y = y + b
         if self.lora_rank:
             if self.lora_dropout and not self.deterministic:  # the adapters' input only (PEFT's lora_dropout)
                 keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora_dropout, x.shape)
-                x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(self.dtype)
-            low = jnp.dot(x, self.lora_a.astype(self.dtype))
-            y = y + jnp.dot(low, self.lora_b.astype(self.dtype)) * jnp.asarray(self.lora_scale, self.dtype)
+                x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(dtype)
+            low = jnp.dot(x, self.lora_a.astype(dtype))
+            y = y + jnp.dot(low, self.lora_b.astype(dtype)) * jnp.asarray(self.lora_scale, dtype)
         return y if act is None else activation(act)(y)
 
 

@@ -29,7 +29,7 @@ class MLP(nn.Module):
     deterministic: bool = True  # False: training call (LoRA dropout, with a 'dropout' rng)
     quantize: str | None = None
     sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
-    dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None  # None: the projections' kernels' dtype
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
@@ -45,7 +45,7 @@ class MLP(nn.Module):
             gate = Linear(d, self.hidden, name="gate", **kw, **projection_options(self, "gate"))
             if self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank:
                 (w_gate, gate_scale), (w_up, up_scale) = gate.weight(), up.weight()
-                h = kernels.gated_mlp(x.astype(self.dtype), w_gate, w_up, w_gate_scale=gate_scale,
+                h = kernels.gated_mlp(x.astype(gate.compute_dtype()), w_gate, w_up, w_gate_scale=gate_scale,
                                       w_up_scale=up_scale, activation=kernel_activation(self.act),
                                       **fused)
             else:

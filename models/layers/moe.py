@@ -17,7 +17,7 @@ import kernels
 from kernels import axes
 from kernels.matmul.formats import DEQUANTIZERS
 from models.layers.linear import Linear, activation, lora_a_init, quantized_params
-from models.layers.options import Dtype
+from models.layers.options import Dtype, layer_dtype
 from models.layers.parallel import gather_tokens, split_tokens
 
 STATS = "router_stats"  # the name each MoE layer sows its router statistics under, in 'intermediates'
@@ -115,7 +115,7 @@ class MoE(nn.Module):
     lora_rank: int = 0
     lora_scale: float = 1.0
     lora_targets: tuple = ()
-    dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None  # None: the router's and the experts' weights' dtype
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
@@ -123,8 +123,9 @@ class MoE(nn.Module):
         x = gather_tokens(x, self.sequence_parallel)
         B, T, D = x.shape
         E, k, F = self.num_experts, self.top_k, self.hidden
-        tokens = x.reshape(B * T, D).astype(self.dtype)
-        logits = Linear(D, E, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype, name="router")(tokens)
+        router = Linear(D, E, std=self.std, dtype=self.dtype, param_dtype=self.param_dtype, name="router")
+        tokens = x.reshape(B * T, D).astype(router.compute_dtype())
+        logits = router(tokens)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, chosen = jax.lax.top_k(probs, k)  # [N, k]
         if self.norm_topk_prob:
@@ -140,7 +141,7 @@ class MoE(nn.Module):
         else:
             order, group_sizes = _sorted_copies(chosen, E)
             out = self._ffn(tokens[order // k], group_sizes, w)[jnp.argsort(order)].reshape(B * T, k, D)
-        y = jnp.einsum("nkd,nk->nd", out, weights.astype(self.dtype)).reshape(B, T, D)
+        y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype)).reshape(B, T, D)
         return split_tokens(y, self.sequence_parallel)
 
     def _ffn(self, rows, group_sizes, w):
@@ -221,7 +222,8 @@ def _expert_parallel(ffn, tokens, chosen, w, ep):
 
 class _Experts(nn.Module):
     """The stacked expert weights: gate and up [E, D, F], down [E, F, D] (a module of their own so they sit under
-    `experts/` apart from the router), returned as {'gate', 'up', 'down'} in the compute dtype. quantize='int8' /
+    `experts/` apart from the router), returned as {'gate', 'up', 'down'} in the compute dtype (dtype None: each
+    weight's own, a quantised one's scale's). quantize='int8' /
     'nf4' (a frozen base, `models.quantize`): each stored quantised with its `<name>_scale` (layers.Linear's
     formats, per expert), dequantised here, one layer at a time inside a scanned stack. lora_rank > 0: the weights
     named in lora_targets get a LoRA pair per expert under `lora/<name>/` (lora_a [E, in, r], lora_b [E, r, out]),
@@ -242,16 +244,20 @@ class _Experts(nn.Module):
         shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
         if not self.quantize:
             init = nn.initializers.normal(self.std)
-            w = {name: self.param(name, init, shape, self.param_dtype).astype(self.dtype)
-                 for name, shape in shapes.items()}
+            w = {}
+            for name, shape in shapes.items():
+                weight = self.param(name, init, shape, self.param_dtype)
+                w[name] = weight.astype(layer_dtype(self.dtype, weight))
         else:
             dequantize = DEQUANTIZERS[self.quantize]
-            w = {name: dequantize(*quantized_params(self, name, self.quantize, shape, self.std), self.dtype)
-                 for name, shape in shapes.items()}
+            w = {}
+            for name, shape in shapes.items():
+                codes, scale = quantized_params(self, name, self.quantize, shape, self.std)
+                w[name] = dequantize(codes, scale, layer_dtype(self.dtype, scale))
         adapted = {name: shape for name, shape in shapes.items() if self.lora_rank and name in self.lora_targets}
         if adapted:
             pairs = _ExpertAdapters(adapted, self.lora_rank, name="lora")()
-            w.update({f"{name}_{part}": v.astype(self.dtype) for name, pair in pairs.items()
+            w.update({f"{name}_{part}": v.astype(w[name].dtype) for name, pair in pairs.items()
                       for part, v in pair.items()})
         return w
 

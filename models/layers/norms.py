@@ -3,7 +3,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.layers.options import Dtype
+from models.layers.options import Dtype, layer_dtype
 
 
 class Norm(nn.Module):
@@ -11,13 +11,13 @@ class Norm(nn.Module):
 
     offset: the scale applied is offset + w (Gemma stores w and computes x * (1 + w); a fresh w is then zeros). With
     an offset the product is taken in float32 before the cast to dtype, as transformers' Gemma norms do (LLaMA's
-    casts first)."""
+    casts first). dtype None: the output takes the scale's dtype (the input's without a scale)."""
     kind: str = "rms"
     eps: float = 1e-6
     use_scale: bool = True
     use_bias: bool = True  # LayerNorm only
     offset: float = 0.0
-    dtype: Dtype = jnp.float32
+    dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
@@ -27,12 +27,14 @@ class Norm(nn.Module):
         if self.kind == "layer":
             h = h - h.mean(-1, keepdims=True)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + self.eps)
-        if self.use_scale and self.offset:
-            scale = self.param("scale", nn.initializers.zeros, (d,), self.param_dtype)
-            return (h * (self.offset + scale.astype(jnp.float32))).astype(self.dtype)
-        h = h.astype(self.dtype)
-        if self.use_scale:
-            h = h * self.param("scale", nn.initializers.ones, (d,), self.param_dtype).astype(self.dtype)
-        if self.kind == "layer" and self.use_scale and self.use_bias:
-            h = h + self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(self.dtype)
+        if not self.use_scale:
+            return h.astype(layer_dtype(self.dtype, x))
+        scale = self.param("scale", nn.initializers.zeros if self.offset else nn.initializers.ones, (d,),
+                           self.param_dtype)
+        dtype = layer_dtype(self.dtype, scale)
+        if self.offset:
+            return (h * (self.offset + scale.astype(jnp.float32))).astype(dtype)
+        h = h.astype(dtype) * scale.astype(dtype)
+        if self.kind == "layer" and self.use_bias:
+            h = h + self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(dtype)
         return h

@@ -3,6 +3,9 @@ take (`sublayer_options`)."""
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 Dtype = Any
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections of Attention and MLP
@@ -13,7 +16,9 @@ QUANTIZE_FORMATS = (None, "int8", "nf4")  # frozen projections' storage (kernels
 class ModelOptions:
     """Runtime options every family's config carries (not part of a checkpoint).
 
-    dtype: computation dtype; param_dtype: storage dtype of the parameters. scan_layers: one nn.scan over stacked
+    dtype: computation dtype; None (the default): the dtype of the parameters the model is handed, so a Trainer's
+    `Precision(compute_dtype=)` (which casts them) governs every matmul; a name forces that dtype whatever the
+    parameters hold. param_dtype: the dtype fresh parameters are created in. scan_layers: one nn.scan over stacked
     layer weights (a leading [layers] axis), so a deep model compiles one layer. remat: 'none', 'full' (recompute the
     whole layer in the backward pass) or 'dots' (save the outputs of weight matmuls, recompute the rest).
     attention_implementation: passed to kernels.flash_attention (None = best for the backend). mlp_implementation:
@@ -40,7 +45,7 @@ class ModelOptions:
     and its row-parallel output is reduce-scattered over them instead of all-reduced (`split_tokens`,
     `gather_tokens`). Same values; less activation memory at the same bytes sent.
     """
-    dtype: str = "float32"
+    dtype: str | None = None
     param_dtype: str = "float32"
     scan_layers: bool = False
     remat: str = "none"
@@ -58,6 +63,17 @@ class ModelOptions:
     sequence_parallel: bool = False
 
     def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value is None and name == "dtype":
+                continue
+            try:
+                floating = value is not None and jnp.issubdtype(jnp.dtype(value), jnp.floating)
+            except TypeError:
+                floating = False
+            if not floating:
+                raise ValueError(f"{name}={value!r}; expected a floating dtype name such as 'bfloat16'"
+                                 + (" or None (the parameters' dtype)" if name == "dtype" else ""))
         if self.quantize not in QUANTIZE_FORMATS:
             raise ValueError(f"quantize={self.quantize!r}; expected one of {QUANTIZE_FORMATS}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
@@ -90,3 +106,29 @@ def sublayer_options(config):
     return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
                 lora_dropout=config.lora_dropout, quantize=config.quantize,
                 sequence_parallel=config.sequence_parallel)
+
+
+def layer_dtype(dtype, *like):
+    """The dtype a layer computes in: `dtype` when set, else that of the first floating array of `like` (the
+    parameter it reads, or its input): the parameters' dtype governs unless a config names another."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    for x in like:
+        if x is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.dtype(x.dtype)
+    raise ValueError("no floating array to take the compute dtype from; expected a dtype")
+
+
+def config_dtype(config):
+    """A config's `dtype` as the layers take it: None (follow the parameters) or a jnp.dtype."""
+    return None if config.dtype is None else jnp.dtype(config.dtype)
+
+
+def compute_dtype(config, params=None):
+    """The dtype a model of `config` computes in: config.dtype when set, else that of `params` (its first floating
+    leaf; e.g. bfloat16 parameters cast by a Trainer's Precision), else config.param_dtype (the dtype of the
+    parameters it creates). KV caches default to it."""
+    if config.dtype is not None:
+        return jnp.dtype(config.dtype)
+    floating = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.dtype(floating[0].dtype if floating else config.param_dtype)
