@@ -9,6 +9,11 @@ DEV_STAMP := $(VENV)/.installed-dev-$(HASH)
 TB_STAMP := $(VENV)/.installed-tensorboard-$(HASH)
 ARGS ?=
 LOGDIR ?= workdir/tensorboard
+# ACCEL=cuda (NVIDIA GPUs, CUDA 13) or ACCEL=tpu: `make train` / `make test` also install that build of JAX
+# (pyproject's extra of the name), e.g. `make train ACCEL=cuda`. Unset: JAX for the CPU.
+ACCEL ?=
+$(if $(filter-out cuda tpu,$(ACCEL)),$(error ACCEL=$(ACCEL); expected cuda, tpu or nothing (JAX for the CPU)))
+ACCEL_STAMP := $(if $(ACCEL),$(VENV)/.installed-$(ACCEL)-$(HASH))
 
 .PHONY: train test test-slow test-jax-gpu-version test-tpu test-gpu-compile tensorboard venv
 venv: $(STAMP)
@@ -22,18 +27,22 @@ $(DEV_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $(DEV_STAMP)
 
+$(VENV)/.installed-cuda-$(HASH) $(VENV)/.installed-tpu-$(HASH): $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e '.[$(ACCEL)]'
+	touch $@
+
 $(TB_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install -q -e '.[tensorboard]'
 	touch $(TB_STAMP)
 
-train: $(STAMP)
+train: $(STAMP) $(ACCEL_STAMP)
 	$(VENV)/bin/python scripts/train_lm.py $(ARGS)
 
 # The scalars of every run under $(LOGDIR) (default: the main job's), served on http://localhost:6006.
 tensorboard: $(TB_STAMP)
 	$(VENV)/bin/tensorboard --logdir $(LOGDIR) $(ARGS)
 
-test: $(DEV_STAMP)
+test: $(DEV_STAMP) $(ACCEL_STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 $(ARGS)
 
 test-slow: $(DEV_STAMP)

@@ -92,7 +92,7 @@ def encode(model, tokenizer, train_pairs, eval_pairs):
 
 def make_trainer(mesh, model, params, **kwargs):
     return engine.Trainer(mesh=mesh, collate_fn=seq2seq.collate_seq2seq,
-                          loss_fn=seq2seq.seq2seq_loss_fn(model, cli.loss_implementation()), params=params,
+                          loss_fn=seq2seq.seq2seq_loss_fn(model, cli.loss_implementation(model)), params=params,
                           optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
 

@@ -5,7 +5,7 @@ tokens, no download), prints the falling loss and sample generations, and writes
 under --workdir. Re-running the same command resumes from the latest checkpoint; SIGTERM or Ctrl-C saves and exits.
 
   python scripts/train_lm.py                                   # the default job
-  python scripts/train_lm.py --init_from=/path/to/hf_llama --data='corpus/*.jsonl' --mesh=1,-1,2 --compute_dtype=bfloat16
+  python scripts/train_lm.py --init_from=/path/to/hf_llama --data='corpus/*.jsonl' --mesh=1,-1,2
   tensorboard --logdir workdir/tensorboard
 """
 
@@ -30,8 +30,9 @@ flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.j
 flags.DEFINE_list("data", [], ".txt or .jsonl files or globs, or one directory of tokens written by "
                   "scripts/prepare_data.py (read through a memory map); empty: the embedded Python-stdlib corpus.")
 flags.DEFINE_string("model_overrides", '{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4}',
-                    "JSON object of config fields that replace the named config's (ignored with --init_from); "
-                    "the default makes the tiny config a little larger for the embedded job.")
+                    "JSON object of config fields that replace the named config's; the default makes the tiny "
+                    "config a little larger for the embedded job. With --init_from: model options only (e.g. "
+                    '{"remat": "dots", "attention_implementation": "triton"}; the checkpoint fixes the rest).')
 flags.DEFINE_integer("seq_len", 128, "Tokens per packed training row.")
 FLAGS.set_default("per_device_batch_size", 8)
 flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sample generations after training.")
@@ -61,7 +62,7 @@ def auto_mesh():
     layout; returns (mesh, rows per data position)."""
     model, abstract = cli.describe(cli.load_hf_model(FLAGS.init_from, families=FAMILIES) if FLAGS.init_from
                                    else named_model()[0])
-    loss_fn = lm.lm_loss_fn(model, cli.loss_implementation())
+    loss_fn = lm.lm_loss_fn(model, cli.loss_implementation(model))
     example = {"tokens": np.zeros(FLAGS.seq_len + 1, np.int32), "segment_ids": np.ones(FLAGS.seq_len + 1, np.int32)}
     return cli.choose_mesh(lambda mesh: engine.Trainer(
         mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=cli.optimizer(),
@@ -99,7 +100,7 @@ def main(argv):
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm,
-                             loss_fn=lm.lm_loss_fn(model, cli.loss_implementation()), params=params,
+                             loss_fn=lm.lm_loss_fn(model, cli.loss_implementation(model)), params=params,
                              optimizer=cli.optimizer(), workdir=FLAGS.workdir,
                              **cli.trainer_kwargs(),
                              logging=engine.Logging(

@@ -38,7 +38,7 @@ TASKS = ("lm", "sft")
 
 def make_trainer(mesh, model, params, **kwargs):
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                          loss_fn=lm.lm_loss_fn(model, cli.loss_implementation()), params=params,
+                          loss_fn=lm.lm_loss_fn(model, cli.loss_implementation(model)), params=params,
                           optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
 

@@ -4,6 +4,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -382,5 +383,53 @@ def test_describe_decoder_has_the_model_and_shapes_of_the_real_start(tmp_path, a
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)  # noqa: E731
         assert shapes(params) == shapes(real_params)
         assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(params))
+    finally:
+        FLAGS.unparse_flags()
+
+
+def test_device_defaults_and_model_overrides_with_init_from(tmp_path, monkeypatch):
+    """The scripts' defaults by backend: float32 and plain logits on CPU; on a GPU (the backend faked) bf16 compute,
+    scanned layers and the measured loss implementation (plain where plain logits won; a soft-capped model keeps
+    them). With --init_from a Hugging Face directory, --model_overrides sets model options (here: scanning off,
+    a remat policy, the attention kernel) and refuses architecture fields in one line; a workdir takes runtime
+    options only."""
+    FLAGS = _define_decoder_script_flags()
+    hf = tmp_path / "hf"
+    models.save_pretrained(models.create_model("llama", "tiny", vocab_size=320),
+                           models.init_params(models.create_model("llama", "tiny", vocab_size=320)), str(hf))
+    gemma = models.create_model("gemma2", "tiny")
+    try:
+        FLAGS.unparse_flags()
+        FLAGS(["prog"])
+        assert cli.compute_dtype() is None and cli.loss_implementation() is None
+        assert cli.accelerator_options() == {} and cli.model_options() == {}
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        choices = {}
+        monkeypatch.setattr(cli.kernels, "default_implementation",
+                            lambda op, **shape: choices.setdefault(op, shape) and "plain")
+        assert cli.compute_dtype() == jnp.bfloat16 and cli.loss_implementation() is None
+        assert choices == {"linear_cross_entropy": {"dtype": jnp.bfloat16}}
+        monkeypatch.setattr(cli.kernels, "default_implementation", lambda op, **shape: "triton")
+        assert cli.loss_implementation() == "triton" and cli.loss_implementation(gemma) is None
+        assert cli.model_options() == {"scan_layers": True}
+        FLAGS.unparse_flags()
+        FLAGS(["prog", f"--init_from={hf}", "--tokenizer=byte", "--compute_dtype=float32",
+               '--model_overrides={"scan_layers": false, "remat": "dots", "attention_implementation": "xla"}'])
+        assert cli.compute_dtype() is None
+        model = cli.load_hf_model(str(hf), families=["llama"])
+        assert (model.config.scan_layers, model.config.remat, model.config.attention_implementation) == (
+            False, "dots", "xla")
+        _, model, params, _ = cli.start_decoder(None, tasks=("lm",), seq_len=32)
+        assert model.config.remat == "dots" and "layers_0" in params
+        FLAGS.unparse_flags()
+        FLAGS(["prog", f"--init_from={hf}", '--model_overrides={"hidden_size": 32, "remat": "full"}'])
+        with pytest.raises(ValueError, match=r"^--model_overrides sets \['hidden_size'\] with --init_from=.*: the "
+                                             r"Hugging Face config.json fixes them; expected only model options of"):
+            cli.load_hf_model(str(hf), families=["llama"])
+        FLAGS.unparse_flags()
+        FLAGS(["prog", f"--init_from={tmp_path}", '--model_overrides={"scan_layers": true}'])
+        with pytest.raises(ValueError, match=r"\['scan_layers'\] with --init_from=.*: a training workdir's run.json "
+                                             "fixes them"):
+            cli.model_options(runtime_only=True)
     finally:
         FLAGS.unparse_flags()

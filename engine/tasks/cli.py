@@ -77,7 +77,9 @@ def define_flags():
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
     flags.DEFINE_integer("per_device_batch_size", 4, "Examples per device (along data x fsdp) per micro-batch.")
     flags.DEFINE_integer("accumulate_grad_batches", 1, "Micro-batches per optimizer update.")
-    flags.DEFINE_enum("compute_dtype", "float32", list(_DTYPES), "Forward/backward dtype; master weights stay fp32.")
+    flags.DEFINE_enum("compute_dtype", None, list(_DTYPES), "Forward/backward dtype: every matmul of the model runs "
+                      "in it; master weights and optimizer state stay fp32. Unset: bfloat16 on GPU and TPU "
+                      "(MaxText's default), float32 on CPU.")
     flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
                       "optimizer update (engine.Precision.grad_dtype): bfloat16 halves their memory.")
     flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "
@@ -124,10 +126,12 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                              "without a new best (0: never).")
     flags.DEFINE_list("profile_steps", [], "START,END: write a jax.profiler trace of those steps to "
                       "workdir/tensorboard (TensorBoard's profile tab).")
-    flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS],
+    flags.DEFINE_enum("loss_implementation", "default", ["default", "plain", "auto", *kernels.IMPLEMENTATIONS],
                       "plain: logits [tokens, vocab] then cross-entropy. Otherwise the output head and the loss run "
                       "fused in kernels.linear_cross_entropy, blockwise over the vocabulary, so the logits never "
-                      "exist: auto (the backend's best), xla, triton (GPU) or mosaic_tpu (TPU).")
+                      "exist: auto (the backend's kernel), xla, triton (GPU) or mosaic_tpu (TPU). default: plain on "
+                      "CPU; on GPU / TPU what kernels.default_implementation measured fastest on this device (plain "
+                      "where plain logits won, and for a model whose logits are soft-capped).")
     flags.DEFINE_float("dropout_rate", None, "Dropout of the model in training steps; default the model's own (a "
                        "Hugging Face config's rate with --init_from, else 0).", lower_bound=0.0, upper_bound=0.95)
     flags.DEFINE_float("attention_dropout_rate", None, "Dropout of the attention probabilities in training steps; "
@@ -181,9 +185,23 @@ def with_pipeline(model, params):
     return model.clone(config=config), params
 
 
-def loss_implementation():
-    """--loss_implementation as engine.text's loss helpers take it (None: plain logits)."""
-    return None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation
+def loss_implementation(model=None):
+    """--loss_implementation as the tasks' loss helpers take it (None: plain logits). 'default' (see the flag)
+    resolves here for this device and --compute_dtype; `model` (when given) with a final logit soft-cap keeps plain
+    logits, which the fused kernel does not cap."""
+    if FLAGS.loss_implementation != "default":
+        return None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation
+    if jax.default_backend() == "cpu" or getattr(getattr(model, "config", None), "final_logit_softcap", None):
+        return None
+    choice = kernels.default_implementation("linear_cross_entropy", dtype=compute_dtype() or jnp.float32)
+    return None if choice == "plain" else choice
+
+
+def compute_dtype():
+    """--compute_dtype as `engine.Precision` takes it (None: float32); unset: bfloat16 on GPU and TPU, float32 on
+    CPU."""
+    name = FLAGS.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    return _DTYPES[name]
 
 
 def parse_mesh(text):
@@ -334,7 +352,7 @@ def trainer_kwargs():
     """The Trainer arguments the shared flags set: its seed, accumulation, `engine.Precision`,
     `engine.Parallelism` and DiLoCo."""
     kwargs = dict(accumulate_grad_batches=FLAGS.accumulate_grad_batches, seed=FLAGS.seed,
-                  precision=engine.Precision(compute_dtype=_DTYPES[FLAGS.compute_dtype],
+                  precision=engine.Precision(compute_dtype=compute_dtype(),
                                             grad_dtype=_DTYPES[FLAGS.grad_dtype],
                                             reduce_dtype=_DTYPES[FLAGS.reduce_dtype]),
                   parallelism=engine.Parallelism(zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
@@ -514,7 +532,8 @@ def define_decoder_flags(*, init_from_help,
     flags.DEFINE_string("model_config", "tiny", "Named config of a fresh model, or a path to a JSON file of config "
                         "fields.")
     flags.DEFINE_string("model_overrides", model_overrides, "JSON object of config fields that replace the named "
-                        "config's (fresh models only).")
+                        "config's; with --init_from, model options only (scan_layers, remat, "
+                        "attention_implementation, ...; a workdir's: runtime options only).")
     define_lora_flags()
 
 
@@ -571,7 +590,7 @@ def _start_decoder(mesh, tasks, seq_len):
     if FLAGS.init_from:
         if os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
             check_no_tokenizer_flag(FLAGS.init_from)
-            return restore_run(FLAGS.init_from, mesh, tasks=tasks)
+            return restore_run(FLAGS.init_from, mesh, tasks=tasks, **model_options(runtime_only=True))
         return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
     model, tokenizer = _fresh_decoder(seq_len)
     params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=_layout(mesh))
@@ -606,7 +625,7 @@ def fresh_model(tokenizer, fields, *, family, families):
     is smaller than the tokenizer's."""
     overrides = {}
     if not FLAGS.model_config.endswith(".json"):
-        overrides = {"vocab_size": tokenizer.vocab_size, **fields,
+        overrides = {"vocab_size": tokenizer.vocab_size, **accelerator_options(), **fields,
                      **parse_json("model_overrides", FLAGS.model_overrides)}
     model = create_model(family, FLAGS.model_config, overrides, families=families)
     if model.config.vocab_size < tokenizer.vocab_size:
@@ -621,7 +640,7 @@ def describe_decoder(*, tasks, seq_len):
     from a workdir's run.json, a Hugging Face directory's config.json and tokenizer, or the fresh model's flags).
     --init_adapter is not read: merged into the weights, it changes no shape."""
     if FLAGS.init_from and os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
-        _, model, tokenizer = load_run(FLAGS.init_from, tasks)
+        _, model, tokenizer = load_run(FLAGS.init_from, tasks, **model_options(runtime_only=True))
     elif FLAGS.init_from:
         model = load_hf_model(FLAGS.init_from, families=DECODER_FAMILIES)
         tokenizer = hf_tokenizer(FLAGS.init_from, model)
@@ -719,6 +738,35 @@ def create_model(family, model_config, overrides=None, *, families):
     return models.FAMILIES[family].Model(config_cls(**_tuples(fields)))
 
 
+# What the scripts' models default to on a GPU or TPU: the layer stack compiled once (one scanned layer). Remat
+# stays off (it trades step time for memory): --model_overrides='{"remat": "dots"}' (or "full") chooses a policy.
+ACCELERATOR_OPTIONS = {"scan_layers": True}
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)}
+
+
+def accelerator_options():
+    """`ACCELERATOR_OPTIONS` on a GPU or TPU backend; nothing on CPU."""
+    return {} if jax.default_backend() == "cpu" else dict(ACCELERATOR_OPTIONS)
+
+
+def model_options(runtime_only=False):
+    """The ModelOptions fields of a model read from --init_from: `accelerator_options()`, then --model_overrides
+    when the command line sets it. A checkpoint fixes the architecture, so only ModelOptions fields (scan_layers,
+    remat, attention_implementation, mlp_implementation, ...) may be overridden; runtime_only (a workdir, whose
+    run.json also fixes the layer stacking, LoRA and quantisation): only the runtime ones. ValueError otherwise."""
+    allowed = _RUNTIME_FIELDS - {"hf_config"} if runtime_only else _OPTION_FIELDS
+    options = {} if runtime_only else accelerator_options()
+    if "model_overrides" not in FLAGS or not FLAGS["model_overrides"].present:
+        return options
+    given = parse_json("model_overrides", FLAGS.model_overrides)
+    refused = sorted(set(given) - allowed)
+    if refused:
+        what = "a training workdir's run.json" if runtime_only else "the Hugging Face config.json"
+        raise ValueError(f"--model_overrides sets {refused} with --init_from={FLAGS.init_from}: {what} fixes them; "
+                         f"expected only model options of {sorted(allowed)}")
+    return {**options, **_tuples(given)}
+
+
 def _tuples(x):
     """JSON lists back to the tuples config fields hold (configs are hashed: the model is a jit cache key)."""
     if isinstance(x, dict):
@@ -731,10 +779,11 @@ def family_of(model):
 
 
 def load_hf_model(path, *, families):
-    """The model of a Hugging Face directory, from its config alone; ValueError naming --init_from otherwise."""
+    """The model of a Hugging Face directory, from its config alone, with `model_options()`; ValueError naming
+    --init_from otherwise."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init_from={path} is not a directory; expected a Hugging Face model directory")
-    model = models.load_model(path)
+    model = models.load_model(path, **model_options())
     if family_of(model) not in families:
         raise ValueError(f"--init_from={path} holds a {family_of(model)} model; this script takes {list(families)}")
     return model
@@ -745,7 +794,7 @@ def load_hf(path, *, families, mesh=None):
     they are read; the tokenizer as `hf_tokenizer` finds it."""
     model = load_hf_model(path, families=families)  # bad input fails before any weight is read
     tokenizer = hf_tokenizer(path, model)
-    model, params = models.load_pretrained(path, layout=_layout(mesh))
+    model, params = models.load_pretrained(path, layout=_layout(mesh), **model_options())
     return model, params, tokenizer
 
 
@@ -783,9 +832,10 @@ def save_run(workdir, task, model, tokenizer, critic=None):
                              if (old_config or {}).get(k) != new_config.get(k))
             hint = ""
             if "scan_layers" in changed:
-                hint = (": its layers are stacked for a pipeline, so --pipeline_stages > 1"
-                        if (old_config or {}).get("scan_layers")
-                        else ": it ran without a pipeline, so --pipeline_stages=1")
+                was = bool((old_config or {}).get("scan_layers"))
+                hint = (f": its layers were {'' if was else 'not '}scanned (stacked), so --model_overrides with "
+                        f'"scan_layers": {str(was).lower()} (GPU and TPU runs default to true, CPU runs to false), '
+                        f"and --pipeline_stages {'> 1 if it ran as a pipeline' if was else '=1'}")
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              f"flags of that run{hint}")
