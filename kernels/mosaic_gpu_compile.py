@@ -1,0 +1,159 @@
+"""The project's Mosaic GPU kernels compiled for Hopper (`sm_90a`) without a GPU, and what ptxas says about each.
+
+XLA compiles ahead of time for a GPU it does not have once the cuda PJRT plugin (`jax-cuda13-plugin`,
+`jax-cuda13-pjrt`) builds a compile-only topology from a `GpuTargetConfigProto` (`TARGET_CONFIG`, an H100 SXM's).
+Compiling a program that holds a Mosaic GPU kernel (`plgpu.kernel`, a `mosaic_gpu_v2` custom call) runs Mosaic's
+own pipeline to PTX and ptxas to a cubin; with `MOSAIC_GPU_DUMP_TO` set it writes each kernel's PTX, ptxas's `-v`
+log, its shared-memory need and, where nvdisasm is installed (`nvidia-cuda-nvdisasm`), its SASS. Unlike
+kernels/gpu_compile.py's Triton tier these are the very compilers (Mosaic GPU, ptxas) a GPU run uses; timing still
+needs a GPU.
+
+Mosaic keeps compiled kernels in a per-process cache keyed by the module's hash, so a kernel compiled twice in one
+process is dumped once: `compile_for_hopper` reports the kernels it found dumped, and `report()` compiles each case
+once. Needs JAX >= 0.11 with the cuda plugin: `make test-gpu-compile` builds that environment.
+"""
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+# Shared memory a Hopper thread block may use (227 KiB; the kernel fails to launch above it).
+MAX_SHARED_BYTES = 227 * 1024
+# XLA's h100_sxm target spec (xla/backends/gpu/target_config/specs/h100_sxm.txtpb), throughput tables dropped.
+TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: 84942979072
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024 thread_dim_limit_y: 1024 thread_dim_limit_z: 64
+  device_vendor: "NVIDIA Corporation" platform_version: "Compute Capability 9.0a" name: "NVIDIA H100 80GB HBM3"
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+_HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+    """One Mosaic GPU kernel compiled for sm_90a: registers per thread, spilled bytes (stores, loads), the shared
+    memory Mosaic allocates (bytes), wgmma instructions in the PTX and HGMMA in the SASS (None without nvdisasm),
+    ptxas's advisories by code, and the program's compile seconds."""
+    label: str
+    kernel: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+    wgmma: int
+    hgmma: int | None
+    advisories: dict
+    seconds: float
+    ptx: str = dataclasses.field(repr=False, default="")
+
+    @property
+    def spilled(self):
+        return self.spill_stores + self.spill_loads > 0
+
+
+def available():
+    """Why a deviceless sm_90a compile cannot run here (a one-line reason), or None when it can."""
+    try:
+        from jax.experimental import topologies
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:
+        return f"no Mosaic GPU in this JAX ({e})"
+    if not hasattr(plgpu, "kernel"):
+        return f"JAX {jax.__version__} has no plgpu.kernel; expected >= 0.11"
+    try:
+        topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIG, topology="1x1x1")
+    except Exception as e:  # noqa: BLE001  (no cuda plugin: one line saying so)
+        return f"no compile-only cuda topology (jax-cuda13-plugin / -pjrt not installed?): {str(e).splitlines()[0]}"
+    return None
+
+
+def _parse(label, base, seconds):
+    text = open(base + ".ptxas").read()
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    resources = open(base + ".resources.txt").read() if os.path.exists(base + ".resources.txt") else ""
+    shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
+    ptx = open(base + ".ptx").read() if os.path.exists(base + ".ptx") else ""
+    sass = open(base + ".sass_ctrl").read() if os.path.exists(base + ".sass_ctrl") else None
+    return KernelReport(
+        label=label, kernel=os.path.basename(base), registers=int(registers.group(1)) if registers else 0,
+        spill_stores=int(spills.group(1)) if spills else 0, spill_loads=int(spills.group(2)) if spills else 0,
+        shared_bytes=int(shared.group(1)) if shared else 0, wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
+        hgmma=None if sass is None else len(re.findall(r"\bHGMMA\.", sass)),
+        advisories=dict(re.findall(r"\((C\d{4})\) (.*?)$", text, re.M)), seconds=seconds, ptx=ptx)
+
+
+def compile_for_hopper(fn, *args, label=""):
+    """`KernelReport`s of the Mosaic GPU kernels in `jax.jit(fn)` compiled for an H100 (sm_90a) at `args`
+    (arrays or ShapeDtypeStructs), in dump order; kernels this process compiled before are not dumped again."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIG, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args]
+    with tempfile.TemporaryDirectory() as dump:
+        before = os.environ.get("MOSAIC_GPU_DUMP_TO")
+        os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+        try:
+            start = time.perf_counter()
+            target = jax.sharding.AbstractMesh((), ()).update(abstract_device=_HOPPER)
+            with jax.sharding.use_abstract_mesh(target):
+                jax.jit(fn).trace(*args).lower().compile()
+            seconds = time.perf_counter() - start
+        finally:
+            if before is None:
+                os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
+            else:
+                os.environ["MOSAIC_GPU_DUMP_TO"] = before
+        logs = sorted(glob.glob(os.path.join(dump, "*.ptxas")))
+        return [_parse(label, log[:-len(".ptxas")], seconds) for log in logs]
+
+
+def attention_plan(head_dim, *, causal=False, interpret=False, kv_len=None, window=None, block_k=None,
+                   stages=None):
+    """The `flash_attention` plan (kernels/attention/api.py's `_Plan`) `kernels.attention.mosaic_gpu` runs under:
+    its default tiles for `head_dim` unless given."""
+    from kernels.attention import mosaic_gpu
+    from kernels.attention.api import BlockSizes, _Plan
+
+    default_k, default_stages = mosaic_gpu.default_blocks(head_dim)
+    blocks = BlockSizes(block_q=mosaic_gpu.BLOCK_Q, block_k=block_k or default_k, num_stages=stages or default_stages)
+    return _Plan("mosaic_gpu", causal, head_dim**-0.5, kv_len, blocks, interpret, window=window)
+
+
+def attention_cases():
+    """{label: (fn, args)}: `kernels.attention.mosaic_gpu`'s forward at production shapes (LLaMA-3-8B's 32 / 8
+    heads, 4096 tokens, bf16), causal and not, head dims 64, 128 and 256 with their default tiles."""
+    from kernels.attention import mosaic_gpu
+
+    cases = {}
+    for D in mosaic_gpu.HEAD_DIMS:
+        for causal in (False, True):
+            B, T, H, KVH = 1, 4096, 32, 8
+            q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+            kv = jax.ShapeDtypeStruct((B, T, KVH, D), jnp.bfloat16)
+            plan = attention_plan(D, causal=causal)
+            fn = lambda q, k, v, plan=plan: mosaic_gpu.forward(q, k, v, None, None, None, plan)  # noqa: E731
+            cases[f"fwd D{D} {'causal' if causal else 'full'}"] = (fn, (q, kv, kv))
+    return cases
+
+
+def report():
+    """Every case of `attention_cases` compiled: a list of `KernelReport`."""
+    return [r for label, (fn, args) in attention_cases().items() for r in compile_for_hopper(fn, *args, label=label)]
