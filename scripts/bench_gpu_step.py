@@ -34,11 +34,11 @@ FLAGS = flags.FLAGS
 # LLaMA-3-8B keeps its width and vocabulary but runs --llama3_layers of its 32 layers, so that it and both peers fit
 # one H200 (139 GiB) at 16384 tokens a step. 8 layers: 8 x 218.1M + 2 x 525.3M (embedding, untied head) = 2.80B
 # parameters; fp32 master weights, fp32 gradients and AdamW's two fp32 moments are 16 B each (44.7 GB), a bf16 copy
-# for the matmuls 5.6 GB. Activations, at today's float32 model dtype: remat 'dots' keeps each layer's weight-matmul
-# outputs (q, k, v, o, gate, up, down: 43008 values a token, 4 B, 16384 tokens) 2.8 GB a layer, 22.5 GB in all, plus
-# the fp32 logits [16384, 128256] and their gradient, 17 GB: about 92 GB with the engine. PyTorch keeps every
-# activation (no checkpointing): about 4.4 GB a layer in bf16 and 25 GB around the loss, about 110 GB. 12 layers
-# would add some 31 GB to the peers' 110 (141 GB, at the card's edge), so 8 leaves room for allocator slack.
+# for the matmuls 5.6 GB. Activations: without remat (the default, as the peers) the engine and PyTorch both keep
+# every activation in bf16, about 4.4 GB a layer, and 25 GB around the loss (the fp32 logits [16384, 128256] and
+# their gradient): about 110 GB. 12 layers would add some 31 GB (141 GB, at the card's edge), so 8 leave room for
+# allocator slack. --remat=dots keeps only the weight-matmul outputs (q, k, v, o, gate, up, down: 43008 values a
+# token) for less memory and more time.
 SHAPES = {
     "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                           vocab_size=256)),
@@ -60,9 +60,10 @@ flags.DEFINE_integer("steps", 10, "Timed steps of each run.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first compiles).")
 flags.DEFINE_integer("llama3_layers", 8, "Layers of the llama3_8b shape (of LLaMA-3-8B's 32; the comment at SHAPES "
                      "says why 8 fit one H200).")
-flags.DEFINE_enum("remat", "dots", ["full", "dots", "none"], "The engine's rematerialisation of each layer.")
-flags.DEFINE_enum("attention_implementation", None, list(kernels.IMPLEMENTATIONS), "The engine's attention kernel "
-                  "(unset: the backend's default, 'triton' on a GPU).")
+flags.DEFINE_enum("remat", "none", ["full", "dots", "none"], "The engine's rematerialisation of each layer (none: "
+                  "as the PyTorch peers, which keep every activation).")
+flags.DEFINE_enum("attention_implementation", None, list(kernels.ATTENTION_IMPLEMENTATIONS), "The engine's attention "
+                  "kernel (unset: kernels.default_implementation's choice for the device and shape).")
 flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS], "The engine's loss: "
                   "plain logits, or the fused head + loss kernel (kernels.linear_cross_entropy).")
 flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
@@ -76,7 +77,7 @@ flags.DEFINE_string("worker", None, "Internal: measure the engine at SHAPE:SEQ_L
 
 
 # ------------------------------------------------------------------------------------------------ shapes and FLOPs
-def make_model(shape, seq_len, *, llama3_layers=8, remat="dots", attention_implementation=None):
+def make_model(shape, seq_len, *, llama3_layers=8, remat="none", attention_implementation=None):
     """The native LLaMA (`models.create_model('llama', ...)`) of a shape at rows of `seq_len` tokens, scanned, with
     the given remat and attention kernel. The model's dtype is left at its default: the step's compute dtype comes
     from `engine.Precision`, as a user's does."""
@@ -110,7 +111,7 @@ def flops_per_step(model, seq_len, rows):
 
 
 # ------------------------------------------------------------------------------------------------ the engine's run
-def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers=8, remat="dots",
+def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers=8, remat="none",
                 attention_implementation=None, loss_implementation=None):
     """Measures the engine's step on the first device: {'step_ms' (median), 'tokens_per_s', 'warmup_s' (`fit`'s
     first `warmup` steps, the compile included), 'peak_gb' (None where the device does not say), 'device_kind',

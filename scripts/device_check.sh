@@ -2,12 +2,13 @@
 # The one prepared run for a lent GPU (the device tool runs it from the repository root), inside a 450 s budget, each
 # part capped and its summary printed as soon as it ends (a run cut short keeps what it printed):
 #   1. kernel correctness (scripts/check_kernels.py: compiled Triton kernels against the float32 reference on the host,
-#      the grouped matmul at Mixtral-8x7B's experts and paged attention included; 150 s at most): its rows print as
+#      the grouped matmul at Mixtral-8x7B's experts and paged attention included; 120 s at most): its rows print as
 #      they are measured, the first within seconds, each with its compile seconds. It runs with XLA's gemm autotuning
 #      off (--xla_gpu_autotune_level=0): a correctness check needs no tuned gemm, and the hypothesis to verify here is
 #      that autotuning the float32 dots is where the 90 s of its first reference went (its compile columns say);
-#   2. (the GPU step benchmark, scripts/bench_gpu_step.py, goes here: after the first table, before the main job);
-#   3. the main job end to end (scripts/train_lm.py, README line 1, with the Triton MLP and the fused loss too; 120 s
+#   2. the training step against torch.compile at TinyLlama-1.1B's shape, 2k tokens a row (scripts/bench_gpu_step.py;
+#      150 s at most; `step` mode runs the whole benchmark: both shapes at 2k and 8k, both PyTorch peers);
+#   3. the main job end to end (scripts/train_lm.py, README line 1, with the Triton MLP and the fused loss too; 90 s
 #      at most): its eval losses compare with the CPU run's (scripts/README.md);
 #   4. the benchmark tables of issues 5 and 6 (scripts/bench_kernels.py: flash attention at 2k-16k, the fused
 #      matmuls at LLM sizes, beside XLA and cuDNN; one decoding step against 8k and 32k caches), then the grouped
@@ -18,13 +19,17 @@
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=480   (BUDGET=seconds overrides the 450)
 # `bash scripts/device_check.sh tune` runs step 5 alone on the whole budget (a second call while the machine is warm,
-# e.g. BUDGET=240 with timeout_s=260).
+# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (carry=[".peers"]; the PyTorch
+# peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py .peers/
+# && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
+# class and writes the merged table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over
+# kernels/defaults.json after reading it).
 # On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX, which the
 # training script needs: its wheel is carried in .whl/ (ignored by git; WORKSPACE.md says how to fetch it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-case "$MODE" in all|tune) ;; *) echo "error: mode=$MODE; expected all or tune" >&2; exit 2;; esac
+case "$MODE" in all|tune|step|defaults) ;; *) echo "error: mode=$MODE; expected all, tune, step or defaults" >&2; exit 2;; esac
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -37,20 +42,35 @@ quiet() { grep --line-buffered -v -E "^[IWE][0-9]{4} "; }  # the console without
 
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/devices.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
-check=0 train=0 bench=0
-if [ "$MODE" != tune ]; then
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout -s INT "$(cap 150)" $PY scripts/check_kernels.py 2>&1 \
+check=0 train=0 bench=0 step=0
+if [ "$MODE" = step ]; then
+  timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --out="$OUT/bench_gpu_step.jsonl" 2>&1 \
+    | tee "$OUT/bench_gpu_step.log" | quiet
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$MODE" = defaults ]; then
+  cp kernels/defaults.json "$OUT/defaults.json"
+  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --write_defaults="$OUT/defaults.json" 2>&1 \
+    | tee "$OUT/defaults.log" | quiet
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$MODE" = all ]; then
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout -s INT "$(cap 120)" $PY scripts/check_kernels.py 2>&1 \
     | tee "$OUT/check_kernels.log" | quiet
   check=${PIPESTATUS[0]}
   echo "check_kernels exit $check at $(( $(date +%s) - start )) s"
 
-  # (scripts/bench_gpu_step.py: its own capped line and summary here.)
+  timeout -s INT "$(cap 150)" $PY scripts/bench_gpu_step.py --shapes=tinyllama --seq_lens=2048 --peers=compile \
+    --steps=10 --warmup=2 --per_run_timeout=100 --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee "$OUT/bench_gpu_step.log" \
+    | quiet | tail -8
+  step=${PIPESTATUS[0]}
+  echo "bench_gpu_step exit $step at $(( $(date +%s) - start )) s"
 
   if ! $PY -c "import tensorboardX" 2>/dev/null && ls .whl/tensorboardx-*.whl > /dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tensorboardx-*.whl \
       && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  timeout -s INT "$(cap 120)" $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
+  timeout -s INT "$(cap 90)" $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
     --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
     > "$OUT/train_lm.log" 2>&1
   train=$?
@@ -76,5 +96,6 @@ if [ "$tune_time" -gt 30 ]; then
   quiet < "$OUT/tune.log" \
     | awk '/^## /{print; n=0; next} /^-|^candidate +blocks/{next} NF{n++; if (n <= 2 || $1 != "candidate") print}'
 fi
-echo "check_kernels exit $check, train_lm exit $train, bench_kernels exit $bench, $(( $(date +%s) - start )) s"
-exit $((check || train || bench))
+echo "check_kernels exit $check, bench_gpu_step exit $step, train_lm exit $train, bench_kernels exit $bench," \
+  "$(( $(date +%s) - start )) s"
+exit $((check || step || train || bench))
