@@ -5,9 +5,11 @@ JAX 0.11 lowers a Pallas Triton kernel for `cuda` on a host without a GPU once a
 MLIR bytecode), which is printed as text in Pallas's own MLIR context (the `triton` package's bytecode reader
 rejects jaxlib's; its text parser accepts the text) and taken by the `triton` package's NVIDIA backend through its
 TTIR passes, TTGIR, LLVM IR and PTX to a cubin; `ptxas -v` reports registers, spills, and advisories such as C7515
-(wgmma serialized). XLA compiles the same IR with its own Triton pipeline (jaxlib's Triton, not this package's), so
-these are the facts of Triton 3.x on the kernel's IR, not of the very binary a GPU runs; timing needs a GPU
-(`scripts/device_check.sh`).
+(wgmma serialized), and the cubin's SASS (`cuobjdump -sass`, the one the triton package ships) shows which matmuls
+became warpgroup MMA (HGMMA), which warp MMA (HMMA), local-memory traffic (LDL / STL) and whether ptxas serialized
+the wgmma (each HGMMA its own commit group, waited before the next). XLA compiles the same IR with its own Triton
+pipeline (jaxlib's Triton, not this package's), so these are the facts of Triton 3.x on the kernel's IR, not of
+the very binary a GPU runs; timing needs a GPU (`scripts/device_check.sh`).
 
 Needs JAX >= 0.11 and the `triton` package: `make test-gpu-compile` builds that environment, and
 `scripts/gpu_compile_report.py` prints `report()` as the table kernels/README.md records.
@@ -40,10 +42,35 @@ class TritonKernel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sass:
+    """What a cubin's SASS shows (`parse_sass`), in static instruction counts.
+
+    hgmma, hmma: warpgroup MMA (Hopper's wgmma.mma_async) and warp MMA (mma.sync) instructions.
+    hgmma_groups: wgmma commit groups (an HGMMA carrying `gsb0` closes one; `WARPGROUP.DEPBAR` waits on them).
+    lone_hgmma: groups of one HGMMA. A tl.dot of K = 16 is one instruction, but every dot of this project's kernels
+      contracts at least 32 (two HGMMAs); ptxas's serialization (C7515) issues each HGMMA in a group of its own
+      between a `WARPGROUP.ARRIVE` and a `WARPGROUP.DEPBAR.LE gsb0, 0x0`, so there lone == hgmma.
+    in_flight: the most wgmma groups any `WARPGROUP.DEPBAR.LE gsb0, N` leaves pending (N): 0 when every wait
+      drains the warpgroup's MMAs, so none overlaps the work after its wait; a software-pipelined matmul loop
+      waits with 1 pending (the next tile's MMA issued before the last one is waited for).
+    local_loads, local_stores: LDL / STL, local memory (spills, or arrays indexed dynamically).
+    """
+    hgmma: int = 0
+    hmma: int = 0
+    hgmma_groups: int = 0
+    lone_hgmma: int = 0
+    in_flight: int = 0
+    local_loads: int = 0
+    local_stores: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelReport:
     """What compiling one kernel for sm_90a gave: shared memory in bytes (Triton's allocation), registers per
     thread, spilled bytes (stores, loads), ptxas's advisories by code ({'C7515': message}), the compile's seconds,
-    and the kernel's Triton IR, TTGIR and PTX for a closer look."""
+    the tl.dots of its Triton IR (`source_dots`) and what Triton made of each (`dots`: 'wgmma', 'mma.sync' or
+    'fma', in TTGIR order), what its SASS shows (`Sass`), and the kernel's Triton IR, TTGIR, PTX and SASS for a
+    closer look."""
     label: str
     name: str
     num_warps: int
@@ -54,17 +81,34 @@ class KernelReport:
     spill_loads: int
     advisories: dict
     seconds: float
+    source_dots: int = 0
+    dots: tuple = ()
+    sass: Sass = Sass()
     ttir: str = dataclasses.field(repr=False, default="")
     ttgir: str = dataclasses.field(repr=False, default="")
     ptx: str = dataclasses.field(repr=False, default="")
+    sass_text: str = dataclasses.field(repr=False, default="")
 
     @property
     def spilled(self):
         return self.spill_stores + self.spill_loads > 0
 
     @property
+    def serialization_advisories(self):
+        """ptxas's advisories that say it serialized wgmma (C7515 and its siblings: 'wgmma.mma_async instructions
+        are serialized due to ...')."""
+        return {code: text for code, text in self.advisories.items() if code == "C7515" or "serialized" in text}
+
+    @property
     def wgmma_serialized(self):
-        return "C7515" in self.advisories
+        """ptxas said so, or the SASS shows it (HGMMAs each in a group of their own)."""
+        return bool(self.serialization_advisories) or self.sass.lone_hgmma > 0
+
+    @property
+    def all_dots_wgmma(self):
+        """Every tl.dot of the kernel became warpgroup MMA, and the SASS has HGMMA and no HMMA."""
+        return (bool(self.dots) and set(self.dots) == {"wgmma"} and self.sass.hgmma > 0
+                and self.sass.hmma == 0)
 
 
 def _hopper_target():
@@ -116,6 +160,64 @@ def parse_ptxas_log(log):
             int(spills.group(2)) if spills else 0, advisories)
 
 
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
+
+
+def parse_sass(text):
+    """A `Sass` of `cuobjdump -sass`'s text for one kernel."""
+    counts = dict(hgmma=0, hmma=0, hgmma_groups=0, lone_hgmma=0, in_flight=0, local_loads=0, local_stores=0)
+    in_group = 0  # HGMMAs issued since the group's WARPGROUP.ARRIVE (or the last group's end)
+    for opcode, operands in _SASS_INSTRUCTION.findall(text):
+        if opcode.startswith("HGMMA"):
+            counts["hgmma"] += 1
+            in_group += 1
+            if "gsb0" in operands:
+                counts["hgmma_groups"] += 1
+                counts["lone_hgmma"] += in_group == 1
+                in_group = 0
+        elif opcode.startswith("HMMA"):
+            counts["hmma"] += 1
+        elif opcode.startswith("LDL"):
+            counts["local_loads"] += 1
+        elif opcode.startswith("STL"):
+            counts["local_stores"] += 1
+        elif opcode == "WARPGROUP.ARRIVE":
+            in_group = 0
+        elif opcode == "WARPGROUP.DEPBAR.LE":
+            counts["in_flight"] = max(counts["in_flight"], int(operands.split(",")[-1], 0))
+    return Sass(**counts)
+
+
+def parse_dots(ttgir):
+    """What Triton made of each tl.dot, in TTGIR order: 'wgmma' (ttng.warp_group_dot: Hopper's asynchronous
+    warpgroup MMA), 'mma.sync' (tt.dot with an MMA v2 layout: warp MMA, Ampere's path) or 'fma' (tt.dot with a
+    blocked layout: no tensor cores). Triton takes the wgmma path on sm_90a only where a warpgroup's tile fits it:
+    num_warps a multiple of 4, the dot's rows a multiple of 64 and its columns of 8 (`supportMMA`, MMA v3)."""
+    versions = dict(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir, re.M))
+    dots = []
+    for line in ttgir.splitlines():
+        if re.search(r"= ttng\.warp_group_dot ", line):
+            dots.append("wgmma")
+        elif re.search(r"= tt\.dot ", line):
+            layout = re.search(r"-> tensor<[^>]*, (#\w+)>", line)
+            dots.append("mma.sync" if layout and versions.get(layout.group(1)) == "2" else "fma")
+    return tuple(dots)
+
+
+def _sass(cubin):
+    """`cuobjdump -sass` of a cubin (the triton package's cuobjdump; the CUDA toolkit's works the same)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], check=True, capture_output=True,
+                              text=True).stdout
+
+
 def compile_kernel(kernel, label=None):
     """A `KernelReport` of `kernel` (a `TritonKernel`) compiled for sm_90a by the `triton` package."""
     import tempfile
@@ -150,9 +252,11 @@ def compile_kernel(kernel, label=None):
             if ext in ("ttgir", "ptx"):
                 texts[ext] = str(module)
     registers, spill_stores, spill_loads, advisories = parse_ptxas_log(log.getvalue())
+    sass = _sass(module)  # the last stage's output: the cubin's bytes
     return KernelReport(label or kernel.name, kernel.name, kernel.num_warps, kernel.num_stages, metadata["shared"],
                         registers, spill_stores, spill_loads, advisories, time.perf_counter() - start,
-                        kernel.ir, texts["ttgir"], texts["ptx"])
+                        len(re.findall(r"= tt\.dot ", kernel.ir)), parse_dots(texts["ttgir"]), parse_sass(sass),
+                        kernel.ir, texts["ttgir"], texts["ptx"], sass)
 
 
 # ---- The production kernels: each op at a training shape with its default (production) block sizes. ----
@@ -219,6 +323,9 @@ def production_cases():
     # chunk, whose three kernels are the same code at another width.
     return {
         "attention": (grad3(attention()), (q, kv, kv), ("fwd", "dq", "dk/dv")),
+        # Head dims beside 128: 64 (small models) and 256 (Gemma), each with its own row of the block table.
+        **{f"attention, head_dim {d}": (grad3(attention()), (q_d, kv_d, kv_d), ("fwd", "dq", "dk/dv"))
+           for d, q_d, kv_d in ((d, _sds(q.shape[:3] + (d,)), _sds(kv.shape[:3] + (d,))) for d in (64, 256))},
         "attention, packed": (grad3(attention()), (q, kv, kv, ids), ("fwd", "dq", "dk/dv")),
         "attention, dropout 0.1": (grad3(attention(dropout_rate=0.1, dropout_rng=jax.random.key(0))), (q, kv, kv),
                                    ("fwd", "dq", "dk/dv")),
@@ -282,13 +389,126 @@ def report(cases=None):
     return reports
 
 
+def _dots_cell(r):
+    counts = {kind: r.dots.count(kind) for kind in ("wgmma", "mma.sync", "fma") if kind in r.dots}
+    return f"{r.source_dots}: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()) if r.dots else "0"
+
+
+def _serialized_cell(r):
+    reasons = sorted(r.serialization_advisories)
+    if r.sass.lone_hgmma:
+        reasons.append(f"{r.sass.lone_hgmma}/{r.sass.hgmma} HGMMA alone")
+    return ", ".join(reasons) or "no"
+
+
 def format_table(reports):
-    """A markdown table of `reports`, one row per kernel."""
-    rows = ["| kernel | warps / stages | shared memory | registers | spills (bytes) | ptxas advisories | compile s |",
-            "|---|---|---|---|---|---|---|"]
+    """A markdown table of `reports`, one row per kernel: tl.dot (TTIR) -> what Triton made of each (TTGIR);
+    HGMMA / HMMA, wgmma groups left in flight at a wait (`Sass.in_flight`) and LDL / STL from the SASS; serialized:
+    ptxas's advisory, or HGMMAs alone in the SASS."""
+    rows = ["| kernel | warps / stages | shared memory | registers | spills (bytes) | tl.dot -> | HGMMA / HMMA "
+            "| wgmma in flight | LDL / STL | wgmma serialized | ptxas advisories | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         spills = f"{r.spill_stores} st / {r.spill_loads} ld" if r.spilled else "0"
         advisories = ", ".join(sorted(r.advisories)) or "—"
         rows.append(f"| {r.label} | {r.num_warps} / {r.num_stages} | {r.shared_bytes / 1024:g} KiB | {r.registers} "
-                    f"| {spills} | {advisories} | {r.seconds:.1f} |")
+                    f"| {spills} | {_dots_cell(r)} | {r.sass.hgmma} / {r.sass.hmma} | {r.sass.in_flight} "
+                    f"| {r.sass.local_loads} / {r.sass.local_stores} | {_serialized_cell(r)} | {advisories} "
+                    f"| {r.seconds:.1f} |")
     return "\n".join(rows)
+
+
+# ---- Roofline on an H200: what a kernel's work and traffic allow at best, from its shapes alone. ----
+
+H200_TFLOPS = 989.0  # dense bf16, the datasheet (engine/flops.py's MFU denominator)
+H200_MEASURED_TFLOPS = 790.0  # a bf16 matmul on random data, as measured on the device
+H200_HBM_TBPS = 4.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """One op at one shape. flops: the products no implementation avoids (forward; backward dx and dw, attention's
+    dq, dk, dv and dp); flops_run: what this project's kernels compute, recomputed products included (attention's
+    dq and dk/dv kernels each recompute q k^T and do v^T, the matmuls' backward recomputes x w for the activation's
+    derivative, the loss's backward the logits); min_bytes: every input read once and every output written once
+    (bf16 tensors, float32 row statistics), the floor of HBM traffic."""
+    label: str
+    flops: int
+    flops_run: int
+    min_bytes: int
+
+    @property
+    def intensity(self):
+        return self.flops / self.min_bytes
+
+    @property
+    def bound(self):
+        return "compute" if self.intensity > H200_TFLOPS / H200_HBM_TBPS else "memory"
+
+    def floor_ms(self, tflops=H200_TFLOPS, flops=None):
+        """The least time: the slower of the FLOPs at `tflops` and the minimum bytes at the H200's bandwidth."""
+        return max((flops or self.flops) / (tflops * 1e9), self.min_bytes / (H200_HBM_TBPS * 1e9))
+
+
+# The training shapes of the roofline (kernels/README.md, "Roofline on H200"): attention at LLaMA-3-8B's heads,
+# the loss and the MLP at a 1B-class model (8192 tokens, model 2048, MLP 5632, vocabulary 32000).
+ROOFLINE_ATTENTION = dict(batch=2, heads=32, kv_heads=8, head_dim=128, seq_lens=(4096, 8192))
+ROOFLINE_MATMUL = dict(tokens=8192, model=2048, hidden=5632, vocab=32000)
+
+
+def roofline_cases():
+    """`Roofline`s of the main training path's kernels at `ROOFLINE_ATTENTION` / `ROOFLINE_MATMUL`, bf16."""
+    from kernels.attention._cost import visible_pairs
+
+    bf16, f32 = 2, 4
+    rows = []
+    a = ROOFLINE_ATTENTION
+    B, H, Hkv, D = a["batch"], a["heads"], a["kv_heads"], a["head_dim"]
+    for T in a["seq_lens"]:
+        product = 2 * D * visible_pairs(T, T, causal=True) * B * H  # one [T, T] x [T, D] product, causal
+        q = o = B * T * H * D * bf16
+        kv = B * T * Hkv * D * bf16
+        lse = B * H * T * f32
+        fwd_bytes = q + 2 * kv + o + lse
+        # backward: reads q, k, v, o, do, lse; writes dq, dk, dv
+        bwd_bytes = q + 2 * kv + o + q + lse + q + 2 * kv
+        shape = f"B{B} H{H}/{Hkv} D{D} T{T} causal"
+        rows.append(Roofline(f"flash attention fwd, {shape}", 2 * product, 2 * product, fwd_bytes))
+        rows.append(Roofline(f"flash attention fwd+bwd, {shape}", 6 * product, (2 + 3 + 4) * product,
+                             fwd_bytes + bwd_bytes))
+    m = ROOFLINE_MATMUL
+    N, Dm, F, V = m["tokens"], m["model"], m["hidden"], m["vocab"]
+    x, labels, stats = N * Dm * bf16, N * f32, N * f32
+    head = 2 * N * Dm * V
+    w = Dm * V * bf16
+    # forward: x, w, labels in; the loss and the lse out. Backward: x, w, labels, lse and d loss in; dx, dw out.
+    lce_fwd = x + w + labels + 2 * stats
+    lce_bwd = x + w + labels + 2 * stats + x + w
+    rows.append(Roofline(f"linear_cross_entropy fwd, {N} x {Dm} x {V}", head, head, lce_fwd))
+    rows.append(Roofline(f"linear_cross_entropy fwd+bwd, {N} x {Dm} x {V}", 3 * head, 4 * head, lce_fwd + lce_bwd))
+    up = 2 * N * Dm * F
+    w, h = Dm * F * bf16, N * F * bf16
+    # gated: x, w_gate, w_up in, h out; backward x, both weights and dh in, dx and both weight gradients out.
+    rows.append(Roofline(f"gated_mlp fwd, {N} x {Dm} x {F}", 2 * up, 2 * up, x + 2 * w + h))
+    rows.append(Roofline(f"gated_mlp fwd+bwd, {N} x {Dm} x {F}", 6 * up, 8 * up,
+                         (x + 2 * w + h) + (x + 2 * w + h) + (x + 2 * w)))
+    rows.append(Roofline(f"fused_matmul (silu) fwd, {N} x {Dm} x {F}", up, up, x + w + h))
+    rows.append(Roofline(f"fused_matmul (silu) fwd+bwd, {N} x {Dm} x {F}", 3 * up, 4 * up,
+                         (x + w + h) + (x + w + h) + (x + w)))
+    return rows
+
+
+def format_roofline(rows, measured=None):
+    """A markdown table of `rows` (`roofline_cases()`). `measured` maps a row's label to ((who, ms), ...), each
+    shown with its multiple of the row's floor at `H200_TFLOPS`."""
+    measured = measured or {}
+    table = [f"| op, shape | GFLOP (as run) | min HBM MB | FLOP / byte | bound | floor ms at {H200_TFLOPS:g} / "
+             f"{H200_MEASURED_TFLOPS:g} TFLOP/s | as run at {H200_MEASURED_TFLOPS:g} | measured ms (x floor at "
+             f"{H200_TFLOPS:g}) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        times = ", ".join(f"{who} {ms:g} ({ms / r.floor_ms():.1f}x)" for who, ms in measured.get(r.label, ())) or "—"
+        table.append(f"| {r.label} | {r.flops / 1e9:,.0f} ({r.flops_run / 1e9:,.0f}) | {r.min_bytes / 1e6:,.0f} "
+                     f"| {r.intensity:,.0f} | {r.bound} | {r.floor_ms():.2f} / {r.floor_ms(H200_MEASURED_TFLOPS):.2f} "
+                     f"| {r.floor_ms(H200_MEASURED_TFLOPS, r.flops_run):.2f} | {times} |")
+    return "\n".join(table)
