@@ -10,4 +10,4 @@ from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, automa
 from kernels.attention import (decode_attention, dropout_keys, dropout_multiplier, flash_attention, mha_reference,
                                paged_attention, quantize_kv)
 from kernels.grouped_matmul import grouped_matmul  # the op; the sub-package stays importable by its path
-from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, quantize_int8
+from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, linear_cross_entropy_sum, quantize_int8

@@ -9,7 +9,8 @@ entry (or names a path the device cannot run) the answer is the per-backend rule
   kv_len), `causal`, `dtype`, `training` (True, the default: the forward + backward entry; False: forward only).
   Classes: dtype, head dim, causal, the length's power-of-two bucket (4096 holds 2049 ... 4096) and pass.
 - `'gated_mlp'`, `'linear_cross_entropy'`: `'plain'` (plain XLA matmuls beat the fused kernel: `silu(x @ w_gate) *
-  (x @ w_up)`; logits, then the cross-entropy) or the fused kernel's implementation. Shape: `dtype`, `training`.
+  (x @ w_up)`; logits, then the cross-entropy) or the fused kernel's implementation; for the loss also `'chunked'`
+  (`linear_cross_entropy_sum`: row chunks through XLA matmuls, gradients taken in the forward). Shape: `dtype`, `training`.
   Classes: dtype and pass.
 """
 import datetime
@@ -24,11 +25,12 @@ from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implem
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json")
 PLAIN = "plain"
+CHUNKED = "chunked"  # linear_cross_entropy only: kernels.linear_cross_entropy_sum (row chunks, gradients in the forward)
 # Each op's shape-class keys (a table entry's "class") and the choices an entry may name.
 CLASS_KEYS = {"flash_attention": ("dtype", "head_dim", "causal", "seq_len", "pass"),
               "gated_mlp": ("dtype", "pass"), "linear_cross_entropy": ("dtype", "pass")}
 CHOICES = {"flash_attention": ATTENTION_IMPLEMENTATIONS, "gated_mlp": (PLAIN, *IMPLEMENTATIONS),
-           "linear_cross_entropy": (PLAIN, *IMPLEMENTATIONS)}
+           "linear_cross_entropy": (PLAIN, CHUNKED, *IMPLEMENTATIONS)}
 _SHAPE_ARGS = {"flash_attention": ("head_dim", "seq_len", "causal", "dtype"), "gated_mlp": ("dtype",),
                "linear_cross_entropy": ("dtype",)}
 _RUNS_ON = {"triton": ("gpu",), "cudnn": ("gpu",), "mosaic_tpu": ("tpu",)}  # else everywhere

@@ -44,7 +44,7 @@ TASKS = ("lm", "sft", "dpo")
 def make_trainer(mesh, model, params, **kwargs):
     loss_fn = preference.dpo_loss_fn(model, beta=FLAGS.beta, loss_type=FLAGS.dpo_loss,
                                      label_smoothing=FLAGS.label_smoothing,
-                                     implementation=cli.loss_implementation(model))
+                                     implementation=cli.loss_implementation(model, per_token=True))
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=loss_fn, params=params,
                           optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
 
@@ -73,7 +73,7 @@ def main(argv):
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
 
     # The reference: the starting parameters (a resumed run recomputes the same numbers from the same start).
-    implementation = cli.loss_implementation(model)
+    implementation = cli.loss_implementation(model, per_token=True)
     train, evals = (preference.with_reference(ex, preference.reference_log_probs(
         model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation))
         for ex in (train, evals))

@@ -244,7 +244,7 @@ def main(argv):
     # With --lora_rank the reference is the actor with its adapters off (no copy of the policy's weights).
     task = ppo.PPO(actor=actor, critic=critic, ref_params=None if FLAGS.lora_rank else actor_params,
                    tokenizer=tokenizer, mesh=mesh, seq_len=seq_len, config=_ppo_config(samples),
-                   implementation=cli.loss_implementation(actor), **rewards)
+                   implementation=cli.loss_implementation(actor, per_token=True), **rewards)
     rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
     cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + (

@@ -1,4 +1,4 @@
-"""Lowering for an accelerator this machine does not have.
+"""Lowering for an accelerator this machine does not have, and reading what a traced program holds.
 
 JAX 0.11's Triton lowering reads the GPU's compute capability while lowering and, on a host without a GPU, takes it
 from the ambient abstract mesh's `AbstractDevice`; JAX 0.10 does not ask. Tests that lower for `cuda` do so inside
@@ -31,3 +31,14 @@ def kernel_operands_of_train_step(trainer, rows, seq_len, platform="cuda"):
         lowered = trainer.lower(batch, platforms=(platform,)).as_text()
     call = r"__gpu\$xla\.gpu\.triton" if platform == "cuda" else "tpu_custom_call"
     return re.findall(rf"custom_call @{call}\(.*?\).*?: \((.*?)\) ->", lowered)
+
+
+def jaxpr_shapes(jaxpr):
+    """Shapes of every intermediate of a jaxpr, sub-jaxprs (scan, cond, custom_vjp, pjit) included."""
+    for eqn in jaxpr.eqns:
+        yield from (tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_shapes(inner)

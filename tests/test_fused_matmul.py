@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.matmul import BlockSizes, fused_matmul, gated_mlp, linear_cross_entropy, quantize_int8
+from kernels.matmul import (BlockSizes, fused_matmul, gated_mlp, linear_cross_entropy, linear_cross_entropy_sum,
+                            quantize_int8)
 from kernels.matmul import reference
-from tests.targets import for_gpu
+from tests.targets import for_gpu, jaxpr_shapes
 
 # Largest error allowed, relative to the largest magnitude of the float32 result computed from the same inputs.
 # bf16 keeps 8 bits of mantissa and the backward stores bf16 intermediates (dz, d logits): a few ulps of 2**-8.
@@ -174,6 +175,37 @@ def test_ignored_tokens_have_zero_loss_and_gradient(impl):
     np.testing.assert_array_equal(np.asarray(loss)[[1, 3]], 0.0)
     np.testing.assert_array_equal(np.asarray(dx)[[1, 3]], 0.0)
     assert np.all(np.asarray(loss)[[0, 2, 4, 5]] > 0) and np.all(np.abs(np.asarray(dx)[[0, 2, 4, 5]]).sum(-1) > 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_loss_sum_matches_the_weighted_reference_and_takes_three_matmuls(dtype):
+    """linear_cross_entropy_sum: the weighted sum of the reference's per-token losses and its gradients under a
+    random scalar cotangent (rows not a multiple of the chunk, ignored tokens, two leading dims), with no
+    [rows, vocab] temporary beyond one chunk's; differentiated, its program holds three matmuls (logits, d x,
+    d w) where linear_cross_entropy's holds four (its backward recomputes the logits)."""
+    keys = jax.random.split(jax.random.key(5), 4)
+    lead, d, vocab, chunk = (2, 7), 40, 70, 4
+    x, w = _normal(keys[0], (*lead, d), dtype), _normal(keys[1], (d, vocab), dtype, 2 * d ** -0.5)
+    labels = jax.random.randint(keys[2], lead, 0, vocab).reshape(-1).at[::3].set(-100).reshape(lead)
+    weights = jax.random.uniform(keys[3], lead)
+    fn = lambda x, w: linear_cross_entropy_sum(x, w, labels, weights, chunk_rows=chunk)  # noqa: E731
+    ref = lambda x, w: (reference.linear_cross_entropy_reference(x, w, labels) * weights).sum()  # noqa: E731
+    _check_value_and_grads(fn, ref, (x, w), dtype, "linear_cross_entropy_sum")
+    assert float(fn(x, w)) == pytest.approx(float(jax.jit(fn)(x, w)), rel=1e-6)  # the primal path: no gradients
+
+    def dots_and_widest(f):
+        jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(x, w)
+        text = str(jaxpr)
+        rows_by_vocab = [s for s in jaxpr_shapes(jaxpr.jaxpr) if len(s) == 2 and s[1] == vocab and s[0] != d]
+        return text.count("dot_general"), max(rows for rows, _ in rows_by_vocab)
+    dots, widest = dots_and_widest(lambda x, w: fn(x, w))
+    assert dots == 3 and widest == chunk, (dots, widest)
+    blockwise = lambda x, w: linear_cross_entropy(x, w, labels, implementation="xla").sum()  # noqa: E731
+    assert dots_and_widest(blockwise)[0] == 4
+    with pytest.raises(ValueError, match=r"^chunk_rows=0; expected a positive int$"):
+        linear_cross_entropy_sum(x, w, labels, weights, chunk_rows=0)
+    with pytest.raises(ValueError, match=r"^labels.shape=\(2, 7\), weights.shape=\(14,\); expected"):
+        linear_cross_entropy_sum(x, w, labels, weights.reshape(-1))
 
 
 @pytest.mark.parametrize("num_m, num_n", [(1, 1), (3, 5), (8, 8), (17, 4), (20, 1)])

@@ -527,3 +527,25 @@ def test_int8_collectives_bad_input():
     with pytest.raises(ValueError, match=r"int8=True; expected an engine.step.Int8"):
         step_lib.shard_map_train_step(loss_fn=None, optimizer=None, mesh=mesh, param_specs=None, update_specs=None,
                                       zero_stage=0, accumulate=1, compute_dtype=None, remat=False, key=None, int8=True)
+
+
+def test_chunked_loss_trains_like_plain_logits_in_both_steps():
+    """The head + loss in row chunks with the gradients taken in the forward (lm_loss_fn(model, 'chunked'),
+    kernels.linear_cross_entropy_sum) under the Trainer, on data 2 x fsdp 2 x model 2 (the head split over model and
+    ZeRO-3 gathered over fsdp): both steps' updates equal plain logits' in the jit step, and so do the losses."""
+    model = models.create_model("llama", "tiny", scan_layers=True, intermediate_size=96)
+    params = models.init_params(model, jax.random.PRNGKey(1))
+    runs = []
+    for kind, implementation in (("jit", None), ("jit", "chunked"), ("shard_map", "chunked")):
+        loss = lm.lm_loss_fn(model, implementation)
+        trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES["2x2x2"]), collate_fn=lm.collate_lm, loss_fn=loss,
+                                 params=params, optimizer=optax.sgd(0.5), parallelism=engine.Parallelism(step=kind))
+        trainer.fit(_packed_rows(16, seq=10, seed=1), per_device_batch_size=2, max_steps=2, log_every=1)
+        runs.append(trainer)
+    plain = runs[0]
+    for got in runs[1:]:
+        np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in plain.history], rtol=1e-5)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(plain.params))[0],
+                                jax.tree.leaves(jax.device_get(got.params))):
+            err = np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(a)).max(), 1e-3)
+            assert err <= 1e-5, (jax.tree_util.keystr(path), err)

@@ -10,6 +10,7 @@ import pytest
 
 import models
 from engine.tasks import cli, lm, seq2seq, text_data
+from tests.targets import jaxpr_shapes
 
 
 def test_pack_segments_and_labels():
@@ -167,7 +168,8 @@ _TIED = {"tie_word_embeddings": True}
 
 
 @pytest.mark.parametrize("family,overrides,implementation", [
-    ("llama", {}, "xla"), pytest.param("gptj", {}, "xla", marks=_SLOW), pytest.param("t5", {}, "xla", marks=_SLOW),
+    ("llama", {}, "xla"), ("gptj", {}, "chunked"), pytest.param("t5", {}, "chunked", marks=_SLOW),
+    pytest.param("gptj", {}, "xla", marks=_SLOW), pytest.param("t5", {}, "xla", marks=_SLOW),
     pytest.param("opt", {}, "triton", marks=_SLOW),
     pytest.param("llama", _TIED, "xla", marks=_SLOW), pytest.param("llama", {}, "triton", marks=_SLOW),
     pytest.param("gptj", {}, "triton", marks=_SLOW), pytest.param("opt", {}, "xla", marks=_SLOW),
@@ -175,9 +177,10 @@ _TIED = {"tie_word_embeddings": True}
     pytest.param("t5", {"tie_word_embeddings": True, "scale_decoder_outputs": True}, "xla", marks=_SLOW),
     pytest.param("t5", {}, "triton", marks=_SLOW)])
 def test_fused_loss_matches_plain_logits(family, overrides, implementation):
-    """The fused head + loss (kernels.linear_cross_entropy on the hidden states) gives the plain path's loss and
-    gradients in fp32, for tied heads (llama tied, opt, t5 v1.0), untied heads and GPT-J's biased head; 'triton'
-    runs in Pallas's interpreter."""
+    """The fused head + loss (kernels.linear_cross_entropy on the hidden states; 'chunked':
+    kernels.linear_cross_entropy_sum, gradients taken in the forward) gives the plain path's loss and gradients in
+    fp32, for tied heads (llama tied, opt, t5 v1.0), untied heads and GPT-J's biased head; 'triton' runs in Pallas's
+    interpreter."""
     model = models.create_model(family, "tiny", **overrides)
     params = models.init_params(model, jax.random.PRNGKey(1))
     if family == "gptj":  # a non-zero head bias, so that folding it into the kernel is tested
@@ -197,17 +200,6 @@ def test_fused_loss_matches_plain_logits(family, overrides, implementation):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6), fused_grads, grads)
 
 
-def _all_shapes(jaxpr):
-    """Shapes of every intermediate of a jaxpr, sub-jaxprs (scan, cond, custom_vjp, pjit) included."""
-    for eqn in jaxpr.eqns:
-        yield from (tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _all_shapes(inner)
-
-
 def test_fused_loss_has_no_logits_forward_or_backward():
     model = models.create_model("llama", "tiny", vocab_size=200)  # a size no other dim has
     params = models.init_params(model, jax.random.PRNGKey(1))
@@ -219,12 +211,17 @@ def test_fused_loss_has_no_logits_forward_or_backward():
     for implementation, expect_logits in ((None, True), ("xla", False)):
         loss_fn = lm.lm_loss_fn(model, implementation)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, batch, None, True)[0]))(params)
-        assert bool(logits_like(_all_shapes(jaxpr.jaxpr))) == expect_logits, implementation
+        assert bool(logits_like(jaxpr_shapes(jaxpr.jaxpr))) == expect_logits, implementation
 
 
 def test_loss_implementation_is_checked():
+    model = models.create_model("llama", "tiny")
     with pytest.raises(ValueError, match=r"loss implementation='cuda'; expected one of"):
-        lm.lm_loss_fn(models.create_model("llama", "tiny"), "cuda")
+        lm.lm_loss_fn(model, "cuda")
+    batch = _decoder_batch(model.config.vocab_size)
+    with pytest.raises(ValueError, match=r"^loss implementation='chunked' gives a summed loss"):
+        lm.token_losses(model, models.init_params(model), jnp.zeros((*batch["labels"].shape, 64)), batch["labels"],
+                        "chunked")
 
 
 def test_create_model_and_run_json(tmp_path):

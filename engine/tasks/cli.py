@@ -126,12 +126,15 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                              "without a new best (0: never).")
     flags.DEFINE_list("profile_steps", [], "START,END: write a jax.profiler trace of those steps to "
                       "workdir/tensorboard (TensorBoard's profile tab).")
-    flags.DEFINE_enum("loss_implementation", "default", ["default", "plain", "auto", *kernels.IMPLEMENTATIONS],
-                      "plain: logits [tokens, vocab] then cross-entropy. Otherwise the output head and the loss run "
-                      "fused in kernels.linear_cross_entropy, blockwise over the vocabulary, so the logits never "
-                      "exist: auto (the backend's kernel), xla, triton (GPU) or mosaic_tpu (TPU). default: plain on "
-                      "CPU; on GPU / TPU what kernels.default_implementation measured fastest on this device (plain "
-                      "where plain logits won, and for a model whose logits are soft-capped).")
+    flags.DEFINE_enum("loss_implementation", "default",
+                      ["default", "plain", "chunked", "auto", *kernels.IMPLEMENTATIONS],
+                      "plain: logits [tokens, vocab] then cross-entropy. chunked: the head and the loss over chunks "
+                      "of rows with the gradients taken in the forward (kernels.linear_cross_entropy_sum; mean "
+                      "losses only, not DPO / PPO). Otherwise the output head and the loss run fused in "
+                      "kernels.linear_cross_entropy, blockwise over the vocabulary, so the logits never exist: auto "
+                      "(the backend's kernel), xla, triton (GPU) or mosaic_tpu (TPU). default: plain on CPU; on GPU / "
+                      "TPU what kernels.default_implementation measured fastest on this device (plain where plain "
+                      "logits won, and for a model whose logits are soft-capped).")
     flags.DEFINE_float("dropout_rate", None, "Dropout of the model in training steps; default the model's own (a "
                        "Hugging Face config's rate with --init_from, else 0).", lower_bound=0.0, upper_bound=0.95)
     flags.DEFINE_float("attention_dropout_rate", None, "Dropout of the attention probabilities in training steps; "
@@ -185,16 +188,17 @@ def with_pipeline(model, params):
     return model.clone(config=config), params
 
 
-def loss_implementation(model=None):
+def loss_implementation(model=None, *, per_token=False):
     """--loss_implementation as the tasks' loss helpers take it (None: plain logits). 'default' (see the flag)
     resolves here for this device and --compute_dtype; `model` (when given) with a final logit soft-cap keeps plain
-    logits, which the fused kernel does not cap."""
+    logits, which the fused kernel does not cap; per_token (DPO's and PPO's per-token log-probabilities): a measured
+    'chunked' (a summed loss) resolves to plain logits."""
     if FLAGS.loss_implementation != "default":
         return None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation
     if jax.default_backend() == "cpu" or getattr(getattr(model, "config", None), "final_logit_softcap", None):
         return None
     choice = kernels.default_implementation("linear_cross_entropy", dtype=compute_dtype() or jnp.float32)
-    return None if choice == "plain" else choice
+    return None if choice == "plain" or (per_token and choice == "chunked") else choice
 
 
 def compute_dtype():

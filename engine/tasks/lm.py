@@ -25,7 +25,8 @@ def collate_lm(examples):
     return {"input_ids": tokens[:, :-1], "labels": labels, "segment_ids": seg[:, :-1]}
 
 
-LOSS_IMPLEMENTATIONS = (None, "auto") + kernels.IMPLEMENTATIONS
+# None: plain logits; 'chunked': kernels.linear_cross_entropy_sum (a mean loss only); else linear_cross_entropy's.
+LOSS_IMPLEMENTATIONS = (None, "auto", "chunked") + kernels.IMPLEMENTATIONS
 
 
 def head_weight(model, params):
@@ -48,30 +49,44 @@ def token_losses(model, params, out, labels, implementation=None, interpret=Fals
     (implementation None) or hidden states [B, T, D] fed to kernels.linear_cross_entropy with the model's head, so
     the logits never exist. A token's log-probability is minus its loss."""
     valid = labels >= 0
+    if implementation == "chunked":
+        raise ValueError("loss implementation='chunked' gives a summed loss (kernels.linear_cross_entropy_sum), not "
+                         "per-token losses; expected None (plain logits) or a kernel implementation here")
     if implementation is None:
         losses = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), jnp.maximum(labels, 0))
     else:
-        w, bias = head_weight(model, params)
-        x, w = out, w.astype(out.dtype)
-        if bias is not None:
-            # x @ w + b == [x, 1] @ [w; b]; padded with zeros to a multiple of 128 so the kernel's tiles stay whole.
-            extra = 128 - x.shape[-1] % 128
-            ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
-            x = jnp.concatenate([x, ones, jnp.zeros(x.shape[:-1] + (extra - 1,), x.dtype)], axis=-1)
-            w = jnp.concatenate([w, bias.astype(w.dtype)[None], jnp.zeros((extra - 1, w.shape[1]), w.dtype)], axis=0)
+        x, w = _head_operands(model, params, out)
         losses = kernels.linear_cross_entropy(x, w, jnp.where(valid, labels, -100), ignore_index=-100,
                                               implementation=None if implementation == "auto" else implementation,
                                               interpret=interpret)
     return jnp.where(valid, losses, 0.0)
 
 
+def _head_operands(model, params, out):
+    """(x, w) with x @ w the logits of hidden states `out`: the head in `out`'s dtype, a bias folded in as a column
+    of ones (x @ w + b == [x, 1] @ [w; b], padded with zeros to a multiple of 128 so a kernel's tiles stay whole)."""
+    w, bias = head_weight(model, params)
+    x, w = out, w.astype(out.dtype)
+    if bias is not None:
+        extra = 128 - x.shape[-1] % 128
+        ones = jnp.ones(x.shape[:-1] + (1,), x.dtype)
+        x = jnp.concatenate([x, ones, jnp.zeros(x.shape[:-1] + (extra - 1,), x.dtype)], axis=-1)
+        w = jnp.concatenate([w, bias.astype(w.dtype)[None], jnp.zeros((extra - 1, w.shape[1]), w.dtype)], axis=0)
+    return x, w
+
+
 def loss_and_metrics(model, params, out, labels, implementation, interpret):
-    """Mean cross-entropy over labels >= 0 (`token_losses`), the token count and, with plain logits, accuracy."""
+    """Mean cross-entropy over labels >= 0 (`token_losses`; 'chunked': `kernels.linear_cross_entropy_sum` with
+    weights 1 / count), the token count and, with plain logits, accuracy."""
     valid = labels >= 0
     n = jnp.maximum(valid.sum(), 1)
     metrics = {"tokens": valid.sum().astype(jnp.float32)}
     if implementation is None:
         metrics["accuracy"] = jnp.where(valid, out.argmax(-1) == labels, False).sum() / n
+    if implementation == "chunked":
+        x, w = _head_operands(model, params, out)
+        weights = jnp.where(valid, 1.0, 0.0) / n
+        return kernels.linear_cross_entropy_sum(x, w, jnp.where(valid, labels, -100), weights), metrics
     return token_losses(model, params, out, labels, implementation, interpret).sum() / n, metrics
 
 

@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, quantize_int8, reference
+from kernels.matmul.cross_entropy import linear_cross_entropy_sum
+
+CHUNKED = "xla chunked rows, gradients in the forward"  # linear_cross_entropy_sum's path name
 
 # (m, k, n) per kernel and size: "large" are the targets (square 8192 matmul, LLaMA-3-8B MLP and loss with
 # m tokens, k model dim, n vocabulary; the int8-weight matmul at the same square size); "small" is a CPU smoke check.
@@ -26,7 +29,8 @@ class Case(NamedTuple):
     shape: str
     direction: str  # "fwd" or "fwd+bwd"
     flops: float  # Useful FLOPs, 2 per multiply-add; the fused backward's recomputation is not counted.
-    paths: dict[str, Callable]  # Name -> function of `args`: the fused kernel first, then its XLA baseline.
+    paths: dict[str, Callable]  # Name -> function of `args`: the fused kernel first, then its XLA baseline (the loss
+    # adds linear_cross_entropy_sum's path, CHUNKED, third).
     args: tuple
     retile: Callable  # block_sizes -> the fused path with those block sizes (for the tuner).
 
@@ -76,10 +80,14 @@ def cases(size, dtype, implementation=None, kernels=KERNELS, interpret=False):
             fused = lambda bs: lambda x, w, labels: linear_cross_entropy(x, w, labels, block_sizes=bs, **ops)
             xla = reference.linear_cross_entropy_reference
             names, flops, argnums = ("linear_cross_entropy", "xla materialised logits"), 2 * m * k * n, (0, 1)
+            chunked = lambda x, w, labels: linear_cross_entropy_sum(x, w, labels, jnp.ones(labels.shape))  # noqa
         shape = f"{m}x{k}x{n} {jnp.dtype(dtype).name}"
         backward = lambda bs, fused=fused, argnums=argnums: _grad_of_sum(fused(bs), argnums)
-        out.append(Case(kernel, shape, "fwd", flops, {names[0] + ours: fused(None), names[1]: xla}, args, fused))
+        extra = kernel == "linear_cross_entropy"  # and its row-chunked sum, gradients taken in the forward
+        out.append(Case(kernel, shape, "fwd", flops, {names[0] + ours: fused(None), names[1]: xla,
+                                                      **({CHUNKED: chunked} if extra else {})}, args, fused))
         # The backward is two matmuls per forward one (dx, dw); one for the int8 weight, which gets no gradient.
         out.append(Case(kernel, shape, "fwd+bwd", (2 if kernel == "fused_matmul_int8" else 3) * flops,
-                        {names[0] + ours: backward(None), names[1]: _grad_of_sum(xla, argnums)}, args, backward))
+                        {names[0] + ours: backward(None), names[1]: _grad_of_sum(xla, argnums),
+                         **({CHUNKED: _grad_of_sum(chunked, argnums)} if extra else {})}, args, backward))
     return out

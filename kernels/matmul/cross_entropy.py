@@ -11,6 +11,7 @@ same loss with w's vocabulary split over a manual mesh axis. Nothing is
 registered globally and no name is matched: the equation carries what the caller needs.
 """
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -23,7 +24,8 @@ from kernels import _partition
 from kernels.matmul import _blocks, reference
 from kernels.matmul.api import _BACKENDS, _P, _check_weight, _check_x, _config, _Config, _instantiate, _marked, _rows
 
-__all__ = ["VocabParallelLoss", "linear_cross_entropy", "loss_call_p", "vocab_parallel_loss"]
+__all__ = ["VocabParallelLoss", "linear_cross_entropy", "linear_cross_entropy_sum", "loss_call_p",
+           "vocab_parallel_loss"]
 
 
 def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None, interpret=False,
@@ -208,3 +210,76 @@ def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True):
 
 
 _linear_cross_entropy.defvjp(_marked(_linear_cross_entropy_fwd), _linear_cross_entropy_bwd, symbolic_zeros=True)
+
+
+def linear_cross_entropy_sum(x, w, labels, weights, *, ignore_index=-100, chunk_rows=1024):
+    """sum_n weights[n] * cross-entropy(x[n] @ w, labels[n]) (float32 scalar), in chunks of `chunk_rows` rows, with
+    its gradients taken in the forward pass: three matmuls per chunk when differentiated, as plain logits take
+    (logits; d logits @ w^T; x^T @ d logits), instead of `linear_cross_entropy`'s four (its backward recomputes the
+    logits), and no temporary larger than [chunk_rows, V] floats (the logits of the whole batch never exist).
+
+    x: [..., D]; w: [D, V] (x's dtype); labels: integer [...] (`ignore_index`: no loss, no gradient); weights: float
+    [...] (e.g. 1 / token count for a mean; not differentiated). The scalar's cotangent scales the gradients the
+    forward took (the loss is linear in it), so any caller that reduces the losses with fixed weights gets exact
+    gradients; gradient memory: x's and w's gradients (w's in float32) are held from the forward to the backward.
+    Plain XLA matmuls (bf16 operands, float32 accumulation), so every backend runs it."""
+    _check_x(x)
+    _check_weight("w", w, x)
+    if labels.shape != x.shape[:-1] or weights.shape != x.shape[:-1]:
+        raise ValueError(f"labels.shape={tuple(labels.shape)}, weights.shape={tuple(weights.shape)}; expected "
+                         f"x.shape[:-1]={tuple(x.shape[:-1])}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels.dtype={labels.dtype}; expected an integer dtype")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows!r}; expected a positive int")
+    n, d = math.prod(x.shape[:-1]), x.shape[-1]
+    rows = min(chunk_rows, n)
+    pad = -n % rows
+    valid = labels.reshape(n) != ignore_index
+    scale = jnp.where(valid, weights.reshape(n).astype(jnp.float32), 0.0)
+    chunks = (jnp.pad(x.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, rows, d),
+              jnp.pad(jnp.where(valid, labels.reshape(n), 0).astype(jnp.int32), (0, pad)).reshape(-1, rows),
+              jnp.pad(scale, (0, pad)).reshape(-1, rows))
+    return _chunked_loss(w, *chunks)
+
+
+def _chunk_logits(x, w, labels):
+    """(lse [rows], softmax [rows, V] float32, the labels' logits [rows]) of one chunk; logits in float32."""
+    logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+    return lse, logits, picked
+
+
+@jax.custom_vjp
+def _chunked_loss(w, x, labels, scale):
+    def body(total, chunk):
+        x_c, labels_c, scale_c = chunk
+        lse, _, picked = _chunk_logits(x_c, w, labels_c)
+        return total + jnp.sum(scale_c * (lse - picked)), None
+    return lax.scan(body, jnp.zeros((), jnp.float32), (x, labels, scale))[0]
+
+
+def _chunked_loss_fwd(w, x, labels, scale):
+    def body(carry, chunk):
+        total, dw = carry
+        x_c, labels_c, scale_c = chunk
+        lse, logits, picked = _chunk_logits(x_c, w, labels_c)
+        probs = jnp.exp(logits - lse[:, None])
+        onehot = jnp.arange(w.shape[1])[None, :] == labels_c[:, None]
+        dlogits = (scale_c[:, None] * (probs - onehot)).astype(x.dtype)
+        dx_c = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+        dw = dw + jnp.dot(x_c.T, dlogits, preferred_element_type=jnp.float32)
+        return (total + jnp.sum(scale_c * (lse - picked)), dw), dx_c
+
+    (total, dw), dx = lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32)),
+                               (x, labels, scale))
+    return total, (dw.astype(w.dtype), dx)
+
+
+def _chunked_loss_bwd(res, g):
+    dw, dx = res
+    return (g * dw).astype(dw.dtype), (g * dx).astype(dx.dtype), None, None
+
+
+_chunked_loss.defvjp(_chunked_loss_fwd, _chunked_loss_bwd)
