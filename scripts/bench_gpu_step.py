@@ -64,8 +64,9 @@ flags.DEFINE_enum("remat", "none", ["full", "dots", "none"], "The engine's remat
                   "as the PyTorch peers, which keep every activation).")
 flags.DEFINE_enum("attention_implementation", None, list(kernels.ATTENTION_IMPLEMENTATIONS), "The engine's attention "
                   "kernel (unset: kernels.default_implementation's choice for the device and shape).")
-flags.DEFINE_enum("loss_implementation", "plain", ["plain", "auto", *kernels.IMPLEMENTATIONS], "The engine's loss: "
-                  "plain logits, or the fused head + loss kernel (kernels.linear_cross_entropy).")
+flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *kernels.IMPLEMENTATIONS],
+                  "The engine's loss: plain logits, 'chunked' (kernels.linear_cross_entropy_sum), or the fused head + "
+                  "loss kernel (kernels.linear_cross_entropy).")
 flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
                   "with a note when torch has no CUDA, unless this flag is given explicitly (a CPU smoke test).")
 flags.DEFINE_string("torch_peer", DEFAULT_PEER, "Path of torch_llama_step.py (the GPU machine receives only the "
