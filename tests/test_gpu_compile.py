@@ -104,11 +104,10 @@ _MMA_SYNC = {
     "paged decode: fwd": "a 16-row query tile",
     "paged decode, int8 pages: fwd": "a 16-row query tile",
     # kernels/attention/api.py's Triton row for head dims above 128: (block_q, block_k, block_q_bwd, block_k_bwd)
-    # = (64, 32, 32, 32), 8 warps, 2 stages. dq's rows are block_q_bwd, dk/dv's block_k_bwd: 32 each. Compiled
-    # alternatives (B1 T4096 H32/8): (64, 64) puts both on wgmma but dk/dv spills 276 bytes (255 registers);
-    # (64, 32) puts dq on wgmma (183 registers, 132 KiB, no spill) and leaves dk/dv on mma.sync (208, no spill);
-    # (32, 64) spills dk/dv 28 bytes; 16 warps at (64, 64) spill both and serialize dk/dv's wgmma (C7512).
-    "attention, head_dim 256: dq": "block_q_bwd = 32 rows (attention/api.py's D256 row)",
+    # = (64, 32, 64, 32), 8 warps, 2 stages. dq's rows are block_q_bwd (64: wgmma), dk/dv's block_k_bwd (32).
+    # Compiled alternatives (B1 T4096 H32/8): (64, 64) puts both on wgmma but dk/dv spills 276 bytes (255
+    # registers); (32, 32), the row before, left both on mma.sync; (32, 64) spills dk/dv 28 bytes; 16 warps at
+    # (64, 64) spill both and serialize dk/dv's wgmma (C7512).
     "attention, head_dim 256: dk/dv": "block_k_bwd = 32 rows (attention/api.py's D256 row)",
 }
 

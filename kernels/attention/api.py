@@ -56,7 +56,9 @@ _DEFAULT_BLOCKS = {
     "triton": {
         64: BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4, num_stages_bwd=3),
         128: BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=8, num_stages_bwd=3),
-        1 << 30: BlockSizes(64, 32, 32, 32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=2),
+        # Backward (64, 32): dq's 64 rows reach wgmma (HGMMA) on sm_90a without spilling; no setting also puts
+        # dk/dv there without spills (kernels/README.md, Hopper compile tier). Speed not yet timed.
+        1 << 30: BlockSizes(64, 32, 64, 32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=2),
     },
     "mosaic_tpu": {
         128: BlockSizes(512, 512, 256, 512),
