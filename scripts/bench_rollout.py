@@ -51,7 +51,8 @@ flags.DEFINE_bool("scan_layers", False, "The layers as one scanned stack: the st
                   "layer at any depth (lowered for cuda at hidden 1024, 8 layers: 1,130 StableHLO ops against 3,725 "
                   "unscanned), but its decode loop passes the stacked cache through the scan (slower per token on "
                   "CPU). The paged engine runs its layers one by one either way (a pool per layer).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "The parameters' and the computation's dtype.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "The parameters' (and so the computation's) dtype; unset: "
+                  "bfloat16 on GPU and TPU, float32 on CPU (the training scripts' default).")
 flags.DEFINE_integer("max_batch", 32, "The paged engine's sequence slots.", lower_bound=1)
 flags.DEFINE_integer("page_size", 32, "Tokens per page.", lower_bound=1)
 flags.DEFINE_integer("num_pages", 0, "Pages in the pool (0: what max_batch sequences of the longest request need "
@@ -65,6 +66,11 @@ flags.DEFINE_bool("train_step", True, "Also time scoring and one training epoch 
 flags.DEFINE_integer("train_batch", 64, "Rows per training step (with --train_step).", lower_bound=1)
 
 
+def dtype():
+    """--dtype, or the backend's default."""
+    return FLAGS.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+
+
 def workload():
     """(model, params, requests: one dict per response, prompts of a group consecutive)."""
     if FLAGS.min_prompt > FLAGS.max_prompt or FLAGS.min_new > FLAGS.max_new:
@@ -72,10 +78,10 @@ def workload():
                          f"{FLAGS.min_new}, --max_new={FLAGS.max_new}; expected min <= max")
     model = models.create_model("llama", "tiny", vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
                                 intermediate_size=4 * FLAGS.hidden, num_layers=FLAGS.layers, num_heads=FLAGS.heads,
-                                num_kv_heads=FLAGS.kv_heads, scan_layers=FLAGS.scan_layers, dtype=FLAGS.dtype,
+                                num_kv_heads=FLAGS.kv_heads, scan_layers=FLAGS.scan_layers,
                                 max_position_embeddings=2 * (FLAGS.max_prompt + FLAGS.max_new))
     params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed))
-    params = jax.tree.map(lambda p: p.astype(FLAGS.dtype), params)
+    params = jax.tree.map(lambda p: p.astype(dtype()), params)  # the model computes in its parameters' dtype
     rng = np.random.default_rng(FLAGS.seed)
     n = FLAGS.prompts * FLAGS.samples
     if FLAGS.lengths == "uniform":
@@ -197,14 +203,14 @@ def main(argv):
     model, params, requests = workload()
     c = model.config
     new_tokens = sum(r["max_new_tokens"] for r in requests)
-    per_token = 2 * c.num_layers * c.kv_heads * c.dim_per_head * jnp.dtype(FLAGS.dtype).itemsize
+    per_token = 2 * c.num_layers * c.kv_heads * c.dim_per_head * jnp.dtype(dtype()).itemsize
     longest = max(len(r["prompt_ids"]) + r["max_new_tokens"] - 1 for r in requests)
     num_pages = FLAGS.num_pages or FLAGS.max_batch * -(-longest // FLAGS.page_size)
     print(f"workload: {FLAGS.prompts} prompts x {FLAGS.samples} samples, prompts {FLAGS.min_prompt}-"
           f"{FLAGS.max_prompt} tokens, responses {FLAGS.min_new}-{FLAGS.max_new} ({FLAGS.lengths}, mean "
           f"{new_tokens / len(requests):.1f}), {new_tokens} response tokens; LLaMA hidden {c.hidden_size}, "
           f"{c.num_layers} layers{' (scanned)' if FLAGS.scan_layers else ''}, {c.num_heads}/{c.kv_heads} heads, "
-          f"vocab {c.vocab_size}, {FLAGS.dtype}; "
+          f"vocab {c.vocab_size}, {dtype()}; "
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)", flush=True)
 
     results, engine = {}, paged_engine(model, params, num_pages)  # one engine: its compiles in the first run
