@@ -11,6 +11,7 @@ import pytest
 
 import engine
 import models
+from engine.step import cast_floating
 from engine.tasks import lm, text_data
 from engine.tasks.rlhf import ppo, preference, reward
 
@@ -640,3 +641,22 @@ def test_train_ppo_script_with_paged_rollouts(tmp_path):
     assert len(lines[0]) == 4 and lines[1] == lines[0], lines
     for (code, out, err), message in zip(results[2:], bad.values()):
         assert code == 2 and message in err and "Traceback" not in err, (message, err[-2000:])
+
+
+def test_rollouts_in_the_trainers_compute_dtype_score_what_its_step_computes(sft_params):
+    """PPO.rollout(compute_dtype=bf16), as fit_ppo passes the Trainer's Precision: the policy and the reference
+    sample and score with bf16 parameters, so the KL to the reference starts at 0 and the first update's log-probs,
+    taken by the loss on the same bf16-cast parameters (the train step's cast), equal the old ones (ratio 1); scored
+    in float32 instead, they differ by bf16's rounding."""
+    mesh = engine.make_mesh(data=4, model=2)
+    task, params = _ppo(sft_params, mesh)
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(8, seed=7)]
+    loss_fn = ppo.ppo_loss_fn(task.actor, task.critic, task.config)
+    half = cast_floating(params, jnp.bfloat16)
+    kls = []
+    for dtype in (jnp.bfloat16, None):
+        examples, stats = task.rollout(params, prompts, seed=3, compute_dtype=dtype)
+        assert stats["kl"] == 0.0
+        batch = preference.collate_preferences(examples)
+        kls.append(float(jax.jit(lambda p, b: loss_fn(p, b, None, True)[1]["approx_kl"])(half, batch)))
+    assert kls[0] < 1e-7 < 1e-5 < kls[1], kls

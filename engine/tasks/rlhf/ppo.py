@@ -48,6 +48,7 @@ import models
 from engine.tasks import lm
 from engine.tasks.rlhf import preference, reward
 from engine.predictor import Predictor
+from engine.step import cast_floating
 from engine.trainer import global_batch_size
 from models.generate import KV_CACHE_DTYPES
 
@@ -311,11 +312,16 @@ class PPO:
                            interpret=self.interpret)
 
     # ------------------------------------------------------------------------------------------------ rollouts
-    def generate_and_score(self, params, prompts, *, seed, temperature=None, per_device_batch_size=8):
+    def generate_and_score(self, params, prompts, *, seed, temperature=None, per_device_batch_size=8,
+                           compute_dtype=None):
         """The actor's (`params['actor']`) responses to the string `prompts`, sampled at `temperature` (default the
         config's; 0: greedy), and their scoring: (responses: token lists up to EOS, rows: `preference.token_row`
         examples, scored: one dict per row of log_probs, ref_log_probs, values (with a critic) [seq_len] and score []
-        (the reward, or config.unfinished_reward for a response cut off before its EOS))."""
+        (the reward, or config.unfinished_reward for a response cut off before its EOS)). compute_dtype (the
+        Trainer's `Precision.compute_dtype`; None: as they are): every model's floating parameters are cast to it
+        for sampling and scoring, as the train step casts them, so the old log-probabilities are the step's own
+        (the first update's ratio is 1) and the models compute in it."""
+        params = cast_floating(params, compute_dtype)
         temperature = self.config.temperature if temperature is None else temperature
         tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
                   for n, p in enumerate(prompts)]
@@ -338,6 +344,7 @@ class PPO:
         frozen = {} if self.ref_from_actor else {"ref": self.ref_params}
         if self.reward_model is not None:
             frozen["reward"] = self.reward_params
+        frozen = cast_floating(frozen, compute_dtype)
         scored = self._scorer.predict(rows, per_device_batch_size=per_device_batch_size, params={**params, **frozen})
         eos = self.tokenizer.eos_id
         for prompt, response, s in zip(prompts, responses, scored):
@@ -378,15 +385,15 @@ class PPO:
         capped = [len(r) == limit < c.max_new_tokens and r[-1] != eos for r, limit in zip(responses, limits)]
         return responses, capped
 
-    def rollout(self, params, prompts, *, seed, per_device_batch_size=8):
+    def rollout(self, params, prompts, *, seed, per_device_batch_size=8, compute_dtype=None):
         """Experience for one iteration from string `prompts`, each answered config.samples_per_prompt times (in
         consecutive rows): (examples, stats). Each example holds the row's input_ids, labels, segment_ids,
         old_log_probs and advantages [seq_len], and old_values and returns (GAE) or ref_log_probs (GRPO); stats: the
         mean score, the mean KL to the reference per response (sum over its tokens), the mean response length and
-        the fraction of responses that ended with EOS."""
+        the fraction of responses that ended with EOS. compute_dtype: as in `generate_and_score`."""
         c = self.config
         prompts = [p for p in prompts for _ in range(c.samples_per_prompt)]
-        responses, rows, scored = self.generate_and_score(params, prompts, seed=seed,
+        responses, rows, scored = self.generate_and_score(params, prompts, seed=seed, compute_dtype=compute_dtype,
                                                           per_device_batch_size=per_device_batch_size)
         stack = lambda key: np.stack([s[key] for s in scored]).astype(np.float32)  # noqa: E731
         log_probs, ref_log_probs, score = (stack(k) for k in ("log_probs", "ref_log_probs", "score"))
@@ -457,8 +464,8 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     `rollout_batch_size` rows (responses), a multiple of the Trainer's global batch and of the config's
     samples_per_prompt, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between
     checkpoints (and one at the end). After each whole iteration its rollout's stats go to TensorBoard
-    (`rollout/score`, `rollout/kl`, ...) and to on_iteration(iteration, stats). Returns the stats of the whole
-    iterations run."""
+    (`rollout/score`, `rollout/kl`, ...) and to on_iteration(iteration, stats). Rollouts sample and score in the
+    Trainer's compute dtype (`PPO.rollout(compute_dtype=)`). Returns the stats of the whole iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
     group = ppo.config.samples_per_prompt
     checks = {"max_steps": isinstance(max_steps, int) and max_steps >= 0,
@@ -494,7 +501,8 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
         if loaded is None:
             examples, stats = ppo.rollout(trainer.params, iteration_prompts(prompts, it, rollout_batch_size // group,
                                                                             seed),
-                                          seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size)
+                                          seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size,
+                                          compute_dtype=trainer.compute_dtype)
             if path:
                 _save_experience(path, it, examples, stats)
         else:
