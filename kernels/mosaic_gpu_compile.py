@@ -13,6 +13,7 @@ process is dumped once: `compile_for_hopper` reports the kernels it found dumped
 once. Needs JAX >= 0.11 with the cuda plugin: `make test-gpu-compile` builds that environment.
 """
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -126,31 +127,42 @@ def compile_for_hopper(fn, *args, label=""):
 
 
 def attention_plan(head_dim, *, causal=False, interpret=False, kv_len=None, window=None, block_k=None,
-                   stages=None):
+                   stages=None, block_q_bwd=64, block_k_bwd=64):
     """The `flash_attention` plan (kernels/attention/api.py's `_Plan`) `kernels.attention.mosaic_gpu` runs under:
     its default tiles for `head_dim` unless given."""
     from kernels.attention import mosaic_gpu
     from kernels.attention.api import BlockSizes, _Plan
 
     default_k, default_stages = mosaic_gpu.default_blocks(head_dim)
-    blocks = BlockSizes(block_q=mosaic_gpu.BLOCK_Q, block_k=block_k or default_k, num_stages=stages or default_stages)
+    blocks = BlockSizes(block_q=mosaic_gpu.BLOCK_Q, block_k=block_k or default_k, block_q_bwd=block_q_bwd,
+                        block_k_bwd=block_k_bwd, num_stages=stages or default_stages, num_stages_bwd=2)
     return _Plan("mosaic_gpu", causal, head_dim**-0.5, kv_len, blocks, interpret, window=window)
 
 
 def attention_cases():
-    """{label: (fn, args)}: `kernels.attention.mosaic_gpu`'s forward at production shapes (LLaMA-3-8B's 32 / 8
-    heads, 4096 tokens, bf16), causal and not, head dims 64, 128 and 256 with their default tiles."""
+    """{label: (fn, args)}: `kernels.attention.mosaic_gpu` at production shapes (LLaMA-3-8B's 32 / 8 heads, 4096
+    tokens, bf16), causal and not, with default tiles: the forward at head dims 64, 128 and 256, forward + backward
+    (its dq and dk / dv kernels) at 64 and 128."""
     from kernels.attention import mosaic_gpu
 
+    def forward(q, k, v, plan):
+        return mosaic_gpu.forward(q, k, v, None, None, None, plan)
+
+    def backward(q, k, v, do, plan):
+        out, lse = forward(q, k, v, plan)
+        return mosaic_gpu.backward(q, k, v, None, None, None, out, lse, do, plan)
+
     cases = {}
+    B, T, H, KVH = 1, 4096, 32, 8
     for D in mosaic_gpu.HEAD_DIMS:
+        q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((B, T, KVH, D), jnp.bfloat16)
         for causal in (False, True):
-            B, T, H, KVH = 1, 4096, 32, 8
-            q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-            kv = jax.ShapeDtypeStruct((B, T, KVH, D), jnp.bfloat16)
             plan = attention_plan(D, causal=causal)
-            fn = lambda q, k, v, plan=plan: mosaic_gpu.forward(q, k, v, None, None, None, plan)  # noqa: E731
-            cases[f"fwd D{D} {'causal' if causal else 'full'}"] = (fn, (q, kv, kv))
+            mask = "causal" if causal else "full"
+            cases[f"fwd D{D} {mask}"] = (functools.partial(forward, plan=plan), (q, kv, kv))
+            if D in mosaic_gpu.BACKWARD_HEAD_DIMS:
+                cases[f"bwd D{D} {mask}"] = (functools.partial(backward, plan=plan), (q, kv, kv, q))
     return cases
 
 

@@ -16,11 +16,15 @@ phases stay in step). The output goes back through shared memory by TMA; the log
 Grouped-query attention: query heads vary fastest in the grid, so the CTAs of one kv head's group run together and
 share its K / V tiles through L2; a K / V tile in shared memory serves the CTA's 128 query rows of one head.
 
-Not implemented (refused in one line by `refusal`): float32 inputs, head dims other than 64 / 128 / 256, segment
-ids, dropout, logit soft-cap, int8 kv, and the backward pass. `interpret=True` runs the kernel in Mosaic GPU's
-interpreter (threads, shared memory, TMA, mbarriers and wgmma simulated on the CPU); there the P V accumulation is
-a fresh accumulator added to the carry (the interpreter has no `pl.run_state`), on a GPU the carry itself is the
-wgmma accumulator.
+Backward: delta = rowsum(out * do) by XLA, then a dq kernel (the forward's CTAs and K / V ring) and a dk / dv kernel
+(one CTA per 128 keys of a kv head; the producer streams the q, do, lse and delta tiles of the band for every q head
+of the group, so k and v are read once per group and dk / dv need no sum over heads).
+
+Not implemented (refused in one line by `refusal`): float32 inputs, head dims other than 64 / 128 / 256 (backward:
+64 / 128), segment ids, dropout, logit soft-cap, int8 kv. `interpret=True` runs the kernels in Mosaic GPU's
+interpreter (threads, shared memory, TMA, mbarriers and wgmma simulated on the CPU); there P (and ds) go to wgmma
+through shared memory and each product lands in a fresh accumulator that is added (the interpreter reads wgmma's A
+only from shared memory and has no `pl.run_state`); on a GPU they are register operands accumulating in place.
 """
 import math
 
@@ -45,6 +49,9 @@ ROWS = 64  # query rows per consumer warpgroup: one wgmma M tile
 CONSUMERS = 2  # consumer warpgroups per CTA; a CTA's query tile is CONSUMERS * ROWS rows
 BLOCK_Q = CONSUMERS * ROWS
 HEAD_DIMS = (64, 128, 256)
+# The backward's dk and dv accumulators of a 64-row tile take 2 * head_dim / 2 registers a thread: 256 at head dim
+# 256, past the 232 a consumer has.
+BACKWARD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 # Registers per thread after `setmaxnreg`: consumers take what the producer gives up (65536 per SM / 384 threads is
 # 170 each on entry; 2 * 232 + 40 = 504 = 3 * 168).
@@ -64,8 +71,7 @@ def refusal(q, k, plan, has_ids=False, has_keys=False, kv_scales=None, backward=
     D = q.shape[3]
     if not AVAILABLE:
         return "implementation='mosaic_gpu' needs JAX >= 0.11 (jax.experimental.pallas.mosaic_gpu.kernel)"
-    if backward:
-        return "implementation='mosaic_gpu' has no backward pass yet; expected 'triton' or 'xla' to differentiate"
+    blocks = plan.blocks
     reasons = [
         (jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES),
          f"dtype {jnp.dtype(q.dtype).name}; expected bfloat16 or float16"),
@@ -79,6 +85,15 @@ def refusal(q, k, plan, has_ids=False, has_keys=False, kv_scales=None, backward=
         (q.shape[1] % BLOCK_Q or k.shape[1] % plan.blocks.block_k,
          f"lengths {q.shape[1]} / {k.shape[1]}; expected multiples of {BLOCK_Q} / {plan.blocks.block_k}"),
     ]
+    if backward:  # dk / dv: 2 x 64 key rows a CTA, two [64, head_dim] float32 accumulators per consumer
+        reasons += [
+            (D not in BACKWARD_HEAD_DIMS, f"head_dim {D} in the backward; expected one of {BACKWARD_HEAD_DIMS}"),
+            (k.shape[1] % BLOCK_Q, f"kv length {k.shape[1]} in the backward; expected a multiple of {BLOCK_Q}"),
+            ((blocks.block_q_bwd or 0) % 64 or q.shape[1] % (blocks.block_q_bwd or 1),
+             f"block_q_bwd={blocks.block_q_bwd}; expected a multiple of 64 dividing the length"),
+            ((blocks.block_k_bwd or 0) % 64 or k.shape[1] % (blocks.block_k_bwd or 1),
+             f"block_k_bwd={blocks.block_k_bwd}; expected a multiple of 64 dividing the kv length"),
+        ]
     for bad, why in reasons:
         if bad:
             return f"implementation='mosaic_gpu' does not support {why}"
@@ -138,8 +153,99 @@ def _visible(q0, k0, shape, plan):
     return attention_mask(q_pos, k_pos, None, None, causal=plan.causal, kv_len=plan.kv_len, window=plan.window)
 
 
+def _positions(start, shape, dim):
+    """start + the index along `dim` of a wgmma tile of `shape`: a vector broadcast over the other dim (a whole
+    int32 iota tile took 32 more registers a thread and spilled the dk / dv consumer at head dim 128)."""
+    n = shape[dim]
+    vector = start + plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+    return lax.broadcast_in_dim(vector, shape, [dim])
+
+
 def _clamp(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _split_band(first, stop, inner, masked_from=None):
+    """(first, a, z, stop): a tile's band [first, stop) of other tiles and, inside it, [a, z) the tiles wholly
+    inside the band (`_band.inner_range`'s `inner`), which need no mask; masked_from (or None): a tile index from
+    which every tile is masked again (the one holding the last real key). a is None where no tile before the inner
+    ones is masked, z None where none after is (those loops are not emitted)."""
+    first, stop = jnp.int32(first), jnp.int32(stop)
+    inner_first, inner_stop = inner
+    a = None if inner_first is None else _clamp(inner_first, first, stop)
+    z = None if inner_stop is None else _clamp(inner_stop, first if a is None else a, stop)
+    if masked_from is not None:
+        z = _clamp(jnp.int32(masked_from), first if a is None else a, stop if z is None else z)
+    return first, a, z, stop
+
+
+def _walk(lo, hi, band, step, pass_by, carry):
+    """A consumer's pass over the CTA's tiles [lo, hi): step(j, carry, masked) on its own band's (`_split_band`),
+    pass_by(j) on the others, so that it waits for and frees every tile the producer loads."""
+    first, a, z, stop = band
+    lax.fori_loop(lo, first, lambda j, c: (pass_by(j), c)[1], None)
+    if a is not None:
+        carry = lax.fori_loop(first, a, lambda j, c: step(j, c, True), carry)
+    carry = lax.fori_loop(first if a is None else a, stop if z is None else z, lambda j, c: step(j, c, False), carry)
+    if z is not None:
+        carry = lax.fori_loop(z, stop, lambda j, c: step(j, c, True), carry)
+    lax.fori_loop(stop, hi, lambda j, c: (pass_by(j), c)[1], None)
+    return carry
+
+
+def _produce(count, stages, load, frees):
+    """The producer warpgroup: load(n, slot) issues the TMA loads of ring position n (of `count`) into `slot`,
+    each after the consumers freed the slot (`frees`: the rings' "consumed" barriers)."""
+    if count is not None and not isinstance(count, int):
+        count = jnp.int32(count)
+    for t in range(stages):  # fill the ring
+        pl.when(t < count)(lambda t=t: load(jnp.int32(t), t))
+
+    def wait_free(n):
+        for free in frees:
+            plgpu.barrier_wait(free.at[lax.rem(n, jnp.int32(stages))])
+
+    def refill(n, _):
+        wait_free(n)
+        load(n, lax.rem(n, jnp.int32(stages)))
+
+    lax.fori_loop(jnp.int32(stages), count, refill, None)
+    # The last tiles' frees: every phase of a barrier is observed before it is released.
+    lax.fori_loop(jnp.maximum(count - stages, 0), count, lambda n, _: wait_free(n), None)
+
+
+def _pass_by(slot, *rings):
+    """A tile the consumer does not use: wait for each of its operands (rings: (ready, free) barrier pairs) and
+    free it, so that every barrier phase is observed in order."""
+    for ready, free in rings:
+        plgpu.barrier_wait(ready.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+
+
+def _query_cta(plan, bk, groups, stages, num_kv_blocks):
+    """A query CTA's indices (q tile, head, batch row, kv head, warpgroup), its band, its kv tiles [lo, hi) (from its
+    first row tile's first to its last row tile's stop) and the ring slot of kv tile j."""
+    qt, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    kvh = lax.div(h, jnp.int32(groups))
+    band = _band.edges(plan.causal, plan.window)
+    lo, _ = _band.kv_range(CONSUMERS * qt, ROWS, bk, num_kv_blocks, band)
+    _, hi = _band.kv_range(CONSUMERS * qt + CONSUMERS - 1, ROWS, bk, num_kv_blocks, band)
+    lo, hi = jnp.int32(lo), jnp.int32(hi)
+    slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))  # noqa: E731
+    return qt, h, b, kvh, lax.axis_index("wg"), band, lo, hi, slot_of
+
+
+def _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, kvh, lo, hi, bk, stages, plan):
+    """The producer warpgroup of a query CTA: kv tiles lo ... hi - 1 into the K / V rings."""
+    if not plan.interpret:
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+    def load(n, slot):
+        keys = (b, pl.ds((lo + n) * bk, bk), kvh)
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+
+    _produce(hi - lo, stages, load, (k_free, v_free))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready,
@@ -147,15 +253,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
     bk = plan.blocks.block_k
     D = q_ref.shape[3]
     dtype = q_ref.dtype
-    qt, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
-    kvh = lax.div(h, jnp.int32(groups))
-    wg = lax.axis_index("wg")
-    band = _band.edges(plan.causal, plan.window)
-    # The CTA's tiles: from its first row tile's first to its last row tile's stop.
-    lo, _ = _band.kv_range(CONSUMERS * qt, ROWS, bk, num_kv_blocks, band)
-    _, hi = _band.kv_range(CONSUMERS * qt + CONSUMERS - 1, ROWS, bk, num_kv_blocks, band)
-    lo, hi = jnp.int32(lo), jnp.int32(hi)
-    slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))  # noqa: E731
+    qt, h, b, kvh, wg, band, lo, hi, slot_of = _query_cta(plan, bk, groups, stages, num_kv_blocks)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -165,13 +263,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
         q0 = i * ROWS
         q_tile = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), h], q_tile, q_ready.at[wg])
-        first, stop = _band.kv_range(i, ROWS, bk, num_kv_blocks, band)
-        inner_first, inner_stop = _band.inner_range(i, ROWS, bk, band)
-        first, stop = jnp.int32(first), jnp.int32(stop)
-        a = first if inner_first is None else _clamp(inner_first, first, stop)
-        z = stop if inner_stop is None else _clamp(inner_stop, a, stop)
-        if plan.kv_len is not None and plan.kv_len % bk:  # the tile holding the last real key is masked too
-            z = _clamp(jnp.int32(plan.kv_len // bk), a, z)
+        own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
+                          _last_key_tile(plan, bk))
         scale = plan.sm_scale * _LOG2E
         plgpu.barrier_wait(q_ready.at[wg])
         if pingpong:
@@ -202,29 +295,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
-        def pass_by(j, carry):  # a tile of the CTA's band outside this warpgroup's: freed unread
+        def pass_by(j):  # a tile of the CTA's band outside this warpgroup's: freed unread, the ping-pong kept
             slot = slot_of(j)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
+            _pass_by(slot, (k_ready, k_free))
             if pingpong:
                 _rendezvous(turn)
                 plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(v_ready.at[slot])
-            if pingpong:
                 plgpu.barrier_wait(turn)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return carry
+            _pass_by(slot, (v_ready, v_free))
 
         carry = (plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(jnp.full((ROWS,), NEG_INF, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                  plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-        masked_step = lambda j, c: step(j, c, True)  # noqa: E731
-        plain_step = lambda j, c: step(j, c, False)  # noqa: E731
-        lax.fori_loop(lo, first, pass_by, None)
-        carry = lax.fori_loop(first, a, masked_step, carry)
-        carry = lax.fori_loop(a, z, plain_step, carry)
-        carry = lax.fori_loop(z, stop, masked_step, carry)
-        lax.fori_loop(stop, hi, pass_by, None)
+        carry = _walk(lo, hi, own, step, pass_by, carry)
         if pingpong:
             pl.when(wg == 0)(lambda: _rendezvous(turn))
 
@@ -238,33 +321,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        if not plan.interpret:
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    pl.when(wg == CONSUMERS)(lambda: _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                                                   b, kvh, lo, hi, bk, stages, plan))
 
-        def load(j, slot):
-            keys = (b, pl.ds(j * bk, bk), kvh)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
-        for t in range(stages):  # fill the ring
-            pl.when(lo + t < hi)(lambda t=t: load(lo + t, t))
-
-        def refill(j, _):
-            slot = slot_of(j)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            load(j, slot)
-
-        lax.fori_loop(lo + stages, hi, refill, None)
-
-        def drain(j, _):  # the last tiles' frees: every phase of a barrier is observed before it is released
-            slot = slot_of(j)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
-        lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, None)
+def _last_key_tile(plan, block):
+    """With padded keys, the tile holding the last real one, from which tiles are masked; else None."""
+    return None if plan.kv_len is None or plan.kv_len % block == 0 else plan.kv_len // block
 
 
 def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
@@ -311,5 +374,215 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
 lse_rows, lse_from_rows = triton.lse_rows, triton.lse_from_rows
 
 
+def _load_row(ref, dim):
+    """A [ROWS]-long float32 vector from shared memory, laid out along dim 0 (rows) or 1 (columns) of a wgmma
+    tile."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem,
+               k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, p_smem=None, *, plan, groups, stages,
+               num_kv_blocks):
+    """dq = sm_scale * sum_j ds_j k_j, ds = p * (dp - delta), p = exp2(s - lse), dp = do vᵀ: the forward's CTAs and
+    K / V ring, each consumer's 64 rows of q, do, lse and delta loaded once."""
+    bk = plan.blocks.block_k_bwd
+    dtype = q_ref.dtype
+    qt, h, b, kvh, wg, band, lo, hi, slot_of = _query_cta(plan, bk, groups, stages, num_kv_blocks)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        if not plan.interpret:
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        i = CONSUMERS * qt + wg
+        q0 = i * ROWS
+        rows = (b, pl.ds(q0, ROWS), h)
+        q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+        for src, dst, n in ((q_ref.at[rows], q_tile, 0), (do_ref.at[rows], do_tile, 1),
+                            (lse_ref.at[b, h, pl.ds(q0, ROWS)], lse_smem.at[wg], 2),
+                            (delta_ref.at[b, h, pl.ds(q0, ROWS)], delta_smem.at[wg], 3)):
+            plgpu.copy_gmem_to_smem(src, dst, row_ready.at[CONSUMERS * n + wg])
+        for n in range(4):
+            plgpu.barrier_wait(row_ready.at[CONSUMERS * n + wg])
+        lse, delta = _load_row(lse_smem.at[wg], 0), _load_row(delta_smem.at[wg], 0)
+        own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
+                          _last_key_tile(plan, bk))
+        scale = plan.sm_scale * _LOG2E
+
+        def step(j, dq, masked):
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_ready.at[slot])
+            s = _scores(q_tile, k_smem.at[slot], ROWS, bk, None) * scale
+            visible = _visible(q0, j * bk, s.shape, plan) if masked else None
+            if visible is not None:
+                s = jnp.where(visible, s, NEG_INF)
+            p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
+            plgpu.barrier_wait(v_ready.at[slot])
+            dp = _scores(do_tile, v_smem.at[slot], ROWS, bk, None)
+            plgpu.barrier_arrive(v_free.at[slot])
+            ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+            dq = _accumulate(dq, ds, k_smem.at[slot], None if p_smem is None else p_smem.at[wg])
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        dq = _walk(lo, hi, own, step, lambda j: _pass_by(slot_of(j), (k_ready, k_free), (v_ready, v_free)),
+                   plgpu.layout_cast(jnp.zeros(q_tile.shape, jnp.float32), plgpu.Layout.WGMMA))
+        q_tile[...] = (dq * plan.sm_scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == CONSUMERS)(lambda: _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                                                   b, kvh, lo, hi, bk, stages, plan))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
+                lse_smem, delta_smem, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
+                lse_free, delta_free, p_smem=None, *, plan, groups, stages, num_q_blocks):
+    """dv = sum pᵀ do, dk = sm_scale * sum dsᵀ q over the query tiles of every query head of the kv head's group:
+    one CTA per (128 keys, kv head, batch row), each consumer 64 key rows; the producer streams (q, do, lse,
+    delta) tiles of the CTA's band for each head of the group, so k and v are read once per group and dk / dv
+    need no sum over heads. Works on transposed tiles ([keys, queries])."""
+    bq = plan.blocks.block_q_bwd
+    dtype = q_ref.dtype
+    kt, kvh, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    band = _band.edges(plan.causal, plan.window)
+    lo, _ = _band.q_range(CONSUMERS * kt, bq, ROWS, num_q_blocks, band)
+    _, hi = _band.q_range(CONSUMERS * kt + CONSUMERS - 1, bq, ROWS, num_q_blocks, band)
+    lo, hi = jnp.int32(lo), jnp.int32(hi)
+    per_head = hi - lo
+    rings = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free), (delta_ready, delta_free))
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        if not plan.interpret:
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+        j = CONSUMERS * kt + wg
+        k0 = j * ROWS
+        keys = (b, pl.ds(k0, ROWS), kvh)
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, kv_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, kv_ready.at[CONSUMERS + wg])
+        plgpu.barrier_wait(kv_ready.at[wg])
+        plgpu.barrier_wait(kv_ready.at[CONSUMERS + wg])
+        own = _split_band(*_band.q_range(j, bq, ROWS, num_q_blocks, band),
+                          _band.inner_range(j, ROWS, bq, band[::-1]))
+        scale = plan.sm_scale * _LOG2E
+        p_tile = None if p_smem is None else p_smem.at[wg]
+
+        def per_group_head(g, carry):
+            slot_of = lambda i: lax.rem(g * per_head + i - lo, jnp.int32(stages))  # noqa: E731
+
+            def step(i, carry, masked):
+                dk, dv = carry
+                slot = slot_of(i)
+                plgpu.barrier_wait(q_ready.at[slot])
+                s_t = _scores(k_tile, q_smem.at[slot], ROWS, bq, None) * scale
+                if masked:
+                    q_pos = _positions(i * bq, s_t.shape, 1)
+                    k_pos = _positions(k0, s_t.shape, 0)
+                    visible = attention_mask(q_pos, k_pos, None, None, causal=plan.causal, kv_len=None,
+                                             window=plan.window)
+                    s_t = s_t if visible is None else jnp.where(visible, s_t, NEG_INF)
+                plgpu.barrier_wait(lse_ready.at[slot])
+                lse = _load_row(lse_smem.at[slot], 1)
+                plgpu.barrier_arrive(lse_free.at[slot])
+                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                plgpu.barrier_wait(do_ready.at[slot])
+                dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], p_tile)
+                dp_t = _scores(v_tile, do_smem.at[slot], ROWS, bq, None)
+                plgpu.barrier_arrive(do_free.at[slot])
+                plgpu.barrier_wait(delta_ready.at[slot])
+                delta = _load_row(delta_smem.at[slot], 1)
+                plgpu.barrier_arrive(delta_free.at[slot])
+                ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                dk = _accumulate(dk, ds_t, q_smem.at[slot], p_tile)
+                plgpu.barrier_arrive(q_free.at[slot])
+                return dk, dv
+
+            return _walk(lo, hi, own, step, lambda i: _pass_by(slot_of(i), *rings), carry)
+
+        zeros = plgpu.layout_cast(jnp.zeros(k_tile.shape, jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, groups, per_group_head, (zeros, zeros))
+        k_tile[...] = (dk * plan.sm_scale).astype(dtype)
+        v_tile[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        if not plan.interpret:
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        def load(n, slot):
+            g, i = lax.div(n, per_head), lo + lax.rem(n, per_head)
+            h = kvh * groups + g
+            rows = (b, pl.ds(i * bq, bq), h)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(i * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(i * bq, bq)], delta_smem.at[slot],
+                                    delta_ready.at[slot])
+
+        _produce(groups * per_head, stages, load, (q_free, do_free, lse_free, delta_free))
+
+
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
-    raise ValueError(refusal(q, k, plan, backward=True))
+    """(dq, dk, dv) in q's dtype from the forward's out and lse [B, H, T] (base 2); delta = rowsum(out * do) is one
+    XLA reduction. Two kernels: dq over kv tiles, dk / dv over the group's query tiles."""
+    why = refusal(q, k, plan, q_ids is not None, keys is not None, backward=True)
+    if why:
+        raise ValueError(why)
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
+    stages = plan.blocks.num_stages_bwd or 2
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    tiles = _tile_transforms(q.dtype)
+    interpret = plgpu.InterpretGPUParams() if plan.interpret else None
+    params = plgpu.CompilerParams(approx_math=True)
+    kv_stages = max(1, min(stages, pl.cdiv(plan.kv_len or S, bk)))
+    row = lambda: plgpu.SMEM((CONSUMERS, ROWS, D), q.dtype, transforms=tiles)  # noqa: E731
+    dq_kernel = lambda *refs: _dq_kernel(  # noqa: E731
+        *refs, plan=plan, groups=G, stages=kv_stages, num_kv_blocks=pl.cdiv(plan.kv_len or S, bk))
+    dq_kernel.__name__ = "flash_attention_dq"
+    dq = plgpu.kernel(
+        dq_kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=[
+            row(), row(), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32), plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+            plgpu.SMEM((kv_stages, bk, D), k.dtype, transforms=tiles),
+            plgpu.SMEM((kv_stages, bk, D), v.dtype, transforms=tiles),
+            plgpu.Barrier(num_barriers=4 * CONSUMERS),
+            plgpu.Barrier(num_barriers=kv_stages), plgpu.Barrier(num_barriers=kv_stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=kv_stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=kv_stages),
+            *[plgpu.SMEM((CONSUMERS, ROWS, bk), q.dtype, transforms=tiles)] * plan.interpret,
+        ],
+        grid=(H, T // BLOCK_Q, B), grid_names=("heads", "q", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=params, interpret=interpret,
+    )(q, k, v, do, lse, delta)
+
+    q_stages = max(1, min(stages, G * (T // bq)))
+    dkv_kernel = lambda *refs: _dkv_kernel(  # noqa: E731
+        *refs, plan=plan, groups=G, stages=q_stages, num_q_blocks=T // bq)
+    dkv_kernel.__name__ = "flash_attention_dkv"
+    ring = lambda: plgpu.SMEM((q_stages, bq, D), q.dtype, transforms=tiles)  # noqa: E731
+    vector_ring = lambda: plgpu.SMEM((q_stages, bq), jnp.float32)  # noqa: E731
+    dk, dv = plgpu.kernel(
+        dkv_kernel,
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        scratch_types=[
+            row(), row(), ring(), ring(), vector_ring(), vector_ring(),
+            plgpu.Barrier(num_barriers=2 * CONSUMERS),
+            *[plgpu.Barrier(num_barriers=q_stages)] * 4,
+            *[plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=q_stages)] * 4,
+            *[plgpu.SMEM((CONSUMERS, ROWS, bq), q.dtype, transforms=tiles)] * plan.interpret,
+        ],
+        grid=(Hkv, S // BLOCK_Q, B), grid_names=("heads", "kv", "batch"), num_threads=CONSUMERS + 1,
+        thread_name="wg", compiler_params=params, interpret=interpret,
+    )(q, k, v, do, lse, delta)
+    return dq, dk, dv
