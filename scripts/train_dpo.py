@@ -75,7 +75,8 @@ def main(argv):
     # The reference: the starting parameters (a resumed run recomputes the same numbers from the same start).
     implementation = cli.loss_implementation(model, per_token=True)
     train, evals = (preference.with_reference(ex, preference.reference_log_probs(
-        model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation))
+        model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation,
+        compute_dtype=cli.compute_dtype()))
         for ex in (train, evals))
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
                            logging=engine.Logging(

@@ -216,3 +216,22 @@ def test_verifiable_rewards_score_responses_against_reference_answers():
         exact("zzz", "a")
     with pytest.raises(ValueError, match="rule='f1'; expected one of"):
         preference.verifiable_reward("f1", pairs)
+
+
+def test_reference_log_probs_in_the_compute_dtype_give_a_zero_margin_at_the_start():
+    """reference_log_probs(compute_dtype=bf16), as train_dpo.py passes --compute_dtype: with the policy still the
+    reference, the DPO loss on the bf16-cast parameters (the train step's cast) sees zero implicit rewards; the
+    float32 reference leaves bf16's rounding in them."""
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    mesh = engine.make_mesh(data=8)  # whole rows per device, as the loss below computes them
+    examples, _ = preference.encode_preferences(preference.toy_preferences(16, seed=1), TOK, seq_len=16)
+    loss_fn = preference.dpo_loss_fn(model, beta=1.0)
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    margins = []
+    for dtype in (jnp.bfloat16, None):
+        rows = preference.with_reference(examples, preference.reference_log_probs(
+            model, params, examples, mesh=mesh, per_device_batch_size=2, compute_dtype=dtype))
+        metrics = jax.jit(lambda p, b: loss_fn(p, b, None, False)[1])(half, preference.collate_preferences(rows))
+        margins.append(max(abs(float(metrics["chosen_reward"])), abs(float(metrics["rejected_reward"]))))
+    assert margins[0] < 1e-6 < margins[1], margins

@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.tasks import lm, text_data
 from engine.predictor import Predictor
+from engine.step import cast_floating
 
 FIELDS = ("prompt", "chosen", "rejected")
 RESPONSES = ("chosen", "rejected")
@@ -223,13 +224,16 @@ def _log_probs_and_sown(model, params, batch, implementation, interpret, train, 
     return -losses.sum(-1).reshape(B, R), sown
 
 
-def reference_log_probs(model, params, examples, *, mesh, per_device_batch_size, implementation=None):
+def reference_log_probs(model, params, examples, *, mesh, per_device_batch_size, implementation=None,
+                        compute_dtype=None):
     """The reference model's `sequence_log_probs` of every example ([2] float32 each, in order), computed with a
-    `Predictor` over `mesh`."""
+    `Predictor` over `mesh`; compute_dtype (the Trainer's `Precision.compute_dtype`): the parameters cast to it as
+    the train step casts the policy's, so a policy still at the reference has log-ratio 0."""
     predictor = Predictor(mesh=mesh, collate_fn=collate_preferences,
                           pred_fn=preference_pred_fn(model, implementation=implementation))
     return [np.asarray(x, np.float32) for x in
-            predictor.predict(examples, per_device_batch_size=per_device_batch_size, params=params)]
+            predictor.predict(examples, per_device_batch_size=per_device_batch_size,
+                              params=cast_floating(params, compute_dtype))]
 
 
 def with_reference(examples, ref_log_probs):
