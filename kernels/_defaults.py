@@ -33,7 +33,7 @@ CHOICES = {"flash_attention": ATTENTION_IMPLEMENTATIONS, "gated_mlp": (PLAIN, *I
            "linear_cross_entropy": (PLAIN, CHUNKED, *IMPLEMENTATIONS)}
 _SHAPE_ARGS = {"flash_attention": ("head_dim", "seq_len", "causal", "dtype"), "gated_mlp": ("dtype",),
                "linear_cross_entropy": ("dtype",)}
-_RUNS_ON = {"triton": ("gpu",), "cudnn": ("gpu",), "mosaic_tpu": ("tpu",)}  # else everywhere
+_RUNS_ON = {"triton": ("gpu",), "cudnn": ("gpu",), "mosaic_gpu": ("gpu",), "mosaic_tpu": ("tpu",)}  # else everywhere
 
 
 def default_implementation(op, *, device_kind=None, table=None, **shape):

@@ -9,7 +9,7 @@ interpreter (on CPU), so `None` + `interpret=True` on a CPU picks the GPU-flavou
 import jax
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")  # every op's
-ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS + ("cudnn",)  # flash_attention's
+ATTENTION_IMPLEMENTATIONS = IMPLEMENTATIONS + ("cudnn", "mosaic_gpu")  # flash_attention's
 _BY_BACKEND = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
 
 

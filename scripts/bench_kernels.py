@@ -41,6 +41,7 @@ from kernels.grouped_matmul import grouped_matmul
 from kernels.grouped_matmul.api import TUNING_SPACE as GROUPED_TUNING_SPACE
 from kernels import _defaults
 from kernels._dispatch import is_nvidia_gpu, resolve_implementation
+from kernels.attention import mosaic_gpu as attention_mosaic_gpu
 from kernels.attention import triton as attention_triton
 from kernels.matmul import _blocks as matmul_blocks
 from kernels.matmul import benchmark as matmul_benchmark
@@ -187,13 +188,16 @@ def bench_attention():
 
 def _attention_candidates():
     """{implementation: flash_attention's selecting arguments} of every attention implementation this device runs:
-    'xla'; on an NVIDIA GPU 'triton' and 'cudnn'; on a TPU 'mosaic_tpu'; with --interpret the interpreted 'triton'."""
+    'xla'; on an NVIDIA GPU 'triton' and 'cudnn', and on a Hopper one (compute capability 9.x, JAX >= 0.11)
+    'mosaic_gpu'; on a TPU 'mosaic_tpu'; with --interpret the interpreted 'triton'."""
     device = jax.devices()[0]
     names = ["xla"]
     if FLAGS.interpret:
         names.append("triton")
     elif device.platform == "gpu":
-        names += ["triton"] * attention_triton.AVAILABLE + ["cudnn"] * is_nvidia_gpu(device)
+        hopper = str(getattr(device, "compute_capability", "")).startswith("9")
+        names += (["triton"] * attention_triton.AVAILABLE + ["cudnn"] * is_nvidia_gpu(device)
+                  + ["mosaic_gpu"] * (attention_mosaic_gpu.AVAILABLE and hopper))
     elif device.platform == "tpu":
         names.append("mosaic_tpu")
     return {name: dict(implementation=name, interpret=FLAGS.interpret and name == "triton") for name in names}

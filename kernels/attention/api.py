@@ -19,11 +19,11 @@ from absl import logging
 from kernels import _partition
 from kernels._defaults import default_implementation
 from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, resolve_implementation, tpu_generation
-from kernels.attention import cudnn, mosaic_tpu, reference, triton
+from kernels.attention import cudnn, mosaic_gpu, mosaic_tpu, reference, triton
 from kernels.attention.reference import dropout_keys
 from kernels.matmul.formats import quantize_int8
 
-_IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu}
+_IMPLEMENTATIONS = {"xla": reference, "triton": triton, "mosaic_tpu": mosaic_tpu, "mosaic_gpu": mosaic_gpu}
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -59,6 +59,13 @@ _DEFAULT_BLOCKS = {
         # Backward (64, 32): dq's 64 rows reach wgmma (HGMMA) on sm_90a without spilling; no setting also puts
         # dk/dv there without spills (kernels/README.md, Hopper compile tier). Speed not yet timed.
         1 << 30: BlockSizes(64, 32, 64, 32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=2),
+    },
+    # Hopper (kernels/attention/mosaic_gpu.py): 128 queries a CTA (two 64-row consumer warpgroups), key tiles and
+    # ring depths within shared memory; backward tiles of 64 (dq's keys, dk / dv's queries). Not yet timed.
+    "mosaic_gpu": {
+        64: BlockSizes(128, 128, 64, 64, num_stages=3, num_stages_bwd=2),
+        128: BlockSizes(128, 128, 64, 64, num_stages=2, num_stages_bwd=2),
+        1 << 30: BlockSizes(128, 64, 64, 64, num_stages=2, num_stages_bwd=2),
     },
     "mosaic_tpu": {
         128: BlockSizes(512, 512, 256, 512),
@@ -97,7 +104,7 @@ TUNING_SPACE = {
     },
 }
 # Smallest tile per implementation: Triton's tl.dot needs >= 16 rows; Mosaic's lane dim is 128 wide.
-_MIN_BLOCK = {"xla": 1, "triton": 16, "mosaic_tpu": 128}
+_MIN_BLOCK = {"xla": 1, "triton": 16, "mosaic_tpu": 128, "mosaic_gpu": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +148,9 @@ def flash_attention(
       segment_ids: None, int [batch, len] (self-attention, len == kv_len) or a pair (int [batch, len],
         int [batch, kv_len]); a query attends only to keys with its id. A query that sees no key outputs zeros.
       sm_scale: logit scale; default 1 / sqrt(head_dim).
-      implementation: None, 'xla', 'triton', 'mosaic_tpu' or 'cudnn' (cuDNN's fused attention through
-        `jax.nn.dot_product_attention`, NVIDIA GPUs; `kernels/attention/cudnn.py` lists what it refuses). None: the
+      implementation: None, 'xla', 'triton', 'mosaic_tpu', 'cudnn' (cuDNN's fused attention through
+        `jax.nn.dot_product_attention`, NVIDIA GPUs; `kernels/attention/cudnn.py` lists what it refuses) or
+        'mosaic_gpu' (Hopper, JAX >= 0.11; `kernels/attention/mosaic_gpu.py` lists what it refuses). None: the
         measured default of the device kind and shape class (`kernels.default_implementation`, its forward + backward
         entry: a call does not know whether it will be differentiated) for a call without segment ids, dropout,
         window, soft cap, block sizes or context parallelism; otherwise, and where the table has no entry, the
@@ -461,6 +469,8 @@ def _implementation(implementation, interpret, allowed=IMPLEMENTATIONS, table_sh
     impl = resolve_implementation(implementation, interpret=interpret, allowed=allowed)
     if implementation is None and table_shape is not None and not interpret:
         impl = default_implementation("flash_attention", **table_shape)
+    if impl == "mosaic_gpu" and not mosaic_gpu.AVAILABLE:
+        raise ValueError("implementation='mosaic_gpu' needs JAX >= 0.11 (Mosaic GPU's plgpu.kernel); expected another")
     if impl == "triton" and not triton.AVAILABLE:
         if implementation is not None:
             raise ValueError("implementation='triton'; this JAX has no Pallas Triton backend, expected another")
@@ -718,7 +728,8 @@ def choose_block_sizes(impl, head_dim, q_len, kv_len, override=None):
     return BlockSizes(**chosen)
 
 
-_TILE_RULE = {"xla": "a positive int", "triton": "a power of two >= 16", "mosaic_tpu": "a multiple of 128"}
+_TILE_RULE = {"xla": "a positive int", "triton": "a power of two >= 16", "mosaic_tpu": "a multiple of 128",
+              "mosaic_gpu": "a multiple of 64"}
 
 
 def _tile_fits(impl, size):
@@ -728,6 +739,8 @@ def _tile_fits(impl, size):
 
 
 def _fit_length(impl, length):
+    if impl == "mosaic_gpu":  # a CTA's 2 x 64 query rows (and the backward's 128 keys): never a smaller tile
+        return _round_up(length, 128)
     if impl == "triton":
         return max(_MIN_BLOCK[impl], 1 << (length - 1).bit_length())
     return _round_up(length, _MIN_BLOCK[impl])
