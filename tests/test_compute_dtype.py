@@ -79,9 +79,11 @@ FAMILIES = {
     "opt": dict(),
     "t5": dict(),
 }
+_SLOW = pytest.mark.slow  # CI time: the layers these families share with the default ones are read there
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f in ("llama", "mixtral", "t5") else pytest.param(f, marks=_SLOW)
+                                    for f in FAMILIES])
 def test_bf16_compute_makes_every_matmul_bf16(family):
     """Precision(compute_dtype=bf16) with fp32 master weights and the config's dtype unset: every matmul of the
     lowered step (forward and backward, attention, MLP or experts, head) takes bf16 operands."""
@@ -90,7 +92,7 @@ def test_bf16_compute_makes_every_matmul_bf16(family):
     _check_bf16(_lowered(model))
 
 
-@pytest.mark.parametrize("case", ["cuda", "fused_loss", "shard_map"])
+@pytest.mark.parametrize("case", ["cuda", pytest.param("fused_loss", marks=_SLOW), "shard_map"])
 def test_bf16_compute_on_gpu_lowering_fused_loss_and_shard_map_step(case):
     """The same for the program lowered for cuda (the Triton kernels are custom calls there), with the fused head
     + loss ('xla' blocks), and in the shard_map step (which casts on the shards, before its ZeRO gathers)."""

@@ -643,6 +643,7 @@ def test_train_ppo_script_with_paged_rollouts(tmp_path):
         assert code == 2 and message in err and "Traceback" not in err, (message, err[-2000:])
 
 
+@pytest.mark.slow  # CI time (two scoring programs and two rollouts' compiles)
 def test_rollouts_in_the_trainers_compute_dtype_score_what_its_step_computes(sft_params):
     """PPO.rollout(compute_dtype=bf16), as fit_ppo passes the Trainer's Precision: the policy and the reference
     sample and score with bf16 parameters, so the KL to the reference starts at 0 and the first update's log-probs,

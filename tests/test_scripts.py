@@ -48,7 +48,7 @@ def _steps(workdir):
 
 
 TINY_LM = ["--seq_len=32", "--per_device_batch_size=2", "--max_new_tokens=4", "--log_every=3", "--save_every=3",
-           '--model_overrides={"hidden_size": 32, "intermediate_size": 64}']
+           '--model_overrides={"hidden_size": 32, "intermediate_size": 64}']  # last: a fresh model's (not --init_from's)
 
 
 def _tiny_hf(family, path):
@@ -76,7 +76,7 @@ def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_p
     _tiny_hf("llama", tmp_path / "hf")
     workdir = tmp_path / "work"
     args = [f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte", f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt').parent}/*.txt",
-            f"--workdir={workdir}", "--mesh=-1,1,2", "--learning_rate=1e-2", "--warmup_steps=2", *TINY_LM,
+            f"--workdir={workdir}", "--mesh=-1,1,2", "--learning_rate=1e-2", "--warmup_steps=2", *TINY_LM[:-1],
             "--eval_every=3", "--save_best=loss:min"]
     out = _run("train_lm.py", "--max_steps=6", "--profile_steps=2,4", *args)
     before, after = _eval_losses(out.stdout)
