@@ -10,8 +10,8 @@ entry (or names a path the device cannot run) the answer is the per-backend rule
   Classes: dtype, head dim, causal, the length's power-of-two bucket (4096 holds 2049 ... 4096) and pass.
 - `'gated_mlp'`, `'linear_cross_entropy'`: `'plain'` (plain XLA matmuls beat the fused kernel: `silu(x @ w_gate) *
   (x @ w_up)`; logits, then the cross-entropy) or the fused kernel's implementation; for the loss also `'chunked'`
-  (`linear_cross_entropy_sum`: row chunks through XLA matmuls, gradients taken in the forward). Shape: `dtype`, `training`.
-  Classes: dtype and pass.
+  (`linear_cross_entropy_sum`: row chunks through XLA matmuls, gradients taken in the forward). Shape: `dtype`,
+  `training`. Classes: dtype and pass.
 """
 import datetime
 import functools
@@ -25,7 +25,7 @@ from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implem
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json")
 PLAIN = "plain"
-CHUNKED = "chunked"  # linear_cross_entropy only: kernels.linear_cross_entropy_sum (row chunks, gradients in the forward)
+CHUNKED = "chunked"  # linear_cross_entropy only: kernels.linear_cross_entropy_sum (row chunks, forward gradients)
 # Each op's shape-class keys (a table entry's "class") and the choices an entry may name.
 CLASS_KEYS = {"flash_attention": ("dtype", "head_dim", "causal", "seq_len", "pass"),
               "gated_mlp": ("dtype", "pass"), "linear_cross_entropy": ("dtype", "pass")}

@@ -173,9 +173,9 @@ def load_pretrained(path, *, dtype=jnp.float32, layout=None, **options):
     """Reads a transformers `save_pretrained` directory. Returns (model, params).
 
     dtype: the parameters' dtype; the model computes in the dtype of the parameters it is handed (so a Trainer's
-    `Precision(compute_dtype=)` governs) unless options name a `dtype`. layout: where parameters go (`param_shardings`; e.g.
-    `engine.auto_layout(mesh)`); each tensor is placed directly onto its sharding as it is read, so host memory peaks
-    near one (layer-stacked) tensor, not the model.
+    `Precision(compute_dtype=)` governs) unless options name a `dtype`. layout: where parameters go
+    (`param_shardings`; e.g. `engine.auto_layout(mesh)`); each tensor is placed directly onto its sharding as it is
+    read, so host memory peaks near one (layer-stacked) tensor, not the model.
     options: ModelOptions fields (scan_layers, remat, attention_implementation, mlp_implementation; lora_rank > 0
     adds fresh LoRA adapters, `models.add_lora`).
     """

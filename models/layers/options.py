@@ -130,5 +130,5 @@ def compute_dtype(config, params=None):
     parameters it creates). KV caches default to it."""
     if config.dtype is not None:
         return jnp.dtype(config.dtype)
-    floating = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.dtype(floating[0].dtype if floating else config.param_dtype)
+    return jnp.dtype(next((x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)),
+                          config.param_dtype))
