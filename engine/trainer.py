@@ -330,7 +330,9 @@ class Trainer:
         self._timers = {"data": 0.0, "checkpoint": 0.0}  # seconds since the last log line
         self._total_steps = None
         self._step, self._epoch, self._batch_in_epoch = 0, 0, 0
-        self._restored_step = None  # the step a checkpoint restored, for fit's note on relative n_epochs
+        # The running `fit` call's record (where it started, its target), saved in every checkpoint; the record a
+        # checkpoint restored, which the first `fit` of this Trainer continues.
+        self._fit_call, self._resumed_call = None, None
         self._restored_rows = None  # examples per update of the restored run (its data position counts them)
         self._restored_spec = None  # its micro-batch spec, compared with the first batch trained on after it
         self._key = jax.random.key(seed)
@@ -552,7 +554,7 @@ class Trainer:
         self._check_diloco_matches(meta)
         self._setup(restore_step=step, checkpointer=checkpointer)
         self._step, self._epoch, self._batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
-        self._restored_step, self._restored_rows = self._step, meta.get("rows")
+        self._restored_rows, self._resumed_call = meta.get("rows"), meta.get("fit_call")
         self._restored_spec = self._batch_spec
         self.best = meta.get("best")
         self._evals_since_best = meta.get("evals_since_best", 0)
@@ -673,10 +675,13 @@ class Trainer:
             log_every=10, save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None,
             save_best=None, early_stopping_patience=None):
         """Trains `n_epochs` more epochs (default 1; an epoch that a previous call left unfinished is finished
-        first), or up to `total_epochs` epochs counted over the Trainer's life, resumes included: a restarted script
-        passes `total_epochs` and ends where the first run would have. `max_steps`: stop at that many optimizer
-        updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10 epochs each
-        time (RedCoast's loop), and `fit(total_epochs=N, max_steps=M)` resumes to its original target.
+        first), or up to `total_epochs` epochs counted over the Trainer's life. `max_steps`: stop at that many
+        optimizer updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10
+        epochs each time (RedCoast's loop). Every checkpoint records the running call (the epoch it started at and
+        its target), and the first `fit` of a Trainer restored from a workdir continues that call: `n_epochs` counts
+        from where the interrupted call started, so a re-run script that passes what it passed the first time ends
+        exactly where the first run would have (Keras' `epochs`, Lightning's `max_epochs`), and does nothing when
+        that run had finished. Later calls train again.
 
         The global batch of one update is `per_device_batch_size x data x fsdp x expert x accumulate_grad_batches`
         examples.
@@ -708,7 +713,7 @@ class Trainer:
             profile_steps=profile_steps)
         rows = self._rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
         self._check_resumed_rows(rows)
-        last_epoch = self._target_epoch(n_epochs, total_epochs)
+        last_epoch = self._start_call(n_epochs, total_epochs, max_steps)
         self._total_steps = self._planned_steps(train_examples, rows, per_device_batch_size, last_epoch, max_steps)
         if save_best is not None:
             self._check_best_matches(tuple(save_best))
@@ -795,16 +800,23 @@ class Trainer:
                 logging.warning("resumed with batch leaf %s of %s%s per example; the checkpoint's run had %s%s",
                                 jax.tree_util.keystr(path), b.dtype, list(b.shape[1:]), a.dtype, list(a.shape[1:]))
 
-    def _target_epoch(self, n_epochs, total_epochs):
-        """The epoch index `fit` stops before: `total_epochs`, or `n_epochs` whole epochs after the current one
-        when a previous call left it unfinished (so a call never finds nothing left to train)."""
-        if total_epochs is not None:
-            return total_epochs
-        n_epochs = 1 if n_epochs is None else n_epochs
-        target = self._epoch + n_epochs + (1 if self._batch_in_epoch else 0)
-        if self._step and self._restored_step == self._step:
-            logging.info("fit(n_epochs=%d) on a Trainer restored at epoch %d: trains to epoch %d (total_epochs= "
-                         "gives an absolute target that a restarted run resumes to)", n_epochs, self._epoch, target)
+    def _start_call(self, n_epochs, total_epochs, max_steps):
+        """Records this `fit` call and returns the epoch index it stops before: `total_epochs`, or `n_epochs` whole
+        epochs after the one the call starts in, that one included when a previous call left it unfinished (so a
+        call never finds nothing left to train). The first call after a restore starts where the checkpoint's
+        interrupted call started."""
+        resumed, self._resumed_call = self._resumed_call, None
+        start = ([resumed["start_epoch"], resumed["start_batch"]] if resumed
+                 else [self._epoch, self._batch_in_epoch])
+        target = (total_epochs if total_epochs is not None
+                  else start[0] + (1 if n_epochs is None else n_epochs) + (1 if start[1] else 0))
+        self._fit_call = {"start_epoch": start[0], "start_batch": start[1], "n_epochs": n_epochs,
+                          "total_epochs": total_epochs, "max_steps": max_steps, "target_epoch": target}
+        if resumed and total_epochs is None:
+            ended = self._epoch >= target or (max_steps is not None and self._step >= max_steps)
+            logging.info("fit continues the restored run's call, started at epoch %d%s: to epoch %d%s", start[0],
+                         f" batch {start[1]}" if start[1] else "", target,
+                         " (reached: nothing to train; a further fit call trains on)" if ended else "")
         return target
 
     def _planned_steps(self, train_examples, rows, per_device_batch_size, last_epoch, max_steps):
@@ -1090,7 +1102,7 @@ class Trainer:
                 "batch": data_lib.spec_to_json(self._batch_spec), "rows": self._rows,
                 "rng": np.asarray(jax.random.key_data(self._key)).tolist(), "diloco_replicas": self._diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
-                "evals_since_best": self._evals_since_best}
+                "evals_since_best": self._evals_since_best, "fit_call": self._fit_call}
 
     def _diloco_replicas(self):
         return None if self.diloco is None else self.mesh.shape["data"]
