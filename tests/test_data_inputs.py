@@ -1,6 +1,10 @@
-"""Data inputs (engine.tasks.text_data and the record readers): tokenizer files (SentencePiece, tokenizers'
-tokenizer.json) and `load_tokenizer`'s resolution, files that are not UTF-8, JSONL values of the wrong type, records
-with nothing to train on, and `pack` on one very long document."""
+"""Data inputs (engine.tasks.text_data, engine.tasks.sources and the record readers): tokenizer files (SentencePiece,
+tokenizers' tokenizer.json) and `load_tokenizer`'s resolution, files that are not UTF-8, JSONL values of the wrong
+type, records with nothing to train on, `pack` on one very long document; Parquet, Arrow and `save_to_disk` corpora
+(streamed in flat memory), and weighted mixtures (shares, exact resume, errors).
+
+`python -m tests.test_data_inputs` prints the peak memory of reading Parquet and Arrow corpora of growing size (the
+figure in scripts/README.md#data-formats)."""
 import json
 import logging
 import os
@@ -11,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine.tasks import seq2seq, text_data
+from engine.tasks import seq2seq, sources, text_data
 from engine.tasks.rlhf import preference
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "a cat and a dog sat on the mat",
@@ -291,6 +295,269 @@ def test_pack_one_4mb_document():
     assert rows[-1]["tokens"][tail - 1] == 258 and rows[-1]["segment_ids"][tail:].tolist() == [0] * (128 - tail)
 
 
+def _table(**columns):
+    import pyarrow as pa  # noqa: PLC0415
+
+    return pa.table(columns)
+
+
+def _write_parquet(path, table, row_group_size=None):
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    pq.write_table(table, str(path), row_group_size=row_group_size)
+    return str(path)
+
+
+def _write_arrow(path, table, *, stream, max_chunksize=3):
+    """An Arrow IPC stream (datasets' format) or file (random access, 'ARROW1' magic) of small record batches."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    with pa.OSFile(str(path), "wb") as sink, (pa.ipc.new_stream if stream else pa.ipc.new_file)(
+            sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=max_chunksize)
+    return str(path)
+
+
+def _save_to_disk(directory, table, shards=2):
+    """The layout of `datasets.Dataset.save_to_disk`: data-0000k-of-0000n.arrow stream files, the state.json that
+    lists them, dataset_info.json with the features."""
+    os.makedirs(directory)
+    names, at = [], 0
+    for k in range(shards):
+        rows = -(-(table.num_rows - at) // (shards - k))
+        names.append(f"data-{k:05d}-of-{shards:05d}.arrow")
+        _write_arrow(os.path.join(directory, names[-1]), table.slice(at, rows), stream=True)
+        at += rows
+    with open(os.path.join(directory, "state.json"), "w") as f:
+        json.dump({"_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_format_columns": None,
+                   "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": "train"}, f)
+    with open(os.path.join(directory, "dataset_info.json"), "w") as f:
+        json.dump({"features": {name: {"dtype": str(table.schema.field(name).type), "_type": "Value"}
+                                for name in table.schema.names}}, f)
+    return str(directory)
+
+
+def test_parquet_arrow_and_saved_datasets_read_beside_text_and_jsonl(tmp_path):
+    import pyarrow as pa  # noqa: PLC0415
+
+    docs = [f"doc {i} " + "é" * i for i in range(12)]
+    _write_parquet(tmp_path / "a.parquet", _table(id=list(range(4)), text=docs[:4]), row_group_size=3)
+    _write_arrow(tmp_path / "b.arrow", _table(text=docs[4:6]), stream=False)
+    _write_arrow(tmp_path / "c.arrow", _table(text=docs[6:7]), stream=True)
+    _save_to_disk(tmp_path / "saved", _table(text=docs[7:10], id=[7, 8, 9]))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": docs[10]}) + "\n")
+    (tmp_path / "e.txt").write_text(docs[11])
+    patterns = [str(tmp_path / "a.parquet"), str(tmp_path / "*.arrow"), str(tmp_path / "saved"),
+                str(tmp_path / "d.jsonl"), str(tmp_path / "e.txt")]
+    assert text_data.read_texts(patterns) == docs
+    assert sorted(text_data.read_texts(str(tmp_path))) == sorted(docs)  # a directory: every kind under it
+
+    # Another column name, in Parquet and JSONL alike; dictionary-encoded and large strings are strings.
+    _write_parquet(tmp_path / "other.parquet", pa.table({
+        "content": pa.array(["x", "y", "x"]).dictionary_encode(), "text": [1, 2, 3]}))
+    _write_arrow(tmp_path / "large.arrow", pa.table({"content": pa.array(["big"], pa.large_string())}), stream=True)
+    (tmp_path / "other.jsonl").write_text('{"content": "z", "text": 3}\n"plain"\n')
+    assert text_data.read_texts([str(tmp_path / f) for f in ("other.parquet", "large.arrow", "other.jsonl")],
+                                text_column="content") == ["x", "y", "x", "big", "z", "plain"]
+
+
+def _one_line_error(kind, pattern, read):
+    with pytest.raises(kind, match=pattern) as caught:
+        read()
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_parquet_and_arrow_inputs_are_refused_in_one_line(tmp_path):
+    import pyarrow as pa  # noqa: PLC0415
+
+    read = lambda *p, **kw: lambda: text_data.read_texts([str(tmp_path / x) for x in p], **kw)  # noqa: E731
+    _write_parquet(tmp_path / "cols.parquet", _table(content=["a"], id=[1]))
+    _one_line_error(ValueError, r"data: .*cols.parquet has no column 'text'; its columns: content, id",
+                    read("cols.parquet"))
+    _write_parquet(tmp_path / "ints.parquet", _table(text=[5, 6]))
+    _one_line_error(ValueError, r"data: .*ints.parquet row 0: 'text' is int64; expected a string",
+                    read("ints.parquet"))
+    _write_parquet(tmp_path / "null.parquet", _table(text=["a", "b", "c", "d", "e", None, "g"]), row_group_size=2)
+    _one_line_error(ValueError, r"data: .*null.parquet row 5: 'text' is null; expected a string",
+                    read("null.parquet"))
+    _write_arrow(tmp_path / "null.arrow", _table(text=["a", "b", "c", "d", None]), stream=True, max_chunksize=2)
+    _one_line_error(ValueError, r"data: .*null.arrow row 4: 'text' is null", read("null.arrow"))
+    _write_arrow(tmp_path / "list.arrow", pa.table({"text": [["a"]]}), stream=False)
+    _one_line_error(ValueError, r"data: .*list.arrow row 0: 'text' is list<item: string>; expected a string",
+                    read("list.arrow"))
+    _save_to_disk(tmp_path / "saved", _table(body=["a", "b"]))
+    _one_line_error(ValueError, r"data-00000-of-00002.arrow has no column 'text'; its columns: body",
+                    read("saved"))
+    assert text_data.read_texts(str(tmp_path / "saved"), text_column="body") == ["a", "b"]
+
+    # Empty sources: a glob matching nothing, files without rows or without any text.
+    _one_line_error(FileNotFoundError, r"data: .*nothing\*.parquet' matches no file; expected .txt / .jsonl / "
+                    r".parquet / .arrow paths", read("nothing*.parquet"))
+    _write_parquet(tmp_path / "empty.parquet", _table(text=pa.array([], pa.string())))
+    _write_arrow(tmp_path / "blank.arrow", _table(text=["", " \n"]), stream=True)
+    _one_line_error(ValueError, r"data: .*empty.parquet, .*blank.arrow holds no text", read("empty.parquet",
+                                                                                             "blank.arrow"))
+    # Files that are not what their names say, a saved DatasetDict, a file of another kind.
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    _one_line_error(ValueError, r"data: .*fake.parquet is not a Parquet file", read("fake.parquet"))
+    (tmp_path / "fake.arrow").write_text("not arrow at all")
+    _one_line_error(ValueError, r"data: .*fake.arrow is not an Arrow IPC file or stream", read("fake.arrow"))
+    (tmp_path / "dict").mkdir()
+    (tmp_path / "dict" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    _one_line_error(ValueError, r"data: .*dict is a saved DatasetDict \(splits: train, test\); expected one split's "
+                    r"directory, e.g. .*dict/train", read("dict"))
+    (tmp_path / "notes.md").write_text("x")
+    _one_line_error(ValueError, r"data: .*notes.md' is none of .txt, .jsonl, .parquet, .arrow", read("notes.md"))
+
+
+def test_mixture_specs_are_parsed_and_bad_weights_refused():
+    assert sources.parse_mixture("code.parquet:0.7,web/*.jsonl:0.3") == [("code.parquet", 0.7), ("web/*.jsonl", 0.3)]
+    assert sources.parse_mixture(["a.txt:2", "b/*:6"]) == [("a.txt", 0.25), ("b/*", 0.75)]  # a list flag's value
+    assert sources.parse_mixture("a.txt") == [("a.txt", 1.0)]
+    assert sources.parse_mixture(" a.txt , b.txt ") == [("a.txt", 0.5), ("b.txt", 0.5)]
+    assert sources.parse_mixture("dir:v2/a.txt:1") == [("dir:v2/a.txt", 1.0)]  # the last ':' holds the weight
+    for spec, found in (("a.txt:0.7,b.txt:x", "'b.txt:x' has no positive weight after its last ':'"),
+                        ("a.txt:0", "'a.txt:0' has no positive weight"), ("a.txt:-1", "'a.txt:-1' has no positive"),
+                        ("a.txt:nan", "'a.txt:nan' has no positive"), ("a.txt:inf", "'a.txt:inf' has no positive"),
+                        (":3", "':3' has no positive"), ("a.txt:1,b.txt", "weighs some sources but not all"),
+                        ("a.txt:1,,b.txt:1", "has an empty source"), ("", "has an empty source")):
+        _one_line_error(ValueError, rf"data mixture '{spec}'.*{found}.*expected .*PATH\[:WEIGHT\],PATH\[:WEIGHT\],"
+                        r"\.\.\. \(e\.g\. code\.parquet:0\.7,web/\*\.jsonl:0\.3\)",
+                        lambda spec=spec: sources.parse_mixture(spec))
+
+
+def _mixture_corpus(tmp_path):
+    """Three sources of uneven documents, one letter each (so a window names its source): Parquet of two row
+    groups, JSONL with long documents, and a small saved dataset that runs out many times."""
+    rng = random.Random(0)
+    docs = {"a": ["a" * rng.randint(1, 300) for _ in range(40)], "b": ["b" * rng.randint(1, 2000) for _ in range(30)],
+            "c": ["c" * rng.randint(1, 50) for _ in range(5)]}
+    _write_parquet(tmp_path / "a.parquet", _table(text=docs["a"]), row_group_size=16)
+    (tmp_path / "web").mkdir()
+    for k in range(2):
+        (tmp_path / "web" / f"{k}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs["b"][k::2]))
+    _save_to_disk(tmp_path / "small", _table(text=docs["c"]))
+    docs["b"] = docs["b"][0::2] + docs["b"][1::2]  # the files' order
+    spec = f"{tmp_path}/a.parquet:0.5,{tmp_path}/web/*.jsonl:0.3,{tmp_path}/small:0.2"
+    return spec, docs
+
+
+def _letter(window, tok):
+    letters = {chr(t) for t in window["tokens"].tolist() if t != tok.eos_id}
+    assert len(letters) == 1, letters
+    return letters.pop()
+
+
+def test_mixture_shares_follow_the_weights_and_sources_pack_as_pack_does(tmp_path, caplog):
+    tok, seq_len, n = text_data.ByteTokenizer(), 32, 3000
+    spec, docs = _mixture_corpus(tmp_path)
+    with caplog.at_level(logging.INFO):
+        windows = [w for _, w in zip(range(n), sources.Mixture(spec, tok, seq_len))]
+    weights = dict(zip("abc", (0.5, 0.3, 0.2)))
+    counts = dict.fromkeys("abc", 0)
+    for i, window in enumerate(windows, 1):
+        counts[_letter(window, tok)] += 1
+        assert all(abs(counts[s] - weights[s] * i) <= 2 for s in counts)
+    assert all(abs(counts[s] / n - weights[s]) < 0.01 for s in counts), counts
+    # Each source's windows are `pack` of its documents cycled (packing runs on across epochs: no padding).
+    for s in "abc":
+        mine = [w for w in windows if _letter(w, tok) == s]
+        tokens = sum(len(d) + 1 for d in docs[s])
+        want = text_data.pack(docs[s] * -(-(len(mine) * (seq_len + 1)) // tokens), tok, seq_len)[:len(mine)]
+        assert all((a["tokens"] == b["tokens"]).all() and (a["segment_ids"] == b["segment_ids"]).all()
+                   for a, b in zip(mine, want))
+    ran_out = [r.getMessage() for r in caplog.records if "ran out" in r.getMessage()]
+    assert any("small" in m for m in ran_out) and len(ran_out) == len({m.split("'")[1] for m in ran_out})
+
+
+def test_mixture_resumes_with_exactly_the_next_window(tmp_path):
+    tok, seq_len = text_data.ByteTokenizer(), 16
+    spec, _ = _mixture_corpus(tmp_path)
+    mixture = sources.Mixture(spec, tok, seq_len)
+    whole = [w for _, w in zip(range(700), mixture)]
+    assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(whole, iter(mixture)))  # each iter() starts afresh
+    for taken in (0, 1, 37, 333, 650):
+        it = iter(mixture)
+        for _ in range(taken):
+            next(it)
+        state = json.loads(json.dumps(it.state()))
+        resumed = iter(sources.Mixture.from_state(state, tok))
+        for want in whole[taken:taken + 50]:
+            got = next(resumed)
+            assert (got["tokens"] == want["tokens"]).all() and (got["segment_ids"] == want["segment_ids"]).all()
+    # By 650 windows the small source is epochs in and the Parquet source is past its first row group.
+    assert state["positions"][2]["epoch"] > 1 and any(p["row"] >= 16 for p in [state["positions"][0]])
+
+    (tmp_path / "web" / "2.jsonl").write_text('"new"\n')
+    _one_line_error(ValueError, r"data: the files of '.*web/\*.jsonl' changed since the mixture's state was saved "
+                    r"\(now 3:", lambda: sources.Mixture.from_state(state, tok))
+
+
+def test_mixture_errors_name_the_source(tmp_path):
+    tok = text_data.ByteTokenizer()
+    (tmp_path / "a.txt").write_text("text")
+    _write_parquet(tmp_path / "empty.parquet", _table(text=["", ""]))
+    mixture = sources.Mixture(f"{tmp_path}/a.txt:0.5,{tmp_path}/empty.parquet:0.5", tok, 8)
+    windows = iter(mixture)
+    assert next(windows)["tokens"].tolist() == [116, 101, 120, 116, 258, 116, 101, 120, 116]  # a.txt's turn first
+    _one_line_error(ValueError, r"data: '.*empty.parquet' holds no text", lambda: next(windows))
+    _one_line_error(FileNotFoundError, r"data: '.*none\*.jsonl' matches no file",
+                    lambda: sources.Mixture(f"{tmp_path}/a.txt:1,{tmp_path}/none*.jsonl:1", tok, 8))
+    _one_line_error(ValueError, r"seq_len=1; expected an integer >= 2", lambda: sources.Mixture(
+        str(tmp_path / "a.txt"), tok, 1))
+
+
+# Reads a corpus in a process of its own and prints the peak resident memory (sampled every 64 documents) above
+# the memory before reading. sources.py is loaded by its path: it imports nothing of ours, and importing the engine
+# would bring JAX's memory and seconds into the measurement.
+_PEAK_RSS = """
+import importlib.util, resource, sys
+import pyarrow.parquet
+spec = importlib.util.spec_from_file_location("sources", sys.argv[1])
+sources = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sources)
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+base, peak = rss(), 0
+for n, text in enumerate(sources.iter_texts(sys.argv[2]), 1):
+    if n % 64 == 0:
+        peak = max(peak, rss() - base)
+print(peak)
+"""
+
+
+def _peak_rss_reading(path):
+    program = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "tasks",
+                           "sources.py")
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS, program, str(path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout)
+
+
+def _random_text_corpus(path, mib, *, arrow=False, doc_bytes=4096):
+    """`mib` MiB of random lowercase documents (incompressible enough that the file is about as large) in one
+    Parquet row group, or an Arrow stream of datasets' 1000-row batches."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", np.uint8)
+    n = mib * 2**20 // doc_bytes
+    text = letters[np.random.default_rng(0).integers(0, len(letters), n * doc_bytes, np.uint8)].tobytes().decode()
+    table = _table(text=[text[i * doc_bytes:(i + 1) * doc_bytes] for i in range(n)])
+    return (_write_arrow(path, table, stream=True, max_chunksize=1000) if arrow
+            else _write_parquet(path, table, row_group_size=n))
+
+
+@pytest.mark.parametrize("arrow", [False, True], ids=["parquet", "arrow"])
+def test_reading_streams_in_flat_memory(tmp_path, arrow):
+    """Four times the corpus, not four times the memory: one 64 MiB Parquet row group (or Arrow stream) read above
+    the memory a 16 MiB one takes by less than a quarter of the extra text (pre-buffered Parquet reads grow with
+    the file)."""
+    suffix = "arrow" if arrow else "parquet"
+    small, large = (_peak_rss_reading(_random_text_corpus(tmp_path / f"{mib}.{suffix}", mib, arrow=arrow))
+                    for mib in (16, 64))
+    assert large - small < 12 * 2**20, (small / 2**20, large / 2**20)
+
+
 @pytest.mark.slow  # CI time; the SentencePiece tokenizer itself: the tests above
 def test_train_lm_takes_a_users_sentencepiece_model_and_generate_reads_the_workdir(sp_model, tmp_path):
     """A fresh model on --tokenizer=<tokenizer.model>: the vocabulary follows it, run.json and the workdir carry it,
@@ -311,3 +578,15 @@ def test_train_lm_takes_a_users_sentencepiece_model_and_generate_reads_the_workd
     gen = subprocess.run([sys.executable, "scripts/generate.py", f"--workdir={work}", "--prompts=the owls",
                           "--max_new_tokens=3"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0 and "--- 'the owls':" in gen.stdout, gen.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as scratch:
+        for kind in ("parquet", "arrow"):
+            for mib in (64, 256, 1024):
+                path = _random_text_corpus(os.path.join(scratch, f"{mib}.{kind}"), mib, arrow=kind == "arrow")
+                print(f"{kind:8s} {mib:5d} MiB of text ({os.path.getsize(path) / 2**20:.0f} MiB file): peak RSS "
+                      f"+{_peak_rss_reading(path) / 2**20:.0f} MiB while reading", flush=True)
+                os.remove(path)

@@ -1,9 +1,6 @@
-"""Text data: tokenisers, corpora and jsonl records, token files on disk, and packing documents into fixed-length
-rows.
-
-Packing: documents are tokenised, each followed by EOS, and laid end to end into rows of `seq_len + 1` tokens. Every
-row carries `segment_ids` (1, 2, ... per document piece, 0 on padding), which the models take as `attention_mask`:
-a token attends only within its own document and positions restart at each document.
+"""Text data: tokenisers, token files on disk (`write_tokens`, `TokenWindows`), the embedded corpus and the toy
+task's words. Reading documents and records from files, `pack` and data mixtures live in `engine.tasks.sources`;
+its readers and `pack` are named here too, where the scripts and tasks have always found them.
 """
 import collections.abc
 import glob
@@ -12,6 +9,9 @@ import os
 
 import numpy as np
 from absl import logging
+
+from engine.tasks.sources import (DECODE_ERRORS, check_not_empty, iter_texts, pack, read_records,  # noqa: F401
+                                  read_texts)
 
 
 class ByteTokenizer:
@@ -255,115 +255,6 @@ def tokenizer_from_spec(spec, directory):
                        **ids)
 
 
-DECODE_ERRORS = ("strict", "replace")
-
-
-def _expand(patterns, suffixes=(".txt", ".jsonl")):
-    """The files of paths or globs; a directory stands for the files under it (recursively, sorted) whose names end
-    with one of `suffixes`."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    files = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(os.path.expanduser(pattern)))
-        if not matched:
-            raise FileNotFoundError(f"data: {pattern!r} matches no file; expected .txt or .jsonl paths or globs")
-        for path in matched:
-            if not os.path.isdir(path):
-                files.append(path)
-                continue
-            inside = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                            if name.endswith(suffixes) and not name.startswith("."))
-            if not inside:
-                raise FileNotFoundError(f"data: the directory {path} holds no {' or '.join(suffixes)} file")
-            files += inside
-    return files
-
-
-def _check_decode_errors(decode_errors):
-    if decode_errors not in DECODE_ERRORS:
-        raise ValueError(f"decode_errors={decode_errors!r}; expected one of {DECODE_ERRORS}")
-
-
-def _decode(data, path, offset, decode_errors):
-    """`data` (bytes at `offset` of the file `path`) as text; a ValueError naming the file and the byte offset of
-    the first invalid byte unless decode_errors='replace' (which writes U+FFFD in their place)."""
-    try:
-        text = data.decode("utf-8", errors=decode_errors)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 at byte {offset + e.start} (0x{data[e.start]:02x}: {e.reason}); pass "
-                         "--decode_errors=replace to replace invalid bytes") from None
-    return text[1:] if offset == 0 and text.startswith("\ufeff") else text  # a byte-order mark is no text
-
-
-def _read_text(path, decode_errors):
-    with open(path, "rb") as f:
-        return _decode(f.read(), path, 0, decode_errors)
-
-
-def _jsonl(path, decode_errors="strict"):
-    """(line number, object) of a .jsonl file, skipping blank lines; ValueError naming the line on bad JSON, and the
-    byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
-    with open(path, "rb") as f:
-        offset = 0
-        for n, raw in enumerate(f, 1):  # b"\n" never occurs inside a UTF-8 sequence: lines split before decoding
-            line = _decode(raw, path, offset, decode_errors)
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg})") from None
-
-
-def _json_type(value):
-    """The JSON name of a parsed value's type, with its article ('an array', 'null')."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
-
-
-def read_texts(patterns, *, decode_errors="strict"):
-    """Documents from `.txt` files (one document per file) and `.jsonl` files (one per line: a string, or an object
-    with a 'text' string). `patterns`: paths, globs or directories (their .txt and .jsonl files). Files must be
-    UTF-8: a ValueError names the file and the offset of the first invalid byte, unless decode_errors='replace'. A
-    'text' or line of another JSON type is a ValueError naming the line, and so is a corpus without any text."""
-    return list(iter_texts(patterns, decode_errors=decode_errors))
-
-
-def iter_texts(patterns, *, decode_errors="strict"):
-    """`read_texts`, one document at a time (a corpus larger than memory streams through `write_tokens`)."""
-    _check_decode_errors(decode_errors)
-    files, any_text = _expand(patterns), False
-    for path in files:
-        if path.endswith(".jsonl"):
-            for n, item in _jsonl(path, decode_errors):
-                if isinstance(item, dict):
-                    if "text" not in item:
-                        raise ValueError(f"data: {path}:{n} has no 'text' field; expected a string or "
-                                         "{\"text\": ...}")
-                    item = item["text"]
-                    if not isinstance(item, str):
-                        raise ValueError(f"data: {path}:{n}: 'text' is {_json_type(item)}; expected a string")
-                elif not isinstance(item, str):
-                    raise ValueError(f"data: {path}:{n} is {_json_type(item)}; expected a string or "
-                                     "{\"text\": \"...\"}")
-                any_text = any_text or bool(item.strip())
-                yield item
-        elif path.endswith(".txt"):
-            text = _read_text(path, decode_errors)
-            any_text = any_text or bool(text.strip())
-            yield text
-        else:
-            raise ValueError(f"data: {path!r} is neither .txt nor .jsonl")
-    if not any_text:
-        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
-        raise ValueError(f"data: {shown} holds no text; expected .txt files or .jsonl lines with text")
-
-
 TOKENS_FILE, TOKENS_META = "tokens.bin", "meta.json"
 
 
@@ -492,86 +383,6 @@ def default_corpus(max_bytes=600_000):
         if total >= max_bytes:
             break
     return docs
-
-
-def pack(docs, tokenizer, seq_len):
-    """Packs documents into examples `{'tokens': [seq_len + 1], 'segment_ids': [seq_len + 1]}`; the last row is
-    padded with PAD and segment id 0. Long documents are split across rows (each piece its own segment). Linear in
-    the tokens: a document is tokenised once and cut into views, never re-sliced from the front."""
-    if seq_len < 2:
-        raise ValueError(f"seq_len={seq_len}; expected at least 2")
-    width = seq_len + 1
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    rows, pieces, filled = [], [], 0  # pieces: the open row's document pieces, filled: their tokens
-    for doc in docs:
-        ids = np.asarray(tokenizer.encode(doc) + eos, np.int32)
-        start = 0
-        while start < len(ids):
-            piece = ids[start:start + width - filled]
-            pieces.append(piece)
-            start, filled = start + len(piece), filled + len(piece)
-            if filled == width:
-                rows.append(_packed_row(pieces, width, tokenizer.pad_id))
-                pieces, filled = [], 0
-    if pieces:
-        rows.append(_packed_row(pieces, width, tokenizer.pad_id))
-    return rows
-
-
-def _packed_row(pieces, width, pad_id):
-    """One row of `pack`: the pieces end to end, numbered 1, 2, ...; PAD under segment id 0 after them."""
-    tokens, segments = np.full(width, pad_id, np.int32), np.zeros(width, np.int32)
-    at = 0
-    for segment, piece in enumerate(pieces, 1):
-        tokens[at:at + len(piece)], segments[at:at + len(piece)] = piece, segment
-        at += len(piece)
-    return {"tokens": tokens, "segment_ids": segments}
-
-
-def read_records(patterns, fields, *, decode_errors="strict", nonempty=None):
-    """Objects with the string `fields` from `.jsonl` files (paths, globs or directories of them), one per line
-    (other keys dropped). ValueError naming the file and line for a line that is not such an object (and the type
-    found), or whose `nonempty` fields (default: all of `fields`) are all empty or white space: a record with
-    nothing to train on. Encoding as in `read_texts` (decode_errors)."""
-    _check_decode_errors(decode_errors)
-    records = []
-    for path in _expand(patterns, (".jsonl",)):
-        if not path.endswith(".jsonl"):
-            shown = ", ".join(f'"{f}": ...' for f in fields)
-            raise ValueError(f"data: {path!r} is not .jsonl; expected one {{{shown}}} per line")
-        for n, item in _jsonl(path, decode_errors):
-            wrong = _not_strings(item, fields)
-            if wrong:
-                raise ValueError(f"data: {path}:{n} is not an object with string fields {_names(fields)} ({wrong})")
-            record = {f: item[f] for f in fields}
-            check_not_empty(record, nonempty or fields, f"data: {path}:{n}")
-            records.append(record)
-    return records
-
-
-def _not_strings(item, fields):
-    """What keeps a parsed line from being an object with the string `fields` ('' when nothing does)."""
-    if not isinstance(item, dict):
-        return f"it is {_json_type(item)}"
-    for f in fields:
-        if f not in item:
-            return f"{f!r} is missing"
-        if not isinstance(item[f], str):
-            return f"{f!r} is {_json_type(item[f])}"
-    return ""
-
-
-def _names(fields):
-    """'a', 'b' and 'c'."""
-    return " and ".join(", ".join(repr(f) for f in fields).rsplit(", ", 1))
-
-
-def check_not_empty(record, fields, where):
-    """ValueError naming `where` (a file and line, or 'pair 3') when every one of `fields` of `record` is empty or
-    white space: such a record (an empty prompt and an empty response, say) has nothing to train on."""
-    if all(not record[f].strip() for f in fields):
-        verb = "is" if len(fields) == 1 else "are both" if len(fields) == 2 else "are all"
-        raise ValueError(f"{where}: {_names(fields)} {verb} empty; expected text to train on")
 
 
 TOY_WORDS = ("ant", "bee", "cat", "cow", "dog", "eel", "elk", "emu", "fox", "gnu", "hen", "owl", "pig", "ram",

@@ -1,0 +1,474 @@
+"""Documents from files as users bring them, packed into training rows, and weighted mixtures of such sources.
+
+Formats: `.txt` (one document per file), `.jsonl` (one per line: a string or an object with a text field),
+`.parquet`, Arrow IPC `.arrow` files (file or stream format) and `datasets.save_to_disk` directories (their
+`data-*.arrow` stream files in `state.json`'s order), the last three read by a named text column. Paths, globs and
+directories mix freely. Parquet and Arrow are read a record batch at a time, so memory stays flat however large the
+corpus (scripts/README.md#data-formats has the measurement).
+
+Packing: documents are tokenised, each followed by EOS, and laid end to end into rows of `seq_len + 1` tokens. Every
+row carries `segment_ids` (1, 2, ... per document piece, 0 on padding), which the models take as `attention_mask`:
+a token attends only within its own document and positions restart at each document.
+
+This module imports nothing of ours (tokenizers are duck-typed: `encode`, `eos_id`, `pad_id`), so `text_data`
+re-exports its readers and `pack` without a cycle.
+"""
+import glob
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+from absl import logging
+
+DECODE_ERRORS = ("strict", "replace")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+_BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
+_READ_BUFFER = 1 << 20  # Parquet pages read through a 1 MiB buffer rather than a whole column chunk at once
+MIXTURE_FORM = "PATH[:WEIGHT],PATH[:WEIGHT],... (e.g. code.parquet:0.7,web/*.jsonl:0.3)"
+
+
+def _expand(patterns, suffixes=TEXT_SUFFIXES):
+    """The files of paths or globs; a directory stands for the files under it (recursively, sorted) whose names end
+    with one of `suffixes`, and a `datasets.save_to_disk` directory for its Arrow files."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not matched:
+            raise FileNotFoundError(f"data: {pattern!r} matches no file; expected {' / '.join(suffixes)} paths, "
+                                    "globs or directories")
+        for path in matched:
+            if not os.path.isdir(path):
+                files.append(path)
+            elif ".arrow" in suffixes and _is_saved_dataset(path):
+                files += _saved_dataset_files(path)
+            else:
+                inside = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                                if name.endswith(suffixes) and not name.startswith("."))
+                if not inside:
+                    raise FileNotFoundError(f"data: the directory {path} holds no {' or '.join(suffixes)} file")
+                files += inside
+    return files
+
+
+def _is_saved_dataset(path):
+    return any(os.path.isfile(os.path.join(path, name))
+               for name in ("state.json", "dataset_info.json", "dataset_dict.json"))
+
+
+def _saved_dataset_files(path):
+    """The Arrow stream files of a `Dataset.save_to_disk` directory, in the order its state.json lists them (a
+    DatasetDict's directory is refused: its splits are separate corpora)."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+        raise ValueError(f"data: {path} is a saved DatasetDict (splits: {', '.join(splits)}); expected one split's "
+                         f"directory, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+    state = os.path.join(path, "state.json")
+    if os.path.isfile(state):
+        with open(state) as f:
+            names = [entry["filename"] for entry in json.load(f).get("_data_files", [])]
+    else:
+        names = sorted(n for n in os.listdir(path) if n.startswith("data-") and n.endswith(".arrow"))
+    files = [os.path.join(path, name) for name in names]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if not files or missing:
+        raise FileNotFoundError(f"data: the saved dataset {path} lacks its Arrow files "
+                                f"({', '.join(missing) if missing else 'none listed'})")
+    return files
+
+
+def _check_decode_errors(decode_errors):
+    if decode_errors not in DECODE_ERRORS:
+        raise ValueError(f"decode_errors={decode_errors!r}; expected one of {DECODE_ERRORS}")
+
+
+def _decode(data, path, offset, decode_errors):
+    """`data` (bytes at `offset` of the file `path`) as text; a ValueError naming the file and the byte offset of
+    the first invalid byte unless decode_errors='replace' (which writes U+FFFD in their place)."""
+    try:
+        text = data.decode("utf-8", errors=decode_errors)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 at byte {offset + e.start} (0x{data[e.start]:02x}: {e.reason}); pass "
+                         "--decode_errors=replace to replace invalid bytes") from None
+    return text[1:] if offset == 0 and text.startswith("\ufeff") else text  # a byte-order mark is no text
+
+
+def _jsonl(path, decode_errors="strict"):
+    """(line number, object) of a .jsonl file, skipping blank lines; ValueError naming the line on bad JSON, and the
+    byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
+    with open(path, "rb") as f:
+        offset = 0
+        for n, raw in enumerate(f, 1):  # b"\n" never occurs inside a UTF-8 sequence: lines split before decoding
+            line = _decode(raw, path, offset, decode_errors)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg})") from None
+
+
+def _json_type(value):
+    """The JSON name of a parsed value's type, with its article ('an array', 'null')."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def _jsonl_texts(path, column, decode_errors, start):
+    """(line number, document) of a .jsonl file from line `start` on: a string, or an object's `column` string."""
+    for n, item in _jsonl(path, decode_errors):
+        if n < start:
+            continue
+        if isinstance(item, dict):
+            if column not in item:
+                raise ValueError(f"data: {path}:{n} has no {column!r} field; expected a string or "
+                                 f"{{{json.dumps(column)}: ...}}")
+            item = item[column]
+            if not isinstance(item, str):
+                raise ValueError(f"data: {path}:{n}: {column!r} is {_json_type(item)}; expected a string")
+        elif not isinstance(item, str):
+            raise ValueError(f"data: {path}:{n} is {_json_type(item)}; expected a string or "
+                             f"{{{json.dumps(column)}: \"...\"}}")
+        yield n, item
+
+
+def _is_text_type(kind):
+    import pyarrow as pa  # noqa: PLC0415 (the Arrow formats only)
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
+def _column_texts(path, schema, batches, column, row, start):
+    """(row, document) of record `batches` whose first row is `row`, from row `start` on: `column`'s strings,
+    converted a batch at a time. ValueError naming the file and row for a missing column, a column of another type
+    or a null."""
+    if column not in schema.names:
+        raise ValueError(f"data: {path} has no column {column!r}; its columns: {', '.join(schema.names)}")
+    kind = schema.field(column).type
+    for batch in batches:
+        if row + batch.num_rows <= start:
+            row += batch.num_rows
+            continue
+        if not _is_text_type(kind):
+            raise ValueError(f"data: {path} row {max(row, start)}: {column!r} is {kind}; expected a string")
+        values = batch.column(column).to_pylist()
+        for j in range(max(0, start - row), len(values)):
+            if values[j] is None:
+                raise ValueError(f"data: {path} row {row + j}: {column!r} is null; expected a string")
+            yield row + j, values[j]
+        row += batch.num_rows
+
+
+def _parquet_texts(path, column, start):
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    try:  # no pre-buffering: a whole row group's column chunk would be held at once
+        parquet = pq.ParquetFile(path, buffer_size=_READ_BUFFER, pre_buffer=False)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"data: {path} is not a Parquet file ({str(e).splitlines()[0]})") from None
+    groups, row = [], 0  # row groups wholly before `start` are skipped by their metadata, unread
+    for g in range(parquet.metadata.num_row_groups):
+        rows = parquet.metadata.row_group(g).num_rows
+        if groups or row + rows > start:
+            groups.append(g)
+        else:
+            row += rows
+    columns = [column] if column in parquet.schema_arrow.names else None
+    batches = parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=groups, columns=columns) if groups else []
+    yield from _column_texts(path, parquet.schema_arrow, batches, column, row, start)
+
+
+def _arrow_texts(path, column, start):
+    """An Arrow IPC file (random-access format: 'ARROW1' magic) or stream (`datasets`' data-*.arrow). Read from an
+    OSFile, not a memory map, whose touched pages would count in the process's resident memory."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    with open(path, "rb") as f:
+        is_file_format = f.read(6) == b"ARROW1"
+    try:
+        if is_file_format:
+            reader = pa.ipc.open_file(pa.OSFile(path))
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            reader = batches = pa.ipc.open_stream(pa.OSFile(path))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"data: {path} is not an Arrow IPC file or stream ({str(e).splitlines()[0]})") from None
+    yield from _column_texts(path, reader.schema, batches, column, 0, start)
+
+
+def _file_texts(path, column, decode_errors, start=0):
+    """(row, document) of one file from row `start` on; rows are line numbers in a .jsonl file, 0-based rows in
+    Parquet and Arrow files, 0 for a .txt file."""
+    if path.endswith(".jsonl"):
+        yield from _jsonl_texts(path, column, decode_errors, start)
+    elif path.endswith(".txt"):
+        if start == 0:
+            with open(path, "rb") as f:
+                yield 0, _decode(f.read(), path, 0, decode_errors)
+    elif path.endswith(".parquet"):
+        yield from _parquet_texts(path, column, start)
+    elif path.endswith(".arrow"):
+        yield from _arrow_texts(path, column, start)
+    else:
+        raise ValueError(f"data: {path!r} is none of {', '.join(TEXT_SUFFIXES)}")
+
+
+def _documents(files, column, decode_errors, what, start=(0, 0)):
+    """((file index, row), document) of `files` from position `start`. Read from the beginning, a corpus without
+    any text is a ValueError naming `what`."""
+    any_text = False
+    for i in range(start[0], len(files)):
+        for row, text in _file_texts(files[i], column, decode_errors, start[1] if i == start[0] else 0):
+            any_text = any_text or bool(text.strip())
+            yield (i, row), text
+    if not any_text and start == (0, 0):
+        raise ValueError(f"data: {what} holds no text; expected documents (.txt files, .jsonl lines, or a text "
+                         f"column {column!r} of Parquet / Arrow files)")
+
+
+def _shown(files):
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
+
+
+def read_texts(patterns, *, decode_errors="strict", text_column="text"):
+    """Documents from files: `.txt` (one document per file), `.jsonl` (one per line: a string, or an object with a
+    `text_column` string), `.parquet` and `.arrow` files and `datasets.save_to_disk` directories (their
+    `text_column` column). `patterns`: paths, globs or directories (their files of those kinds, mixed). Text files
+    must be UTF-8: a ValueError names the file and the offset of the first invalid byte, unless
+    decode_errors='replace'. A missing column (the file's columns named), a value that is not a string (file and
+    row or line) and a corpus without any text are ValueErrors."""
+    return list(iter_texts(patterns, decode_errors=decode_errors, text_column=text_column))
+
+
+def iter_texts(patterns, *, decode_errors="strict", text_column="text"):
+    """`read_texts`, one document at a time (a corpus larger than memory streams through `write_tokens`)."""
+    _check_decode_errors(decode_errors)
+    files = _expand(patterns)
+    for _, text in _documents(files, text_column, decode_errors, _shown(files)):
+        yield text
+
+
+def pack(docs, tokenizer, seq_len):
+    """Packs documents into examples `{'tokens': [seq_len + 1], 'segment_ids': [seq_len + 1]}`; the last row is
+    padded with PAD and segment id 0. Long documents are split across rows (each piece its own segment). Linear in
+    the tokens: a document is tokenised once and cut into views, never re-sliced from the front."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len}; expected at least 2")
+    width = seq_len + 1
+    return [_packed_row(pieces, width, tokenizer.pad_id)
+            for pieces, _, _ in _fill_rows(((None, doc) for doc in docs), tokenizer, width)]
+
+
+def _fill_rows(documents, tokenizer, width, offset=0):
+    """Cuts `documents` ((key, text) pairs), each tokenised and ended by EOS, end to end into rows of `width`
+    tokens. Yields (pieces, key, end) per full row, `key` the document the row ends in and `end` its tokens used so
+    far; then any last partial row's pieces with key and end None. `offset`: tokens of the first document already
+    used (a resumed position)."""
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    pieces, filled = [], 0  # the open row's document pieces and their tokens
+    for key, doc in documents:
+        ids = np.asarray(tokenizer.encode(doc) + eos, np.int32)
+        start, offset = offset, 0
+        while start < len(ids):
+            piece = ids[start:start + width - filled]
+            pieces.append(piece)
+            start, filled = start + len(piece), filled + len(piece)
+            if filled == width:
+                yield pieces, key, start
+                pieces, filled = [], 0
+    if pieces:
+        yield pieces, None, None
+
+
+def _packed_row(pieces, width, pad_id):
+    """One row of `pack`: the pieces end to end, numbered 1, 2, ...; PAD under segment id 0 after them."""
+    tokens, segments = np.full(width, pad_id, np.int32), np.zeros(width, np.int32)
+    at = 0
+    for segment, piece in enumerate(pieces, 1):
+        tokens[at:at + len(piece)], segments[at:at + len(piece)] = piece, segment
+        at += len(piece)
+    return {"tokens": tokens, "segment_ids": segments}
+
+
+def read_records(patterns, fields, *, decode_errors="strict", nonempty=None):
+    """Objects with the string `fields` from `.jsonl` files (paths, globs or directories of them), one per line
+    (other keys dropped). ValueError naming the file and line for a line that is not such an object (and the type
+    found), or whose `nonempty` fields (default: all of `fields`) are all empty or white space: a record with
+    nothing to train on. Encoding as in `read_texts` (decode_errors)."""
+    _check_decode_errors(decode_errors)
+    records = []
+    for path in _expand(patterns, (".jsonl",)):
+        if not path.endswith(".jsonl"):
+            shown = ", ".join(f'"{f}": ...' for f in fields)
+            raise ValueError(f"data: {path!r} is not .jsonl; expected one {{{shown}}} per line")
+        for n, item in _jsonl(path, decode_errors):
+            wrong = _not_strings(item, fields)
+            if wrong:
+                raise ValueError(f"data: {path}:{n} is not an object with string fields {_names(fields)} ({wrong})")
+            record = {f: item[f] for f in fields}
+            check_not_empty(record, nonempty or fields, f"data: {path}:{n}")
+            records.append(record)
+    return records
+
+
+def _not_strings(item, fields):
+    """What keeps a parsed line from being an object with the string `fields` ('' when nothing does)."""
+    if not isinstance(item, dict):
+        return f"it is {_json_type(item)}"
+    for f in fields:
+        if f not in item:
+            return f"{f!r} is missing"
+        if not isinstance(item[f], str):
+            return f"{f!r} is {_json_type(item[f])}"
+    return ""
+
+
+def _names(fields):
+    """'a', 'b' and 'c'."""
+    return " and ".join(", ".join(repr(f) for f in fields).rsplit(", ", 1))
+
+
+def check_not_empty(record, fields, where):
+    """ValueError naming `where` (a file and line, or 'pair 3') when every one of `fields` of `record` is empty or
+    white space: such a record (an empty prompt and an empty response, say) has nothing to train on."""
+    if all(not record[f].strip() for f in fields):
+        verb = "is" if len(fields) == 1 else "are both" if len(fields) == 2 else "are all"
+        raise ValueError(f"{where}: {_names(fields)} {verb} empty; expected text to train on")
+
+
+def parse_mixture(spec):
+    """[(pattern, weight)] of a mixture spec: 'PATH[:WEIGHT],...' as a string or a list of its items (an absl list
+    flag's value). Weights are positive numbers, given for every source or for none (equal shares), and normalised
+    to sum to 1. A path holding ':' takes a weight so that its last ':' is the weight's."""
+    items = [part.strip() for part in (spec.split(",") if isinstance(spec, str) else spec)]
+    shown = spec if isinstance(spec, str) else ",".join(spec)
+    if not items or not all(items):
+        raise ValueError(f"data mixture {shown!r} has an empty source; expected {MIXTURE_FORM}")
+    sources = []
+    for item in items:
+        pattern, weight = item.rsplit(":", 1) if ":" in item else (item, None)
+        if weight is not None:
+            try:
+                weight = float(weight)
+            except ValueError:
+                weight = -1.0
+            if not (math.isfinite(weight) and weight > 0) or not pattern:
+                raise ValueError(f"data mixture {shown!r}: {item!r} has no positive weight after its last ':'; "
+                                 f"expected {MIXTURE_FORM}")
+        sources.append((pattern, weight))
+    given = [w is not None for _, w in sources]
+    if any(given) and not all(given):
+        raise ValueError(f"data mixture {shown!r} weighs some sources but not all; expected a weight on every "
+                         f"source or on none, {MIXTURE_FORM}")
+    weights = [w if w is not None else 1.0 for _, w in sources]
+    return [(pattern, w / sum(weights)) for (pattern, _), w in zip(sources, weights)]
+
+
+def _files_digest(files):
+    return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+
+
+class Mixture:
+    """Training windows from weighted sources: each source (a pattern of `parse_mixture`'s spec: files of any
+    format above) is tokenised and packed on its own into full rows of `pack`'s format ({'tokens', 'segment_ids'}
+    [seq_len + 1]), and the rows are interleaved so that each source's share of the windows, and so of the tokens,
+    follows its weight: window n comes from the source furthest behind its share (weight·(n + 1) − its windows so
+    far; ties to the earlier source), which keeps every source's count within two windows of weight·n (the tests
+    hold it there): each share is within 1% of its weight from the 200th window on. A source that runs out
+    restarts from its beginning (logged once), packing on across the epoch boundary, so the stream never ends.
+
+    An iterable: each `iter()` starts afresh from where the mixture was built (the beginning, or `from_state`'s
+    state), so the Trainer's in-order skip on resume lands on the same windows. Its iterator's `state()` is a
+    JSON-able position (windows per source, and each source's epoch, file, row and tokens used of that row's
+    document); `Mixture.from_state(state, tokenizer)` continues with exactly the next window, tokenising again only
+    the document each source stood in (earlier rows of its file are passed over unread in Parquet's skipped row
+    groups, read past but not tokenised elsewhere)."""
+
+    def __init__(self, spec, tokenizer, seq_len, *, text_column="text", decode_errors="strict"):
+        if not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"seq_len={seq_len!r}; expected an integer >= 2")
+        _check_decode_errors(decode_errors)
+        self.spec = spec.split(",") if isinstance(spec, str) else list(spec)
+        self.sources = parse_mixture(self.spec)
+        self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
+        self.decode_errors = decode_errors
+        self.files = [_expand(pattern) for pattern, _ in self.sources]
+        self.weights = [w for _, w in self.sources]
+        self._start = {"windows": [0] * len(self.sources),
+                       "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources]}
+
+    @classmethod
+    def from_state(cls, state, tokenizer, *, decode_errors="strict"):
+        """The mixture `state` (a `MixtureIterator.state()`) was taken from, iterating on from that position; the
+        tokenizer must be the one it was taken with. A source whose files changed since is a ValueError."""
+        mixture = cls(state["spec"], tokenizer, state["seq_len"], text_column=state["text_column"],
+                      decode_errors=decode_errors)
+        for (pattern, _), files, digest in zip(mixture.sources, mixture.files, state["files"]):
+            if _files_digest(files) != digest:
+                raise ValueError(f"data: the files of {pattern!r} changed since the mixture's state was saved "
+                                 f"(now {len(files)}: {_shown(files)}); expected the same files to resume")
+        mixture._start = {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]]}
+        return mixture
+
+    def __iter__(self):
+        return MixtureIterator(self, self._start)
+
+
+class MixtureIterator:
+    """The endless window stream of a `Mixture`, with its position (`state()`) after the windows taken so far."""
+
+    def __init__(self, mixture, start):
+        self._mixture = mixture
+        self.windows = list(start["windows"])
+        self.positions = [dict(p) for p in start["positions"]]
+        self._streams = [self._source_rows(i) for i in range(len(mixture.sources))]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        n, weights = sum(self.windows), self._mixture.weights
+        behind = [w * (n + 1) - k for w, k in zip(weights, self.windows)]
+        i = behind.index(max(behind))
+        row, self.positions[i] = next(self._streams[i])
+        self.windows[i] += 1
+        return row
+
+    def state(self):
+        """JSON-able: what `Mixture.from_state` needs to continue with the next window."""
+        m = self._mixture
+        return {"spec": m.spec, "seq_len": m.seq_len, "text_column": m.text_column,
+                "files": [_files_digest(files) for files in m.files], "windows": list(self.windows),
+                "positions": [dict(p) for p in self.positions]}
+
+    def _source_rows(self, i):
+        """(row, position after it) of source i, endlessly, from its current position."""
+        m, width = self._mixture, self._mixture.seq_len + 1
+        for pieces, (epoch, file, row), end in _fill_rows(self._epochs(i), m.tokenizer, width,
+                                                            self.positions[i]["offset"]):
+            yield _packed_row(pieces, width, m.tokenizer.pad_id), {"epoch": epoch, "file": file, "row": row,
+                                                                   "offset": end}
+
+    def _epochs(self, i):
+        """((epoch, file index, row), document) of source i from its position on, its files over and over."""
+        m, position = self._mixture, self.positions[i]
+        pattern, files = m.sources[i][0], m.files[i]
+        epoch, start = position["epoch"], (position["file"], position["row"])
+        while True:
+            for (file, row), text in _documents(files, m.text_column, m.decode_errors, repr(pattern), start):
+                yield (epoch, file, row), text
+            if epoch == position["epoch"]:
+                logging.info("data: mixture source %r (weight %.3g) ran out after epoch %d; it restarts from its "
+                             "beginning (logged once)", pattern, m.weights[i], epoch)
+            epoch, start = epoch + 1, (0, 0)
