@@ -874,7 +874,7 @@ class Trainer:
         """What runs between steps: a log line every `log` steps, a checkpoint every `save`, an eval every `eval`."""
         if len(self._pending) >= every["log"]:
             self._flush(rows, batch)
-        if every["save"] and self._step % every["save"] == 0:
+        if every["save"] and self._checkpointer is not None and self._step % every["save"] == 0:
             self.save_checkpoint()
         if every["eval"] and self._step % every["eval"] == 0:
             if self._pending:

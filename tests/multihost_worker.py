@@ -3,7 +3,7 @@ forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
        [forward|train|diloco|streaming|ppo|grpo|
-       pipeline|context|signal|workdirs|killed]
+       pipeline|context|signal|workdirs|killed|whole|crash|resume]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
@@ -12,7 +12,9 @@ parameters, `grpo` the same with GRPO; `pipeline` a few Trainer steps of a 4-lay
 the losses; `context` the same LLaMA with each row's tokens split over context 2 inside each process (data 2 x
 context 2 x model 2, data across the processes); `signal` a long run with a workdir that the test stops with a
 signal to one process, each process saving [step, stopped]; `workdirs` the same with a workdir per process (refused);
-`killed` the same run with a 5 s heartbeat time-out, for a test that kills one process.
+`killed` the same run with a 5 s heartbeat time-out, for a test that kills one process; `whole` two epochs (saving
+the parameters), `crash` the same on a workdir until every process dies at once in epoch 1 (status 3), `resume` the
+same call again on that workdir (saving the parameters).
 """
 import os
 import sys
@@ -106,6 +108,28 @@ def train_until_signal(mesh, workdir):
     return np.array([trainer.step, trainer.stopped_by_signal])
 
 
+def restart_run(mesh, workdir, mode):
+    """The flat parameters after `fit(n_epochs=2)`; mode 'crash': every process ends with status 3 (a lost job's
+    stand-in) when collating its 12th batch, after the checkpoints of steps 3, 6 and 9."""
+    import optax
+    from tests import trainer_task as task
+    calls = []
+
+    def collate(examples):
+        calls.append(1)
+        if mode == "crash" and len(calls) == 12:
+            os._exit(3)
+        return task.collate_fn(examples)
+
+    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=task.loss_fn, params=task.init_params(),
+                             optimizer=optax.adam(1e-2), workdir=None if mode == "whole" else workdir)
+    trainer.fit(task.make_examples(64), per_device_batch_size=2, n_epochs=2, save_every=3)
+    trainer.close()
+    gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
+    flat = [np.asarray(x.addressable_shards[0].data).ravel() for x in jax.tree.leaves(gather(trainer.params))]
+    return np.concatenate([[trainer.step], *flat])
+
+
 def llama_losses(mesh, steps=4):
     """Losses of a short Trainer run of a native 4-layer LLaMA (scanned; a pipeline where `mesh` has stages, each
     row's tokens split where it has `context`)."""
@@ -147,6 +171,12 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
     if mode == "signal":  # every process writes its own result: they must agree on the stop
         np.save(f"{out}.{jax.process_index()}.npy", train_until_signal(engine.make_mesh(data=4, model=2),
                                                                        os.path.join(os.path.dirname(out), "w")))
+        jax.distributed.shutdown()
+        return
+    if mode in ("whole", "crash", "resume"):
+        result = restart_run(engine.make_mesh(data=4, model=2), os.path.join(os.path.dirname(out), "w"), mode)
+        if jax.process_index() == 0:
+            np.save(out, result)
         jax.distributed.shutdown()
         return
     if mode in ("train", "diloco", "streaming", "ppo", "grpo", "pipeline", "context"):

@@ -32,7 +32,7 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 # ------------------------------------------------------------------------------------------ repeated fit
 def test_each_fit_trains_n_epochs_more_and_total_epochs_is_counted_over_the_trainers_life():
     trainer = _trainer()
-    trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1)
+    trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1, save_every=3)  # no workdir: nothing to save
     assert (trainer.step, trainer.epoch) == (8, 1)
     trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1)  # RedCoast's agent.train(n_epochs=...) per episode
     assert (trainer.step, trainer.epoch) == (16, 2)

@@ -628,6 +628,23 @@ def _two_workers(tmp_path, mode):
     return np.load(out)
 
 
+@pytest.mark.slow  # three two-process runs; tests/test_fit_patterns.py checks the restart in one process
+def test_two_processes_restarted_after_dying_together_end_where_the_uninterrupted_run_ends(tmp_path):
+    """Both processes of a `fit(n_epochs=2)` run die at once in epoch 1; the same command re-run continues the
+    interrupted call from the last checkpoint and ends bit for bit where a run without the crash ends."""
+    whole = _two_workers(tmp_path, "whole")
+    out = tmp_path / "crash.npy"
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, out, 60, "crash") for pid in (0, 1)]
+    for p in procs:
+        log = p.communicate(timeout=300)[0]
+        assert p.returncode == 3, log[-3000:]
+    assert os.listdir(tmp_path / "w" / "checkpoints")
+    resumed = _two_workers(tmp_path, "resume")
+    assert resumed[0] == whole[0] == 16
+    np.testing.assert_array_equal(resumed, whole)
+
+
 @pytest.mark.slow  # for CI time: tests/test_readme.py runs the README's two-process example by default
 def test_two_processes_match_single_process(tmp_path):
     from tests import multihost_worker
