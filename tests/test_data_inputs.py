@@ -416,6 +416,8 @@ def test_mixture_specs_are_parsed_and_bad_weights_refused():
     assert sources.parse_mixture("a.txt") == [("a.txt", 1.0)]
     assert sources.parse_mixture(" a.txt , b.txt ") == [("a.txt", 0.5), ("b.txt", 0.5)]
     assert sources.parse_mixture("dir:v2/a.txt:1") == [("dir:v2/a.txt", 1.0)]  # the last ':' holds the weight
+    assert sources.is_mixture(["a.txt", "b.parquet:2"]) and sources.is_mixture("a:x") and not sources.is_mixture(
+        ["a.txt", "b/*.parquet"])
     for spec, found in (("a.txt:0.7,b.txt:x", "'b.txt:x' has no positive weight after its last ':'"),
                         ("a.txt:0", "'a.txt:0' has no positive weight"), ("a.txt:-1", "'a.txt:-1' has no positive"),
                         ("a.txt:nan", "'a.txt:nan' has no positive"), ("a.txt:inf", "'a.txt:inf' has no positive"),

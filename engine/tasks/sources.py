@@ -347,6 +347,12 @@ def check_not_empty(record, fields, where):
         raise ValueError(f"{where}: {_names(fields)} {verb} empty; expected text to train on")
 
 
+def is_mixture(spec):
+    """Whether a --data value (a string or a list flag's items) is a weighted mixture: some item has a ':WEIGHT'
+    (`parse_mixture`'s rule, so a path holding ':' must take a weight too)."""
+    return any(":" in item for item in (spec.split(",") if isinstance(spec, str) else spec))
+
+
 def parse_mixture(spec):
     """[(pattern, weight)] of a mixture spec: 'PATH[:WEIGHT],...' as a string or a list of its items (an absl list
     flag's value). Weights are positive numbers, given for every source or for none (equal shares), and normalised
