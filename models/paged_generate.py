@@ -1,16 +1,18 @@
 """Continuous batching over a paged KV cache (vLLM's scheme) for the decoder-only families: `PagedEngine`,
 `generate_continuous`.
 
-The cache is one pool of pages per layer, k and v [kv_heads, num_pages + 1, page_size, head_dim] (the last page a
-scratch page that padding and idle slots write to), and a page table per sequence slot (models/layers/attention.py
-has the layout). A host-side free list hands a sequence pages as it grows and takes them back when it ends. The
-scheduler keeps up to `max_batch` sequences in flight: it admits waiting requests first come, first served when a slot
-is free and the pool can hold the request's whole length on top of what the running ones may still take (so no
-sequence ever waits for a page, and none needs preempting), prefills each alone through the model's normal forward
-(flash attention; its keys and values written into its pages), then decodes every slot together, one token each,
-in one compiled step of fixed shape, attention read through `kernels.paged_attention`. A sequence retires at its
-own EOS or length limit and its pages return to the free list. Compiled once per prompt-length bucket (prefill) and
-once per page-table width (decode), never per request mix.
+The cache is one pool of pages for every layer, k and v [kv_heads, num_layers * (num_pages + 1), page_size, head_dim]
+(`paged_cache`; each layer's last page a scratch page that padding and idle slots write to), and a page table per
+sequence slot (models/layers/attention.py has the layout of a layer's pages), shifted to each layer's pages as the
+layers run; a scanned model runs its layers as one scan carrying the pool. A host-side free list hands a sequence
+pages as it grows and takes them back when it ends. The scheduler keeps up to `max_batch` sequences in flight: it
+admits waiting requests first come, first served when a slot is free and the pool can hold the request's whole length
+on top of what the running ones may still take (so no sequence ever waits for a page, and none needs preempting),
+prefills each alone through the model's normal forward (flash attention; its keys and values written into its pages),
+then decodes every slot together, one token each, in one compiled step of fixed shape, attention read through
+`kernels.paged_attention`, and one sampling program draws the tokens (first tokens too). A sequence retires at its own
+EOS or length limit and its pages return to the free list. Compiled once per prompt-length bucket (prefill) and once
+per page-table width (decode), never per request mix.
 
 Shared prompt pages (GRPO's G samples of one prompt, best-of-n): a request whose prompt equals that of a running
 request is not prefilled again; it takes the same prompt pages (a reference count per page; a page returns to the
@@ -24,6 +26,7 @@ only its own pages (and one copy). `share_prompts=False` prefills and stores eve
 import collections
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,21 +38,20 @@ from models.layers.options import compute_dtype
 
 
 def paged_cache(model, num_pages, page_size, dtype=None):
-    """Zeroed page pools of a decoder, one per layer: [{'k_pages', 'v_pages': [kv_heads, num_pages + 1, page_size,
-    head_dim]}] (the last page the scratch page) in `dtype` (default the compute dtype; int8 adds float32 'k_scale',
-    'v_scale' [kv_heads, num_pages + 1, page_size], `kernels.quantize_kv`'s). A list, not a stack, so each layer
-    updates its own pool in place (slicing a stacked pool copies it every step)."""
+    """Zeroed page pools of a decoder, its layers folded into the page axis: {'k_pages', 'v_pages': [kv_heads,
+    num_layers * (num_pages + 1), page_size, head_dim]}, layer l's page p at index l * (num_pages + 1) + p (each
+    layer's last page its scratch page), in `dtype` (default the compute dtype; int8 adds float32 'k_scale',
+    'v_scale' [kv_heads, num_layers * (num_pages + 1), page_size], `kernels.quantize_kv`'s). One array for every
+    layer, so the layer stack is one scan carrying it (`_Stack`); folded rather than stacked on a leading layer axis,
+    so a layer reads and writes its pages through its shifted page table, never a slice of the pool (slicing a
+    stacked pool out and back copied it every step: models/README.md)."""
     c = model.config
     dtype = jnp.dtype(dtype or compute_dtype(c))
-
-    def pools():
-        shape = (c.kv_heads, num_pages + 1, page_size, c.dim_per_head)
-        out = {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
-        if dtype == jnp.int8:
-            out.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
-        return out
-
-    return [pools() for _ in range(c.num_layers)]
+    shape = (c.kv_heads, c.num_layers * (num_pages + 1), page_size, c.dim_per_head)
+    pools = {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
+    if dtype == jnp.int8:
+        pools.update(k_scale=jnp.ones(shape[:-1], jnp.float32), v_scale=jnp.ones(shape[:-1], jnp.float32))
+    return pools
 
 
 def page_bytes(model, page_size, dtype=None):
@@ -72,6 +74,7 @@ class _Request:
     top_p: float  # 1.0: none
     seed: int
     tokens: list = dataclasses.field(default_factory=list)  # generated so far
+    logits_row: int = 0  # the row of `PagedEngine._logits` holding its prompt's last logits
     pages: list = dataclasses.field(default_factory=list)  # its page table row (prompt pages possibly shared)
     reserved: int = 0  # pages it may take from the free list over its life (`PagedEngine._reserve`)
     taken: int = 0  # pages it has taken so far
@@ -83,10 +86,10 @@ class _Request:
 
 @dataclasses.dataclass
 class _Prompt:
-    """A prompt's pages, prefilled once, and its last position's float32 logits [1, vocab], from which every request
-    sharing it draws its first token."""
+    """A prompt's pages, prefilled once, and the row of `PagedEngine._logits` holding its last position's float32
+    logits, from which every request sharing it draws its first token."""
     pages: list
-    logits: object
+    row: int
 
 
 class PagedEngine:
@@ -133,7 +136,12 @@ class PagedEngine:
         self.admission_order = []  # request ids as admitted
         self.peak_pages = 0  # most pages in use at once
         self.prefills = 0  # prompts prefilled (a shared prompt once)
-        self._pools = _placed(paged_cache(model, num_pages, page_size, cache_dtype), _mesh_of(params))
+        mesh = _mesh_of(params)
+        self._pools = _placed(paged_cache(model, num_pages, page_size, cache_dtype), mesh)
+        # Each prompt's last logits wait in a row of one buffer (rows as held: at most one prompt per running
+        # request), so first tokens and decoded ones are drawn by one sampling program of one shape.
+        self._logits = _placed(jnp.zeros((max_batch, model.config.vocab_size), jnp.float32), mesh, split=False)
+        self._free_rows = list(range(max_batch))
         self._waiting = collections.deque()
         self._next_id = 0
         self._slots = [None] * max_batch  # the running request of each slot
@@ -141,10 +149,10 @@ class PagedEngine:
         # Page-table entries per slot: max_len's pages (paged_attention reads every entry's block, so none spare),
         # else a power of two grown (a new compile) when a longer request arrives.
         self._table_width = 1 if max_len is None else -(-max_len // page_size)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=1)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
-        self._first = jax.jit(_select)
-        self._copy = jax.jit(_copy_pages, donate_argnums=0)
+        self._sample = jax.jit(_select)
+        self._copy = jax.jit(self._copy_fn, donate_argnums=0)
 
     def add_request(self, prompt_ids, max_new_tokens, *, eos_id=None, temperature=0.0, top_k=None, top_p=None,
                     seed=0):
@@ -185,10 +193,15 @@ class PagedEngine:
             self._table_width = max(self._table_width, _power_of_two(width))
         slots, done = self._slots, {}
         with kernels.under_mesh(_mesh_of(self.params)):
-            for i in range(self.max_batch):
-                while slots[i] is None and self._waiting and self._fits(self._waiting[0]):
-                    slots[i] = self._start(self._waiting.popleft())
-                    self._retire_if_done(slots, i, done)
+            started = True
+            while started:  # rounds, as a request ending at its first token frees its slot for the next
+                started = []
+                for i in range(self.max_batch):
+                    if slots[i] is None and self._waiting and self._fits(self._waiting[0]):
+                        slots[i] = self._start(self._waiting.popleft())
+                        started.append(i)
+                if started:
+                    self._draw_first(slots, started, done)
             if any(slots):
                 self._decode_all(slots, done)
         return done
@@ -207,13 +220,13 @@ class PagedEngine:
 
     @property
     def pools(self):
-        """The page pools, one dict per layer (`paged_cache`), as they lie on the devices now."""
+        """The page pools of every layer (`paged_cache`), as they lie on the devices now."""
         return self._pools
 
     @property
     def cache_dtype(self):
         """The pages' dtype (int8 for a quantised cache)."""
-        return self._pools[0]["k_pages"].dtype
+        return self._pools["k_pages"].dtype
 
     @property
     def held_pages(self):
@@ -265,7 +278,9 @@ class PagedEngine:
             copies.append((page, request.pages[i]))
 
     def _forget_prompt(self, key):
-        for page in self._prompts.pop(key).pages:
+        prompt = self._prompts.pop(key)
+        self._free_rows.append(prompt.row)
+        for page in prompt.pages:
             del self._prompt_of_page[page]
 
     def _release(self, request):
@@ -294,7 +309,7 @@ class PagedEngine:
 
     def _start(self, request):
         """Admits a request: it joins the running prompt equal to its own, or its prompt is prefilled (alone, right-
-        padded to a bucket) into fresh pages; its first token is drawn from the prompt's last logits."""
+        padded to a bucket) into fresh pages, its last logits into a row of `_logits` (`_draw_first` draws from it)."""
         self.admission_order.append(request.id)
         key = tuple(request.prompt)
         prompt = self._prompts.get(key)
@@ -305,18 +320,33 @@ class PagedEngine:
             ids = np.zeros((1, _bucket(n)), np.int32)
             ids[0, :n] = request.prompt
             mask = (np.arange(ids.shape[1]) < n).astype(np.int32)[None]
-            logits, self._pools = self._prefill(self.params, self._pools, ids, mask, self._table([request]),
-                                                np.int32(n - 1))
+            prompt = _Prompt(list(request.pages), self._free_rows.pop())
+            self._pools, self._logits = self._prefill(self.params, self._pools, self._logits, ids, mask,
+                                                      self._table([request]), np.int32(n - 1), np.int32(prompt.row))
             self.prefills += 1
-            prompt = _Prompt(list(request.pages), logits)
             if self.share_prompts:
                 self._prompts[key] = prompt
                 self._prompt_of_page.update((page, key) for page in prompt.pages)
         else:
             request.pages = list(prompt.pages)
             self._refs[request.pages] += 1
-        request.tokens.append(int(self._first(prompt.logits, *self._sampling([request]))[0]))
+        request.logits_row = prompt.row
         return request
+
+    def _draw_first(self, slots, started, done):
+        """The first tokens of the requests just started in `slots[i]`, i in `started`, drawn together from their
+        prompts' rows; retires those they end. A row no stored prompt names (`share_prompts=False`) is free after."""
+        rows = np.zeros(self.max_batch, np.int32)
+        rows[started] = [slots[i].logits_row for i in started]
+        new = np.asarray(self._sample(self._logits, rows, *self._sampling([slots[i] if i in started else None
+                                                                           for i in range(self.max_batch)])))
+        stored = {p.row for p in self._prompts.values()}
+        for i in started:
+            r = slots[i]
+            r.tokens.append(int(new[i]))
+            if r.logits_row not in stored:
+                self._free_rows.append(r.logits_row)
+            self._retire_if_done(slots, i, done)
 
     def _decode_all(self, slots, done):
         """One decode step of every slot; retires the sequences it ends."""
@@ -332,9 +362,8 @@ class PagedEngine:
         tokens = np.array([r.tokens[-1] if r else 0 for r in slots], np.int32)
         lengths = np.array([len(r.prompt) + len(r.tokens) - 1 if r else 0 for r in slots], np.int32)
         active = np.array([r is not None for r in slots], np.int32)
-        new, self._pools = self._decode(self.params, self._pools, tokens, self._table(slots), lengths, active,
-                                        *self._sampling(slots))
-        new = np.asarray(new)
+        logits, self._pools = self._decode(self.params, self._pools, tokens, self._table(slots), lengths, active)
+        new = np.asarray(self._sample(logits, np.arange(self.max_batch, dtype=np.int32), *self._sampling(slots)))
         for i, r in enumerate(slots):
             if r is not None:
                 r.tokens.append(int(new[i]))
@@ -347,46 +376,106 @@ class PagedEngine:
             done[r.id] = r.tokens
             slots[i] = None
 
-    def _prefill_fn(self, params, pools, ids, mask, table, last):
+    def _prefill_fn(self, params, pools, rows, ids, mask, table, last, row):
         self.traces["prefill"] += 1
-        cache = {"layers": pools, "page_table": table, "lengths": jnp.zeros((1,), jnp.int32)}
-        logits, cache = self.model.apply({"params": params}, ids, mask, cache=cache)
-        return logits[:, last].astype(jnp.float32), cache["layers"]
+        logits, pools = self._forward(params, pools, ids, mask, table, jnp.zeros((1,), jnp.int32))
+        rows = jax.lax.dynamic_update_slice(rows, logits[:, last].astype(rows.dtype), (row, 0))
+        return pools, rows
 
-    def _decode_fn(self, params, pools, tokens, table, lengths, active, *sampling):
+    def _decode_fn(self, params, pools, tokens, table, lengths, active):
         self.traces["decode"] += 1
-        cache = {"layers": pools, "page_table": table, "lengths": lengths}
-        logits, cache = self.model.apply({"params": params}, tokens[:, None], active[:, None], cache=cache)
-        return _select(logits[:, -1].astype(jnp.float32), *sampling), cache["layers"]
+        logits, pools = self._forward(params, pools, tokens[:, None], active[:, None], table, lengths)
+        return logits[:, -1].astype(jnp.float32), pools
+
+    def _forward(self, params, pools, ids, mask, table, lengths):
+        """(logits [B, T, vocab], pools) of the model's own forward (embedding, head, whatever its family adds),
+        its layer stack run by `_Stack` over the pools."""
+        stack = _Stack(self.model, params, pools, self.num_pages + 1)
+        cache = {"layers": [_LayerSlot(i) for i in range(stack.num_layers)], "page_table": table,
+                 "lengths": lengths}
+        with nn.intercept_methods(stack):
+            logits, _ = self.model.apply({"params": params}, ids, mask, cache=cache)
+        return logits, stack.pools
+
+    def _copy_fn(self, pools, source, copy):
+        """The pools with page source[i] copied to page copy[i] in every layer."""
+        shift = (self.num_pages + 1) * jnp.arange(self.model.config.num_layers, dtype=jnp.int32)[:, None]
+        source, copy = (source[None] + shift).reshape(-1), (copy[None] + shift).reshape(-1)
+        return jax.tree.map(lambda x: x.at[:, copy].set(x[:, source]), pools)
 
 
-def _placed(pools, mesh):
-    """The pools on the parameters' mesh (None: as they are) with their kv heads over `model` where it divides
-    them, as the attention's k / v projections are split (each device then holds and reads only its heads' pages),
-    whole on every device otherwise."""
+@dataclasses.dataclass(frozen=True)
+class _LayerSlot:
+    """What layer `index` of the model's stack is handed as its cache (`PagedEngine._forward`): a stand-in that
+    `_Stack` recognises in the blocks' calls."""
+    index: int
+
+
+class _Stack:
+    """The model's layer stack over the folded pools (`paged_cache`), as an interceptor of its blocks' calls
+    (`flax.linen.intercept_methods`): the model's forward runs as it is around the stack, while each layer gets the
+    whole pool and the page table shifted to its pages (`layer_ctx`), and the pool goes from layer to layer.
+
+    Stacked weights (scan_layers=True, the accelerators' default): the blocks' calls only collect each layer's
+    per-layer values (Gemma's sliding flags), and the last runs every layer as one `lax.scan` of the block over the
+    weights, the pool in its carry, so the program holds one layer at any depth. Separate `layers_{i}` sub-trees
+    (or layers that differ, Qwen3-MoE's dense among sparse) run at their own calls, one after the other."""
+
+    def __init__(self, model, params, pools, pages_per_layer):
+        self.pools, self.pages_per_layer = pools, pages_per_layer
+        self.num_layers = model.config.num_layers
+        self.weights = params["layers"] if model.config.scan_layers else None
+        self.values = []  # each layer's per-layer arguments, as the model passes them
+
+    def layer_ctx(self, ctx, index):
+        return {**ctx, "page_table": ctx["page_table"] + index * self.pages_per_layer}
+
+    def __call__(self, next_fun, args, kwargs, context):
+        if len(args) < 3 or not isinstance(args[2], _LayerSlot):
+            return next_fun(*args, **kwargs)
+        x, ctx, slot, *values = args
+        if self.weights is None:
+            x, self.pools = next_fun(x, self.layer_ctx(ctx, slot.index), self.pools, *values, **kwargs)
+            return x, None
+        self.values.append(values)
+        if slot.index < self.num_layers - 1:
+            return x, None  # unchanged: every layer runs in the scan at the last layer's call
+        block = context.module.clone(parent=None)
+        values = jax.tree.map(lambda *v: jnp.asarray(v), *self.values)  # [num_layers] each, scanned
+
+        def layer(carry, xs):
+            x, pools = carry
+            index, weights, values = xs
+            return block.apply({"params": weights}, x, self.layer_ctx(ctx, index), pools, *values, **kwargs), None
+
+        (x, self.pools), _ = jax.lax.scan(layer, (x, self.pools), (jnp.arange(self.num_layers), self.weights,
+                                                                   values))
+        return x, None
+
+
+def _placed(arrays, mesh, split=True):
+    """The arrays on the parameters' mesh (None: as they are): the pools with their kv heads over `model` where it
+    divides them, as the attention's k / v projections are split (each device then holds and reads only its heads'
+    pages), whole on every device otherwise (and without `split`)."""
     if mesh is None:
-        return pools
+        return arrays
     model = dict(mesh.shape).get(kernels.MODEL_AXIS, 1)
 
     def place(x):
-        spec = jax.sharding.PartitionSpec(kernels.MODEL_AXIS if x.shape[0] % model == 0 else None)
+        spec = jax.sharding.PartitionSpec(kernels.MODEL_AXIS if split and x.shape[0] % model == 0 else None)
         return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-    return jax.tree.map(place, pools)
-
-
-def _copy_pages(pools, source, copy):
-    """The pools with page source[i] copied to page copy[i] in every layer (leaves [kv_heads, pages, ...])."""
-    return jax.tree.map(lambda x: x.at[:, copy].set(x[:, source]), pools)
+    return jax.tree.map(place, arrays)
 
 
 def _power_of_two(n):
     return 1 << (n - 1).bit_length()
 
 
-def _select(logits, temperature, top_k, top_p, seed, count):
-    """Each row's next token from float32 logits [B, V]: argmax where its temperature is 0, else a sample of its
+def _select(logits, rows, temperature, top_k, top_p, seed, count):
+    """Each row's next token from float32 logits[rows] [B, V]: argmax where its temperature is 0, else a sample of its
     temperature, top_k (0: all) and top_p (1: all) (`models.generate`'s filters, row by row) drawn with the key
     fold_in(PRNGKey(seed), tokens generated so far), so a request's draws do not depend on its neighbours."""
+    logits = logits[rows]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample():
@@ -394,7 +483,8 @@ def _select(logits, temperature, top_k, top_p, seed, count):
         ordered = jnp.sort(x, axis=-1)[:, ::-1]
         kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, x.shape[-1] - 1)[:, None], axis=1)
         x = jnp.where((top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-        ordered = jnp.sort(x, axis=-1)[:, ::-1]
+        # x's masking maps values monotonically, so it commutes with the sort: no second sort
+        ordered = jnp.where((top_k[:, None] > 0) & (ordered < kth), -jnp.inf, ordered)
         probs = jax.nn.softmax(ordered, axis=-1)
         keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # the top token is always kept
         threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)

@@ -12,12 +12,13 @@ machine shared with other jobs times noisily); each first run says how many prog
 
 Printed: tokens per second (the responses' tokens over the timed wall time), KV memory (static: rows x (bucketed
 prompt + max_new) x bytes per token; paged: the pages held at the peak x page bytes, and the pool allocated), the
-paged engine's time split (prefill, first tokens, decode, the host scheduler), and with --train_step the rollout's
+paged engine's time split (prefill, sampling, decode, the host scheduler), and with --train_step the rollout's
 share of a GRPO iteration (rollout + scoring the rows with two forward passes + one epoch of training steps over
 them, measured on the same model).
 
   .venv/bin/python scripts/bench_rollout.py                       # 64 prompts x 8 samples, up to 256 new tokens
   .venv/bin/python scripts/bench_rollout.py --prompts=8 --max_new=32 --timed_runs=1   # a quick look
+  .venv/bin/python scripts/bench_rollout.py --compile_only ...     # each path once: its programs' compile seconds
 """
 import collections
 import time
@@ -47,10 +48,11 @@ flags.DEFINE_integer("layers", 2, "The LLaMA's layers.", lower_bound=1)
 flags.DEFINE_integer("heads", 4, "Attention heads.", lower_bound=1)
 flags.DEFINE_integer("kv_heads", 2, "Key / value heads.", lower_bound=1)
 flags.DEFINE_integer("vocab", 256, "Vocabulary size.", lower_bound=2)
-flags.DEFINE_bool("scan_layers", False, "The layers as one scanned stack: the static path's program then holds one "
-                  "layer at any depth (lowered for cuda at hidden 1024, 8 layers: 1,130 StableHLO ops against 3,725 "
-                  "unscanned), but its decode loop passes the stacked cache through the scan (slower per token on "
-                  "CPU). The paged engine runs its layers one by one either way (a pool per layer).")
+flags.DEFINE_bool("scan_layers", None, "The layers as one scanned stack; unset: on GPU and TPU (the training scripts' "
+                  "default), not on CPU. The static path's program then holds one layer at any depth (lowered for cuda "
+                  "at hidden 1024, 8 layers: 1,130 StableHLO ops against 3,725 unscanned), but its decode loop passes "
+                  "the stacked cache through the scan (slower per token on CPU); the paged engine's programs hold one "
+                  "layer, its pool carried through the scan.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "The parameters' (and so the computation's) dtype; unset: "
                   "bfloat16 on GPU and TPU, float32 on CPU (the training scripts' default).")
 flags.DEFINE_integer("max_batch", 32, "The paged engine's sequence slots.", lower_bound=1)
@@ -63,12 +65,19 @@ flags.DEFINE_integer("timed_runs", 2, "Timed runs of each path after the compili
                      lower_bound=1)
 flags.DEFINE_bool("train_step", True, "Also time scoring and one training epoch over the rollout's rows, for the "
                   "rollout's share of a GRPO iteration.")
+flags.DEFINE_bool("compile_only", False, "Run each path once and print what it compiled, per program: traces, "
+                  "tracing, lowering and backend compile seconds (the GPU check's compile question, in minutes).")
 flags.DEFINE_integer("train_batch", 64, "Rows per training step (with --train_step).", lower_bound=1)
 
 
 def dtype():
     """--dtype, or the backend's default."""
     return FLAGS.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+
+
+def scan_layers():
+    """--scan_layers, or the backend's default."""
+    return jax.default_backend() != "cpu" if FLAGS.scan_layers is None else FLAGS.scan_layers
 
 
 def workload():
@@ -78,7 +87,7 @@ def workload():
                          f"{FLAGS.min_new}, --max_new={FLAGS.max_new}; expected min <= max")
     model = models.create_model("llama", "tiny", vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
                                 intermediate_size=4 * FLAGS.hidden, num_layers=FLAGS.layers, num_heads=FLAGS.heads,
-                                num_kv_heads=FLAGS.kv_heads, scan_layers=FLAGS.scan_layers,
+                                num_kv_heads=FLAGS.kv_heads, scan_layers=scan_layers(),
                                 max_position_embeddings=2 * (FLAGS.max_prompt + FLAGS.max_new))
     params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed))
     params = jax.tree.map(lambda p: p.astype(dtype()), params)  # the model computes in its parameters' dtype
@@ -122,7 +131,7 @@ def paged_engine(model, params, num_pages):
     engine = models.PagedEngine(model, params, max_batch=FLAGS.max_batch, page_size=FLAGS.page_size,
                                 num_pages=num_pages, max_len=FLAGS.max_prompt + FLAGS.max_new)
     engine.seconds = collections.Counter()
-    for name in ("_prefill", "_first", "_decode", "_copy"):
+    for name in ("_prefill", "_sample", "_decode", "_copy"):
         setattr(engine, name, _Timed(getattr(engine, name), engine.seconds, name[1:]))
     return engine
 
@@ -135,7 +144,7 @@ def paged_rollout(engine, requests):
     start = time.perf_counter()
     out = engine.run()
     parts = dict(engine.seconds, total=time.perf_counter() - start)
-    parts["host"] = parts["total"] - sum(parts.get(k, 0.0) for k in ("prefill", "first", "decode", "copy"))
+    parts["host"] = parts["total"] - sum(parts.get(k, 0.0) for k in ("prefill", "sample", "decode", "copy"))
     return [out[i] for i in ids], parts, engine.prefills - prefills
 
 
@@ -180,21 +189,40 @@ def grpo_rest(model, params, requests, outputs):
 
 
 class _Compiles:
-    """Programs XLA compiled and their backend compile seconds (jax.monitoring's event), from `start()` on: the first
-    run of each path says how much of its time was compiling, and how many programs it took."""
-    EVENT = "/jax/core/compile/backend_compile_duration"
+    """What JAX compiled from `start()` on, per program (the jitted function's name), from jax.monitoring's events:
+    traces, tracing seconds, lowering seconds (jaxpr to StableHLO) and backend compiles with their seconds (XLA's
+    passes and code generation). The first run of each path says how much of its time was compiling, and how many
+    programs it took; --compile_only prints the split per program."""
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace", "/jax/core/compile/jaxpr_to_mlir_module_duration":
+              "lower", "/jax/core/compile/backend_compile_duration": "compile"}
 
     def __init__(self):
-        self.programs, self.seconds = 0, 0.0
+        self.start()
         jax.monitoring.register_event_duration_secs_listener(self._record)
 
-    def _record(self, event, seconds, **_):
-        if event == self.EVENT:
-            self.programs += 1
-            self.seconds += seconds
+    def _record(self, event, seconds, fun_name="?", **_):
+        if event in self.EVENTS:  # the lowering and compile events name a function jit(name), its trace name
+            row = self.by_program[fun_name[4:-1] if fun_name.startswith("jit(") else fun_name]
+            row[self.EVENTS[event]] += seconds
+            row[self.EVENTS[event] + "s"] += 1
 
     def start(self):
-        self.programs, self.seconds = 0, 0.0
+        self.by_program = collections.defaultdict(collections.Counter)
+
+    @property
+    def programs(self):
+        return sum(row["compiles"] for row in self.by_program.values())
+
+    @property
+    def seconds(self):
+        return sum(row["compile"] for row in self.by_program.values())
+
+    def table(self, path):
+        """Markdown rows of `path`'s programs, the costliest first, and a total row."""
+        rows = sorted(self.by_program.items(), key=lambda item: -item[1]["lower"] - item[1]["compile"])
+        total = sum((row for _, row in rows), collections.Counter())
+        return [f"| {path} | {name} | {row['compiles']} | {row['trace']:.2f} | {row['lower']:.2f} | "
+                f"{row['compile']:.2f} |" for name, row in [*rows, ("all", total)]]
 
 
 def main(argv):
@@ -209,13 +237,14 @@ def main(argv):
     print(f"workload: {FLAGS.prompts} prompts x {FLAGS.samples} samples, prompts {FLAGS.min_prompt}-"
           f"{FLAGS.max_prompt} tokens, responses {FLAGS.min_new}-{FLAGS.max_new} ({FLAGS.lengths}, mean "
           f"{new_tokens / len(requests):.1f}), {new_tokens} response tokens; LLaMA hidden {c.hidden_size}, "
-          f"{c.num_layers} layers{' (scanned)' if FLAGS.scan_layers else ''}, {c.num_heads}/{c.kv_heads} heads, "
+          f"{c.num_layers} layers{' (scanned)' if c.scan_layers else ''}, {c.num_heads}/{c.kv_heads} heads, "
           f"vocab {c.vocab_size}, {dtype()}; "
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)", flush=True)
 
     results, engine = {}, paged_engine(model, params, num_pages)  # one engine: its compiles in the first run
-    for run in range(1 + FLAGS.timed_runs):  # the first compiles; then the paths alternate (a busy machine's noise)
-        for name in FLAGS.paths:
+    report = ["| path | program | compiles | trace s | lower s | compile s |", "|---|---|---|---|---|---|"]
+    for run in range(1 if FLAGS.compile_only else 1 + FLAGS.timed_runs):  # the first compiles; then the paths
+        for name in FLAGS.paths:  # alternate (a busy machine's noise)
             compiles.start()
             start = time.perf_counter()
             if name == "static":
@@ -226,13 +255,18 @@ def main(argv):
             print(f"  {name} run {run}: {seconds:.1f} s" + (f" ({compiles.programs} programs compiled in "
                                                              f"{compiles.seconds:.1f} s)" if compiles.programs else ""),
                   flush=True)
+            if run == 0:
+                report += compiles.table(name)
             if run and (name not in results or seconds < results[name][0]):
                 results[name] = (seconds, out, extra)
+    if FLAGS.compile_only:
+        print("\n".join(["", *report]))
+        return
     if "paged" in results:
         seconds, _, (parts, prefills) = results["paged"]
         print(f"paged engine, timed run: {seconds:.1f} s, {new_tokens / seconds:,.0f} tokens/s, peak "
               f"{engine.peak_pages} of {engine.num_pages} pages; prefill {parts.get('prefill', 0):.2f} s ({prefills} "
-              f"prompts), first tokens {parts.get('first', 0):.2f} s, decode {parts.get('decode', 0):.2f} s, page "
+              f"prompts), sampling {parts.get('sample', 0):.2f} s, decode {parts.get('decode', 0):.2f} s, page "
               f"copies {parts.get('copy', 0):.2f} s, host scheduler {parts['host']:.2f} s")
     if len(results) < 2:
         return

@@ -1,5 +1,6 @@
 """models.paged_generate: continuous batching over a paged KV cache, against `models.generate` (greedy), and the
 scheduler's invariants (every request finished, no page leaked, first come first served, one decode compile)."""
+import collections
 import os
 import re
 
@@ -227,7 +228,7 @@ def test_parameters_sharded_over_a_mesh():
     requests = _requests(5, 3, model.config.vocab_size)
     settings = dict(max_batch=2, page_size=4, num_pages=10)
     paged = models.PagedEngine(model, sharded, **settings)
-    heads = lambda: {x.sharding.spec for pool in paged.pools for x in jax.tree.leaves(pool)}  # noqa: E731
+    heads = lambda: {x.sharding.spec for x in jax.tree.leaves(paged.pools)}  # noqa: E731
     assert heads() == {jax.sharding.PartitionSpec("model")}
     ids = [paged.add_request(**r) for r in requests]
     out = paged.run()
@@ -292,8 +293,45 @@ def test_generation_compiles_a_bounded_set_of_programs():
             programs = compiled.count("/jax/core/compile/backend_compile_duration")
             if seed == 0:
                 assert engine.traces == {"decode": 1, "prefill": 3}, engine.traces
-                assert programs <= 8, programs  # decode, 3 prefills, first token, page copy (6 with JAX 0.10)
+                assert programs <= 8, programs  # decode, 3 prefills, sampling, page copy (6 with JAX 0.10)
             else:
                 assert programs == 0 and engine.traces == {"decode": 1, "prefill": 3}, (programs, engine.traces)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_paged_layers_run_as_one_scan_and_sampling_compiles_once():
+    """A scanned model's paged decode step and prefill are the same program at 2 and 8 layers (one scan of the block
+    carrying the folded pool; unscanned, the layers unroll and the program grows), and a run mixing greedy and
+    sampled requests compiles one decode step and one sampling program (first tokens and decoded ones), its greedy
+    tokens equal to generate's."""
+    sizes = {}
+    for scan in (True, False):
+        for layers in (2, 8):
+            model, params = _model("llama", num_layers=layers, scan_layers=scan)
+            paged = models.PagedEngine(model, params, max_batch=2, page_size=4, num_pages=8, max_len=16)
+            ints = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+            table = ints(2, paged._table_width)
+            decode = paged._decode.trace(params, paged.pools, ints(2), table, ints(2), ints(2)).lower()
+            prefill = paged._prefill.trace(params, paged.pools, paged._logits, ints(1, 8), ints(1, 8), table[:1],
+                                           np.int32(0), np.int32(0)).lower()
+            sizes[scan, layers] = _ops(decode), _ops(prefill)
+    assert sizes[True, 2] == sizes[True, 8], sizes
+    assert all(u > s for u, s in zip(sizes[False, 8], sizes[True, 8])), sizes
+
+    compiled = []
+    listener = lambda event, seconds, fun_name="", **_: compiled.append((event, fun_name))  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        model, params = _model("llama", scan_layers=True)
+        requests = _requests(6, 5, model.config.vocab_size)
+        requests[1]["prompt_ids"] = requests[0]["prompt_ids"]
+        requests += [dict(prompt_ids=requests[0]["prompt_ids"], max_new_tokens=5, temperature=1.0, seed=s)
+                     for s in (1, 2)]
+        _, out = _serve(model, params, requests, max_batch=3, page_size=4, num_pages=24, max_len=24)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    programs = collections.Counter(name for event, name in compiled
+                                   if event == "/jax/core/compile/backend_compile_duration")
+    assert programs["jit(_decode_fn)"] == programs["jit(_select)"] == 1, programs
+    assert out[:5] == _reference(model, params, requests[:5])
