@@ -20,12 +20,12 @@ import jax
 from absl import flags
 
 import models
-from engine.tasks import cli, text_data
+from engine.tasks import cli, run_record, script_flags, text_data
 
 FLAGS = flags.FLAGS
-cli.define_flags()
+script_flags.define_flags()
 flags.DEFINE_string("workdir", "workdir", "A training script's workdir (its run.json and latest checkpoint).")
-cli.define_checkpoint_flag()
+script_flags.define_checkpoint_flag()
 flags.DEFINE_string("out", None, "The directory to write (created; its safetensors files are replaced).")
 flags.DEFINE_bool("adapter_only", False, "Write only the run's LoRA adapters, as a PEFT adapter directory.")
 
@@ -35,7 +35,7 @@ def main(argv):
     if not FLAGS.out:
         raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
     mesh = cli.start()
-    task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh, checkpoint=FLAGS.checkpoint)
+    task, model, params, tokenizer = run_record.restore_run(FLAGS.workdir, mesh, checkpoint=FLAGS.checkpoint)
     if FLAGS.adapter_only:
         if task == "reward" or not models.has_lora(params):
             raise ValueError(f"--adapter_only: {FLAGS.workdir} holds a {task} run without LoRA adapters; expected "

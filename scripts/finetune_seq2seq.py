@@ -17,11 +17,11 @@ from absl import flags, logging
 
 import engine
 import models
-from engine.tasks import cli, lm, seq2seq
+from engine.tasks import cli, lm, mesh_choice, model_start, run_record, script_flags, seq2seq
 
 FLAGS = flags.FLAGS
-cli.define_training_flags(workdir="workdir_seq2seq", max_steps=400, learning_rate=3e-3, warmup_steps=30,
-                          log_every=50, save_every=200)
+script_flags.define_training_flags(workdir="workdir_seq2seq", max_steps=400, learning_rate=3e-3, warmup_steps=30,
+                                   log_every=50, save_every=200)
 FLAGS.set_default("per_device_batch_size", 32)
 flags.DEFINE_string("model_config", "tiny", "Named T5 config (tiny, t5-small, flan-t5-base, ...) or a path to a JSON "
                     "file of config fields (ignored with --init_from).")
@@ -29,8 +29,8 @@ flags.DEFINE_string("model_overrides", '{"d_model": 128, "d_ff": 256, "num_layer
                     "JSON object of config fields that replace the named config's (ignored with --init_from).")
 flags.DEFINE_string("init_from", None, "A Hugging Face T5 directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
-cli.define_record_flags(what="pairs", fields=("input", "target"), toy_size=8192)
-cli.define_lora_flags()
+script_flags.define_record_flags(what="pairs", fields=("input", "target"), toy_size=8192)
+script_flags.define_lora_flags()
 flags.DEFINE_integer("max_input_len", 128, "Input tokens at most (longer inputs are cut; rows are as long as the "
                      "longest input up to this).")
 flags.DEFINE_integer("max_target_len", 128, "Target tokens at most, EOS included (also the generation length).")
@@ -38,38 +38,38 @@ flags.DEFINE_bool("pack_pairs", False, "Pack several training pairs into rows --
                   "wide (engine.tasks.seq2seq.pack_pairs; each target still sees only its own input): fewer rows, less "
                   "padding, the same per-token loss. A global batch counts rows.")
 flags.DEFINE_integer("samples", 4, "Held-out examples whose generations are printed at the end.")
-cli.define_auto_mesh_flag()
+script_flags.define_auto_mesh_flag()
 
 
 def build_model(mesh):
     """(model, params, tokenizer) from the flags (with --init_adapter merged and --lora_rank adapters added)."""
     model, params, tokenizer = _build_model(mesh)
-    return (*cli.apply_lora_flags(model, params, mesh), tokenizer)
+    return (*model_start.apply_lora_flags(model, params, mesh), tokenizer)
 
 
 def _build_model(mesh):
     if FLAGS.init_from:
-        return cli.load_hf(FLAGS.init_from, families=["t5"], mesh=mesh)
+        return model_start.load_hf(FLAGS.init_from, families=["t5"], mesh=mesh)
     model, tokenizer = fresh_model()
     return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed)), tokenizer
 
 
 def fresh_model():
-    """(model, tokenizer) of --model_config / --model_overrides for `cli.fresh_tokenizer()`."""
-    tokenizer = cli.fresh_tokenizer()
-    return cli.fresh_model(tokenizer, {"decoder_start_token_id": tokenizer.bos_id}, family="t5",
-                           families=["t5"]), tokenizer
+    """(model, tokenizer) of --model_config / --model_overrides for `model_start.fresh_tokenizer()`."""
+    tokenizer = model_start.fresh_tokenizer()
+    return model_start.fresh_model(tokenizer, {"decoder_start_token_id": tokenizer.bos_id}, family="t5",
+                                   families=["t5"]), tokenizer
 
 
 def describe_model():
-    """(model, params as jax.ShapeDtypeStructs, tokenizer) of build_model + cli.with_flags, no weight read
+    """(model, params as jax.ShapeDtypeStructs, tokenizer) of build_model + model_start.with_flags, no weight read
     (--mesh=auto; --init_adapter, merged into the weights, changes no shape)."""
     if FLAGS.init_from:
-        model = cli.load_hf_model(FLAGS.init_from, families=["t5"])
-        tokenizer = cli.hf_tokenizer(FLAGS.init_from, model)
+        model = model_start.load_hf_model(FLAGS.init_from, families=["t5"])
+        tokenizer = model_start.hf_tokenizer(FLAGS.init_from, model)
     else:
         model, tokenizer = fresh_model()
-    return (*cli.describe(model), tokenizer)
+    return (*mesh_choice.describe(model), tokenizer)
 
 
 def encode(model, tokenizer, train_pairs, eval_pairs):
@@ -92,32 +92,33 @@ def encode(model, tokenizer, train_pairs, eval_pairs):
 
 def make_trainer(mesh, model, params, **kwargs):
     return engine.Trainer(mesh=mesh, collate_fn=seq2seq.collate_seq2seq,
-                          loss_fn=seq2seq.seq2seq_loss_fn(model, cli.loss_implementation(model)), params=params,
-                          optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
+                          loss_fn=seq2seq.seq2seq_loss_fn(model, script_flags.loss_implementation(model)),
+                          params=params, optimizer=script_flags.optimizer(), trainable=model_start.trainable(),
+                          **script_flags.trainer_kwargs(), **kwargs)
 
 
 def load_pairs():
     """(train pairs, eval pairs) from the flags."""
-    return cli.load_train_eval(seq2seq.read_pairs, seq2seq.toy_pairs, key="input", what="pairs")
+    return script_flags.load_train_eval(seq2seq.read_pairs, seq2seq.toy_pairs, key="input", what="pairs")
 
 
 def main(argv):
     del argv
-    profile = cli.parse_profile_steps(FLAGS.profile_steps)
+    profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
     train_pairs, eval_pairs = load_pairs()
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
     if mesh is None:  # the first training row stands for every row
         model, params, tokenizer = describe_model()
         first = encode(model, tokenizer, train_pairs, eval_pairs)[0][0]
-        mesh, batch = cli.choose_mesh(lambda mesh: make_trainer(mesh, model, params), seq2seq.collate_seq2seq, first,
-                                      memory_gb=FLAGS.mesh_memory_gb)
+        mesh, batch = mesh_choice.choose_mesh(lambda mesh: make_trainer(mesh, model, params), seq2seq.collate_seq2seq,
+                                              first, memory_gb=FLAGS.mesh_memory_gb)
     model, params, tokenizer = build_model(mesh)
-    model, params = cli.with_flags(model, params)
+    model, params = model_start.with_flags(model, params)
     train, evals, n_pairs, row_lens, (in_len, out_len) = encode(model, tokenizer, train_pairs, eval_pairs)
     global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     if len(train) < global_batch:
         raise ValueError(f"{len(train)} training rows are fewer than one global batch of {global_batch}")
-    cli.save_run(FLAGS.workdir, "seq2seq", model, tokenizer)
+    run_record.save_run(FLAGS.workdir, "seq2seq", model, tokenizer)
     packed = f" (packed into {len(train)} rows)" if FLAGS.pack_pairs else ""
     print(f"{n_pairs} training{packed} and {len(evals)} held-out pairs, {in_len} input and {out_len} target tokens at "
           f"most; e.g. {train_pairs[0]['input']!r} -> {train_pairs[0]['target']!r}")
@@ -135,7 +136,7 @@ def main(argv):
     trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=evals, eval_predictor=predictor, eval_metric_fn=metric_fn,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
-                **cli.eval_kwargs())
+                **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss = trainer.eval_loss(evals, per_device_batch_size=batch)

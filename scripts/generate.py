@@ -19,14 +19,14 @@ import jax
 from absl import flags
 
 import models
-from engine.tasks import cli, lm
+from engine.tasks import cli, lm, model_start, run_record, script_flags
 from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
-cli.define_flags()
+script_flags.define_flags()
 flags.DEFINE_string("workdir", "workdir", "A training script's workdir: its run.json rebuilds the model and its "
                     "latest checkpoint gives the parameters (ignored with --init_from).")
-cli.define_checkpoint_flag()
+script_flags.define_checkpoint_flag()
 flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors; tokenizer.json, "
                     "else byte-level tokens) instead of a workdir.")
 flags.DEFINE_list("prompts", [], "Comma-separated prompts.")
@@ -82,13 +82,14 @@ def main(argv):
     mesh = cli.start()
     task = None
     if FLAGS.init_from:
-        model, params, tokenizer = cli.load_hf(
+        model, params, tokenizer = model_start.load_hf(
             FLAGS.init_from, families=["llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text",
                                        "t5"], mesh=mesh)
     else:
         tasks = ("lm", "seq2seq", "sft", "dpo", "ppo")
-        task, model, params, tokenizer = cli.restore_run(FLAGS.workdir, mesh, tasks=tasks, checkpoint=FLAGS.checkpoint)
-    model, params = cli.merge_adapter(model, params, FLAGS.init_adapter, mesh)
+        task, model, params, tokenizer = run_record.restore_run(FLAGS.workdir, mesh, tasks=tasks,
+                                                                checkpoint=FLAGS.checkpoint)
+    model, params = model_start.merge_adapter(model, params, FLAGS.init_adapter, mesh)
     if FLAGS.quantize != "none":
         model, params = models.quantize(*models.merge_lora(model, params), FLAGS.quantize)
     # A model tuned on prompt/response rows (SFT, DPO, PPO) answers after the separator it was trained with.

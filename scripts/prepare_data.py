@@ -10,13 +10,13 @@ import os
 
 from absl import flags
 
-from engine.tasks import cli, text_data
+from engine.tasks import cli, script_flags, text_data
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("data", [], ".txt or .jsonl files or globs (as train_lm.py's --data); empty: the embedded "
                   "Python-stdlib corpus.")
 flags.DEFINE_string("out", None, "The directory to write (tokens.bin, meta.json; created).")
-cli.define_data_flags()
+script_flags.define_data_flags()
 FLAGS.set_default("tokenizer", "byte")
 
 

@@ -19,34 +19,35 @@ from absl import flags
 
 import engine
 import models
-from engine.tasks import cli
+from engine.tasks import cli, mesh_choice, model_start, run_record, script_flags
 from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
-cli.define_training_flags(workdir="workdir_dpo", max_steps=200, learning_rate=1e-3, warmup_steps=10, log_every=20,
-                          save_every=100)
+script_flags.define_training_flags(workdir="workdir_dpo", max_steps=200, learning_rate=1e-3, warmup_steps=10,
+                                   log_every=20, save_every=100)
 FLAGS.set_default("per_device_batch_size", 16)
-cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
-                         "checkpoint and tokenizer) or a Hugging Face model directory; the policy starts there and the "
-                         "reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
-                         "--model_overrides).")
-cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
+script_flags.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its "
+                                  "latest checkpoint and tokenizer) or a Hugging Face model directory; the policy "
+                                  "starts there and the reference model is it, frozen. Empty: a fresh model (--model, "
+                                  "--model_config, --model_overrides).")
+script_flags.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_float("beta", 0.1, "DPO's beta: the strength of the pull towards the reference model.", lower_bound=1e-6)
 flags.DEFINE_enum("dpo_loss", "sigmoid", list(preference.DPO_LOSSES), "sigmoid: DPO's loss; ipo: IPO's squared "
                   "loss, which stays bounded on deterministic preferences.")
 flags.DEFINE_float("label_smoothing", 0.0, "Conservative DPO: the preference labels' assumed flip probability "
                    "(sigmoid loss only).", lower_bound=0.0, upper_bound=0.49)
-cli.define_auto_mesh_flag()
+script_flags.define_auto_mesh_flag()
 TASKS = ("lm", "sft", "dpo")
 
 
 def make_trainer(mesh, model, params, **kwargs):
     loss_fn = preference.dpo_loss_fn(model, beta=FLAGS.beta, loss_type=FLAGS.dpo_loss,
                                      label_smoothing=FLAGS.label_smoothing,
-                                     implementation=cli.loss_implementation(model, per_token=True))
+                                     implementation=script_flags.loss_implementation(model, per_token=True))
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=loss_fn, params=params,
-                          optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
+                          optimizer=script_flags.optimizer(), trainable=model_start.trainable(),
+                          **script_flags.trainer_kwargs(), **kwargs)
 
 
 def encode_with_reference(triples, tokenizer, *, seq_len):
@@ -57,26 +58,26 @@ def encode_with_reference(triples, tokenizer, *, seq_len):
 
 def main(argv):
     del argv
-    profile = cli.parse_profile_steps(FLAGS.profile_steps)
-    train_triples, eval_triples = cli.load_train_eval(preference.read_preferences, preference.toy_preferences,
-                                                      key="prompt", what="triples")
+    profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
+    train_triples, eval_triples = script_flags.load_train_eval(preference.read_preferences, preference.toy_preferences,
+                                                               key="prompt", what="triples")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
     if mesh is None:
-        mesh, batch = cli.choose_decoder_mesh(make_trainer, preference.collate_preferences, encode_with_reference,
-                                              train_triples, tasks=TASKS)
-    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
-    model, params = cli.with_flags(model, params)
-    train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
-                                   what="triples", per_device_batch_size=batch)
-    cli.save_run(FLAGS.workdir, "dpo", model, tokenizer)
+        mesh, batch = mesh_choice.choose_decoder_mesh(make_trainer, preference.collate_preferences,
+                                                      encode_with_reference, train_triples, tasks=TASKS)
+    _, model, params, tokenizer = model_start.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
+    model, params = model_start.with_flags(model, params)
+    train, evals = script_flags.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
+                                            what="triples", per_device_batch_size=batch)
+    run_record.save_run(FLAGS.workdir, "dpo", model, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
 
     # The reference: the starting parameters (a resumed run recomputes the same numbers from the same start).
-    implementation = cli.loss_implementation(model, per_token=True)
+    implementation = script_flags.loss_implementation(model, per_token=True)
     train, evals = (preference.with_reference(ex, preference.reference_log_probs(
         model, params, ex, mesh=mesh, per_device_batch_size=batch, implementation=implementation,
-        compute_dtype=cli.compute_dtype()))
+        compute_dtype=script_flags.compute_dtype()))
         for ex in (train, evals))
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
                            logging=engine.Logging(
@@ -93,7 +94,7 @@ def main(argv):
     trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, eval_predictor=predictor, eval_metric_fn=preference.preference_accuracy,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
-                **cli.eval_kwargs())
+                **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss, end_accuracy = trainer.eval_loss(evals, per_device_batch_size=batch), accuracy()

@@ -16,12 +16,12 @@ from absl import flags, logging
 
 import engine
 import models
-from engine.tasks import cli, lm, text_data
+from engine.tasks import cli, lm, mesh_choice, model_start, run_record, script_flags, text_data
 
-FAMILIES = list(cli.DECODER_FAMILIES)
+FAMILIES = list(script_flags.DECODER_FAMILIES)
 FLAGS = flags.FLAGS
-cli.define_training_flags(workdir="workdir", max_steps=400, learning_rate=3e-3, warmup_steps=30, log_every=20,
-                          save_every=100)
+script_flags.define_training_flags(workdir="workdir", max_steps=400, learning_rate=3e-3, warmup_steps=30, log_every=20,
+                                   save_every=100)
 flags.DEFINE_enum("model", "llama", FAMILIES, "Model family (ignored with --init_from).")
 flags.DEFINE_string("model_config", "tiny", "Named config of the family (tiny, llama-7b, ...) or a path to a JSON "
                     "file of config fields (ignored with --init_from).")
@@ -39,20 +39,20 @@ flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sam
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")
 flags.DEFINE_float("temperature", 0.7, "Sampling temperature of the sample generations (0: greedy).")
 flags.DEFINE_integer("top_k", 20, "Sample among the k most likely tokens (0: all).")
-cli.define_auto_mesh_flag()
+script_flags.define_auto_mesh_flag()
 
 
 def named_model():
     """(model, tokenizer) of --model / --model_config for --tokenizer (default: byte-level tokens)."""
-    tokenizer = cli.fresh_tokenizer(default=text_data.ByteTokenizer())
-    return cli.fresh_model(tokenizer, {"max_position_embeddings": max(FLAGS.seq_len, 128)}, family=FLAGS.model,
-                           families=FAMILIES), tokenizer
+    tokenizer = model_start.fresh_tokenizer(default=text_data.ByteTokenizer())
+    return model_start.fresh_model(tokenizer, {"max_position_embeddings": max(FLAGS.seq_len, 128)}, family=FLAGS.model,
+                                   families=FAMILIES), tokenizer
 
 
 def build_model(mesh):
     """(model, params, tokenizer) from the flags."""
     if FLAGS.init_from:
-        return cli.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
+        return model_start.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
     model, tokenizer = named_model()
     return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh)), tokenizer
 
@@ -60,18 +60,18 @@ def build_model(mesh):
 def auto_mesh():
     """--mesh=auto: the run's model and Trainer over abstract parameters (no weight read or allocated) on every
     layout; returns (mesh, rows per data position)."""
-    model, abstract = cli.describe(cli.load_hf_model(FLAGS.init_from, families=FAMILIES) if FLAGS.init_from
-                                   else named_model()[0])
-    loss_fn = lm.lm_loss_fn(model, cli.loss_implementation(model))
+    model, abstract = mesh_choice.describe(model_start.load_hf_model(FLAGS.init_from, families=FAMILIES)
+                                           if FLAGS.init_from else named_model()[0])
+    loss_fn = lm.lm_loss_fn(model, script_flags.loss_implementation(model))
     example = {"tokens": np.zeros(FLAGS.seq_len + 1, np.int32), "segment_ids": np.ones(FLAGS.seq_len + 1, np.int32)}
-    return cli.choose_mesh(lambda mesh: engine.Trainer(
-        mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=cli.optimizer(),
-        **cli.trainer_kwargs()), lm.collate_lm, example, memory_gb=FLAGS.mesh_memory_gb)
+    return mesh_choice.choose_mesh(lambda mesh: engine.Trainer(
+        mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=abstract, optimizer=script_flags.optimizer(),
+        **script_flags.trainer_kwargs()), lm.collate_lm, example, memory_gb=FLAGS.mesh_memory_gb)
 
 
 def main(argv):
     del argv
-    profile = cli.parse_profile_steps(FLAGS.profile_steps)
+    profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
     token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text_data.is_token_dir(FLAGS.data[0]) else None
     if token_dir is None:
         docs = (text_data.read_texts(FLAGS.data, decode_errors=FLAGS.decode_errors) if FLAGS.data
@@ -82,7 +82,7 @@ def main(argv):
     if mesh is None:
         mesh, batch = auto_mesh()
     model, params, tokenizer = build_model(mesh)
-    model, params = cli.with_flags(model, params)
+    model, params = model_start.with_flags(model, params)
     if token_dir is None:
         rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
     else:  # a memory-mapped Sequence of windows: only each batch's rows are read
@@ -95,14 +95,14 @@ def main(argv):
         raise ValueError(f"the data packs into {len(rows)} rows of {FLAGS.seq_len + 1} tokens; at least "
                          f"{n_eval + global_batch} are needed for one eval and one global batch (more data, or a "
                          "smaller --seq_len or --per_device_batch_size)")
-    cli.save_run(FLAGS.workdir, "lm", model, tokenizer)
+    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer)
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm,
-                             loss_fn=lm.lm_loss_fn(model, cli.loss_implementation(model)), params=params,
-                             optimizer=cli.optimizer(), workdir=FLAGS.workdir,
-                             **cli.trainer_kwargs(),
+                             loss_fn=lm.lm_loss_fn(model, script_flags.loss_implementation(model)), params=params,
+                             optimizer=script_flags.optimizer(), workdir=FLAGS.workdir,
+                             **script_flags.trainer_kwargs(),
                              logging=engine.Logging(
                                  flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len)))
     if trainer.step:
@@ -113,7 +113,7 @@ def main(argv):
     trainer.fit(train_rows, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
                 save_every=FLAGS.save_every, profile_steps=profile,
-                **cli.eval_kwargs())
+                **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)

@@ -35,17 +35,17 @@ from absl import flags
 
 import engine
 import models
-from engine.tasks import cli, text_data
+from engine.tasks import cli, model_start, run_record, script_flags, text_data
 from engine.tasks.rlhf import ppo, preference
 
 FLAGS = flags.FLAGS
-cli.define_training_flags(workdir="workdir_ppo", max_steps=320, learning_rate=1e-3, warmup_steps=4, log_every=8,
-                          save_every=10, evals=False)
+script_flags.define_training_flags(workdir="workdir_ppo", max_steps=320, learning_rate=1e-3, warmup_steps=4,
+                                   log_every=8, save_every=10, evals=False)
 FLAGS["save_every"].help = "Iterations between checkpoints (one is always written at the end)."
-cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
-                         "checkpoint and tokenizer) or a Hugging Face model directory: the policy starts there and "
-                         "the reference model is it, frozen. Empty: a fresh model (--model, --model_config, "
-                         "--model_overrides).")
+script_flags.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its "
+                                  "latest checkpoint and tokenizer) or a Hugging Face model directory: the policy "
+                                  "starts there and the reference model is it, frozen. Empty: a fresh model (--model, "
+                                  "--model_config, --model_overrides).")
 flags.DEFINE_string("reward_from", None, "A workdir of scripts/train_reward.py or a Hugging Face "
                     "*ForSequenceClassification directory (one label): the reward model (frozen) and the critic's "
                     "starting point. Empty: a rule reward (--verifiable_reward; on the toy task by default its own "
@@ -55,7 +55,7 @@ flags.DEFINE_enum("verifiable_reward", "none", ["none", *preference.VERIFIABLE_R
                   "math or code answers): --data then holds {\"prompt\": ..., \"response\": ...} lines, the response "
                   "being the reference; exact_match scores 1 or 0, lcs partial credit (2 x the longest common "
                   "subsequence of words / the words of both).")
-cli.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
+script_flags.define_record_flags(what="prompts", fields=("prompt",), toy_size=4096)
 flags.DEFINE_integer("rollout_batch_size", 0, "Responses sampled per iteration (--samples_per_prompt to each "
                      "prompt), a multiple of the global batch and of --samples_per_prompt (0: four global batches, "
                      "or their least multiple that --samples_per_prompt divides).", lower_bound=0)
@@ -115,11 +115,11 @@ def _evaluate(task, params, eval_records):
 def _optimizer():
     """The training flags' optimizer; with --critic_learning_rate, one for the actor and one for the critic."""
     if FLAGS.critic_learning_rate is None:
-        return cli.optimizer()
+        return script_flags.optimizer()
     # A function of the parameters it updates: with --lora_rank those are the trained ones only.
     labels = lambda tree: {k: jax.tree.map(lambda _, k=k: k, v) for k, v in tree.items()}  # noqa: E731
-    return optax.multi_transform({"actor": cli.optimizer(), "critic": cli.optimizer(FLAGS.critic_learning_rate)},
-                                 labels)
+    return optax.multi_transform({"actor": script_flags.optimizer(),
+                                  "critic": script_flags.optimizer(FLAGS.critic_learning_rate)}, labels)
 
 
 def _report(name, values):
@@ -176,8 +176,8 @@ def _ppo_config(samples):
 def _reward_model(mesh, tokenizer):
     """(RewardModel, its params) of --reward_from: a train_reward.py workdir or a transformers classifier directory,
     checked to read the policy's tokens and laid out for the run's pipeline."""
-    if os.path.exists(os.path.join(FLAGS.reward_from, cli.RUN_FILE)):
-        _, critic, reward_params, reward_tokenizer = cli.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
+    if os.path.exists(os.path.join(FLAGS.reward_from, run_record.RUN_FILE)):
+        _, critic, reward_params, reward_tokenizer = run_record.restore_run(FLAGS.reward_from, mesh, tasks=("reward",))
     elif os.path.isdir(FLAGS.reward_from):  # a transformers sequence classifier
         critic, reward_params = models.load_reward_model(FLAGS.reward_from, layout=engine.auto_layout(mesh))
         reward_tokenizer = text_data.HFTokenizer.from_dir(FLAGS.reward_from, critic.config.vocab_size) or tokenizer
@@ -187,7 +187,7 @@ def _reward_model(mesh, tokenizer):
     if reward_tokenizer.vocab_size != tokenizer.vocab_size or reward_tokenizer.eos_id != tokenizer.eos_id:
         raise ValueError(f"--reward_from={FLAGS.reward_from} reads another tokenizer than --init_from's; "
                          "expected a reward model trained on the policy's tokens")
-    backbone, backbone_params = cli.with_pipeline(critic.backbone, reward_params["backbone"])
+    backbone, backbone_params = model_start.with_pipeline(critic.backbone, reward_params["backbone"])
     return models.RewardModel(backbone), {**reward_params, "backbone": backbone_params}
 
 
@@ -211,7 +211,7 @@ def _critic_and_rewards(mesh, actor, actor_params, tokenizer, records):
         return None, None, {"reward_model": critic, "reward_params": reward_params}
     # With --lora_rank the critic gets adapters and the reward model is the critic with them off: one copy of the
     # reward model's weights (engine/tasks/rlhf/ppo.py), frozen.
-    critic, critic_params = cli.with_lora(critic, reward_params, mesh)
+    critic, critic_params = model_start.with_lora(critic, reward_params, mesh)
     return critic, critic_params, {"reward_model": critic, "reward_params": (
         {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
 
@@ -228,11 +228,11 @@ def _rollout_batch_size(mesh, samples):
 def main(argv):
     del argv
     samples = _check_flags()
-    train_records, eval_records = cli.load_train_eval(_read_prompts, preference.toy_prompt_responses, key="prompt",
-                                                      what="prompts")
+    train_records, eval_records = script_flags.load_train_eval(_read_prompts, preference.toy_prompt_responses,
+                                                               key="prompt", what="prompts")
     mesh = cli.start()
-    _, actor, actor_params, tokenizer = cli.start_decoder(mesh, tasks=("lm", "sft"), seq_len=128)
-    actor, actor_params = cli.with_pipeline(actor, actor_params)
+    _, actor, actor_params, tokenizer = model_start.start_decoder(mesh, tasks=("lm", "sft"), seq_len=128)
+    actor, actor_params = model_start.with_pipeline(actor, actor_params)
     longest = max(len(preference.prompt_tokens(tokenizer, r["prompt"], 1 << 30, f"prompt {n}"))
                   for n, r in enumerate(train_records + eval_records))
     seq_len = longest + FLAGS.max_new_tokens - 1
@@ -244,15 +244,15 @@ def main(argv):
     # With --lora_rank the reference is the actor with its adapters off (no copy of the policy's weights).
     task = ppo.PPO(actor=actor, critic=critic, ref_params=None if FLAGS.lora_rank else actor_params,
                    tokenizer=tokenizer, mesh=mesh, seq_len=seq_len, config=_ppo_config(samples),
-                   implementation=cli.loss_implementation(actor, per_token=True), **rewards)
+                   implementation=script_flags.loss_implementation(actor, per_token=True), **rewards)
     rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
-    cli.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
+    run_record.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
     flops = models.train_flops_per_example(actor, seq_len) + (
         models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=_optimizer(), workdir=FLAGS.workdir,
-                             trainable=cli.trainable(None if critic is None else models.SCORE_TRAINABLE),
-                             **cli.trainer_kwargs(), logging=engine.Logging(flops_per_example=flops))
+                             trainable=model_start.trainable(None if critic is None else models.SCORE_TRAINABLE),
+                             **script_flags.trainer_kwargs(), logging=engine.Logging(flops_per_example=flops))
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
     group = f" ({rollout_batch_size // samples} prompts x {samples})" if samples > 1 else ""

@@ -19,20 +19,20 @@ from absl import flags
 
 import engine
 import models
-from engine.tasks import cli
+from engine.tasks import cli, mesh_choice, model_start, run_record, script_flags
 from engine.tasks.rlhf import preference, reward
 
 FLAGS = flags.FLAGS
-cli.define_training_flags(workdir="workdir_reward", max_steps=200, learning_rate=1e-3, warmup_steps=10, log_every=20,
-                          save_every=100)
+script_flags.define_training_flags(workdir="workdir_reward", max_steps=200, learning_rate=1e-3, warmup_steps=10,
+                                   log_every=20, save_every=100)
 FLAGS.set_default("per_device_batch_size", 16)
-cli.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its latest "
-                         "checkpoint and tokenizer) or a Hugging Face model directory: the reward model's backbone "
-                         "starts there, with a fresh score head. Empty: a fresh model (--model, --model_config, "
-                         "--model_overrides).")
-cli.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
+script_flags.define_decoder_flags(init_from_help="A workdir of scripts/train_sft.py or scripts/train_lm.py (its "
+                                  "latest checkpoint and tokenizer) or a Hugging Face model directory: the reward "
+                                  "model's backbone starts there, with a fresh score head. Empty: a fresh model (--model, "
+                                  "--model_config, --model_overrides).")
+script_flags.define_record_flags(what="triples", fields=preference.FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
-cli.define_auto_mesh_flag()
+script_flags.define_auto_mesh_flag()
 TASKS = ("lm", "sft")
 
 
@@ -41,25 +41,26 @@ def make_trainer(mesh, backbone, backbone_params, **kwargs):
     model = models.RewardModel(backbone)
     params = models.init_reward_params(model, backbone_params, jax.random.PRNGKey(FLAGS.seed))
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=reward.reward_loss_fn(model),
-                          params=params, optimizer=cli.optimizer(), trainable=cli.trainable(models.SCORE_TRAINABLE),
-                          **cli.trainer_kwargs(), **kwargs)
+                          params=params, optimizer=script_flags.optimizer(),
+                          trainable=model_start.trainable(models.SCORE_TRAINABLE), **script_flags.trainer_kwargs(),
+                          **kwargs)
 
 
 def main(argv):
     del argv
-    profile = cli.parse_profile_steps(FLAGS.profile_steps)
-    train_triples, eval_triples = cli.load_train_eval(preference.read_preferences, preference.toy_preferences,
-                                                      key="prompt", what="triples")
+    profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
+    train_triples, eval_triples = script_flags.load_train_eval(preference.read_preferences, preference.toy_preferences,
+                                                               key="prompt", what="triples")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
     if mesh is None:
-        mesh, batch = cli.choose_decoder_mesh(make_trainer, preference.collate_preferences,
-                                              preference.encode_preferences, train_triples, tasks=TASKS)
-    _, backbone, backbone_params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
-    backbone, backbone_params = cli.with_flags(backbone, backbone_params)
+        mesh, batch = mesh_choice.choose_decoder_mesh(make_trainer, preference.collate_preferences,
+                                                      preference.encode_preferences, train_triples, tasks=TASKS)
+    _, backbone, backbone_params, tokenizer = model_start.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
+    backbone, backbone_params = model_start.with_flags(backbone, backbone_params)
     model = models.RewardModel(backbone)
-    train, evals = cli.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
-                                   what="triples", per_device_batch_size=batch)
-    cli.save_run(FLAGS.workdir, "reward", backbone, tokenizer)
+    train, evals = script_flags.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
+                                            what="triples", per_device_batch_size=batch)
+    run_record.save_run(FLAGS.workdir, "reward", backbone, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")
     trainer = make_trainer(mesh, backbone, backbone_params, workdir=FLAGS.workdir,
@@ -77,7 +78,7 @@ def main(argv):
     trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, eval_predictor=predictor, eval_metric_fn=reward.reward_accuracy,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
-                **cli.eval_kwargs())
+                **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss, end_accuracy = trainer.eval_loss(evals, per_device_batch_size=batch), accuracy()

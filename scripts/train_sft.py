@@ -18,44 +18,45 @@ from absl import flags
 
 import engine
 import models
-from engine.tasks import cli, lm
+from engine.tasks import cli, lm, mesh_choice, model_start, run_record, script_flags
 from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
-cli.define_training_flags(workdir="workdir_sft", max_steps=200, learning_rate=3e-3, warmup_steps=10, log_every=20,
-                          save_every=100)
+script_flags.define_training_flags(workdir="workdir_sft", max_steps=200, learning_rate=3e-3, warmup_steps=10,
+                                   log_every=20, save_every=100)
 FLAGS.set_default("per_device_batch_size", 16)
-cli.define_decoder_flags(init_from_help="A workdir of scripts/train_lm.py or scripts/train_sft.py (its latest "
-                         "checkpoint and tokenizer) or a Hugging Face model directory to fine-tune. Empty: a fresh "
-                         "model (--model, --model_config, --model_overrides).")
-cli.define_record_flags(what="pairs", fields=preference.SFT_FIELDS, toy_size=4096)
+script_flags.define_decoder_flags(init_from_help="A workdir of scripts/train_lm.py or scripts/train_sft.py (its "
+                                  "latest checkpoint and tokenizer) or a Hugging Face model directory to fine-tune. "
+                                  "Empty: a fresh model (--model, --model_config, --model_overrides).")
+script_flags.define_record_flags(what="pairs", fields=preference.SFT_FIELDS, toy_size=4096)
 flags.DEFINE_integer("seq_len", 64, "Tokens per row: prompt, separator, response and EOS (longer rows lose their end).")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens per greedy answer of the held-out exact match.")
 flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily for the exact match (0: none).")
-cli.define_auto_mesh_flag()
+script_flags.define_auto_mesh_flag()
 TASKS = ("lm", "sft")
 
 
 def make_trainer(mesh, model, params, **kwargs):
     return engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences,
-                          loss_fn=lm.lm_loss_fn(model, cli.loss_implementation(model)), params=params,
-                          optimizer=cli.optimizer(), trainable=cli.trainable(), **cli.trainer_kwargs(), **kwargs)
+                          loss_fn=lm.lm_loss_fn(model, script_flags.loss_implementation(model)), params=params,
+                          optimizer=script_flags.optimizer(), trainable=model_start.trainable(),
+                          **script_flags.trainer_kwargs(), **kwargs)
 
 
 def main(argv):
     del argv
-    profile = cli.parse_profile_steps(FLAGS.profile_steps)
-    train_pairs, eval_pairs = cli.load_train_eval(preference.read_prompt_responses, preference.toy_prompt_responses,
-                                                  key="prompt", what="pairs")
+    profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
+    train_pairs, eval_pairs = script_flags.load_train_eval(preference.read_prompt_responses,
+                                                           preference.toy_prompt_responses, key="prompt", what="pairs")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
     if mesh is None:
-        mesh, batch = cli.choose_decoder_mesh(make_trainer, preference.collate_preferences,
-                                              preference.encode_prompt_responses, train_pairs, tasks=TASKS)
-    _, model, params, tokenizer = cli.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
-    model, params = cli.with_flags(model, params)
-    train, evals = cli.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs, mesh,
-                                   what="pairs", per_device_batch_size=batch)
-    cli.save_run(FLAGS.workdir, "sft", model, tokenizer)
+        mesh, batch = mesh_choice.choose_decoder_mesh(make_trainer, preference.collate_preferences,
+                                                      preference.encode_prompt_responses, train_pairs, tasks=TASKS)
+    _, model, params, tokenizer = model_start.start_decoder(mesh, tasks=TASKS, seq_len=FLAGS.seq_len)
+    model, params = model_start.with_flags(model, params)
+    train, evals = script_flags.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs,
+                                            mesh, what="pairs", per_device_batch_size=batch)
+    run_record.save_run(FLAGS.workdir, "sft", model, tokenizer)
     print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
           f"{train_pairs[0]['response']!r}")
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,
@@ -71,7 +72,7 @@ def main(argv):
     cli.log_eval(trainer, {"loss": start_loss, "exact_match": start_exact})
     trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
-                **cli.eval_kwargs())
+                **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss, end_exact = trainer.eval_loss(evals, per_device_batch_size=batch), exact()

@@ -65,7 +65,8 @@ def main():
     import engine  # noqa: F401
     import kernels  # noqa: F401
     import models  # noqa: F401
-    from engine.tasks import cli, lm, planning, seq2seq, text_data  # noqa: F401
+    from engine.tasks import cli, lm, mesh_choice, model_start, planning, run_record  # noqa: F401
+    from engine.tasks import script_flags, seq2seq, text_data  # noqa: F401
     from engine.tasks.rlhf import ppo, preference, reward  # noqa: F401
     from jax._src import xla_bridge
     started = getattr(xla_bridge, "_backends", None)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.tasks import cli, lm, text_data
+from engine.tasks import lm, run_record, text_data
 from engine.tasks.rlhf import preference, reward
 from tests.prewarmed import run_scripts
 from tests.test_gemma import _CONFIGS as _GEMMA_CONFIGS
@@ -71,8 +71,8 @@ def _check_generate_and_export(family, hf_model, workdir, generated, exported, g
     """generate.py's answers (printed on a 2x2x2 mesh) are `models.generate`'s here on one device; transformers reads
     the exported directory to our logits (within 1e-4, left-padded) and (greedy) generates greedily as we do."""
     transformers = pytest.importorskip("transformers")
-    task, model, params, tokenizer = cli.restore_run(str(workdir), engine.make_mesh(devices=jax.devices()[:1]))
-    assert cli.family_of(model) == _FAMILY[family]
+    task, model, params, tokenizer = run_record.restore_run(str(workdir), engine.make_mesh(devices=jax.devices()[:1]))
+    assert run_record.family_of(model) == _FAMILY[family]
     printed = dict(re.findall(r"^--- '(.*)':\n(.*)$", generated, re.M))
     ours = lm.generate_texts(model, params, tokenizer, _PROMPTS, max_new_tokens=6,
                              after_prompt=(preference.separator(tokenizer),))
@@ -143,7 +143,7 @@ def test_every_script_runs_the_family(hf_checkpoint, tmp_path, family):
     _check_generate_and_export(family, hf_model, w["dpo"], generated, w["dpo_hf"])
 
     # The exported reward model (transformers' *ForSequenceClassification) scores whole right-padded rows as ours.
-    _, model, params, tokenizer = cli.restore_run(str(w["rm"]), engine.make_mesh(devices=jax.devices()[:1]))
+    _, model, params, tokenizer = run_record.restore_run(str(w["rm"]), engine.make_mesh(devices=jax.devices()[:1]))
     triples = preference.toy_preferences(2, seed=3)
     examples, _ = preference.encode_preferences(triples, tokenizer, seq_len=24)
     ours = np.asarray(reward.sequence_rewards(model, params, preference.collate_preferences(examples)))

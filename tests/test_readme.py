@@ -36,10 +36,10 @@ def test_three_function_example_runs(devices):
 
 
 def test_documented_flags_are_real():
-    """Every `--flag` in inline code in README.md and the guides is defined by a script or engine/tasks/cli.py (read
-    from their source: starting every script for --helpfull would take a minute). XLA's and other tools' flags are
-    left out."""
-    sources = [os.path.join(ROOT, "engine", "tasks", "cli.py")] + [
+    """Every `--flag` in inline code in README.md and the guides is defined by a script or
+    engine/tasks/script_flags.py (read from their source: starting every script for --helpfull would take a minute).
+    XLA's and other tools' flags are left out."""
+    sources = [os.path.join(ROOT, "engine", "tasks", "script_flags.py")] + [
         os.path.join(ROOT, "scripts", f) for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith(".py")]
     defined = {"helpfull", "help", "verbosity"}  # absl's own
     for path in sources:

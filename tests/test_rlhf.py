@@ -469,13 +469,14 @@ def test_grpo_rollout_groups_and_its_loss(sft_params):
 
 def test_grpo_trains_the_actor_alone_and_its_workdir_restores(sft_params, tmp_path):
     """fit_ppo with GRPO on a 2x1x2 mesh: iterations of rollout_batch_size / samples_per_prompt prompts, a Trainer
-    over {'actor'} only, and the workdir's policy read back by `cli.restore_run` (generate.py and export_hf.py)."""
-    from engine.tasks import cli
+    over {'actor'} only, and the workdir's policy read back by `run_record.restore_run` (generate.py and
+    export_hf.py)."""
+    from engine.tasks import run_record
     mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
     task, params = _grpo(sft_params, mesh)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=optax.adam(1e-3), workdir=str(tmp_path))
-    cli.save_run(str(tmp_path), "ppo", task.actor, TOK)
+    run_record.save_run(str(tmp_path), "ppo", task.actor, TOK)
     prompts = [p["prompt"] for p in preference.toy_prompt_responses(64, seed=0)]
     seen = []
     original = task.rollout
@@ -487,7 +488,7 @@ def test_grpo_trains_the_actor_alone_and_its_workdir_restores(sft_params, tmp_pa
     assert set(trainer.params) == {"actor"} and stats[1]["kl"] != 0.0
     with np.load(tmp_path / ppo.EXPERIENCE_FILE) as z:
         assert "ref_log_probs" in z.files and "old_values" not in z.files and z["input_ids"].shape[0] == 16
-    task_name, model, restored, _ = cli.restore_run(str(tmp_path), mesh)
+    task_name, model, restored, _ = run_record.restore_run(str(tmp_path), mesh)
     assert task_name == "ppo" and model.config == task.actor.config
     for a, b in zip(jax.tree.leaves(trainer.params["actor"]), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

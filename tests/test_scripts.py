@@ -13,7 +13,7 @@ import pytest
 
 import engine
 import models
-from engine.tasks import cli, seq2seq, text_data
+from engine.tasks import run_record, script_flags, seq2seq, text_data
 from engine.tasks.rlhf import preference
 from tests.prewarmed import run_scripts
 from tests.xla_flags import cpu_devices
@@ -65,7 +65,7 @@ def _stdlib_txt(path):
 def test_scripts_offer_every_decoder_family():
     """The scripts' --model and --init_from take every decoder family the registry has (MoE ones included)."""
     decoders = {name for name, family in models.FAMILIES.items() if issubclass(family.Model, models.layers.DecoderLM)}
-    assert set(cli.DECODER_FAMILIES) == decoders
+    assert set(script_flags.DECODER_FAMILIES) == decoders
 
 
 def test_train_lm_fine_tunes_resumes_and_generate_reads_workdir_and_hf_dir(tmp_path):
@@ -328,7 +328,7 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     _run("train_sft.py", f"--workdir={sft}", "--max_steps=4", "--seq_len=24", "--eval_answers=2",
          "--max_new_tokens=4", "--lora_rank=4", "--lora_targets=q,v,down", "--lora_dropout=0.1", *toy)
     # Only the adapters trained: every other weight is still the fresh model's (seed 0).
-    _, sft_model, sft_params, _ = cli.restore_run(str(sft), engine.make_mesh())
+    _, sft_model, sft_params, _ = run_record.restore_run(str(sft), engine.make_mesh())
     assert sft_model.config.lora_rank == 4 and sft_model.config.lora_targets == ("q", "v", "down")
     fresh = models.init_params(models.lora.without_lora(sft_model), jax.random.PRNGKey(0))
     assert jax.tree.structure(models.merge_lora(sft_model, sft_params)[1]) == jax.tree.structure(fresh)
@@ -378,7 +378,7 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     # The reward model exported as a transformers sequence classifier serves PPO the same way.
     out = _run("export_hf.py", f"--workdir={rm}", f"--out={tmp_path / 'rm_hf'}")
     assert "as a Hugging Face sequence classifier" in out.stdout
-    _, rm_model, rm_params, _ = cli.restore_run(str(rm), engine.make_mesh(), tasks=("reward",))
+    _, rm_model, rm_params, _ = run_record.restore_run(str(rm), engine.make_mesh(), tasks=("reward",))
     again_model, again = models.load_reward_model(str(tmp_path / "rm_hf"))
     assert again_model.config.hidden_size == rm_model.config.hidden_size
     used = lambda p: {"score": p["score"], **{k: v for k, v in p["backbone"].items() if k != "lm_head"}}  # noqa
@@ -395,7 +395,7 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     out = _run("export_hf.py", f"--workdir={ppo}", f"--out={tmp_path / 'ppo_hf'}")
     assert "as a Hugging Face causal language model" in out.stdout
     model, params = models.load_pretrained(str(tmp_path / "ppo_hf"))
-    _, _, actor, _ = cli.restore_run(str(ppo), engine.make_mesh())
+    _, _, actor, _ = run_record.restore_run(str(ppo), engine.make_mesh())
     for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -533,7 +533,7 @@ def _bad_inputs(tmp_path, slow):
         ("train_lm.py", "--profile_steps=5"): "--profile_steps=5; expected START,END",
         ("train_lm.py", "--per_device_batch_size=0"): "--per_device_batch_size=0; expected an integer >= 1",
         ("train_ppo.py", "--mesh=auto"): "--mesh=auto; expected integers data,fsdp,model[,expert] such as 2,2,2 (this "
-                                         f"script does not choose a layout: {cli.AUTO_MESH_SCRIPTS} do)",
+                                         f"script does not choose a layout: {script_flags.AUTO_MESH_SCRIPTS} do)",
         ("train_sft.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive "
                                                 "budget with --mesh=auto",
         ("train_lm.py", "--mesh_memory_gb=8"): "--mesh_memory_gb=8.0 with --mesh=-1,1,1; expected a positive budget "

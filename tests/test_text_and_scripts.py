@@ -1,5 +1,6 @@
-"""engine.text (packing, pairs, the plain and fused losses) and engine.tasks.cli (flags, models, workdirs) in process; the
-scripts end to end are in tests/test_scripts.py."""
+"""engine.text (packing, pairs, the plain and fused losses) and the scripts' helpers (engine.tasks.script_flags,
+model_start, run_record, mesh_choice: flags, models, workdirs) in process; the scripts end to end are in
+tests/test_scripts.py."""
 import json
 import re
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import models
-from engine.tasks import cli, lm, seq2seq, text_data
+from engine.tasks import lm, mesh_choice, model_start, run_record, script_flags, seq2seq, text_data
 from tests.targets import jaxpr_shapes
 
 
@@ -84,10 +85,10 @@ def test_default_corpus_is_local_and_sized():
 
 
 def test_parse_mesh():
-    assert cli.parse_mesh("2,-1,2") == {"data": 2, "fsdp": -1, "model": 2}
-    assert cli.parse_mesh("2,1,1,4") == {"data": 2, "fsdp": 1, "model": 1, "expert": 4}
+    assert script_flags.parse_mesh("2,-1,2") == {"data": 2, "fsdp": -1, "model": 2}
+    assert script_flags.parse_mesh("2,1,1,4") == {"data": 2, "fsdp": 1, "model": 1, "expert": 4}
     with pytest.raises(ValueError, match=r"--mesh='2,2'; expected three or four integers data,fsdp,model\[,expert\]"):
-        cli.parse_mesh("2,2")
+        script_flags.parse_mesh("2,2")
 
 
 def test_read_pairs_and_errors(tmp_path):
@@ -225,39 +226,39 @@ def test_loss_implementation_is_checked():
 
 
 def test_create_model_and_run_json(tmp_path):
-    model = cli.create_model("llama", "tiny", {"hidden_size": 32, "rope_scaling": [["factor", 2.0],
+    model = model_start.create_model("llama", "tiny", {"hidden_size": 32, "rope_scaling": [["factor", 2.0],
                                                                                   ["rope_type", "linear"]]},
-                             families=["llama"])
+                                     families=["llama"])
     assert model.config.hidden_size == 32 and model.config.rope_scaling == (("factor", 2.0), ("rope_type", "linear"))
     (tmp_path / "c.json").write_text('{"hidden_size": 48, "num_heads": 4, "num_layers": 1}')
-    assert cli.create_model("opt", str(tmp_path / "c.json"), families=["opt"]).config.hidden_size == 48
+    assert model_start.create_model("opt", str(tmp_path / "c.json"), families=["opt"]).config.hidden_size == 48
     with pytest.raises(ValueError, match=r"llama config has no field\(s\) \['width'\]"):
-        cli.create_model("llama", "tiny", {"width": 3}, families=["llama"])
+        model_start.create_model("llama", "tiny", {"width": 3}, families=["llama"])
     with pytest.raises(ValueError, match=r"--model='t5'; expected one of \['llama'\]"):
-        cli.create_model("t5", "tiny", families=["llama"])
+        model_start.create_model("t5", "tiny", families=["llama"])
     with pytest.raises(FileNotFoundError, match=r"--model_config=/nope.json: no such file"):
-        cli.create_model("llama", "/nope.json", families=["llama"])
+        model_start.create_model("llama", "/nope.json", families=["llama"])
 
     tok = text_data.WordTokenizer(["a", "b"])
-    cli.save_run(str(tmp_path / "w"), "lm", model, tok)
-    cli.save_run(str(tmp_path / "w"), "lm", model, tok)  # the same run again: fine
-    task, again, tok2 = cli.load_run(str(tmp_path / "w"), scan_layers=True)
+    run_record.save_run(str(tmp_path / "w"), "lm", model, tok)
+    run_record.save_run(str(tmp_path / "w"), "lm", model, tok)  # the same run again: fine
+    task, again, tok2 = run_record.load_run(str(tmp_path / "w"), scan_layers=True)
     assert task == "lm" and again.config == model.config.__class__(**{**vars(model.config), "scan_layers": True})
     assert tok2.words == ["a", "b"] and tok2.encode("b a c") == [5, 4, 3]
-    other = cli.create_model("llama", "tiny", {"hidden_size": 64}, families=["llama"])
+    other = model_start.create_model("llama", "tiny", {"hidden_size": 64}, families=["llama"])
     with pytest.raises(ValueError, match=r"another model \(llama, fields \['hidden_size', 'rope_scaling'\] differ"):
-        cli.save_run(str(tmp_path / "w"), "lm", other, tok)
+        run_record.save_run(str(tmp_path / "w"), "lm", other, tok)
     with pytest.raises(FileNotFoundError, match=r"has no run.json"):
-        cli.load_run(str(tmp_path))
+        run_record.load_run(str(tmp_path))
     # A run.json from before the LoRA fields were recorded: its model is the one without adapters.
     run_file = tmp_path / "w" / "run.json"
     old = json.loads(run_file.read_text())
     old["config"] = {k: v for k, v in old["config"].items() if not k.startswith("lora_")}
     run_file.write_text(json.dumps(old))
-    cli.save_run(str(tmp_path / "w"), "lm", model, tok)
+    run_record.save_run(str(tmp_path / "w"), "lm", model, tok)
     adapted = model.clone(config=model.config.__class__(**{**vars(model.config), "lora_rank": 4}))
     with pytest.raises(ValueError, match=r"fields \['lora_rank'\] differ"):
-        cli.save_run(str(tmp_path / "w"), "lm", adapted, tok)
+        run_record.save_run(str(tmp_path / "w"), "lm", adapted, tok)
 
 
 def test_optimizer_flags_schedules_and_errors():
@@ -265,8 +266,8 @@ def test_optimizer_flags_schedules_and_errors():
 
     FLAGS = flags.FLAGS
     if "lr_schedule" not in FLAGS:
-        cli.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
-                                  save_every=1)
+        script_flags.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
+                                           save_every=1)
     try:
         for args, want in [([], {0: 0.0, 1: 0.5, 2: 1.0, 10: 0.1}),  # cosine to 10%
                            (["--lr_schedule=linear"], {1: 0.5, 2: 1.0, 6: 0.55, 10: 0.1}),
@@ -274,12 +275,12 @@ def test_optimizer_flags_schedules_and_errors():
                            (["--lr_schedule=constant"], {1: 0.5, 2: 1.0, 10: 1.0, 50: 1.0})]:
             FLAGS.unparse_flags()
             FLAGS(["prog", "--max_steps=10", "--learning_rate=1.0", "--warmup_steps=2", *args])
-            schedule = cli.lr_schedule(1.0)
+            schedule = script_flags.lr_schedule(1.0)
             for step, lr in want.items():
                 assert float(schedule(step)) == pytest.approx(lr, abs=1e-6), (args, step)
         FLAGS.unparse_flags()
         FLAGS(["prog", "--max_grad_norm=0", "--adam_b2=0.95"])
-        state = cli.optimizer().init({"w": np.zeros(2, np.float32)})
+        state = script_flags.optimizer().init({"w": np.zeros(2, np.float32)})
         assert type(state) is not tuple  # AdamW alone, not a chain behind a clip
         assert float(state.hyperparams["b2"]) == pytest.approx(0.95)
         for bad, message in [("--adam_b2=1.0", "--adam_b2=1.0; expected in [0, 1)"),
@@ -288,7 +289,7 @@ def test_optimizer_flags_schedules_and_errors():
             FLAGS.unparse_flags()
             FLAGS(["prog", bad])
             with pytest.raises(ValueError, match=re.escape(message)):
-                cli.optimizer()
+                script_flags.optimizer()
     finally:
         FLAGS.unparse_flags()
 
@@ -304,7 +305,7 @@ def test_choose_mesh_trains_the_global_batch_on_the_first_layout(capsys):
     from tests import trainer_task as task
 
     FLAGS = flags.FLAGS
-    cli.define_flags()
+    script_flags.define_flags()
     abstract = jax.eval_shape(task.init_params)
 
     def make_trainer(mesh):  # one layout compiles (its rank among others: tests/test_plan.py)
@@ -317,7 +318,7 @@ def test_choose_mesh_trains_the_global_batch_on_the_first_layout(capsys):
     try:
         FLAGS.unparse_flags()
         FLAGS(["prog", "--per_device_batch_size=2"])
-        mesh, rows = cli.choose_mesh(make_trainer, task.collate_fn, example, devices=jax.devices()[:2])
+        mesh, rows = mesh_choice.choose_mesh(make_trainer, task.collate_fn, example, devices=jax.devices()[:2])
         printed = capsys.readouterr().out
         assert re.search(r"^ +1 +1,2,1 +1 ", printed, re.M) and printed.count("error: not in this test") == 2
         assert (mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["model"]) == (1, 2, 1) and mesh.devices.size == 2
@@ -325,18 +326,18 @@ def test_choose_mesh_trains_the_global_batch_on_the_first_layout(capsys):
         assert "--mesh=auto chose 1,2,1: 2 rows per data position" in printed
         with pytest.raises(ValueError, match=r"^--mesh=auto: no layout fits 0\.00 GB per device \(the least, mesh "
                                              r"1,2,1, needs 0\.\d\d GB\); expected a larger budget"):
-            cli.choose_mesh(make_trainer, task.collate_fn, example, memory_gb=1e-6, devices=jax.devices()[:2])
+            mesh_choice.choose_mesh(make_trainer, task.collate_fn, example, memory_gb=1e-6, devices=jax.devices()[:2])
     finally:
         FLAGS.unparse_flags()
 
 
 def test_parse_flags_helpers():
-    assert cli.parse_profile_steps([]) is None and cli.parse_profile_steps(["2", "5"]) == (2, 5)
+    assert script_flags.parse_profile_steps([]) is None and script_flags.parse_profile_steps(["2", "5"]) == (2, 5)
     with pytest.raises(ValueError, match=r"--profile_steps=5,2; expected START,END"):
-        cli.parse_profile_steps(["5", "2"])
-    assert cli.parse_json("model_overrides", '{"a": 1}') == {"a": 1}
+        script_flags.parse_profile_steps(["5", "2"])
+    assert script_flags.parse_json("model_overrides", '{"a": 1}') == {"a": 1}
     with pytest.raises(ValueError, match=r"--model_overrides='\[1\]'; expected a JSON object"):
-        cli.parse_json("model_overrides", "[1]")
+        script_flags.parse_json("model_overrides", "[1]")
 
 
 def _define_decoder_script_flags():
@@ -345,12 +346,12 @@ def _define_decoder_script_flags():
 
     FLAGS = flags.FLAGS
     if "lr_schedule" not in FLAGS:
-        cli.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
-                                  save_every=1)
+        script_flags.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
+                                           save_every=1)
     if "init_from" not in FLAGS:
-        cli.define_decoder_flags(init_from_help="")
+        script_flags.define_decoder_flags(init_from_help="")
     if "toy_size" not in FLAGS:
-        cli.define_record_flags(what="pairs", fields=("prompt", "response"), toy_size=8)
+        script_flags.define_record_flags(what="pairs", fields=("prompt", "response"), toy_size=8)
     return FLAGS
 
 
@@ -370,11 +371,11 @@ def test_describe_decoder_has_the_model_and_shapes_of_the_real_start(tmp_path, a
     try:
         FLAGS.unparse_flags()
         FLAGS(["prog", *args])
-        model, params, tokenizer = cli.describe_decoder(tasks=("lm",), seq_len=32)
+        model, params, tokenizer = mesh_choice.describe_decoder(tasks=("lm",), seq_len=32)
         mesh = engine.make_mesh(data=1, fsdp=2 if FLAGS.pipeline_stages == 1 else 1, stage=FLAGS.pipeline_stages,
                                 devices=jax.devices()[:2])
-        _, real_model, real_params, real_tokenizer = cli.start_decoder(mesh, tasks=("lm",), seq_len=32)
-        real_model, real_params = cli.with_flags(real_model, real_params)
+        _, real_model, real_params, real_tokenizer = model_start.start_decoder(mesh, tasks=("lm",), seq_len=32)
+        real_model, real_params = model_start.with_flags(real_model, real_params)
         assert model == real_model and type(tokenizer) is type(real_tokenizer)
         assert tokenizer.vocab_size == real_tokenizer.vocab_size
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, str(x.dtype)), tree)  # noqa: E731
@@ -398,35 +399,35 @@ def test_device_defaults_and_model_overrides_with_init_from(tmp_path, monkeypatc
     try:
         FLAGS.unparse_flags()
         FLAGS(["prog"])
-        assert cli.compute_dtype() is None and cli.loss_implementation() is None
-        assert cli.accelerator_options() == {} and cli.model_options() == {}
+        assert script_flags.compute_dtype() is None and script_flags.loss_implementation() is None
+        assert model_start.accelerator_options() == {} and model_start.model_options() == {}
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
         choices = {}
-        monkeypatch.setattr(cli.kernels, "default_implementation",
+        monkeypatch.setattr(script_flags.kernels, "default_implementation",
                             lambda op, **shape: choices.setdefault(op, shape) and "plain")
-        assert cli.compute_dtype() == jnp.bfloat16 and cli.loss_implementation() is None
+        assert script_flags.compute_dtype() == jnp.bfloat16 and script_flags.loss_implementation() is None
         assert choices == {"linear_cross_entropy": {"dtype": jnp.bfloat16}}
-        monkeypatch.setattr(cli.kernels, "default_implementation", lambda op, **shape: "triton")
-        assert cli.loss_implementation() == "triton" and cli.loss_implementation(gemma) is None
-        assert cli.model_options() == {"scan_layers": True}
+        monkeypatch.setattr(script_flags.kernels, "default_implementation", lambda op, **shape: "triton")
+        assert script_flags.loss_implementation() == "triton" and script_flags.loss_implementation(gemma) is None
+        assert model_start.model_options() == {"scan_layers": True}
         FLAGS.unparse_flags()
         FLAGS(["prog", f"--init_from={hf}", "--tokenizer=byte", "--compute_dtype=float32",
                '--model_overrides={"scan_layers": false, "remat": "dots", "attention_implementation": "xla"}'])
-        assert cli.compute_dtype() is None
-        model = cli.load_hf_model(str(hf), families=["llama"])
+        assert script_flags.compute_dtype() is None
+        model = model_start.load_hf_model(str(hf), families=["llama"])
         assert (model.config.scan_layers, model.config.remat, model.config.attention_implementation) == (
             False, "dots", "xla")
-        _, model, params, _ = cli.start_decoder(None, tasks=("lm",), seq_len=32)
+        _, model, params, _ = model_start.start_decoder(None, tasks=("lm",), seq_len=32)
         assert model.config.remat == "dots" and "layers_0" in params
         FLAGS.unparse_flags()
         FLAGS(["prog", f"--init_from={hf}", '--model_overrides={"hidden_size": 32, "remat": "full"}'])
         with pytest.raises(ValueError, match=r"^--model_overrides sets \['hidden_size'\] with --init_from=.*: the "
                                              r"Hugging Face config.json fixes them; expected only model options of"):
-            cli.load_hf_model(str(hf), families=["llama"])
+            model_start.load_hf_model(str(hf), families=["llama"])
         FLAGS.unparse_flags()
         FLAGS(["prog", f"--init_from={tmp_path}", '--model_overrides={"scan_layers": true}'])
         with pytest.raises(ValueError, match=r"\['scan_layers'\] with --init_from=.*: a training workdir's run.json "
                                              "fixes them"):
-            cli.model_options(runtime_only=True)
+            model_start.model_options(runtime_only=True)
     finally:
         FLAGS.unparse_flags()

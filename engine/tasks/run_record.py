@@ -1,0 +1,143 @@
+"""A training workdir's run.json (task, model family and config, tokenizer) and what reads it: `save_run`,
+`load_run`, `restore_run` (the parameters of its latest or best checkpoint on any mesh)."""
+import dataclasses
+import json
+import os
+
+import jax
+from absl import flags, logging
+
+import engine
+import models
+from engine.tasks import lm, seq2seq, text_data
+from engine.tasks.rlhf import ppo, preference, reward
+
+FLAGS = flags.FLAGS
+
+
+# Runtime options are not recorded in run.json; the LoRA, quantisation and layer-stacking fields are (they change the
+# parameters and their checkpoint layout).
+_RECORDED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
+                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "scan_layers")}
+RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_RECORDED_DEFAULTS) | {"hf_config"}
+RUN_FILE = "run.json"
+
+
+def config_tuples(x):
+    """JSON lists back to the tuples config fields hold (configs are hashed: the model is a jit cache key)."""
+    if isinstance(x, dict):
+        return {k: config_tuples(v) for k, v in x.items()}
+    return tuple(config_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def family_of(model):
+    return next(name for name, fam in models.FAMILIES.items() if isinstance(model, fam.Model))
+
+
+def _model_fields(model):
+    """The config fields that fix the parameters (not the runtime options)."""
+    return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
+
+
+def save_run(workdir, task, model, tokenizer, critic=None):
+    """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
+    that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `models.RewardModel`
+    (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
+    ValueError: its checkpoints would not fit."""
+    run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
+    if critic is not None:
+        run["critic"] = {"family": family_of(critic.backbone), "config": _model_fields(critic.backbone)}
+    path = os.path.join(workdir, RUN_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        # run.json files written before the LoRA / scan fields existed hold none of them: theirs are the defaults.
+        full = lambda config: config and config_tuples({**_RECORDED_DEFAULTS, **config})  # noqa: E731
+        old_config, new_config = full(old.get("config")), full(run["config"])
+        old_critic = old.get("critic") and {**old["critic"], "config": full(old["critic"]["config"])}
+        new_critic = run.get("critic") and {**run["critic"], "config": full(run["critic"]["config"])}
+        if (old.get("task"), old.get("family"), old_config, config_tuples(old_critic)) != (
+                task, run["family"], new_config, config_tuples(new_critic)):
+            changed = sorted(k for k in set(old_config or {}) | set(new_config)
+                             if (old_config or {}).get(k) != new_config.get(k))
+            hint = ""
+            if "scan_layers" in changed:
+                was = bool((old_config or {}).get("scan_layers"))
+                hint = (f": its layers were {'' if was else 'not '}scanned (stacked), so --model_overrides with "
+                        f'"scan_layers": {str(was).lower()} (GPU and TPU runs default to true, CPU runs to false), '
+                        f"and --pipeline_stages {'> 1 if it ran as a pipeline' if was else '=1'}")
+            raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
+                             f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
+                             f"flags of that run{hint}")
+        _note_changed_training_flags(workdir, old.get("training", {}))
+    run["training"] = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
+    if jax.process_index() != 0:
+        return
+    os.makedirs(workdir, exist_ok=True)
+    run["tokenizer"] = text_data.tokenizer_spec(tokenizer, workdir)
+    with open(path + ".tmp", "w") as f:
+        json.dump(run, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+# The optimisation flags a resumed run may change (it continues, under the new values) but should say it did.
+_NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm", "seed")
+
+
+def _note_changed_training_flags(workdir, before):
+    for name in _NOTED_FLAGS:
+        if name in FLAGS and name in before and before[name] != FLAGS[name].value:
+            logging.warning("--%s=%s where the run in %s had %s: the resumed run continues under the new value",
+                            name, FLAGS[name].value, workdir, before[name])
+
+
+def load_run(workdir, tasks=None, **options):
+    """(task, model, tokenizer) of a workdir written by a training script (see save_run). tasks: the tasks the
+    caller accepts (None: any). options: ModelOptions fields (scan_layers, attention_implementation, ...)."""
+    run = _read_run(workdir, tasks)
+    return run["task"], _model_of(run, options), text_data.tokenizer_from_spec(run["tokenizer"], workdir)
+
+
+def _model_of(entry, options):
+    family = entry["family"]
+    return models.FAMILIES[family].Model(
+        models.FAMILIES[family].Config(**{**config_tuples(entry["config"]), **options}))
+
+
+def _read_run(workdir, tasks):
+    path = os.path.join(workdir, RUN_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{workdir} has no {RUN_FILE}; expected the workdir of a training script "
+                                "(scripts/train_*.py, scripts/finetune_seq2seq.py) or, where a script takes one, a "
+                                "Hugging Face directory")
+    with open(path) as f:
+        run = json.load(f)
+    if tasks is not None and run["task"] not in tasks:
+        raise ValueError(f"{workdir} holds a {run['task']} run; expected one of {list(tasks)}")
+    return run
+
+
+def restore_run(workdir, mesh, tasks=None, checkpoint="latest", **options):
+    """(task, model, params, tokenizer) of the latest checkpoint of a training script's workdir (checkpoint='best':
+    the one --save_best kept), the parameters sharded over `mesh` (the layout engine.auto_shard picks for this mesh,
+    whatever mesh trained them). tasks: as in load_run. The model of a 'reward' run is its
+    `models.RewardModel`; of a 'ppo' run, the policy."""
+    task, model, tokenizer = load_run(workdir, tasks, **options)
+    if task == "reward":
+        model = models.RewardModel(model)
+    abstract = jax.eval_shape(lambda: models.init_params(model))
+    loss = {"lm": lm.lm_loss_fn, "seq2seq": seq2seq.seq2seq_loss_fn, "sft": lm.lm_loss_fn,
+            "dpo": preference.dpo_loss_fn, "reward": reward.reward_loss_fn, "ppo": ppo.ppo_loss_fn}[task]
+    if task == "ppo":  # the checkpoint holds {'actor', 'critic'}, or {'actor'} after GRPO (no critic)
+        entry = _read_run(workdir, tasks).get("critic")
+        critic = None if entry is None else models.RewardModel(_model_of(entry, options))
+        abstract = {"actor": abstract}
+        if critic is not None:
+            abstract["critic"] = jax.eval_shape(lambda: models.init_params(critic))
+        loss = loss(model, critic)
+    else:
+        loss = loss(model)
+    # The loss lays the parameters out as the run's Trainer did, whatever optimizer (or DiLoCo) trained them.
+    params, step = engine.restore_params(workdir, mesh=mesh, params=abstract, loss_fn=loss, checkpoint=checkpoint)
+    logging.info("restored step %d of %s (%s checkpoint)", step, workdir, checkpoint)
+    return task, model, params["actor"] if task == "ppo" else params, tokenizer
