@@ -3,6 +3,7 @@ Predictor, checkpoints, data loading and ahead-of-time plans. The applications b
 from engine.config import Checkpointing, Logging, Parallelism, Precision
 from engine.diloco import DiLoCo
 from engine.distributed import initialize_distributed
+from engine.fit_loop import StoppedBySignal
 from engine.mesh import AXES, make_mesh
 from engine.predictor import Predictor
 from engine.sharding import add_axis, auto_layout, auto_shard, describe_sharding
@@ -11,4 +12,5 @@ from engine.trainer import Trainer, global_batch_size, restore_params
 
 __all__ = ["AXES", "make_mesh", "auto_shard", "auto_layout", "describe_sharding", "add_axis",
            "initialize_distributed", "Trainer", "Precision", "Parallelism", "Checkpointing", "Logging",
-           "restore_params", "Predictor", "global_batch_size", "DiLoCo", "LossScale"]
+           "restore_params", "Predictor", "global_batch_size", "DiLoCo", "LossScale",
+           "StoppedBySignal"]

@@ -65,6 +65,22 @@ class SecondSignal(KeyboardInterrupt):
         self.signum = signum
 
 
+class StoppedBySignal(SystemExit):
+    """Raised by `fit` after a SIGTERM / SIGINT stopped it and its checkpoint was saved, so that the program ends
+    even when `fit` is called in the user's own loop (a `SystemExit`: `except Exception` does not catch it, and
+    uncaught it ends the process with status 128 + the signal's number, 143 for SIGTERM, as a shell reports a
+    signal; a scheduler then tells a preempted run from a finished one). `signum`: the signal (SIGTERM when a
+    peer process received it); `step`: the step the checkpoint holds."""
+
+    def __init__(self, signum, step):
+        super().__init__(128 + signum)
+        self.signum, self.step = signum, step
+
+    def __str__(self):
+        return (f"stopped by {signal.Signals(self.signum).name} at step {self.step} (checkpoint saved); exit status "
+                f"{self.code}")
+
+
 class Stop:
     """Whether `fit` should stop for a signal. `signum`: the first SIGTERM / SIGINT this process received. With
     several processes the decision is agreed: every process calls `agree()` at the same steps (the log points) and

@@ -13,6 +13,7 @@ compiled step scans over the micro-batches, accumulates gradients (sharded like 
 import functools
 import os
 import re
+import signal
 import time
 
 import jax
@@ -703,7 +704,9 @@ class Trainer:
         `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
         caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
         `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard`. SIGTERM or
-        Ctrl-C: the current step finishes, a checkpoint is saved, `fit` returns with `stopped_by_signal` set.
+        Ctrl-C: the current step finishes, a checkpoint is saved, `stopped_by_signal` is set and `fit` raises
+        `engine.StoppedBySignal` (a SystemExit with status 128 + the signal), so that the program ends even when it
+        calls `fit` in a loop of its own; a second signal stops at once.
         """
         fit_loop.check_fit_arguments(
             workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
@@ -744,6 +747,8 @@ class Trainer:
             stopped = stop()
         self.stop_signal = stop.signum if stopped else None
         self._finish(stopped, exhausted(), checkpoint_at_end)
+        if stopped:  # the program ends, also when fit runs in the user's own loop
+            raise fit_loop.StoppedBySignal(self.stop_signal or signal.SIGTERM, self._step)
         return self.history
 
     def _epochs(self, train_examples, per_device_batch_size, rows, last_epoch, profiler, done, every, evaluate):

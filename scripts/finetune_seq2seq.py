@@ -133,7 +133,7 @@ def main(argv):
     start_loss = trainer.eval_loss(evals, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
     cli.log_eval(trainer, {"loss": start_loss})
-    trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
+    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=evals, eval_predictor=predictor, eval_metric_fn=metric_fn,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **script_flags.eval_kwargs())
@@ -148,7 +148,7 @@ def main(argv):
     for pair, pred in list(zip(eval_pairs, preds))[:FLAGS.samples]:
         got = tokenizer.decode([i for i in lm.until_eos(pred, tokenizer.eos_id) if i != tokenizer.eos_id])
         print(f"--- {pair['input']!r} -> {got!r} (target {pair['target']!r})")
-    cli.finish(trainer, FLAGS.workdir)
+    trainer.close()
 
 
 if __name__ == "__main__":

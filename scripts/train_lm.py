@@ -110,7 +110,7 @@ def main(argv):
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
     cli.log_eval(trainer, {"loss": start_loss})
-    trainer.fit(train_rows, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs,
+    trainer.fit(train_rows, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
                 save_every=FLAGS.save_every, profile_steps=profile,
                 **script_flags.eval_kwargs())
@@ -126,7 +126,7 @@ def main(argv):
         if jax.process_index() == 0:
             for prompt, sample in zip(FLAGS.prompts, samples):
                 print(f"--- sample for {prompt!r}:\n{sample}")
-    cli.finish(trainer, FLAGS.workdir)
+    trainer.close()
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def _train(trainer, task, train_records, eval_records, rollout_batch_size):
     print(_report(f"after training (step {trainer.step})", end) +
           f" (before: {start[0]:.3f}" + ("" if start[1] is None else f", {start[1]:.3f}") + ")")
     cli.log_eval(trainer, _scalars(end))
-    cli.finish(trainer, FLAGS.workdir)
+    trainer.close()
 
 
 if __name__ == "__main__":

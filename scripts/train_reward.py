@@ -75,7 +75,7 @@ def main(argv):
     start_loss, start_accuracy = trainer.eval_loss(evals, per_device_batch_size=batch), accuracy()
     print(f"eval reward loss before training: {start_loss:.4f}, accuracy {start_accuracy:.4f}")
     cli.log_eval(trainer, {"loss": start_loss, "reward_accuracy": start_accuracy})
-    trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
+    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, eval_predictor=predictor, eval_metric_fn=reward.reward_accuracy,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **script_flags.eval_kwargs())
@@ -85,7 +85,7 @@ def main(argv):
     print(f"eval reward loss after training: {end_loss:.4f} (was {start_loss:.4f}), accuracy {end_accuracy:.4f} "
           f"(was {start_accuracy:.4f}) on {len(evals)} held-out triples at step {trainer.step}")
     cli.log_eval(trainer, {"loss": end_loss, "reward_accuracy": end_accuracy})
-    cli.finish(trainer, FLAGS.workdir)
+    trainer.close()
 
 
 if __name__ == "__main__":

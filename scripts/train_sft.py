@@ -70,7 +70,7 @@ def main(argv):
     start_loss, start_exact = trainer.eval_loss(evals, per_device_batch_size=batch), exact()
     print(f"eval response loss before training: {start_loss:.4f}, exact match {start_exact:.3f}")
     cli.log_eval(trainer, {"loss": start_loss, "exact_match": start_exact})
-    trainer.fit(train, per_device_batch_size=batch, total_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
+    trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs, max_steps=FLAGS.max_steps,
                 eval_examples=evals, log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
                 **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
@@ -79,7 +79,7 @@ def main(argv):
     print(f"eval response loss after training: {end_loss:.4f} (was {start_loss:.4f}), exact match {end_exact:.3f} "
           f"(was {start_exact:.3f}) of {len(answered)} held-out greedy answers at step {trainer.step}")
     cli.log_eval(trainer, {"loss": end_loss, "exact_match": end_exact})
-    cli.finish(trainer, FLAGS.workdir)
+    trainer.close()
 
 
 if __name__ == "__main__":

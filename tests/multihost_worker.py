@@ -103,7 +103,11 @@ def train_until_signal(mesh, workdir):
 
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=task.loss_fn, params=task.init_params(),
                              optimizer=optax.adam(1e-2), workdir=workdir)
-    trainer.fit(task.make_examples(64), per_device_batch_size=2, max_steps=100_000, n_epochs=10_000, log_every=2)
+    try:
+        trainer.fit(task.make_examples(64), per_device_batch_size=2, max_steps=100_000, n_epochs=10_000,
+                    log_every=2)
+    except engine.StoppedBySignal:
+        pass
     trainer.close()
     return np.array([trainer.step, trainer.stopped_by_signal])
 

@@ -1,13 +1,12 @@
 """The scripts' process: `run(main)`, their entry point, which turns a bad flag or bad input into a one-line `error:`
 and exit code 2 instead of a traceback and keeps the console to the project's own lines (everything in the workdir's
 log file); `start` (the multi-process runtime, the flag checks, the mesh) and the end of a training script
-(`progress_lines`, `log_eval`, `finish`). The flags are `script_flags`'s. Scripts import this module; tests can too."""
+(`progress_lines`, `log_eval`). The flags are `script_flags`'s. Scripts import this module; tests can too."""
 import atexit
 import errno
 import logging as std_logging
 import os
 import re
-import signal
 import sys
 import threading
 import traceback
@@ -94,17 +93,6 @@ def log_eval(trainer, results):
     """Writes an eval the script prints (`{name: value}`, e.g. the losses before and after training) to TensorBoard
     as `eval/<name>` at the trainer's current step, so every eval on the console is also in TensorBoard."""
     trainer.write_scalars("eval", results)
-
-
-def finish(trainer, workdir):
-    """Ends a training script: closes the trainer (waits for its last checkpoint). When a signal stopped the run it
-    prints where it can be resumed and exits with 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C), as a
-    shell does, so a scheduler can tell a preempted run from a finished one."""
-    trainer.close()
-    if trainer.stopped_by_signal:
-        print(f"stopped by a signal at step {trainer.step}; checkpoint saved in {workdir}; re-run to resume")
-        # A peer's signal stopped this process: the run was preempted all the same.
-        _exit(128 + (trainer.stop_signal or signal.SIGTERM))
 
 
 # The project's code: INFO lines from anywhere else (Orbax, JAX) go to the workdir's log file only.
@@ -260,9 +248,10 @@ def run(main):
     """`absl.app.run(main)` for scripts: a bad flag value, a missing or malformed file or any other bad input
     (ValueError, FileNotFoundError, app.UsageError, flags.Error) ends with one line `error: <message>` on stderr
     and exit code 2, never a traceback; a diverged run (FloatingPointError), a multi-process start that failed
-    (DistributedError) or a full disk with one line and exit code 1; a second signal with one line and 128 + its
-    number. `--help` lists the script's flags (exit 0). The console shows the project's own lines; everything is in
-    the workdir's log file."""
+    (DistributedError) or a full disk with one line and exit code 1; a run a signal stopped (`fit` saved, then
+    raised `engine.StoppedBySignal`) with where to resume and 128 + the signal's number; a second signal with one
+    line and 128 + its number. `--help` lists the script's flags (exit 0). The console shows the project's own
+    lines; everything is in the workdir's log file."""
     def parse(argv):
         if any(a in ("--help", "-h", "-?", "--helpshort") for a in argv[1:]):
             _help(argv)
@@ -288,6 +277,10 @@ def run(main):
             if isinstance(e, (FloatingPointError, distributed.DistributedError)):
                 _fail(e, RUNTIME_EXIT_CODE)
             raise
+        except fit_loop.StoppedBySignal as e:  # fit saved; 143 for SIGTERM, 130 for Ctrl-C, as a shell reports
+            workdir = FLAGS["workdir"].value if "workdir" in FLAGS else None
+            print(f"stopped by a signal at step {e.step}; checkpoint saved in {workdir}; re-run to resume", flush=True)
+            _exit(e.code)
         except fit_loop.SecondSignal as e:
             print(f"stopped: {e}; the last finished checkpoint stays", file=sys.stderr, flush=True)
             _exit(128 + e.signum)

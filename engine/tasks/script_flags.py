@@ -85,7 +85,8 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_string("workdir", workdir, "Checkpoints, TensorBoard scalars and the model description "
                         "(run.json) go here; re-running the same command resumes.")
     flags.DEFINE_integer("max_steps", max_steps, "Optimizer updates in total (resumes included).")
-    flags.DEFINE_integer("n_epochs", 1000, "Passes over the data at most.")
+    flags.DEFINE_integer("n_epochs", 1000, "Passes over the data (a re-run of the same command continues the "
+                         "interrupted run to the same end).")
     flags.DEFINE_float("learning_rate", learning_rate, "Peak learning rate (after a linear warm-up; --lr_schedule).")
     flags.DEFINE_integer("warmup_steps", warmup_steps, "Warm-up updates.")
     flags.DEFINE_enum("lr_schedule", "cosine", list(_SCHEDULES), "After the warm-up: cosine or linear decay to "

@@ -509,7 +509,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
             examples, stats = loaded
         trainer.fit(examples, per_device_batch_size=per_device_batch_size, total_epochs=(it + 1) * ppo_epochs,
                     max_steps=max_steps, log_every=log_every, checkpoint_at_end=False)
-        if trainer.stopped_by_signal or trainer.step < (it + 1) * steps_per_iteration:
+        if trainer.step < (it + 1) * steps_per_iteration:
             break
         history.append(stats)
         trainer.write_scalars("rollout", stats)
