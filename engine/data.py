@@ -3,11 +3,13 @@
 A training batch has a leading micro-batch axis: `[accumulate, global_micro_batch, ...]`, split over the data axes
 (`data` x `fsdp` x `expert`) along its second axis. Each process collates only the rows its own devices hold and
 the global array is assembled with `jax.make_array_from_process_local_data`, so no host ever collates the whole
-global batch.
+global batch. With `workers`, that per-batch work (reading examples, where a lazy dataset tokenises, and collating)
+runs in Grain's worker processes and this process only places the batches.
 """
 import collections.abc
 import itertools
 import queue
+import sys
 import threading
 
 import jax
@@ -107,46 +109,146 @@ def example_batch(spec):
 
 
 def is_random_access(examples):
-    """Whether `examples` is shuffled per epoch (a list, tuple or other `collections.abc.Sequence`, such as
-    `engine.tasks.text_data.TokenWindows`) rather than streamed in order."""
-    return isinstance(examples, collections.abc.Sequence) and not isinstance(examples, (str, bytes))
+    """Whether `examples` is shuffled per epoch and read by index (anything with `len` and indexing: a list, tuple,
+    numpy array, `engine.tasks.text_data.TokenWindows`, a `grain.MapDataset` or a Grain `RandomAccessDataSource`)
+    rather than streamed in order (generators, iterators, other iterables such as `engine.tasks.sources.Mixture`).
+    Mappings, strings and bytes are not collections of examples."""
+    if isinstance(examples, (str, bytes, collections.abc.Mapping)):
+        return False
+    return hasattr(type(examples), "__len__") and hasattr(type(examples), "__getitem__")
+
+
+class _LocalBatch:
+    """Global batch b -> (real examples in it, this process's rows of it collated and stacked
+    `[accumulate, local_rows, ...]` in numpy). A picklable callable: with workers it runs in Grain's worker processes,
+    each of which draws the epoch's permutation itself (cheaper than pickling one per worker)."""
+
+    def __init__(self, examples, collate_fn, *, rows_per_batch, micro_rows, local_rows, seed, epoch, shuffle):
+        self.examples, self.collate_fn = examples, collate_fn
+        self.rows_per_batch, self.micro_rows, self.local_rows = rows_per_batch, micro_rows, local_rows
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self._order = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_order": None}
+
+    def order(self):
+        if self._order is None:
+            n = len(self.examples)
+            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
+                           else np.arange(n))
+        return self._order
+
+    def __call__(self, b):
+        chunk = self.order()[b * self.rows_per_batch:(b + 1) * self.rows_per_batch].tolist()
+        return len(chunk), _collate_local(chunk, self.examples.__getitem__, self.collate_fn, self.rows_per_batch,
+                                          self.micro_rows, self.local_rows)
+
+
+def _collate_local(chunk, fetch, collate_fn, rows_per_batch, micro_rows, local_rows):
+    """This process's rows of one global batch `chunk` (its examples, or their indices read by `fetch`), padded to
+    `rows_per_batch` by repeating the last, collated per micro-batch and stacked `[accumulate, local_rows, ...]`."""
+    chunk = chunk + [chunk[-1]] * (rows_per_batch - len(chunk))
+    lo, hi = local_rows
+    micro = []
+    for m in range(rows_per_batch // micro_rows):
+        batch = collate_fn([fetch(x) for x in chunk[m * micro_rows:(m + 1) * micro_rows][lo:hi]])
+        check_batch(batch, hi - lo, "collate_fn")
+        micro.append(batch)
+    return _stack(micro)
+
+
+def _check_workers(workers, examples, collate_fn):
+    """One-line errors for `workers` that cannot run: not an integer >= 0, streamed examples, no grain, or
+    examples / collate_fn that do not pickle (Grain's workers are spawned processes that receive both pickled)."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        raise ValueError(f"workers={workers!r}; expected an integer >= 0 (0: batches built in this process)")
+    if not workers:
+        return
+    if not is_random_access(examples):
+        raise ValueError(f"workers={workers} needs random-access examples (len and indexing: a list, TokenWindows, "
+                         f"a grain.MapDataset); got {type(examples).__name__}, which streams in order and so is "
+                         "read in this process: pass workers=0")
+    try:
+        import cloudpickle  # noqa: PLC0415 (installed with grain, which pickles with it)
+        import grain  # noqa: F401, PLC0415 (optional: the `data` extra)
+    except ImportError:
+        raise ValueError(f"workers={workers} needs the grain package (pip install 'redline[data]'); "
+                         "workers=0 builds batches in this process without it") from None
+    for name, value in (("examples", examples), ("collate_fn", collate_fn)):
+        try:
+            size = len(cloudpickle.dumps(value))
+        except Exception as e:  # noqa: BLE001 (pickling raises whatever the object's __reduce__ raises)
+            raise ValueError(f"workers={workers}: {name} ({type(value).__name__}) cannot be pickled for the worker "
+                             f"processes ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); expected "
+                             "a picklable object (open files and locks in __setstate__), or workers=0") from None
+        if size > _MAX_PICKLED:
+            raise ValueError(f"workers={workers}: {name} ({type(value).__name__}) pickles to {size >> 20} MiB, "
+                             f"copied into every worker; expected under {_MAX_PICKLED >> 20} MiB: hold file paths "
+                             "and open them lazily (a memory map pickles as a copy of its data), or workers=0")
+
+
+_MAX_PICKLED = 256 << 20
+
+
+def _in_workers(build, start, stop, workers):
+    """build(b) for b in [start, stop), in order, computed `workers` processes ahead through Grain. Each worker holds
+    a slice of the batch indices and keeps two built batches ahead; one thread per worker, since the batch's work
+    is Python (tokenisers) that threads would only serialise on the GIL."""
+    import grain  # noqa: PLC0415
+    from absl import flags  # noqa: PLC0415
+
+    if not flags.FLAGS.is_parsed():  # grain 0.2.18 reads its absl flags unguarded; outside an absl app: defaults
+        flags.FLAGS.mark_as_parsed()
+    dataset = grain.MapDataset.range(start, stop).map(build).to_iter_dataset(
+        grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+    iterator = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2)))
+    try:
+        yield from iterator
+    finally:
+        iterator.close()  # its worker processes end here, not at garbage collection
 
 
 def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumulate=1, seed=0, epoch=0,
-                    start_batch=0, shuffle=True, drop_remainder=True):
-    """Yields `(batch_index, placed_batch)` for one epoch, starting at `start_batch`.
+                    start_batch=0, shuffle=True, drop_remainder=True, workers=0):
+    """Yields `(batch_index, n_real, placed_batch)` for one epoch, starting at `start_batch`.
 
-    Sequences (lists, `engine.tasks.text_data.TokenWindows`, ...) are shuffled with a permutation drawn from `(seed, epoch)`,
-    and each process reads only the rows its devices hold; other iterables are streamed in order (and skipped to
-    `start_batch` on resume). The last incomplete global batch is dropped when `drop_remainder`, so the step compiles
-    once; otherwise it is padded by repeating its last example (callers drop the padded outputs).
+    Random-access examples (see `is_random_access`: lists, `engine.tasks.text_data.TokenWindows`, a
+    `grain.MapDataset`, ...) are shuffled with a permutation drawn from `(seed, epoch)`, and each process reads only
+    the rows its devices hold, so batch b is the same on any number of processes and a resume at `start_batch` is
+    exact. Other iterables are streamed in order (and skipped to `start_batch` on resume). The last incomplete
+    global batch is dropped when `drop_remainder`, so the step compiles once; otherwise it is padded by repeating its
+    last example (callers drop the padded outputs).
+
+    `workers` > 0: reading this process's rows (`examples[i]`, where a lazy dataset tokenises and packs) and
+    `collate_fn` run in that many Grain worker processes, batches in order and identical to `workers=0`; this
+    process only places them on the devices. Needs random-access, picklable examples and collate_fn (the grain
+    package); the workers start with each call (once per epoch).
     """
+    _check_workers(workers, examples, collate_fn)
     micro_rows = per_device_batch_size * data_parallel_size(mesh)
     rows_per_batch = micro_rows * accumulate
-    lo, hi = _local_rows(mesh, micro_rows)
+    local_rows = _local_rows(mesh, micro_rows)
     if is_random_access(examples):  # the source yields indices; only this process's rows are read
-        order = np.arange(len(examples))
-        if shuffle:
-            order = np.random.default_rng([seed, epoch]).permutation(len(examples))
-        source, fetch = iter(order[start_batch * rows_per_batch:]), examples.__getitem__
-    else:
-        source = itertools.islice(iter(examples), start_batch * rows_per_batch, None)
-        fetch = lambda example: example  # noqa: E731
-    index = start_batch
-    while True:
+        n = len(examples)
+        if n >= sys.maxsize:
+            raise ValueError(f"examples ({type(examples).__name__}) has {n} examples, an endless dataset (a "
+                             "repeated grain.MapDataset?); expected a finite one: fit's epochs repeat it")
+        build = _LocalBatch(examples, collate_fn, rows_per_batch=rows_per_batch, micro_rows=micro_rows,
+                            local_rows=local_rows, seed=seed, epoch=epoch, shuffle=shuffle)
+        n_batches = n // rows_per_batch if drop_remainder else -(-n // rows_per_batch)
+        built = (_in_workers(build, start_batch, n_batches, workers) if workers
+                 else (build(b) for b in range(start_batch, n_batches)))
+        for index, (n_real, local) in enumerate(built, start_batch):
+            yield index, n_real, place_batch(mesh, local, micro_rows)
+        return
+    source = itertools.islice(iter(examples), start_batch * rows_per_batch, None)
+    for index in itertools.count(start_batch):
         chunk = list(itertools.islice(source, rows_per_batch))
         if not chunk or (drop_remainder and len(chunk) < rows_per_batch):
             return
-        n_real = len(chunk)
-        chunk += [chunk[-1]] * (rows_per_batch - n_real)
-        micro = []
-        for m in range(accumulate):
-            rows = [fetch(x) for x in chunk[m * micro_rows:(m + 1) * micro_rows][lo:hi]]
-            batch = collate_fn(rows)
-            check_batch(batch, hi - lo, "collate_fn")
-            micro.append(batch)
-        yield index, n_real, place_batch(mesh, _stack(micro), micro_rows)
-        index += 1
+        local = _collate_local(chunk, lambda example: example, collate_fn, rows_per_batch, micro_rows, local_rows)
+        yield index, len(chunk), place_batch(mesh, local, micro_rows)
 
 
 class Prefetcher:

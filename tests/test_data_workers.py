@@ -1,0 +1,131 @@
+"""Grain datasets as examples and worker processes in `engine.data.iterate_batches`: a grain.MapDataset is shuffled
+per (seed, epoch) and resumed like a list, batches built in worker processes equal those built in-process, and what
+cannot run in workers is refused in one line."""
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+import engine
+from engine import data
+from engine.tasks import lm, sources, text_data
+
+grain = pytest.importorskip("grain")
+
+TOKENIZER = text_data.ByteTokenizer()
+SEQ_LEN = 16
+
+
+def encode_row(text):
+    """A lazy dataset's per-example work: tokenise one document into one row of `pack`'s format (module level, so
+    the worker processes unpickle it by reference)."""
+    return sources.pack([text], TOKENIZER, SEQ_LEN)[0]
+
+
+def _texts(n=150):
+    return [f"document {i}: " + "word " * (i % 7) for i in range(n)]
+
+
+def _batches(examples, workers=0, **kwargs):
+    mesh = engine.make_mesh(data=4, model=2)
+    kwargs = {"per_device_batch_size": 2, "accumulate": 2, "seed": 3, **kwargs}
+    return [(i, n, {k: np.asarray(v) for k, v in b.items()})
+            for i, n, b in data.iterate_batches(mesh, examples, lm.collate_lm, workers=workers, **kwargs)]
+
+
+def _assert_same(a, b):
+    assert [(i, n) for i, n, _ in a] == [(i, n) for i, n, _ in b]
+    for (_, _, x), (_, _, y) in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+class _Source:
+    """A Grain RandomAccessDataSource: len and indexing, nothing else."""
+
+    def __init__(self, items):
+        self._items = items
+
+    def __len__(self):
+        return len(self._items)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+
+def test_is_random_access_reads_grain_and_streams_the_rest(tmp_path):
+    texts = _texts(20)
+    dataset = grain.MapDataset.source(texts).map(encode_row)
+    for examples in (texts, tuple(texts), np.zeros((4, 3)), dataset, _Source(texts), grain.MapDataset.range(5)):
+        assert data.is_random_access(examples), type(examples)
+    (tmp_path / "a.jsonl").write_text("\n".join(f'"{t}"' for t in texts))
+    text_data.write_tokens(texts, TOKENIZER, str(tmp_path / "tokens"))
+    assert data.is_random_access(text_data.TokenWindows(str(tmp_path / "tokens"), SEQ_LEN))
+    streamed = [(t for t in texts), iter(texts), dataset.to_iter_dataset(), sources.Mixture(
+        str(tmp_path / "a.jsonl"), TOKENIZER, SEQ_LEN), {"a": 1}, "text", b"bytes", {1, 2}]
+    for examples in streamed:
+        assert not data.is_random_access(examples), type(examples)
+
+
+def test_grain_dataset_is_shuffled_and_resumed_like_a_list():
+    texts = _texts()
+    rows = [encode_row(t) for t in texts]
+    for examples in (grain.MapDataset.source(texts).map(encode_row), grain.MapDataset.source(_Source(rows))):
+        for epoch in (0, 1):
+            whole = _batches(examples, epoch=epoch)
+            _assert_same(whole, _batches(rows, epoch=epoch))
+            _assert_same(whole[3:], _batches(examples, epoch=epoch, start_batch=3))
+        assert len(whole) == len(texts) // 16
+        assert not np.array_equal(_batches(examples, epoch=0)[0][2]["input_ids"], whole[0][2]["input_ids"])
+    ordered = _batches(grain.MapDataset.source(rows), shuffle=False, drop_remainder=False)
+    assert ordered[-1][1] == len(texts) % 16
+    _assert_same(ordered, _batches(rows, shuffle=False, drop_remainder=False))
+
+
+@pytest.mark.slow  # starting the workers imports jax and grain in each: 20-60 s on a loaded 2-core machine
+def test_workers_build_the_same_batches():
+    dataset = grain.MapDataset.source(_texts()).map(encode_row)
+    for kwargs in ({"epoch": 1, "start_batch": 2}, {"shuffle": False, "drop_remainder": False, "accumulate": 1}):
+        _assert_same(_batches(dataset, workers=2, **kwargs), _batches(dataset, **kwargs))
+    mesh = engine.make_mesh(data=4, model=2)
+    batches = data.iterate_batches(mesh, dataset, lm.collate_lm, per_device_batch_size=2, workers=2)
+    next(batches)
+    batches.close()  # a consumer that stops early: the worker processes end with the generator
+    assert not multiprocessing.active_children()
+    with pytest.raises(ValueError, match=r"^collate_fn returned leaf \['x'\] of shape \(3,\); expected a leading batch "
+                                         r"dimension of 8"):
+        list(data.iterate_batches(mesh, dataset, _bad_collate, per_device_batch_size=2, workers=2))
+
+
+def _bad_collate(rows):
+    return {"x": np.zeros(3)}
+
+
+def test_bad_input_is_refused_in_one_line(monkeypatch):
+    texts = _texts(40)
+    dataset = grain.MapDataset.source(texts).map(encode_row)
+    mesh = engine.make_mesh(data=4, model=2)
+
+    def refused(examples, collate_fn=lm.collate_lm, **kwargs):
+        with pytest.raises(ValueError) as error:
+            next(data.iterate_batches(mesh, examples, collate_fn, per_device_batch_size=2, **kwargs))
+        assert "\n" not in str(error.value)
+        return str(error.value)
+
+    for workers in (-1, 1.5, True):
+        assert refused(dataset, workers=workers).startswith(f"workers={workers!r}; expected an integer >= 0")
+    assert refused(iter(texts), workers=2).startswith("workers=2 needs random-access examples (len and indexing")
+    lock = threading.Lock()
+    message = refused(dataset, lambda rows: lock and lm.collate_lm(rows), workers=2)
+    assert message.startswith("workers=2: collate_fn (function) cannot be pickled for the worker processes "
+                              "(TypeError: cannot pickle '_thread.lock' object)")
+    message = refused(grain.MapDataset.source([lock] * 40), workers=2)
+    assert message.startswith("workers=2: examples (SourceMapDataset) cannot be pickled")
+    monkeypatch.setattr(data, "_MAX_PICKLED", 1 << 20)
+    message = refused([np.zeros(SEQ_LEN + 1, np.int32)] * 4 + [np.zeros(1 << 18)], workers=2)
+    assert message.startswith("workers=2: examples (list) pickles to 2 MiB, copied into every worker; expected under "
+                              "1 MiB")
+    assert refused(dataset.repeat()).startswith("examples (RepeatMapDataset) has 9223372036854775807 examples, an "
+                                                "endless dataset")
