@@ -132,7 +132,7 @@ class PagedEngine:
         self._refs = np.zeros(num_pages, np.int64)  # the page tables naming each page
         self._prompts = {}  # prompt tokens -> _Prompt, while every one of its pages is held
         self._prompt_of_page = {}  # page -> the prompt tokens whose _Prompt lists it
-        self.traces = collections.Counter()  # traces of each compiled function ('prefill', 'decode')
+        self.traces = collections.Counter()  # traces of each compiled function ('prefill', 'decode', 'sample')
         self.admission_order = []  # request ids as admitted
         self.peak_pages = 0  # most pages in use at once
         self.prefills = 0  # prompts prefilled (a shared prompt once)
@@ -151,7 +151,7 @@ class PagedEngine:
         self._table_width = 1 if max_len is None else -(-max_len // page_size)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
-        self._sample = jax.jit(_select)
+        self._sample = jax.jit(self._sample_fn)
         self._copy = jax.jit(self._copy_fn, donate_argnums=0)
 
     def add_request(self, prompt_ids, max_new_tokens, *, eos_id=None, temperature=0.0, top_k=None, top_p=None,
@@ -386,6 +386,10 @@ class PagedEngine:
         self.traces["decode"] += 1
         logits, pools = self._forward(params, pools, tokens[:, None], active[:, None], table, lengths)
         return logits[:, -1].astype(jnp.float32), pools
+
+    def _sample_fn(self, logits, rows, *sampling):
+        self.traces["sample"] += 1
+        return _select(logits, rows, *sampling)
 
     def _forward(self, params, pools, ids, mask, table, lengths):
         """(logits [B, T, vocab], pools) of the model's own forward (embedding, head, whatever its family adds),
