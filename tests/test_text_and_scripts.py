@@ -294,6 +294,44 @@ def test_optimizer_flags_schedules_and_errors():
         FLAGS.unparse_flags()
 
 
+def test_a_longer_max_steps_keeps_or_rewarms_the_schedule_the_run_started_with(tmp_path):
+    """`make train` then `make train ARGS=--max_steps=...`: the cosine's horizon was the first run's --max_steps, so
+    stretching it would jump the rate (0.1x to about 0.58x of the peak); the run keeps its schedule, or starts a
+    second warm-up and decay with --lr_extension=rewarm, and run.json records which."""
+    from absl import flags  # noqa: PLC0415
+
+    FLAGS = flags.FLAGS
+    if "lr_schedule" not in FLAGS:
+        script_flags.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
+                                           save_every=1)
+    model = model_start.create_model("llama", "tiny", {"hidden_size": 32}, families=["llama"])
+    tok, workdir = text_data.WordTokenizer(["a"]), str(tmp_path / "w")
+
+    def run(*args):  # a script's start: its schedule, then run.json, then the schedule the Trainer gets
+        FLAGS.unparse_flags()
+        FLAGS(["prog", f"--workdir={workdir}", "--learning_rate=1.0", "--warmup_steps=2", *args])
+        before = script_flags.lr_schedule(1.0, run_record.lr_cycles(workdir))
+        run_record.save_run(workdir, "lm", model, tok)
+        after = script_flags.lr_schedule(1.0, run_record.lr_cycles(workdir))
+        assert [float(before(i)) for i in range(40)] == [float(after(i)) for i in range(40)]
+        return after
+
+    try:
+        first = run("--max_steps=10")
+        assert float(first(10)) == pytest.approx(0.1) and run_record.lr_cycles(workdir) == [[0, 10]]
+        kept = run("--max_steps=20")  # keep: the first run's schedule, its last rate after step 10
+        assert [float(kept(i)) for i in range(11)] == [float(first(i)) for i in range(11)]
+        assert float(kept(15)) == pytest.approx(0.1) and run_record.lr_cycles(workdir) == [[0, 10]]
+        rewarmed = run("--max_steps=30", "--lr_extension=rewarm")  # a second cycle from the last end, step 20
+        assert run_record.lr_cycles(workdir) == [[0, 10], [20, 30]]
+        assert float(rewarmed(15)) == pytest.approx(0.1) and float(rewarmed(20)) == 0.0
+        assert float(rewarmed(22)) == pytest.approx(1.0) and float(rewarmed(30)) == pytest.approx(0.1)
+        again = run("--max_steps=30")  # the same command re-run: the recorded cycles, no new one
+        assert [float(again(i)) for i in range(40)] == [float(rewarmed(i)) for i in range(40)]
+    finally:
+        FLAGS.unparse_flags()
+
+
 def test_choose_mesh_trains_the_global_batch_on_the_first_layout(capsys):
     """--mesh=auto's glue (train_lm.py's; the ranking itself: tests/test_plan.py): 2 rows per device on 2 devices
     is one global batch of 4, laid out on the layout ranked first (printed) with its rows per data position; a

@@ -71,6 +71,8 @@ def save_run(workdir, task, model, tokenizer, critic=None):
                              f"flags of that run{hint}")
         _note_changed_training_flags(workdir, old.get("training", {}))
     run["training"] = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
+    if "max_steps" in FLAGS and "lr_extension" in FLAGS:
+        run["training"].update(max_steps=FLAGS.max_steps, lr_cycles=lr_cycles(workdir, note=True))
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
@@ -89,6 +91,34 @@ def _note_changed_training_flags(workdir, before):
         if name in FLAGS and name in before and before[name] != FLAGS[name].value:
             logging.warning("--%s=%s where the run in %s had %s: the resumed run continues under the new value",
                             name, FLAGS[name].value, workdir, before[name])
+
+
+def lr_cycles(workdir, note=False):
+    """The learning-rate schedule's cycles `[[start, end], ...]` (each a warm-up and a decay ending at `end`; the
+    last cycle's final rate after it) of a run on `workdir` with these flags: `[[0, --max_steps]]` for a new run;
+    the recorded cycles when run.json has them; a --max_steps past the recorded run's keeps them
+    (--lr_extension=keep: the old schedule goes on at its last rate) or adds a cycle from the old --max_steps to the
+    new one (rewarm). The same answer before and after `save_run` records it. note: log what an extension does."""
+    path = os.path.join(workdir, RUN_FILE) if workdir else None
+    record = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            record = json.load(f).get("training", {})
+    if "lr_cycles" not in record:
+        return [[0, FLAGS.max_steps]]
+    cycles, before = [list(c) for c in record["lr_cycles"]], record.get("max_steps", record["lr_cycles"][-1][1])
+    if FLAGS.max_steps <= before or FLAGS.max_steps <= cycles[-1][1]:
+        return cycles
+    if FLAGS.lr_extension == "rewarm":
+        cycles.append([before, FLAGS.max_steps])
+    if note:
+        how = ("a new warm-up (--warmup_steps) and decay from step {0} to step {1} (--lr_extension=rewarm; keep: "
+               "the old schedule's last rate from step {2})" if FLAGS.lr_extension == "rewarm" else
+               "the schedule the run started with, whose last rate holds from step {2} to step {1} "
+               "(--lr_extension=keep; rewarm: a new warm-up and decay from step {0})")
+        logging.warning("--max_steps=%d extends the run in %s, which had --max_steps=%d: the learning rate follows %s",
+                        FLAGS.max_steps, workdir, before, how.format(before, FLAGS.max_steps, cycles[-1][1]))
+    return cycles
 
 
 def load_run(workdir, tasks=None, **options):

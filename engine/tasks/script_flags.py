@@ -13,7 +13,7 @@ import engine
 import kernels
 import models
 from engine import diloco as diloco_lib
-from engine.tasks import text_data
+from engine.tasks import run_record, text_data
 
 FLAGS = flags.FLAGS
 
@@ -92,6 +92,9 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_enum("lr_schedule", "cosine", list(_SCHEDULES), "After the warm-up: cosine or linear decay to "
                       "--min_learning_rate_ratio of the peak at --max_steps, or constant.")
     flags.DEFINE_float("min_learning_rate_ratio", 0.1, "The decayed schedules' last learning rate / the peak.")
+    flags.DEFINE_enum("lr_extension", "keep", ["keep", "rewarm"], "A re-run with a --max_steps past the workdir's "
+                      "run: keep its schedule (its last rate from its end on), or rewarm (a new warm-up and decay "
+                      "from the old --max_steps to the new one). Either way one line says what happens.")
     flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
     flags.DEFINE_float("adam_b1", 0.9, "AdamW's first-moment decay.")
     flags.DEFINE_float("adam_b2", 0.999, "AdamW's second-moment decay (0.95 is common for large models).")
@@ -328,15 +331,22 @@ def check_optimizer_flags():
             raise ValueError(f"--{name}={FLAGS[name].value}; expected {expected}")
 
 
-def lr_schedule(peak):
-    """The learning rate by update number from the flags (see `optimizer`), peaking at `peak`."""
-    warmup, total = max(1, FLAGS.warmup_steps), max(FLAGS.max_steps, FLAGS.warmup_steps + 1)
-    end = peak * FLAGS.min_learning_rate_ratio
-    if FLAGS.lr_schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, end_value=end)
-    after = (optax.linear_schedule(peak, end, total - warmup) if FLAGS.lr_schedule == "linear"
-             else optax.constant_schedule(peak))
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+def lr_schedule(peak, cycles=None):
+    """The learning rate by update number from the flags (see `optimizer`), peaking at `peak`. cycles: `[[start,
+    end], ...]` (`run_record.lr_cycles`), each a warm-up and a decay ending at `end`; default one to --max_steps."""
+    def cycle(steps):
+        warmup, total = max(1, FLAGS.warmup_steps), max(steps, FLAGS.warmup_steps + 1)
+        end = peak * FLAGS.min_learning_rate_ratio
+        if FLAGS.lr_schedule == "cosine":
+            return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total, end_value=end)
+        after = (optax.linear_schedule(peak, end, total - warmup) if FLAGS.lr_schedule == "linear"
+                 else optax.constant_schedule(peak))
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+    cycles = [[0, FLAGS.max_steps]] if cycles is None else cycles
+    if len(cycles) == 1:
+        return cycle(cycles[0][1])
+    return optax.join_schedules([cycle(end - start) for start, end in cycles], [start for start, _ in cycles[1:]])
 
 
 def optimizer(learning_rate=None):
@@ -345,7 +355,8 @@ def optimizer(learning_rate=None):
     --max_steps, or constant. learning_rate: a peak other than --learning_rate. Every training script builds its
     optimizer here."""
     check_optimizer_flags()
-    schedule = lr_schedule(FLAGS.learning_rate if learning_rate is None else learning_rate)
+    cycles = run_record.lr_cycles(FLAGS.workdir) if "lr_extension" in FLAGS else None
+    schedule = lr_schedule(FLAGS.learning_rate if learning_rate is None else learning_rate, cycles)
     adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=FLAGS.adam_b1, b2=FLAGS.adam_b2,
                                                   eps=FLAGS.adam_eps, weight_decay=FLAGS.weight_decay)
     return optax.chain(optax.clip_by_global_norm(FLAGS.max_grad_norm), adamw) if FLAGS.max_grad_norm else adamw
