@@ -1,0 +1,302 @@
+"""The input pipeline alone: tokens per second per process, tokenising and packing included, and the share of a
+training step spent waiting for input.
+
+A synthetic corpus (--corpus_mb of text: documents of --min_words..--max_words words drawn from a Zipf vocabulary of
+pseudo-words; no download) is written once under --workdir as Parquet (what `sources.Mixture` reads) and as an Arrow
+IPC file (what a random-access dataset memory-maps, as `datasets` does), beside a byte-level BPE tokenizer trained
+on its first --bpe_train_mb with the `tokenizers` package. Then, per tokenizer (--tokenizers: the BPE, and
+ByteTokenizer), through `engine.data.iterate_batches` into batches of --batch_rows rows of --seq_len tokens:
+
+- `Mixture`: the Parquet streamed a record batch at a time, every document tokenised and packed end to end into full
+  rows (`sources.Mixture`, what `train_lm.py --data=FILE:WEIGHT` trains on); streamed, so built in this process.
+- `MapDataset`: `grain.MapDataset.source(text spans of the Arrow file).map(tokenise)`: the documents cut, by their
+  lengths alone, into spans of the characters that fill about 97% of a row (the tokenizer's characters per token on a
+  sample), each span tokenised into one row (`sources.pack`'s first row: any tokens past it cut, a short row padded);
+  random access, so shuffled like a list, with --workers worker processes each (0: in this process).
+
+Tokens per second count the tokens in rows (padding excluded), over --batches batches after the first (the first
+waits for the workers to start, reported apart as start s). With --train_steps, a tiny LLaMA (--hidden, --layers)
+trains on the MapDataset's batches through `Trainer.fit` for each --workers value, and the table gives the share of
+its step time spent waiting for the next batch (the Trainer's data timer; the first log interval, which compiles,
+left out).
+
+  .venv/bin/python scripts/bench_data.py                                        # 256 MB corpus, seq 2048
+  .venv/bin/python scripts/bench_data.py --corpus_mb=16 --seq_len=256 --batches=20 --train_steps=30   # a smoke run
+"""
+import itertools
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+from absl import flags
+
+import engine
+import models
+from engine import data as data_lib
+from engine.tasks import cli, lm, sources, text_data
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", "/tmp/redline_bench_data", "Where the generated corpus and tokenizer are kept (reused "
+                    "when the corpus flags match).")
+flags.DEFINE_integer("corpus_mb", 256, "Megabytes of generated text.", lower_bound=1)
+flags.DEFINE_integer("min_words", 400, "Shortest document, words.", lower_bound=1)
+flags.DEFINE_integer("max_words", 3000, "Longest document, words.", lower_bound=1)
+flags.DEFINE_integer("bpe_vocab", 32000, "The trained BPE's vocabulary.", lower_bound=300)
+flags.DEFINE_integer("bpe_train_mb", 16, "Megabytes of the corpus the BPE is trained on.", lower_bound=1)
+flags.DEFINE_multi_enum("tokenizers", ["bpe", "byte"], ["bpe", "byte"], "Tokenizers to measure.")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per row (rows hold seq_len + 1).", lower_bound=2)
+flags.DEFINE_integer("batch_rows", 32, "Rows per global batch (a multiple of the local devices).", lower_bound=1)
+flags.DEFINE_list("workers", ["0", "1", "2"], "Worker counts of the MapDataset rows.")
+flags.DEFINE_integer("batches", 50, "Batches timed per row, after the first.", lower_bound=1)
+flags.DEFINE_integer("train_steps", 40, "Training steps per --workers value for the input-wait share (0: none).",
+                     lower_bound=0)
+flags.DEFINE_integer("hidden", 64, "The tiny LLaMA's hidden size.", lower_bound=8)
+flags.DEFINE_integer("layers", 2, "The tiny LLaMA's layers.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed of the corpus and the shuffle.")
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+
+def corpus_files():
+    """(parquet path, arrow path, BPE tokenizer.json path), generated unless --workdir holds them for these flags."""
+    settings = {k: getattr(FLAGS, k) for k in ("corpus_mb", "min_words", "max_words", "bpe_vocab", "bpe_train_mb",
+                                                 "seed")}
+    if FLAGS.min_words > FLAGS.max_words:
+        raise ValueError(f"--min_words={FLAGS.min_words} > --max_words={FLAGS.max_words}; expected min <= max")
+    paths = [os.path.join(FLAGS.workdir, name) for name in ("corpus.parquet", "corpus.arrow", "tokenizer.json")]
+    meta = os.path.join(FLAGS.workdir, "settings.json")
+    if os.path.exists(meta) and all(map(os.path.exists, paths)):
+        with open(meta) as f:
+            if json.load(f) == settings:
+                return paths
+    os.makedirs(FLAGS.workdir, exist_ok=True)
+    started = time.perf_counter()
+    write_corpus(*paths[:2])
+    train_bpe(paths[0], paths[2])
+    with open(meta, "w") as f:
+        json.dump(settings, f)
+    print(f"corpus and tokenizer written to {FLAGS.workdir} in {time.perf_counter() - started:.0f} s", flush=True)
+    return paths
+
+
+def write_corpus(parquet_path, arrow_path):
+    """--corpus_mb of documents: Zipf-distributed pseudo-words (a natural text's word frequencies, for a BPE to find
+    merges in), with sentence ends; Parquet row groups of 1024 documents, and the same table as an Arrow IPC file."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    rng = np.random.default_rng(FLAGS.seed)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    lengths = rng.integers(1, 11, 20000)
+    words = np.array(["".join(rng.choice(letters, n, p=_letter_freq())) for n in lengths])
+    p = 1.0 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    schema = pa.schema([("text", pa.string())])
+    total, target = 0, FLAGS.corpus_mb << 20
+    with pq.ParquetWriter(parquet_path, schema) as parquet, pa.ipc.new_file(arrow_path, schema) as arrow:
+        while total < target:
+            docs = []
+            for n in rng.integers(FLAGS.min_words, FLAGS.max_words + 1, 1024):
+                tokens = words[rng.choice(len(words), n, p=p)]
+                tokens[rng.random(n) < 0.07] = "."  # sentence ends
+                docs.append(" ".join(tokens).replace(" .", ".").capitalize())
+            batch = pa.record_batch([pa.array(docs, pa.string())], schema=schema)
+            parquet.write_batch(batch, row_group_size=1024)
+            arrow.write_batch(batch)
+            total += sum(map(len, docs))
+
+
+def _letter_freq():
+    f = np.array([12.7, 9.1, 8.2, 7.5, 7.0, 6.7, 6.3, 6.1, 6.0, 4.3, 4.0, 2.8, 2.8, 2.4, 2.4, 2.2, 2.0, 2.0, 1.9,
+                  1.5, 1.0, 0.8, 0.2, 0.2, 0.1, 0.1])
+    return f / f.sum()
+
+
+def train_bpe(parquet_path, out):
+    """A byte-level BPE (GPT-2's kind) of --bpe_vocab ids, EOS and PAD its special tokens, trained on the first
+    --bpe_train_mb of the corpus."""
+    import tokenizers  # noqa: PLC0415
+
+    def texts():
+        seen = 0
+        for text in sources.iter_texts(parquet_path):
+            yield text
+            seen += len(text)
+            if seen >= FLAGS.bpe_train_mb << 20:
+                return
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train_from_iterator(texts(), tokenizers.trainers.BpeTrainer(
+        vocab_size=FLAGS.bpe_vocab, special_tokens=[EOS, PAD], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(out)
+
+
+def load_bpe(path):
+    import tokenizers  # noqa: PLC0415
+
+    bpe = tokenizers.Tokenizer.from_file(path)
+    vocab = -(-bpe.get_vocab_size() // 64) * 64
+    return text_data.HFTokenizer(bpe, vocab, eos_id=bpe.token_to_id(EOS), pad_id=bpe.token_to_id(PAD))
+
+
+class ArrowPieces:
+    """Spans of `chars` characters of the documents of an Arrow IPC file, by index: a Grain random-access data
+    source whose pieces are cut from the documents' lengths alone (Arrow's utf8_length, no tokenising), so row i
+    needs no earlier row. Memory-mapped, so every worker process reads the same pages of the page cache; it pickles
+    as its path and index and opens the file lazily."""
+
+    def __init__(self, path, chars, column="text"):
+        import pyarrow as pa  # noqa: PLC0415
+        import pyarrow.compute as pc  # noqa: PLC0415
+
+        self.path, self.column, self.chars = path, column, chars
+        with pa.memory_map(path) as source:
+            lengths = pc.utf8_length(pa.ipc.open_file(source).read_all().column(column)).to_numpy()
+        pieces = -(-lengths // chars)
+        self._docs = np.repeat(np.arange(len(lengths)), pieces)
+        self._starts = (np.arange(len(self._docs)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * chars
+        self._texts = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_texts": None}
+
+    def __len__(self):
+        return len(self._docs)
+
+    def __getitem__(self, i):
+        if self._texts is None:
+            import pyarrow as pa  # noqa: PLC0415
+
+            self._texts = pa.ipc.open_file(pa.memory_map(self.path)).read_all().column(self.column)
+        start = int(self._starts[i])
+        return self._texts[int(self._docs[i])].as_py()[start:start + self.chars]
+
+
+def chars_per_row(tokenizer, documents):
+    """Characters whose tokens fill about 97% of a row (a few % padding rather than cut tokens), from the
+    tokenizer's characters per token on a sample of `documents`."""
+    sample = "".join(documents[i] for i in range(min(20, len(documents))))
+    return max(1, int(0.97 * FLAGS.seq_len * len(sample) / len(tokenizer.encode(sample))))
+
+
+class FirstRow:
+    """A text -> its first row of `sources.pack` ({'tokens', 'segment_ids'} [seq_len + 1]; any tokens past it cut):
+    the per-example work of the MapDataset, run wherever the batch is built."""
+
+    def __init__(self, tokenizer, seq_len):
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+
+    def __call__(self, text):
+        return sources.pack([text], self.tokenizer, self.seq_len)[0]
+
+
+def measure(mesh, examples, workers):
+    """(start seconds, tokens per second) of --batches + 1 batches of `examples` through iterate_batches."""
+    per_device = FLAGS.batch_rows // data_lib.data_parallel_size(mesh)
+    started = time.perf_counter()
+    batches = data_lib.iterate_batches(mesh, examples, lm.collate_lm, per_device_batch_size=per_device,
+                                       seed=FLAGS.seed, workers=workers)
+    try:
+        for _ in range(max(1, workers)):  # batch k comes from worker k: each has started before the clock runs
+            next(batches)
+        first = time.perf_counter()
+        tokens = 0
+        for n, (_, _, batch) in enumerate(batches, 1):
+            tokens += int((np.asarray(batch["segment_ids"]) > 0).sum())
+            if n == FLAGS.batches:
+                return first - started, tokens / (time.perf_counter() - first)  # the workers' ending not counted
+        raise ValueError(f"the corpus holds fewer than {FLAGS.batches + 1} batches of {FLAGS.batch_rows} rows; "
+                         "expected a larger --corpus_mb or fewer --batches")
+    finally:
+        batches.close()
+
+
+def wait_share(mesh, examples, tokenizer, workers):
+    """The share of step time `fit` waited for input over --train_steps steps of a tiny LLaMA on `examples`'
+    batches built with `workers` processes, the first log interval (compiling) left out."""
+    model = models.create_model("llama", "tiny", vocab_size=tokenizer.vocab_size, hidden_size=FLAGS.hidden,
+                                intermediate_size=4 * FLAGS.hidden, num_layers=FLAGS.layers, num_heads=4,
+                                num_kv_heads=2, max_position_embeddings=FLAGS.seq_len)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model),
+                             params=models.init_params(model, jax.random.PRNGKey(FLAGS.seed)),
+                             optimizer=optax.adamw(1e-3), seed=FLAGS.seed)
+    log, flush = [], trainer._flush
+
+    def timed_flush(rows, batch):  # the data seconds since the previous log line, read before the line resets them
+        log.append((time.perf_counter(), trainer._step, trainer._timers["data"]))
+        flush(rows, batch)
+    trainer._flush = timed_flush
+    iterate = data_lib.iterate_batches
+    # fit builds its batches in this process until it takes a data_workers argument (issue 45); meanwhile the bench
+    # hands its iterate_batches calls the worker count.
+    data_lib.iterate_batches = lambda *args, **kwargs: iterate(*args, workers=workers, **kwargs)
+    try:
+        trainer.fit(examples, per_device_batch_size=FLAGS.batch_rows // data_lib.data_parallel_size(mesh),
+                    max_steps=FLAGS.train_steps, log_every=5)
+    finally:
+        data_lib.iterate_batches = iterate
+    (t0, s0, _), (t1, s1, _) = log[0], log[-1]
+    waited = sum(d for _, _, d in log[1:])
+    return waited / (t1 - t0), (t1 - t0) / max(1, s1 - s0)
+
+
+def main(argv):
+    del argv
+    workers = [int(w) for w in FLAGS.workers]
+    if any(w < 0 for w in workers):
+        raise ValueError(f"--workers={','.join(FLAGS.workers)}; expected integers >= 0")
+    mesh = engine.make_mesh(data=jax.local_device_count())
+    if FLAGS.batch_rows % jax.local_device_count():
+        raise ValueError(f"--batch_rows={FLAGS.batch_rows}; expected a multiple of the {jax.local_device_count()} "
+                         "local devices")
+    parquet_path, arrow_path, bpe_path = corpus_files()
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    documents = list(itertools.islice(sources.iter_texts(parquet_path), 20))  # the tokenizers' sample
+    print(f"corpus: {os.path.getsize(parquet_path) >> 20} MiB Parquet, "
+          f"{pq.ParquetFile(parquet_path).metadata.num_rows} documents of "
+          f"{FLAGS.min_words}-{FLAGS.max_words} words; rows of {FLAGS.seq_len} tokens, {FLAGS.batch_rows} per batch; "
+          f"{os.cpu_count()} CPUs, {jax.local_device_count()} {jax.devices()[0].platform} device(s)", flush=True)
+    import grain  # noqa: PLC0415
+
+    rows = []
+    for name in FLAGS.tokenizers:
+        tokenizer = load_bpe(bpe_path) if name == "bpe" else text_data.ByteTokenizer()
+        shown = f"BPE {tokenizer.vocab_size}" if name == "bpe" else "bytes"
+        mixture = sources.Mixture(parquet_path, tokenizer, FLAGS.seq_len)
+        rows.append((shown, "Mixture (packed, streamed)", 0, *measure(mesh, mixture, 0)))
+        print(rows[-1], flush=True)
+        dataset = grain.MapDataset.source(ArrowPieces(arrow_path, chars_per_row(tokenizer, documents))).map(
+            FirstRow(tokenizer, FLAGS.seq_len))
+        for w in workers:
+            rows.append((shown, "MapDataset (text spans)", w, *measure(mesh, dataset, w)))
+            print(rows[-1], flush=True)
+    waits = []
+    if FLAGS.train_steps:
+        tokenizer = load_bpe(bpe_path) if "bpe" in FLAGS.tokenizers else text_data.ByteTokenizer()
+        dataset = grain.MapDataset.source(ArrowPieces(arrow_path, chars_per_row(tokenizer, documents))).map(
+            FirstRow(tokenizer, FLAGS.seq_len))
+        for w in workers:
+            waits.append((w, *wait_share(mesh, dataset, tokenizer, w)))
+            print(waits[-1], flush=True)
+    print()
+    print("| tokenizer | examples | workers | start s | tokens/s per process |")
+    print("|---|---|---|---|---|")
+    for shown, examples, w, start, rate in rows:
+        print(f"| {shown} | {examples} | {w} | {start:.1f} | {rate:,.0f} |")
+    if waits:
+        print()
+        print(f"| workers | s/step (tiny LLaMA, hidden {FLAGS.hidden}, {FLAGS.layers} layers) | input wait, share of "
+              "step |")
+        print("|---|---|---|")
+        for w, share, step in waits:
+            print(f"| {w} | {step:.3f} | {share:.1%} |")
+
+
+if __name__ == "__main__":
+    cli.run(main)
