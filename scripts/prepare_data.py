@@ -13,8 +13,8 @@ from absl import flags
 from engine.tasks import cli, script_flags, text_data
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("data", [], ".txt or .jsonl files or globs (as train_lm.py's --data); empty: the embedded "
-                  "Python-stdlib corpus.")
+flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or save_to_disk directories (as "
+                  "train_lm.py's --data); empty: the embedded Python-stdlib corpus.")
 flags.DEFINE_string("out", None, "The directory to write (tokens.bin, meta.json; created).")
 script_flags.define_data_flags()
 FLAGS.set_default("tokenizer", "byte")
@@ -27,7 +27,7 @@ def main(argv):
     if text_data.is_token_dir(FLAGS.out):
         raise ValueError(f"--out={FLAGS.out} already holds tokens ({text_data.TOKENS_META}); expected a new directory")
     tok = text_data.load_tokenizer(FLAGS.tokenizer)
-    docs = (text_data.iter_texts(FLAGS.data, decode_errors=FLAGS.decode_errors) if FLAGS.data
+    docs = (text_data.iter_texts(FLAGS.data, decode_errors=FLAGS.decode_errors, text_column=FLAGS.text_column) if FLAGS.data
             else text_data.default_corpus())
     meta = text_data.write_tokens(docs, tok, FLAGS.out)
     if meta["num_tokens"] == (meta["num_documents"] if tok.eos_id is not None else 0):  # nothing but EOS tokens

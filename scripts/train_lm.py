@@ -16,7 +16,7 @@ from absl import flags, logging
 
 import engine
 import models
-from engine.tasks import cli, lm, mesh_choice, model_start, run_record, script_flags, text_data
+from engine.tasks import cli, lm, mesh_choice, model_start, run_record, script_flags, sources, text_data
 
 FAMILIES = list(script_flags.DECODER_FAMILIES)
 FLAGS = flags.FLAGS
@@ -27,8 +27,11 @@ flags.DEFINE_string("model_config", "tiny", "Named config of the family (tiny, l
                     "file of config fields (ignored with --init_from).")
 flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
-flags.DEFINE_list("data", [], ".txt or .jsonl files or globs, or one directory of tokens written by "
-                  "scripts/prepare_data.py (read through a memory map); empty: the embedded Python-stdlib corpus.")
+flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or datasets.save_to_disk directories "
+                  "(--text_column); a weighted mixture of such sources, 'code/*.parquet:0.7,web/*.jsonl:0.3' (each "
+                  "packed on its own, rows interleaved by weight; needs --max_steps); or one directory of tokens "
+                  "written by scripts/prepare_data.py (read through a memory map); empty: the embedded Python-stdlib "
+                  "corpus.")
 flags.DEFINE_string("model_overrides", '{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4}',
                     "JSON object of config fields that replace the named config's; the default makes the tiny "
                     "config a little larger for the embedded job. With --init_from: model options only (e.g. "
@@ -73,9 +76,12 @@ def main(argv):
     del argv
     profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
     token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text_data.is_token_dir(FLAGS.data[0]) else None
-    if token_dir is None:
-        docs = (text_data.read_texts(FLAGS.data, decode_errors=FLAGS.decode_errors) if FLAGS.data
-                else text_data.default_corpus())
+    mixture = sources.is_mixture(FLAGS.data)
+    if mixture:
+        sources.parse_mixture(FLAGS.data)  # a bad weight is refused before any model is built
+    elif token_dir is None:
+        docs = (text_data.read_texts(FLAGS.data, decode_errors=FLAGS.decode_errors, text_column=FLAGS.text_column)
+                if FLAGS.data else text_data.default_corpus())
         if not any(doc.strip() for doc in docs):
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no text")
     mesh, batch = cli.start(auto=True), FLAGS.per_device_batch_size
@@ -83,12 +89,16 @@ def main(argv):
         mesh, batch = auto_mesh()
     model, params, tokenizer = build_model(mesh)
     model, params = model_start.with_flags(model, params)
+    global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
+    if mixture:  # an endless stream: the first windows are the eval rows, the training stream starts after them
+        train_rows, eval_rows = mixture_rows(tokenizer, max(global_batch // FLAGS.accumulate_grad_batches, 256))
+        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer)
+        return train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
     if token_dir is None:
         rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
     else:  # a memory-mapped Sequence of windows: only each batch's rows are read
         text_data.check_token_dir(token_dir, tokenizer, model.config.vocab_size)
         rows = text_data.TokenWindows(token_dir, FLAGS.seq_len)
-    global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch.
     n_eval = max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024))
     if len(rows) < n_eval + global_batch:
@@ -99,6 +109,21 @@ def main(argv):
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
+    train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
+
+
+def mixture_rows(tokenizer, n_eval):
+    """(training stream, eval rows) of a weighted --data mixture: its first `n_eval` windows are held out."""
+    stream = iter(sources.Mixture(FLAGS.data, tokenizer, FLAGS.seq_len, text_column=FLAGS.text_column,
+                                  decode_errors=FLAGS.decode_errors))
+    eval_rows = [next(stream) for _ in range(n_eval)]
+    logging.info("data mixture %s: %d eval rows of %d tokens held out; the training rows follow them",
+                 ",".join(FLAGS.data), n_eval, FLAGS.seq_len)
+    return sources.Mixture.from_state(stream.state(), tokenizer, decode_errors=FLAGS.decode_errors), eval_rows
+
+
+def train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile):
+    """Trains on `train_rows` with the eval before, during and after, then prints the sample generations."""
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm,
                              loss_fn=lm.lm_loss_fn(model, script_flags.loss_implementation(model)), params=params,
                              optimizer=script_flags.optimizer(), workdir=FLAGS.workdir,

@@ -211,6 +211,27 @@ def test_fine_tuning_scripts_choose_their_mesh(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_lm_on_a_weighted_mixture_of_parquet_and_jsonl_resumes(tmp_path):
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    text = open(_stdlib_txt(tmp_path / "a.txt")).read()
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"body": [text[i:i + 500] for i in range(0, 6000, 500)]}), tmp_path / "data" / "a.parquet")
+    with open(tmp_path / "data" / "b.jsonl", "w") as f:
+        for i in range(6000, 12000, 500):
+            f.write(json.dumps({"body": text[i:i + 500]}) + "\n")
+    args = [f"--data={tmp_path / 'data' / 'a.parquet'}:3,{tmp_path / 'data' / 'b.jsonl'}:1", "--text_column=body",
+            f"--workdir={tmp_path / 'work'}", *TINY_LM, "--prompts="]
+    out = _run("train_lm.py", "--max_steps=3", *args)
+    assert "eval loss after training" in out.stdout, out.stdout
+    again = _run("train_lm.py", "--max_steps=6", *args)
+    assert "resumed from" in again.stdout and _steps(tmp_path / "work")[-1] == 6
+    bad = _run("train_lm.py", f"--data={tmp_path / 'data' / 'a.parquet'}:x", ok=False)
+    assert bad.returncode == 2 and "has no positive weight" in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_prepare_data_then_train_lm_reads_the_tokens_through_a_memory_map(tmp_path):
     txt = _stdlib_txt(tmp_path / "data" / "a.txt")
     out = _run("prepare_data.py", f"--data={txt}", f"--out={tmp_path / 'tokens'}")

@@ -24,7 +24,7 @@ _DTYPES = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def define_data_flags():
-    """--tokenizer and --decode_errors (idempotent)."""
+    """--tokenizer, --decode_errors and --text_column (idempotent)."""
     if "tokenizer" in FLAGS:
         return
     flags.DEFINE_string("tokenizer", None, "The tokenizer: a tokenizer.json or SentencePiece tokenizer.model file, a "
@@ -34,6 +34,8 @@ def define_data_flags():
     flags.DEFINE_enum("decode_errors", "strict", list(text_data.DECODE_ERRORS), "Text and JSONL files must be UTF-8: "
                       "'strict' stops at the first invalid byte, naming the file and its offset; 'replace' replaces "
                       "invalid bytes with U+FFFD.")
+    flags.DEFINE_string("text_column", "text", "The column of Parquet, Arrow and datasets.save_to_disk data (and the "
+                        "field of JSONL objects) that holds the documents.")
 
 
 def define_flags():
