@@ -160,11 +160,11 @@ class Checkpointing:
     params_only: bool = False
 
     def __post_init__(self):
-        check("keep_checkpoints", self.keep, isinstance(self.keep, int) and not isinstance(self.keep, bool)
+        check("Checkpointing.keep", self.keep, isinstance(self.keep, int) and not isinstance(self.keep, bool)
               and self.keep >= 1, "an integer >= 1")
-        check("restore_checkpoint", self.restore, self.restore in RESTORE_CHECKPOINTS,
+        check("Checkpointing.restore", self.restore, self.restore in RESTORE_CHECKPOINTS,
               f"one of {RESTORE_CHECKPOINTS}")
-        check("restore_params_only", self.params_only, isinstance(self.params_only, bool), "a bool")
+        check("Checkpointing.params_only", self.params_only, isinstance(self.params_only, bool), "a bool")
 
 
 @dataclasses.dataclass(frozen=True)

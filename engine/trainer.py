@@ -165,8 +165,8 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
         _validate("offload_optimizer", offload, not offload, "False with diloco (its optimizer state holds the "
                   "replicas the steps compute with)")
     if checkpointing.restore == "best":
-        _validate("restore_checkpoint", checkpointing.restore, checkpointing.params_only and workdir is not None,
-                  "'latest', or 'best' with restore_params_only=True and a workdir")
+        _validate("Checkpointing.restore", checkpointing.restore, checkpointing.params_only and workdir is not None,
+                  "'latest', or 'best' with Checkpointing.params_only=True and a workdir")
     if offload:
         kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
         _validate("offload_optimizer", offload, "pinned_host" in kinds, f"False on {mesh.devices.flat[0].platform}, "
@@ -356,8 +356,8 @@ class Trainer:
         if self._restored_best:
             source = None if not os.path.isdir(os.path.join(self.workdir, "best")) else self._open_best()
             if source is None or source.latest_step() is None:
-                raise FileNotFoundError(f"restore_checkpoint='best': workdir={self.workdir} has no best checkpoint; "
-                                        "expected a workdir trained with fit(save_best=...) (--save_best)")
+                raise FileNotFoundError(f"Checkpointing(restore='best'): workdir={self.workdir} has no best "
+                                        "checkpoint; expected a workdir trained with fit(save_best=...) (--save_best)")
             source.restore_newest(lambda step: self._restore(step, source), set_aside=False)
         elif self._checkpointer is not None and self._checkpointer.latest_step() is not None:
             self._checkpointer.restore_newest(self._restore, set_aside=True)
@@ -571,13 +571,13 @@ class Trainer:
             have = f"DiLoCo with {saved} replicas" if saved else "no DiLoCo"
             want = f"diloco on a mesh with data={saved}" if saved else "diloco=None"
             raise ValueError(f"workdir={self.workdir} holds a checkpoint of a run with {have}; expected {want} to "
-                             "resume it, or restore_params_only=True to take its parameters only")
+                             "resume it, or Checkpointing(params_only=True) to take its parameters only")
         saved = meta.get("diloco_fragments") or (1 if meta.get("diloco_replicas") else None)
         mine = None if self.diloco is None else self.diloco.fragments
         if saved != mine and mine is not None:
             raise ValueError(f"workdir={self.workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
                              f"expected DiLoCo(fragments={saved}) to resume it (each part has its own outer "
-                             "optimizer state), or restore_params_only=True to take its parameters only")
+                             "optimizer state), or Checkpointing(params_only=True) to take its parameters only")
 
     def _note_batch(self, batch):
         """Records the shapes of one global micro-batch (drops the micro-batch axis) and sets up on first sight."""
@@ -674,7 +674,7 @@ class Trainer:
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=None, total_epochs=None, max_steps=None,
             eval_examples=None, eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None,
             log_every=10, save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None,
-            save_best=None, early_stopping_patience=None):
+            save_best=None, early_stopping_patience=None, data_workers=0):
         """Trains `n_epochs` more epochs (default 1; an epoch that a previous call left unfinished is finished
         first), or up to `total_epochs` epochs counted over the Trainer's life. `max_steps`: stop at that many
         optimizer updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10
@@ -697,16 +697,19 @@ class Trainer:
         keeps the schedule). Each eval is logged, written to TensorBoard at its step and shown on the progress bar.
         `save_best=(metric, 'min' | 'max')`, e.g. `('loss', 'min')` or `('exact_match', 'max')` (a name the eval
         reports): after each eval that improves on the best so far, the whole state is saved under `workdir/best`
-        (one checkpoint, kept apart from the last `keep_checkpoints`; a resume reads the best value back). `best`
+        (one checkpoint, kept apart from the last `Checkpointing.keep`; a resume reads the best value back). `best`
         then holds its step and value; `Checkpointing(params_only=True, restore='best')` reads it.
         `early_stopping_patience=N` (with save_best): training stops after N evals in a row that did not improve on
         the best (the count is checkpointed, so re-running a stopped job does not train on).
         `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
         caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
-        `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under `workdir/tensorboard`. SIGTERM or
-        Ctrl-C: the current step finishes, a checkpoint is saved, `stopped_by_signal` is set and `fit` raises
-        `engine.StoppedBySignal` (a SystemExit with status 128 + the signal), so that the program ends even when it
-        calls `fit` in a loop of its own; a second signal stops at once.
+        `data_workers=N`: each batch (this process's rows read from random-access examples, and `collate_fn`) is
+        built in N Grain worker processes, in order, the same batches as in-process (`engine.data.iterate_batches`;
+        the examples and `collate_fn` must pickle; `pip install grain`). `profile_steps=(start, end)`: a
+        `jax.profiler` trace of those steps under `workdir/tensorboard`. SIGTERM or Ctrl-C: the current step
+        finishes, a checkpoint is saved, `stopped_by_signal` is set and `fit` raises `engine.StoppedBySignal` (a
+        SystemExit with status 128 + the signal), so that the program ends even when it calls `fit` in a loop of its
+        own; a second signal stops at once.
         """
         fit_loop.check_fit_arguments(
             workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
@@ -728,7 +731,7 @@ class Trainer:
         self._refuse_if_restored_best()
         evaluate = functools.partial(self._evaluate, eval_examples, eval_per_device_batch_size or per_device_batch_size,
                                      eval_predictor, eval_metric_fn, None if save_best is None else tuple(save_best))
-        every = {"log": log_every, "save": save_every, "eval": eval_every}
+        every = {"log": log_every, "save": save_every, "eval": eval_every, "workers": data_workers}
         profiler = fit_loop.Profiler(profile_steps, f"{self.workdir}/tensorboard", self._wait_for_checkpoints)
         self._pending, self._last_log = [], (time.perf_counter(), self._step)
         self._timers = {"data": 0.0, "checkpoint": 0.0}
@@ -770,9 +773,9 @@ class Trainer:
 
     def _refuse_if_restored_best(self):
         if self._restored_best:
-            raise ValueError("fit: this Trainer restored the best checkpoint (restore_checkpoint='best'), whose step "
-                             "lies before the workdir's later checkpoints; expected its params passed to a Trainer "
-                             "with another workdir to train on from them")
+            raise ValueError("fit: this Trainer restored the best checkpoint (Checkpointing(restore='best')), whose "
+                             "step lies before the workdir's later checkpoints; expected its params passed to a "
+                             "Trainer with another workdir to train on from them")
 
     def _check_resumed_rows(self, rows):
         """A resume with another number of examples per update: the data position (batches into the epoch) is
@@ -839,7 +842,8 @@ class Trainer:
         """Trains on the rest of the current epoch until it ends or `done()`; returns the batches it trained on."""
         batches = data_lib.iterate_batches(
             self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
-            accumulate=self.accumulate, seed=self.seed, epoch=self._epoch, start_batch=self._batch_in_epoch)
+            accumulate=self.accumulate, seed=self.seed, epoch=self._epoch, start_batch=self._batch_in_epoch,
+            workers=every["workers"])
         prefetch = data_lib.Prefetcher(batches)
         seen = 0
         try:
@@ -1090,8 +1094,8 @@ class Trainer:
         if self._checkpointer is None:
             raise ValueError("save_checkpoint: this Trainer has workdir=None; pass workdir= to save checkpoints")
         if self._restored_best:
-            raise ValueError("save_checkpoint: this Trainer restored the best checkpoint (restore_checkpoint='best'); "
-                             "a save would write over the workdir's later steps")
+            raise ValueError("save_checkpoint: this Trainer restored the best checkpoint "
+                             "(Checkpointing(restore='best')); a save would write over the workdir's later steps")
         if self._state is None:
             raise ValueError("save_checkpoint: nothing to save before the first batch fixed the sharding")
         if self._checkpointer.latest_step() == self._step:

@@ -231,15 +231,8 @@ def wait_share(mesh, examples, tokenizer, workers):
         log.append((time.perf_counter(), trainer._step, trainer._timers["data"]))
         flush(rows, batch)
     trainer._flush = timed_flush
-    iterate = data_lib.iterate_batches
-    # fit builds its batches in this process until it takes a data_workers argument (issue 45); meanwhile the bench
-    # hands its iterate_batches calls the worker count.
-    data_lib.iterate_batches = lambda *args, **kwargs: iterate(*args, workers=workers, **kwargs)
-    try:
-        trainer.fit(examples, per_device_batch_size=FLAGS.batch_rows // data_lib.data_parallel_size(mesh),
-                    max_steps=FLAGS.train_steps, log_every=5)
-    finally:
-        data_lib.iterate_batches = iterate
+    trainer.fit(examples, per_device_batch_size=FLAGS.batch_rows // data_lib.data_parallel_size(mesh),
+                max_steps=FLAGS.train_steps, log_every=5, data_workers=workers)
     (t0, s0, _), (t1, s1, _) = log[0], log[-1]
     waited = sum(d for _, _, d in log[1:])
     return waited / (t1 - t0), (t1 - t0) / max(1, s1 - s0)

@@ -37,6 +37,8 @@ flags.DEFINE_string("model_overrides", '{"hidden_size": 128, "intermediate_size"
                     "config a little larger for the embedded job. With --init_from: model options only (e.g. "
                     '{"remat": "dots", "attention_implementation": "triton"}; the checkpoint fixes the rest).')
 flags.DEFINE_integer("seq_len", 128, "Tokens per packed training row.")
+flags.DEFINE_integer("data_workers", 0, "Worker processes that read and collate each batch (random-access data: "
+                     "packed text or a prepare_data.py directory; not a mixture's stream); 0: in this process.")
 FLAGS.set_default("per_device_batch_size", 8)
 flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sample generations after training.")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")
@@ -137,7 +139,7 @@ def train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
     cli.log_eval(trainer, {"loss": start_loss})
     trainer.fit(train_rows, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
-                save_every=FLAGS.save_every, profile_steps=profile,
+                save_every=FLAGS.save_every, profile_steps=profile, data_workers=FLAGS.data_workers,
                 **script_flags.eval_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)

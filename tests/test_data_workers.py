@@ -99,6 +99,24 @@ def test_workers_build_the_same_batches():
         list(data.iterate_batches(mesh, dataset, _bad_collate, per_device_batch_size=2, workers=2))
 
 
+@pytest.mark.slow  # worker start-up, as above
+def test_fit_with_data_workers_trains_exactly_as_in_process():
+    import jax  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    from tests import trainer_task as task  # noqa: PLC0415
+
+    def run(workers):
+        trainer = engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=task.collate_fn,
+                                 loss_fn=task.loss_fn, params=task.init_params(), optimizer=optax.adam(1e-2))
+        trainer.fit(grain.MapDataset.source(task.make_examples(64)), per_device_batch_size=2, max_steps=10,
+                    data_workers=workers)
+        return jax.device_get(trainer.params)
+
+    for a, b in zip(jax.tree.leaves(run(2)), jax.tree.leaves(run(0))):
+        np.testing.assert_array_equal(a, b)
+
+
 def _bad_collate(rows):
     return {"x": np.zeros(3)}
 

@@ -2,6 +2,7 @@
 model_start, run_record, mesh_choice: flags, models, workdirs) in process; the scripts end to end are in
 tests/test_scripts.py."""
 import json
+import pickle
 import re
 
 import jax
@@ -52,6 +53,8 @@ def test_token_windows_read_a_tokenised_corpus_as_packed_rows(tmp_path):
     assert [r["segment_ids"].tolist() for r in rows] == [[1, 1, 1, 1, 2, 2], [1, 1, 1, 1, 1, 2]]
     assert lm.collate_lm(list(rows))["labels"].tolist() == [[98, 99, 258, -100, 101], [102, 103, 104, 258, -100]]
     assert len(rows[1:]) == 1 and rows[1:][0]["tokens"].tolist() == rows[1]["tokens"].tolist()
+    sent = pickle.dumps(rows[1:])  # what a data worker receives: the directory and range, mapped again there
+    assert len(sent) < 1000 and pickle.loads(sent)[0]["tokens"].tolist() == rows[1]["tokens"].tolist()
     with pytest.raises(ValueError, match=r"only contiguous slices"):
         rows[::2]
     text_data.check_token_dir(out, tok, vocab_size=320)

@@ -556,8 +556,8 @@ def test_bad_eval_and_best_checkpoint_settings(tmp_path):
     with pytest.raises(ValueError, match=r"the eval reports no 'bleu'; expected one of \['loss', 'score'\]"):
         _trainer(workdir=str(tmp_path)).fit(EXAMPLES, eval_every=1, save_best=("bleu", "max"), **fit,
                                             **_scored_eval([0.1]))
-    with pytest.raises(ValueError, match=r"restore_checkpoint='best'; expected 'latest', or 'best' with "
-                                         r"restore_params_only=True and a workdir"):
+    with pytest.raises(ValueError, match=r"Checkpointing.restore='best'; expected 'latest', or 'best' with "
+                                         r"Checkpointing.params_only=True and a workdir"):
         _trainer(workdir=str(tmp_path), checkpointing=engine.Checkpointing(restore="best"))
     with pytest.raises(FileNotFoundError, match=r"has no best checkpoint"):
         _trainer(workdir=str(tmp_path / "empty"), checkpointing=engine.Checkpointing(params_only=True, restore="best"))

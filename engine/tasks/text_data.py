@@ -369,6 +369,12 @@ class TokenWindows(collections.abc.Sequence):
         segments = 1 + np.concatenate([[0], np.cumsum(ends)[:-1]]).astype(np.int32)
         return {"tokens": tokens, "segment_ids": segments}
 
+    def __getstate__(self):  # a data worker process maps the file again rather than receiving a copy of it
+        return {"directory": self.directory, "seq_len": self.seq_len, "_range": self._range}
+
+    def __setstate__(self, state):
+        self.__init__(state["directory"], state["seq_len"], _range=state["_range"])
+
 
 def default_corpus(max_bytes=600_000):
     """An embedded corpus present on every machine: the source of Python's standard library (`.py` files of the
