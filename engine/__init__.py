@@ -8,7 +8,8 @@ from engine.mesh import AXES, make_mesh
 from engine.predictor import Predictor
 from engine.sharding import add_axis, auto_layout, auto_shard, describe_sharding
 from engine.step import LossScale
-from engine.trainer import Trainer, global_batch_size, restore_params
+from engine.train_state import restore_params
+from engine.trainer import Trainer, global_batch_size
 
 __all__ = ["AXES", "make_mesh", "auto_shard", "auto_layout", "describe_sharding", "add_axis",
            "initialize_distributed", "Trainer", "Precision", "Parallelism", "Checkpointing", "Logging",

@@ -228,7 +228,7 @@ def wait_share(mesh, examples, tokenizer, workers):
     log, flush = [], trainer._flush
 
     def timed_flush(rows, batch):  # the data seconds since the previous log line, read before the line resets them
-        log.append((time.perf_counter(), trainer._step, trainer._timers["data"]))
+        log.append((time.perf_counter(), trainer.step, trainer._timers["data"]))
         flush(rows, batch)
     trainer._flush = timed_flush
     trainer.fit(examples, per_device_batch_size=FLAGS.batch_rows // data_lib.data_parallel_size(mesh),

@@ -232,7 +232,7 @@ def test_trainer_on_a_context_mesh_equals_the_run_without_it():
     for x, y in zip(jax.tree.leaves(jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(got.params))):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
     specs = {engine.sharding.path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-        got._param_specs, is_leaf=lambda s: isinstance(s, P))[0]}
+        got.param_specs, is_leaf=lambda s: isinstance(s, P))[0]}
     assert "context" in str(specs["layers/mlp/up/kernel"]) and "model" in str(specs["layers/mlp/up/kernel"])
 
 

@@ -240,7 +240,7 @@ def _reference_rounds(trainer, batches, start, lr):
     takes an SGD step on its rows, then each part whose offset `step + 1` reaches takes its outer step (strided
     numpy slices of the Trainer's plan, which the previous test checks)."""
     d = trainer.diloco
-    parts, plan = d.fragments, trainer._diloco_plan
+    parts, plan = d.fragments, trainer._state.diloco_plan
     glob = jax.tree.map(np.array, trainer.params)
     reps = jax.tree.map(np.array, trainer.opt_state["replicas"])
     states = list(trainer.opt_state["outer"]) if parts > 1 else [trainer.opt_state["outer"]]
@@ -302,7 +302,7 @@ def _run_against_reference(outer_dtype, overlap=False):
     rows = NamedSharding(mesh, P(None, ("data", "fsdp")))
     params, opt_state = trainer.params, trainer.opt_state
     for step, batch in enumerate(batches, 1):
-        step_fn = trainer._compiled_step(diloco.syncs_at(step))
+        step_fn = trainer._program.jitted(diloco.syncs_at(step))
         params, opt_state, _ = step_fn(params, opt_state, jax.device_put(batch, rows), np.int32(step))
     return _max_diff(params, want_params), _max_diff(opt_state["replicas"], want_reps), _max_diff(want_params, start)
 
@@ -344,7 +344,7 @@ def _outer_branch_bytes(diloco, mesh):
     hlo = trainer.compiled_step().as_text()
     (branches,) = plan_lib.conditional_branches(hlo)
     sizes = [plan_lib.collective_bytes(hlo, mesh.size, root=b) for b in branches]
-    parts = [[x.size for x in jax.tree.leaves(diloco_lib.fragment(trainer.params, trainer._diloco_plan, p,
+    parts = [[x.size for x in jax.tree.leaves(diloco_lib.fragment(trainer.params, trainer._state.diloco_plan, p,
                                                                    diloco.fragments))]
              for p in range(diloco.fragments)]
     return sizes, parts

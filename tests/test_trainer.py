@@ -445,7 +445,7 @@ def test_no_checkpoint_of_an_unchecked_state_and_a_resume_converts_the_data_posi
         _trainer(workdir=str(tmp_path / "rows")).fit(EXAMPLES, per_device_batch_size=4, max_steps=4)
     smaller = _trainer(workdir=str(tmp_path / "rows"))
     smaller.fit(EXAMPLES, per_device_batch_size=1, max_steps=4)
-    assert (smaller.step, smaller.epoch) == (4, 0) and smaller._batch_in_epoch == 7  # 24 / 4 + 1
+    assert (smaller.step, smaller.epoch) == (4, 0) and smaller._state.batch_in_epoch == 7  # 24 / 4 + 1
     smaller.close()
 
 
@@ -743,8 +743,8 @@ def test_remat_gives_the_same_update():
     b.fit(EXAMPLES, per_device_batch_size=2, max_steps=2)
     _assert_trees_close(a.params, b.params)
     batch = {k: jax.ShapeDtypeStruct((1, 8, task.SEQ), np.int32) for k in ("input_ids", "labels")}
-    jaxprs = [str(jax.make_jaxpr(t._step_impls[False])(t._state["params"], t._state["opt_state"], batch,
-                                                       np.int32(0))) for t in (a, b)]
+    jaxprs = [str(jax.make_jaxpr(t._program.impls[False])(t.params, t.opt_state, batch, np.int32(0)))
+              for t in (a, b)]
     assert "remat" not in jaxprs[0] and "remat" in jaxprs[1]  # the rematerialisation primitive
 
 

@@ -56,9 +56,9 @@ def start(auto=False):
     mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel,
                             **script_flags.parse_mesh(FLAGS.mesh))
     if "zero_quantized_weights" in FLAGS:  # the training scripts': checked before any workdir file is written
-        engine.trainer.check_zero_quantized(engine.step.Int8(FLAGS.zero_quantized_weights,
-                                                             FLAGS.zero_quantized_gradients),
-                                            mesh, diloco=bool(FLAGS.diloco_inner_steps))
+        engine.step_program.check_zero_quantized(engine.step.Int8(FLAGS.zero_quantized_weights,
+                                                                  FLAGS.zero_quantized_gradients),
+                                                 mesh, diloco=bool(FLAGS.diloco_inner_steps))
     return mesh
 
 
