@@ -94,7 +94,7 @@ def main(argv):
     global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     if mixture:  # an endless stream: the first windows are the eval rows, the training stream starts after them
         train_rows, eval_rows = mixture_rows(tokenizer, max(global_batch // FLAGS.accumulate_grad_batches, 256))
-        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer)
+        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch)
         return train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
     if token_dir is None:
         rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
@@ -107,7 +107,7 @@ def main(argv):
         raise ValueError(f"the data packs into {len(rows)} rows of {FLAGS.seq_len + 1} tokens; at least "
                          f"{n_eval + global_batch} are needed for one eval and one global batch (more data, or a "
                          "smaller --seq_len or --per_device_batch_size)")
-    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer)
+    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch)
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)

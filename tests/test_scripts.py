@@ -211,6 +211,29 @@ def test_fine_tuning_scripts_choose_their_mesh(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_lm_restarted_on_fewer_devices_keeps_the_global_batch_and_trains_like_the_uninterrupted_run(tmp_path):
+    """An elastic restart: 3 steps on 8 devices (global batch 16), then the same command on 4 devices: the run.json
+    global batch makes --accumulate_grad_batches 2, the data position is the same batch, and steps 4-6 end where
+    the 8-device run's do (to float32's reduction-order rounding); 3 devices cannot make 16 and are refused."""
+    def run(devices, workdir, *args, ok=True):
+        env = dict(ENV, XLA_FLAGS=cpu_devices(devices))
+        return subprocess.run([sys.executable, "scripts/train_lm.py", f"--workdir={workdir}", "--prompts=",
+                               f"--mesh={devices},1,1", *TINY_LM, "--log_every=1", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300, check=ok)
+
+    whole = run(8, tmp_path / "whole", "--max_steps=6")
+    run(8, tmp_path / "elastic", "--max_steps=3")
+    elastic = run(4, tmp_path / "elastic", "--max_steps=6")
+    assert "--accumulate_grad_batches=2 keeps it" in elastic.stderr + elastic.stdout
+    assert _steps(tmp_path / "elastic")[-1] == 6
+    np.testing.assert_allclose(_losses(elastic.stdout)[-3:], _losses(whole.stdout)[-3:], rtol=1e-4)
+    np.testing.assert_allclose(_eval_losses(elastic.stdout)[1], _eval_losses(whole.stdout)[1], rtol=1e-4)
+    refused = run(3, tmp_path / "elastic", "--max_steps=9", ok=False)
+    assert refused.returncode == 2 and "global batch of 16 examples, which 6 rows a step" in refused.stderr, (
+        refused.stderr[-2000:])
+
+
+@pytest.mark.slow
 def test_train_lm_on_a_weighted_mixture_of_parquet_and_jsonl_resumes(tmp_path):
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415

@@ -16,7 +16,7 @@ from absl import app, flags, logging
 
 import engine
 from engine import compiler, distributed, fit_loop
-from engine.tasks import script_flags
+from engine.tasks import run_record, script_flags
 
 FLAGS = flags.FLAGS
 
@@ -48,13 +48,19 @@ def start(auto=False):
         script_flags.eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
     if "lr_schedule" in FLAGS:
         script_flags.check_optimizer_flags()
+    elastic = "workdir" in FLAGS and "accumulate_grad_batches" in FLAGS  # a training script: keeps its batch
     if FLAGS.mesh == "auto":
         if not auto:
             raise ValueError("--mesh=auto; expected integers data,fsdp,model[,expert] such as 2,2,2 (this script does "
                              f"not choose a layout: {script_flags.AUTO_MESH_SCRIPTS} do)")
+        if elastic:  # every layout of these devices takes the same rows a step (mesh_choice.choose_mesh)
+            positions = jax.device_count() // (FLAGS.pipeline_stages * FLAGS.context_parallel)
+            run_record.keep_global_batch(FLAGS.workdir, FLAGS.per_device_batch_size * positions)
         return None
     mesh = engine.make_mesh(stage=FLAGS.pipeline_stages, context=FLAGS.context_parallel,
                             **script_flags.parse_mesh(FLAGS.mesh))
+    if elastic:
+        run_record.keep_global_batch(FLAGS.workdir, engine.global_batch_size(mesh, FLAGS.per_device_batch_size))
     if "zero_quantized_weights" in FLAGS:  # the training scripts': checked before any workdir file is written
         engine.step_program.check_zero_quantized(engine.step.Int8(FLAGS.zero_quantized_weights,
                                                                   FLAGS.zero_quantized_gradients),

@@ -39,11 +39,12 @@ def _model_fields(model):
     return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
 
 
-def save_run(workdir, task, model, tokenizer, critic=None):
+def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
     """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
     that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `models.RewardModel`
     (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
-    ValueError: its checkpoints would not fit."""
+    ValueError: its checkpoints would not fit. global_batch: the examples per update (`engine.global_batch_size`),
+    recorded so that a restart on another device count keeps it (`keep_global_batch`)."""
     run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
     if critic is not None:
         run["critic"] = {"family": family_of(critic.backbone), "config": _model_fields(critic.backbone)}
@@ -71,6 +72,8 @@ def save_run(workdir, task, model, tokenizer, critic=None):
                              f"flags of that run{hint}")
         _note_changed_training_flags(workdir, old.get("training", {}))
     run["training"] = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
+    if global_batch is not None:
+        run["training"]["global_batch"] = global_batch
     if "max_steps" in FLAGS and "lr_extension" in FLAGS:
         run["training"].update(max_steps=FLAGS.max_steps, lr_cycles=lr_cycles(workdir, note=True))
     if jax.process_index() != 0:
@@ -91,6 +94,29 @@ def _note_changed_training_flags(workdir, before):
         if name in FLAGS and name in before and before[name] != FLAGS[name].value:
             logging.warning("--%s=%s where the run in %s had %s: the resumed run continues under the new value",
                             name, FLAGS[name].value, workdir, before[name])
+
+
+def keep_global_batch(workdir, rows_per_step):
+    """An elastic restart: a workdir whose run.json records a global batch, restarted where one step of
+    --per_device_batch_size rows per data position takes `rows_per_step` examples (another device count or mesh),
+    keeps that global batch by setting --accumulate_grad_batches (logged in one line), unless the flag is given on
+    the command line; ValueError in one line when no whole number of micro-batches makes it."""
+    path = os.path.join(workdir, RUN_FILE) if workdir else None
+    if path is None or not os.path.exists(path) or FLAGS["accumulate_grad_batches"].present:
+        return
+    with open(path) as f:
+        recorded = json.load(f).get("training", {}).get("global_batch")
+    if recorded is None or recorded == rows_per_step * FLAGS.accumulate_grad_batches:
+        return
+    if recorded % rows_per_step:
+        raise ValueError(f"--workdir={workdir} was trained with a global batch of {recorded} examples, which "
+                         f"{rows_per_step} rows a step (--per_device_batch_size={FLAGS.per_device_batch_size} on "
+                         f"this mesh) do not divide; expected a --per_device_batch_size or --mesh whose rows a step "
+                         f"divide {recorded}, or --accumulate_grad_batches to train on with another global batch")
+    FLAGS.accumulate_grad_batches = recorded // rows_per_step
+    logging.warning("--workdir=%s was trained with a global batch of %d examples: --accumulate_grad_batches=%d keeps "
+                    "it on this mesh (%d rows a step); pass --accumulate_grad_batches to choose another",
+                    workdir, recorded, FLAGS.accumulate_grad_batches, rows_per_step)
 
 
 def lr_cycles(workdir, note=False):
