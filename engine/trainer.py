@@ -35,6 +35,7 @@ from engine.sharding import path_str
 from engine.step import cast_floating, split_loss
 from engine.step_program import StepProgram, choose_step
 from engine.train_state import TrainState, check_shared_workdir
+from engine.watchdog import Watchdog
 import kernels
 
 _validate = check
@@ -155,6 +156,7 @@ class Trainer:
         self._last_eval_step = None
         self._writer = None
         self._bar = fit_loop.ProgressBar(False)  # fit's, while it runs
+        self._watchdog = Watchdog(0)  # fit's hang watchdog while it runs; off (no thread) outside
         # Checkpoints: the workdir's latest (or its best, with Checkpointing(restore='best')) is restored here.
         if workdir and jax.process_count() > 1:
             check_shared_workdir(workdir)
@@ -278,7 +280,7 @@ class Trainer:
     def fit(self, train_examples, *, per_device_batch_size, n_epochs=None, total_epochs=None, max_steps=None,
             eval_examples=None, eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None,
             log_every=10, save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None,
-            save_best=None, early_stopping_patience=None, data_workers=0):
+            save_best=None, early_stopping_patience=None, data_workers=0, hang_timeout=None):
         """Trains `n_epochs` more epochs (default 1; an epoch that a previous call left unfinished is finished
         first), or up to `total_epochs` epochs counted over the Trainer's life. `max_steps`: stop at that many
         optimizer updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10
@@ -313,7 +315,9 @@ class Trainer:
         `jax.profiler` trace of those steps under `workdir/tensorboard`. SIGTERM or Ctrl-C: the current step
         finishes, a checkpoint is saved, `stopped_by_signal` is set and `fit` raises `engine.StoppedBySignal` (a
         SystemExit with status 128 + the signal), so that the program ends even when it calls `fit` in a loop of its
-        own; a second signal stops at once.
+        own; a second signal stops at once. `hang_timeout`: seconds without a finished step (compiles excluded)
+        after which the process logs every thread's stack, names what it waited for and exits with status 75
+        (`engine.watchdog`); default 10x the slowest step so far, at least 600 s; 0: off.
         """
         fit_loop.check_fit_arguments(
             workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
@@ -321,6 +325,21 @@ class Trainer:
             eval_examples=eval_examples, eval_predictor=eval_predictor, eval_metric_fn=eval_metric_fn,
             eval_every=eval_every, save_best=save_best, early_stopping_patience=early_stopping_patience,
             profile_steps=profile_steps)
+        watchdog = Watchdog(hang_timeout, name="hang_timeout")
+        try:
+            return self._fit(watchdog, train_examples, per_device_batch_size, n_epochs, total_epochs, max_steps,
+                             eval_examples, eval_per_device_batch_size, eval_predictor, eval_metric_fn, log_every,
+                             save_every, profile_steps, checkpoint_at_end, eval_every, save_best,
+                             early_stopping_patience, data_workers)
+        finally:
+            watchdog.close()
+            self._watchdog = Watchdog(0)
+
+    def _fit(self, watchdog, train_examples, per_device_batch_size, n_epochs, total_epochs, max_steps, eval_examples,
+             eval_per_device_batch_size, eval_predictor, eval_metric_fn, log_every, save_every, profile_steps,
+             checkpoint_at_end, eval_every, save_best, early_stopping_patience, data_workers):
+        """`fit` under its hang watchdog."""
+        self._watchdog = watchdog
         rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
         self._state.set_rows(rows)
         last_epoch = self._state.start_call(n_epochs, total_epochs, max_steps)
@@ -334,8 +353,9 @@ class Trainer:
             logging.info("early stopping: %s; not training on", self._state.early_stop_note())
             return self.history
         self._refuse_if_restored_best()
-        evaluate = functools.partial(self._evaluate, eval_examples, eval_per_device_batch_size or per_device_batch_size,
-                                     eval_predictor, eval_metric_fn, None if save_best is None else tuple(save_best))
+        evaluate = functools.partial(self._watched_evaluate, eval_examples,
+                                     eval_per_device_batch_size or per_device_batch_size, eval_predictor,
+                                     eval_metric_fn, None if save_best is None else tuple(save_best))
         every = {"log": log_every, "save": save_every, "eval": eval_every, "workers": data_workers}
         profiler = fit_loop.Profiler(profile_steps, f"{self.workdir}/tensorboard", self._wait_for_checkpoints)
         self._pending, self._last_log = [], (time.perf_counter(), self._state.step)
@@ -394,16 +414,20 @@ class Trainer:
             batches_iter = iter(prefetch)
             while True:
                 waited = time.perf_counter()
-                item = next(batches_iter, None)
+                with self._watchdog.waiting(f"the input pipeline (batch {self._state.batch_in_epoch} of epoch "
+                                            f"{self._state.epoch})"):
+                    item = next(batches_iter, None)
                 self._timers["data"] += time.perf_counter() - waited
                 if item is None:
                     break
                 index, _, batch = item
                 profiler.before_step(self._state.step)
-                self._train_on(batch)
+                with self._watchdog.waiting(f"step {self._state.step + 1}"):
+                    self._train_on(batch)
                 self._state.batch_in_epoch, seen = index + 1, seen + 1
                 profiler.after_step(self._state.step, self._state.arrays["params"])
                 self._after_step(rows, batch, every, evaluate)
+                self._watchdog.progress()  # after the log, save and eval: they count in the step's interval
                 self._bar.update(self._state.step, self._total_steps, rows)
                 if done():
                     break
@@ -414,11 +438,16 @@ class Trainer:
     def _train_on(self, batch):
         """One optimizer update on one global batch; its metrics wait on the device until the next log line."""
         state = self._state
-        state.note_batch(batch)
+        # The first batch lays the state out (a restore's reads included) and compiles: not judged as a step, so
+        # the hang limit derived from step times stays tight.
+        with self._watchdog.waiting("placing the state", judged=False):
+            state.note_batch(batch)
         state.note_resumed_shapes(batch)
         sync = self.diloco is not None and self.diloco.syncs_at(state.step)
         args = (state.arrays["params"], state.arrays["opt_state"], batch, np.int32(state.step))
-        params, opt_state, metrics = self._program.executable(sync, *args)(*args)
+        with self._watchdog.waiting("compiling the train step", judged=False):
+            executable = self._program.executable(sync, *args)
+        params, opt_state, metrics = executable(*args)
         state.arrays = {"params": params, "opt_state": opt_state}
         state.step += 1
         self._pending.append((state.step, metrics))
@@ -441,19 +470,21 @@ class Trainer:
             logging.warning("signal received: stopping after step %d", self._state.step)
         if exhausted:
             logging.info("early stopping at step %d: %s", self._state.step, self._state.early_stop_note())
-        if self._checkpointer is not None and self._state.arrays is not None and (checkpoint_at_end or stopped):
-            self.save_checkpoint()
-            self._checkpointer.wait()
-        if self._best_checkpointer is not None:
-            self._best_checkpointer.wait()
+        with self._watchdog.waiting("the checkpoint writes to finish"):
+            if self._checkpointer is not None and self._state.arrays is not None and (checkpoint_at_end or stopped):
+                self.save_checkpoint()
+                self._checkpointer.wait()
+            if self._best_checkpointer is not None:
+                self._best_checkpointer.wait()
 
     def _flush(self, rows, batch):
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
         and logs."""
         pending, last_log = self._pending, self._last_log
-        if self._stop is not None:
-            self._stop.agree()  # every process flushes at the same steps
-        host = _fetch([m for _, m in pending])
+        with self._watchdog.waiting(f"the device and the other processes (steps {pending[0][0]}-{pending[-1][0]})"):
+            if self._stop is not None:
+                self._stop.agree()  # every process flushes at the same steps
+            host = _fetch([m for _, m in pending])
         steps = [s for s, _ in pending]
         pending.clear()
         now = time.perf_counter()
@@ -564,6 +595,10 @@ class Trainer:
             raise ValueError("eval_loss: examples is empty; expected at least one example")
         return total / count
 
+    def _watched_evaluate(self, *args):
+        with self._watchdog.waiting(f"eval at step {self._state.step}"):
+            return self._evaluate(*args)
+
     def _evaluate(self, examples, per_device_batch_size, predictor, metric_fn, save_best=None):
         examples = examples(self._state.epoch) if callable(examples) else examples
         results = {"loss": self.eval_loss(examples, per_device_batch_size=per_device_batch_size)}
@@ -624,7 +659,8 @@ class Trainer:
         if self._pending:  # never a checkpoint of a state whose steps were not yet checked finite
             self._flush(self._state.rows, None)
         started = time.perf_counter()
-        self._checkpointer.save(self._state.step, self._state.arrays, self._state.meta())
+        with self._watchdog.waiting(f"a checkpoint save (step {self._state.step})"):
+            self._checkpointer.save(self._state.step, self._state.arrays, self._state.meta())
         self._timers["checkpoint"] += time.perf_counter() - started
 
     def close(self):

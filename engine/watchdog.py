@@ -66,13 +66,14 @@ class Watchdog:
     minimum_s: the derived limit's floor in seconds.
     exit_code: the process's exit status on a hang (1-255).
     clock: a monotonic clock in seconds (tests pass their own).
+    name: the argument `limit_s` is in the caller's words, for its error message (`fit`'s `hang_timeout`).
 
     Per step `waiting` and `progress` write a timestamp or a label and start no thread; the one thread sleeps until
     the current deadline. Use it as a context manager, or `close()` it."""
 
     def __init__(self, limit_s=None, *, factor=DEFAULT_FACTOR, minimum_s=DEFAULT_MINIMUM_S,
-                 exit_code=HANG_EXIT_CODE, clock=time.monotonic):
-        check("limit_s", limit_s, limit_s is None or _seconds(limit_s),
+                 exit_code=HANG_EXIT_CODE, clock=time.monotonic, name="limit_s"):
+        check(name, limit_s, limit_s is None or _seconds(limit_s),
               "None (derived from the measured steps), 0 (off) or a positive number of seconds")
         check("factor", factor, _seconds(factor) and factor >= 1, "a finite number >= 1")
         check("minimum_s", minimum_s, _seconds(minimum_s) and minimum_s > 0, "a positive number of seconds")

@@ -136,7 +136,7 @@ def main(argv):
     trainer.fit(train, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=evals, eval_predictor=predictor, eval_metric_fn=metric_fn,
                 log_every=FLAGS.log_every, save_every=FLAGS.save_every, profile_steps=profile,
-                **script_flags.eval_kwargs())
+                **script_flags.fit_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss = trainer.eval_loss(evals, per_device_batch_size=batch)

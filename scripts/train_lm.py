@@ -140,7 +140,7 @@ def train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
     trainer.fit(train_rows, per_device_batch_size=batch, n_epochs=FLAGS.n_epochs,
                 max_steps=FLAGS.max_steps, eval_examples=eval_rows, log_every=FLAGS.log_every,
                 save_every=FLAGS.save_every, profile_steps=profile, data_workers=FLAGS.data_workers,
-                **script_flags.eval_kwargs())
+                **script_flags.fit_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)

@@ -274,7 +274,8 @@ def _train(trainer, task, train_records, eval_records, rollout_batch_size):
     ppo.fit_ppo(trainer, task, [r["prompt"] for r in train_records],
                 max_steps=FLAGS.max_steps, rollout_batch_size=rollout_batch_size,
                 per_device_batch_size=FLAGS.per_device_batch_size, ppo_epochs=FLAGS.ppo_epochs, seed=FLAGS.seed,
-                log_every=FLAGS.log_every, save_every=FLAGS.save_every, on_iteration=on_iteration)
+                log_every=FLAGS.log_every, save_every=FLAGS.save_every, on_iteration=on_iteration,
+                hang_timeout=FLAGS.hang_timeout)
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
     end = _evaluate(task, trainer.params, eval_records)

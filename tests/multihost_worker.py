@@ -3,7 +3,7 @@ forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
        [forward|train|diloco|streaming|ppo|grpo|
-       pipeline|context|signal|workdirs|killed|whole|crash|resume]
+       pipeline|context|signal|workdirs|killed|whole|crash|resume|hang]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
@@ -14,7 +14,8 @@ context 2 x model 2, data across the processes); `signal` a long run with a work
 signal to one process, each process saving [step, stopped]; `workdirs` the same with a workdir per process (refused);
 `killed` the same run with a 5 s heartbeat time-out, for a test that kills one process; `whole` two epochs (saving
 the parameters), `crash` the same on a workdir until every process dies at once in epoch 1 (status 3), `resume` the
-same call again on that workdir (saving the parameters).
+same call again on that workdir (saving the parameters); `hang` a run whose process 1 blocks for ever collating its
+5th batch, under a 5 s hang watchdog.
 """
 import os
 import sys
@@ -134,6 +135,25 @@ def restart_run(mesh, workdir, mode):
     return np.concatenate([[trainer.step], *flat])
 
 
+def hang_run(mesh):
+    """Process 1's input pipeline blocks for ever at its 5th batch; every process's watchdog (5 s) ends it."""
+    import threading
+
+    import optax
+    from tests import trainer_task as task
+    calls, never = [], threading.Event()
+
+    def collate(examples):
+        calls.append(1)
+        if jax.process_index() == 1 and len(calls) == 5:
+            never.wait()
+        return task.collate_fn(examples)
+
+    trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=task.loss_fn, params=task.init_params(),
+                             optimizer=optax.adam(1e-2))
+    trainer.fit(task.make_examples(64), per_device_batch_size=1, n_epochs=100, log_every=1, hang_timeout=5)
+
+
 def llama_losses(mesh, steps=4):
     """Losses of a short Trainer run of a native 4-layer LLaMA (scanned; a pipeline where `mesh` has stages, each
     row's tokens split where it has `context`)."""
@@ -177,6 +197,8 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
                                                                        os.path.join(os.path.dirname(out), "w")))
         jax.distributed.shutdown()
         return
+    if mode == "hang":
+        hang_run(engine.make_mesh(data=4, model=2))
     if mode in ("whole", "crash", "resume"):
         result = restart_run(engine.make_mesh(data=4, model=2), os.path.join(os.path.dirname(out), "w"), mode)
         if jax.process_index() == 0:

@@ -567,7 +567,7 @@ def test_paged_grpo_groups_share_their_prompt_pages(sft_params):
     assert runs["paged"][1] == runs["static"][1]
     _assert_same_examples(runs["static"][0], runs["paged"][0])
     pool = paged.paged_engine
-    assert pool.prefills == len(prompts) and pool.traces == {"prefill": 1, "decode": 1}
+    assert pool.prefills == len(prompts) and pool.traces == {"prefill": 1, "decode": 1, "sample": 1}
     assert sorted(pool.free_pages) == list(range(pool.num_pages))  # every page back
     paged.config = dataclasses.replace(paged.config, temperature=1.0)
     rows = [p for p in prompts for _ in range(4)]
@@ -575,7 +575,7 @@ def test_paged_grpo_groups_share_their_prompt_pages(sft_params):
     assert any(len({tuple(r) for r in responses[4 * g:4 * g + 4]}) > 1 for g in range(len(prompts)))
     assert paged.generate_and_score(params, rows, seed=5)[0] == responses
     assert paged.generate_and_score(params, rows, seed=6)[0] != responses
-    assert pool.prefills == 4 * len(prompts) and pool.traces == {"prefill": 1, "decode": 1}
+    assert pool.prefills == 4 * len(prompts) and pool.traces == {"prefill": 1, "decode": 1, "sample": 1}
     for prompt, response, s in zip(rows, responses, scored):
         text = TOK.decode([i for i in response if i != TOK.eos_id])
         assert s["score"] == np.float32(preference.toy_reward(prompt, text))

@@ -186,3 +186,88 @@ def test_bad_arguments_are_refused_in_one_line(kwargs):
     with pytest.raises(ValueError, match=rf"^{name}=") as error:
         Watchdog(**kwargs)
     assert "\n" not in str(error.value) and "expected" in str(error.value)
+
+
+# ------------------------------------------------------------------------------------------ inside Trainer.fit
+_FIT_PREAMBLE = """\
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, optax, engine
+from tests import trainer_task as task
+trainer = engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=LOSS,
+                         params=task.init_params(), optimizer=optax.adam(1e-3))
+"""
+
+
+def test_fit_with_a_hung_input_pipeline_exits_with_the_status_naming_it(tmp_path):
+    status, output, log = _run_scenario(_FIT_PREAMBLE.replace("LOSS", "task.loss_fn") + textwrap.dedent("""
+        def examples():  # the fourth batch never comes
+            yield from task.make_examples(3 * 8)
+            never.wait()
+
+        trainer.fit(examples(), per_device_batch_size=1, log_every=1, hang_timeout=2)
+        print("not reached")
+    """), tmp_path)
+    assert status == HANG_EXIT_CODE, output[-3000:]
+    assert "not reached" not in output
+    assert "while waiting for the input pipeline (batch 3 of epoch 0)" in log, log[-3000:]
+    assert "in examples" in log  # the hung generator's frame
+
+
+@pytest.mark.slow  # a second fit subprocess; the input pipeline's case above runs by default
+def test_fit_with_a_hung_step_exits_with_the_status_naming_the_device(tmp_path):
+    """A step whose host callback blocks (from its third call on): the loop waits at the next log point's fetch."""
+    status, output, log = _run_scenario(textwrap.dedent("""
+        import jax
+        from tests import trainer_task as task
+        calls = []
+
+        def hook(loss):
+            calls.append(1)
+            if len(calls) >= 3:  # from the third call on
+                never.wait()
+
+        def loss_fn(params, batch, rng, is_training):
+            loss, metrics = task.loss_fn(params, batch, rng, is_training)
+            jax.debug.callback(hook, jax.lax.stop_gradient(loss))
+            return loss, metrics
+    """) + _FIT_PREAMBLE.replace("LOSS", "loss_fn") + textwrap.dedent("""
+        trainer.fit(task.make_examples(64), per_device_batch_size=1, log_every=1, hang_timeout=2)
+        print("not reached")
+    """), tmp_path)
+    assert status == HANG_EXIT_CODE, output[-3000:]
+    assert "not reached" not in output
+    assert "while waiting for the device and the other processes (steps " in log, log[-3000:]
+    assert "in hook" in log
+
+
+def test_fit_refuses_a_bad_hang_timeout_in_one_line():
+    from tests import trainer_task as task  # noqa: PLC0415
+    import engine  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=8), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
+                             params=task.init_params(), optimizer=optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"^hang_timeout=-1; expected None \(derived from the measured steps\)"):
+        trainer.fit(task.make_examples(16), per_device_batch_size=1, hang_timeout=-1)
+
+
+@pytest.mark.slow  # two processes
+def test_one_of_two_processes_hung_ends_both_with_the_status(tmp_path):
+    """Process 1's input pipeline blocks; process 0 then waits in the step's collectives for it. Each process's
+    watchdog judges its own progress: both exit with the status, each log naming what that process waited for."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_worker", f"localhost:{port}", "2", str(pid),
+                               str(tmp_path / "out.npy"), "60", "hang"], cwd=ROOT, text=True,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for pid in (0, 1)]
+    (status0, log0), (status1, log1) = (finish(p, timeout=180) for p in procs)
+    assert status1 == HANG_EXIT_CODE, log1[-3000:]
+    assert "while waiting for the input pipeline" in log1 and "in collate" in log1, log1[-3000:]
+    assert status0 == HANG_EXIT_CODE, log0[-3000:]
+    assert "while waiting for " in log0, log0[-3000:]

@@ -45,7 +45,7 @@ def start(auto=False):
         raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
     script_flags.check_diloco_flags()
     if "save_best" in FLAGS:
-        script_flags.eval_kwargs()  # bad --eval_every / --save_best fail before any model is built
+        script_flags.fit_kwargs()  # bad --eval_every / --save_best fail before any model is built
     if "lr_schedule" in FLAGS:
         script_flags.check_optimizer_flags()
     elastic = "workdir" in FLAGS and "accumulate_grad_batches" in FLAGS  # a training script: keeps its batch

@@ -1,6 +1,6 @@
 """The absl flags the scripts share (data, mesh, scale, precision, multi-host, training loop, model start, LoRA,
 records, checkpoint) and what they build: parsers (`parse_mesh`, `parse_json`, ...), `compute_dtype`,
-`loss_implementation`, `trainer_kwargs`, `eval_kwargs`, `optimizer` / `lr_schedule`, the training and eval records.
+`loss_implementation`, `trainer_kwargs`, `fit_kwargs`, `optimizer` / `lr_schedule`, the training and eval records.
 Every flag a script shares is defined here (`cli.run`'s --help lists this module's)."""
 import json
 
@@ -87,6 +87,9 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
     flags.DEFINE_string("workdir", workdir, "Checkpoints, TensorBoard scalars and the model description "
                         "(run.json) go here; re-running the same command resumes.")
     flags.DEFINE_integer("max_steps", max_steps, "Optimizer updates in total (resumes included).")
+    flags.DEFINE_float("hang_timeout", None, "Seconds without a finished step (compiles excluded) after which the "
+                       "process logs every thread's stack, names what it waited for and exits with status 75, so "
+                       "that the job is restarted; unset: 10x the slowest step so far, at least 600; 0: off.")
     flags.DEFINE_integer("n_epochs", 1000, "Passes over the data (a re-run of the same command continues the "
                          "interrupted run to the same end).")
     flags.DEFINE_float("learning_rate", learning_rate, "Peak learning rate (after a linear warm-up; --lr_schedule).")
@@ -301,8 +304,8 @@ def trainer_kwargs():
     return kwargs
 
 
-def eval_kwargs():
-    """`fit`'s eval_every, save_best and early_stopping_patience from their flags."""
+def fit_kwargs():
+    """`fit`'s eval_every, save_best, early_stopping_patience and hang_timeout from their flags."""
     if FLAGS.eval_every < 0:
         raise ValueError(f"--eval_every={FLAGS.eval_every}; expected an integer >= 0 (0: after each epoch only)")
     save_best = None
@@ -315,7 +318,7 @@ def eval_kwargs():
         raise ValueError(f"--early_stopping_patience={FLAGS.early_stopping_patience}; expected 0, or an integer >= 1 "
                          "with --save_best (the metric it watches)")
     return dict(eval_every=FLAGS.eval_every or None, save_best=save_best,
-                early_stopping_patience=FLAGS.early_stopping_patience or None)
+                early_stopping_patience=FLAGS.early_stopping_patience or None, hang_timeout=FLAGS.hang_timeout)
 
 
 _SCHEDULES = ("cosine", "linear", "constant")

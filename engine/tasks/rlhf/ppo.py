@@ -455,7 +455,7 @@ def _load_experience(path, iteration, stat_names):
 
 
 def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
-            log_every=10, save_every=None, on_iteration=None):
+            log_every=10, save_every=None, on_iteration=None, hang_timeout=None):
     """Runs PPO iterations until `max_steps` updates in total (resumes included: a Trainer restored from its
     workdir continues where it stopped, exactly, even mid-iteration). `trainer`: an `engine.Trainer` with
     `loss_fn=ppo.loss_fn()`, params {'actor', 'critic'} ({'actor'} for GRPO) and
@@ -465,7 +465,8 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     samples_per_prompt, and makes `ppo_epochs` epochs of updates on their experience. save_every: iterations between
     checkpoints (and one at the end). After each whole iteration its rollout's stats go to TensorBoard
     (`rollout/score`, `rollout/kl`, ...) and to on_iteration(iteration, stats). Rollouts sample and score in the
-    Trainer's compute dtype (`PPO.rollout(compute_dtype=)`). Returns the stats of the whole iterations run."""
+    Trainer's compute dtype (`PPO.rollout(compute_dtype=)`). hang_timeout: each iteration's `fit` runs under the hang
+    watchdog with it (`Trainer.fit`). Returns the stats of the whole iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
     group = ppo.config.samples_per_prompt
     checks = {"max_steps": isinstance(max_steps, int) and max_steps >= 0,
@@ -508,7 +509,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
         else:
             examples, stats = loaded
         trainer.fit(examples, per_device_batch_size=per_device_batch_size, total_epochs=(it + 1) * ppo_epochs,
-                    max_steps=max_steps, log_every=log_every, checkpoint_at_end=False)
+                    max_steps=max_steps, log_every=log_every, checkpoint_at_end=False, hang_timeout=hang_timeout)
         if trainer.step < (it + 1) * steps_per_iteration:
             break
         history.append(stats)
