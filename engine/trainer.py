@@ -31,6 +31,7 @@ from engine import fit_loop
 from engine.checkpoint import Checkpointer
 from engine.config import Checkpointing, Logging, Parallelism, Precision, check
 from engine.flops import peak_tflops
+from engine.goodput import Goodput
 from engine.sharding import path_str
 from engine.step import cast_floating, split_loss
 from engine.step_program import StepProgram, choose_step
@@ -163,7 +164,10 @@ class Trainer:
         self._checkpointer = Checkpointer(workdir, keep=checkpointing.keep) if workdir else None
         self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore='best'
         self._restored_best = checkpointing.restore == "best"
+        started = time.perf_counter()
         self._restore_from_workdir()
+        self._restore_s = time.perf_counter() - started  # lost to a restart: the next fit's goodput counts it
+        self._goodput = Goodput(None, 0)  # fit's accounting while it runs
 
     def _restore_from_workdir(self):
         """Restores the workdir's latest checkpoint (or its best, with Checkpointing(restore='best')), if any: the
@@ -340,6 +344,9 @@ class Trainer:
              checkpoint_at_end, eval_every, save_best, early_stopping_patience, data_workers):
         """`fit` under its hang watchdog."""
         self._watchdog = watchdog
+        self._goodput = Goodput(self.workdir, self._state.step, self._restore_s,
+                                write=jax.process_index() == 0)
+        self._restore_s = 0.0
         rows = global_batch_size(self.mesh, per_device_batch_size, self.accumulate)
         self._state.set_rows(rows)
         last_epoch = self._state.start_call(n_epochs, total_epochs, max_steps)
@@ -418,6 +425,7 @@ class Trainer:
                                             f"{self._state.epoch})"):
                     item = next(batches_iter, None)
                 self._timers["data"] += time.perf_counter() - waited
+                self._goodput.add("input", time.perf_counter() - waited)
                 if item is None:
                     break
                 index, _, batch = item
@@ -440,13 +448,16 @@ class Trainer:
         state = self._state
         # The first batch lays the state out (a restore's reads included) and compiles: not judged as a step, so
         # the hang limit derived from step times stays tight.
-        with self._watchdog.waiting("placing the state", judged=False):
+        with self._watchdog.waiting("placing the state", judged=False), self._goodput.timed("compile"):
             state.note_batch(batch)
         state.note_resumed_shapes(batch)
         sync = self.diloco is not None and self.diloco.syncs_at(state.step)
         args = (state.arrays["params"], state.arrays["opt_state"], batch, np.int32(state.step))
+        compiles, started = self._program.compile_count, time.perf_counter()
         with self._watchdog.waiting("compiling the train step", judged=False):
             executable = self._program.executable(sync, *args)
+        if self._program.compile_count != compiles:
+            self._goodput.add("compile", time.perf_counter() - started)
         params, opt_state, metrics = executable(*args)
         state.arrays = {"params": params, "opt_state": opt_state}
         state.step += 1
@@ -473,9 +484,14 @@ class Trainer:
         with self._watchdog.waiting("the checkpoint writes to finish"):
             if self._checkpointer is not None and self._state.arrays is not None and (checkpoint_at_end or stopped):
                 self.save_checkpoint()
-                self._checkpointer.wait()
+                with self._goodput.timed("checkpoint"):
+                    self._checkpointer.wait()
             if self._best_checkpointer is not None:
-                self._best_checkpointer.wait()
+                with self._goodput.timed("checkpoint"):
+                    self._best_checkpointer.wait()
+        if self._state.arrays is not None:
+            logging.info("%s", self._goodput.summary(self._state.step))
+            self.write_scalars("goodput", self._goodput.scalars(self._state.step))
 
     def _flush(self, rows, batch):
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,
@@ -485,6 +501,7 @@ class Trainer:
             if self._stop is not None:
                 self._stop.agree()  # every process flushes at the same steps
             host = _fetch([m for _, m in pending])
+        self._goodput.record(pending[-1][0])  # the record a restart reads, should this process die
         steps = [s for s, _ in pending]
         pending.clear()
         now = time.perf_counter()
@@ -596,7 +613,7 @@ class Trainer:
         return total / count
 
     def _watched_evaluate(self, *args):
-        with self._watchdog.waiting(f"eval at step {self._state.step}"):
+        with self._watchdog.waiting(f"eval at step {self._state.step}"), self._goodput.timed("eval"):
             return self._evaluate(*args)
 
     def _evaluate(self, examples, per_device_batch_size, predictor, metric_fn, save_best=None):
@@ -659,9 +676,11 @@ class Trainer:
         if self._pending:  # never a checkpoint of a state whose steps were not yet checked finite
             self._flush(self._state.rows, None)
         started = time.perf_counter()
+        self._goodput.note_save(self._state.step)
         with self._watchdog.waiting(f"a checkpoint save (step {self._state.step})"):
             self._checkpointer.save(self._state.step, self._state.arrays, self._state.meta())
         self._timers["checkpoint"] += time.perf_counter() - started
+        self._goodput.add("checkpoint", time.perf_counter() - started)
 
     def close(self):
         """Waits for pending checkpoint writes and closes the TensorBoard writer."""
