@@ -9,6 +9,8 @@ import json
 import os
 import time
 
+from absl import logging
+
 FILE = "goodput.json"
 CATEGORIES = ("compile", "input", "checkpoint", "eval")
 
@@ -58,9 +60,13 @@ class Goodput:
         if self.write:
             runs = self.runs[:self._index] + [run]
             path = os.path.join(self.workdir, FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(runs, f, indent=1)
-            os.replace(path + ".tmp", path)
+            try:
+                with open(path + ".tmp", "w") as f:
+                    json.dump(runs, f, indent=1)
+                os.replace(path + ".tmp", path)
+            except OSError as e:  # the accounting never stops a run (a full disk is the checkpoints' to report)
+                logging.warning("goodput: cannot write %s (%s); this run's record stops here", path, e)
+                self.write = False
         return run
 
     def scalars(self, step):
