@@ -41,11 +41,15 @@ class Predictor:
         with kernels.under_mesh(self.mesh):  # see Trainer._train_step
             return self.pred_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(self._key, step))
 
-    def predict(self, examples, *, per_device_batch_size, params):
+    def predict(self, examples, *, per_device_batch_size, params, data_workers=0):
+        """`output_fn`'s entries for every example, in input order. examples: a list or other random-access
+        collection (a `grain.MapDataset`: each process reads only its rows), or any iterable (read whole first).
+        data_workers: each batch read and collated in that many Grain worker processes (`Trainer.fit`'s)."""
         if not isinstance(per_device_batch_size, int) or per_device_batch_size < 1:
             raise ValueError(f"per_device_batch_size={per_device_batch_size!r}; expected an integer >= 1")
-        examples = list(examples)
-        if not examples:
+        if not data_lib.is_random_access(examples):
+            examples = list(examples)
+        if not len(examples):
             return []
         if self._compiled is None:
             replicated = NamedSharding(self.mesh, P())
@@ -53,7 +57,7 @@ class Predictor:
         outputs = []
         batches = data_lib.iterate_batches(self.mesh, examples, self.collate_fn,
                                            per_device_batch_size=per_device_batch_size, shuffle=False,
-                                           drop_remainder=False)
+                                           drop_remainder=False, workers=data_workers)
         for index, n_real, batch in batches:
             preds = self._compiled(params, batch, np.int32(index))
             # Replicated outputs: every process reads its local copy, no cross-host gather needed.

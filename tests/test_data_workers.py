@@ -117,6 +117,17 @@ def test_fit_with_data_workers_trains_exactly_as_in_process():
         np.testing.assert_array_equal(a, b)
 
 
+def test_predictor_reads_a_grain_dataset_in_order():
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    dataset = grain.MapDataset.source(list(range(37))).map(lambda i: {"x": np.float32(i)})
+    predictor = engine.Predictor(mesh=engine.make_mesh(data=4, model=2),
+                                 collate_fn=lambda rows: {"x": np.stack([r["x"] for r in rows])},
+                                 pred_fn=lambda params, batch, rng: {"y": batch["x"] * params})
+    out = predictor.predict(dataset, per_device_batch_size=2, params=jnp.float32(2.0))
+    assert [float(o["y"]) for o in out] == [2.0 * i for i in range(37)]
+
+
 def _bad_collate(rows):
     return {"x": np.zeros(3)}
 
