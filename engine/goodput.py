@@ -3,7 +3,8 @@ restoring the state), waiting for input, checkpoint stalls, evals, and the rest,
 and the loop's own host time); a run's record is rewritten at each log point and save under
 `workdir/goodput.json`, so a restart reads what the previous runs spent and how much of it was lost: the time a run
 spent past the checkpoint its successor restored from (those steps are trained again), plus that successor's
-restore. `summary()` is the one line `fit` logs at its end; `scalars()` what it writes to TensorBoard (`goodput/`).
+restore. `scalars(step)` is what `fit` writes to TensorBoard (`goodput/`) at its end, `summary(scalars)` the one
+line it logs.
 MaxText's goodput recorder is the anchor: productive time over all the time the job held its devices."""
 import json
 import os
@@ -77,11 +78,12 @@ class Goodput:
         return {**{k: run[f"{k}_s"] for k in CATEGORIES}, "productive": run["productive_s"], "lost_to_restart": lost,
                 "fraction": run["productive_s"] / max(1e-9, run["wall_s"] + lost)}
 
-    def summary(self, step):
-        """The one line `fit` logs at its end: this call's wall time split, and the workdir's total over its runs."""
-        s = self.scalars(step)  # records this call's figures too
+    def summary(self, scalars):
+        """The one line `fit` logs at its end, from this call's `scalars(step)`: its wall time split, and the
+        workdir's total over its runs."""
+        s = scalars
         parts = ", ".join(f"{k} {s[k]:.1f} s" for k in ("productive", *CATEGORIES, "lost_to_restart"))
-        line = f"goodput {100 * s['fraction']:.1f}% of {self.wall_s() + s['lost_to_restart']:.1f} s: {parts}"
+        line = f"goodput {100 * s['fraction']:.1f}% of {self._last['wall_s'] + s['lost_to_restart']:.1f} s: {parts}"
         if self.runs:
             runs = self.runs[:self._index] + [self._last]
             total = sum(r["wall_s"] + r["restore_s"] for r in runs)

@@ -490,8 +490,9 @@ class Trainer:
                 with self._goodput.timed("checkpoint"):
                     self._best_checkpointer.wait()
         if self._state.arrays is not None:
-            logging.info("%s", self._goodput.summary(self._state.step))
-            self.write_scalars("goodput", self._goodput.scalars(self._state.step))
+            scalars = self._goodput.scalars(self._state.step)  # records the call's figures once
+            logging.info("%s", self._goodput.summary(scalars))
+            self.write_scalars("goodput", scalars)
 
     def _flush(self, rows, batch):
         """Brings the pending metrics to the host (the only host sync of the loop), checks for non-finite losses,

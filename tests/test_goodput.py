@@ -36,7 +36,7 @@ def test_categories_and_the_time_a_restart_lost(tmp_path):
     scalars = second.scalars(12)
     assert scalars["lost_to_restart"] == 8.0 and scalars["productive"] == 5.0
     assert scalars["fraction"] == pytest.approx(5.0 / 13.0)
-    line = second.summary(12)
+    line = second.summary(scalars)
     assert line.startswith("goodput 38.5% of 13.0 s: productive 5.0 s, compile 0.0 s, input 0.0 s, checkpoint "
                            "0.0 s, eval 0.0 s, lost_to_restart 8.0 s; this workdir's 2 runs: "), line
     assert [r["step"] for r in json.loads((tmp_path / FILE).read_text())] == [9, 12]

@@ -96,16 +96,23 @@ def _note_changed_training_flags(workdir, before):
                             name, FLAGS[name].value, workdir, before[name])
 
 
+def _training_record(workdir):
+    """The `training` entry of `workdir`'s run.json ({} when there is none)."""
+    path = os.path.join(workdir, RUN_FILE) if workdir else None
+    if path is None or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f).get("training", {})
+
+
 def keep_global_batch(workdir, rows_per_step):
     """An elastic restart: a workdir whose run.json records a global batch, restarted where one step of
     --per_device_batch_size rows per data position takes `rows_per_step` examples (another device count or mesh),
     keeps that global batch by setting --accumulate_grad_batches (logged in one line), unless the flag is given on
     the command line; ValueError in one line when no whole number of micro-batches makes it."""
-    path = os.path.join(workdir, RUN_FILE) if workdir else None
-    if path is None or not os.path.exists(path) or FLAGS["accumulate_grad_batches"].present:
+    if FLAGS["accumulate_grad_batches"].present:
         return
-    with open(path) as f:
-        recorded = json.load(f).get("training", {}).get("global_batch")
+    recorded = _training_record(workdir).get("global_batch")
     if recorded is None or recorded == rows_per_step * FLAGS.accumulate_grad_batches:
         return
     if recorded % rows_per_step:
@@ -125,11 +132,7 @@ def lr_cycles(workdir, note=False):
     the recorded cycles when run.json has them; a --max_steps past the recorded run's keeps them
     (--lr_extension=keep: the old schedule goes on at its last rate) or adds a cycle from the old --max_steps to the
     new one (rewarm). The same answer before and after `save_run` records it. note: log what an extension does."""
-    path = os.path.join(workdir, RUN_FILE) if workdir else None
-    record = {}
-    if path and os.path.exists(path):
-        with open(path) as f:
-            record = json.load(f).get("training", {})
+    record = _training_record(workdir)
     if "lr_cycles" not in record:
         return [[0, FLAGS.max_steps]]
     cycles, before = [list(c) for c in record["lr_cycles"]], record.get("max_steps", record["lr_cycles"][-1][1])
