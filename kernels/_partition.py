@@ -84,6 +84,17 @@ def auto_axis_size(name):
     return mesh.axis_sizes[i] if mesh.axis_types[i] == jax.sharding.AxisType.Auto else 1
 
 
+def manual_batch_axes():
+    """The ambient mesh's batch axes larger than 1 that are manual (inside a shard_map over them, as the engine's
+    shard_map step is over `data` and `fsdp`), in mesh order: the axes a statistic of the whole batch must be summed
+    over. () outside a mesh and where they are automatic (the partitioner sums over them itself)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return ()
+    return tuple(name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+                 if name in BATCH_AXES and size > 1 and kind == jax.sharding.AxisType.Manual)
+
+
 def context_size(*lengths):
     """Size of the ambient mesh's automatic `context` axis when it is larger than 1 and divides every length, else
     1. Any implementation: the sequence split is not the partitioner's to undo."""

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import engine
 import models
 from engine.tasks import lm
+from kernels import axes
 from models import layers
 from tests.test_mistral import IDS, MASK, check_greedy_generate, check_round_trip, hf_builder
 from tests.test_qwen import train_adapters_only
@@ -134,9 +136,11 @@ def test_auto_shard_splits_the_experts_over_expert_from_the_dataflow():
     (dict(fsdp=2, expert=4), "shard_map", "full")])
 def test_expert_parallel_trainer_step_equals_one_device(mesh, step, remat):
     """One SGD step of the tiny Mixtral through the Trainer on an expert-parallel mesh equals the step on one device
-    (loss, z-loss and every updated weight); the experts stay split over `expert`. remat='full': the shard_map
-    step's hand-pipelined layer stack, its fsdp gathers and reduce-scatters block by block over `expert`."""
-    model = models.create_model("mixtral", "tiny", scan_layers=True, remat=remat, router_aux_loss_coef=0.0,
+    (loss, both router losses, every updated weight); the experts stay split over `expert`. remat='full': the
+    shard_map step's hand-pipelined layer stack, its fsdp gathers and reduce-scatters block by block over `expert`.
+    The load-balancing loss weighs 0.5 (25x Mixtral's): the shard_map step sums the router statistics over its
+    manual axes before the loss, so its gradient is the global batch's too."""
+    model = models.create_model("mixtral", "tiny", scan_layers=True, remat=remat, router_aux_loss_coef=0.5,
                                 router_z_loss_coef=1e-2)
     params = models.init_params(model, jax.random.PRNGKey(0))
     rng = np.random.RandomState(0)
@@ -152,7 +156,8 @@ def test_expert_parallel_trainer_step_equals_one_device(mesh, step, remat):
     (loss, single), grads = jax.jit(jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True),
                                     static_argnums=(2, 3))(params, lm.collate_lm(rows), None, True)
     assert split["loss"] == pytest.approx(float(loss), rel=1e-5)
-    assert split["router_z_loss"] == pytest.approx(float(single["router_z_loss"]), rel=1e-5)
+    for key in ("load_balancing_loss", "router_z_loss"):
+        assert split[key] == pytest.approx(float(single[key]), rel=1e-5), key
     for (path, a), p, g in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0],
                                jax.tree.leaves(params), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
@@ -341,6 +346,40 @@ def test_router_losses_of_uniform_and_collapsed_routers():
     assert losses(collapsed, valid)[0] == pytest.approx(4.0, rel=1e-5)
 
 
+def test_router_losses_in_a_shard_map_over_batch_axes_are_the_whole_batchs():
+    """Inside a shard_map manual over `data` and `fsdp` (as the engine's shard_map step runs the loss on each device's
+    rows) the router statistics are summed over those axes before the losses: each device's terms and the gradient
+    of their mean equal the whole batch's on one device, where per-device losses would not."""
+    layer = layers.MoE(num_experts=4, top_k=2, hidden=8)
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 6, 16))
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    valid = jnp.arange(6)[None, :] >= jnp.arange(8)[:, None] % 3  # rows with different numbers of valid tokens
+
+    def losses(router, x, valid):
+        _, state = layer.apply({"params": {**params, "router": {"kernel": router}}}, x, valid,
+                               mutable=["intermediates"])
+        return jnp.stack(layers.router_losses(state["intermediates"]))
+
+    mesh = engine.make_mesh(data=4, fsdp=2)
+    rows = P((axes.DATA, axes.FSDP))
+
+    def mean_of_devices(router, x, valid):
+        each = jax.shard_map(lambda r, x, v: losses(r, x, v)[None], mesh=mesh, in_specs=(P(), rows, rows),
+                             out_specs=rows, axis_names={axes.DATA, axes.FSDP}, check_vma=False)(router, x, valid)
+        return each, each.mean(0)
+
+    router = params["router"]["kernel"]
+    whole = jax.jit(losses)(router, x, valid)
+    each, _ = jax.jit(mean_of_devices)(router, x, valid)
+    np.testing.assert_allclose(each, np.broadcast_to(whole, each.shape), rtol=1e-6)
+    per_device = [losses(router, x[i:i + 1], valid[i:i + 1]) for i in range(8)]
+    assert abs(float(np.mean([p[0] for p in per_device])) - float(whole[0])) > 1e-3  # what summing first changes
+    weights = jnp.array([1.0, 0.1])
+    whole_grad = jax.jit(jax.grad(lambda r: losses(r, x, valid) @ weights))(router)
+    split_grad = jax.jit(jax.grad(lambda r: mean_of_devices(r, x, valid)[1] @ weights))(router)
+    np.testing.assert_allclose(split_grad, whole_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_lm_loss_adds_the_router_losses_with_the_config_weights():
     model = models.create_model("mixtral", "tiny", num_layers=1, router_aux_loss_coef=0.5, router_z_loss_coef=0.25)
     params = models.init_params(model, jax.random.PRNGKey(0))
@@ -424,9 +463,9 @@ def test_trainer_step_on_2x2x2_equals_one_device():
 @pytest.mark.slow
 def test_shard_map_step_with_the_overlapped_layer_stack_equals_the_jit_step():
     """The shard_map step (ZeRO-3 over fsdp, remat='full': the hand-pipelined layer scan re-evaluates the sown router
-    statistics too) against the jit step on 2x2x2: equal updates and z-loss. The load-balancing term is per data
-    shard there (a product of per-shard means), so it weighs 0 here and is only reported."""
-    model = models.create_model("mixtral", "tiny", scan_layers=True, remat="full", router_aux_loss_coef=0.0,
+    statistics too) against the jit step on 2x2x2: equal updates and router losses, the load-balancing one weighing
+    0.5 (its statistics summed over the manual axes before the loss)."""
+    model = models.create_model("mixtral", "tiny", scan_layers=True, remat="full", router_aux_loss_coef=0.5,
                                 router_z_loss_coef=1e-2)
     params = models.init_params(model, jax.random.PRNGKey(0))
     rng = np.random.RandomState(0)
@@ -441,8 +480,8 @@ def test_shard_map_step_with_the_overlapped_layer_stack_equals_the_jit_step():
         runs[step] = trainer.history[-1], jax.device_get(trainer.params)
     (jit, jit_params), (manual, manual_params) = runs["jit"], runs["shard_map"]
     assert manual["loss"] == pytest.approx(jit["loss"], rel=1e-5)
-    assert manual["router_z_loss"] == pytest.approx(jit["router_z_loss"], rel=1e-5)
-    assert manual["load_balancing_loss"] == pytest.approx(jit["load_balancing_loss"], rel=0.05)
+    for key in ("load_balancing_loss", "router_z_loss"):
+        assert manual[key] == pytest.approx(jit[key], rel=1e-5), key
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(manual_params)[0], jax.tree.leaves(jit_params)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 

@@ -303,7 +303,9 @@ def router_losses(intermediates):
     Qwen3-MoE train): E · Σ_e f_e P_e, with f_e the top-k assignments to expert e and P_e its summed router
     probability, both over every layer's valid tokens and divided by their count (so Σ f = k, and a uniform
     router gives k). z_loss is ST-MoE's (Zoph et al., 2022): the mean of logsumexp(router logits)^2 over the
-    layers' valid tokens."""
+    layers' valid tokens. Every statistic is a sum, so inside a shard_map over batch axes (the engine's shard_map
+    step: each device runs the loss on its own rows) they are summed over those axes first: both terms are the whole
+    batch's, as in the jit step and on one device, not a mean of per-device products."""
     found = []
 
     def walk(node):
@@ -317,7 +319,11 @@ def router_losses(intermediates):
     if not found:
         return None
     E = found[0]["counts"].shape[-1]
-    total = lambda name, *shape: sum(s[name].reshape(-1, *shape).sum(0) for s in found)  # noqa: E731
+    manual = kernels.manual_batch_axes()
+
+    def total(name, *shape):
+        value = sum(s[name].reshape(-1, *shape).sum(0) for s in found)
+        return jax.lax.psum(value, manual) if manual else value
     tokens = jnp.maximum(total("tokens"), 1.0)
     load_balancing = E * jnp.sum(total("counts", E) / tokens * total("probs", E) / tokens)
     return load_balancing, total("z") / tokens
