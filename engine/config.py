@@ -31,7 +31,9 @@ class Precision:
     """Numerics of the step.
 
     compute_dtype: e.g. `jnp.bfloat16`: forward and backward in that dtype; master weights and optimizer state stay
-      in the parameters' dtype. None: the parameters' dtype.
+      in the parameters' dtype. None: the parameters' dtype. FP8 matmuls are the model's setting, not a field here:
+      `models.ModelOptions(fp8=True)` (the scripts' --fp8) runs the projections in FP8 within this compute dtype; the
+      step only sees parameters, so a second switch here could disagree with the model it trains.
     loss_scale: loss scaling for float16 compute (`engine.LossScale`): 'auto' ('dynamic' when compute_dtype is
       float16, else None), 'dynamic' (`LossScale()`: start at 2^15, halve and skip the step on an overflow, double
       after 2000 finite steps), a number >= 1 (a fixed scale), an `engine.LossScale`, or None. Its state rides in the

@@ -219,12 +219,22 @@ def trainable(also=None):
 
 def with_flags(model, params):
     """(model, params) with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each
-    unchanged when unset) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches and the layers
-    stacked (`models.stack_layers`; run.json records the layout, so a resume needs the same flags)."""
+    unchanged when unset), --fp8 (the projections' matmuls in FP8 when set; like --compute_dtype a setting of each
+    run, not recorded in run.json) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches and the
+    layers stacked (`models.stack_layers`; run.json records the layout, so a resume needs the same flags)."""
     options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
                if getattr(FLAGS, name) is not None}
+    if FLAGS.fp8:
+        options["fp8"] = True
     model, params = with_pipeline(model, params)
-    return (model.clone(config=dataclasses.replace(model.config, **options)) if options else model), params
+    if not options:
+        return model, params
+    try:
+        return model.clone(config=dataclasses.replace(model.config, **options)), params
+    except ValueError as e:
+        if not FLAGS.fp8:
+            raise
+        raise ValueError(f"--fp8: {e}") from None
 
 
 def with_pipeline(model, params):

@@ -64,6 +64,10 @@ def define_flags():
     flags.DEFINE_enum("compute_dtype", None, list(_DTYPES), "Forward/backward dtype: every matmul of the model runs "
                       "in it; master weights and optimizer state stay fp32. Unset: bfloat16 on GPU and TPU "
                       "(MaxText's default), float32 on CPU.")
+    flags.DEFINE_bool("fp8", False, "The attention and MLP projections' matmuls in FP8 (models.ModelOptions.fp8): "
+                      "e4m3 operands, e5m2 output gradients, per-tensor scales from each tensor's amax in the step; "
+                      "the rest in --compute_dtype, master weights and optimizer as they are. FP8 tensor cores on "
+                      "Hopper GPUs; emulated (FP8 rounding, float32 products) on CPU.")
     flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
                       "optimizer update (engine.Precision.grad_dtype): bfloat16 halves their memory.")
     flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "

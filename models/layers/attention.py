@@ -116,6 +116,7 @@ class Attention(nn.Module):
     lora_targets: tuple = ()
     lora_dropout: float = 0.0
     quantize: str | None = None
+    fp8: bool = False  # the q, k, v, o matmuls in FP8 (`Linear`)
     sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
     dtype: Dtype | None = None  # None: the projections' kernels' dtype
     param_dtype: Dtype = jnp.float32

@@ -1,4 +1,5 @@
-"""Projections: `Linear` (float, int8 or NF4 kernels, LoRA adapters, the fused-matmul path) and the activations."""
+"""Projections: `Linear` (float, int8 or NF4 kernels, FP8 matmuls, LoRA adapters, the fused-matmul path) and the
+activations."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 
 import kernels
 from kernels.matmul.formats import NF4_BLOCK, NF4_LEVELS, dequantize_nf4
+from kernels.matmul.fp8 import fp8_dot
 from models.layers.options import Dtype, layer_dtype
 
 _NF4_STD = float(np.std(NF4_LEVELS))  # of a uniformly random NF4 code: a fresh kernel's scale divides by it
@@ -65,7 +67,10 @@ class Linear(nn.Module):
     y = (x q) * scale, the scale applied to the product (a per-column scale commutes with it), so the dequantised
     weight never exists; the kernel path reads q as int8 and scales in its epilogue. With LoRA the kernel path
     computes (x q) s alone and the rest follows in plain jnp. dtype None: the product is taken in the dtype of the
-    kernel it is handed (a quantised kernel's: its scale's), the input cast to it."""
+    kernel it is handed (a quantised kernel's: its scale's), the input cast to it. fp8: x @ kernel runs as
+    `kernels.matmul.fp8.fp8_dot` (e4m3 operands, e5m2 output gradient, per-tensor current scales, float32
+    accumulation) and returns the compute dtype; bias, LoRA's low-rank product and the activation stay in the compute
+    dtype. Not with quantize or `implementation` (ModelOptions refuses them together)."""
     in_features: int
     features: int
     use_bias: bool = False
@@ -75,6 +80,7 @@ class Linear(nn.Module):
     lora_dropout: float = 0.0
     deterministic: bool = True
     quantize: str | None = None
+    fp8: bool = False
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
@@ -110,11 +116,16 @@ class Linear(nn.Module):
         x = x.astype(dtype)
         w, scale = self.weight()
         b = None if self.bias is None else self.bias.astype(dtype)
+        if self.fp8 and (self.quantize or implementation is not None):
+            raise ValueError(f"Linear {self.name} with fp8=True and quantize={self.quantize!r}, implementation="
+                             f"{implementation!r}; expected neither (FP8 takes the float kernel in plain XLA)")
         if implementation is not None and not self.lora_rank:
             return kernels.fused_matmul(x, w, b, w_scale=scale, activation=kernel_activation(act),
                                         implementation=implementation, interpret=interpret)
         if implementation is not None:
             y = kernels.fused_matmul(x, w, w_scale=scale, implementation=implementation, interpret=interpret)
+        elif self.fp8:
+            y = fp8_dot(x, w)
         else:
             y = jnp.dot(x, w.astype(dtype))
             if scale is not None:
@@ -131,8 +142,10 @@ class Linear(nn.Module):
 
 
 def projection_options(module, name):
-    """Linear's LoRA and quantisation arguments for projection `name` of an Attention or MLP `module`."""
+    """Linear's LoRA, quantisation and FP8 arguments for projection `name` of an Attention or MLP `module`."""
     out = {} if module.quantize is None else {"quantize": module.quantize}
+    if module.fp8:
+        out["fp8"] = True
     if not module.lora_rank or name not in module.lora_targets:
         return out
     return dict(out, lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank,

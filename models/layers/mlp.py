@@ -28,6 +28,7 @@ class MLP(nn.Module):
     lora_dropout: float = 0.0
     deterministic: bool = True  # False: training call (LoRA dropout, with a 'dropout' rng)
     quantize: str | None = None
+    fp8: bool = False  # the projections' matmuls in FP8 (`Linear`; not with `implementation`)
     sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
     dtype: Dtype | None = None  # None: the projections' kernels' dtype
     param_dtype: Dtype = jnp.float32
@@ -43,7 +44,8 @@ class MLP(nn.Module):
             h = up(x, act=self.act, **fused)
         else:
             gate = Linear(d, self.hidden, name="gate", **kw, **projection_options(self, "gate"))
-            if self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank:
+            if (self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank
+                    and not self.fp8):  # (with fp8 the Linears refuse `implementation` in one line)
                 (w_gate, gate_scale), (w_up, up_scale) = gate.weight(), up.weight()
                 h = kernels.gated_mlp(x.astype(gate.compute_dtype()), w_gate, w_up, w_gate_scale=gate_scale,
                                       w_up_scale=up_scale, activation=kernel_activation(self.act),

@@ -37,6 +37,13 @@ class ModelOptions:
     quantize='nf4': QLoRA's 4-bit NormalFloat, two per byte, a float32 absmax per 64 rows of a column
     (`kernels.matmul.formats`), dequantised before each matmul; an eighth of float32's memory (plus 1/16 in scales).
     Unlike the other options these fields change the parameters, so training scripts record them.
+    fp8: the attention and MLP projections' matmuls (q, k, v, o, gate, up, down; not the embedding, the LM head, a
+    mixture's router and experts, or attention's own products) in FP8 (`kernels.matmul.fp8.fp8_dot`; torchtitan's
+    float8 training with its default per-tensor current scaling): both operands rounded to e4m3 and the output
+    gradient to e5m2, each under a scale from its own amax in the step, float32 accumulation; the parameters, their
+    dtype and the optimizer are unchanged, so checkpoints are too. A cuBLASLt FP8 GEMM on Hopper GPUs, emulated
+    (FP8's rounding, float32 products) elsewhere (models/README.md#fp8). LoRA adapters stay in the compute dtype on
+    an FP8 base product; not with quantize (int8 / nf4 bases) or mlp_implementation (the fused kernels).
     pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
     (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (M + S - 1) of each stage's time.
     sequence_parallel: under a mesh whose automatic `model` axis divides the tokens, the residual stream between
@@ -59,6 +66,7 @@ class ModelOptions:
     lora_targets: tuple = LORA_TARGETS
     lora_dropout: float = 0.0
     quantize: str | None = None
+    fp8: bool = False
     pipeline_microbatches: int = 0
     sequence_parallel: bool = False
 
@@ -76,6 +84,12 @@ class ModelOptions:
                                  + (" or None (the parameters' dtype)" if name == "dtype" else ""))
         if self.quantize not in QUANTIZE_FORMATS:
             raise ValueError(f"quantize={self.quantize!r}; expected one of {QUANTIZE_FORMATS}")
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"fp8={self.fp8!r}; expected a bool")
+        if self.fp8 and (self.quantize is not None or self.mlp_implementation is not None):
+            raise ValueError(f"fp8=True with quantize={self.quantize!r}, mlp_implementation="
+                             f"{self.mlp_implementation!r}; expected both None (FP8 matmuls take float kernels in "
+                             "plain XLA, not int8 / nf4 bases or the fused matmul kernels)")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank!r}; expected an integer >= 0 (0: no LoRA)")
         if (isinstance(self.pipeline_microbatches, bool) or not isinstance(self.pipeline_microbatches, int)
@@ -101,10 +115,10 @@ class ModelOptions:
 
 
 def sublayer_options(config):
-    """Attention / MLP keyword arguments of a config's LoRA, quantisation and sequence-parallel fields
+    """Attention / MLP keyword arguments of a config's LoRA, quantisation, FP8 and sequence-parallel fields
     (`ModelOptions`)."""
     return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
-                lora_dropout=config.lora_dropout, quantize=config.quantize,
+                lora_dropout=config.lora_dropout, quantize=config.quantize, fp8=config.fp8,
                 sequence_parallel=config.sequence_parallel)
 
 

@@ -1,0 +1,133 @@
+"""FP8 projections (`kernels.matmul.fp8.fp8_dot`, `models.ModelOptions.fp8`, the scripts' --fp8): the dot rounds its
+operands to e4m3 and its output gradient to e5m2 under per-tensor current scales, agrees with float32 within FP8's
+error, and a model with fp8 runs exactly its projections through it."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from kernels.matmul.fp8 import E4M3, E5M2, fp8_dot, quantize_fp8
+
+
+def test_quantize_rounds_to_the_format_under_the_tensor_scale():
+    # amax 448 -> scale 1: 1.1 is not an e4m3 value (1, 1.125, ...) and rounds to 1.125; e5m2's 2 mantissa bits
+    # round it to 1.0 (of 1, 1.25). The scale follows the tensor's amax.
+    q, scale = quantize_fp8(jnp.array([448.0, 1.1, -3.0]), E4M3)
+    assert q.dtype == E4M3 and float(scale) == 1.0
+    np.testing.assert_array_equal(q.astype(jnp.float32), [448.0, 1.125, -3.0])
+    q, scale = quantize_fp8(jnp.array([57344.0, 1.1]), E5M2)
+    assert q.dtype == E5M2 and float(scale) == 1.0 and float(q[1].astype(jnp.float32)) == 1.0
+    q, scale = quantize_fp8(jnp.array([0.5, -0.25]), E4M3)
+    assert float(scale) == np.float32(0.5) / np.float32(448) and float(q[0].astype(jnp.float32)) == 448.0
+    q, scale = quantize_fp8(jnp.zeros(3), E4M3)  # an all-zero tensor: zeros, no NaN
+    assert float(scale) == 1.0 and not np.any(np.asarray(q.astype(jnp.float32)))
+
+
+def test_fp8_dot_rounds_operands_forward_and_the_gradient_backward():
+    x = jnp.array([[448.0, 1.1], [2.0, 3.0]])  # scale 1: 1.1 -> 1.125 in e4m3
+    w = jnp.array([[0.875], [0.875]])           # scale 0.875 / 448 = 2^-9: each 448, exact
+    y, vjp = jax.vjp(fp8_dot, x, w)
+    np.testing.assert_array_equal(y, [[449.125 * 0.875], [5.0 * 0.875]])  # float32: 449.1 * 0.875
+    dx, dw = vjp(jnp.array([[57344.0], [1.1]]))  # scale 1: g's 1.1 -> 1.0 in e5m2
+    np.testing.assert_array_equal(dx, [[57344.0 * 0.875] * 2, [0.875, 0.875]])
+    np.testing.assert_array_equal(dw, [[448.0 * 57344.0 + 2.0], [1.125 * 57344.0 + 3.0]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_dot_matches_float32_within_fp8_error(dtype):
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (2, 16, 64)).astype(dtype)
+    w = (jax.random.normal(kw, (64, 48)) * 0.05).astype(dtype)
+    g = jax.random.normal(kg, (2, 16, 48)).astype(dtype)
+    y, vjp = jax.vjp(fp8_dot, x, w)
+    dx, dw = vjp(g)
+    assert (y.dtype, dx.dtype, dw.dtype) == (dtype, dtype, dtype)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ref_y, ref_vjp = jax.vjp(lambda a, b: a @ b, f32(x), f32(w))
+    rel = lambda a, b: float(jnp.linalg.norm(f32(a) - b) / jnp.linalg.norm(b))  # noqa: E731
+    # e4m3 rounds each operand by up to 2^-4 (RMS about 3.6 %), e5m2 by up to 2^-3: a few percent on a product,
+    # more than bf16's own rounding (2^-9), so the FP8 path is visibly not the float one.
+    assert 0.01 < rel(y, ref_y) < 0.08
+    for got, ref in zip((dx, dw), ref_vjp(f32(g))):
+        assert 0.01 < rel(got, ref) < 0.12
+
+
+def test_fp8_dot_of_exact_values_is_exact_and_shapes_are_checked():
+    # Operands on the e4m3 grid under their scales (amax 448 * 2^-8 and 448 * 2^-7: x * 256 and w * 128 are e4m3
+    # values) pass unchanged: the product equals float32's.
+    x = jnp.array([[1.75, -0.5, 0.25, 1.0]])
+    w = jnp.array([[1.0, 0.5], [2.0, -1.0], [0.75, 3.5], [-3.0, 1.5]])
+    np.testing.assert_array_equal(fp8_dot(x, w), x @ w)
+    with pytest.raises(ValueError, match=r"fp8_dot of x \(1, 4\) and w \(3, 2\); expected x \[\.\.\., K\]"):
+        fp8_dot(x, w[:3])
+
+
+_DOT = re.compile(r"stablehlo\.dot_general[^\n]*?: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)")
+
+
+def _dot_dtypes(fn, *args):
+    """{(lhs dtype, rhs dtype): count} of the dot_generals in `fn`'s lowered program."""
+    found = {}
+    for pair in _DOT.findall(jax.jit(fn).lower(*args).as_text()):
+        found[pair] = found.get(pair, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_a_model_with_fp8_runs_exactly_its_projections_in_fp8(lora_rank):
+    """LLaMA tiny (2 layers x q, k, v, o, gate, up, down): 14 forward products of e4m3 operands and, in the backward
+    pass, 28 with an e5m2 gradient; attention's own products, the LM head (and LoRA's adapters) stay in the compute
+    dtype. The logits and gradients stay near the float model's, and the parameters are the same tree."""
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 128, (2, 16)), jnp.int32)
+    plain = models.create_model("llama", "tiny", lora_rank=lora_rank)
+    fp8 = models.create_model("llama", "tiny", lora_rank=lora_rank, fp8=True)
+    params = models.init_params(plain)
+    assert jax.tree.structure(params) == jax.tree.structure(jax.eval_shape(lambda: models.init_params(fp8)))
+
+    def loss(model):
+        return lambda p: jnp.mean(jax.nn.log_softmax(model.apply({"params": p}, ids)) ** 2)
+
+    forward = _dot_dtypes(lambda p: fp8.apply({"params": p}, ids), params)
+    assert forward.pop(("f8E4M3FN", "f8E4M3FN")) == 14 and set(forward) == {("f32", "f32")}, forward
+    both = _dot_dtypes(jax.grad(loss(fp8)), params)
+    assert both[("f8E4M3FN", "f8E4M3FN")] == 14, both
+    assert both.get(("f8E5M2", "f8E4M3FN"), 0) + both.get(("f8E4M3FN", "f8E5M2"), 0) == 28, both
+
+    logits, ref = fp8.apply({"params": params}, ids), plain.apply({"params": params}, ids)
+    assert 0 < float(jnp.linalg.norm(logits - ref) / jnp.linalg.norm(ref)) < 0.05
+    grads, ref_grads = jax.grad(loss(fp8))(params), jax.grad(loss(plain))(params)
+    flat = lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)])  # noqa: E731
+    cosine = jnp.dot(flat(grads), flat(ref_grads)) / (jnp.linalg.norm(flat(grads)) * jnp.linalg.norm(flat(ref_grads)))
+    assert float(cosine) > 0.99
+
+
+def test_fp8_with_quantized_bases_or_fused_kernels_is_refused_in_one_line():
+    for kwargs in (dict(quantize="int8"), dict(quantize="nf4"), dict(mlp_implementation="xla")):
+        with pytest.raises(ValueError, match=r"^fp8=True with quantize=.*, mlp_implementation=.*; expected both None"):
+            models.create_model("llama", "tiny", fp8=True, **kwargs)
+    with pytest.raises(ValueError, match=r"^fp8='yes'; expected a bool$"):
+        models.create_model("llama", "tiny", fp8="yes")
+
+
+def test_the_fp8_flag_builds_the_model_and_refuses_a_quantized_base():
+    from engine.tasks import model_start
+    from tests.test_text_and_scripts import _define_decoder_script_flags
+
+    FLAGS = _define_decoder_script_flags()
+    model = models.create_model("llama", "tiny")
+    try:
+        FLAGS.unparse_flags()
+        FLAGS(["prog"])
+        assert model_start.with_flags(model, None)[0].config.fp8 is False
+        FLAGS.unparse_flags()
+        FLAGS(["prog", "--fp8"])
+        built, _ = model_start.with_flags(model, None)
+        assert built.config.fp8 is True and built.config.dtype == model.config.dtype
+        quantized = models.create_model("llama", "tiny", lora_rank=2, quantize="int8")
+        with pytest.raises(ValueError, match=r"^--fp8: fp8=True with quantize='int8', mlp_implementation=None; "):
+            model_start.with_flags(quantized, None)
+    finally:
+        FLAGS.unparse_flags()
