@@ -8,12 +8,14 @@ runs in Grain's worker processes and this process only places the batches.
 """
 import collections.abc
 import itertools
+import json
 import queue
 import sys
 import threading
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -210,15 +212,22 @@ def _in_workers(build, start, stop, workers):
 
 
 def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumulate=1, seed=0, epoch=0,
-                    start_batch=0, shuffle=True, drop_remainder=True, workers=0):
-    """Yields `(batch_index, n_real, placed_batch)` for one epoch, starting at `start_batch`.
+                    start_batch=0, shuffle=True, drop_remainder=True, workers=0, start_state=None, states=False):
+    """Yields `(batch_index, n_real, placed_batch)` for one epoch, starting at `start_batch`; with `states`,
+    `(batch_index, n_real, placed_batch, iterator_state)`.
 
     Random-access examples (see `is_random_access`: lists, `engine.tasks.text_data.TokenWindows`, a
     `grain.MapDataset`, ...) are shuffled with a permutation drawn from `(seed, epoch)`, and each process reads only
     the rows its devices hold, so batch b is the same on any number of processes and a resume at `start_batch` is
-    exact. Other iterables are streamed in order (and skipped to `start_batch` on resume). The last incomplete
-    global batch is dropped when `drop_remainder`, so the step compiles once; otherwise it is padded by repeating its
-    last example (callers drop the padded outputs).
+    exact (their iterator_state is None). Other iterables are streamed in order, every process drawing every example
+    and collating its own rows. A stream whose iterator is stateful (`get_state()` -> a JSON-able value and
+    `set_state(state)`, as Grain's `DatasetIterator` and `engine.tasks.sources.Mixture`'s) reports with each batch
+    the iterator's state after that batch's last example was drawn (taken here, with the batch, so a consumer
+    behind a `Prefetcher` holds the state of the batch it trained on, not of one read ahead), and resumes by
+    `set_state(start_state)` on a fresh iterator; without `start_state` or without the methods it is re-read and
+    skipped to `start_batch`. The state is global: every process reads the same stream to the same point. The last
+    incomplete global batch is dropped when `drop_remainder`, so the step compiles once; otherwise it is padded by
+    repeating its last example (callers drop the padded outputs).
 
     `workers` > 0: reading this process's rows (`examples[i]`, where a lazy dataset tokenises and packs) and
     `collate_fn` run in that many Grain worker processes, batches in order and identical to `workers=0`; this
@@ -240,15 +249,53 @@ def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumu
         built = (_in_workers(build, start_batch, n_batches, workers) if workers
                  else (build(b) for b in range(start_batch, n_batches)))
         for index, (n_real, local) in enumerate(built, start_batch):
-            yield index, n_real, place_batch(mesh, local, micro_rows)
+            yield (index, n_real, place_batch(mesh, local, micro_rows)) + ((None,) if states else ())
         return
-    source = itertools.islice(iter(examples), start_batch * rows_per_batch, None)
+    source = _resume_stream(examples, start_batch * rows_per_batch, start_state)
+    stateful = states and _is_stateful(source)
     for index in itertools.count(start_batch):
         chunk = list(itertools.islice(source, rows_per_batch))
         if not chunk or (drop_remainder and len(chunk) < rows_per_batch):
             return
+        state = _iterator_state(source) if stateful else None
         local = _collate_local(chunk, lambda example: example, collate_fn, rows_per_batch, micro_rows, local_rows)
-        yield index, len(chunk), place_batch(mesh, local, micro_rows)
+        yield (index, len(chunk), place_batch(mesh, local, micro_rows)) + ((state,) if states else ())
+
+
+def _is_stateful(iterator):
+    """Whether an iterator can report and restore its position: `get_state()` and `set_state(state)`, the protocol
+    of Grain's `DatasetIterator`."""
+    return callable(getattr(iterator, "get_state", None)) and callable(getattr(iterator, "set_state", None))
+
+
+def _iterator_state(iterator):
+    """A stateful iterator's `get_state()` as a JSON round trip: a copy the iterator's later draws cannot change,
+    and a one-line error now, not at the checkpoint, for a state a checkpoint's meta cannot hold."""
+    state = iterator.get_state()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"examples' iterator ({type(iterator).__name__}) get_state() returned a "
+                         f"{type(state).__name__} that is not JSON-serialisable ({e}); expected a JSON-able value "
+                         "(dicts, lists, strings, numbers) for the checkpoint's meta") from None
+
+
+def _resume_stream(examples, skip, start_state):
+    """A fresh iterator over streamed `examples`, at example `skip`. A stateful iterator is set to `start_state`
+    (the state recorded with the last batch trained on) instead of reading `skip` examples again; without the
+    state or the methods, the examples before are read and dropped (on the first draw: in a `Prefetcher`'s thread)."""
+    iterator = iter(examples)
+    if not skip:
+        return iterator
+    name = type(iterator).__name__
+    if start_state is not None and _is_stateful(iterator):
+        logging.info("data: resuming %s at example %d by set_state (nothing read again)", name, skip)
+        iterator.set_state(start_state)
+        return iterator
+    logging.info("data: resuming %s at example %d by reading and dropping the examples before it (%s)", name, skip,
+                 "no state was recorded" if _is_stateful(iterator) else "its iterator has no get_state / set_state")
+    collections.deque(itertools.islice(iterator, skip), maxlen=0)
+    return iterator
 
 
 class Prefetcher:

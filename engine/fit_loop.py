@@ -1,5 +1,6 @@
-"""The pieces `Trainer.fit` calls around its step: its argument checks, the progress bar, the profiler window and the
-signals that stop it. Logging, eval and checkpoints stay with the Trainer, whose state they read."""
+"""The pieces `Trainer.fit` calls around its step: its argument checks, the progress bar and the log line's progress,
+the profiler window and the signals that stop it. Logging, eval and checkpoints stay with the Trainer, whose state
+they read."""
 import contextlib
 import signal
 import sys
@@ -150,6 +151,17 @@ class Profiler:
             self._before_stop()
             jax.profiler.stop_trace()
             self.active = False
+
+
+def progress_text(step, total, seconds_per_step):
+    """The log line's progress: 'step 120/400 [######----------] 30% eta 0:01:02', or 'step 120' when the total is
+    unknown."""
+    if not total:
+        return f"step {step}"
+    done = min(1.0, step / total)
+    bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
+    eta = int(max(0, total - step) * seconds_per_step)
+    return f"step {step}/{total} [{bar}] {100 * done:.0f}% eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
 
 
 class ProgressBar:

@@ -3,9 +3,11 @@
 `TrainState` decides the layout once (the parameters' specs from `auto_shard` traced on the first micro-batch, or
 the user's rules; gradients and optimizer state after them, with ZeRO's extra `data` split), places the state on it
 (fresh, or restored from a checkpoint onto any mesh) and carries the data position a checkpoint records: step, epoch,
-batch in the epoch, examples per update, the running `fit` call and the best eval so far. `restore_params` lays out a
-checkpoint's parameters the same way for a caller without a Trainer.
+batch in the epoch, a streamed input's iterator state, examples per update, the running `fit` call and the best eval
+so far. `restore_params` lays out a checkpoint's parameters the same way for a caller without a Trainer.
 """
+import hashlib
+import json
 import os
 import re
 
@@ -161,6 +163,9 @@ class TrainState:
         self._init_opt_fn = None      # the optimizer's init, compiled once for the layout
         # The data position (what a checkpoint records besides the arrays).
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        # A stateful stream's iterator state (engine.data.iterate_batches) after the last batch trained on, in the
+        # current epoch's iterator (None at an epoch's start, and for random-access or stateless inputs).
+        self.iterator_state = None
         self.rows = None              # examples per update of the running fit
         # The running `fit` call's record (where it started, its target), saved in every checkpoint; the record a
         # checkpoint restored, which the first `fit` of this Trainer continues.
@@ -313,6 +318,7 @@ class TrainState:
             self._check_diloco_matches(meta, workdir)
         self._setup(restore_step=step, checkpointer=checkpointer, params_only=params_only)
         self.step, self.epoch, self.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        self.iterator_state = meta.get("iterator_state")
         self.restored_rows, self.resumed_call = meta.get("rows"), meta.get("fit_call")
         self.restored_spec = self.batch_spec
         self.best = meta.get("best")
@@ -337,13 +343,32 @@ class TrainState:
 
     def meta(self):
         """What a checkpoint records besides the arrays: the data position, the seed and rng, the batch spec."""
-        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "iterator_state": self._agreed_iterator_state(), "seed": self.seed,
                 "batch": data_lib.spec_to_json(self.batch_spec), "rows": self.rows,
                 "rng": np.asarray(jax.random.key_data(self.key)).tolist(), "diloco_replicas": self.diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
                 "evals_since_best": self.evals_since_best, "fit_call": self.fit_call}
 
+    def _agreed_iterator_state(self):
+        """The iterator state, the same on every process: each draws the whole stream and collates its own rows of
+        every batch, so the states agree unless the processes were handed different streams, which the one meta
+        process 0 writes could not resume (refused in one line on every process)."""
+        if jax.process_count() > 1:
+            text = json.dumps(self.iterator_state, sort_keys=True).encode()
+            digest = np.int32(int.from_bytes(hashlib.sha256(text).digest()[:4], "little") >> 1)
+            digests = np.ravel(multihost_utils.process_allgather(digest))
+            if len(set(digests.tolist())) > 1:
+                raise ValueError(f"train_examples: the iterator states differ between processes at step {self.step} "
+                                 "(a stream read differently per process); expected every process to iterate the "
+                                 "same stream, which each process takes its own rows of every global batch from")
+        return self.iterator_state
+
     # ------------------------------------------------------------------------------------------------ a fit call
+    def next_epoch(self):
+        """Moves the data position to the next epoch's start (a stream's next epoch is a fresh iterator)."""
+        self.epoch, self.batch_in_epoch, self.iterator_state = self.epoch + 1, 0, None
+
     def set_rows(self, rows):
         """Records the running fit's examples per update. After a resume with another number, the data position
         (batches into the epoch) is converted exactly, or refused where the examples already seen are not a whole

@@ -297,11 +297,12 @@ class Trainer:
         The global batch of one update is `per_device_batch_size x data x fsdp x expert x accumulate_grad_batches`
         examples.
         `train_examples`: a list or other Sequence, e.g. `engine.tasks.text_data.TokenWindows` (shuffled each epoch
-        from `seed`), any iterable (streamed in order, iterated once per epoch), or a callable `epoch -> examples`
-        called at the start of each epoch with its index over the Trainer's life (fresh tasks or episodes per
-        epoch; it should be deterministic in `epoch` for a mid-epoch resume to see the same data). A collated batch
-        may be any pytree of arrays with one row per example. The last incomplete global batch of an epoch is
-        dropped. Eval (after each epoch): the mean `eval_loss` and, with `eval_predictor` and
+        from `seed`), any iterable (streamed in order, iterated once per epoch; one whose iterator has `get_state` /
+        `set_state`, as Grain's, resumes from the state saved with the checkpoint, else by re-reading and skipping),
+        or a callable `epoch -> examples` called at the start of each epoch with its index over the Trainer's life
+        (fresh tasks or episodes per epoch; deterministic in `epoch` for a mid-epoch resume to see the same data).
+        A collated batch may be any pytree of arrays with one row per example. The last incomplete global batch of
+        an epoch is dropped. Eval (after each epoch): the mean `eval_loss` and, with `eval_predictor` and
         `eval_metric_fn(examples, predictions) -> dict`, its metrics; `eval_examples` may be a callable `epoch ->
         examples` too. `eval_every`: also every that many updates (counted over the Trainer's life, so a resume
         keeps the schedule). Each eval is logged, written to TensorBoard at its step and shown on the progress bar.
@@ -395,7 +396,7 @@ class Trainer:
                 break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
             if seen == 0 and self._state.batch_in_epoch == 0:
                 raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
-            self._state.epoch, self._state.batch_in_epoch = self._state.epoch + 1, 0
+            self._state.next_epoch()
             if self._pending:
                 self._flush(rows, None)
             if evaluate is not None and self._last_eval_step != self._state.step:
@@ -414,7 +415,7 @@ class Trainer:
         batches = data_lib.iterate_batches(
             self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
             accumulate=self.accumulate, seed=self.seed, epoch=self._state.epoch, start_batch=self._state.batch_in_epoch,
-            workers=every["workers"])
+            workers=every["workers"], start_state=self._state.iterator_state, states=True)
         prefetch = data_lib.Prefetcher(batches)
         seen = 0
         try:
@@ -428,11 +429,11 @@ class Trainer:
                 self._goodput.add("input", time.perf_counter() - waited)
                 if item is None:
                     break
-                index, _, batch = item
+                index, _, batch, iterator_state = item
                 profiler.before_step(self._state.step)
                 with self._watchdog.waiting(f"step {self._state.step + 1}"):
                     self._train_on(batch)
-                self._state.batch_in_epoch, seen = index + 1, seen + 1
+                self._state.batch_in_epoch, self._state.iterator_state, seen = index + 1, iterator_state, seen + 1
                 profiler.after_step(self._state.step, self._state.arrays["params"])
                 self._after_step(rows, batch, every, evaluate)
                 self._watchdog.progress()  # after the log, save and eval: they count in the step's interval
@@ -540,9 +541,10 @@ class Trainer:
             mfu = tflops / peak if peak else None
             self.throughput.update(model_tflops_per_device=tflops, mfu=mfu)
             flops = f" | {tflops:.3g} TFLOP/s/device" + (f" (MFU {100 * mfu:.1f}%)" if peak else "")
+        progress = fit_loop.progress_text(last["step"], self._total_steps, seconds)
         logging.info("%s | epoch %d | loss %.4f | grad_norm %.3g%s | %.1f examples/s%s | %.3f s/step "
-                     "(data %.3f, checkpoint %.3f, compute %.3f)", self._progress(last["step"], seconds),
-                     self._state.epoch, last["loss"], last["grad_norm"], lr, throughput, flops, seconds, data_s, ckpt_s,
+                     "(data %.3f, checkpoint %.3f, compute %.3f)", progress, self._state.epoch, last["loss"],
+                     last["grad_norm"], lr, throughput, flops, seconds, data_s, ckpt_s,
                      max(0.0, seconds - data_s - ckpt_s))
         writer = self._tensorboard()
         if writer is not None:
@@ -562,16 +564,6 @@ class Trainer:
                 writer.add_scalar("train/tokens_per_second", tokens / seconds, last["step"])
             writer.flush()
         self._last_log = (now, steps[-1])
-
-    def _progress(self, step, seconds_per_step):
-        """'step 120/400 [######----------] 30% eta 0:01:02', or 'step 120' when the total is unknown."""
-        total = self._total_steps
-        if not total:
-            return f"step {step}"
-        done = min(1.0, step / total)
-        bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-        eta = int(max(0, total - step) * seconds_per_step)
-        return f"step {step}/{total} [{bar}] {100 * done:.0f}% eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
 
     def _wait_for_checkpoints(self):
         # Collecting the trace while an async checkpoint was still being written crashed the process (jax 0.10.2,

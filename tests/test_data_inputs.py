@@ -482,7 +482,7 @@ def test_mixture_resumes_with_exactly_the_next_window(tmp_path):
         it = iter(mixture)
         for _ in range(taken):
             next(it)
-        state = json.loads(json.dumps(it.state()))
+        state = json.loads(json.dumps(it.get_state()))
         resumed = iter(sources.Mixture.from_state(state, tok))
         for want in whole[taken:taken + 50]:
             got = next(resumed)

@@ -395,11 +395,12 @@ class Mixture:
     restarts from its beginning (logged once), packing on across the epoch boundary, so the stream never ends.
 
     An iterable: each `iter()` starts afresh from where the mixture was built (the beginning, or `from_state`'s
-    state), so the Trainer's in-order skip on resume lands on the same windows. Its iterator's `state()` is a
-    JSON-able position (windows per source, and each source's epoch, file, row and tokens used of that row's
-    document); `Mixture.from_state(state, tokenizer)` continues with exactly the next window, tokenising again only
-    the document each source stood in (earlier rows of its file are passed over unread in Parquet's skipped row
-    groups, read past but not tokenised elsewhere)."""
+    state). Its iterator is stateful as Grain's are: `get_state()` is a JSON-able position (windows per source, and
+    each source's epoch, file, row and tokens used of that row's document) and `set_state(state)` moves a fresh
+    iterator there, so `Trainer.fit` resumes it from its checkpoint without reading the trained windows again;
+    `Mixture.from_state(state, tokenizer)` is a mixture whose iterators start there. Either continues with exactly
+    the next window, tokenising again only the document each source stood in (earlier rows of its file are passed
+    over unread in Parquet's skipped row groups, read past but not tokenised elsewhere)."""
 
     def __init__(self, spec, tokenizer, seq_len, *, text_column="text", decode_errors="strict"):
         if not isinstance(seq_len, int) or seq_len < 2:
@@ -416,29 +417,43 @@ class Mixture:
 
     @classmethod
     def from_state(cls, state, tokenizer, *, decode_errors="strict"):
-        """The mixture `state` (a `MixtureIterator.state()`) was taken from, iterating on from that position; the
-        tokenizer must be the one it was taken with. A source whose files changed since is a ValueError."""
+        """The mixture `state` (a `MixtureIterator.get_state()`) was taken from, iterating on from that position;
+        the tokenizer must be the one it was taken with. A source whose files changed since is a ValueError."""
         mixture = cls(state["spec"], tokenizer, state["seq_len"], text_column=state["text_column"],
                       decode_errors=decode_errors)
-        for (pattern, _), files, digest in zip(mixture.sources, mixture.files, state["files"]):
+        mixture._start = mixture._position(state)
+        return mixture
+
+    def _position(self, state):
+        """{'windows', 'positions'} of `state`, which must be this mixture's (its spec, text column and the same
+        files; positions count documents and tokens, so another seq_len packs on from the same token)."""
+        ours = {"spec": self.spec, "text_column": self.text_column}
+        theirs = {k: state.get(k) for k in ours} if isinstance(state, dict) else None
+        if theirs != ours or not {"files", "windows", "positions"} <= set(state):
+            raise ValueError(f"data: state {str(state)[:200]!r} is not a position of this mixture; expected a "
+                             f"MixtureIterator.get_state() of {ours}")
+        for (pattern, _), files, digest in zip(self.sources, self.files, state["files"]):
             if _files_digest(files) != digest:
                 raise ValueError(f"data: the files of {pattern!r} changed since the mixture's state was saved "
                                  f"(now {len(files)}: {_shown(files)}); expected the same files to resume")
-        mixture._start = {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]]}
-        return mixture
+        return {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]]}
 
     def __iter__(self):
         return MixtureIterator(self, self._start)
 
 
 class MixtureIterator:
-    """The endless window stream of a `Mixture`, with its position (`state()`) after the windows taken so far."""
+    """The endless window stream of a `Mixture`, with its position (`get_state()`) after the windows taken so far
+    and `set_state` to move there: Grain's stateful-iterator protocol."""
 
     def __init__(self, mixture, start):
         self._mixture = mixture
+        self._start_at(start)
+
+    def _start_at(self, start):
         self.windows = list(start["windows"])
         self.positions = [dict(p) for p in start["positions"]]
-        self._streams = [self._source_rows(i) for i in range(len(mixture.sources))]
+        self._streams = [self._source_rows(i) for i in range(len(self._mixture.sources))]
 
     def __iter__(self):
         return self
@@ -451,12 +466,17 @@ class MixtureIterator:
         self.windows[i] += 1
         return row
 
-    def state(self):
-        """JSON-able: what `Mixture.from_state` needs to continue with the next window."""
+    def get_state(self):
+        """JSON-able: what `set_state` and `Mixture.from_state` need to continue with the next window."""
         m = self._mixture
         return {"spec": m.spec, "seq_len": m.seq_len, "text_column": m.text_column,
                 "files": [_files_digest(files) for files in m.files], "windows": list(self.windows),
                 "positions": [dict(p) for p in self.positions]}
+
+    def set_state(self, state):
+        """Continues from `state` (a `get_state()` of an iterator of this mixture) with exactly the next window; a
+        state of another mixture, or whose files changed since, is a ValueError."""
+        self._start_at(self._mixture._position(state))
 
     def _source_rows(self, i):
         """(row, position after it) of source i, endlessly, from its current position."""
