@@ -2,6 +2,10 @@
 of the last trained batch in every checkpoint and a restored Trainer sets a fresh iterator to it, so a restart reads
 none of the examples it trained on and ends bit for bit where the uninterrupted run ends."""
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 
 import jax
@@ -225,3 +229,63 @@ def test_a_grain_iter_dataset_resumes_from_its_iterators_state(tmp_path):
     assert min(reads) == 24  # nothing of the 3 trained batches read again
     _assert_equal(rerun.params, whole.params)
     rerun.close()
+
+
+# ------------------------------------------------------------------------------------------ processes
+TWO_PROCESS_SCRIPT = """
+import os, sys
+from tests.xla_flags import cpu_devices
+os.environ["XLA_FLAGS"], os.environ["JAX_PLATFORMS"] = cpu_devices(4), "cpu"
+import engine
+from tests import test_iterator_state as t
+coordinator, pid, workdir, mode = sys.argv[1:]
+engine.initialize_distributed(coordinator, 2, int(pid), timeout_s=60)
+stream = (t.ShiftedStream if mode == "differ" and pid == "1" else t.CountingStream)(t.EXAMPLES)
+trainer = t._trainer(workdir=workdir)
+trainer.fit(stream, per_device_batch_size=2, max_steps=3)
+trainer.close()
+"""
+
+
+class ShiftedStream(CountingStream):
+    """Its iterators report positions one ahead: a process whose stream state differs from the other's."""
+
+    def __iter__(self):
+        iterator = _CountingIterator(self)
+        iterator.get_state = lambda: {"position": iterator.position + 1}
+        return iterator
+
+
+def _two_processes(workdir, mode):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        address = f"localhost:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "ENGINE_", "SLURM_"))}
+    env["PYTHONPATH"] = root
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESS_SCRIPT, address, str(pid), str(workdir), mode],
+                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (0, 1)]
+    return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
+
+
+@pytest.mark.slow  # two 2-process runs
+def test_a_two_process_run_resumes_its_stream_on_one_process_and_differing_states_are_refused(tmp_path):
+    """Every process draws the whole stream (and collates its own rows), so the state is global: 2 processes x 4
+    devices train 3 steps, one process of 8 devices continues from the state without reading a trained example,
+    ending where a one-process run ends. Processes whose iterators report different states are refused at the save."""
+    for log, code in _two_processes(tmp_path / "w", "same"):
+        assert code == 0, log[-3000:]
+    whole = _trainer()
+    whole.fit(CountingStream(EXAMPLES), per_device_batch_size=2, max_steps=6)
+    rerun = _trainer(workdir=str(tmp_path / "w"))
+    assert (rerun.step, rerun._state.iterator_state) == (3, {"position": 24})
+    stream = CountingStream(EXAMPLES)
+    rerun.fit(stream, per_device_batch_size=2, max_steps=6)
+    assert stream.set_states == [{"position": 24}] and stream.drawn[0] == 24
+    for x, y in zip(jax.tree.leaves(jax.device_get(rerun.params)), jax.tree.leaves(jax.device_get(whole.params))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # 3 of its steps reduced across two processes
+    rerun.close()
+    for log, code in _two_processes(tmp_path / "differ", "differ"):
+        assert code != 0 and "ValueError: train_examples: the iterator states differ between processes at step 3" \
+            in log, log[-3000:]
