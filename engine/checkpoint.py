@@ -57,6 +57,10 @@ class Checkpointer:
     def latest_step(self):
         return self._manager.latest_step()
 
+    def local_due(self, step):
+        """Whether `step` saves to a local tier: never here (engine/checkpoint_tiers.py has one)."""
+        return False
+
     def all_steps(self):
         return list(self._manager.all_steps())
 

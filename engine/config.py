@@ -4,6 +4,7 @@
 need more than one group or the mesh (DiLoCo against ZeRO, the step against context parallelism) are the Trainer's.
 """
 import dataclasses
+import os
 import sys
 
 import jax.numpy as jnp
@@ -156,10 +157,16 @@ class Checkpointing:
     params_only: restore only the parameters (and the step and data position) of the checkpoint, with a fresh
       optimizer state: to use a model whatever optimizer or DiLoCo replicas trained it. Otherwise a restore takes the
       whole state, and a DiLoCo checkpoint needs the same DiLoCo data size and fragments.
+    local_dir: a directory on fast storage local to each host (a local disk, `/dev/shm`) for a second tier of
+      checkpoints (engine/checkpoint_tiers.py): every `local_every` updates each process writes its own shards
+      there, and a restart restores the newest complete copy of either tier. None: the workdir's checkpoints only.
+    local_every: updates between local saves (with `local_dir`).
     """
     keep: int = 3
     restore: str = "latest"
     params_only: bool = False
+    local_dir: object = None
+    local_every: int = 10
 
     def __post_init__(self):
         check("Checkpointing.keep", self.keep, isinstance(self.keep, int) and not isinstance(self.keep, bool)
@@ -167,6 +174,10 @@ class Checkpointing:
         check("Checkpointing.restore", self.restore, self.restore in RESTORE_CHECKPOINTS,
               f"one of {RESTORE_CHECKPOINTS}")
         check("Checkpointing.params_only", self.params_only, isinstance(self.params_only, bool), "a bool")
+        check("Checkpointing.local_dir", self.local_dir, self.local_dir is None or (
+            isinstance(self.local_dir, (str, os.PathLike)) and str(self.local_dir) != ""), "None or a directory path")
+        check("Checkpointing.local_every", self.local_every, isinstance(self.local_every, int) and not isinstance(
+            self.local_every, bool) and self.local_every >= 1, "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

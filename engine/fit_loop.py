@@ -160,8 +160,12 @@ def progress_text(step, total, seconds_per_step):
         return f"step {step}"
     done = min(1.0, step / total)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-    eta = int(max(0, total - step) * seconds_per_step)
-    return f"step {step}/{total} [{bar}] {100 * done:.0f}% eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+    return f"step {step}/{total} [{bar}] {100 * done:.0f}% eta {_eta(total - step, seconds_per_step)}"
+
+
+def _eta(steps_left, seconds_per_step):
+    eta = int(max(0, steps_left) * seconds_per_step)
+    return f"{eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
 
 
 class ProgressBar:
@@ -189,8 +193,7 @@ class ProgressBar:
         if seconds:
             text += f" | {rows / seconds:.1f} examples/s"
             if total:
-                eta = int(max(0, total - step) * seconds)
-                text += f" | eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"
+                text += f" | eta {_eta(total - step, seconds)}"
         self.stream.write("\r" + text + "\033[K")
         self.stream.flush()
         self._drawn = True

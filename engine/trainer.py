@@ -29,6 +29,7 @@ from engine import data as data_lib
 from engine import diloco as diloco_lib
 from engine import fit_loop
 from engine.checkpoint import Checkpointer
+from engine.checkpoint_tiers import open_checkpointer
 from engine.config import Checkpointing, Logging, Parallelism, Precision, check
 from engine.flops import peak_tflops
 from engine.goodput import Goodput
@@ -161,7 +162,7 @@ class Trainer:
         # Checkpoints: the workdir's latest (or its best, with Checkpointing(restore='best')) is restored here.
         if workdir and jax.process_count() > 1:
             check_shared_workdir(workdir)
-        self._checkpointer = Checkpointer(workdir, keep=checkpointing.keep) if workdir else None
+        self._checkpointer = open_checkpointer(workdir, checkpointing) if workdir else None
         self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore='best'
         self._restored_best = checkpointing.restore == "best"
         started = time.perf_counter()
@@ -179,7 +180,7 @@ class Trainer:
                 raise FileNotFoundError(f"Checkpointing(restore='best'): workdir={self.workdir} has no best "
                                         "checkpoint; expected a workdir trained with fit(save_best=...) (--save_best)")
             set_aside = False
-        elif self._checkpointer is not None and self._checkpointer.latest_step() is not None:
+        elif self._checkpointer is not None and self._checkpointer.all_steps():
             source, set_aside = self._checkpointer, True
         else:
             return
@@ -470,6 +471,8 @@ class Trainer:
             self._flush(rows, batch)
         if every["save"] and self._checkpointer is not None and self._state.step % every["save"] == 0:
             self.save_checkpoint()
+        elif self._checkpointer is not None and self._checkpointer.local_due(self._state.step):
+            self.save_checkpoint(local=True)
         if every["eval"] and self._state.step % every["eval"] == 0:
             if self._pending:
                 self._flush(rows, batch)
@@ -655,8 +658,9 @@ class Trainer:
             writer.flush()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self):
-        """Starts an asynchronous save of parameters, optimizer state, step, rng seed and data position."""
+    def save_checkpoint(self, *, local=False):
+        """Starts an asynchronous save of parameters, optimizer state, step, rng seed and data position (local=True:
+        to the local tier of `Checkpointing(local_dir=...)`)."""
         if self._checkpointer is None:
             raise ValueError("save_checkpoint: this Trainer has workdir=None; pass workdir= to save checkpoints")
         if self._restored_best:
@@ -664,14 +668,15 @@ class Trainer:
                              "(Checkpointing(restore='best')); a save would write over the workdir's later steps")
         if self._state.arrays is None:
             raise ValueError("save_checkpoint: nothing to save before the first batch fixed the sharding")
-        if self._checkpointer.latest_step() == self._state.step:
+        if not local and self._checkpointer.latest_step() == self._state.step:
             return
         if self._pending:  # never a checkpoint of a state whose steps were not yet checked finite
             self._flush(self._state.rows, None)
         started = time.perf_counter()
         self._goodput.note_save(self._state.step)
-        with self._watchdog.waiting(f"a checkpoint save (step {self._state.step})"):
-            self._checkpointer.save(self._state.step, self._state.arrays, self._state.meta())
+        with self._watchdog.waiting(f"a {'local ' * local}checkpoint save (step {self._state.step})"):
+            (self._checkpointer.save_local if local else self._checkpointer.save)(
+                self._state.step, self._state.arrays, self._state.meta())
         self._timers["checkpoint"] += time.perf_counter() - started
         self._goodput.add("checkpoint", time.perf_counter() - started)
 

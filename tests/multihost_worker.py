@@ -3,7 +3,8 @@ forward with auto_shard specs, and (process 0) saves the replicated result.
 
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
        [forward|train|diloco|streaming|ppo|grpo|
-       pipeline|context|signal|workdirs|killed|whole|crash|resume|hang]
+       pipeline|context|signal|workdirs|killed|whole|crash|resume|hang|
+       local_crash|local_resume|local_lost]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
@@ -14,7 +15,9 @@ context 2 x model 2, data across the processes); `signal` a long run with a work
 signal to one process, each process saving [step, stopped]; `workdirs` the same with a workdir per process (refused);
 `killed` the same run with a 5 s heartbeat time-out, for a test that kills one process; `whole` two epochs (saving
 the parameters), `crash` the same on a workdir until every process dies at once in epoch 1 (status 3), `resume` the
-same call again on that workdir (saving the parameters); `hang` a run whose process 1 blocks for ever collating its
+same call again on that workdir (saving the parameters); `local_crash` / `local_resume` the same with local
+checkpoints every 2 steps beside them (`local_lost`: process 1's local copy deleted before the resume; both resumes
+save the step restored first); `hang` a run whose process 1 blocks for ever collating its
 5th batch, under a 5 s hang watchdog.
 """
 import os
@@ -115,7 +118,9 @@ def train_until_signal(mesh, workdir):
 
 def restart_run(mesh, workdir, mode):
     """The flat parameters after `fit(n_epochs=2)`; mode 'crash': every process ends with status 3 (a lost job's
-    stand-in) when collating its 12th batch, after the checkpoints of steps 3, 6 and 9."""
+    stand-in) when collating its 12th batch, after the checkpoints of steps 3, 6 and 9; 'local_crash' with local
+    checkpoints every 2 steps beside them, right after the local one of step 10 is written (the resumes put the
+    step restored first)."""
     import optax
     from tests import trainer_task as task
     calls = []
@@ -126,13 +131,29 @@ def restart_run(mesh, workdir, mode):
             os._exit(3)
         return task.collate_fn(examples)
 
+    local = os.path.join(os.path.dirname(workdir), "local")
+    if mode == "local_lost" and jax.process_index() == 1:
+        import shutil
+        shutil.rmtree(local)  # this host's local disk is gone
+    checkpointing = engine.Checkpointing(local_dir=local, local_every=2) if mode.startswith("local") else None
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=task.loss_fn, params=task.init_params(),
-                             optimizer=optax.adam(1e-2), workdir=None if mode == "whole" else workdir)
+                             optimizer=optax.adam(1e-2), workdir=None if mode == "whole" else workdir,
+                             checkpointing=checkpointing or engine.Checkpointing())
+    restored = trainer.step
+    if mode == "local_crash":  # dies once its local save of step 10 (and the persistent one of 9) is written
+        save_local = trainer._checkpointer.save_local
+
+        def save_then_die(step, *args):
+            save_local(step, *args)
+            if step == 10:
+                trainer._checkpointer.wait()
+                os._exit(3)
+        trainer._checkpointer.save_local = save_then_die
     trainer.fit(task.make_examples(64), per_device_batch_size=2, n_epochs=2, save_every=3)
     trainer.close()
     gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
     flat = [np.asarray(x.addressable_shards[0].data).ravel() for x in jax.tree.leaves(gather(trainer.params))]
-    return np.concatenate([[trainer.step], *flat])
+    return np.concatenate([[restored] if mode in ("local_resume", "local_lost") else [], [trainer.step], *flat])
 
 
 def hang_run(mesh):
@@ -199,7 +220,7 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
         return
     if mode == "hang":
         hang_run(engine.make_mesh(data=4, model=2))
-    if mode in ("whole", "crash", "resume"):
+    if mode in ("whole", "crash", "resume", "local_crash", "local_resume", "local_lost"):
         result = restart_run(engine.make_mesh(data=4, model=2), os.path.join(os.path.dirname(out), "w"), mode)
         if jax.process_index() == 0:
             np.save(out, result)

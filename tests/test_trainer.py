@@ -653,6 +653,24 @@ def test_two_processes_restarted_after_dying_together_end_where_the_uninterrupte
     np.testing.assert_array_equal(resumed, whole)
 
 
+@pytest.mark.slow  # five two-process runs; tests/test_checkpoint_tiers.py checks the tiers in one process
+@pytest.mark.parametrize("resume, restored", [("local_resume", 10), ("local_lost", 9)])
+def test_two_processes_restart_from_the_newest_copy_every_process_holds(tmp_path, resume, restored):
+    """Both processes die at once with local copies of steps 10 and persistent ones of step 9: the re-run restores
+    the local step 10, or, when one host lost its local copy, the persistent step 9 on both; either ends bit for bit
+    where the uninterrupted run ends."""
+    whole = _two_workers(tmp_path, "whole")
+    out = tmp_path / "crash.npy"
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, out, 60, "local_crash") for pid in (0, 1)]
+    for p in procs:
+        log = p.communicate(timeout=300)[0]
+        assert p.returncode == 3, log[-3000:]
+    resumed = _two_workers(tmp_path, resume)
+    assert resumed[0] == restored and resumed[1] == whole[0] == 16
+    np.testing.assert_array_equal(resumed[1:], whole)
+
+
 @pytest.mark.slow  # for CI time: tests/test_readme.py runs the README's two-process example by default
 def test_two_processes_match_single_process(tmp_path):
     from tests import multihost_worker

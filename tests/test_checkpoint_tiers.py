@@ -1,0 +1,124 @@
+"""Multi-tier checkpoints (engine/checkpoint_tiers.py): local saves beside the workdir's, a restart from the newest
+complete copy of either tier, ending bit for bit where the uninterrupted run ends; a lost, corrupt or other-mesh
+local copy falls back to the persistent tier."""
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import engine
+from engine.checkpoint_tiers import LocalCheckpoints
+from tests import trainer_task as task
+
+EXAMPLES = task.make_examples(64)  # 8 updates an epoch at 8 rows
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashesAt:
+    """EXAMPLES that raise at the `reads`-th read: a process dying between two saves."""
+
+    def __init__(self, reads):
+        self.reads, self.count = reads, 0
+
+    def __len__(self):
+        return len(EXAMPLES)
+
+    def __getitem__(self, i):
+        self.count += 1
+        if self.count == self.reads:
+            raise _Crash("killed")
+        return EXAMPLES[i]
+
+
+def _trainer(tmp_path, mesh=None, local="local", **kwargs):
+    checkpointing = engine.Checkpointing(local_dir=str(tmp_path / local), local_every=2) if local else None
+    return engine.Trainer(mesh=mesh or engine.make_mesh(data=4, model=2), params=task.init_params(),
+                          optimizer=optax.adam(1e-2), loss_fn=task.loss_fn, collate_fn=task.collate_fn,
+                          workdir=str(tmp_path / "work"), checkpointing=checkpointing or engine.Checkpointing(),
+                          **kwargs)
+
+
+def _crashed_run(tmp_path, **kwargs):
+    """Trains until the first read of the 8th batch fails (while or after step 7 trains): persistent saves at
+    step 5, local ones at 2, 4 and 6."""
+    run = _trainer(tmp_path, **kwargs)
+    with pytest.raises(_Crash):
+        run.fit(_CrashesAt(7 * 8 + 1), per_device_batch_size=2, n_epochs=2, save_every=5)
+    run.close()
+    assert run.step == 7
+    return run
+
+
+@pytest.fixture(scope="module")
+def whole():
+    run = engine.Trainer(mesh=engine.make_mesh(data=4, model=2), params=task.init_params(),
+                         optimizer=optax.adam(1e-2), loss_fn=task.loss_fn, collate_fn=task.collate_fn)
+    run.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2)
+    return jax.device_get(run.params), run.step
+
+
+def _ends_as(run, whole):
+    params, step = whole
+    run.fit(EXAMPLES, per_device_batch_size=2, n_epochs=2, save_every=5)
+    assert run.step == step
+    for a, b in zip(jax.tree.leaves(jax.device_get(run.params)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)  # bit for bit
+    run.close()
+
+
+def test_a_restart_restores_the_newest_local_copy_and_ends_where_the_uninterrupted_run_ends(tmp_path, whole):
+    _crashed_run(tmp_path)
+    local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
+    assert local.steps() == [6]  # keep 1: the older local steps are gone
+    assert sorted(int(n) for n in os.listdir(tmp_path / "work" / "checkpoints") if n.isdigit()) == [5]
+    rerun = _trainer(tmp_path)
+    assert rerun.step == 6
+    _ends_as(rerun, whole)
+
+
+def test_a_lost_local_copy_falls_back_to_the_persistent_checkpoint(tmp_path, whole):
+    _crashed_run(tmp_path)
+    local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
+    local.remove(6)  # the host's local disk was wiped
+    rerun = _trainer(tmp_path)
+    assert rerun.step == 5
+    _ends_as(rerun, whole)
+
+
+def test_a_corrupt_local_copy_is_dropped_and_the_persistent_one_restores(tmp_path, whole, caplog):
+    _crashed_run(tmp_path)
+    local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
+    path = os.path.join(local.directory, "6", "blocks.bin")
+    with open(path, "r+b") as f:  # one bit flipped in the middle of the saved state
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    rerun = _trainer(tmp_path)
+    assert rerun.step == 5
+    assert "skipping the local copy of step 6" in caplog.text and "does not match its checksum" in caplog.text
+    assert local.steps() == []  # a cache of the run: dropped, not kept for inspection
+    _ends_as(rerun, whole)
+
+
+def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path):
+    _crashed_run(tmp_path)
+    other = _trainer(tmp_path, mesh=engine.make_mesh(data=2, fsdp=2, model=2))  # an elastic restart
+    assert other.step == 5  # the persistent tier restores onto any mesh
+    other.close()
+    assert LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work")).steps() == [6]
+    again = _trainer(tmp_path)  # back on the mesh that wrote it
+    assert again.step == 6
+    again.close()
+
+
+def test_checkpointing_refuses_bad_local_settings():
+    with pytest.raises(ValueError, match=r"Checkpointing.local_dir.*None or a directory path"):
+        engine.Checkpointing(local_dir="")
+    with pytest.raises(ValueError, match=r"Checkpointing.local_every.*an integer >= 1"):
+        engine.Checkpointing(local_dir="/tmp/x", local_every=0)
