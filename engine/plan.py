@@ -5,11 +5,15 @@ config live with the tasks (`engine.tasks.planning`).
 
 Memory comes from `compiled.memory_analysis()`: the per-device peak is arguments + outputs - aliased (donated) +
 temporaries. Communication is read off the compiled HLO: every collective, times the trip count of the loops it sits
-in, converted to bytes one device sends with ring algorithms over its replica group of n devices:
-all-gather (n-1)/n x output, reduce-scatter (n-1)/n x input, all-reduce 2(n-1)/n x size, all-to-all (n-1)/n x size,
-collective-permute 1 x size (a group's devices: `replica_groups`). The XLA CPU compiler widens bf16 all-gathers to
-f32 (it computes bf16 matmuls in f32 and moves the up-convert in front of the gather); an f32 all-gather of an
-up-converted bf16 value is counted at its bf16 size, as GPUs and TPUs run it. Reductions are counted as compiled.
+in, converted to bytes one device sends with ring algorithms over its replica group of n devices: all-gather (n-1)/n
+x output, reduce-scatter (n-1)/n x input, all-reduce 2(n-1)/n x size, all-to-all (n-1)/n x size, collective-permute
+1 x size (a group's devices: `replica_groups`). A ragged all-to-all sends rows its offsets and sizes choose when the
+program runs; it is counted as balanced routing sends them: (n-1)/n x the smaller of its operand and its output
+buffer (a device sends as many rows as it receives, and one of the two holds exactly those: the expert exchange's
+tokens, models/layers/moe.py, where the other is padded to the most a device could get). The XLA CPU compiler widens
+bf16 all-gathers to f32 (it computes bf16 matmuls in f32 and moves the up-convert in front of the gather); an f32
+all-gather of an up-converted bf16 value is counted at its bf16 size, as GPUs and TPUs run it. Reductions are
+counted as compiled.
 """
 import math
 import re
@@ -20,7 +24,7 @@ from absl import logging
 
 from engine.mesh import make_mesh
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -99,6 +103,16 @@ def _trip_count(comps, comp, line):
                       if re.match(rf"\s*%{re.escape(first.group(1))} = s32\[\]", l)), None)
         init = int(start.group(1)) if start else 0
     return max(bound - init, 1)
+
+
+def _operand_shape(comps, comp, operand):
+    """(dtype, elements) of the value `operand` defines in computation `comp` (a parameter's too), or None."""
+    for line in comps.get(comp, ()):
+        m = re.match(rf"\s*(?:ROOT )?%{re.escape(operand)} = (\S+)", line)
+        if m:
+            shapes = _shapes(m.group(1))
+            return shapes[0] if len(shapes) == 1 else None
+    return None
 
 
 def _narrow_source(comps, comp, operand):
@@ -234,6 +248,8 @@ def _collectives(hlo, num_devices, root=None):
                 if kind in ("all-gather", "collective-permute") and len(shapes) > 1:
                     shapes = shapes[len(shapes) // 2:]  # (operands..., results...): count the results
             operands = re.findall(r"%([\w.\-]+)", m.group(4).split(")")[0])
+            if kind == "ragged-all-to-all":  # (operand, output, offsets and sizes) -> output: see the docstring
+                shapes = [min(shapes[0], _operand_shape(comps, comp, operands[0]) or shapes[0], key=lambda x: x[1])]
             size = 0
             for i, (dtype, elements) in enumerate(shapes):
                 narrow = None

@@ -3,6 +3,7 @@ per-token loop (output and gradients), Mixtral and Qwen3-MoE against transformer
 a left-padded batch and the load-balancing loss, greedy generation, checkpoint round trips), a Trainer step on
 2x2x2 against one device, the router losses in the LM loss, the named real sizes."""
 import dataclasses
+import functools
 import json
 import re
 
@@ -85,8 +86,8 @@ def test_moe_layer_equals_a_dense_per_token_reference(norm_topk_prob):
                                   pytest.param(dict(data=1, expert=8), marks=pytest.mark.slow)])
 def test_expert_parallel_layer_equals_the_dense_reference_and_exchanges_by_all_to_all(mesh):
     """On a mesh with an `expert` axis (rows over the batch axes, the experts over `expert`, their hidden units over
-    `model`) the layer's output and gradients equal the per-token loop, and its tokens travel by all-to-all: one
-    each way in the forward pass, with the per-expert counts. 8 experts top-2, 16 x 3 tokens."""
+    `model`) the layer's output and gradients equal the per-token loop, and its tokens travel by all-to-all on CPU
+    (the padded exchange): one each way in the forward pass. 8 experts top-2, 16 x 3 tokens."""
     layer = layers.MoE(num_experts=8, top_k=2, hidden=16, std=0.3)
     x = jax.random.normal(jax.random.PRNGKey(1), (16, 3, 8))
     params = layer.init(jax.random.PRNGKey(0), x)["params"]
@@ -104,10 +105,180 @@ def test_expert_parallel_layer_equals_the_dense_reference_and_exchanges_by_all_t
         np.testing.assert_allclose(forward.compile()(on_mesh(params, specs), xs),
                                    _dense_reference(layer, params, x, jax.nn.silu), atol=1e-5, rtol=1e-5)
         grads = jax.jit(jax.grad(ours, (0, 1)))(on_mesh(params, specs), xs)
-    assert forward.as_text().count("all_to_all") == 3  # the tokens there and back, the counts
+    # on CPU the padded exchange: the tokens there and back, each with their output offsets; the counts gathered
+    assert forward.as_text().count("all_to_all") == 4 and forward.as_text().count("ragged_all_to_all") == 0
     want = jax.jit(jax.grad(dense, (0, 1)))(params, x)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name, axis_index_groups=None):
+    """`jax.lax.ragged_all_to_all` by its docstring's pseudocode, with ops XLA:CPU has (it has no ragged all-to-all):
+    every device's operand, offsets and sizes all-gathered; each device writes, for each source and each of that
+    source's slices addressed to it, recv_sizes rows of the source's operand from the slice's input offset at the
+    slice's output offset. Rows read past the source's send size are NaN, so sizes that disagree show."""
+    assert axis_index_groups is None
+    ep, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    per_device = input_offsets.shape[0] // ep
+    gather = lambda x: jax.lax.all_gather(x, axis_name)  # noqa: E731
+    operands, starts, sizes, lands = map(gather, (operand, input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(operand.shape[0])
+    result = output
+    for source in range(ep):
+        for i in range(per_device):
+            slot = me * per_device + i  # the source's slice i addressed to this device
+            start, sent, land = starts[source, slot], sizes[source, slot], lands[source, slot]
+            count = recv_sizes[source * per_device + i]
+            values = operands[source][jnp.clip(start + rows, 0, operand.shape[0] - 1)]
+            values = jnp.where((rows < sent).reshape(-1, *[1] * (operand.ndim - 1)), values, jnp.nan)
+            result = result.at[jnp.where(rows < count, land + rows, output.shape[0])].set(values, mode="drop")
+    return result
+
+
+@pytest.fixture
+def emulated_ragged_lowering(monkeypatch):
+    """XLA:CPU runs `jax.lax.ragged_all_to_all` through `_emulated_ragged_all_to_all` for the test (the primitive and
+    JAX's rules for its gradient stay; only its CPU lowering is the emulation): yields the list of lowered calls."""
+    from jax._src import core  # the axis environment of a lowering rule's trace
+    from jax._src.interpreters import mlir  # the per-platform lowering table, to put back what was there
+    from jax._src.lax.parallel import ragged_all_to_all_p
+    calls = []
+
+    def lowering(ctx, *args, axis_name, axis_index_groups):
+        calls.append(ctx.avals_in[0].shape)
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        with core.extend_axis_env_nd([(n, ctx.module_context.axis_context.mesh.shape[n]) for n in names]):
+            return mlir.lower_fun(functools.partial(_emulated_ragged_all_to_all, axis_name=axis_name,
+                                                    axis_index_groups=axis_index_groups), False)(ctx, *args)
+
+    monkeypatch.setitem(mlir._platform_specific_lowerings["cpu"], ragged_all_to_all_p,
+                        mlir.LoweringRuleEntry(lowering, False))
+    yield calls
+
+
+def test_ragged_exchanges_give_the_documented_example(emulated_ragged_lowering):
+    """`jax.lax.ragged_all_to_all`'s docstring example over an axis of 2 (operands [1, 2, 2] and [3, 4, 0], results
+    [1, 3, 0, 0] and [2, 2, 4, 0]), and the gradient of the operands under the weights 0 ... 7 of the results' rows,
+    from the emulation (test_moe's CPU lowering of the primitive) and from moe's padded exchange (CPU's)."""
+    from models.layers import moe
+    mesh = jax.make_mesh((2,), (axes.EXPERT,), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    args = [np.array(a, dtype) for a, dtype in [
+        ([1, 2, 2, 3, 4, 0], np.float32), ([0, 0, 0, 0] * 2, np.float32),  # operand, output
+        ([0, 1, 0, 1], np.int32), ([1, 2, 1, 1], np.int32),  # input_offsets, send_sizes
+        ([0, 0, 1, 2], np.int32), ([1, 1, 2, 1], np.int32)]]  # output_offsets, recv_sizes
+    exchanges = {"ragged": functools.partial(jax.lax.ragged_all_to_all, axis_name=axes.EXPERT),
+                 "padded": functools.partial(moe._padded_exchange, axis_name=axes.EXPERT, capacity=2)}
+    for name, exchange in exchanges.items():
+        run = jax.shard_map(exchange, mesh=mesh, in_specs=P(axes.EXPERT), out_specs=P(axes.EXPERT),
+                            check_vma=False)
+        np.testing.assert_array_equal(jax.jit(run)(*args), [1, 3, 0, 0, 2, 2, 4, 0], err_msg=name)
+        grad = jax.jit(jax.grad(lambda operand, *rest: jnp.sum(run(operand, *rest) * jnp.arange(8.0))))(*args)
+        # operand 0's 1 -> result 0 row 0; its 2, 2 -> result 1 rows 0, 1; operand 1's 3 -> result 0 row 1, 4 ->
+        # result 1 row 2, 0 not sent
+        np.testing.assert_array_equal(grad, [0, 4, 5, 1, 6, 0], err_msg=name)
+    assert len(emulated_ragged_lowering) == 2  # the forward, the gradient's transpose
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, expert=4),
+                                  pytest.param(dict(fsdp=2, expert=2, model=2), marks=pytest.mark.slow),
+                                  pytest.param(dict(data=1, expert=8), marks=pytest.mark.slow)])
+def test_ragged_expert_exchange_equals_the_dense_reference(mesh, emulated_ragged_lowering):
+    """The ragged exchange (GPU's and TPU's; expert_exchange='ragged') run on CPU with `jax.lax.ragged_all_to_all`
+    lowered to the test's emulation: its offsets and sizes both ways, and JAX's transposes of them, give the
+    per-token loop's output and gradients (two experts a device on expert 4, their hidden units over model 2 too;
+    one on expert 8)."""
+    layer = layers.MoE(num_experts=8, top_k=2, hidden=16, std=0.3, expert_exchange="ragged")
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 3, 8))
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    r = jax.random.normal(jax.random.PRNGKey(2), x.shape)
+    mesh = engine.make_mesh(**mesh)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: layer.apply({"params": p}, x))
+    on_mesh = lambda tree, specs: jax.tree.map(  # noqa: E731
+        lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), tree, specs)
+    xs = on_mesh(x, P(("data", "fsdp", "expert")))
+    dense = lambda p, x: jnp.sum(_dense_reference(layer, p, x, jax.nn.silu) * r)  # noqa: E731
+
+    def output_and_grads(p, x):  # one program: the forward and the cotangent r pulled back
+        out, pull_back = jax.vjp(lambda p, x: layer.apply({"params": p}, x), p, x)
+        return out, pull_back(r)
+    with jax.set_mesh(mesh):
+        got, grads = jax.jit(output_and_grads)(on_mesh(params, specs), xs)
+        program = str(jax.make_jaxpr(output_and_grads)(on_mesh(params, specs), xs))
+    assert program.count(" ragged_all_to_all[") == 4  # there and back, and the transposes of both
+    assert emulated_ragged_lowering  # run by the emulation
+    np.testing.assert_allclose(got, _dense_reference(layer, params, x, jax.nn.silu), atol=1e-5, rtol=1e-5)
+    want = jax.jit(jax.grad(dense, (0, 1)))(params, x)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def _lowered_expert_layer(mesh, platform, exchange=None, features=8):
+    """The MoE layer's forward and backward on `mesh` lowered for `platform` (abstract arguments) -> StableHLO."""
+    layer = layers.MoE(num_experts=8, top_k=2, hidden=16, std=0.3, implementation="xla", expert_exchange=exchange)
+    x = jnp.zeros((16, 3, features))
+    params = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), x)["params"])
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: layer.apply({"params": p}, x))
+    typed = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, s))  # noqa
+    loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x) ** 2)  # noqa: E731
+    with jax.set_mesh(mesh):
+        traced = jax.jit(jax.grad(loss, (0, 1))).trace(jax.tree.map(typed, params, specs),
+                                                       typed(x, P(("data", "fsdp", "expert"))))
+        return traced.lower(lowering_platforms=(platform,)) if platform else traced.lower()
+
+
+def _all_to_all_operand_types(text):
+    return re.findall(r'"stablehlo\.all_to_all"\(.*: \((tensor<[^>]*>)\)', text)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_expert_exchange_is_ragged_when_lowered_for_gpu_and_tpu(platform):
+    """The default exchange, lowered from this CPU host for cuda or tpu: four ragged all-to-alls (the tokens there and
+    back, and their transposes) and no padded all-to-all of rows (only int32 offsets: the transposes'); lowered for
+    cpu the padded one; expert_exchange='padded' forces it anywhere."""
+    mesh = engine.make_mesh(fsdp=2, expert=2, model=2)
+    text = _lowered_expert_layer(mesh, platform).as_text()
+    assert text.count("@ragged_all_to_all") == 4
+    operands = _all_to_all_operand_types(text)
+    assert operands and all(t.endswith("xi32>") for t in operands), operands
+    cpu = _lowered_expert_layer(mesh, None).as_text()
+    assert "ragged_all_to_all" not in cpu and any(t.endswith("xf32>") for t in _all_to_all_operand_types(cpu))
+    forced = _lowered_expert_layer(mesh, platform, exchange="padded").as_text()
+    assert "ragged_all_to_all" not in forced
+
+
+def test_plan_counts_a_ragged_all_to_all_at_the_routed_rows():
+    """A ragged all-to-all of 24 routed rows (operand) into a 96-row receive buffer, and the outputs' 96-row buffer
+    back into 24 rows: each counted as the 24 rows' bytes x (n-1)/n over its group of 4."""
+    from engine import plan
+    hlo = """HloModule m
+
+ENTRY %main (a: bf16[24,256], b: bf16[96,256]) -> bf16[24,256] {
+  %a = bf16[24,256]{1,0} parameter(0)
+  %b = bf16[96,256]{1,0} parameter(1)
+  %r1 = bf16[96,256]{1,0} ragged-all-to-all(%a, %z1, %o1, %s1, %p1, %q1), channel_id=1, replica_groups={{0,1,2,3}}
+  ROOT %r2 = bf16[24,256]{1,0} ragged-all-to-all(%b, %z2, %o2, %s2, %p2, %q2), channel_id=2, replica_groups={{0,1,2,3}}
+}
+"""
+    assert plan.collective_bytes(hlo, num_devices=4)["ragged-all-to-all"] == 2 * 24 * 256 * 2 * 3 // 4
+
+
+@pytest.mark.tpu
+def test_ragged_expert_exchange_compiles_for_tpu_and_plans_the_routed_rows():
+    """XLA:TPU (libtpu's compile-only v5p-8) compiles the layer's forward and backward with the ragged exchange
+    over expert=4: four ragged all-to-alls, counted at the routed rows (12 tokens x top-2 a device, rows of 256)
+    per direction, at most a quarter of what the padded exchange sends."""
+    from engine import plan
+    from tests.tpu_targets import tpu_devices
+    mesh = engine.make_mesh(expert=4, devices=tpu_devices("v5p"))
+    ragged = _lowered_expert_layer(mesh, None, features=256).compile().as_text()
+    # XLA:TPU sends the rows the default-precision matmuls read as bf16 (they round them so), the rest as f32
+    dtypes = re.findall(r"= (bf16|f32)\[[\d,]+\]\S* ragged-all-to-all\(", ragged)
+    assert len(dtypes) == 4
+    sent = plan.collective_bytes(ragged, num_devices=4)
+    assert sent["ragged-all-to-all"] == sum(24 * 256 * {"bf16": 2, "f32": 4}[d] * 3 // 4 for d in dtypes)
+    padded = plan.collective_bytes(_lowered_expert_layer(mesh, None, "padded", features=256).compile().as_text(), 4)
+    assert padded["ragged-all-to-all"] == 0 and padded["all-to-all"] >= 4 * sent["ragged-all-to-all"]
 
 
 def test_auto_shard_splits_the_experts_over_expert_from_the_dataflow():
@@ -538,4 +709,8 @@ def test_bad_moe_configs_are_refused_in_one_line(hf_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"^scan_layers=True with dense layers among the sparse ones .*; expected "
                                          r"scan_layers=False: a scan needs one kind of layer$"):
         models.create_model("qwen3_moe", "tiny", scan_layers=True, mlp_only_layers=(1,))
+    with pytest.raises(ValueError, match=r"^expert_exchange='ragged_all_to_all'; expected one of \(None, 'ragged', "
+                                         r"'padded'\) \(None: ragged on GPU / TPU, padded on CPU\)$"):
+        models.create_model("mixtral", "tiny", expert_exchange="ragged_all_to_all")
+    assert models.create_model("mixtral", "tiny", expert_exchange="padded").config.expert_exchange == "padded"
     assert dataclasses.replace(models.get_config("mixtral"), num_experts=8).num_experts == 8

@@ -5,7 +5,9 @@
 Dropless (MegaBlocks, Gale et al., 2022): every token's k copies are sorted by expert into ragged groups, so no
 capacity factor drops a token and none is padded; the expert weights are stacked with the expert dim first
 ([E, D, F] / [E, F, D]). On a mesh with an `expert` axis the experts are split over it (`engine.auto_shard`) and each
-layer exchanges its tokens with their experts' devices by all-to-all (`_expert_parallel`)."""
+layer exchanges its tokens with their experts' devices (`_expert_parallel`): the routed rows alone by
+`jax.lax.ragged_all_to_all` on GPU and TPU, a block padded to the most one device could send by `all_to_all` on CPU
+(XLA:CPU has no ragged all-to-all)."""
 import dataclasses
 import re
 
@@ -22,6 +24,7 @@ from models.layers.parallel import gather_tokens, split_tokens
 
 STATS = "router_stats"  # the name each MoE layer sows its router statistics under, in 'intermediates'
 EXPERT_WEIGHTS = ("gate", "up", "down")  # the stacked expert weights, under `experts/`
+EXPERT_EXCHANGES = (None, "ragged", "padded")  # how expert parallelism moves the tokens (`_expert_parallel`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +37,11 @@ class MoEOptions:
     by its config), decoder_sparse_step and mlp_only_layers (Qwen3-MoE: layer i is sparse when (i + 1) is a
     multiple of the step and i is not listed; the others have the dense MLP of intermediate_size),
     router_aux_loss_coef (the weight of the load-balancing loss in the LM loss, transformers' field) and
-    router_z_loss_coef (ST-MoE's router z-loss weight; no transformers field, 0: off)."""
+    router_z_loss_coef (ST-MoE's router z-loss weight; no transformers field, 0: off). expert_exchange: how an
+    expert mesh's layers send their tokens to the experts' devices and back (`EXPERT_EXCHANGES`; a runtime option,
+    no transformers field): None the platform's (ragged on GPU / TPU, padded on CPU, decided when the program is
+    lowered), 'ragged' (`jax.lax.ragged_all_to_all`: the routed rows alone; not on CPU) or 'padded' (`all_to_all`
+    of blocks of the most rows a device could send: `expert` times the routed rows' bytes)."""
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int | None = None
@@ -43,6 +50,7 @@ class MoEOptions:
     mlp_only_layers: tuple = ()
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    expert_exchange: str | None = None
 
     def __post_init__(self):
         """The family's checks (MoEOptions comes first in its bases), then a ValueError naming the first bad MoE
@@ -66,6 +74,9 @@ class MoEOptions:
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected a number >= 0")
+        if self.expert_exchange not in EXPERT_EXCHANGES:
+            raise ValueError(f"expert_exchange={self.expert_exchange!r}; expected one of {EXPERT_EXCHANGES} (None: "
+                             "ragged on GPU / TPU, padded on CPU)")
         experts_adapted = sorted(set(self.lora_targets) & set(EXPERT_WEIGHTS)) if self.lora_rank else []
         if self.lora_dropout and experts_adapted:
             raise ValueError(f"lora_dropout={self.lora_dropout} with LoRA on the experts ({', '.join(experts_adapted)} "
@@ -101,7 +112,8 @@ class MoE(nn.Module):
     sorted by expert and run through `kernels.grouped_matmul` (`implementation`: None = the backend's best, 'xla' on
     CPU), then unsorted and summed with their weights. Each call sows {'counts': top-k assignments per expert [E],
     'probs': router probabilities summed per expert [E], 'z': sum of logsumexp(logits)^2, 'tokens'} over the valid
-    tokens into 'intermediates' under `STATS` when that collection is mutable (`router_losses`)."""
+    tokens into 'intermediates' under `STATS` when that collection is mutable (`router_losses`). expert_exchange:
+    the exchange on an expert mesh (`MoEOptions`, `_expert_parallel`)."""
     num_experts: int
     top_k: int
     hidden: int
@@ -117,6 +129,7 @@ class MoE(nn.Module):
     lora_targets: tuple = ()
     dtype: Dtype | None = None  # None: the router's and the experts' weights' dtype
     param_dtype: Dtype = jnp.float32
+    expert_exchange: str | None = None
 
     @nn.compact
     def __call__(self, x, valid=None):
@@ -137,7 +150,7 @@ class MoE(nn.Module):
                      self.param_dtype, name="experts")()
         ep = kernels.auto_axis_size(axes.EXPERT)
         if ep > 1 and E % ep == 0:
-            out = _expert_parallel(self._ffn, tokens, chosen, w, ep)
+            out = _expert_parallel(self._ffn, tokens, chosen, w, ep, self.expert_exchange)
         else:
             order, group_sizes = _sorted_copies(chosen, E)
             out = self._ffn(tokens[order // k], group_sizes, w)[jnp.argsort(order)].reshape(B * T, k, D)
@@ -174,18 +187,23 @@ def _sorted_copies(chosen, num_experts):
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def _expert_parallel(ffn, tokens, chosen, w, ep):
+def _expert_parallel(ffn, tokens, chosen, w, ep, exchange=None):
     """Expert parallelism (GShard's dispatch, dropless): `ffn` over the experts split into `ep` blocks on the ambient
-    mesh's automatic `expert` axis, each token copy sent to the device holding its expert and its output sent back,
-    both by one all-to-all. tokens [N, D], chosen [N, k] -> the copies' outputs [N, k, D].
+    mesh's automatic `expert` axis, each token copy sent to the device holding its expert and its output sent back.
+    tokens [N, D], chosen [N, k] -> the copies' outputs [N, k, D]. exchange (`EXPERT_EXCHANGES`): None the
+    platform's, chosen when the program is lowered (`jax.lax.platform_dependent`, so a CPU host lowering for GPU or
+    TPU gets theirs): `jax.lax.ragged_all_to_all` ('ragged': the routed rows alone) on GPU and TPU, `_padded_exchange`
+    ('padded': XLA:CPU has no ragged all-to-all) on CPU.
 
     Runs in a shard_map manual over every automatic axis (XLA's partitioner fails on the exchange beside an automatic
     `model`): the rows split over the batch axes that divide N (each device routes its own rows; rows whole over
     `expert` are routed by every device of it, which gives the same result), each expert's hidden units over
-    `model` where it divides them (Megatron's split: the outputs are summed over `model`), whole otherwise. A device
-    sends each of the ep others a block of N_local * k rows, the most one can receive, so nothing is dropped and the
-    shapes are static; the grouped matmul skips the padding (rows past the groups). The received rows are sorted by
-    local expert before it and unsorted after it."""
+    `model` where it divides them (Megatron's split: the outputs are summed over `model`), whole otherwise. Each
+    device sorts its n * k copies by expert, so those for one expert are one slice; the devices' counts per expert
+    (all-gathered, [ep, E] int32) tell every device where each slice lands: a receiver holds its rows sorted by local
+    expert, then by source, ready for the grouped matmul, in a buffer of ep * n * k rows (the most it could get:
+    dropless, static shapes; the grouped matmul skips the rows past its groups). The outputs go back slice by slice
+    into the senders' sorted order."""
     N, k = chosen.shape
     P = jax.sharding.PartitionSpec
     rows = P(kernels.batch_axes(kernels.automatic_axes(), N))
@@ -194,30 +212,78 @@ def _expert_parallel(ffn, tokens, chosen, w, ep):
 
     def local(tokens, chosen, w):
         n, D = tokens.shape
-        el, capacity = w["gate"].shape[0], n * k  # experts per device; rows per block
+        el, copies = w["gate"].shape[0], n * k  # experts per device; the copies each device routes
         order, counts = _sorted_copies(chosen, el * ep)
-        dest = chosen.reshape(-1)[order] // el  # each sorted copy's device
-        first = (jnp.cumsum(counts) - counts)[dest * el]  # where its device's copies start among the sorted ones
-        slot = dest * capacity + jnp.arange(capacity) - first  # its row in the send buffer [ep * capacity]
-        send = jnp.zeros((ep * capacity, D), tokens.dtype).at[slot].set(tokens[order // k])
-        exchange = lambda x: jax.lax.all_to_all(x, axes.EXPERT, 0, 0, tiled=True)  # noqa: E731
-        received = exchange(send.reshape(ep, capacity, D)).reshape(ep * capacity, D)
-        sizes = exchange(counts.reshape(ep, el))  # [source, local expert]
-        # The local expert of each received row (el: padding), its rows sorted by it for the grouped matmul.
-        expert_of = jax.vmap(lambda ends: jnp.searchsorted(ends, jnp.arange(capacity), side="right"))(
-            jnp.cumsum(sizes, axis=1)).reshape(-1)
-        by_expert = jnp.argsort(expert_of, stable=True)
-        out = ffn(received[by_expert], sizes.sum(0).astype(jnp.int32), w)[jnp.argsort(by_expert)]
+        me = jax.lax.axis_index(axes.EXPERT)
+        every = jax.lax.all_gather(counts, axes.EXPERT).reshape(ep, ep, el)  # [source, device, local expert]
+        # where each slice starts among its source's sorted copies
+        starts = _exclusive_cumsum(every.reshape(ep, ep * el), 1).reshape(ep, ep, el)
+        totals = every.sum(0)  # [device, local expert]: rows each expert gets
+        # where source s's rows for expert (d, e) land on device d: after d's earlier experts, then earlier sources
+        lands = _exclusive_cumsum(totals, 1)[None] + _exclusive_cumsum(every, 0)
+        # a[me]: this device as the source, [device, local expert]; a[:, me]: as the device, [source, local expert]
+        mine = lambda a: jax.lax.dynamic_index_in_dim(a, me, 0, keepdims=False).reshape(-1)  # noqa: E731
+        for_me = lambda a: jax.lax.dynamic_index_in_dim(a, me, 1, keepdims=False).reshape(-1)  # noqa: E731
+        send = _exchange(exchange, copies)
+        # there: my sorted copies, slice (d, e) to device d; back: the slices [source, local expert] to their sources
+        received = send(tokens[order // k], jnp.zeros((ep * copies, D), tokens.dtype), mine(starts), counts,
+                        mine(lands), for_me(every))
+        out = ffn(received, jax.lax.dynamic_index_in_dim(totals, me, 0, keepdims=False).astype(jnp.int32), w)
         if tp:  # each model device holds a slice of every expert's hidden units: partial sums
             out = jax.lax.psum(out, tp)
-        back = exchange(out.reshape(ep, capacity, D)).reshape(ep * capacity, D)
-        return back[slot][jnp.argsort(order)].reshape(n, k, D)
+        back = send(out, jnp.zeros((copies, D), out.dtype), for_me(lands), for_me(every), for_me(starts), counts)
+        return back[jnp.argsort(order)].reshape(n, k, D)
 
     # Megatron's pair over `model`: gate and up (and their B) split by columns, down (and its A) by rows
     columns, rows_split = P(axes.EXPERT, None, tp), P(axes.EXPERT, tp, None)
     specs = {name: columns if name in ("gate", "up", "gate_lora_b", "up_lora_b") else rows_split
              if name in ("down", "down_lora_a") else P(axes.EXPERT) for name in w}
     return kernels.shard(local, (tokens, chosen, w), (rows, rows, specs), rows, "xla", every_axis=True)
+
+
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _exchange(exchange, capacity):
+    """`jax.lax.ragged_all_to_all`'s signature and result over `expert` by `exchange` ('ragged', 'padded', None: by
+    the platform the program is lowered for), capacity the most rows one device sends another."""
+    def ragged(*args):
+        return jax.lax.ragged_all_to_all(*args, axis_name=axes.EXPERT)
+
+    def padded(*args):
+        return _padded_exchange(*args, axis_name=axes.EXPERT, capacity=capacity)
+
+    if exchange is not None:
+        return {"ragged": ragged, "padded": padded}[exchange]
+    return lambda *args: jax.lax.platform_dependent(*args, cpu=padded, default=ragged)
+
+
+def _padded_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, capacity):
+    """`jax.lax.ragged_all_to_all`'s result by one `all_to_all` of padded blocks (where the platform has no ragged
+    one): the slices for each device gathered into a block of `capacity` rows (at least the rows it sends any one
+    device), the blocks exchanged, each received slice written at its offset. Sends axis size x capacity rows
+    whatever the sizes, and the output offsets (int32)."""
+    ep = jax.lax.axis_size(axis_name)
+    per_device = input_offsets.shape[0] // ep
+
+    def rows(offsets, sizes):
+        """For one device's slices: each of the block's `capacity` rows' index at its slice's offset, and whether a
+        slice holds it."""
+        ends = jnp.cumsum(sizes)
+        j = jnp.arange(capacity)
+        i = jnp.minimum(jnp.searchsorted(ends, j, side="right"), per_device - 1)
+        return offsets[i] + j - (ends - sizes)[i], j < ends[-1]
+
+    source, taken = jax.vmap(rows)(input_offsets.reshape(ep, per_device), send_sizes.reshape(ep, per_device))
+    blocks = jnp.where(taken.reshape(ep, capacity, *[1] * (operand.ndim - 1)), operand[jnp.where(taken, source, 0)],
+                       jnp.zeros((), operand.dtype))
+    exchange = lambda x: jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)  # noqa: E731
+    received = exchange(blocks)  # [source, capacity, ...]
+    lands = exchange(output_offsets)  # where each source's slices for this device go in its output
+    target, written = jax.vmap(rows)(lands.reshape(ep, per_device), recv_sizes.reshape(ep, per_device))
+    target = jnp.where(written, target, output.shape[0]).reshape(-1)  # past the end: dropped
+    return output.at[target].set(received.reshape(ep * capacity, *operand.shape[1:]), mode="drop")
 
 
 class _Experts(nn.Module):
@@ -292,7 +358,8 @@ def moe_block(config, **kw):
                c.norm_topk_prob, std=c.initializer_range, implementation=c.mlp_implementation,
                interpret=c.kernel_interpret, sequence_parallel=c.sequence_parallel, quantize=c.quantize,
                lora_rank=c.lora_rank, lora_scale=c.lora_alpha / max(c.lora_rank, 1),
-               lora_targets=tuple(t for t in c.lora_targets if t in EXPERT_WEIGHTS), **kw)
+               lora_targets=tuple(t for t in c.lora_targets if t in EXPERT_WEIGHTS),
+               expert_exchange=c.expert_exchange, **kw)
 
 
 def router_losses(intermediates):
