@@ -76,32 +76,29 @@ def _dot_dtypes(fn, *args):
     return found
 
 
-@pytest.mark.parametrize("lora_rank", [0, 2])
+@pytest.mark.parametrize("lora_rank", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_model_with_fp8_runs_exactly_its_projections_in_fp8(lora_rank):
     """LLaMA tiny (2 layers x q, k, v, o, gate, up, down): 14 forward products of e4m3 operands and, in the backward
     pass, 28 with an e5m2 gradient; attention's own products, the LM head (and LoRA's adapters) stay in the compute
-    dtype. The logits and gradients stay near the float model's, and the parameters are the same tree."""
+    dtype. The logits stay near the float model's (the gradients' agreement: the dot's own test), and the parameters
+    are the same tree."""
     ids = jnp.asarray(np.random.default_rng(0).integers(1, 128, (2, 16)), jnp.int32)
     plain = models.create_model("llama", "tiny", lora_rank=lora_rank)
     fp8 = models.create_model("llama", "tiny", lora_rank=lora_rank, fp8=True)
     params = models.init_params(plain)
     assert jax.tree.structure(params) == jax.tree.structure(jax.eval_shape(lambda: models.init_params(fp8)))
 
-    def loss(model):
-        return lambda p: jnp.mean(jax.nn.log_softmax(model.apply({"params": p}, ids)) ** 2)
+    def loss(p):
+        return jnp.mean(jax.nn.log_softmax(fp8.apply({"params": p}, ids)) ** 2)
 
     forward = _dot_dtypes(lambda p: fp8.apply({"params": p}, ids), params)
     assert forward.pop(("f8E4M3FN", "f8E4M3FN")) == 14 and set(forward) == {("f32", "f32")}, forward
-    both = _dot_dtypes(jax.grad(loss(fp8)), params)
+    both = _dot_dtypes(jax.grad(loss), params)
     assert both[("f8E4M3FN", "f8E4M3FN")] == 14, both
     assert both.get(("f8E5M2", "f8E4M3FN"), 0) + both.get(("f8E4M3FN", "f8E5M2"), 0) == 28, both
 
     logits, ref = fp8.apply({"params": params}, ids), plain.apply({"params": params}, ids)
     assert 0 < float(jnp.linalg.norm(logits - ref) / jnp.linalg.norm(ref)) < 0.05
-    grads, ref_grads = jax.grad(loss(fp8))(params), jax.grad(loss(plain))(params)
-    flat = lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)])  # noqa: E731
-    cosine = jnp.dot(flat(grads), flat(ref_grads)) / (jnp.linalg.norm(flat(grads)) * jnp.linalg.norm(flat(ref_grads)))
-    assert float(cosine) > 0.99
 
 
 def test_fp8_with_quantized_bases_or_fused_kernels_is_refused_in_one_line():
@@ -131,3 +128,60 @@ def test_the_fp8_flag_builds_the_model_and_refuses_a_quantized_base():
             model_start.with_flags(quantized, None)
     finally:
         FLAGS.unparse_flags()
+
+
+@pytest.mark.gpu_compile
+def test_on_hopper_each_product_is_a_gemm_of_fp8_operands():
+    """Compiled deviceless for an H100 (`make test-gpu-compile`; kernels/mosaic_gpu_compile.py's target), the
+    forward and both gradient products of fp8_dot are GEMM fusions whose dot reads the fp8 arrays (e4m3 x e4m3,
+    e5m2 x e4m3, e4m3 x e5m2): no float dot is left and the fp8 rounding is not simplified away."""
+    from jax.experimental import topologies
+
+    from kernels import mosaic_gpu_compile
+
+    why = mosaic_gpu_compile.available()
+    if why:
+        pytest.skip(why)
+    topology = topologies.get_topology_desc(platform="cuda", target_config=mosaic_gpu_compile.TARGET_CONFIG,
+                                            topology="1x1x1")
+    replicated = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct((4, 256, 1024), jnp.bfloat16, sharding=replicated),
+            jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=replicated)]
+    loss = lambda x, w: jnp.sum(fp8_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+    hopper = jax.sharding.AbstractMesh((), ()).update(abstract_device=mosaic_gpu_compile._HOPPER)
+    with jax.sharding.use_abstract_mesh(hopper):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower().compile().as_text()
+    operands = {}
+    for line in hlo.splitlines():
+        if " dot(" in line:
+            names = re.search(r" dot\(%([\w.]+), %([\w.]+)\)", line).groups()
+            operands[line.split("=")[0].strip()] = tuple(
+                re.search(rf"%{re.escape(n)} = (\w+)\[", hlo).group(1) for n in names)
+    assert sorted(operands.values()) == sorted([("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"),
+                                                ("f8e4m3fn", "f8e5m2")]), operands
+
+
+@pytest.mark.slow
+def test_fp8_trains_the_tiny_llama_as_bf16_does():
+    """The issue's acceptance at test scale: LLaMA tiny on a repeated-pattern task, 150 updates in bf16 compute with
+    and without FP8 projections (emulated on CPU): the final losses agree within 2 %. (train_lm.py's 400-step run
+    is in models/README.md#fp8.)"""
+    import optax
+
+    import engine
+    from engine.tasks import lm
+
+    patterns = np.random.default_rng(0).integers(3, 120, (16, 8))  # 16 phrases, each row one of them repeated
+    rows = [{"tokens": np.roll(np.tile(patterns[i % 16], 5), -(i // 16))[:33].astype(np.int32),
+             "segment_ids": np.ones(33, np.int32)} for i in range(64)]
+    losses = {}
+    for fp8 in (False, True):
+        model = models.create_model("llama", "tiny", fp8=fp8)
+        trainer = engine.Trainer(mesh=engine.make_mesh(data=1, devices=jax.devices()[:1]), collate_fn=lm.collate_lm,
+                                 loss_fn=lm.lm_loss_fn(model), params=models.init_params(model),
+                                 optimizer=optax.adamw(3e-3), precision=engine.Precision(compute_dtype=jnp.bfloat16))
+        trainer.fit(rows, per_device_batch_size=8, max_steps=150, log_every=10)
+        logged = [h["loss"] for h in trainer.history if "loss" in h]
+        losses[fp8] = np.mean(logged[-3:])
+        assert losses[fp8] < 0.95 * logged[0], logged  # it learns
+    assert abs(losses[True] / losses[False] - 1) < 0.02, losses
