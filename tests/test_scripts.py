@@ -234,6 +234,20 @@ def test_train_lm_restarted_on_fewer_devices_keeps_the_global_batch_and_trains_l
 
 
 @pytest.mark.slow
+def test_train_lm_writes_local_checkpoints_beside_the_workdirs_and_refuses_a_bad_interval(tmp_path):
+    """--local_checkpoint_dir / --local_save_every reach engine.Checkpointing: the local tier holds the newest even
+    step, the workdir the --save_every ones; a run interrupted between them restores the local one
+    (tests/test_checkpoint_tiers.py)."""
+    args = [f"--workdir={tmp_path / 'w'}", "--prompts=", *TINY_LM, f"--local_checkpoint_dir={tmp_path / 'local'}",
+            "--local_save_every=2", "--save_every=100"]
+    _run("train_lm.py", *args, "--max_steps=5")
+    (run,) = os.listdir(tmp_path / "local")
+    assert os.listdir(tmp_path / "local" / run / "process_0") == ["4"] and _steps(tmp_path / "w") == [5]
+    refused = _run("train_lm.py", *args, "--local_save_every=0", ok=False)
+    assert refused.returncode == 2 and "--local_save_every=0; expected an integer >= 1" in refused.stderr
+
+
+@pytest.mark.slow
 def test_train_lm_on_a_weighted_mixture_of_parquet_and_jsonl_resumes(tmp_path):
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415

@@ -636,17 +636,21 @@ def _two_workers(tmp_path, mode):
     return np.load(out)
 
 
+def _two_workers_die(tmp_path, mode):
+    """Runs tests/multihost_worker.py in `mode` as 2 processes x 4 devices, which both end with status 3."""
+    address = f"localhost:{_free_port()}"
+    procs = [_worker(address, 2, pid, tmp_path / f"{mode}.npy", 60, mode) for pid in (0, 1)]
+    for p in procs:
+        log = p.communicate(timeout=300)[0]
+        assert p.returncode == 3, log[-3000:]
+
+
 @pytest.mark.slow  # three two-process runs; tests/test_fit_patterns.py checks the restart in one process
 def test_two_processes_restarted_after_dying_together_end_where_the_uninterrupted_run_ends(tmp_path):
     """Both processes of a `fit(n_epochs=2)` run die at once in epoch 1; the same command re-run continues the
     interrupted call from the last checkpoint and ends bit for bit where a run without the crash ends."""
     whole = _two_workers(tmp_path, "whole")
-    out = tmp_path / "crash.npy"
-    address = f"localhost:{_free_port()}"
-    procs = [_worker(address, 2, pid, out, 60, "crash") for pid in (0, 1)]
-    for p in procs:
-        log = p.communicate(timeout=300)[0]
-        assert p.returncode == 3, log[-3000:]
+    _two_workers_die(tmp_path, "crash")
     assert os.listdir(tmp_path / "w" / "checkpoints")
     resumed = _two_workers(tmp_path, "resume")
     assert resumed[0] == whole[0] == 16
@@ -660,12 +664,7 @@ def test_two_processes_restart_from_the_newest_copy_every_process_holds(tmp_path
     the local step 10, or, when one host lost its local copy, the persistent step 9 on both; either ends bit for bit
     where the uninterrupted run ends."""
     whole = _two_workers(tmp_path, "whole")
-    out = tmp_path / "crash.npy"
-    address = f"localhost:{_free_port()}"
-    procs = [_worker(address, 2, pid, out, 60, "local_crash") for pid in (0, 1)]
-    for p in procs:
-        log = p.communicate(timeout=300)[0]
-        assert p.returncode == 3, log[-3000:]
+    _two_workers_die(tmp_path, "local_crash")
     resumed = _two_workers(tmp_path, resume)
     assert resumed[0] == restored and resumed[1] == whole[0] == 16
     np.testing.assert_array_equal(resumed[1:], whole)

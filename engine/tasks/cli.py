@@ -41,6 +41,8 @@ def start(auto=False):
                                   timeout_s=FLAGS.coordinator_timeout, heartbeat_timeout_s=FLAGS.peer_timeout)
     if jax.process_count() > 1 and FLAGS.verbosity < 1:
         _StdoutFilter.install()
+    if "local_save_every" in FLAGS and FLAGS.local_save_every < 1:
+        raise ValueError(f"--local_save_every={FLAGS.local_save_every}; expected an integer >= 1")
     if FLAGS.pipeline_microbatches < 0:
         raise ValueError(f"--pipeline_microbatches={FLAGS.pipeline_microbatches}; expected an integer >= 0")
     script_flags.check_diloco_flags()

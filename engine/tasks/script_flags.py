@@ -112,6 +112,10 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                        "clipping).")
     flags.DEFINE_integer("log_every", log_every, "Updates between log lines (the only host syncs of the loop).")
     flags.DEFINE_integer("save_every", save_every, "Updates between checkpoints (one is always written at the end).")
+    flags.DEFINE_string("local_checkpoint_dir", None, "Fast storage on each host (a local disk, /dev/shm) for a second "
+                        "tier of checkpoints: every --local_save_every updates each process writes its own shards "
+                        "there, and a re-run restores the newest copy of either tier. Unset: --workdir's only.")
+    flags.DEFINE_integer("local_save_every", 10, "Updates between local checkpoints (with --local_checkpoint_dir).")
     if evals:
         flags.DEFINE_integer("eval_every", 0, "Updates between evals on the held-out data (0: after each epoch "
                              "only).")
@@ -291,7 +295,7 @@ def check_diloco_flags():
 
 def trainer_kwargs():
     """The Trainer arguments the shared flags set: its seed, accumulation, `engine.Precision`,
-    `engine.Parallelism` and DiLoCo."""
+    `engine.Parallelism`, `engine.Checkpointing` (the local tier) and DiLoCo."""
     kwargs = dict(accumulate_grad_batches=FLAGS.accumulate_grad_batches, seed=FLAGS.seed,
                   precision=engine.Precision(compute_dtype=compute_dtype(),
                                             grad_dtype=_DTYPES[FLAGS.grad_dtype],
@@ -299,7 +303,9 @@ def trainer_kwargs():
                   parallelism=engine.Parallelism(zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
                                                  offload_optimizer=FLAGS.offload_optimizer,
                                                  zero_quantized_weights=FLAGS.zero_quantized_weights,
-                                                 zero_quantized_gradients=FLAGS.zero_quantized_gradients))
+                                                 zero_quantized_gradients=FLAGS.zero_quantized_gradients),
+                  checkpointing=engine.Checkpointing(local_dir=FLAGS.local_checkpoint_dir,
+                                                     local_every=FLAGS.local_save_every))
     if FLAGS.diloco_inner_steps:
         kwargs["diloco"] = engine.DiLoCo(
             inner_steps=FLAGS.diloco_inner_steps, fragments=FLAGS.diloco_fragments,
