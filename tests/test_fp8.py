@@ -161,6 +161,35 @@ def test_on_hopper_each_product_is_a_gemm_of_fp8_operands():
                                                 ("f8e4m3fn", "f8e5m2")]), operands
 
 
+@pytest.mark.slow  # two compiles of a tiny LLaMA (about 20 s on this machine)
+def test_both_steps_scale_fp8_by_the_whole_batch_and_train_alike():
+    """One SGD step of the tiny LLaMA with FP8 projections through the jit step and the shard_map step on data 4 x
+    model 2: the shard_map step's devices take each activation's and gradient's amax over the whole batch (a pmax
+    over its manual axes), as the jit step's partitioner does, so the updates agree; per-device scales would round
+    differently."""
+    import optax
+
+    import engine
+    from engine.tasks import lm
+
+    rng = np.random.RandomState(0)
+    rows = [{"tokens": rng.randint(3, 120, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
+            for _ in range(8)]
+    rows[0]["tokens"][:] = 7  # one row unlike the others: its device's amax differs from the batch's
+    model = models.create_model("llama", "tiny", fp8=True)
+    params = models.init_params(model)
+    updated = {}
+    for step in ("jit", "shard_map"):
+        trainer = engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=lm.collate_lm,
+                                 loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(1.0),
+                                 parallelism=engine.Parallelism(step=step))
+        trainer.fit(rows, per_device_batch_size=2, max_steps=1, log_every=1)
+        updated[step] = jax.device_get(trainer.params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(updated["shard_map"])[0],
+                            jax.tree.leaves(updated["jit"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.slow
 def test_fp8_trains_the_tiny_llama_as_bf16_does():
     """The issue's acceptance at test scale: LLaMA tiny on a repeated-pattern task, 150 updates in bf16 compute with

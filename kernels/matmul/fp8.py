@@ -15,24 +15,33 @@ the cast to the compute dtype in its epilogue. The other form, dot(convert(q_a) 
 one XLA's cuBLAS rewriter folds into `__cublas$lt$matmul$f8` when it can; in that compile it did not (no cuBLASLt
 FP8 there), the Triton rewriter took the dot on the dequantised float32 operands, and XLA's simplify-fp-conversions
 pass then dropped the f32 -> f8 -> f32 round trips: neither FP8 speed nor FP8 rounding. On CPU the fp8 dot is
-emulated (the converts round exactly as FP8 hardware does, the products are exact in float32).
+emulated (the converts round exactly as FP8 hardware does, the products are exact in float32). Inside a shard_map
+over batch axes (the engine's shard_map step, each device on its own rows) an activation's or a gradient's amax is
+the maximum over those axes (one scalar all-reduce, as the jit step's partitioner inserts for a split tensor), so
+both steps scale, round and train alike.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from kernels._partition import manual_batch_axes
+
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)   # forward operands
 E5M2 = jnp.dtype(jnp.float8_e5m2)     # output gradients
 
 
 def quantize_fp8(x, dtype):
-    """(q, scale): `x` scaled by one float32 scale, amax(|x|) / max(dtype) (1 for an all-zero x), so its largest
-    magnitude lands on the format's largest value, and rounded to the fp8 `dtype` (nearest even). x ~= q * scale."""
+    """(q, scale): `x` scaled by one float32 scale, amax(|x|) / max(dtype) (1 for an all-zero x; the amax of the
+    whole tensor where its rows are split over manual batch axes), so its largest magnitude lands on the format's
+    largest value, and rounded to the fp8 `dtype` (nearest even). x ~= q * scale."""
     dtype = jnp.dtype(dtype)
     top = float(jnp.finfo(dtype).max)
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x))
+    manual = manual_batch_axes()
+    if manual:  # each device holds its own rows (the engine's shard_map step): the scale is the whole tensor's
+        amax = jax.lax.pmax(amax, manual)
     scale = jnp.where(amax > 0, amax / top, 1.0)
     # The clip only guards the rounding of x / scale (1 ulp past the top would be NaN in e4m3fn, inf in e5m2).
     return jnp.clip(x / scale, -top, top).astype(dtype), scale
