@@ -2,6 +2,7 @@
 complete copy of either tier, ending bit for bit where the uninterrupted run ends; a lost, corrupt or other-mesh
 local copy falls back to the persistent tier."""
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -43,15 +44,25 @@ def _trainer(tmp_path, mesh=None, local="local", **kwargs):
                           **kwargs)
 
 
-def _crashed_run(tmp_path, **kwargs):
-    """Trains until the first read of the 8th batch fails (while or after step 7 trains): persistent saves at
-    step 5, local ones at 2, 4 and 6."""
-    run = _trainer(tmp_path, **kwargs)
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """A run that trained until the first read of the 8th batch failed (while or after step 7 trained): persistent
+    saves at step 5, local ones at 2, 4 and 6."""
+    path = tmp_path_factory.mktemp("crashed")
+    run = _trainer(path)
     with pytest.raises(_Crash):
         run.fit(_CrashesAt(7 * 8 + 1), per_device_batch_size=2, n_epochs=2, save_every=5)
     run.close()
     assert run.step == 7
-    return run
+    return path
+
+
+def _crashed_run(tmp_path, crashed):
+    """A copy of the crashed run under tmp_path (the local tier's directory is named after the workdir's path)."""
+    shutil.copytree(crashed / "work", tmp_path / "work")
+    source = LocalCheckpoints(str(crashed / "local"), str(crashed / "work")).directory
+    shutil.copytree(source, LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work")).directory,
+                    dirs_exist_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +82,8 @@ def _ends_as(run, whole):
     run.close()
 
 
-def test_a_restart_restores_the_newest_local_copy_and_ends_where_the_uninterrupted_run_ends(tmp_path, whole):
-    _crashed_run(tmp_path)
+def test_a_restart_restores_the_newest_local_copy_and_ends_where_the_uninterrupted_run_ends(tmp_path, crashed, whole):
+    _crashed_run(tmp_path, crashed)
     local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
     assert local.steps() == [6]  # keep 1: the older local steps are gone
     assert sorted(int(n) for n in os.listdir(tmp_path / "work" / "checkpoints") if n.isdigit()) == [5]
@@ -81,8 +92,8 @@ def test_a_restart_restores_the_newest_local_copy_and_ends_where_the_uninterrupt
     _ends_as(rerun, whole)
 
 
-def test_a_lost_local_copy_falls_back_to_the_persistent_checkpoint(tmp_path, whole):
-    _crashed_run(tmp_path)
+def test_a_lost_local_copy_falls_back_to_the_persistent_checkpoint(tmp_path, crashed, whole):
+    _crashed_run(tmp_path, crashed)
     local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
     local.remove(6)  # the host's local disk was wiped
     rerun = _trainer(tmp_path)
@@ -90,8 +101,8 @@ def test_a_lost_local_copy_falls_back_to_the_persistent_checkpoint(tmp_path, who
     _ends_as(rerun, whole)
 
 
-def test_a_corrupt_local_copy_is_dropped_and_the_persistent_one_restores(tmp_path, whole, caplog):
-    _crashed_run(tmp_path)
+def test_a_corrupt_local_copy_is_dropped_and_the_persistent_one_restores(tmp_path, crashed, whole, caplog):
+    _crashed_run(tmp_path, crashed)
     local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
     path = os.path.join(local.directory, "6", "blocks.bin")
     with open(path, "r+b") as f:  # one bit flipped in the middle of the saved state
@@ -106,8 +117,8 @@ def test_a_corrupt_local_copy_is_dropped_and_the_persistent_one_restores(tmp_pat
     _ends_as(rerun, whole)
 
 
-def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path):
-    _crashed_run(tmp_path)
+def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path, crashed):
+    _crashed_run(tmp_path, crashed)
     other = _trainer(tmp_path, mesh=engine.make_mesh(data=2, fsdp=2, model=2))  # an elastic restart
     assert other.step == 5  # the persistent tier restores onto any mesh
     other.close()
