@@ -2,18 +2,20 @@
 beside the persistent Orbax checkpoints of the workdir (`engine.checkpoint.Checkpointer`), and a restore from the
 newest complete copy of either (`TieredCheckpointer`).
 
-A local save copies only what a process's devices hold (one copy of each distinct block) to the host and writes it,
-in a background thread, under `<local_dir>/run-<hash of the workdir>/process_<i>/<step>/`: a raw `blocks.bin`, the
-`index.json` that says where each block lies in its global array, and the step's `meta.json` (the data position and
-the state's checksums, as the persistent tier's). A step is written into `<step>.tmp` and renamed when complete, and
-the previous local step is deleted only after that, so a process killed mid-write leaves its last good copy. Nothing
-crosses hosts: a save's only collective is the checksums' (8 bytes per leaf).
+A local save copies only what a process's devices hold (one copy of each distinct block) to the host, its only
+blocking part, and writes it in a background thread under `<local_dir>/run-<hash of the workdir>/process_<i>/<step>/`:
+a raw `blocks.bin`, the `index.json` that says where each block lies in its global array with its CRC-32, and the
+step's `meta.json` (the data position, a digest of the index and its own). A step is written into `<step>.tmp` and
+renamed when complete, and the previous local step is deleted only after that, so a process killed mid-write leaves
+its last good copy. Nothing crosses hosts and nothing runs on the devices: a process reads back only the blocks it
+wrote, so per-block checksums on the host replace the persistent tier's global ones (a pass over the state on the
+devices and an all-reduce per save).
 
 A restart tries steps newest first over both tiers. A local step is a candidate only when every process holds it
 (a host whose local copy is gone, a wiped `/dev/shm` or a replaced node, makes it none) and when the restore's layout
 needs no block that a process did not write itself (the same mesh and process count: an elastic restart reads the
-persistent tier, which restores onto any mesh). Its leaves are checked against their saved checksums like a persistent
-step's; a local step that fails is deleted (the copy is a cache of the run, not its record) and the next candidate,
+persistent tier, which restores onto any mesh). Its meta, index and every block are checked against their
+checksums; a local step that fails is deleted (the copy is a cache of the run, not its record) and the next candidate,
 the same step's persistent copy included, is tried. This is MaxText's emergency checkpointing (Orbax's
 `experimental.emergency`) reduced to what one shared persistent directory needs: its peer-to-peer replication of
 local copies between hosts is not done, so a lost host costs the steps since the last persistent save.
@@ -23,15 +25,16 @@ import json
 import os
 import shutil
 import threading
+import zlib
 
 import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from engine.checkpoint import Checkpointer, CorruptCheckpointError, _agreed, _meta_digest, _verify, checksums
+from engine.checkpoint import Checkpointer, CorruptCheckpointError, _agreed, _meta_digest
 
-_CHECKSUMS, _META_DIGEST = "checksums", "meta_sha256"
+_META_DIGEST, _INDEX_DIGEST = "meta_sha256", "index_sha256"
 
 
 def open_checkpointer(workdir, checkpointing):
@@ -58,11 +61,10 @@ class LocalCheckpoints:
         return sorted((int(n) for n in names if n.isdigit()), reverse=True)
 
     def save(self, step, state, meta):
-        """Copies this process's blocks of `state` to the host (returns once they are there) and writes them and
-        `meta` (with the state's checksums) in a background thread; the previous write is awaited first."""
+        """Copies this process's blocks of `state` to the host (returns once they are there: the save's only
+        blocking part) and writes them, each with its CRC-32, and `meta` in a background thread; the previous write
+        is awaited first."""
         self.wait()
-        meta = {**meta, _CHECKSUMS: checksums(state)}
-        meta[_META_DIGEST] = _meta_digest(meta)
         blocks, index = [], []
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
             seen = set()
@@ -88,14 +90,16 @@ class LocalCheckpoints:
             offset = 0
             with open(os.path.join(partial, "blocks.bin"), "wb") as f:
                 for entry, block in zip(index, blocks):
-                    data = np.ascontiguousarray(block).tobytes()
-                    entry.update(offset=offset, nbytes=len(data))
+                    data = memoryview(np.ascontiguousarray(block)).cast("B")
+                    entry.update(offset=offset, nbytes=len(data), crc32=zlib.crc32(data))
                     f.write(data)
                     offset += len(data)
+            text = json.dumps(index)
             with open(os.path.join(partial, "index.json"), "w") as f:
-                json.dump(index, f)
+                f.write(text)
+            meta = {**meta, _INDEX_DIGEST: hashlib.sha256(text.encode()).hexdigest()}
             with open(os.path.join(partial, "meta.json"), "w") as f:
-                json.dump(meta, f)
+                json.dump({**meta, _META_DIGEST: _meta_digest(meta)}, f)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(partial, final)
             for old in self.steps()[self.keep:]:
@@ -128,11 +132,16 @@ class LocalCheckpoints:
         return all(key in index for key in _needed(abstract_state))
 
     def _index(self, step):
+        """{(leaf, block): its entry} of `step`, the file checked against the meta's digest of it."""
         with open(os.path.join(self.directory, str(step), "index.json")) as f:
-            return {(e["leaf"], tuple(map(tuple, e["block"]))): e for e in json.load(f)}
+            text = f.read()
+        if hashlib.sha256(text.encode()).hexdigest() != self.read_meta(step).get(_INDEX_DIGEST):
+            raise ValueError("its index does not match its checksum")
+        return {(e["leaf"], tuple(map(tuple, e["block"]))): e for e in json.loads(text)}
 
     def restore(self, step, abstract_state):
-        """`abstract_state`'s arrays from this process's blocks of `step` (`covers` said it holds them)."""
+        """`abstract_state`'s arrays from this process's blocks of `step` (`covers` said it holds them), each checked
+        against its CRC-32; raises ValueError naming a block that does not match."""
         index = self._index(step)
         data = np.memmap(os.path.join(self.directory, str(step), "blocks.bin"), np.uint8, mode="r") if index else None
 
@@ -140,8 +149,10 @@ class LocalCheckpoints:
             name, sharding, arrays = jax.tree_util.keystr(path), target.sharding, []
             for device, where in sharding.addressable_devices_indices_map(target.shape).items():
                 e = index[(name, _block_key(where, target.shape))]
-                block = np.frombuffer(data, np.dtype(jax.numpy.dtype(e["dtype"])), count=int(np.prod(e["shape"])),
-                                      offset=e["offset"]).reshape(e["shape"])
+                raw = data[e["offset"]:e["offset"] + e["nbytes"]]
+                if len(raw) != e["nbytes"] or zlib.crc32(raw) != e["crc32"]:
+                    raise ValueError(f"leaf {name} block {list(e['block'])} does not match its checksum")
+                block = np.frombuffer(raw, np.dtype(jax.numpy.dtype(e["dtype"]))).reshape(e["shape"])
                 arrays.append(jax.device_put(block, jax.sharding.SingleDeviceSharding(
                     device, memory_kind=sharding.memory_kind)))
             return jax.make_array_from_single_device_arrays(target.shape, sharding, arrays)
@@ -199,7 +210,6 @@ class TieredCheckpointer:
         if not covered:
             raise _OtherLayout(step, "its local copy holds the blocks of another mesh or process count")
         state = _agreed(step, "local state", lambda: self.local.restore(step, abstract_state))
-        _verify(step, state, meta)
         return state, meta
 
     def restore_params(self, step, abstract_params):

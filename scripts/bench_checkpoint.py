@@ -1,7 +1,7 @@
 """The step-time cost of local checkpoints (`engine.Checkpointing(local_dir=..., local_every=...)`): the same
 training run without a local tier and with local saves every `--every` updates, rounds interleaved, medians of the
-steady time per step, the last local write included (the persistent tier is not saved inside the timed steps;
-the checksums' programs are compiled before). Prints a table.
+steady time per step, the last local write included (the persistent tier is not saved inside the timed steps).
+Prints a table.
 
   .venv/bin/python scripts/bench_checkpoint.py --state_mb=100 --every=10,1 --rounds=3 --local_dir=/dev/shm
 """
@@ -48,7 +48,7 @@ def run_once(every, workdir):
                              optimizer=optax.adam(1e-4), workdir=workdir, checkpointing=checkpointing)
     trainer.fit(rows, per_device_batch_size=2, max_steps=2, checkpoint_at_end=False, log_every=1000)
     if every:
-        trainer.save_checkpoint(local=True)  # compiles the checksums' programs, as a run's first save does
+        trainer.save_checkpoint(local=True)  # a first save outside the timing (the local directory made)
     trainer.close()
     jax.block_until_ready(trainer.params)
     start = time.perf_counter()
