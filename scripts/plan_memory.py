@@ -12,7 +12,9 @@ defaults to FSDP over every chip.
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
 per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--context_parallel`
 splits each row's tokens, `--rlhf=ppo|grpo` plans an RLHF update step, `--diloco_inner_steps`
-DiLoCo (with `--diloco_fragments`, `--diloco_outer_dtype`: what each part's outer step sends). `--sweep` compiles
+DiLoCo (with `--diloco_fragments`, `--diloco_outer_dtype`: what each part's outer step sends),
+`--expert_exchange=padded|ragged` a mixture's token exchange on an `expert` mesh (default: the target's, ragged on
+TPU). `--sweep` compiles
 every mesh factorisation and zero stage for `--num_devices` (with `--sweep_max_stages`, pipelines too), prints a JSON
 line for each and a table ranked by memory, then bytes sent. The logic lives in engine/plan.py.
 """
@@ -22,6 +24,7 @@ import os
 from absl import flags
 
 
+import models
 from engine import compiler, plan
 from engine.tasks import cli, planning
 
@@ -69,6 +72,9 @@ flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelis
                   "tensor-parallel blocks split by tokens over `model` (with --sweep: in every layout with model > 1).")
 flags.DEFINE_enum("rlhf", "none", ["none", "ppo", "grpo"], "Plan the update step of PPO (actor and critic trained) "
                   "or GRPO (the actor alone) on experience rows instead of language-model training (engine/ppo.py).")
+flags.DEFINE_enum("expert_exchange", "auto", ["auto", "ragged", "padded"], "A mixture's token exchange on an "
+                  "`expert` mesh (models.layers.MoEOptions.expert_exchange): auto the target's (ragged all-to-all on "
+                  "TPU, padded on CPU), ragged (TPU targets only) or padded.")
 flags.DEFINE_bool("sweep", False, "Every mesh factorisation x zero stage, ranked.")
 flags.DEFINE_integer("sweep_max_stages", 1, "--sweep also tries pipelines of every stage count up to this that "
                      "divides --num_devices (--per_device_batch_size x stages rows per data position: the batch of the "
@@ -101,6 +107,14 @@ def main(argv):
                   sequence_parallel=FLAGS.sequence_parallel, rlhf=None if FLAGS.rlhf == "none" else FLAGS.rlhf,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation,
                   attention_implementation=FLAGS.attention_implementation)
+    if FLAGS.expert_exchange != "auto":
+        if not hasattr(models.get_config(FLAGS.model, FLAGS.model_config), "expert_exchange"):
+            raise ValueError(f"--expert_exchange={FLAGS.expert_exchange} with --model={FLAGS.model}; expected a "
+                             "mixture of experts (mixtral, qwen3_moe) or --expert_exchange=auto")
+        if FLAGS.expert_exchange == "ragged" and target is None:
+            raise ValueError("--expert_exchange=ragged with --target=cpu; XLA:CPU has no ragged all-to-all: expected a "
+                             "TPU --target or --expert_exchange=auto / padded")
+        kwargs["config_overrides"] = {"expert_exchange": FLAGS.expert_exchange}
     if FLAGS.sweep:
         kwargs["num_devices"] = num_devices or len(plan.target_devices(FLAGS.target))
         results = planning.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)
