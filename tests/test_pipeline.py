@@ -1,7 +1,8 @@
 """Pipeline parallelism (models/pipeline.py, the mesh's `stage` axis, engine.auto_shard's stage rule): the pipelined
 stack equals the plain one, values and gradients, on meshes that mix stages with data, ZeRO-3 and tensor
-parallelism; each stage holds only its layers and the compiled step passes activations (collective-permutes), never
-weights, between stages; the Trainer trains the same on a pipeline as without; bad input fails in one line."""
+parallelism, with GPipe's and the interleaved schedule; each stage holds only its layers and GPipe's compiled step
+passes activations (collective-permutes), never weights, between stages; the compiled tick loops run V M + S - 1
+ticks; the Trainer trains the same on a pipeline as without; bad input fails in one line."""
 import re
 
 import jax
@@ -69,6 +70,13 @@ def _on_mesh(loss, params, ids, mesh):
     pytest.param("llama", dict(stage=2, context=2, data=2), dict(
         remat="full", pipeline_microbatches=2, attention_implementation="triton", mlp_implementation="triton",
         kernel_interpret=True), marks=pytest.mark.slow),
+    # The interleaved schedule: 4 layers = 2 stages x 2 virtual stages of 1 layer; 8 = 4 x 2 x 1 beside ZeRO-3, with
+    # more micro-batches than stages (the last stage's outputs wait for stage 0).
+    ("llama", dict(stage=2, data=2, model=2), dict(remat="full", pipeline_microbatches=2, pipeline_virtual_stages=2)),
+    pytest.param("llama", dict(stage=4, fsdp=2), dict(remat="full", pipeline_microbatches=8, num_layers=8,
+                                                     pipeline_virtual_stages=2), marks=pytest.mark.slow),
+    pytest.param("gptj", dict(stage=2, data=4), dict(remat="none", pipeline_microbatches=4, num_layers=6,
+                                                    pipeline_virtual_stages=3), marks=pytest.mark.slow),
 ])
 def test_pipelined_stack_equals_the_plain_one(family, mesh, options):
     model = _model(family, **options)
@@ -115,9 +123,13 @@ def test_stacked_layers_split_over_stage_and_only_activations_move():
     # parts), as without the pipeline.
     pytest.param(dict(stage=2, data=2, model=2), dict(diloco="streaming"), marks=pytest.mark.slow),
     pytest.param(dict(stage=2, context=2), dict(parallelism=engine.Parallelism(step="jit")), marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, data=2, model=2), dict(parallelism=engine.Parallelism(step="jit"), virtual_stages=2),
+                 marks=pytest.mark.slow),
 ])
 def test_trainer_on_a_pipeline_trains_like_without(mesh, kwargs):
-    model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2)
+    kwargs = dict(kwargs)
+    model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2,
+                   pipeline_virtual_stages=kwargs.pop("virtual_stages", 1))
 
     def loss_fn(params, batch, rng, is_training):
         logits = model.apply({"params": params}, batch["input_ids"])
@@ -158,6 +170,21 @@ def test_bubble_fraction():
     assert pipeline.bubble_fraction(1, 4) == 0
     assert pipeline.bubble_fraction(8, 8) == pytest.approx(7 / 15)
     assert pipeline.bubble_fraction(4, 28) == pytest.approx(3 / 31)
+    assert pipeline.bubble_fraction(4, 8, virtual_stages=2) == pytest.approx(3 / 19)
+    assert pipeline.bubble_fraction(8, 8, 4) == pytest.approx(7 / 39)
+
+
+@pytest.mark.parametrize("virtual_stages, microbatches", [(1, 2), (2, 2), (2, 4)])
+def test_compiled_tick_loops_follow_the_schedule(virtual_stages, microbatches):
+    """The forward and the backward tick loops of the compiled program each run V M + S - 1 ticks; every device
+    computes in all of them, so its idle share is the (S - 1) of them `bubble_fraction` counts."""
+    model = _model(pipeline_microbatches=microbatches, pipeline_virtual_stages=virtual_stages)
+    hlo = _trace_on(engine.make_mesh(stage=2, data=4), model).compile().as_text()
+    ticks = pipeline.num_ticks(2, microbatches, virtual_stages)
+    assert ticks == virtual_stages * microbatches + 1
+    trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)]
+    assert trips.count(ticks) == 2, trips  # forward and backward
+    assert pipeline.bubble_fraction(2, microbatches, virtual_stages) == pytest.approx(1 / ticks)
 
 
 def _trace_on(mesh, model, rows=ROWS):
@@ -177,6 +204,13 @@ def test_bad_input_fails_in_one_line():
         _trace_on(mesh, _model(num_layers=3))
     with pytest.raises(ValueError, match=r"pipeline_microbatches=3 does not divide the 8 rows"):
         _trace_on(mesh, _model(pipeline_microbatches=3))
+    with pytest.raises(ValueError, match=r"pipeline_virtual_stages=0; expected an integer >= 1"):
+        _model(pipeline_virtual_stages=0)
+    with pytest.raises(ValueError, match=r"stage=2 x pipeline_virtual_stages=3 splits a stack of 4 layers"):
+        _trace_on(mesh, _model(pipeline_virtual_stages=3))
+    with pytest.raises(ValueError, match=r"pipeline_microbatches=1 with pipeline_virtual_stages=2 on stage=2; "
+                                         r"expected at least 2 micro-batches"):
+        _trace_on(mesh, _model(pipeline_microbatches=1, pipeline_virtual_stages=2))
     with pytest.raises(ValueError, match=r"stage=2 needs scan_layers=True"):
         _trace_on(mesh, _model(scan_layers=False))
     params = models.init_params(_model(), jax.random.PRNGKey(0))

@@ -220,8 +220,9 @@ def trainable(also=None):
 def with_flags(model, params):
     """(model, params) with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each
     unchanged when unset), --fp8 (the projections' matmuls in FP8 when set; like --compute_dtype a setting of each
-    run, not recorded in run.json) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches and the
-    layers stacked (`models.stack_layers`; run.json records the layout, so a resume needs the same flags)."""
+    run, not recorded in run.json) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches,
+    --pipeline_virtual_stages and the layers stacked (`models.stack_layers`; run.json records the layout, so a resume
+    needs the same flags)."""
     options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
                if getattr(FLAGS, name) is not None}
     if FLAGS.fp8:
@@ -239,7 +240,7 @@ def with_flags(model, params):
 
 def with_pipeline(model, params):
     """(model, params) laid out for the mesh flags: --sequence_parallel set; for --pipeline_stages > 1 the layers
-    stacked (`models.stack_layers`) and --pipeline_microbatches set."""
+    stacked (`models.stack_layers`), --pipeline_microbatches and --pipeline_virtual_stages set."""
     if FLAGS.sequence_parallel:
         model = model.clone(config=dataclasses.replace(model.config, sequence_parallel=True))
     if FLAGS.pipeline_stages == 1:
@@ -248,5 +249,6 @@ def with_pipeline(model, params):
         model, params = models.stack_layers(model, params)
     except ValueError as e:
         raise ValueError(f"--pipeline_stages={FLAGS.pipeline_stages}: {e}") from None
-    config = dataclasses.replace(model.config, pipeline_microbatches=FLAGS.pipeline_microbatches)
+    config = dataclasses.replace(model.config, pipeline_microbatches=FLAGS.pipeline_microbatches,
+                                 pipeline_virtual_stages=FLAGS.pipeline_virtual_stages)
     return model.clone(config=config), params

@@ -49,7 +49,8 @@ def define_flags():
                         "also take 'auto': every layout compiled ahead of time, the one that fits and sends least "
                         "chosen, --per_device_batch_size rows per device kept as the global batch.")
     flags.DEFINE_integer("pipeline_stages", 1, "Pipeline parallelism: stages of the layer stack (the mesh's `stage` "
-                         "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe schedule.")
+                         "axis; the devices are stages x the --mesh product). Decoder-only models; GPipe's "
+                         "schedule, or the interleaved one with --pipeline_virtual_stages.")
     flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
                          "over (the mesh's `context` axis; the devices are context x stages x the --mesh product). "
                          "Attention exchanges sequence for heads (all-to-all), so heads / model must divide by it.")
@@ -57,7 +58,11 @@ def define_flags():
                       "residual stream between the tensor-parallel attention and MLP blocks holds 1/model of the "
                       "tokens per device (each block all-gathers them; its output is reduce-scattered).")
     flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches each pipeline step cuts its rows into (0: one "
-                         "per stage); the idle share of a stage is (stages - 1) / (micro-batches + stages - 1).")
+                         "per stage); the idle share of a stage is (stages - 1) / (V x micro-batches + stages - 1) "
+                         "for V --pipeline_virtual_stages.")
+    flags.DEFINE_integer("pipeline_virtual_stages", 1, "With --pipeline_stages > 1: times each micro-batch passes "
+                         "every stage (1: GPipe; V > 1: the interleaved schedule, each stage holding V chunks of "
+                         "layers; needs --pipeline_microbatches >= stages).", lower_bound=1)
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
     flags.DEFINE_integer("per_device_batch_size", 4, "Examples per device (along data x fsdp) per micro-batch.")
     flags.DEFINE_integer("accumulate_grad_batches", 1, "Micro-batches per optimizer update.")

@@ -45,7 +45,9 @@ class ModelOptions:
     (FP8's rounding, float32 products) elsewhere (models/README.md#fp8). LoRA adapters stay in the compute dtype on
     an FP8 base product; not with quantize (int8 / nf4 bases) or mlp_implementation (the fused kernels).
     pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
-    (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (M + S - 1) of each stage's time.
+    (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (V M + S - 1) of each stage's time.
+    pipeline_virtual_stages: V, the times a micro-batch passes every stage (1: GPipe; V > 1: the interleaved
+    schedule, stage s running layer chunks s, S + s, 2S + s, ... of L / (V S) layers each; needs M >= S).
     sequence_parallel: under a mesh whose automatic `model` axis divides the tokens, the residual stream between
     the tensor-parallel attention and MLP blocks (and the norms and dropouts on it) holds T / model tokens per
     device (Megatron-LM's sequence parallelism, Korthikanti et al., 2022): each block all-gathers its input's tokens
@@ -68,6 +70,7 @@ class ModelOptions:
     quantize: str | None = None
     fp8: bool = False
     pipeline_microbatches: int = 0
+    pipeline_virtual_stages: int = 1
     sequence_parallel: bool = False
 
     def __post_init__(self):
@@ -96,6 +99,10 @@ class ModelOptions:
                 or self.pipeline_microbatches < 0):
             raise ValueError(f"pipeline_microbatches={self.pipeline_microbatches!r}; expected an integer >= 0 "
                              "(0: one per stage)")
+        if (isinstance(self.pipeline_virtual_stages, bool) or not isinstance(self.pipeline_virtual_stages, int)
+                or self.pipeline_virtual_stages < 1):
+            raise ValueError(f"pipeline_virtual_stages={self.pipeline_virtual_stages!r}; expected an integer >= 1 "
+                             "(1: GPipe)")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout={self.lora_dropout!r}; expected a rate in [0, 1)")
         if not self.lora_alpha > 0:

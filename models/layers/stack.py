@@ -124,4 +124,5 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     if config.remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     return pipeline.pipeline(layer_fn, owner.variables["params"][name], x, ctx, stages=stages,
-                             microbatches=config.pipeline_microbatches or stages)
+                             microbatches=config.pipeline_microbatches or stages,
+                             virtual_stages=config.pipeline_virtual_stages)
