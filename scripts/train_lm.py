@@ -30,15 +30,18 @@ flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.j
 flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or datasets.save_to_disk directories "
                   "(--text_column); a weighted mixture of such sources, 'code/*.parquet:0.7,web/*.jsonl:0.3' (each "
                   "packed on its own, rows interleaved by weight; needs --max_steps); or one directory of tokens "
-                  "written by scripts/prepare_data.py (read through a memory map); empty: the embedded Python-stdlib "
-                  "corpus.")
+                  "written by scripts/prepare_data.py (read through a memory map or by random access); or "
+                  "pre-tokenised .array_record files, globs or directories of them (one document per record: int32 "
+                  "ids, or a tf.train.Example whose int64 feature --text_column holds them); empty: the embedded "
+                  "Python-stdlib corpus.")
 flags.DEFINE_string("model_overrides", '{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4}',
                     "JSON object of config fields that replace the named config's; the default makes the tiny "
                     "config a little larger for the embedded job. With --init_from: model options only (e.g. "
                     '{"remat": "dots", "attention_implementation": "triton"}; the checkpoint fixes the rest).')
 flags.DEFINE_integer("seq_len", 128, "Tokens per packed training row.")
 flags.DEFINE_integer("data_workers", 0, "Worker processes that read and collate each batch (random-access data: "
-                     "packed text or a prepare_data.py directory; not a mixture's stream); 0: in this process.")
+                     "packed text, a prepare_data.py directory or ArrayRecord files; not a mixture's stream); 0: in "
+                     "this process.")
 FLAGS.set_default("per_device_batch_size", 8)
 flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sample generations after training.")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")
@@ -77,11 +80,12 @@ def auto_mesh():
 def main(argv):
     del argv
     profile = script_flags.parse_profile_steps(FLAGS.profile_steps)
-    token_dir = FLAGS.data[0] if len(FLAGS.data) == 1 and text_data.is_token_dir(FLAGS.data[0]) else None
-    mixture = sources.is_mixture(FLAGS.data)
+    tokens, mixture = None, sources.is_mixture(FLAGS.data)
     if mixture:
         sources.parse_mixture(FLAGS.data)  # a bad weight is refused before any model is built
-    elif token_dir is None:
+    elif text_data.is_token_data(FLAGS.data):  # opened (ArrayRecord files indexed) before any model is built
+        tokens = text_data.token_windows(FLAGS.data, FLAGS.seq_len, feature=FLAGS.text_column)
+    else:
         docs = (text_data.read_texts(FLAGS.data, decode_errors=FLAGS.decode_errors, text_column=FLAGS.text_column)
                 if FLAGS.data else text_data.default_corpus())
         if not any(doc.strip() for doc in docs):
@@ -96,11 +100,11 @@ def main(argv):
         train_rows, eval_rows = mixture_rows(tokenizer, max(global_batch // FLAGS.accumulate_grad_batches, 256))
         run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch)
         return train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
-    if token_dir is None:
+    if tokens is None:
         rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
-    else:  # a memory-mapped Sequence of windows: only each batch's rows are read
-        text_data.check_token_dir(token_dir, tokenizer, model.config.vocab_size)
-        rows = text_data.TokenWindows(token_dir, FLAGS.seq_len)
+    else:  # a Sequence of windows (memory-mapped or ArrayRecord): only each batch's rows are read
+        text_data.check_token_windows(tokens, tokenizer, model.config.vocab_size)
+        rows = tokens
     # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch.
     n_eval = max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024))
     if len(rows) < n_eval + global_batch:
@@ -110,7 +114,8 @@ def main(argv):
     run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch)
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
-                 token_dir or f"{len(docs)} documents", len(train_rows), len(eval_rows), FLAGS.seq_len, global_batch)
+                 ",".join(FLAGS.data) if tokens is not None else f"{len(docs)} documents", len(train_rows),
+                 len(eval_rows), FLAGS.seq_len, global_batch)
     train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
 
 

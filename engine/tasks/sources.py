@@ -29,7 +29,7 @@ _READ_BUFFER = 1 << 20  # Parquet pages read through a 1 MiB buffer rather than 
 MIXTURE_FORM = "PATH[:WEIGHT],PATH[:WEIGHT],... (e.g. code.parquet:0.7,web/*.jsonl:0.3)"
 
 
-def _expand(patterns, suffixes=TEXT_SUFFIXES):
+def expand_files(patterns, suffixes=TEXT_SUFFIXES):
     """The files of paths or globs; a directory stands for the files under it (recursively, sorted) whose names end
     with one of `suffixes`, and a `datasets.save_to_disk` directory for its Arrow files."""
     if isinstance(patterns, str):
@@ -254,7 +254,7 @@ def read_texts(patterns, *, decode_errors="strict", text_column="text"):
 def iter_texts(patterns, *, decode_errors="strict", text_column="text"):
     """`read_texts`, one document at a time (a corpus larger than memory streams through `write_tokens`)."""
     _check_decode_errors(decode_errors)
-    files = _expand(patterns)
+    files = expand_files(patterns)
     for _, text in _documents(files, text_column, decode_errors, _shown(files)):
         yield text
 
@@ -308,7 +308,7 @@ def read_records(patterns, fields, *, decode_errors="strict", nonempty=None):
     nothing to train on. Encoding as in `read_texts` (decode_errors)."""
     _check_decode_errors(decode_errors)
     records = []
-    for path in _expand(patterns, (".jsonl",)):
+    for path in expand_files(patterns, (".jsonl",)):
         if not path.endswith(".jsonl"):
             shown = ", ".join(f'"{f}": ...' for f in fields)
             raise ValueError(f"data: {path!r} is not .jsonl; expected one {{{shown}}} per line")
@@ -410,7 +410,7 @@ class Mixture:
         self.sources = parse_mixture(self.spec)
         self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
         self.decode_errors = decode_errors
-        self.files = [_expand(pattern) for pattern, _ in self.sources]
+        self.files = [expand_files(pattern) for pattern, _ in self.sources]
         self.weights = [w for _, w in self.sources]
         self._start = {"windows": [0] * len(self.sources),
                        "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources]}

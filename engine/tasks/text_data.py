@@ -1,8 +1,8 @@
-"""Text data: tokenisers, token files on disk (`write_tokens`, `TokenWindows`), the embedded corpus and the toy
+"""Text data: tokenisers, token files on disk (`write_tokens`, `TokenWindows`; ArrayRecord files through
+`array_records.ArrayRecordWindows`, named here too; `token_windows` opens either), the embedded corpus and the toy
 task's words. Reading documents and records from files, `pack` and data mixtures live in `engine.tasks.sources`;
 its readers and `pack` are named here too, where the scripts and tasks have always found them.
 """
-import collections.abc
 import glob
 import json
 import os
@@ -10,6 +10,8 @@ import os
 import numpy as np
 from absl import logging
 
+from engine.tasks.array_records import SUFFIX as ARRAY_RECORD_SUFFIX
+from engine.tasks.array_records import ArrayRecordWindows, RecordWriter, WindowSequence
 from engine.tasks.sources import (DECODE_ERRORS, check_not_empty, iter_texts, pack, read_records,  # noqa: F401
                                   read_texts)
 
@@ -258,33 +260,51 @@ def tokenizer_from_spec(spec, directory):
 TOKENS_FILE, TOKENS_META = "tokens.bin", "meta.json"
 
 
-def write_tokens(docs, tokenizer, directory, *, chunk_tokens=1 << 20):
-    """Tokenises `docs` (any iterable of strings, streamed) into `directory`: `tokens.bin`, every document followed
-    by EOS laid end to end (uint16 when the vocabulary fits, else uint32; nanoGPT's train.bin), `meta.json` (dtype,
-    token and document counts, the largest id, EOS, the tokenizer) and, for a Hugging Face tokenizer, its
-    tokenizer.json. meta.json is written last, so a directory holding it is complete. Returns the meta dict."""
+def write_tokens(docs, tokenizer, directory, *, format="bin", chunk_tokens=1 << 20, shard_tokens=1 << 28):
+    """Tokenises `docs` (any iterable of strings, streamed) into `directory`, every document followed by EOS, as
+    format='bin': `tokens.bin`, the documents laid end to end (uint16 when the vocabulary fits, else uint32;
+    nanoGPT's train.bin), read by `TokenWindows`; or format='array_record': `tokens-00000.array_record`, ... (a new
+    file after `shard_tokens` tokens), one record per document of little-endian int32 ids, read by
+    `ArrayRecordWindows` (and by Grain's `ArrayRecordDataSource`). Then `meta.json` (token and document counts, the
+    largest id, EOS, the tokenizer; for ArrayRecord its format and files, for tokens.bin its dtype) and, for a
+    Hugging Face tokenizer, its tokenizer.json. meta.json is written last, so a directory holding it is complete.
+    Returns the meta dict."""
+    if format not in ("bin", "array_record"):
+        raise ValueError(f"format={format!r}; expected 'bin' (tokens.bin) or 'array_record'")
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, TOKENS_FILE)
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     n_tokens = n_docs = max_id = 0
-    with open(path + ".tmp", "wb") as f:
-        pending = []
-        for doc in docs:
-            ids = tokenizer.encode(doc) + eos
-            pending += ids
-            n_docs += 1
-            if len(pending) >= chunk_tokens:
+    if format == "array_record":
+        writer = RecordWriter(directory, shard_tokens)
+        try:
+            for doc in docs:
+                ids = tokenizer.encode(doc) + eos
+                writer.write(ids)
+                n_docs, n_tokens, max_id = n_docs + 1, n_tokens + len(ids), max(max_id, max(ids, default=0))
+        finally:
+            writer.close()
+        meta = {"format": "array_record", "files": writer.files}
+    else:
+        with open(path + ".tmp", "wb") as f:
+            pending = []
+            for doc in docs:
+                ids = tokenizer.encode(doc) + eos
+                pending += ids
+                n_docs += 1
+                if len(pending) >= chunk_tokens:
+                    max_id = max(max_id, max(pending))
+                    f.write(np.asarray(pending, dtype).tobytes())
+                    n_tokens, pending = n_tokens + len(pending), []
+            if pending:
                 max_id = max(max_id, max(pending))
                 f.write(np.asarray(pending, dtype).tobytes())
-                n_tokens, pending = n_tokens + len(pending), []
-        if pending:
-            max_id = max(max_id, max(pending))
-            f.write(np.asarray(pending, dtype).tobytes())
-            n_tokens += len(pending)
-    os.replace(path + ".tmp", path)
-    meta = {"dtype": dtype.name, "num_tokens": n_tokens, "num_documents": n_docs, "max_id": int(max_id),
-            "eos_id": tokenizer.eos_id, "tokenizer": tokenizer_spec(tokenizer, directory)}
+                n_tokens += len(pending)
+        os.replace(path + ".tmp", path)
+        meta = {"dtype": dtype.name}
+    meta.update({"num_tokens": n_tokens, "num_documents": n_docs, "max_id": int(max_id),
+                 "eos_id": tokenizer.eos_id, "tokenizer": tokenizer_spec(tokenizer, directory)})
     with open(os.path.join(directory, TOKENS_META + ".tmp"), "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(os.path.join(directory, TOKENS_META + ".tmp"), os.path.join(directory, TOKENS_META))
@@ -292,8 +312,40 @@ def write_tokens(docs, tokenizer, directory, *, chunk_tokens=1 << 20):
 
 
 def is_token_dir(path):
-    """Whether `path` is a directory written by `write_tokens`."""
+    """Whether `path` is a directory written by `write_tokens` (either format)."""
     return os.path.isfile(os.path.join(path, TOKENS_META))
+
+
+def is_token_data(data):
+    """Whether `data` (a path or a --data list) is pre-tokenised: one `write_tokens` directory, or ArrayRecord
+    files, globs of them or directories holding them."""
+    data = [data] if isinstance(data, str) else list(data)
+    if len(data) == 1 and is_token_dir(data[0]):
+        return True
+    return bool(data) and all(p.endswith(ARRAY_RECORD_SUFFIX) or (os.path.isdir(p) and any(
+        name.endswith(ARRAY_RECORD_SUFFIX) for name in os.listdir(p))) for p in data)
+
+
+def token_windows(data, seq_len, *, feature="text"):
+    """The training windows of pre-tokenised `data` (see `is_token_data`): a `TokenWindows` over a tokens.bin
+    directory, else an `ArrayRecordWindows` (`feature`: a tf.train.Example's feature holding the ids)."""
+    data = [data] if isinstance(data, str) else list(data)
+    if len(data) == 1 and is_token_dir(data[0]) and read_token_meta(data[0]).get("format", "bin") == "bin":
+        return TokenWindows(data[0], seq_len)
+    return ArrayRecordWindows(data, seq_len, feature=feature)
+
+
+def check_token_windows(windows, tokenizer, vocab_size):
+    """`check_token_dir` for windows from `token_windows`: a `write_tokens` directory's tokenizer and largest id;
+    ArrayRecord files without its meta.json carry no tokenizer, so only their ids are checked (the largest is read
+    while indexing them)."""
+    if windows.directory is not None:
+        return check_token_dir(windows.directory, tokenizer, vocab_size)
+    logging.warning("data: ArrayRecord files without a prepare_data.py meta.json: their tokenizer is not known, "
+                    "only their ids are checked against the model's vocabulary")
+    if windows.meta["max_id"] >= vocab_size:
+        raise ValueError(f"data: {', '.join(windows.meta['files'][:3])} hold token id {windows.meta['max_id']}; "
+                         f"expected ids below the model's vocab_size={vocab_size}")
 
 
 def read_token_meta(directory):
@@ -336,7 +388,7 @@ def _tokenizer_json(directory):
     return tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json")).to_str()
 
 
-class TokenWindows(collections.abc.Sequence):
+class TokenWindows(WindowSequence):
     """Training rows in `pack`'s format ({'tokens', 'segment_ids'} [seq_len + 1]) read from a `write_tokens`
     directory through a memory map, so a corpus larger than memory trains with only the rows of a batch read.
     Window i is tokens[i·seq_len : i·seq_len + seq_len + 1] (neighbours share one token, so every next-token pair
@@ -349,20 +401,17 @@ class TokenWindows(collections.abc.Sequence):
             raise ValueError(f"seq_len={seq_len!r}; expected an integer >= 2")
         self.directory, self.seq_len = directory, seq_len
         self.meta = read_token_meta(directory)
+        if self.meta.get("format", "bin") != "bin":
+            raise ValueError(f"data: {directory} holds {self.meta['format']} files, not tokens.bin; read it with "
+                             "ArrayRecordWindows (or text_data.token_windows)")
         self._tokens = np.memmap(os.path.join(directory, TOKENS_FILE), dtype=self.meta["dtype"], mode="r",
                                  shape=(self.meta["num_tokens"],))
         self._range = _range if _range is not None else range(max(0, (self.meta["num_tokens"] - 1) // seq_len))
 
-    def __len__(self):
-        return len(self._range)
+    def _sliced(self, part):
+        return TokenWindows(self.directory, self.seq_len, _range=part)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            part = self._range[i]
-            if part.step != 1:
-                raise ValueError(f"TokenWindows[{i}]: only contiguous slices (step 1)")
-            return TokenWindows(self.directory, self.seq_len, _range=part)
-        start = self._range[i] * self.seq_len
+    def _window(self, start):
         tokens = np.asarray(self._tokens[start:start + self.seq_len + 1], np.int32)
         eos = self.meta["eos_id"]
         ends = np.zeros_like(tokens) if eos is None else (tokens == eos).astype(np.int32)
