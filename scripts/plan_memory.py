@@ -60,6 +60,8 @@ flags.DEFINE_integer("context_parallel", 1, "Context parallelism: devices each r
                      "mesh's `context` axis; devices = context x stages x the --mesh product; the jit step).",
                      lower_bound=1)
 flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
+flags.DEFINE_integer("pipeline_virtual_stages", 1, "Virtual stages per device (1: GPipe; more: the interleaved "
+                     "schedule).", lower_bound=1)
 flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: plan DiLoCo over `data` (needs --zero_stage=0): bytes of an "
                      "inner step, and of each part's outer step.", lower_bound=0)
 flags.DEFINE_integer("diloco_fragments", 1, "Streaming DiLoCo's parts.", lower_bound=1)
@@ -123,7 +125,8 @@ def main(argv):
         print(plan.format_table(results))
         return
     print(json.dumps(planning.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
-                               pipeline_microbatches=FLAGS.pipeline_microbatches, context=FLAGS.context_parallel,
+                               pipeline_microbatches=FLAGS.pipeline_microbatches,
+                               pipeline_virtual_stages=FLAGS.pipeline_virtual_stages, context=FLAGS.context_parallel,
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
                                diloco_outer_dtype=FLAGS.diloco_outer_dtype,
                                zero_quantized_weights=FLAGS.zero_quantized_weights,

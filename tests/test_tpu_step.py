@@ -162,13 +162,13 @@ print(json.dumps(planning.plan(model="mixtral", model_config="mixtral-8x7b", con
 @pytest.mark.parametrize("mesh", ["1,1,1,4", "1,2,1,2"])
 def test_mixtral_expert_parallel_step_compiles_with_the_mosaic_grouped_matmul(mesh):
     """A two-layer Mixtral (8 experts, top-2) on v5p-8 with its experts over `expert` (alone, and beside fsdp): the
-    shard_map step, the Mosaic grouped matmul inside the layer's all-to-all exchange, compiles and fits."""
+    shard_map step, the Mosaic grouped matmul inside the layer's ragged all-to-all exchange, compiles and fits."""
     tpu_devices("v5p")
     proc = _run(["-c", _MOE_WORKER, mesh])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["step"] == "shard_map" and r["mesh"] == [int(x) for x in mesh.split(",")] and r["fits"]
-    assert r["collective_bytes"]["all-to-all"] > 0 and r["bytes_by_axes"]["expert"] > 0
+    assert r["collective_bytes"]["ragged-all-to-all"] > 0 and r["bytes_by_axes"]["expert"] > 0  # the routed rows
 
 
 # ---- the overlap flags ----

@@ -29,7 +29,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                  seq_len=2048, remat="full", compute_dtype="bfloat16", grad_dtype=None, reduce_dtype=None,
                  accumulate=1, step="shard_map", hbm_gb=None, loss_implementation="auto",
                  attention_implementation="auto", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-                 pipeline_microbatches=0, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
+                 pipeline_microbatches=0, pipeline_virtual_stages=1, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
                  context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
                  rlhf=None, config_overrides=None):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
@@ -42,7 +42,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
     quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
-    per stage) of each micro-batch's rows. diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
+    per stage) of each micro-batch's rows, `pipeline_virtual_stages` per device (1: GPipe; more: the interleaved
+    schedule, models/pipeline.py). diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
     collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
@@ -163,6 +164,7 @@ def _network(s):
                                attention_implementation=s["attention_implementation"],
                                param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
                                pipeline_microbatches=s["pipeline_microbatches"],
+                               pipeline_virtual_stages=s["pipeline_virtual_stages"],
                                sequence_parallel=s["sequence_parallel"])
     network = models.FAMILIES[s["model"]].Model(config)
     abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
@@ -214,7 +216,8 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
     result = {"model": s["model"], "model_config": s["model_config"], "target": s["target"] or "cpu",
               "num_devices": s["num_devices"], "mesh": mesh,
               "stages": s["stages"], "context": s["context"], "pipeline_microbatches": microbatches,
-              "idle_share": models.pipeline.bubble_fraction(s["stages"], microbatches),
+              "pipeline_virtual_stages": s["pipeline_virtual_stages"],
+              "idle_share": models.pipeline.bubble_fraction(s["stages"], microbatches, s["pipeline_virtual_stages"]),
               "zero_stage": s["zero_stage"], "step": step,
               "zero_quantized": {"weights": s["zero_quantized_weights"], "gradients": s["zero_quantized_gradients"]},
               "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],
