@@ -74,7 +74,7 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
     run["training"] = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
     if global_batch is not None:
         run["training"]["global_batch"] = global_batch
-    if "max_steps" in FLAGS and "lr_extension" in FLAGS:
+    if FLAGS.is_parsed() and "max_steps" in FLAGS and "lr_extension" in FLAGS:  # a script's, not a library call's
         run["training"].update(max_steps=FLAGS.max_steps, lr_cycles=lr_cycles(workdir, note=True))
     if jax.process_index() != 0:
         return
