@@ -5,6 +5,7 @@ prepare_data.py -> train_lm.py end to end.
 
 `python -m tests.test_array_record` prints the peak memory of reading ArrayRecord corpora of growing size (the
 figure in scripts/README.md#data-formats)."""
+import logging
 import os
 import pickle
 import re
@@ -105,7 +106,8 @@ def test_array_records_read_back_as_the_token_directorys_windows(tmp_path):
     text_data.write_tokens(docs, TOKENIZER, str(tmp_path / "bin"))
     meta = text_data.write_tokens(docs, TOKENIZER, str(tmp_path / "ar"), format="array_record", shard_tokens=1500)
     assert meta["format"] == "array_record" and len(meta["files"]) > 2 and meta["num_documents"] == 60
-    assert sorted(os.listdir(tmp_path / "ar")) == sorted(meta["files"] + ["meta.json"])
+    assert sorted(os.listdir(tmp_path / "ar")) == sorted(
+        meta["files"] + [f + array_records.INDEX_SUFFIX for f in meta["files"]] + ["meta.json"])
     for seq_len in (5, 16):
         reference = text_data.TokenWindows(str(tmp_path / "bin"), seq_len)
         windows = text_data.token_windows(str(tmp_path / "ar"), seq_len)
@@ -122,6 +124,43 @@ def test_array_records_read_back_as_the_token_directorys_windows(tmp_path):
     assert data.is_random_access(windows)
     assert text_data.is_token_data([str(tmp_path / "ar")]) and text_data.is_token_data([f"{tmp_path}/ar/x.array_record"])
     assert not text_data.is_token_data([f"{tmp_path}/a.jsonl"])
+
+
+def test_the_written_index_is_loaded_and_a_stale_one_rebuilt(tmp_path, monkeypatch, caplog):
+    """Files written by write_tokens open from their indexes without reading a record; a file rewritten since its
+    index (other documents), or an index that is not one, is detected in one warning line, read, and its index
+    rewritten, so the next open reads nothing again. The windows are the scanned files' in every case."""
+    docs = _docs()
+    text_data.write_tokens(docs, TOKENIZER, str(tmp_path / "ar"), format="array_record", shard_tokens=1500)
+    monkeypatch.setattr(array_records, "INDEX_SUFFIX", ".none")
+    reference = array_records.ArrayRecordWindows(str(tmp_path / "ar"), 16)  # scanned: no index under that name
+    monkeypatch.undo()
+    scan = array_records._scan_file
+
+    def no_scan(path, feature):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(array_records, "_scan_file", no_scan)
+    indexed = array_records.ArrayRecordWindows(str(tmp_path / "ar"), 16)
+    _assert_same_windows(reference, indexed)
+    assert indexed.meta == reference.meta
+
+    first, second = sorted(str(p) for p in (tmp_path / "ar").glob("*.array_record"))[:2]
+    ids = [TOKENIZER.encode(doc) + [TOKENIZER.eos_id] for doc in _docs(7, seed=5)]
+    os.remove(first)
+    _write_records(first, [np.asarray(x, "<i4").tobytes() for x in ids])  # other documents, the old index beside
+    with open(second + array_records.INDEX_SUFFIX, "wb") as f:
+        f.write(b"not an index")
+    monkeypatch.setattr(array_records, "_scan_file", scan)
+    with caplog.at_level(logging.WARNING):
+        rebuilt = array_records.ArrayRecordWindows(str(tmp_path / "ar"), 16)
+    stale = [r.getMessage() for r in caplog.records if "is stale" in r.getMessage()]
+    assert len(stale) == 2 and "changed since it was written" in stale[0] and "unreadable" in stale[1], stale
+    monkeypatch.setattr(array_records, "INDEX_SUFFIX", ".none")
+    _assert_same_windows(array_records.ArrayRecordWindows(str(tmp_path / "ar"), 16), rebuilt)
+    monkeypatch.undo()
+    monkeypatch.setattr(array_records, "_scan_file", no_scan)
+    _assert_same_windows(rebuilt, array_records.ArrayRecordWindows(str(tmp_path / "ar"), 16))
 
 
 def test_maxtext_tf_examples_read_as_the_same_windows(tmp_path):
@@ -311,10 +350,40 @@ def test_prepare_data_array_records_then_train_lm_trains_and_resumes(tmp_path):
     assert failed.returncode == 2 and "is not an ArrayRecord file" in failed.stderr.splitlines()[-1], failed.stderr
 
 
+def _open_times(directory, mib, longest, repeats=3):
+    """(best seconds opening `directory` with its indexes, best seconds reading every record instead, documents):
+    `mib` MiB of random int32 ids in documents of 1 to `longest` - 1 tokens, written by RecordWriter."""
+    import time  # noqa: PLC0415
+
+    rng, writer, left = np.random.default_rng(0), array_records.RecordWriter(directory), mib * 2**20 // 4
+    while left > 0:
+        n = min(left, int(rng.integers(1, longest)))
+        writer.write(rng.integers(0, 50_000, n, dtype=np.int32))
+        left -= n
+    writer.close()
+    times, indexed = {}, array_records.INDEX_SUFFIX
+    for suffix in (indexed, ".absent") * repeats:
+        array_records.INDEX_SUFFIX = suffix
+        start = time.perf_counter()
+        windows = array_records.ArrayRecordWindows(directory, 2048)
+        times[suffix] = min(times.get(suffix, float("inf")), time.perf_counter() - start)
+    array_records.INDEX_SUFFIX = indexed
+    return times[indexed], times[".absent"], windows.meta["num_documents"]
+
+
 if __name__ == "__main__":
     import tempfile  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as scratch:
+        if sys.argv[1:] == ["open_time"]:
+            for longest in (8192, 1024):
+                directory = os.path.join(scratch, str(longest))
+                with_index, scanned, documents = _open_times(directory, 300, longest)
+                size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+                print(f"300 MiB of int32 tokens in {documents} documents of 1 to {longest - 1} tokens "
+                      f"({size / 1e6:.0f} MB of files): opened in {with_index:.3f} s with the indexes, "
+                      f"{scanned:.2f} s reading every record", flush=True)
+            sys.exit()
         for mib in (64, 256, 1024):
             path = _random_token_corpus(os.path.join(scratch, f"{mib}.array_record"), mib)
             print(f"{mib:5d} MiB of int32 tokens ({os.path.getsize(path) / 2**20:.0f} MiB file): peak RSS "

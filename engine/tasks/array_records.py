@@ -12,13 +12,17 @@ the same):
 
 Windows follow `text_data.TokenWindows`: the records laid end to end, window i is tokens [i·seq_len, i·seq_len +
 seq_len + 1) and its segment ids number the documents within it; here a record's end ends a document (whether or not
-the record ends with EOS). Opening reads every record once to index the documents' lengths (8 bytes per document
-are held, never the tokens); a window then reads only the records it overlaps, so a corpus larger than memory
-trains in flat memory (scripts/README.md#data-formats has the measurement).
+the record ends with EOS). Opening indexes the documents' lengths (8 bytes per document are held, never the
+tokens): from each file's index `<file>.index.npz` where one is beside it and still matches the file (its size,
+record count and a digest of its last MiB; `RecordWriter` writes them), else by reading every record once (and
+rewriting an index found stale). A window then reads only the records it overlaps, so a corpus larger than memory
+trains in flat memory (scripts/README.md#data-formats has the measurements).
 
 This module imports `array_record` (installed with Grain: the `data` extra) only when a file is opened or written.
 """
 import collections.abc
+import hashlib
+import json
 import os
 
 import numpy as np
@@ -30,6 +34,9 @@ SUFFIX = ".array_record"
 _SCAN_RECORDS = 64  # records decoded at a time while indexing
 _READ_OPTIONS = "readahead_buffer_size:0"  # random access: no read-ahead buffers (array_record's advice for Grain)
 _WRITE_OPTIONS = "group_size:1"  # one record per chunk: a random read decompresses only its own document
+INDEX_SUFFIX = ".index.npz"  # beside each file: its documents' lengths, and what identifies the file they index
+_INDEX_VERSION = 1
+_TAIL_BYTES = 1 << 20  # the digested end of a file: ArrayRecord's footer there holds every chunk's offset
 
 
 class _Malformed(Exception):
@@ -174,8 +181,8 @@ def _read(reader, index):
     return reader.read([index])[0]
 
 
-def _index_file(path, feature):
-    """(encoding, per-record token counts, largest id) of one file."""
+def _scan_file(path, feature):
+    """(encoding, per-record token counts, largest id) of one file, reading every record."""
     reader = _reader(path)
     try:
         n = reader.num_records()
@@ -198,6 +205,71 @@ def _index_file(path, feature):
         return ("example" if example else "int32"), lengths, max_id
     finally:
         reader.close()
+
+
+def _identity(path):
+    """What a file's index must match: its size and a digest of its last MiB (not the mtime, which a copy
+    changes). The record count is checked apart, from the reader."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _TAIL_BYTES))
+        return {"size": size, "tail_sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
+def write_index(path, encoding, lengths, max_id, feature=None):
+    """Writes `path`'s index (`path` + INDEX_SUFFIX) for a complete, closed file: its documents' token counts,
+    encoding and largest id (`feature`: the tf.train.Example feature counted), and its identity. Written to a
+    temporary name and renamed, so processes that rebuild one at once never leave a torn file."""
+    lengths = np.asarray(lengths, np.int64)
+    info = dict(_identity(path), version=_INDEX_VERSION, records=int(lengths.size), encoding=encoding,
+                max_id=int(max_id), feature=feature if encoding == "example" else None)
+    tmp = f"{path}{INDEX_SUFFIX}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, lengths=lengths, info=np.array(json.dumps(info)))
+    os.replace(tmp, path + INDEX_SUFFIX)
+
+
+def _load_index(path, feature):
+    """(encoding, lengths, max_id) from `path`'s index, or (None, why it does not match) when it is stale."""
+    try:
+        with np.load(path + INDEX_SUFFIX, allow_pickle=False) as index:
+            info, lengths = json.loads(str(index["info"])), index["lengths"]
+    except (OSError, ValueError, KeyError) as e:
+        return None, f"it is unreadable ({type(e).__name__})"
+    if info.get("version") != _INDEX_VERSION:
+        return None, f"its version is {info.get('version')}, not {_INDEX_VERSION}"
+    now = _identity(path)
+    reader = _reader(path)
+    try:
+        now["records"] = reader.num_records()
+    finally:
+        reader.close()
+    changed = [k for k in ("size", "records", "tail_sha256") if info.get(k) != now[k]]
+    if changed:
+        return None, f"the file's {'/'.join(changed)} changed since it was written"
+    if info["encoding"] == "example" and info["feature"] != feature:
+        return None, f"it counts the feature {info['feature']!r}, not {feature!r}"
+    if lengths.shape != (info["records"],):
+        return None, "its lengths do not match its record count"
+    return (info["encoding"], lengths, info["max_id"]), None
+
+
+def _index_file(path, feature):
+    """(encoding, per-record token counts, largest id) of one file: from its index when one matches it, else read
+    (and a stale index rewritten: a read-only directory keeps the stale one, and scans each time)."""
+    if not os.path.isfile(path + INDEX_SUFFIX):
+        return _scan_file(path, feature)
+    indexed, stale = _load_index(path, feature)
+    if indexed is not None:
+        return indexed
+    logging.warning("data: the index %s is stale (%s); reading every record of %s and rewriting it",
+                    path + INDEX_SUFFIX, stale, path)
+    scanned = _scan_file(path, feature)
+    try:
+        write_index(path, *scanned, feature=feature)
+    except OSError as e:
+        logging.warning("data: could not rewrite %s (%s)", path + INDEX_SUFFIX, e)
+    return scanned
 
 
 def _written_directory(data):
@@ -314,25 +386,31 @@ class ArrayRecordWindows(WindowSequence):
 
 class RecordWriter:
     """Writes documents' ids as int32 records into `directory`/tokens-00000.array_record, -00001, ...: a new file
-    after `shard_tokens` tokens. `files`: the names written, in order."""
+    after `shard_tokens` tokens, each closed with its index (`write_index`: the lengths counted while writing, so
+    opening the files reads no record). `files`: the names written, in order."""
 
     def __init__(self, directory, shard_tokens=1 << 28):
         from array_record.python import array_record_module  # noqa: PLC0415
 
         self._module, self.directory, self.shard_tokens = array_record_module, directory, shard_tokens
-        self.files, self._writer, self._tokens = [], None, 0
+        self.files, self._writer, self._lengths, self._max_id, self._tokens = [], None, [], -1, 0
 
     def write(self, ids):
         if self._writer is None or self._tokens >= self.shard_tokens:
             self.close()
+            self._tokens = 0
             self.files.append(f"tokens-{len(self.files):05d}{SUFFIX}")
             self._writer = self._module.ArrayRecordWriter(os.path.join(self.directory, self.files[-1]),
                                                           _WRITE_OPTIONS)
-            self._tokens = 0
-        self._writer.write(np.asarray(ids, "<i4").tobytes())
-        self._tokens += len(ids)
+        ids = np.asarray(ids, "<i4")
+        self._writer.write(ids.tobytes())
+        self._lengths.append(ids.size)
+        self._tokens += ids.size
+        self._max_id = max(self._max_id, int(ids.max(initial=-1)))
 
     def close(self):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            write_index(os.path.join(self.directory, self.files[-1]), "int32", self._lengths, self._max_id)
+            self._lengths, self._max_id = [], -1
