@@ -355,6 +355,7 @@ def _open_times(directory, mib, longest, repeats=3):
     `mib` MiB of random int32 ids in documents of 1 to `longest` - 1 tokens, written by RecordWriter."""
     import time  # noqa: PLC0415
 
+    os.makedirs(directory)
     rng, writer, left = np.random.default_rng(0), array_records.RecordWriter(directory), mib * 2**20 // 4
     while left > 0:
         n = min(left, int(rng.integers(1, longest)))

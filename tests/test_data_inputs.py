@@ -495,6 +495,65 @@ def test_mixture_resumes_with_exactly_the_next_window(tmp_path):
                     r"\(now 3:", lambda: sources.Mixture.from_state(state, tok))
 
 
+def test_a_mixture_takes_array_record_sources_as_their_ids(tmp_path):
+    """A pre-tokenised source (a prepare_data.py --format=array_record directory, or a glob of its files) beside
+    text sources: its shares follow the weights within 1%, its windows are `pack` of its documents cycled (the
+    records' ids as they are), and a state taken mid-stream resumes with exactly the next windows, through
+    set_state and from_state, across the records source's epochs."""
+    pytest.importorskip("array_record")
+    tok, seq_len, n = text_data.ByteTokenizer(), 32, 2000
+    spec, docs = _mixture_corpus(tmp_path)
+    rng = random.Random(1)
+    docs["d"] = ["d" * rng.randint(1, 400) for _ in range(25)]
+    text_data.write_tokens(docs["d"], tok, str(tmp_path / "tok"), format="array_record", shard_tokens=2000)
+    for records in (f"{tmp_path}/tok", f"{tmp_path}/tok/*.array_record"):
+        mixture = sources.Mixture(f"{records}:0.4,{spec.split(',')[1].rsplit(':', 1)[0]}:0.6", tok, seq_len)
+        assert mixture.kinds == ("records", "text") and len(mixture.files[0]) > 2
+        windows = [w for _, w in zip(range(n), mixture)]
+        counts = dict.fromkeys("bd", 0)
+        for i, window in enumerate(windows, 1):
+            counts[_letter(window, tok)] += 1
+            assert abs(counts["d"] - 0.4 * i) <= 2
+        assert all(abs(counts[s] / n - w) < 0.01 for s, w in (("d", 0.4), ("b", 0.6))), counts
+        mine = [w for w in windows if _letter(w, tok) == "d"]
+        want = text_data.pack(docs["d"] * -(-(len(mine) * (seq_len + 1)) // sum(len(d) + 1 for d in docs["d"])),
+                              tok, seq_len)[:len(mine)]
+        assert all((a["tokens"] == b["tokens"]).all() and (a["segment_ids"] == b["segment_ids"]).all()
+                   for a, b in zip(mine, want))
+    for stop in (1, 777):  # 777: the records source is in its third epoch, mid-document
+        it = iter(mixture)
+        for _ in range(stop):
+            next(it)
+        state = json.loads(json.dumps(it.get_state()))
+        fresh = iter(mixture)
+        fresh.set_state(state)
+        for resumed in (fresh, iter(sources.Mixture.from_state(state, tok))):
+            assert all((a["tokens"] == b["tokens"]).all() and (a["segment_ids"] == b["segment_ids"]).all()
+                       for a, b in zip(windows[stop:stop + 300], [next(resumed) for _ in range(300)]))
+
+
+def test_a_mixture_refuses_pre_tokenised_sources_it_cannot_take(tmp_path):
+    """A tokens.bin directory, a source of ArrayRecord and text files at once, and records holding ids the
+    tokenizer has not (another tokenizer's) are refused in one line naming the source, file or record."""
+    pytest.importorskip("array_record")
+    tok = text_data.ByteTokenizer()
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    text_data.write_tokens(["x" * 100], tok, str(tmp_path / "bin"))
+    _one_line_error(ValueError, r"data mixture source '.*bin' is a prepare_data.py directory of tokens.bin; expected "
+                    r"text files or ArrayRecord files \(prepare_data.py --format=array_record\)",
+                    lambda: sources.Mixture(f"{tmp_path}/bin:0.5,{tmp_path}/a.txt:0.5", tok, 8))
+    text_data.write_tokens(["y" * 100], tok, str(tmp_path / "both"), format="array_record")
+    (tmp_path / "both" / "extra.txt").write_text("text")
+    _one_line_error(ValueError, r"data mixture source '.*both/\*' holds both ArrayRecord files \(.*tokens-00000"
+                    r"\.array_record\) and text files \(.*extra.txt.*\); expected one kind per source",
+                    lambda: sources.Mixture(f"{tmp_path}/both/*:0.5,{tmp_path}/a.txt:0.5", tok, 8))
+    words = text_data.WordTokenizer(["w"] * 400)  # "w" is id 403, past the byte tokenizer's 320
+    text_data.write_tokens([" ".join(["w"] * 5)], words, str(tmp_path / "words"), format="array_record")
+    _one_line_error(ValueError, r"data: .*words/tokens-00000.array_record record 0 holds token id \d+; expected ids "
+                    r"below the tokenizer's vocab_size=320",
+                    lambda: next(iter(sources.Mixture(f"{tmp_path}/words:0.5,{tmp_path}/a.txt:0.5", tok, 8))))
+
+
 def test_mixture_errors_name_the_source(tmp_path):
     tok = text_data.ByteTokenizer()
     (tmp_path / "a.txt").write_text("text")

@@ -28,7 +28,7 @@ import os
 import numpy as np
 from absl import logging
 
-from engine.tasks.sources import expand_files
+from engine.tasks.files import expand_files
 
 SUFFIX = ".array_record"
 _SCAN_RECORDS = 64  # records decoded at a time while indexing
@@ -371,17 +371,47 @@ class ArrayRecordWindows(WindowSequence):
         file = int(np.searchsorted(starts, first, side="right")) - 1
         while first < stop:
             end = min(stop, int(starts[file + 1]))
-            path = self._state["files"][file]
             if file not in self._readers:
-                self._readers[file] = _reader(path)
-            for index in range(first - int(starts[file]), end - int(starts[file])):
-                record = _read(self._readers[file], index)
-                if self._state["encodings"][file] == "example":
-                    out.append(_checked(_example_ids(record, self._state["feature"], path, index), path, index))
-                else:
-                    out.append(_int32_ids(record, path, index))
+                self._readers[file] = _reader(self._state["files"][file])
+            example = self._state["encodings"][file] == "example"
+            out += [_record_ids(self._readers[file], index, example, self._state["feature"],
+                                self._state["files"][file])
+                    for index in range(first - int(starts[file]), end - int(starts[file]))]
             first, file = end, file + 1
         return out
+
+
+def _record_ids(reader, index, example, feature, path):
+    """Record `index`'s token ids (int32; a negative id is a ValueError naming the record)."""
+    record = _read(reader, index)
+    if example:
+        return _checked(_example_ids(record, feature, path, index), path, index)
+    return _int32_ids(record, path, index)
+
+
+def iter_documents(files, *, feature="text", vocab_size=None, start=(0, 0), what=None):
+    """((file index, record), ids) of every record of `files` from position `start`, in order, one record read at a
+    time (a data mixture's pre-tokenised source). An id >= `vocab_size` (the tokenizer's) or a negative one is a
+    ValueError naming the file and record; read from the beginning, files without a token, one naming `what`."""
+    any_tokens = False
+    for i in range(start[0], len(files)):
+        reader = _reader(files[i])
+        try:
+            n = reader.num_records()
+            example = n > 0 and _is_example(_read(reader, 0))
+            for index in range(start[1] if i == start[0] else 0, n):
+                ids = _record_ids(reader, index, example, feature, files[i])
+                if ids.size and ids.min() < 0:
+                    _checked(ids, files[i], index)
+                if vocab_size is not None and ids.size and ids.max() >= vocab_size:
+                    raise ValueError(f"data: {files[i]} record {index} holds token id {ids.max()}; expected ids "
+                                     f"below the tokenizer's vocab_size={vocab_size} (the same tokenizer)")
+                any_tokens = any_tokens or ids.size > 0
+                yield (i, index), ids
+        finally:
+            reader.close()
+    if not any_tokens and tuple(start) == (0, 0):
+        raise ValueError(f"data: {what or ', '.join(files[:3])} holds no tokens; expected records of token ids")
 
 
 class RecordWriter:

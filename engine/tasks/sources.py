@@ -10,10 +10,9 @@ Packing: documents are tokenised, each followed by EOS, and laid end to end into
 row carries `segment_ids` (1, 2, ... per document piece, 0 on padding), which the models take as `attention_mask`:
 a token attends only within its own document and positions restart at each document.
 
-This module imports nothing of ours (tokenizers are duck-typed: `encode`, `eos_id`, `pad_id`), so `text_data`
-re-exports its readers and `pack` without a cycle.
+This module imports only `files` and `array_records` of ours (tokenizers are duck-typed: `encode`, `eos_id`,
+`pad_id`, `vocab_size`), so `text_data` re-exports its readers and `pack` without a cycle.
 """
-import glob
 import hashlib
 import json
 import math
@@ -22,63 +21,13 @@ import os
 import numpy as np
 from absl import logging
 
+from engine.tasks import array_records
+from engine.tasks.files import TEXT_SUFFIXES, _shown, expand_files  # noqa: F401 (named here, as they always were)
+
 DECODE_ERRORS = ("strict", "replace")
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
 _BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
 _READ_BUFFER = 1 << 20  # Parquet pages read through a 1 MiB buffer rather than a whole column chunk at once
 MIXTURE_FORM = "PATH[:WEIGHT],PATH[:WEIGHT],... (e.g. code.parquet:0.7,web/*.jsonl:0.3)"
-
-
-def expand_files(patterns, suffixes=TEXT_SUFFIXES):
-    """The files of paths or globs; a directory stands for the files under it (recursively, sorted) whose names end
-    with one of `suffixes`, and a `datasets.save_to_disk` directory for its Arrow files."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    files = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(os.path.expanduser(pattern)))
-        if not matched:
-            raise FileNotFoundError(f"data: {pattern!r} matches no file; expected {' / '.join(suffixes)} paths, "
-                                    "globs or directories")
-        for path in matched:
-            if not os.path.isdir(path):
-                files.append(path)
-            elif ".arrow" in suffixes and _is_saved_dataset(path):
-                files += _saved_dataset_files(path)
-            else:
-                inside = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                                if name.endswith(suffixes) and not name.startswith("."))
-                if not inside:
-                    raise FileNotFoundError(f"data: the directory {path} holds no {' or '.join(suffixes)} file")
-                files += inside
-    return files
-
-
-def _is_saved_dataset(path):
-    return any(os.path.isfile(os.path.join(path, name))
-               for name in ("state.json", "dataset_info.json", "dataset_dict.json"))
-
-
-def _saved_dataset_files(path):
-    """The Arrow stream files of a `Dataset.save_to_disk` directory, in the order its state.json lists them (a
-    DatasetDict's directory is refused: its splits are separate corpora)."""
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            splits = json.load(f).get("splits", [])
-        raise ValueError(f"data: {path} is a saved DatasetDict (splits: {', '.join(splits)}); expected one split's "
-                         f"directory, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
-    state = os.path.join(path, "state.json")
-    if os.path.isfile(state):
-        with open(state) as f:
-            names = [entry["filename"] for entry in json.load(f).get("_data_files", [])]
-    else:
-        names = sorted(n for n in os.listdir(path) if n.startswith("data-") and n.endswith(".arrow"))
-    files = [os.path.join(path, name) for name in names]
-    missing = [f for f in files if not os.path.isfile(f)]
-    if not files or missing:
-        raise FileNotFoundError(f"data: the saved dataset {path} lacks its Arrow files "
-                                f"({', '.join(missing) if missing else 'none listed'})")
-    return files
 
 
 def _check_decode_errors(decode_errors):
@@ -237,10 +186,6 @@ def _documents(files, column, decode_errors, what, start=(0, 0)):
                          f"column {column!r} of Parquet / Arrow files)")
 
 
-def _shown(files):
-    return ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
-
-
 def read_texts(patterns, *, decode_errors="strict", text_column="text"):
     """Documents from files: `.txt` (one document per file), `.jsonl` (one per line: a string, or an object with a
     `text_column` string), `.parquet` and `.arrow` files and `datasets.save_to_disk` directories (their
@@ -272,13 +217,14 @@ def pack(docs, tokenizer, seq_len):
 
 def _fill_rows(documents, tokenizer, width, offset=0):
     """Cuts `documents` ((key, text) pairs), each tokenised and ended by EOS, end to end into rows of `width`
-    tokens. Yields (pieces, key, end) per full row, `key` the document the row ends in and `end` its tokens used so
+    tokens (a document already tokenised, an int32 array, is taken as it is: its EOS, if any, is in it). Yields
+    (pieces, key, end) per full row, `key` the document the row ends in and `end` its tokens used so
     far; then any last partial row's pieces with key and end None. `offset`: tokens of the first document already
     used (a resumed position)."""
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     pieces, filled = [], 0  # the open row's document pieces and their tokens
     for key, doc in documents:
-        ids = np.asarray(tokenizer.encode(doc) + eos, np.int32)
+        ids = doc if isinstance(doc, np.ndarray) else np.asarray(tokenizer.encode(doc) + eos, np.int32)
         start, offset = offset, 0
         while start < len(ids):
             piece = ids[start:start + width - filled]
@@ -381,6 +327,26 @@ def parse_mixture(spec):
     return [(pattern, w / sum(weights)) for (pattern, _), w in zip(sources, weights)]
 
 
+def _source_files(pattern):
+    """('text' or 'records', files) of a mixture source: text files of the formats above, or pre-tokenised
+    ArrayRecord files (`.array_record` paths, globs, directories, a prepare_data.py --format=array_record
+    directory). A tokens.bin directory, or a source holding both kinds, is a ValueError naming it."""
+    meta = os.path.join(pattern, "meta.json")
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            if json.load(f).get("format") != "array_record":
+                raise ValueError(f"data mixture source {pattern!r} is a prepare_data.py directory of tokens.bin; "
+                                 "expected text files or ArrayRecord files (prepare_data.py --format=array_record)")
+        return "records", array_records.record_files(pattern)
+    files = expand_files(pattern, TEXT_SUFFIXES + (array_records.SUFFIX,))
+    records = [f for f in files if f.endswith(array_records.SUFFIX)]
+    if records and len(records) < len(files):
+        raise ValueError(f"data mixture source {pattern!r} holds both ArrayRecord files ({_shown(records)}) and "
+                         f"text files ({_shown([f for f in files if f not in records])}); expected one kind per "
+                         "source (make them two sources)")
+    return ("records" if records else "text"), files
+
+
 def _files_digest(files):
     return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
 
@@ -393,6 +359,12 @@ class Mixture:
     far; ties to the earlier source), which keeps every source's count within two windows of weight·n (the tests
     hold it there): each share is within 1% of its weight from the 200th window on. A source that runs out
     restarts from its beginning (logged once), packing on across the epoch boundary, so the stream never ends.
+
+    A source of ArrayRecord files (`array_records`' int32 or tf.train.Example records; `text_column` names the
+    Example feature) is pre-tokenised: its records' ids are packed as they are (no EOS added: prepare_data.py wrote
+    one), the text sources tokenised with `tokenizer`, which must be the one the records were written with; an id
+    at or past `tokenizer.vocab_size` is refused naming file and record (scripts/train_lm.py also checks a
+    prepare_data.py directory's meta.json tokenizer). Its position's row is the record index.
 
     An iterable: each `iter()` starts afresh from where the mixture was built (the beginning, or `from_state`'s
     state). Its iterator is stateful as Grain's are: `get_state()` is a JSON-able position (windows per source, and
@@ -410,7 +382,7 @@ class Mixture:
         self.sources = parse_mixture(self.spec)
         self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
         self.decode_errors = decode_errors
-        self.files = [expand_files(pattern) for pattern, _ in self.sources]
+        self.kinds, self.files = zip(*[_source_files(pattern) for pattern, _ in self.sources]) or ((), ())
         self.weights = [w for _, w in self.sources]
         self._start = {"windows": [0] * len(self.sources),
                        "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources]}
@@ -492,8 +464,13 @@ class MixtureIterator:
         pattern, files = m.sources[i][0], m.files[i]
         epoch, start = position["epoch"], (position["file"], position["row"])
         while True:
-            for (file, row), text in _documents(files, m.text_column, m.decode_errors, repr(pattern), start):
-                yield (epoch, file, row), text
+            if m.kinds[i] == "records":
+                documents = array_records.iter_documents(files, feature=m.text_column, start=start, what=repr(pattern),
+                                                         vocab_size=m.tokenizer.vocab_size)
+            else:
+                documents = _documents(files, m.text_column, m.decode_errors, repr(pattern), start)
+            for (file, row), doc in documents:
+                yield (epoch, file, row), doc
             if epoch == position["epoch"]:
                 logging.info("data: mixture source %r (weight %.3g) ran out after epoch %d; it restarts from its "
                              "beginning (logged once)", pattern, m.weights[i], epoch)
