@@ -50,7 +50,9 @@ def start(auto=False):
         script_flags.fit_kwargs()  # bad --eval_every / --save_best fail before any model is built
     if "lr_schedule" in FLAGS:
         script_flags.check_optimizer_flags()
-    elastic = "workdir" in FLAGS and "accumulate_grad_batches" in FLAGS  # a training script: keeps its batch
+    # A training script (its loop flags: --max_steps) keeps its run's global batch; generate.py and export_hf.py
+    # read a workdir with whatever batch they like.
+    elastic = "workdir" in FLAGS and "max_steps" in FLAGS
     if FLAGS.mesh == "auto":
         if not auto:
             raise ValueError("--mesh=auto; expected integers data,fsdp,model[,expert] such as 2,2,2 (this script does "
