@@ -1,7 +1,8 @@
 """Tokenises a text corpus once into a directory that `train_lm.py --data=DIR` reads: for a corpus larger than
 memory, or to stop re-tokenising it on every run. Documents stream from the files one at a time. --format=bin writes
 tokens.bin (read through a memory map); --format=array_record writes ArrayRecord files of one document's int32 ids
-per record (read by random access, also by Grain's ArrayRecordDataSource).
+per record (read by random access, also by Grain's ArrayRecordDataSource), each with its document index beside it
+(`<file>.index.npz`: the documents' lengths, so opening the files reads no record).
 
   python scripts/prepare_data.py --data='corpus/*.jsonl' --out=tokens                 # byte-level tokens
   python scripts/prepare_data.py --data='corpus/*.txt' --tokenizer=/path/to/hf_llama --out=tokens
@@ -10,7 +11,6 @@ per record (read by random access, also by Grain's ArrayRecordDataSource).
 """
 import os
 
-
 from absl import flags
 
 from engine.tasks import cli, script_flags, text_data
@@ -18,8 +18,8 @@ from engine.tasks import cli, script_flags, text_data
 FLAGS = flags.FLAGS
 flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or save_to_disk directories (as "
                   "train_lm.py's --data); empty: the embedded Python-stdlib corpus.")
-flags.DEFINE_string("out", None, "The directory to write (tokens.bin or tokens-*.array_record, meta.json; "
-                    "created).")
+flags.DEFINE_string("out", None, "The directory to write (tokens.bin, or tokens-*.array_record with their "
+                    "*.index.npz; meta.json; created).")
 flags.DEFINE_enum("format", "bin", ["bin", "array_record"], "bin: tokens.bin, the documents end to end (uint16 or "
                   "uint32); array_record: ArrayRecord files, one document per record as little-endian int32 ids.")
 script_flags.define_data_flags()
