@@ -241,7 +241,7 @@ def write_defaults(path, families):
         impl, selection = _ours()
         for case in matmul_benchmark.cases(size, dtype, impl, ("gated_mlp", "linear_cross_entropy"),
                                            interpret=selection["interpret"]):
-            (_, fused), (_, plain), *chunked = case.paths.values()  # the fused kernel, plain XLA[, the chunked sum]
+            fused, plain, *chunked = case.paths.values()  # the fused kernel, plain XLA[, the chunked sum]
             times = {}
             for name, fn in ((impl, fused), (_defaults.PLAIN, plain), *((_defaults.CHUNKED, f) for f in chunked)):
                 _timed(rows, times, name, f"{case.kernel} {case.direction}", case.shape, fn, case.args, case.flops)

@@ -205,7 +205,8 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
         assert len({d.process_index for d in row}) == 1
     if mode == "pipeline":  # each process holds one stage: only activations cross between them
         mesh = engine.make_mesh(stage=2, data=2, model=2)
-        assert [{d.process_index for d in mesh.devices[:, :, s].flat} for s in range(2)] == [{0}, {1}]
+        stage = mesh.axis_names.index("stage")
+        assert [{d.process_index for d in mesh.devices.take(s, axis=stage).flat} for s in range(2)] == [{0}, {1}]
     if mode == "context":  # each context group inside one process
         mesh = engine.make_mesh(data=2, context=2, model=2)
         assert all(len({d.process_index for d in group.flat}) == 1 for group in mesh.devices.reshape(2, -1))

@@ -328,12 +328,14 @@ def test_benchmark_cases_agree_with_their_baselines_on_cpu():
     assert {"fused_matmul", "gated_mlp", "linear_cross_entropy", "fused_matmul_int8"} == set(benchmark.KERNELS)
     retiled = BlockSizes(16, 16, 16, vocab_chunk=1024)  # what the tuner passes to `retile`
     for case in cases:
-        fused, xla = (jax.jit(fn)(*case.args) for fn in case.paths.values())
+        # the fused kernel and its XLA baseline (the loss's third path, the chunked sum, is a sum: bench_kernels'
+        # own check compares it)
+        fused, xla = (jax.jit(fn)(*case.args) for fn in list(case.paths.values())[:2])
         for got in (fused, jax.jit(case.retile(retiled))(*case.args)):
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(xla)):
                 _assert_close(a, b, jnp.float32, f"{case.kernel} {case.direction}")
     loss_grad = next(c for c in cases if c.kernel == "linear_cross_entropy" and c.direction == "fwd+bwd")
-    fused_bytes, xla_bytes = (benchmark.temp_bytes(fn, loss_grad.args) for fn in loss_grad.paths.values())
+    fused_bytes, xla_bytes = (benchmark.temp_bytes(fn, loss_grad.args) for fn in list(loss_grad.paths.values())[:2])
     assert fused_bytes < xla_bytes
 
 

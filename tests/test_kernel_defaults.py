@@ -146,12 +146,14 @@ def test_bench_kernels_writes_the_defaults_of_what_it_measured(tmp_path):
 @pytest.mark.slow
 def test_bench_kernels_chooses_between_kernels_and_plain_matmuls(tmp_path):
     """With --interpret: 'xla' against the interpreted Triton attention, and gated_mlp / linear_cross_entropy's
-    interpreted kernels against plain XLA matmuls; every class gets the fastest of its candidates."""
+    interpreted kernels against plain XLA matmuls (the loss also against its chunked sum); every class gets the
+    fastest of its candidates."""
     path = str(tmp_path / "table.py")
     _write_defaults(path, "--interpret")
     entries = _defaults.read_table(path)
     assert sorted((e["op"], e["class"]["pass"]) for e in entries) == [
         (op, p) for op in ("flash_attention", "gated_mlp", "linear_cross_entropy") for p in ("fwd", "fwd+bwd")]
     for e in entries:
-        assert set(e["times"]) == ({"xla", "triton"} if e["op"] == "flash_attention" else {"triton", "plain"}), e
+        assert set(e["times"]) == {"flash_attention": {"xla", "triton"}, "gated_mlp": {"triton", "plain"},
+                                   "linear_cross_entropy": {"triton", "plain", "chunked"}}[e["op"]], e
         assert e["choice"] == min(e["times"], key=e["times"].get)
