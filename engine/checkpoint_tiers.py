@@ -32,9 +32,9 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from engine.checkpoint import Checkpointer, CorruptCheckpointError, _agreed, _meta_digest
+from engine.checkpoint import _META_DIGEST, Checkpointer, CorruptCheckpointError, _agreed, _meta_digest
 
-_META_DIGEST, _INDEX_DIGEST = "meta_sha256", "index_sha256"
+_INDEX_DIGEST = "index_sha256"  # the local meta's key of its index file's digest
 
 
 def open_checkpointer(workdir, checkpointing):
