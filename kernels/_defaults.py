@@ -6,8 +6,10 @@ device: each entry names the fastest measured path of one (op, device kind, shap
 entry (or names a path the device cannot run) the answer is the per-backend rule, `implementation_for_platform`.
 
 - `'flash_attention'`: one of `ATTENTION_IMPLEMENTATIONS`. Shape: `head_dim`, `seq_len` (the longer of len and
-  kv_len), `causal`, `dtype`, `training` (True, the default: the forward + backward entry; False: forward only).
-  Classes: dtype, head dim, causal, the length's power-of-two bucket (4096 holds 2049 ... 4096) and pass.
+  kv_len), `causal`, `dtype`, `segments` (False, the default; True: the call has segment ids, packed documents,
+  which cuDNN's path cannot take), `training` (True, the default: the forward + backward entry; False: forward
+  only). Classes: dtype, head dim, causal, the length's power-of-two bucket (4096 holds 2049 ... 4096), segments and
+  pass.
 - `'gated_mlp'`, `'linear_cross_entropy'`: `'plain'` (plain XLA matmuls beat the fused kernel: `silu(x @ w_gate) *
   (x @ w_up)`; logits, then the cross-entropy) or the fused kernel's implementation; for the loss also `'chunked'`
   (`linear_cross_entropy_sum`: row chunks through XLA matmuls, gradients taken in the forward). Shape: `dtype`,
@@ -27,7 +29,7 @@ TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json"
 PLAIN = "plain"
 CHUNKED = "chunked"  # linear_cross_entropy only: kernels.linear_cross_entropy_sum (row chunks, forward gradients)
 # Each op's shape-class keys (a table entry's "class") and the choices an entry may name.
-CLASS_KEYS = {"flash_attention": ("dtype", "head_dim", "causal", "seq_len", "pass"),
+CLASS_KEYS = {"flash_attention": ("dtype", "head_dim", "causal", "seq_len", "segments", "pass"),
               "gated_mlp": ("dtype", "pass"), "linear_cross_entropy": ("dtype", "pass")}
 CHOICES = {"flash_attention": ATTENTION_IMPLEMENTATIONS, "gated_mlp": (PLAIN, *IMPLEMENTATIONS),
            "linear_cross_entropy": (PLAIN, CHUNKED, *IMPLEMENTATIONS)}
@@ -55,12 +57,15 @@ def shape_class(op, *, training=True, **shape):
     """The table's class of a call of `op` with `shape` ({key: value} in `CLASS_KEYS[op]` order)."""
     if op not in CLASS_KEYS:
         raise ValueError(f"op={op!r}; expected one of {tuple(CLASS_KEYS)}")
-    want = _SHAPE_ARGS[op]
+    want, optional = _SHAPE_ARGS[op], ("training", "segments") if op == "flash_attention" else ("training",)
+    segments = shape.pop("segments", False) if op == "flash_attention" else False
     if set(shape) != set(want):
-        raise ValueError(f"{op} shape arguments {sorted(shape)}; expected {list(want)} and optionally training")
-    if not isinstance(training, bool):
-        raise ValueError(f"training={training!r}; expected a bool")
-    cls = {"dtype": jnp.dtype(shape["dtype"]).name, "pass": "fwd+bwd" if training else "fwd"}
+        raise ValueError(f"{op} shape arguments {sorted(shape)}; expected {list(want)} and optionally "
+                         f"{' and '.join(optional)}")
+    for name, value in (("training", training), ("segments", segments)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}; expected a bool")
+    cls = {"dtype": jnp.dtype(shape["dtype"]).name, "pass": "fwd+bwd" if training else "fwd", "segments": segments}
     if op == "flash_attention":
         for name in ("head_dim", "seq_len"):
             if isinstance(shape[name], bool) or not isinstance(shape[name], int) or shape[name] < 1:
@@ -112,10 +117,11 @@ def read_table(path=None):
     for i, entry in enumerate(entries):
         op = entry.get("op")
         ok = (op in CLASS_KEYS and isinstance(entry.get("device_kind"), str)
-              and tuple(entry.get("class", {})) == CLASS_KEYS[op] and entry.get("choice") in CHOICES[op])
+              and tuple(entry.get("class", {})) == CLASS_KEYS[op] and entry.get("choice") in CHOICES[op]
+              and not (entry["class"].get("segments") and entry["choice"] == "cudnn"))
         if not ok:
             raise ValueError(f"{path}: entry {i} {entry!r}; expected op in {tuple(CLASS_KEYS)}, a device_kind, "
-                             "the op's class keys in order and one of its choices")
+                             "the op's class keys in order and one of its choices (not 'cudnn' with segments)")
     return entries
 
 

@@ -18,9 +18,9 @@ kernels/grouped_matmul/api.py) at one benchmark shape per op and prints them fas
 marked; an interrupt (SIGINT, e.g. `timeout -s INT`) ends the search and still prints what was measured.
 
 `--write_defaults=PATH` times every implementation the device runs per shape class (attention: each --seq_lens x
---causal, forward and forward+backward; gated_mlp and linear_cross_entropy: the fused kernel against plain XLA
+--causal x --segments, forward and forward+backward; gated_mlp and linear_cross_entropy: the fused kernel against plain XLA
 matmuls, both passes) and merges the fastest of each into the defaults table at PATH (kernels/_defaults.py), for
-this device kind; other entries are kept.
+this device kind; other entries are kept. An interrupt (SIGINT) ends the timing and still merges what was measured.
 """
 import dataclasses
 import functools
@@ -30,6 +30,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags, logging
 
 
@@ -60,6 +61,9 @@ flags.DEFINE_integer("heads", None, "Attention query heads; default 16 (CPU: 4).
 flags.DEFINE_integer("kv_heads", None, "Attention kv heads; default = heads.")
 flags.DEFINE_integer("head_dim", None, "Attention head dim; default 128 (CPU: 64).")
 flags.DEFINE_list("causal", ["true", "false"], "Attention masking modes to run.")
+flags.DEFINE_list("segments", ["true", "false"], "--write_defaults: attention classes to time with packed-document "
+                  "segment ids (true: what the training scripts' packed rows pass; cuDNN's path cannot take them) "
+                  "and without (false).")
 flags.DEFINE_float("attention_dropout", 0.0, "When > 0, also time flash_attention with this dropout rate on the "
                    "probabilities (the in-kernel mask hash's cost; FLOPs counted as without dropout).",
                    lower_bound=0.0, upper_bound=0.95)
@@ -152,6 +156,18 @@ def _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
     return (q, k, v), fwd_flops, shape
 
 
+def _packed_ids(batch, seq_len):
+    """Segment ids [batch, seq_len] of packed documents (1, 2, ... per row) whose lengths are drawn from
+    seq_len / 8 ... seq_len / 2, the last one cut at the row's end: a training row of the scripts' `pack`."""
+    rng = np.random.default_rng(seq_len)
+    rows = []
+    for _ in range(batch):
+        lengths = rng.integers(max(1, seq_len // 8), max(2, seq_len // 2) + 1, size=seq_len)
+        ids = np.repeat(np.arange(1, seq_len + 1), lengths)[:seq_len]
+        rows.append(ids)
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
 def _attention_grads(attend):
     return jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
 
@@ -219,40 +235,60 @@ def write_defaults(path, families):
     kind = jax.devices()[0].device_kind
     provenance = dict(jax=jax.__version__, command=" ".join(["scripts/bench_kernels.py", *sys.argv[1:]]))
     entries, rows = [], []
-    if "attention" in families:
-        dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
-        for seq_len in seq_lens:
-            for causal in causal_modes:
-                args, fwd_flops, shape = _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
-                for training in (False, True):
-                    times = {}
-                    for name, selection in _attention_candidates().items():
-                        attend = functools.partial(flash_attention, causal=causal, **selection)
-                        _timed(rows, times, name, f"flash_attention {'fwd+bwd' if training else 'fwd'}",
-                               f"{shape} {dtype.name}", _attention_grads(attend) if training else attend, args,
-                               fwd_flops * (3.5 if training else 1.0))
-                    if times:
-                        cls = _defaults.shape_class("flash_attention", head_dim=head_dim, seq_len=seq_len,
-                                                    causal=causal, dtype=dtype, training=training)
-                        entries.append(_defaults.make_entry("flash_attention", kind, cls, times,
-                                                            shape=f"{shape} {dtype.name}", **provenance))
-    if "matmul" in families:
-        dtype, size = _matmul_setup()
-        impl, selection = _ours()
-        for case in matmul_benchmark.cases(size, dtype, impl, ("gated_mlp", "linear_cross_entropy"),
-                                           interpret=selection["interpret"]):
-            fused, plain, *chunked = case.paths.values()  # the fused kernel, plain XLA[, the chunked sum]
-            times = {}
-            for name, fn in ((impl, fused), (_defaults.PLAIN, plain), *((_defaults.CHUNKED, f) for f in chunked)):
-                _timed(rows, times, name, f"{case.kernel} {case.direction}", case.shape, fn, case.args, case.flops)
-            if times:
-                cls = _defaults.shape_class(case.kernel, dtype=dtype, training=case.direction == "fwd+bwd")
-                entries.append(_defaults.make_entry(case.kernel, kind, cls, times, shape=case.shape, **provenance))
+    try:
+        if "attention" in families:
+            _attention_defaults(kind, provenance, entries, rows)
+        if "matmul" in families:
+            _matmul_defaults(kind, provenance, entries, rows)
+    except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
+        print(f"\ninterrupted: {len(entries)} shape classes measured", flush=True)
     _print_table("defaults: candidates", rows)
     _defaults.merge_table(path, entries)
     print(f"\n## defaults written to {path} for {kind}")
     for entry in entries:
         print(f"{entry['op']} {entry['class']}: {entry['choice']}  ({entry['times']} {entry['unit']})")
+
+
+def _attention_defaults(kind, provenance, entries, rows):
+    """Times the attention candidates of each --seq_lens x --causal x --segments class and pass into `entries`
+    (cuDNN's path only without segment ids)."""
+    dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
+    for seq_len in seq_lens:
+        for causal in causal_modes:
+            args, fwd_flops, shape = _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
+            for segments in (s.lower() == "true" for s in FLAGS.segments):
+                ids = _packed_ids(args[0].shape[0], seq_len) if segments else None
+                label = f"{shape}{' packed' if segments else ''} {dtype.name}"
+                for training in (False, True):
+                    times = {}
+                    for name, selection in _attention_candidates().items():
+                        if segments and name == "cudnn":
+                            continue
+                        attend = functools.partial(flash_attention, causal=causal, segment_ids=ids, **selection)
+                        _timed(rows, times, name, f"flash_attention {'fwd+bwd' if training else 'fwd'}", label,
+                               _attention_grads(attend) if training else attend, args,
+                               fwd_flops * (3.5 if training else 1.0))
+                    if times:
+                        cls = _defaults.shape_class("flash_attention", head_dim=head_dim, seq_len=seq_len,
+                                                    causal=causal, dtype=dtype, segments=segments, training=training)
+                        entries.append(_defaults.make_entry("flash_attention", kind, cls, times, shape=label,
+                                                            **provenance))
+
+
+def _matmul_defaults(kind, provenance, entries, rows):
+    """Times gated_mlp's and linear_cross_entropy's fused kernels against plain XLA (and the loss's chunked sum),
+    both passes, into `entries`."""
+    dtype, size = _matmul_setup()
+    impl, selection = _ours()
+    for case in matmul_benchmark.cases(size, dtype, impl, ("gated_mlp", "linear_cross_entropy"),
+                                       interpret=selection["interpret"]):
+        fused, plain, *chunked = case.paths.values()  # the fused kernel, plain XLA[, the chunked sum]
+        times = {}
+        for name, fn in ((impl, fused), (_defaults.PLAIN, plain), *((_defaults.CHUNKED, f) for f in chunked)):
+            _timed(rows, times, name, f"{case.kernel} {case.direction}", case.shape, fn, case.args, case.flops)
+        if times:
+            cls = _defaults.shape_class(case.kernel, dtype=dtype, training=case.direction == "fwd+bwd")
+            entries.append(_defaults.make_entry(case.kernel, kind, cls, times, shape=case.shape, **provenance))
 
 
 def _matmul_setup():

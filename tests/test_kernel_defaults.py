@@ -32,7 +32,7 @@ def test_the_checked_in_table_answers_only_what_was_measured():
         for training in (True, False):
             assert _attention(H200, seq_len, training=training) == "cudnn", (seq_len, training)
     for other in (dict(seq_len=2048), dict(seq_len=8193), dict(causal=False), dict(head_dim=64),
-                  dict(dtype="float16"), dict(dtype=jnp.float32)):
+                  dict(dtype="float16"), dict(dtype=jnp.float32), dict(segments=True)):
         assert _attention(H200, **other) == "triton", other
     assert _attention(H100) == "triton" and _attention("TPU v5 lite") == "mosaic_tpu" and _attention("cpu") == "xla"
     for op in ("gated_mlp", "linear_cross_entropy"):
@@ -59,6 +59,9 @@ def test_every_entry_states_its_measurement():
     ("flash_attention", dict(dtype="bfloat16", head_dim=128, causal=1, seq_len=64), "causal=1; expected a bool"),
     ("flash_attention", dict(dtype="bfloat16", head_dim=128, causal=True, seq_len=0), "seq_len=0; expected a pos"),
     ("gated_mlp", dict(dtype="bfloat16", training="yes"), "training='yes'; expected a bool"),
+    ("flash_attention", dict(dtype="bfloat16", head_dim=128, causal=True, seq_len=64, segments=None),
+     "segments=None; expected a bool"),
+    ("gated_mlp", dict(dtype="bfloat16", segments=True), r"\['dtype', 'segments'\]; expected \['dtype'\] and opt"),
 ])
 def test_bad_lookups_raise_one_line(op, shape, match):
     with pytest.raises(ValueError, match=match):
@@ -66,23 +69,40 @@ def test_bad_lookups_raise_one_line(op, shape, match):
 
 
 def test_flash_attention_reads_the_table_for_plain_calls(monkeypatch):
-    """implementation=None asks the table about the call's class (the longer length, its forward + backward entry)
-    and runs its answer, here 'cudnn' (jax.nn's 'xla' path standing in for it on this CPU); calls with what the
-    table does not class (segment ids, a window, interpret mode, ...) keep the per-backend rule."""
+    """implementation=None asks the table about the call's class (the longer length, segment ids or not, its
+    forward + backward entry) and runs its answer, here 'cudnn' (jax.nn's 'xla' path standing in for it on this
+    CPU) and, for packed segments, 'xla'; calls with what the table does not class (a window, interpret mode, ...)
+    keep the per-backend rule."""
     asked, ran = [], []
-    monkeypatch.setattr(api, "default_implementation", lambda op, **shape: asked.append((op, shape)) or "cudnn")
+    answer = lambda op, **shape: asked.append((op, shape)) or ("xla" if shape["segments"] else "cudnn")  # noqa: E731
+    monkeypatch.setattr(api, "default_implementation", answer)
     monkeypatch.setattr(cudnn, "check_device", lambda interpret: None)
     monkeypatch.setattr(cudnn, "dot_product_attention", lambda *a, **k: ran.append(k) or jax.nn.dot_product_attention(
         *a, **{**k, "implementation": "xla"}))
     q, kv = (jax.ShapeDtypeStruct((2, n, 4, 64), jnp.bfloat16) for n in (24, 40))
     jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, causal=True), q, kv)
-    assert asked == [("flash_attention", dict(head_dim=64, seq_len=40, causal=True, dtype=jnp.bfloat16))]
+    shape = dict(head_dim=64, seq_len=40, causal=True, dtype=jnp.bfloat16, segments=False)
+    assert asked == [("flash_attention", shape)]
     assert [r["implementation"] for r in ran] == ["cudnn"]
-    for kwargs in (dict(segment_ids=(jnp.ones((2, 24), jnp.int32), jnp.ones((2, 40), jnp.int32))),
-                   dict(window=(8, 0)), dict(logit_soft_cap=20.0), dict(interpret=True),
+    ids = (jnp.ones((2, 24), jnp.int32), jnp.ones((2, 40), jnp.int32))
+    jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, causal=True, segment_ids=ids), q, kv)
+    assert asked[1:] == [("flash_attention", {**shape, "segments": True})] and len(ran) == 1
+    for kwargs in (dict(window=(8, 0)), dict(logit_soft_cap=20.0), dict(interpret=True),
                    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))):
         jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, **kwargs), q, kv)
-    assert len(asked) == 1 and len(ran) == 1
+    assert len(asked) == 2 and len(ran) == 1
+
+
+def test_a_segmented_class_never_names_cudnn(tmp_path):
+    """cuDNN's path takes no segment ids, so a table naming it for a packed class is refused on reading."""
+    path = str(tmp_path / "table.py")
+    cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=32, causal=True, dtype="float32",
+                                segments=True)
+    entry = _defaults.make_entry("flash_attention", H200, cls, {"triton": 2.0, "cudnn": 1.0}, command="test")
+    with open(path, "w") as f:
+        json.dump({"entries": [entry]}, f)
+    with pytest.raises(ValueError, match="not 'cudnn' with segments"):
+        _defaults.read_table(path)
 
 
 def _entry(device_kind, seq_len, times, training=True):
@@ -127,20 +147,23 @@ def _write_defaults(path, *args):
 
 
 def test_bench_kernels_writes_the_defaults_of_what_it_measured(tmp_path):
-    """On this CPU (attention only: 'xla' is its one implementation): an entry per pass of the measured class for
-    the 'cpu' kind, merged beside an H200 entry already there, and read back by the lookup."""
+    """On this CPU (attention only: 'xla' is its one implementation): an entry per pass and segments setting of the
+    measured class for the 'cpu' kind, merged beside an H200 entry already there, and read back by the lookup."""
     path = str(tmp_path / "table.py")
     _defaults.merge_table(path, [_entry(H200, 32, {"triton": 1.0, "cudnn": 2.0})])
     stdout = _write_defaults(path, "--kernels=attention")
     assert "defaults written to" in stdout
     entries = _defaults.read_table(path)
     mine = [e for e in entries if e["device_kind"] == "cpu"]
-    assert len(entries) == 3 and sorted(e["class"]["pass"] for e in mine) == ["fwd", "fwd+bwd"]
+    assert len(entries) == 5 and sorted((e["class"]["segments"], e["class"]["pass"]) for e in mine) == [
+        (False, "fwd"), (False, "fwd+bwd"), (True, "fwd"), (True, "fwd+bwd")]
     for e in mine:
         assert e["choice"] == "xla" and set(e["times"]) == {"xla"} and "--write_defaults" in e["command"]
-        assert {k: v for k, v in e["class"].items() if k != "pass"} == dict(dtype="float32", head_dim=16,
-                                                                            causal=True, seq_len=32)
+        assert {k: v for k, v in e["class"].items() if k not in ("pass", "segments")} == dict(
+            dtype="float32", head_dim=16, causal=True, seq_len=32)
+        assert ("packed" in e["shape"]) == e["class"]["segments"]
     assert _attention("cpu", 32, 16, dtype="float32", table=path) == "xla"
+    assert _attention("cpu", 32, 16, dtype="float32", table=path, segments=True) == "xla"
 
 
 @pytest.mark.slow
@@ -149,10 +172,11 @@ def test_bench_kernels_chooses_between_kernels_and_plain_matmuls(tmp_path):
     interpreted kernels against plain XLA matmuls (the loss also against its chunked sum); every class gets the
     fastest of its candidates."""
     path = str(tmp_path / "table.py")
-    _write_defaults(path, "--interpret")
+    _write_defaults(path, "--interpret", "--segments=true")
     entries = _defaults.read_table(path)
     assert sorted((e["op"], e["class"]["pass"]) for e in entries) == [
         (op, p) for op in ("flash_attention", "gated_mlp", "linear_cross_entropy") for p in ("fwd", "fwd+bwd")]
+    assert all(e["class"]["segments"] for e in entries if e["op"] == "flash_attention")
     for e in entries:
         assert set(e["times"]) == {"flash_attention": {"xla", "triton"}, "gated_mlp": {"triton", "plain"},
                                    "linear_cross_entropy": {"triton", "plain", "chunked"}}[e["op"]], e

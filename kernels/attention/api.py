@@ -152,9 +152,9 @@ def flash_attention(
         `jax.nn.dot_product_attention`, NVIDIA GPUs; `kernels/attention/cudnn.py` lists what it refuses) or
         'mosaic_gpu' (Hopper, JAX >= 0.11; `kernels/attention/mosaic_gpu.py` lists what it refuses). None: the
         measured default of the device kind and shape class (`kernels.default_implementation`, its forward + backward
-        entry: a call does not know whether it will be differentiated) for a call without segment ids, dropout,
-        window, soft cap, block sizes or context parallelism; otherwise, and where the table has no entry, the
-        backend's kernels.
+        entry: a call does not know whether it will be differentiated; segment ids are a class of their own) for a
+        call without dropout, window, soft cap, block sizes or context parallelism; otherwise, and where the table
+        has no entry, the backend's kernels.
       interpret: run the Pallas kernel in Pallas's interpreter (for CPU tests).
       block_sizes: a `BlockSizes` overriding the heuristic tile sizes.
       dropout_rate: probability in [0, 1) of dropping each attention probability (the kept ones are scaled by
@@ -174,9 +174,9 @@ def flash_attention(
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
     window, logit_soft_cap = _validate_window(window), _validate_soft_cap(logit_soft_cap)
     context = _partition.context_size(q.shape[1], k.shape[1])
-    plain = (q_ids is None and not dropout_rate and window is None and logit_soft_cap is None and block_sizes is None
-             and context == 1)
-    shape = dict(head_dim=q.shape[3], seq_len=max(q.shape[1], k.shape[1]), causal=causal, dtype=q.dtype)
+    plain = not dropout_rate and window is None and logit_soft_cap is None and block_sizes is None and context == 1
+    shape = dict(head_dim=q.shape[3], seq_len=max(q.shape[1], k.shape[1]), causal=causal, dtype=q.dtype,
+                 segments=q_ids is not None)
     impl = _implementation(implementation, interpret, ATTENTION_IMPLEMENTATIONS, shape if plain else None)
     if impl == "cudnn":
         cudnn.check_device(interpret)
