@@ -163,6 +163,36 @@ def test_the_written_index_is_loaded_and_a_stale_one_rebuilt(tmp_path, monkeypat
     _assert_same_windows(rebuilt, array_records.ArrayRecordWindows(str(tmp_path / "ar"), 16))
 
 
+def test_a_file_without_an_index_is_read_once(tmp_path, monkeypatch):
+    """A third party's file (no index beside it) is read whole at its first open and indexed beside it; where that
+    cannot be written, into the user's cache, which the next open finds: no later open reads a record, and every
+    open gives the same windows."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ids = [TOKENIZER.encode(doc) + [TOKENIZER.eos_id] for doc in _docs(30)]
+    records = [np.asarray(x, "<i4").tobytes() for x in ids]
+    own, shared = (_write_records(tmp_path / f"{name}.array_record", records) for name in ("own", "shared"))
+    scan, write = array_records._scan_file, array_records.write_index
+    scanned = []
+    monkeypatch.setattr(array_records, "_scan_file", lambda path, feature: scanned.append(path) or scan(path, feature))
+
+    def beside_refused(path, *args, index=None, **kwargs):  # a directory this process cannot write
+        if path == shared and index == shared + array_records.INDEX_SUFFIX:
+            raise PermissionError(13, "Permission denied", index)
+        return write(path, *args, index=index, **kwargs)
+
+    monkeypatch.setattr(array_records, "write_index", beside_refused)
+    first = [array_records.ArrayRecordWindows(path, 16) for path in (own, shared)]
+    assert scanned == [own, shared] and os.path.isfile(own + array_records.INDEX_SUFFIX)
+    assert not os.path.exists(shared + array_records.INDEX_SUFFIX)
+    cached = os.listdir(array_records.index_cache_dir())
+    assert len(cached) == 1 and cached[0].endswith("-shared.array_record" + array_records.INDEX_SUFFIX)
+    again = [array_records.ArrayRecordWindows(path, 16) for path in (own, shared)]
+    assert scanned == [own, shared]  # both opened from their indexes
+    for a, b in zip(first, again):
+        _assert_same_windows(a, b)
+    _assert_same_windows(first[0], first[1])
+
+
 def test_maxtext_tf_examples_read_as_the_same_windows(tmp_path):
     """Records that are tf.train.Examples with an int64 feature (MaxText's pre-tokenised ArrayRecord) read as the
     int32 records of the same ids do, whatever other features they carry; a record's end ends a document."""

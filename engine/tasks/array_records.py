@@ -14,8 +14,10 @@ Windows follow `text_data.TokenWindows`: the records laid end to end, window i i
 seq_len + 1) and its segment ids number the documents within it; here a record's end ends a document (whether or not
 the record ends with EOS). Opening indexes the documents' lengths (8 bytes per document are held, never the
 tokens): from each file's index `<file>.index.npz` where one is beside it and still matches the file (its size,
-record count and a digest of its last MiB; `RecordWriter` writes them), else by reading every record once (and
-rewriting an index found stale). A window then reads only the records it overlaps, so a corpus larger than memory
+record count and a digest of its last MiB; `RecordWriter` writes them), else by reading every record once and
+writing the index, so a file is read whole once: beside the file where it can be written (an index found stale is
+rewritten), else in the user's cache (`index_cache_dir()`: `$XDG_CACHE_HOME/redline/array_record_index`,
+`~/.cache/...` by default, named by the file's absolute path), which the next open looks in too. A window then reads only the records it overlaps, so a corpus larger than memory
 trains in flat memory (scripts/README.md#data-formats has the measurements).
 
 This module imports `array_record` (installed with Grain: the `data` extra) only when a file is opened or written.
@@ -216,24 +218,40 @@ def _identity(path):
         return {"size": size, "tail_sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
-def write_index(path, encoding, lengths, max_id, feature=None):
-    """Writes `path`'s index (`path` + INDEX_SUFFIX) for a complete, closed file: its documents' token counts,
-    encoding and largest id (`feature`: the tf.train.Example feature counted), and its identity. Written to a
-    temporary name and renamed, so processes that rebuild one at once never leave a torn file."""
+def index_cache_dir():
+    """Where the indexes of files in directories this process cannot write go: `$XDG_CACHE_HOME` (else
+    `~/.cache`) / redline / array_record_index."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "redline", "array_record_index")
+
+
+def _cached_index(path):
+    """The cache's name for `path`'s index: a digest of its absolute path, then its file name."""
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    return os.path.join(index_cache_dir(), f"{digest}-{os.path.basename(path)}{INDEX_SUFFIX}")
+
+
+def write_index(path, encoding, lengths, max_id, feature=None, index=None):
+    """Writes `path`'s index (at `index`; None: beside it, `path` + INDEX_SUFFIX) for a complete, closed file:
+    its documents' token counts, encoding and largest id (`feature`: the tf.train.Example feature counted), and its
+    identity. Written to a temporary name and renamed, so processes that rebuild one at once never leave a torn
+    file."""
+    index = index or path + INDEX_SUFFIX
     lengths = np.asarray(lengths, np.int64)
     info = dict(_identity(path), version=_INDEX_VERSION, records=int(lengths.size), encoding=encoding,
                 max_id=int(max_id), feature=feature if encoding == "example" else None)
-    tmp = f"{path}{INDEX_SUFFIX}.{os.getpid()}.tmp"
+    tmp = f"{index}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         np.savez(f, lengths=lengths, info=np.array(json.dumps(info)))
-    os.replace(tmp, path + INDEX_SUFFIX)
+    os.replace(tmp, index)
 
 
-def _load_index(path, feature):
-    """(encoding, lengths, max_id) from `path`'s index, or (None, why it does not match) when it is stale."""
+def _load_index(path, feature, index):
+    """(encoding, lengths, max_id) from `path`'s index at `index`, or (None, why it does not match) when it is
+    stale."""
     try:
-        with np.load(path + INDEX_SUFFIX, allow_pickle=False) as index:
-            info, lengths = json.loads(str(index["info"])), index["lengths"]
+        with np.load(index, allow_pickle=False) as f:
+            info, lengths = json.loads(str(f["info"])), f["lengths"]
     except (OSError, ValueError, KeyError) as e:
         return None, f"it is unreadable ({type(e).__name__})"
     if info.get("version") != _INDEX_VERSION:
@@ -255,20 +273,30 @@ def _load_index(path, feature):
 
 
 def _index_file(path, feature):
-    """(encoding, per-record token counts, largest id) of one file: from its index when one matches it, else read
-    (and a stale index rewritten: a read-only directory keeps the stale one, and scans each time)."""
-    if not os.path.isfile(path + INDEX_SUFFIX):
-        return _scan_file(path, feature)
-    indexed, stale = _load_index(path, feature)
-    if indexed is not None:
-        return indexed
-    logging.warning("data: the index %s is stale (%s); reading every record of %s and rewriting it",
-                    path + INDEX_SUFFIX, stale, path)
+    """(encoding, per-record token counts, largest id) of one file: from its index, beside it or in the cache,
+    when one matches it, else read and its index written (beside it where its directory is writable, else in the
+    cache; a stale one is replaced)."""
+    beside, cached = path + INDEX_SUFFIX, _cached_index(path)
+    for index in (beside, cached):
+        if os.path.isfile(index):
+            indexed, stale = _load_index(path, feature, index)
+            if indexed is not None:
+                return indexed
+            logging.warning("data: the index %s is stale (%s); reading every record of %s and rewriting it", index,
+                            stale, path)
     scanned = _scan_file(path, feature)
-    try:
-        write_index(path, *scanned, feature=feature)
-    except OSError as e:
-        logging.warning("data: could not rewrite %s (%s)", path + INDEX_SUFFIX, e)
+    errors = []
+    for index in (beside, cached):
+        try:
+            os.makedirs(os.path.dirname(index), exist_ok=True)
+            write_index(path, *scanned, feature=feature, index=index)
+        except OSError as e:
+            errors.append(f"{index}: {e}")
+            continue
+        logging.info("data: indexed %s (%d documents) into %s", path, len(scanned[1]), index)
+        return scanned
+    logging.warning("data: could not write an index of %s (%s); it will be read whole at every open", path,
+                    "; ".join(errors))
     return scanned
 
 
