@@ -37,13 +37,20 @@ def _on_stages(x):
     return jax.lax.with_sharding_constraint(x, P(axes.STAGE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
 
 
-def bubble_fraction(stages, microbatches, virtual_stages=1):
-    """Share of a device's ticks spent idle: (S - 1) / (V M + S - 1) for V virtual stages per device (V = 1: GPipe)."""
-    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+SCHEDULES = ("gpipe", "1f1b")
 
 
-def num_ticks(stages, microbatches, virtual_stages=1):
-    """Ticks of the schedule's loop: V M + S - 1 (each runs L / (V S) layers on every device)."""
+def bubble_fraction(stages, microbatches, virtual_stages=1, schedule="gpipe"):
+    """Share of a device's ticks spent idle: (S - 1) / (V M + S - 1) for V virtual stages per device (V = 1: GPipe);
+    1F1B's lock-step ticks (each one forward and one backward): (2S - 2) / (M + 2S - 2)."""
+    return 1 - microbatches * virtual_stages / num_ticks(stages, microbatches, virtual_stages, schedule)
+
+
+def num_ticks(stages, microbatches, virtual_stages=1, schedule="gpipe"):
+    """Ticks of the schedule's loop: V M + S - 1 (each runs L / (V S) layers on every device); 1F1B: M + 2S - 2
+    (each runs a stage's forward and a stage's backward)."""
+    if schedule == "1f1b":
+        return microbatches + 2 * stages - 2
     return virtual_stages * microbatches + stages - 1
 
 
@@ -57,18 +64,9 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     positions). Returns the stack's output [B, ...]."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows, chunks = x.shape[0], stages * virtual_stages
-    if num_layers % chunks:
-        what = f"stage={stages}" + (f" x pipeline_virtual_stages={virtual_stages}" if virtual_stages > 1 else "")
-        raise ValueError(f"a mesh with {what} splits a stack of {num_layers} layers; expected a stage count"
-                         f"{' x virtual stages' if virtual_stages > 1 else ''} that divides the number of layers")
-    if rows % microbatches:
-        raise ValueError(f"pipeline_microbatches={microbatches} does not divide the {rows} rows of the batch; "
-                         "expected a divisor of the rows each pipeline step sees")
-    if virtual_stages > 1 and microbatches < stages:
-        raise ValueError(f"pipeline_microbatches={microbatches} with pipeline_virtual_stages={virtual_stages} on "
-                         f"stage={stages}; expected at least {stages} micro-batches (one per stage)")
-    per_chunk, m_rows = num_layers // chunks, rows // microbatches
-    split = lambda a: a.reshape(m_rows, microbatches, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731  [M, m_rows, ...]
+    _check(num_layers, rows, stages, microbatches, virtual_stages)
+    per_chunk = num_layers // chunks
+    split = _splitter(rows, microbatches)
     inputs, ctx_mb = split(x), jax.tree.map(split, ctx)
     # [L, ...] -> [V, S, K, ...] (layer (v S + s) K + k) -> [S, V, K, ...]: stage s's chunks s, S + s, 2S + s, ...
     stage_params = jax.tree.map(lambda w: _on_stages(
@@ -116,3 +114,136 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     out = out.reshape(rows // stages, stages, *x.shape[1:])
     out = jax.lax.with_sharding_constraint(out, P(P.UNCONSTRAINED, axes.STAGE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
     return out.reshape(x.shape)
+
+
+def _check(num_layers, rows, stages, microbatches, virtual_stages):
+    if num_layers % (stages * virtual_stages):
+        what = f"stage={stages}" + (f" x pipeline_virtual_stages={virtual_stages}" if virtual_stages > 1 else "")
+        raise ValueError(f"a mesh with {what} splits a stack of {num_layers} layers; expected a stage count"
+                         f"{' x virtual stages' if virtual_stages > 1 else ''} that divides the number of layers")
+    if rows % microbatches:
+        raise ValueError(f"pipeline_microbatches={microbatches} does not divide the {rows} rows of the batch; "
+                         "expected a divisor of the rows each pipeline step sees")
+    if virtual_stages > 1 and microbatches < stages:
+        raise ValueError(f"pipeline_microbatches={microbatches} with pipeline_virtual_stages={virtual_stages} on "
+                         f"stage={stages}; expected at least {stages} micro-batches (one per stage)")
+
+
+def _splitter(rows, microbatches):
+    """[B, ...] -> [M, B / M, ...]: micro-batch m is rows m, m + M, m + 2M, ... (each device's rows stay its own)."""
+    return lambda a: a.reshape(rows // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
+
+def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *, stages, microbatches):
+    """`tail_fn(tail_params, stack(x), tail_inputs)` with the stack of `pipeline` (V = 1) run on the 1F1B schedule:
+    (loss, aux), each summed over the micro-batches, differentiable in params, x and tail_params.
+
+    tail_fn(tail_params, h [rows, ...], tail_inputs of those rows) -> (loss, aux): what follows the stack (final norm,
+    head, the loss of those rows), a sum over rows (a mean divides by the whole batch's count), so the micro-batches'
+    add up to the batch's; aux (metrics) has no gradient. tail_inputs: a pytree of [B, ...] arrays (labels).
+
+    Differentiated (a custom_vjp), the forward runs the whole schedule and keeps the gradients, scaled by the loss's
+    cotangent in the backward. Tick t = 0 .. M + 2S - 3: every stage (vmapped over the stage dim, as in `pipeline`)
+    runs the forward of micro-batch t - s and the backward of micro-batch t - 2(S - 1) + s: the micro-batch leaving
+    the last stage goes through `jax.vjp(tail_fn)` in the same tick, whose gradient in h starts its backward there;
+    stage s < S - 1 takes the input gradient stage s + 1 made last tick (a roll the other way). The backward is a
+    `jax.vjp` of the stage's layers recomputed from its input, so a stage keeps only the inputs of the micro-batches
+    between its forward and its backward: 2 (S - 1 - s) + 1, a ring of 2S - 1 slots whatever M (GPipe keeps all M);
+    slot t mod (2S - 1) takes tick t's input. The lock-step costs ticks: M + 2S - 2 (each a forward and a backward)
+    where GPipe runs M + S - 1 of each. Not differentiated (evaluation), it is `pipeline` and then the tail."""
+    num_layers = jax.tree.leaves(params)[0].shape[0]
+    rows = x.shape[0]
+    _check(num_layers, rows, stages, microbatches, 1)
+    per_chunk, ring = num_layers // stages, 2 * stages - 1
+    split = _splitter(rows, microbatches)
+    stage_ids = jnp.arange(stages)
+    last = stage_ids == stages - 1
+
+    def run_stage(p, h, c, stage, micro):
+        def body(h, layer):
+            w, j = layer
+            return layer_fn(w, h, c, stage * per_chunk + j, micro), None
+        return jax.lax.scan(body, h, (p, jnp.arange(per_chunk)))[0]
+
+    def stage_grads(p, h, c, stage, micro, dout):
+        return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro), p, h)[1](dout)
+
+    forward_all = jax.vmap(run_stage, spmd_axis_name=axes.STAGE)
+    backward_all = jax.vmap(stage_grads, spmd_axis_name=axes.STAGE)
+    read_slot = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, keepdims=False),
+                         spmd_axis_name=axes.STAGE)
+
+    def one_f_one_b(params, x, tail_params, ctx, tail_inputs):
+        inputs, ctx_mb, tail_mb = split(x), jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)
+        stage_params = jax.tree.map(lambda w: _on_stages(w.reshape(stages, per_chunk, *w.shape[1:])), params)
+
+        def tick(carry, t):
+            previous, grad_in, saved, grads, tail_grads, dx, loss, aux = carry
+            # Forward: stage s on micro-batch t - s, its input kept in slot t mod R (whose micro-batch finished its
+            # backward on this stage at least one tick ago).
+            micro = jnp.clip(t - stage_ids, 0, microbatches - 1)
+            h = _on_stages(jnp.where(_along(stage_ids == 0, inputs.ndim), inputs[micro[0]][None],
+                                     jnp.roll(previous, 1, axis=0)))
+            saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, h, t % ring, axis=1))
+            with kernels.vmapped(axes.STAGE):
+                out = _on_stages(forward_all(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), stage_ids,
+                                             micro))
+            # The tail on the micro-batch leaving the last stage; its gradient in h starts that micro-batch's
+            # backward in this tick.
+            leaving = t - (stages - 1)
+            tail_on = (leaving >= 0) & (leaving < microbatches)
+            leaving = jnp.clip(leaving, 0, microbatches - 1)
+            part, pull, part_aux = jax.vjp(
+                lambda tp, h: tail_fn(tp, h, jax.tree.map(lambda a: a[leaving], tail_mb)), tail_params,
+                out[stages - 1], has_aux=True)
+            d_tail, d_out = pull(jnp.ones_like(part))
+            # Backward: stage s on micro-batch t - 2(S - 1) + s, recomputed from its input (written in tick
+            # t - 2(S - 1 - s)); off the schedule its output gradient is zero and its gradients are dropped.
+            back = t - 2 * (stages - 1) + stage_ids
+            back_on = (back >= 0) & (back < microbatches)
+            back = jnp.clip(back, 0, microbatches - 1)
+            d_h = jnp.where(_along(last, grad_in.ndim), d_out[None], jnp.roll(grad_in, -1, axis=0))
+            d_h = _on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0))
+            stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
+            with kernels.vmapped(axes.STAGE):
+                d_params, d_in = backward_all(stage_params, stored, jax.tree.map(lambda a: a[back], ctx_mb),
+                                              stage_ids, back, d_h)
+            grads = jax.tree.map(lambda a, g: a + jnp.where(_along(back_on, g.ndim), g, 0), grads, d_params)
+            tail_grads = jax.tree.map(lambda a, g: a + jnp.where(tail_on, g, 0), tail_grads, d_tail)
+            dx = dx.at[back[0]].set(jnp.where(back_on[0], d_in[0], dx[back[0]]))
+            loss, aux = jax.tree.map(lambda a, v: a + jnp.where(tail_on, v, 0), (loss, aux), (part, part_aux))
+            return (out, _on_stages(d_in), saved, grads, tail_grads, dx, loss, aux), None
+
+        # Gradients add up in float32 (M micro-batches' worth; bfloat16 parameters would lose the small ones).
+        def zeros(tree, dtype=None):
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
+
+        results = jax.eval_shape(lambda tp, h: tail_fn(tp, h, jax.tree.map(lambda a: a[0], tail_mb)), tail_params,
+                                 inputs[0])
+        start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
+        carry = (start, start, _on_stages(jnp.zeros((stages, ring) + inputs.shape[1:], x.dtype)),
+                 jax.tree.map(_on_stages, zeros(stage_params, jnp.float32)), zeros(tail_params, jnp.float32),
+                 jnp.zeros_like(inputs), *zeros(results))
+        (_, _, _, grads, tail_grads, dx, loss, aux), _ = jax.lax.scan(
+            tick, carry, jnp.arange(num_ticks(stages, microbatches, schedule="1f1b")))
+        grads = jax.tree.map(lambda g, w: g.reshape(w.shape).astype(w.dtype), grads, params)
+        tail_grads = jax.tree.map(lambda g, w: g.astype(w.dtype), tail_grads, tail_params)
+        dx = dx.swapaxes(0, 1).reshape(x.shape)
+        return (loss, aux), (grads, dx, tail_grads)
+
+    @jax.custom_vjp
+    def run(params, x, tail_params, ctx, tail_inputs):
+        out = pipeline(layer_fn, params, x, ctx, stages=stages, microbatches=microbatches)
+        return tail_fn(tail_params, out, tail_inputs)
+
+    def backward(grads, cotangent):
+        scale = cotangent[0]
+        return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None, None)
+
+    run.defvjp(one_f_one_b, backward)
+    return run(params, x, tail_params, ctx, tail_inputs)
+
+
+def _along(mask, ndim):
+    """A [S] mask broadcastable against [S, ...] arrays of `ndim` dims."""
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))

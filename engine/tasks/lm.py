@@ -75,11 +75,13 @@ def _head_operands(model, params, out):
     return x, w
 
 
-def loss_and_metrics(model, params, out, labels, implementation, interpret):
+def loss_and_metrics(model, params, out, labels, implementation, interpret, count=None):
     """Mean cross-entropy over labels >= 0 (`token_losses`; 'chunked': `kernels.linear_cross_entropy_sum` with
-    weights 1 / count), the token count and, with plain logits, accuracy."""
+    weights 1 / count), the token count and, with plain logits, accuracy. count: what the mean divides by (the
+    whole batch's labelled tokens when `labels` are some of its rows, so that the rows' results add up to the
+    batch's); None: these labels' count."""
     valid = labels >= 0
-    n = jnp.maximum(valid.sum(), 1)
+    n = jnp.maximum(valid.sum(), 1) if count is None else count
     metrics = {"tokens": valid.sum().astype(jnp.float32)}
     if implementation is None:
         metrics["accuracy"] = jnp.where(valid, out.argmax(-1) == labels, False).sum() / n
@@ -101,14 +103,31 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
     accuracy. implementation: None (plain logits) or a kernel implementation for the fused head + loss ('xla',
     'triton', 'mosaic_tpu', 'auto'; see the module docstring). interpret: run a Pallas kernel in its interpreter.
     Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`. A mixture-of-experts model
-    (config.num_experts) adds its router losses with the config's weights and reports both (`add_router_losses`)."""
+    (config.num_experts) adds its router losses with the config's weights and reports both (`add_router_losses`).
+    A model on the 1F1B pipeline (config.pipeline_schedule='1f1b') is given the loss as its tail (`DecoderLM`'s
+    loss_tail: the head and loss per micro-batch inside the pipeline); plain logits and dense models only."""
     check_implementation(implementation)
-    cap = getattr(getattr(model, "config", None), "final_logit_softcap", None)
+    config = getattr(model, "config", None)
+    cap = getattr(config, "final_logit_softcap", None)
     if implementation is not None and cap is not None:  # the fused kernel computes plain logits: a wrong loss
         raise ValueError(f"loss_implementation={implementation!r} with a final logit soft-cap ({cap}, Gemma 2); "
                          "expected plain logits (--loss_implementation=plain): the fused head + loss does not cap")
+    one_f_one_b = getattr(config, "pipeline_schedule", "gpipe") == "1f1b"
+    if one_f_one_b and implementation is not None:
+        raise ValueError(f"loss_implementation={implementation!r} with pipeline_schedule='1f1b'; expected plain "
+                         "logits (--loss_implementation=plain): the 1F1B pipeline's loss tail takes logits")
+    if one_f_one_b and getattr(config, "num_experts", 0):
+        raise ValueError(f"pipeline_schedule='1f1b' with a mixture of experts (num_experts={config.num_experts}); "
+                         "expected pipeline_schedule='gpipe': the 1F1B tail has no router losses")
 
     def loss_fn(params, batch, rng, is_training):
+        if one_f_one_b:
+            labels = batch["labels"]
+            count = jnp.maximum((labels >= 0).sum(), 1)
+            tail = lambda logits, rows: loss_and_metrics(model, None, logits, rows, None, interpret,  # noqa: E731
+                                                         count=count)
+            return model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], train=is_training,
+                               rngs=dropout_rngs(rng), loss_tail=(tail, labels))
         out, sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
                                  return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
         loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)

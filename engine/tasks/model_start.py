@@ -221,8 +221,8 @@ def with_flags(model, params):
     """(model, params) with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each
     unchanged when unset), --fp8 (the projections' matmuls in FP8 when set; like --compute_dtype a setting of each
     run, not recorded in run.json) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches,
-    --pipeline_virtual_stages and the layers stacked (`models.stack_layers`; run.json records the layout, so a resume
-    needs the same flags)."""
+    --pipeline_virtual_stages, --pipeline_schedule and the layers stacked (`models.stack_layers`; run.json records
+    the layout, so a resume needs the same flags)."""
     options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
                if getattr(FLAGS, name) is not None}
     if FLAGS.fp8:
@@ -240,7 +240,8 @@ def with_flags(model, params):
 
 def with_pipeline(model, params):
     """(model, params) laid out for the mesh flags: --sequence_parallel set; for --pipeline_stages > 1 the layers
-    stacked (`models.stack_layers`), --pipeline_microbatches and --pipeline_virtual_stages set."""
+    stacked (`models.stack_layers`), --pipeline_microbatches, --pipeline_virtual_stages and --pipeline_schedule
+    set."""
     if FLAGS.sequence_parallel:
         model = model.clone(config=dataclasses.replace(model.config, sequence_parallel=True))
     if FLAGS.pipeline_stages == 1:
@@ -250,5 +251,6 @@ def with_pipeline(model, params):
     except ValueError as e:
         raise ValueError(f"--pipeline_stages={FLAGS.pipeline_stages}: {e}") from None
     config = dataclasses.replace(model.config, pipeline_microbatches=FLAGS.pipeline_microbatches,
-                                 pipeline_virtual_stages=FLAGS.pipeline_virtual_stages)
+                                 pipeline_virtual_stages=FLAGS.pipeline_virtual_stages,
+                                 pipeline_schedule=FLAGS.pipeline_schedule)
     return model.clone(config=config), params

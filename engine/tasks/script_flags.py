@@ -63,6 +63,10 @@ def define_flags():
     flags.DEFINE_integer("pipeline_virtual_stages", 1, "With --pipeline_stages > 1: times each micro-batch passes "
                          "every stage (1: GPipe; V > 1: the interleaved schedule, each stage holding V chunks of "
                          "layers; needs --pipeline_microbatches >= stages).", lower_bound=1)
+    flags.DEFINE_enum("pipeline_schedule", "gpipe", list(models.pipeline.SCHEDULES), "With --pipeline_stages > 1: "
+                      "'gpipe' (all forwards, then all backwards: every micro-batch's activations alive at once) or "
+                      "'1f1b' (each micro-batch's backward as soon as it leaves the last stage: at most 2 x stages "
+                      "- 1 alive; the LM loss with plain logits, dense models, --pipeline_virtual_stages=1).")
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
     flags.DEFINE_integer("per_device_batch_size", 4, "Examples per device (along data x fsdp) per micro-batch.")
     flags.DEFINE_integer("accumulate_grad_batches", 1, "Micro-batches per optimizer update.")

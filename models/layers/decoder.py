@@ -85,7 +85,14 @@ class DecoderLM(nn.Module):
     __call__(input_ids [B, T], attention_mask [B, T] | None, *, positions, cache, return_hidden, train) -> logits
     [B, T, vocab] float32, or (logits, cache) when a cache (from init_cache) is passed; see decoder_context for the
     mask and the positions. train=True applies dropout (config.dropout_rate) and needs a 'dropout' rng. Blocks take
-    a `deterministic` attribute (False in training calls)."""
+    a `deterministic` attribute (False in training calls).
+
+    loss_tail (loss_fn, inputs): the call returns loss_fn(logits, inputs) instead of the logits, where loss_fn(logits
+    [b, T, vocab] of some rows, those rows of the pytree `inputs` of [B, ...] arrays) -> (loss, aux) is a sum over
+    rows. The 1F1B pipeline (config.pipeline_schedule='1f1b') needs it: it runs the final norm, the head and loss_fn
+    per micro-batch inside the pipeline (`apply_layers`) and returns (loss, aux) summed over the micro-batches.
+    hidden_states [B, T, D]: the layer stack's output, given instead of input_ids: the call runs only what follows
+    the stack (that per-micro-batch tail)."""
     config: Any
     block = None
     norm_kind = "rms"
@@ -95,14 +102,38 @@ class DecoderLM(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, *, positions=None, cache=None, return_hidden=False,
-                 train=False):
+                 train=False, loss_tail=None, hidden_states=None):
         c = self.config
         kw = dict(dtype=config_dtype(c), param_dtype=jnp.dtype(c.param_dtype))
         lin = dict(std=c.initializer_range, **kw)
         embed_dim = getattr(c, "embed_dim", c.hidden_size)
         affine = getattr(c, "layer_norm_elementwise_affine", True)
-        ctx, new_cache = decoder_context(input_ids, attention_mask, positions, cache)
         embed = token_embedding(c.vocab_size, embed_dim, name="embed", **lin)
+        if hidden_states is None:
+            x, new_cache, layer_cache = self._stack(input_ids, attention_mask, positions, cache, train, embed,
+                                                    loss_tail, lin)
+            if isinstance(x, tuple):  # the 1F1B pipeline's (loss, aux): the tail ran inside it
+                return x
+        else:
+            x, new_cache, layer_cache = hidden_states, None, None
+        if getattr(c, "final_layer_norm", True):
+            x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, offset=getattr(c, "norm_offset", 0.0),
+                     name="final_norm", **kw)(x)
+        x = gather_tokens(x, c.sequence_parallel)
+        if embed_dim != c.hidden_size:
+            x = Linear(c.hidden_size, embed_dim, name="project_out", **lin)(x)
+        out = lm_output(x, embed, c.tie_word_embeddings, new_cache, layer_cache, return_hidden,
+                        head_bias=self.head_bias, logit_soft_cap=getattr(c, "final_logit_softcap", None), **lin)
+        if loss_tail is None or hidden_states is not None:
+            return out
+        return loss_tail[0](out, loss_tail[1])
+
+    def _stack(self, input_ids, attention_mask, positions, cache, train, embed, loss_tail, lin):
+        """(the layer stack's output, or the 1F1B pipeline's (loss, aux), the cache without 'layers' or None, the
+        layers' cache or None): the embeddings and the stack of __call__."""
+        c = self.config
+        embed_dim = getattr(c, "embed_dim", c.hidden_size)
+        ctx, new_cache = decoder_context(input_ids, attention_mask, positions, cache)
         x = embed(input_ids)
         if getattr(c, "scale_embeddings", False):
             x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
@@ -115,17 +146,14 @@ class DecoderLM(nn.Module):
         if self.embed_dropout:
             x = nn.Dropout(c.dropout_rate, deterministic=not train)(x)
         sliding = sliding_layers(c)
+        if loss_tail is not None:  # what follows the stack, as a function of the parameters (the 1F1B pipeline's)
+            model, (loss_fn, inputs) = self.clone(parent=None), loss_tail
+            loss_tail = (lambda params, h, rows: loss_fn(model.apply({"params": params}, None, hidden_states=h), rows),
+                         inputs)
         x, layer_cache = apply_layers(self.block, split_tokens(x, c.sequence_parallel), ctx, cache, c, owner=self,
                                       per_layer={"sliding": sliding} if len(set(sliding)) > 1 else None,
-                                      deterministic=not train)
-        if getattr(c, "final_layer_norm", True):
-            x = Norm(self.norm_kind, c.norm_eps, use_scale=affine, offset=getattr(c, "norm_offset", 0.0),
-                     name="final_norm", **kw)(x)
-        x = gather_tokens(x, c.sequence_parallel)
-        if embed_dim != c.hidden_size:
-            x = Linear(c.hidden_size, embed_dim, name="project_out", **lin)(x)
-        return lm_output(x, embed, c.tie_word_embeddings, new_cache, layer_cache, return_hidden,
-                         head_bias=self.head_bias, logit_soft_cap=getattr(c, "final_logit_softcap", None), **lin)
+                                      loss_tail=loss_tail, deterministic=not train)
+        return x, new_cache, layer_cache
 
     def init_cache(self, batch, max_len, dtype=None):
         """An empty KV cache for `batch` rows of up to `max_len` tokens (prompt + generated); sliding layers keep

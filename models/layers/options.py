@@ -6,6 +6,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models import pipeline
+
 Dtype = Any
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections of Attention and MLP
@@ -48,6 +50,11 @@ class ModelOptions:
     (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (V M + S - 1) of each stage's time.
     pipeline_virtual_stages: V, the times a micro-batch passes every stage (1: GPipe; V > 1: the interleaved
     schedule, stage s running layer chunks s, S + s, 2S + s, ... of L / (V S) layers each; needs M >= S).
+    pipeline_schedule: 'gpipe' (every forward, then the backward as autodiff of the tick loop: all M micro-batches'
+    activations alive at the turn; the interleaved one with V > 1) or '1f1b' (each micro-batch's backward as soon
+    as it leaves the last stage, the loss inside the pipeline: at most 2S - 1 micro-batches' stage inputs alive per
+    stage; V = 1, and the model call must be given its loss, `DecoderLM(loss_tail=)` as `engine.tasks.lm.lm_loss_fn`
+    does: models/README.md#the-pipeline).
     sequence_parallel: under a mesh whose automatic `model` axis divides the tokens, the residual stream between
     the tensor-parallel attention and MLP blocks (and the norms and dropouts on it) holds T / model tokens per
     device (Megatron-LM's sequence parallelism, Korthikanti et al., 2022): each block all-gathers its input's tokens
@@ -71,6 +78,7 @@ class ModelOptions:
     fp8: bool = False
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
+    pipeline_schedule: str = "gpipe"
     sequence_parallel: bool = False
 
     def __post_init__(self):
@@ -103,6 +111,11 @@ class ModelOptions:
                 or self.pipeline_virtual_stages < 1):
             raise ValueError(f"pipeline_virtual_stages={self.pipeline_virtual_stages!r}; expected an integer >= 1 "
                              "(1: GPipe)")
+        if self.pipeline_schedule not in pipeline.SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r}; expected one of {pipeline.SCHEDULES}")
+        if self.pipeline_schedule == "1f1b" and self.pipeline_virtual_stages > 1:
+            raise ValueError(f"pipeline_schedule='1f1b' with pipeline_virtual_stages={self.pipeline_virtual_stages}; "
+                             "expected pipeline_virtual_stages=1 (1F1B runs one chunk per stage)")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout={self.lora_dropout!r}; expected a rate in [0, 1)")
         if not self.lora_alpha > 0:

@@ -13,7 +13,7 @@ _REMAT_POLICIES = {
 
 
 def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, per_layer=None,
-                 **block_kwargs):
+                 loss_tail=None, **block_kwargs):
     """Runs the blocks of a stack (config.num_layers unless given); call from inside a parent's compact method.
 
     A block is a Module whose __call__(x, ctx, layer_cache) returns (x, layer_cache); it is built with
@@ -34,7 +34,13 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     one after the other on slices of the stacked weights, each with its kind's cache.
 
     What a block sows into 'intermediates' (the MoE router's statistics, `layers.moe`) comes out stacked
-    [num_layers, ...] from a scan, per `{name}_{i}` otherwise; the pipeline drops it."""
+    [num_layers, ...] from a scan, per `{name}_{i}` otherwise; the pipeline drops it.
+
+    loss_tail (tail_fn, inputs): what follows the stack down to a loss, for the 1F1B pipeline
+    (config.pipeline_schedule='1f1b', which runs it per micro-batch: `models.pipeline.pipeline_1f1b`), tail_fn taking
+    `owner`'s other parameters, the stack's output rows and those rows of `inputs`. When that pipeline runs, the
+    first result is tail_fn's (loss, aux) summed over the micro-batches instead of the stack's output; it refuses a
+    call without a tail. Other calls ignore it."""
     num_layers = config.num_layers if num_layers is None else num_layers
     scan, remat = config.scan_layers, config.remat
     cache = None if cache is None else cache["layers"]
@@ -50,7 +56,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
             raise ValueError(f"a mesh with stage={stages} needs scan_layers=True (the pipeline splits the stacked "
                              "layer weights); got scan_layers=False")
         if not owner.is_initializing():
-            return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer), None
+            return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer,
+                              loss_tail), None
     layered = per_layer is not None or isinstance(cache, list)
     if layered and cache is not None and scan and not owner.is_initializing():
         return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
@@ -109,9 +116,10 @@ def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_lay
     return x, _restack(caches)
 
 
-def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer):
+def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer, loss_tail):
     """The scanned stack `owner`'s `name` as a pipeline of `stages` stages: each layer is the block applied to its
-    slice of the stacked weights (dropout keys folded per layer and micro-batch; per-layer values indexed by it)."""
+    slice of the stacked weights (dropout keys folded per layer and micro-batch; per-layer values indexed by it).
+    1F1B: the stack and `loss_tail` on `owner`'s other parameters, (loss, aux) (`apply_layers`)."""
     block = block_cls(parent=None, **block_kwargs)
     key = None if block_kwargs.get("deterministic", True) else owner.make_rng("dropout")
     values = {} if per_layer is None else {k: jnp.asarray(v) for k, v in per_layer.items()}
@@ -123,6 +131,15 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
 
     if config.remat != "none":
         layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
-    return pipeline.pipeline(layer_fn, owner.variables["params"][name], x, ctx, stages=stages,
-                             microbatches=config.pipeline_microbatches or stages,
+    weights, microbatches = owner.variables["params"][name], config.pipeline_microbatches or stages
+    if config.pipeline_schedule == "1f1b":
+        if loss_tail is None:
+            raise ValueError("pipeline_schedule='1f1b' runs the loss inside the pipeline, and this call asks for the "
+                             "model's output; expected pipeline_schedule='gpipe', or the call given its loss "
+                             "(DecoderLM's loss_tail, as engine.tasks.lm.lm_loss_fn passes it)")
+        tail_fn, inputs = loss_tail
+        rest = {k: v for k, v in owner.variables["params"].items() if k != name}
+        return pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
+                                      microbatches=microbatches)
+    return pipeline.pipeline(layer_fn, weights, x, ctx, stages=stages, microbatches=microbatches,
                              virtual_stages=config.pipeline_virtual_stages)

@@ -1,0 +1,168 @@
+"""The 1F1B pipeline schedule (models/pipeline.py `pipeline_1f1b`, `pipeline_schedule='1f1b'`): the LM loss of a
+tiny LLaMA run through it equals the unpipelined model's, values and gradients, on meshes that mix stages with data,
+tensor parallelism and ZeRO-3, and through the Trainer; dropout masks are GPipe's; the compiled program keeps less
+temporary memory than GPipe's at M = 4S and runs M + 2S - 2 ticks; what it does not support fails in one line."""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import engine
+import kernels
+import models
+from engine.tasks import lm
+from models import pipeline
+from tests import trainer_task as tt
+from tests.test_pipeline import _on_mesh
+
+SEQ = 16
+
+
+def _model(**options):
+    return models.create_model("llama", "tiny", **{"scan_layers": True, "num_layers": 4, "remat": "full",
+                                                   "pipeline_schedule": "1f1b", **options})
+
+
+def _batch(model, rows=8, seq=SEQ):
+    ids = jax.random.randint(jax.random.PRNGKey(1), (rows, seq + 1), 0, model.config.vocab_size)
+    labels = ids[:, 1:].at[0, :5].set(-100)  # unlabelled positions: the mean is over the batch's labelled tokens
+    segments = jnp.ones((rows, seq), jnp.int32).at[1, seq // 2:].set(2)  # a packed row
+    return {"input_ids": ids[:, :-1], "labels": labels, "segment_ids": segments}
+
+
+def _loss(model, train=False, rng=None):
+    loss_fn = lm.lm_loss_fn(model)
+    return lambda params, batch: loss_fn(params, batch, rng, train)[0]
+
+
+def _as_gpipe(model):
+    return model.clone(config=dataclasses.replace(model.config, pipeline_schedule="gpipe"))
+
+
+def _assert_close(got, grads, want, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want_grads))
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
+        assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * scale, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("mesh, options", [
+    (dict(stage=2, data=2, model=2), dict(pipeline_microbatches=4)),
+    # 8 layers on 4 stages beside ZeRO-3, a micro-batch per stage, no remat (each backward keeps its stage's layers'
+    # activations while it runs), the head tied to the embedding (its gradient from both ends of the pipeline).
+    pytest.param(dict(stage=4, fsdp=2), dict(num_layers=8, remat="none", tie_word_embeddings=True),
+                 marks=pytest.mark.slow),
+])
+def test_1f1b_equals_the_plain_model(mesh, options):
+    model = _model(**options)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    batch = _batch(model)
+    want, want_grads = jax.jit(jax.value_and_grad(_loss(_as_gpipe(model))))(params, batch)
+    fn, placed, placed_batch = _on_mesh(_loss(model), params, batch, engine.make_mesh(**mesh))
+    got, grads = fn(placed, placed_batch)
+    _assert_close(got, grads, want, want_grads)
+
+
+@pytest.mark.slow
+def test_1f1b_dropout_masks_are_gpipes():
+    """With dropout both schedules draw each layer's mask from the key folded by layer and micro-batch, and 1F1B's
+    backward recomputes its stage with the forward's masks: the same loss and gradients as GPipe's."""
+    model = _model(dropout_rate=0.1, attention_dropout_rate=0.1, pipeline_microbatches=4)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    batch = _batch(model)
+    mesh = engine.make_mesh(stage=2, data=4)
+
+    def value_and_grad(model):
+        fn, placed, placed_batch = _on_mesh(_loss(model, True, jax.random.PRNGKey(3)), params, batch, mesh)
+        return fn(placed, placed_batch)
+
+    want, want_grads = value_and_grad(_as_gpipe(model))
+    got, grads = value_and_grad(model)
+    _assert_close(got, grads, want, want_grads)
+    plain = jax.jit(_loss(_as_gpipe(model)))(params, batch)
+    assert got != plain
+
+
+def test_trainer_trains_1f1b_like_without():
+    model = _model(vocab_size=tt.VOCAB, pipeline_microbatches=4)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    examples = tt.make_examples(64)
+
+    def collate(rows):
+        batch = tt.collate_fn(rows)
+        return {**batch, "segment_ids": np.ones_like(batch["input_ids"])}
+
+    def history(model, mesh):
+        trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=lm.lm_loss_fn(model), params=params,
+                                 optimizer=optax.adam(1e-2), parallelism=engine.Parallelism(step="jit"))
+        trainer.fit(examples, per_device_batch_size=4, max_steps=3, log_every=1, eval_examples=examples[:16],
+                    eval_every=3)
+        return trainer.history
+
+    want = history(_as_gpipe(model), engine.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    got = history(model, engine.make_mesh(stage=2, data=2, model=2))
+    for key in ("loss", "accuracy", "tokens", "eval_loss"):
+        np.testing.assert_allclose([h[key] for h in got if key in h], [h[key] for h in want if key in h],
+                                   rtol=1e-5, err_msg=key)
+    assert any("eval_loss" in h for h in got) and want[2]["loss"] < want[0]["loss"]
+
+
+def test_1f1b_keeps_less_than_gpipe_and_runs_its_ticks():
+    """At M = 4S the compiled 1F1B step's temporaries are below GPipe's (GPipe keeps every micro-batch's layer
+    inputs and the whole batch's logits at the turn; 1F1B a ring of 2S - 1 stage inputs and one micro-batch's
+    logits), and its one tick loop runs M + 2S - 2 ticks where GPipe runs M + S - 1 forward and backward."""
+    stages, microbatches, rows = 2, 8, 64
+    mesh = engine.make_mesh(stage=stages, data=4)
+    model = _model(pipeline_microbatches=microbatches)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    batch = _batch(model, rows=rows, seq=64)
+    compiled = {}
+    for name, m in (("1f1b", model), ("gpipe", _as_gpipe(model))):
+        fn, placed, placed_batch = _on_mesh(_loss(m), params, batch, mesh)
+        compiled[name] = fn.lower(placed, placed_batch).compile()
+    temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+    assert temp["1f1b"] < 0.6 * temp["gpipe"], temp
+    trips = {k: [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', c.as_text())]
+             for k, c in compiled.items()}
+    ticks = pipeline.num_ticks(stages, microbatches, schedule="1f1b")
+    assert ticks == microbatches + 2 * stages - 2
+    assert trips["1f1b"].count(ticks) == 1 and trips["gpipe"].count(pipeline.num_ticks(stages, microbatches)) == 2
+    assert pipeline.bubble_fraction(stages, microbatches, schedule="1f1b") == pytest.approx(2 / ticks)
+
+
+def test_undifferentiated_1f1b_is_the_loss():
+    """Evaluation (no gradient) runs GPipe's forward and the tail on every row: the same loss and metrics."""
+    model = _model(pipeline_microbatches=2)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    batch = _batch(model)
+    loss_fn = lm.lm_loss_fn(model)
+    want = jax.jit(lambda p, b: lm.lm_loss_fn(_as_gpipe(model))(p, b, None, False))(params, batch)
+    mesh = engine.make_mesh(stage=2, data=4)
+    with kernels.under_mesh(mesh):
+        got = jax.jit(lambda p, b: loss_fn(p, b, None, False))(params, batch)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5), got, want)
+
+
+def test_bad_input_fails_in_one_line():
+    with pytest.raises(ValueError, match=r"pipeline_schedule='zb'; expected one of \('gpipe', '1f1b'\)"):
+        _model(pipeline_schedule="zb")
+    with pytest.raises(ValueError, match=r"pipeline_schedule='1f1b' with pipeline_virtual_stages=2; expected "
+                                         r"pipeline_virtual_stages=1"):
+        _model(pipeline_virtual_stages=2)
+    with pytest.raises(ValueError, match=r"loss_implementation='xla' with pipeline_schedule='1f1b'; expected plain "
+                                         r"logits"):
+        lm.lm_loss_fn(_model(), "xla")
+    moe = models.create_model("mixtral", "tiny", scan_layers=True, pipeline_schedule="1f1b")
+    with pytest.raises(ValueError, match=r"pipeline_schedule='1f1b' with a mixture of experts \(num_experts=\d+\); "
+                                         r"expected pipeline_schedule='gpipe'"):
+        lm.lm_loss_fn(moe)
+    model = _model()
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"pipeline_schedule='1f1b' runs the loss inside the pipeline, and this "
+                                         r"call asks for the model's output; expected pipeline_schedule='gpipe'"):
+        with kernels.under_mesh(engine.make_mesh(stage=2, data=4)):
+            jax.eval_shape(lambda p: model.apply({"params": p}, _batch(model)["input_ids"]), params)
