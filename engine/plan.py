@@ -16,6 +16,7 @@ all-gather of an up-converted bf16 value is counted at its bf16 size, as GPUs an
 counted as compiled.
 """
 import math
+import os
 import re
 
 import jax
@@ -318,16 +319,32 @@ def memory_per_device(compiled):
 TPU_HBM_BYTES = {"TPU v4": 32 << 30, "TPU v5 lite": 16 << 30, "TPU v5": 95 << 30, "TPU v6 lite": 32 << 30}
 
 
+# Memory per GPU by `device_kind` (nvidia-smi's total), for the compile-only devices of a 'gpu:' target. What a
+# JAX process's allocator may use of it is `gpu_memory_fraction()` of that.
+GPU_MEMORY_BYTES = {"NVIDIA H100 80GB HBM3": 81559 << 20, "NVIDIA H200": 143771 << 20}
+# The GPU targets: name -> (device kind, memory bandwidth in bytes/s) of the compile-only devices built for it.
+GPU_TARGETS = {"h100": ("NVIDIA H100 80GB HBM3", 3_352_320_000_000), "h200": ("NVIDIA H200", 4_800_000_000_000)}
+GPUS_PER_HOST = 8
+
+
+def gpu_memory_fraction():
+    """The share of a GPU's memory JAX's allocator takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 by default, as JAX
+    reads it)."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
 def device_memory_bytes(device):
     """The bytes `device` can hold for a program (`memory_stats()['bytes_limit']`, what XLA's allocator may use on a
-    GPU or TPU; a compile-only TPU device's HBM from `TPU_HBM_BYTES`), or None where the backend does not say
-    (CPU)."""
+    GPU or TPU; a compile-only TPU device's HBM from `TPU_HBM_BYTES`; a compile-only GPU's memory from
+    `GPU_MEMORY_BYTES` times `gpu_memory_fraction()`), or None where the backend does not say (CPU)."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - a backend without memory statistics (compile-only devices among them)
         stats = None
     if not stats and getattr(device, "platform", None) == "tpu":
         return TPU_HBM_BYTES.get(device.device_kind)
+    if not stats and getattr(device, "platform", None) == "gpu" and device.device_kind in GPU_MEMORY_BYTES:
+        return int(GPU_MEMORY_BYTES[device.device_kind] * gpu_memory_fraction())
     return (stats or {}).get("bytes_limit")
 
 
@@ -354,25 +371,36 @@ def hosts_of(devices):
 # v5p, two per chip; chips for v5e and v6e) and their ICI torus's rank (3-D: v4, v5p; 2-D: v5e, v6e).
 TPU_GENERATIONS = {"v4": (2, 3), "v5p": (2, 3), "v5e": (1, 2), "v6e": (1, 2)}
 _TARGET = re.compile(r"tpu:(v4|v5p|v5e|v6e)-(\d+)(?:x(\d+))?")
+_GPU_TARGET = re.compile(r"gpu:(h100|h200)(?:-(\d+))?")
 
 
 def parse_target(target):
     """A target name -> None (this machine's own devices: 'cpu', None) or (generation, chips per slice, the
     topology name `jax.experimental.topologies.get_topology_desc` takes, slices). Names: 'tpu:<generation>-<n>'
     as Cloud TPU spells slices (v4-8, v5p-8: n TensorCores, two per chip; v5e-8, v6e-8: n chips), with 'x<s>' for
-    s slices joined by the data-centre network (tpu:v5e-16x2). A bad name is a ValueError of one line."""
+    s slices joined by the data-centre network (tpu:v5e-16x2); 'gpu:<h100|h200>[-<n>]' for n GPUs (1 by default)
+    in hosts of `GPUS_PER_HOST` (n up to 8, or a multiple of 8), whose topology is '1x<hosts>x<GPUs a host>'. A
+    bad name is a ValueError of one line."""
     if target in (None, "", "cpu"):
         return None
+    gpu = _GPU_TARGET.fullmatch(str(target))
+    if gpu:
+        n = int(gpu.group(2) or 1)
+        if n < 1 or (n > GPUS_PER_HOST and n % GPUS_PER_HOST):
+            raise ValueError(f"target={target!r}; expected a GPU count n of 1 to {GPUS_PER_HOST} or a multiple of "
+                             f"{GPUS_PER_HOST} (hosts of {GPUS_PER_HOST} GPUs), e.g. gpu:h100-8 or gpu:h200-16")
+        per_host = min(n, GPUS_PER_HOST)
+        return gpu.group(1), n, f"1x{n // per_host}x{per_host}", 1
     m = _TARGET.fullmatch(str(target))
     cores, rank = TPU_GENERATIONS.get(m.group(1), (1, 0)) if m else (1, 0)
     chips = int(m.group(2)) // cores if m else 0
     slices = int(m.group(3) or 1) if m else 0
     shape = _torus(chips, rank) if m and int(m.group(2)) % cores == 0 else None
     if shape is None or slices < 1:
-        raise ValueError(f"target={target!r}; expected 'cpu' or 'tpu:<generation>-<n>[x<slices>]' with generation "
-                         f"one of {sorted(TPU_GENERATIONS)} and n a slice size of it (v5p-8, v4-16: TensorCores, "
-                         "4 or more chips, a power of two; v5e-8, v6e-16: chips, 4 or more, a power of two), "
-                         "e.g. tpu:v5p-8 or tpu:v5e-16x2")
+        raise ValueError(f"target={target!r}; expected 'cpu', 'gpu:<h100|h200>[-<n>]' or "
+                         f"'tpu:<generation>-<n>[x<slices>]' with generation one of {sorted(TPU_GENERATIONS)} and n "
+                         "a slice size of it (v5p-8, v4-16: TensorCores, 4 or more chips, a power of two; v5e-8, "
+                         "v6e-16: chips, 4 or more, a power of two), e.g. tpu:v5p-8, tpu:v5e-16x2 or gpu:h100-8")
     return m.group(1), chips, f"{m.group(1)}:{'x'.join(map(str, shape))}", slices
 
 
@@ -390,12 +418,16 @@ def _torus(chips, rank):
 def target_devices(target):
     """The compile-only devices of `target` (`parse_target`; None or 'cpu': `jax.devices()`): a TPU slice's come
     from libtpu (`jax[tpu]`) without a TPU, so a program compiled for them is what XLA:TPU and Mosaic compile for
-    the real slice (memory per chip from its buffer assignment). Run with JAX_PLATFORMS=cpu on a machine without a
-    TPU."""
+    the real slice (memory per chip from its buffer assignment); GPUs' from the CUDA plugin (`jax[cuda13]`; make
+    test-gpu-compile's environment) given the device's description, so XLA:GPU and the kernels' compilers (Triton,
+    Mosaic GPU, ptxas) compile the program as for those GPUs, without autotuning (no device to time on). Run with
+    JAX_PLATFORMS=cpu on a machine without a TPU or GPU."""
     parsed = parse_target(target)
     if parsed is None:
         return jax.devices()
     generation, _, topology, slices = parsed
+    if generation in GPU_TARGETS:
+        return _gpu_devices(generation, topology)
     try:
         import libtpu  # noqa: F401, PLC0415 - only to tell a missing install from a bad topology
     except ImportError:
@@ -406,6 +438,30 @@ def target_devices(target):
         desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices)
     except Exception as e:  # noqa: BLE001 - libtpu's refusal, as one line
         raise ValueError(f"target={target!r} ({topology}, {slices} slice(s)): libtpu refused it: "
+                         f"{str(e).splitlines()[0][:200]}") from None
+    return list(desc.devices)
+
+
+def _gpu_devices(name, topology):
+    """The compile-only devices of a 'gpu:' target (`GPU_TARGETS[name]`, `topology` as `parse_target` gives it)."""
+    kind, bandwidth = GPU_TARGETS[name]
+    try:
+        from jax.experimental import topologies  # noqa: PLC0415
+
+        from kernels import mosaic_gpu_compile  # noqa: PLC0415 - the H100 description the kernels' tier compiles for
+        config = mosaic_gpu_compile.TARGET_CONFIG
+        spec = {"name": kind, "device_description_str": kind, "memory_bandwidth": bandwidth,
+                "device_memory_size": GPU_MEMORY_BYTES[kind]}
+        for key, value in spec.items():  # the H100 SXM's description with this GPU's name, memory and bandwidth
+            quoted = isinstance(value, str)
+            old_value = r'"[^"]*"' if quoted else "[0-9]+"
+            config, n = re.subn(rf"\b{key}: {old_value}", f'{key}: "{value}"' if quoted else f"{key}: {value}",
+                                config)
+            assert n == 1, key
+        desc = topologies.get_topology_desc(platform="cuda", target_config=config, topology=topology)
+    except Exception as e:  # noqa: BLE001 - no CUDA plugin: one line saying what to install
+        raise ValueError(f"target='gpu:{name}...' needs JAX's CUDA plugin for compile-only GPUs (pip install "
+                         f"'jax[cuda13]=={jax.__version__}'; make test-gpu-compile's .venv-gpu-compile has it): "
                          f"{str(e).splitlines()[0][:200]}") from None
     return list(desc.devices)
 

@@ -1,5 +1,5 @@
 """Ahead-of-time memory and communication plan of the real train step, on simulated CPU devices or for a TPU slice
-(nothing allocated, no accelerator needed).
+or GPUs (nothing allocated, no accelerator needed).
 
   .venv/bin/python scripts/plan_memory.py --model=llama --model_config=llama-7b --num_devices=8 --mesh=1,8,1 \
       --zero_stage=0 --per_device_batch_size=1 --seq_len=2048 --remat=full --compute_dtype=bfloat16
@@ -7,7 +7,10 @@
 `--target=tpu:v5p-8` (v4-8, v5e-8, v6e-16, ...; `tpu:v5e-16x2` for two slices; needs `jax[tpu]`, e.g. make
 test-tpu's .venv-tpu) compiles the same step with XLA:TPU and Mosaic for that slice's compile-only devices (the
 engine's TPU compiler flags applied, the Mosaic kernels by default) and reports real per-chip bytes; --mesh then
-defaults to FSDP over every chip.
+defaults to FSDP over every chip. `--target=gpu:h100-8` (`gpu:h200`, `gpu:h100-16` for two hosts of 8; needs JAX's
+CUDA plugin, make test-gpu-compile's .venv-gpu-compile) compiles it with XLA:GPU and the Triton kernels for those
+GPUs' compile-only devices, without autotuning; the memory is XLA:GPU's buffer assignment, the budget the share of
+each GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
 per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--context_parallel`
@@ -21,20 +24,24 @@ line for each and a table ranked by memory, then bytes sent. The logic lives in 
 import json
 import os
 
+import jax
 from absl import flags
 
 
 import models
 from engine import compiler, plan
-from engine.tasks import cli, planning
+from engine.tasks import cli, planning, script_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "llama", "Model family (models.FAMILIES).")
 flags.DEFINE_string("model_config", "llama-7b", "Named config of the family (e.g. tiny, llama-7b, llama-65b).")
-flags.DEFINE_string("target", "cpu", "What to compile for: 'cpu' (simulated CPU devices) or a TPU slice "
-                    "'tpu:<generation>-<n>[x<slices>]' (tpu:v5p-8, tpu:v5e-8, tpu:v4-8, tpu:v6e-8, tpu:v5e-16x2).")
+flags.DEFINE_string("target", "cpu", "What to compile for: 'cpu' (simulated CPU devices), a TPU slice "
+                    "'tpu:<generation>-<n>[x<slices>]' (tpu:v5p-8, tpu:v5e-8, tpu:v4-8, tpu:v6e-8, tpu:v5e-16x2) or "
+                    "GPUs 'gpu:<h100|h200>[-<n>]' (gpu:h100-8; n a multiple of 8 above 8: hosts of 8).")
 flags.DEFINE_integer("num_devices", None, "Devices to plan on (default: 8 simulated CPU devices, or every chip of "
                      "--target).", lower_bound=1)
+flags.DEFINE_string("model_overrides", None, "JSON object of config fields that replace the named config's (e.g. "
+                    "'{\"num_layers\": 8}'), as the training scripts' flag of that name.")
 flags.DEFINE_string("mesh", None, "Mesh sizes data,fsdp,model[,expert] (their product is --num_devices; default 1,N,1).")
 flags.DEFINE_integer("zero_stage", 0, "0, 1 or 2.")
 flags.DEFINE_integer("per_device_batch_size", 1, "Rows per device per micro-batch.", lower_bound=1)
@@ -48,11 +55,12 @@ flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the
 flags.DEFINE_integer("accumulate", 1, "Micro-batches per update.", lower_bound=1)
 flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit", "auto"], "The Trainer's step implementation "
                   "(auto: the Trainer's choice for the target, shard_map on TPU).")
-flags.DEFINE_enum("loss_implementation", "auto", ["plain", "auto", "xla", "mosaic_tpu"], "plain: materialised "
-                  "logits; else the fused linear + cross-entropy (no [tokens, vocab] array): xla (blockwise), "
-                  "mosaic_tpu, or auto: the target's own (mosaic_tpu on TPU, xla on CPU).")
-flags.DEFINE_enum("attention_implementation", "auto", ["auto", "xla", "mosaic_tpu"], "The flash attention's "
-                  "implementation (auto: the target's own, as for --loss_implementation).")
+flags.DEFINE_enum("loss_implementation", "auto", ["plain", "auto", "xla", "triton", "mosaic_tpu"], "plain: "
+                  "materialised logits; else the fused linear + cross-entropy (no [tokens, vocab] array): xla "
+                  "(blockwise), triton, mosaic_tpu, or auto: the target's own (mosaic_tpu on TPU, triton on GPU, xla "
+                  "on CPU).")
+flags.DEFINE_enum("attention_implementation", "auto", ["auto", "xla", "triton", "cudnn", "mosaic_gpu", "mosaic_tpu"],
+                  "The flash attention's implementation (auto: the target's own, as for --loss_implementation).")
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
 flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
                      "--mesh product).", lower_bound=1)
@@ -95,8 +103,10 @@ def main(argv):
     if target is None:  # the simulated devices exist only if XLA sees the flag before JAX starts its backend
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={num_devices}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"  # a TPU target's devices are libtpu's compile-only ones, not a backend
-    compiler.configure("tpu" if target else "cpu")  # a TPU slice's program as a run there compiles it
+    os.environ["JAX_PLATFORMS"] = "cpu"  # a target's devices are compile-only ones (libtpu's, CUDA's), not a backend
+    jax.config.update("jax_platforms", "cpu")  # (JAX read the variable when imported; a CUDA plugin without a GPU
+    # fails to start as a backend, and the topology then fails with it)
+    compiler.configure(("gpu" if target[0] in plan.GPU_TARGETS else "tpu") if target else "cpu")  # as a run there
     if FLAGS.mesh is None:
         n = num_devices or len(plan.target_devices(FLAGS.target))
         FLAGS.mesh = f"1,{n // (FLAGS.pipeline_stages * FLAGS.context_parallel)},1"
@@ -108,7 +118,8 @@ def main(argv):
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
                   sequence_parallel=FLAGS.sequence_parallel, rlhf=None if FLAGS.rlhf == "none" else FLAGS.rlhf,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation,
-                  attention_implementation=FLAGS.attention_implementation)
+                  attention_implementation=FLAGS.attention_implementation,
+                  config_overrides=script_flags.parse_json("model_overrides", FLAGS.model_overrides) or None)
     if FLAGS.expert_exchange != "auto":
         if not hasattr(models.get_config(FLAGS.model, FLAGS.model_config), "expert_exchange"):
             raise ValueError(f"--expert_exchange={FLAGS.expert_exchange} with --model={FLAGS.model}; expected a "
@@ -116,7 +127,7 @@ def main(argv):
         if FLAGS.expert_exchange == "ragged" and target is None:
             raise ValueError("--expert_exchange=ragged with --target=cpu; XLA:CPU has no ragged all-to-all: expected a "
                              "TPU --target or --expert_exchange=auto / padded")
-        kwargs["config_overrides"] = {"expert_exchange": FLAGS.expert_exchange}
+        kwargs["config_overrides"] = {**(kwargs["config_overrides"] or {}), "expert_exchange": FLAGS.expert_exchange}
     if FLAGS.sweep:
         kwargs["num_devices"] = num_devices or len(plan.target_devices(FLAGS.target))
         results = planning.sweep(max_stages=FLAGS.sweep_max_stages, **kwargs)

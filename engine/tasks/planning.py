@@ -35,8 +35,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
     AdamW (fp32 master weights and moments; gradients held in `grad_dtype` and reduced in `reduce_dtype`, None:
     fp32) on the first `num_devices` devices (None: all) of `target` (None or 'cpu': this machine's, e.g.
-    simulated CPU devices; 'tpu:v5p-8', 'tpu:v5e-16x2': a TPU slice's compile-only devices from libtpu,
-    `engine.plan.parse_target`), and returns a dict: parameter count, per-device bytes (arguments, outputs,
+    simulated CPU devices; 'tpu:v5p-8', 'tpu:v5e-16x2': a TPU slice's compile-only devices from libtpu; 'gpu:h100-8':
+    GPUs' from JAX's CUDA plugin; `engine.plan.parse_target`), and returns a dict: parameter count, per-device bytes (arguments, outputs,
     aliased, temporaries, total), per-device bytes sent per collective type, their sum, and, with `hbm_gb`, whether
     the total fits. lora_rank > 0: LoRA adapters (float32) on every
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
@@ -52,7 +52,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
     loss_implementation: None (materialised [tokens, vocab] logits) or the fused head + loss kernel's
     implementation; attention_implementation: the flash attention's; 'auto' for either: the target's own kernels
-    (Mosaic on a TPU target, the blockwise 'xla' path on CPU). step: 'shard_map', 'jit' or 'auto' (the Trainer's
+    (Mosaic on a TPU target, Triton on a GPU target, the blockwise 'xla' path on CPU). step: 'shard_map', 'jit' or 'auto' (the Trainer's
     choice for the target: shard_map on TPU, jit on CPU).
     rlhf='ppo' | 'grpo': the update step of `engine.tasks.rlhf.ppo` on experience rows instead of the language-model loss: PPO
     trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
@@ -67,7 +67,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     settings = dict(locals())  # the keyword arguments, as given: the result repeats them
     devices = engine.plan.target_devices(target)
     settings["num_devices"] = num_devices = len(devices) if num_devices is None else num_devices
-    if hbm_gb is None and engine.plan.parse_target(target):  # a TPU target's chips: their HBM is the budget
+    if hbm_gb is None and engine.plan.parse_target(target):  # a target's chips: their memory is the budget
         settings["hbm_gb"] = engine.plan.device_memory_bytes(devices[0]) / 1e9
     sizes = _check_arguments(settings, devices)
     data, fsdp = sizes["data"], sizes["fsdp"]

@@ -1,0 +1,113 @@
+"""Plans for GPUs (`--target=gpu:h100-8`, engine/plan.py): target names and their one-line errors here; the step
+compiled by XLA:GPU and the Triton kernels for compile-only H100 / H200 devices (JAX's CUDA plugin: `make
+test-gpu-compile`, marked `gpu_compile`), with their memory, budget, collectives and the dtypes of their matmuls."""
+import re
+
+import jax
+import pytest
+
+import engine
+from engine import plan
+
+
+@pytest.mark.parametrize("target, parsed", [
+    ("gpu:h100", ("h100", 1, "1x1x1", 1)),
+    ("gpu:h200-2", ("h200", 2, "1x1x2", 1)),
+    ("gpu:h100-8", ("h100", 8, "1x1x8", 1)),
+    ("gpu:h100-16", ("h100", 16, "1x2x8", 1)),
+    ("gpu:h200-512", ("h200", 512, "1x64x8", 1)),
+])
+def test_gpu_targets_name_gpus_in_hosts_of_eight(target, parsed):
+    assert plan.parse_target(target) == parsed
+
+
+@pytest.mark.parametrize("target, match", [
+    ("gpu:h100-12", r"^target='gpu:h100-12'; expected a GPU count n of 1 to 8 or a multiple of 8"),
+    ("gpu:h100-0", r"^target='gpu:h100-0'; expected a GPU count n of 1 to 8"),
+    ("gpu:a100-8", r"^target='gpu:a100-8'; expected 'cpu', 'gpu:<h100\|h200>\[-<n>\]' or 'tpu:"),
+])
+def test_bad_gpu_targets_are_refused_in_one_line(target, match):
+    with pytest.raises(ValueError, match=match) as e:
+        plan.parse_target(target)
+    assert "\n" not in str(e.value)
+
+
+def test_gpu_memory_is_the_share_jax_allocates(monkeypatch):
+    """A compile-only GPU reports no memory statistics: its budget is its memory times JAX's preallocated share."""
+    class Device:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+        def memory_stats(self):
+            raise NotImplementedError
+
+    assert plan.device_memory_bytes(Device()) == int((143771 << 20) * 0.75)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert plan.device_memory_bytes(Device()) == int((143771 << 20) * 0.9)
+
+
+def _no_cuda_plugin():
+    from kernels import mosaic_gpu_compile
+
+    return mosaic_gpu_compile.available()
+
+
+@pytest.mark.skipif(not _no_cuda_plugin(), reason="this environment has JAX's CUDA plugin")
+def test_a_gpu_target_without_the_cuda_plugin_says_what_to_install():
+    with pytest.raises(ValueError, match=r"^target='gpu:h100\.\.\.' needs JAX's CUDA plugin .*make "
+                                         r"test-gpu-compile"):
+        plan.target_devices("gpu:h100-2")
+
+
+def _compiled_plan(target, mesh, **kwargs):
+    from engine.tasks import planning
+
+    why = _no_cuda_plugin()
+    if why:
+        pytest.skip(why)
+    return planning.compile_plan(model="llama", model_config="tiny", target=target, mesh=mesh, seq_len=128,
+                                 per_device_batch_size=2, **kwargs)
+
+
+_TYPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]", re.M)
+_DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", re.M)
+
+
+def _dots(hlo):
+    """[(lhs dtype, rhs dtype, output elements)] of every dot of a compiled HLO module (instruction names are unique
+    in it)."""
+    types = {name: dtype for name, dtype, _ in _TYPE.findall(hlo)}
+    out = []
+    for dims, lhs, rhs in _DOT.findall(hlo):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        out.append((types[lhs], types[rhs], size))
+    assert len(out) == len(re.findall(r" dot\(", hlo)), "a dot the pattern did not read"
+    return out
+
+
+@pytest.mark.gpu_compile
+def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmuls():
+    """FSDP over two H200s: XLA:GPU's buffer assignment under the budget, the gradients reduce-scattered (XLA:CPU
+    would run an all-reduce and a slice), the attention and the fused loss as Triton kernels, and every matmul's
+    operands bf16 (an fp32 dot only where it yields one number)."""
+    result, compiled = _compiled_plan("gpu:h200-2", "1,2,1")
+    assert result["target"] == "gpu:h200-2" and result["step"] == "shard_map"
+    assert result["attention_implementation"] == result["loss_implementation"] == "triton"
+    assert result["hbm_gb"] == pytest.approx((143771 << 20) * 0.75 / 1e9) and result["fits"]
+    assert 0 < result["bytes"]["total"] < 10 << 20
+    assert result["collective_bytes"]["reduce-scatter"] > 0 and result["collective_bytes"]["all-gather"] > 0
+    hlo = compiled.as_text()
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') >= 3  # attention forward, its backward, the loss
+    dots = _dots(hlo)
+    assert dots and all(d[:2] == ("bf16", "bf16") or d[2] <= 1 for d in dots), dots
+    assert engine.plan.hosts_of(jax.tree.leaves(compiled.input_shardings)[0].mesh.devices.flat) == [0, 0]
+
+
+@pytest.mark.gpu_compile
+def test_two_hosts_of_eight_gpus_send_the_data_axis_between_them():
+    """gpu:h100-16 is two hosts of 8: with data 2 over them (fsdp 8 inside each), the step sends bytes between the
+    hosts (the gradients' reduction over `data`), far fewer than within them."""
+    result, _ = _compiled_plan("gpu:h100-16", "2,8,1")
+    assert result["num_devices"] == 16 and result["fits"]
+    assert 0 < result["cross_slice_bytes"] < result["collective_bytes_total"]
