@@ -2,24 +2,35 @@
 beside the persistent Orbax checkpoints of the workdir (`engine.checkpoint.Checkpointer`), and a restore from the
 newest complete copy of either (`TieredCheckpointer`).
 
-A local save copies only what a process's devices hold (one copy of each distinct block) to the host, its only
-blocking part, and writes it in a background thread under `<local_dir>/run-<hash of the workdir>/process_<i>/<step>/`:
-a raw `blocks.bin`, the `index.json` that says where each block lies in its global array with its CRC-32, and the
-step's `meta.json` (the data position, a digest of the index and its own). A step is written into `<step>.tmp` and
+A local save copies only what a process's devices hold (one copy of each distinct block) to the host, its blocking
+part with the replicas' transfer (below), and writes it in a background thread under
+`<local_dir>/run-<hash of the workdir>/process_<i>/<step>/`: a raw `blocks.bin`, the `index.json` that says where
+each block lies in its global array with its CRC-32, and the step's `meta.json` (the data position, a digest of the
+index and its own). A step is written into `<step>.tmp` and
 renamed when complete, and the previous local step is deleted only after that, so a process killed mid-write leaves
-its last good copy. Nothing crosses hosts and nothing runs on the devices: a process reads back only the blocks it
-wrote, so per-block checksums on the host replace the persistent tier's global ones (a pass over the state on the
-devices and an all-reduce per save).
+its last good copy. Nothing runs on the devices but the replicas' transfer: a process reads back only the blocks it
+wrote (or its peer's replica of them, below), so per-block checksums on the host replace the persistent tier's global
+ones (a pass over the state on the devices and an all-reduce per save).
 
-A restart tries steps newest first over both tiers. A local step is a candidate only when every process holds it
-(a host whose local copy is gone, a wiped `/dev/shm` or a replaced node, makes it none) and when the restore's layout
+Peer replicas (`Checkpointing(local_replicas=1)`, more than one process): each save also sends the process's blocks,
+with their index, to the previous process, which writes them beside its own under `replica_of_process_<p + 1>/`, with
+CRC-32s of its own over the bytes it received (process p holds process (p + 1) mod n's). The bytes cross as a
+collective permute over one device per process, in chunks of at most 64 MiB staged on that device, inside the save's
+blocking part (a collective launched from the writer thread could interleave with the step's own collectives in a
+different order on each process); hosts need no shared storage and no connection beyond the devices'.
+
+A restart tries steps newest first over both tiers. A local step is a candidate when every process holds it, or, for
+a process that lost it (a wiped `/dev/shm`, a replaced node), its peer holds a replica; and when the restore's layout
 needs no block that a process did not write itself (the same mesh and process count: an elastic restart reads the
-persistent tier, which restores onto any mesh). Its meta, index and every block are checked against their
-checksums; a local step that fails is deleted (the copy is a cache of the run, not its record) and the next candidate,
-the same step's persistent copy included, is tried. This is MaxText's emergency checkpointing (Orbax's
-`experimental.emergency`) reduced to what one shared persistent directory needs: its peer-to-peer replication of
-local copies between hosts is not done, so a lost host costs the steps since the last persistent save.
+persistent tier, which restores onto any mesh). A lost copy is written back first: the peer checks the replica's
+checksums and sends its files the same way, and the process writes them as its own step. Its meta, index and every
+block are checked against their checksums; a local step (or replica) that fails is deleted (the copy is a cache of
+the run, not its record) and the next candidate, the same step's persistent copy included, is tried. This is
+MaxText's emergency checkpointing (Orbax's `experimental.emergency`) reduced to what one shared persistent directory
+needs: one replica per process, so two lost hosts next to each other in process order, or a host lost with
+`local_replicas=0`, cost the steps since the last persistent save.
 """
+import functools
 import hashlib
 import json
 import os
@@ -42,79 +53,48 @@ def open_checkpointer(workdir, checkpointing):
     if checkpointing.local_dir is None:
         return Checkpointer(workdir, keep=checkpointing.keep)
     return TieredCheckpointer(workdir, keep=checkpointing.keep, local_dir=checkpointing.local_dir,
-                              local_every=checkpointing.local_every)
+                              local_every=checkpointing.local_every, local_replicas=checkpointing.local_replicas)
 
 
-class LocalCheckpoints:
-    """This process's local copies of its own shards (module docstring); the newest `keep` steps are kept."""
+class _Steps:
+    """A directory of complete steps, each `<step>/{blocks.bin, index.json, meta.json}` (module docstring); the
+    newest `keep` are kept."""
 
-    def __init__(self, local_dir, workdir, *, keep=1):
-        run = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
-        self.directory = os.path.join(os.path.abspath(local_dir), f"run-{run}", f"process_{jax.process_index()}")
-        os.makedirs(self.directory, exist_ok=True)
-        self.keep = keep
-        self._writer, self._error = None, None
+    def __init__(self, directory, keep):
+        self.directory, self.keep = directory, keep
 
     def steps(self):
-        """The complete steps this process holds, newest first."""
+        """The complete steps held, newest first."""
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
         return sorted((int(n) for n in names if n.isdigit()), reverse=True)
 
-    def save(self, step, state, meta):
-        """Copies this process's blocks of `state` to the host (returns once they are there: the save's only
-        blocking part) and writes them, each with its CRC-32, and `meta` in a background thread; the previous write
-        is awaited first."""
-        self.wait()
-        blocks, index = [], []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-            seen = set()
-            for shard in leaf.addressable_shards:
-                where = _block_key(shard.index, leaf.shape)
-                if where not in seen:
-                    seen.add(where)
-                    shard.data.copy_to_host_async()
-                    blocks.append(shard.data)
-                    index.append({"leaf": jax.tree_util.keystr(path), "block": where,
-                                  "dtype": str(leaf.dtype), "shape": list(shard.data.shape)})
-        blocks = [np.asarray(b) for b in blocks]
-        self._writer = threading.Thread(target=self._write, args=(step, blocks, index, meta), daemon=True,
-                                        name="local-checkpoint")
-        self._writer.start()
+    def write(self, step, blocks, index, meta):
+        """Writes `blocks` (host arrays or bytes), `index` (an entry per block; offsets and CRC-32s added here) and
+        `meta` into `<step>.tmp`, renames it `<step>` and then deletes the steps past `keep`."""
+        partial = os.path.join(self.directory, f"{step}.tmp")
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        offset = 0
+        with open(os.path.join(partial, "blocks.bin"), "wb") as f:
+            for entry, block in zip(index, blocks):
+                data = memoryview(np.ascontiguousarray(block)).cast("B")
+                entry.update(offset=offset, nbytes=len(data), crc32=zlib.crc32(data))
+                f.write(data)
+                offset += len(data)
+        text = json.dumps(index)
+        with open(os.path.join(partial, "index.json"), "w") as f:
+            f.write(text)
+        meta = {**meta, _INDEX_DIGEST: hashlib.sha256(text.encode()).hexdigest()}
+        with open(os.path.join(partial, "meta.json"), "w") as f:
+            json.dump({**meta, _META_DIGEST: _meta_digest(meta)}, f)
+        self._publish(step, partial)
 
-    def _write(self, step, blocks, index, meta):
-        try:
-            final = os.path.join(self.directory, str(step))
-            partial = final + ".tmp"
-            shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-            offset = 0
-            with open(os.path.join(partial, "blocks.bin"), "wb") as f:
-                for entry, block in zip(index, blocks):
-                    data = memoryview(np.ascontiguousarray(block)).cast("B")
-                    entry.update(offset=offset, nbytes=len(data), crc32=zlib.crc32(data))
-                    f.write(data)
-                    offset += len(data)
-            text = json.dumps(index)
-            with open(os.path.join(partial, "index.json"), "w") as f:
-                f.write(text)
-            meta = {**meta, _INDEX_DIGEST: hashlib.sha256(text.encode()).hexdigest()}
-            with open(os.path.join(partial, "meta.json"), "w") as f:
-                json.dump({**meta, _META_DIGEST: _meta_digest(meta)}, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
-            for old in self.steps()[self.keep:]:
-                shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
-        except Exception as e:  # noqa: BLE001 - reported by the next save or wait, in the training thread
-            self._error = e
-
-    def wait(self):
-        """Waits for the write in flight; raises what it failed with (a full local disk, say) as one line."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise OSError(f"local checkpoint under {self.directory} failed to write: {error}") from error
+    def _publish(self, step, partial):
+        final = os.path.join(self.directory, str(step))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        for old in self.steps()[self.keep:]:
+            shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
 
     def read_meta(self, step):
         with open(os.path.join(self.directory, str(step), "meta.json")) as f:
@@ -139,27 +119,124 @@ class LocalCheckpoints:
             raise ValueError("its index does not match its checksum")
         return {(e["leaf"], tuple(map(tuple, e["block"]))): e for e in json.loads(text)}
 
+    def _block(self, data, entry):
+        """The bytes of one block of `data` (a step's blocks.bin), checked against its CRC-32."""
+        raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]]
+        if len(raw) != entry["nbytes"] or zlib.crc32(raw) != entry["crc32"]:
+            raise ValueError(f"leaf {entry['leaf']} block {list(entry['block'])} does not match its checksum")
+        return raw
+
+    def _data(self, step, index):
+        path = os.path.join(self.directory, str(step), "blocks.bin")
+        return np.memmap(path, np.uint8, mode="r") if index else np.zeros(0, np.uint8)
+
     def restore(self, step, abstract_state):
         """`abstract_state`'s arrays from this process's blocks of `step` (`covers` said it holds them), each checked
         against its CRC-32; raises ValueError naming a block that does not match."""
         index = self._index(step)
-        data = np.memmap(os.path.join(self.directory, str(step), "blocks.bin"), np.uint8, mode="r") if index else None
+        data = self._data(step, index)
 
         def read(path, target):
             name, sharding, arrays = jax.tree_util.keystr(path), target.sharding, []
             for device, where in sharding.addressable_devices_indices_map(target.shape).items():
                 e = index[(name, _block_key(where, target.shape))]
-                raw = data[e["offset"]:e["offset"] + e["nbytes"]]
-                if len(raw) != e["nbytes"] or zlib.crc32(raw) != e["crc32"]:
-                    raise ValueError(f"leaf {name} block {list(e['block'])} does not match its checksum")
+                raw = self._block(data, e)
                 block = np.frombuffer(raw, np.dtype(jax.numpy.dtype(e["dtype"]))).reshape(e["shape"])
                 arrays.append(jax.device_put(block, jax.sharding.SingleDeviceSharding(
                     device, memory_kind=sharding.memory_kind)))
             return jax.make_array_from_single_device_arrays(target.shape, sharding, arrays)
         return jax.tree_util.tree_map_with_path(read, abstract_state)
 
+    def files(self, step):
+        """`step` as one uint8 array (its meta and index as a JSON header, then its blocks), every checksum
+        verified first; `put_files` writes it back. Raises ValueError or OSError."""
+        index = self._index(step)
+        data = self._data(step, index)
+        for entry in index.values():
+            self._block(data, entry)
+        with open(os.path.join(self.directory, str(step), "meta.json")) as f:
+            meta = f.read()
+        with open(os.path.join(self.directory, str(step), "index.json")) as f:
+            header = json.dumps({"meta": meta, "index": f.read()}).encode()
+        return _pack(header, [data])
+
+    def put_files(self, step, payload):
+        """Writes `files`' array as `step` (its checksums are checked again when it restores)."""
+        header, data = _unpack(payload)
+        partial = os.path.join(self.directory, f"{step}.tmp")
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        for name, text in (("meta.json", header["meta"]), ("index.json", header["index"])):
+            with open(os.path.join(partial, name), "w") as f:
+                f.write(text)
+        with open(os.path.join(partial, "blocks.bin"), "wb") as f:
+            f.write(memoryview(data))
+        self._publish(step, partial)
+
     def remove(self, step):
         shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
+
+
+class LocalCheckpoints(_Steps):
+    """This process's local copies of its own shards (module docstring); the newest `keep` steps are kept. With
+    `replicas=1` in a multi-process run each save also hands its blocks to the previous process, and `replica`
+    holds the next process's (process p keeps process (p + 1) mod n's); a run of one process has no `replica`."""
+
+    def __init__(self, local_dir, workdir, *, keep=1, replicas=0):
+        run = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
+        run_dir = os.path.join(os.path.abspath(local_dir), f"run-{run}")
+        super().__init__(os.path.join(run_dir, f"process_{jax.process_index()}"), keep)
+        os.makedirs(self.directory, exist_ok=True)
+        peer = (jax.process_index() + 1) % jax.process_count()
+        self.replica = _Steps(os.path.join(run_dir, f"replica_of_process_{peer}"), keep) if (
+            jax.process_count() > 1) else None
+        self.replicas = replicas if self.replica is not None else 0
+        self._writer, self._error = None, None
+
+    def save(self, step, state, meta):
+        """Copies this process's blocks of `state` to the host (returns once they are there, and with replicas once
+        the next process's blocks arrived: the save's blocking part) and writes them, each with its CRC-32, and
+        `meta` (and the replica) in a background thread; the previous write is awaited first."""
+        self.wait()
+        blocks, index = [], []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            seen = set()
+            for shard in leaf.addressable_shards:
+                where = _block_key(shard.index, leaf.shape)
+                if where not in seen:
+                    seen.add(where)
+                    shard.data.copy_to_host_async()
+                    blocks.append(shard.data)
+                    index.append({"leaf": jax.tree_util.keystr(path), "block": where,
+                                  "dtype": str(leaf.dtype), "shape": list(shard.data.shape)})
+        blocks = [np.asarray(b) for b in blocks]
+        replica = None
+        if self.replicas:  # process p's blocks go to process p - 1; p + 1's arrive
+            header = json.dumps({"meta": meta, "index": index, "sizes": [b.nbytes for b in blocks]}).encode()
+            replica = _unpack(_send(_pack(header, blocks), -1))
+        self._writer = threading.Thread(target=self._write, args=(step, blocks, index, meta, replica), daemon=True,
+                                        name="local-checkpoint")
+        self._writer.start()
+
+    def _write(self, step, blocks, index, meta, replica):
+        try:
+            self.write(step, blocks, index, meta)
+            if replica is not None:
+                header, data = replica
+                ends = np.cumsum([0] + header["sizes"])
+                self.replica.write(step, [data[a:b] for a, b in zip(ends[:-1], ends[1:])], header["index"],
+                                   header["meta"])
+        except Exception as e:  # noqa: BLE001 - reported by the next save or wait, in the training thread
+            self._error = e
+
+    def wait(self):
+        """Waits for the write in flight; raises what it failed with (a full local disk, say) as one line."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise OSError(f"local checkpoint under {self.directory} failed to write: {error}") from error
 
 
 class TieredCheckpointer:
@@ -167,12 +244,13 @@ class TieredCheckpointer:
     every `local_every` updates (`local_due`); the Checkpointer's interface, its steps those of both tiers. The
     persistent tier's `save`, `latest_step`, `wait` and `directory` are unchanged; `save_local` writes the local one."""
 
-    def __init__(self, workdir, *, keep, local_dir, local_every):
+    def __init__(self, workdir, *, keep, local_dir, local_every, local_replicas=0):
         self.persistent = Checkpointer(workdir, keep=keep)
-        self.local = LocalCheckpoints(local_dir, workdir)
+        self.local = LocalCheckpoints(local_dir, workdir, replicas=local_replicas)
         self.local_every, self.workdir = local_every, workdir
         self._reading = self.persistent  # the tier `read_meta` / `restore` read, set by `restore_newest`
         self._restored_directory = None
+        self._lost = {}  # local step -> the processes that hold no copy of it (their peers hold a replica)
 
     @property
     def directory(self):
@@ -229,6 +307,8 @@ class TieredCheckpointer:
             self._reading = self.local if tier == "local" else self.persistent
             self._restored_directory = self.local.directory if tier == "local" else None
             try:
+                if tier == "local":
+                    self._recover(step)
                 result = attempt(step)
             except CorruptCheckpointError as e:
                 logging.warning("checkpoint: skipping the %s copy of step %d, it does not restore (%s)", tier,
@@ -237,6 +317,8 @@ class TieredCheckpointer:
                     skipped.append(step)
                 elif not isinstance(e, _OtherLayout):
                     self.local.remove(step)
+                    if self.local.replica is not None:
+                        self.local.replica.remove(step)
                 continue
             finally:
                 self._reading = self.persistent
@@ -248,18 +330,48 @@ class TieredCheckpointer:
                          f"under {self.persistent.directory}, local under {self.local.directory}) restores")
 
     def _agreed_local_steps(self):
-        """The local steps every process holds (a process's lost copy makes the step no candidate)."""
+        """The local steps of which every process holds a copy, or its peer a replica (`_recover` brings it back)."""
         mine = self.local.steps()
         if jax.process_count() == 1:
             return mine
         width = 8  # the newest few are enough: keep is 1
-        row = np.full(width, -1, np.int64)
+        row = np.full(2 * width, -1, np.int64)
+        held = self.local.replica.steps()
         row[:min(width, len(mine))] = mine[:width]
+        row[width:width + min(width, len(held))] = held[:width]
         every = np.asarray(multihost_utils.process_allgather(row))
-        common = set(every[0]) - {-1}
-        for other in every[1:]:
-            common &= set(other)
+        n = len(every)
+        own = [set(r[:width]) - {-1} for r in every]
+        replica = [set(every[(p - 1) % n][width:]) - {-1} for p in range(n)]  # process p's, held by p - 1
+        common = set.intersection(*(own[p] | replica[p] for p in range(n)))
+        self._lost = {int(s): [p for p in range(n) if s not in own[p]] for s in common}
         return sorted((int(s) for s in common), reverse=True)
+
+    def _recover(self, step):
+        """Writes the local copy of `step` back on each process that lost it, from the replica its peer (the
+        previous process) holds; the bytes travel as a collective. A replica that fails its checksums is deleted
+        and the step does not restore (CorruptCheckpointError on every process)."""
+        lost = self._lost.get(step, [])
+        if not lost:
+            return
+        me, n = jax.process_index(), jax.process_count()
+        owner = (me + 1) % n
+
+        def read():
+            if owner not in lost:
+                return np.zeros(0, np.uint8)
+            try:
+                return self.local.replica.files(step)
+            except (OSError, ValueError):
+                self.local.replica.remove(step)
+                raise
+        payload = _agreed(step, "replica of a lost local copy", read)
+        received = _send(payload, +1)
+        if me in lost:
+            logging.info("checkpoint: this process's local copy of step %d is gone; writing it back from process "
+                         "%d's replica", step, (me - 1) % n)
+        _agreed(step, "local copy written back from its replica",
+                lambda: self.local.put_files(step, received) if me in lost else None)
 
     def wait(self):
         self.persistent.wait()
@@ -272,6 +384,63 @@ class TieredCheckpointer:
 
 class _OtherLayout(CorruptCheckpointError):
     """A local step whose blocks do not cover the restore's layout: skipped, not deleted."""
+
+
+def _pack(header, blocks):
+    """One uint8 array: the length of `header` (bytes) in 8 bytes, `header`, then every block's bytes."""
+    parts = [np.frombuffer(len(header).to_bytes(8, "little") + header, np.uint8)]
+    parts += [np.frombuffer(memoryview(np.ascontiguousarray(b)).cast("B"), np.uint8) for b in blocks]
+    return np.concatenate(parts)
+
+
+def _unpack(payload):
+    """`_pack`'s (header as JSON, the blocks' bytes as one uint8 array)."""
+    length = int.from_bytes(payload[:8].tobytes(), "little")
+    return json.loads(payload[8:8 + length].tobytes()), payload[8 + length:]
+
+
+_CHUNK = 64 << 20  # bytes a transfer moves at once: the device memory it takes on one device per process, twice
+
+
+def _send(payload, offset):
+    """Sends every process's `payload` (uint8, any length) to process (p + offset) mod n and returns the one
+    process (p - offset) mod n sent. A collective permute over one device per process, in chunks of at most
+    `_CHUNK` bytes staged through it: the devices' own links carry it (NCCL, the TPU interconnect, gloo on CPU),
+    so hosts need no shared storage nor another connection."""
+    n, me = jax.process_count(), jax.process_index()
+    sizes = np.asarray(multihost_utils.process_allgather(np.int64(payload.size))).ravel()
+    size, largest = int(sizes[(me - offset) % n]), int(sizes.max())
+    received = np.empty(size, np.uint8)
+    if largest == 0:
+        return received
+    chunk = min(_CHUNK, 1 << (largest - 1).bit_length())  # powers of two: few shapes to compile
+    devices = tuple(min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(n))
+    permute, sharding = _permute(devices, offset % n, chunk)
+    pending = None
+    for start in range(0, largest + chunk, chunk):  # one chunk in flight while the previous one is read
+        if start < largest:
+            piece = np.zeros((1, chunk), np.uint8)
+            part = payload[start:start + chunk]
+            piece[0, :part.size] = part
+            out = permute(jax.make_array_from_single_device_arrays(
+                (n, chunk), sharding, [jax.device_put(piece, devices[me])]))
+        if pending is not None:
+            at, array = pending
+            part = received[at:at + chunk]
+            part[:] = np.asarray(array.addressable_shards[0].data)[0, :part.size]
+        pending = (start, out) if start < largest else None
+    return received
+
+
+@functools.lru_cache(maxsize=None)
+def _permute(devices, offset, chunk):
+    """The jitted permute of `_send` over `devices` (one per process) and its input sharding."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("process",))
+    n = len(devices)
+    body = functools.partial(jax.lax.ppermute, axis_name="process", perm=[(p, (p + offset) % n) for p in range(n)])
+    spec = jax.sharding.PartitionSpec("process")
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)), \
+        jax.sharding.NamedSharding(mesh, spec)
 
 
 def _needed(abstract_state):

@@ -161,12 +161,17 @@ class Checkpointing:
       checkpoints (engine/checkpoint_tiers.py): every `local_every` updates each process writes its own shards
       there, and a restart restores the newest complete copy of either tier. None: the workdir's checkpoints only.
     local_every: updates between local saves (with `local_dir`).
+    local_replicas: 1: in a multi-process run each local save also sends the process's blocks to a peer, which
+      keeps them beside its own, so a restart where a host lost its local copy still restores the local step; 0
+      (the default: the transfer is in the save's blocking part, engine/README.md#figures): none, and such a restart
+      falls back to the persistent tier. One process: no effect.
     """
     keep: int = 3
     restore: str = "latest"
     params_only: bool = False
     local_dir: object = None
     local_every: int = 10
+    local_replicas: int = 0
 
     def __post_init__(self):
         check("Checkpointing.keep", self.keep, isinstance(self.keep, int) and not isinstance(self.keep, bool)
@@ -178,6 +183,8 @@ class Checkpointing:
             isinstance(self.local_dir, (str, os.PathLike)) and str(self.local_dir) != ""), "None or a directory path")
         check("Checkpointing.local_every", self.local_every, isinstance(self.local_every, int) and not isinstance(
             self.local_every, bool) and self.local_every >= 1, "an integer >= 1")
+        check("Checkpointing.local_replicas", self.local_replicas, isinstance(self.local_replicas, int) and not
+              isinstance(self.local_replicas, bool) and self.local_replicas in (0, 1), "0 or 1")
 
 
 @dataclasses.dataclass(frozen=True)

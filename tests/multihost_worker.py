@@ -4,7 +4,7 @@ forward with auto_shard specs, and (process 0) saves the replicated result.
 usage: python -m tests.multihost_worker COORDINATOR NUM_PROCESSES PROCESS_ID OUT.npy [TIMEOUT_S]
        [forward|train|diloco|streaming|ppo|grpo|
        pipeline|context|signal|workdirs|killed|whole|crash|resume|hang|
-       local_crash|local_resume|local_lost]
+       local_crash|local_resume|local_lost|replica_crash|replica_lost|replica_corrupt]
 
 `train` instead runs a few Trainer steps (each process collating only its own rows) and saves the losses; `diloco`
 the same with DiLoCo, one replica per process (data 2 x model 4), and saves the losses and the global parameters;
@@ -17,8 +17,10 @@ signal to one process, each process saving [step, stopped]; `workdirs` the same 
 the parameters), `crash` the same on a workdir until every process dies at once in epoch 1 (status 3), `resume` the
 same call again on that workdir (saving the parameters); `local_crash` / `local_resume` the same with local
 checkpoints every 2 steps beside them (`local_lost`: process 1's local copy deleted before the resume; both resumes
-save the step restored first); `hang` a run whose process 1 blocks for ever collating its
-5th batch, under a 5 s hang watchdog.
+save the step restored first); `replica_crash` / `replica_lost` the same with a local directory per process, as on
+hosts with their own disks, and process 1's deleted before the resume (its own copy and the replica of process 0's
+it held; `replica_corrupt`: and a bit of process 0's replica flipped); `hang` a run whose process 1 blocks for ever
+collating its 5th batch, under a 5 s hang watchdog.
 """
 import os
 import sys
@@ -132,15 +134,24 @@ def restart_run(mesh, workdir, mode):
         return task.collate_fn(examples)
 
     local = os.path.join(os.path.dirname(workdir), "local")
-    if mode == "local_lost" and jax.process_index() == 1:
+    if mode.startswith("replica"):  # each host's own local disk
+        local += str(jax.process_index())
+    if mode in ("local_lost", "replica_lost", "replica_corrupt") and jax.process_index() == 1:
         import shutil
         shutil.rmtree(local)  # this host's local disk is gone
-    checkpointing = engine.Checkpointing(local_dir=local, local_every=2) if mode.startswith("local") else None
+    if mode == "replica_corrupt" and jax.process_index() == 0:  # one bit of the replica of process 1's blocks
+        import glob
+        with open(glob.glob(os.path.join(local, "run-*", "replica_of_process_1", "10", "blocks.bin"))[0], "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 0x10]))
+    checkpointing = engine.Checkpointing(local_dir=local, local_every=2, local_replicas=int(mode.startswith(
+        "replica"))) if mode.startswith(("local", "replica")) else None
     trainer = engine.Trainer(mesh=mesh, collate_fn=collate, loss_fn=task.loss_fn, params=task.init_params(),
                              optimizer=optax.adam(1e-2), workdir=None if mode == "whole" else workdir,
                              checkpointing=checkpointing or engine.Checkpointing())
     restored = trainer.step
-    if mode == "local_crash":  # dies once its local save of step 10 (and the persistent one of 9) is written
+    if mode in ("local_crash", "replica_crash"):  # dies once its local save of 10 (and the persistent 9) is written
         save_local = trainer._checkpointer.save_local
 
         def save_then_die(step, *args):
@@ -153,7 +164,8 @@ def restart_run(mesh, workdir, mode):
     trainer.close()
     gather = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # replicated: readable on every process
     flat = [np.asarray(x.addressable_shards[0].data).ravel() for x in jax.tree.leaves(gather(trainer.params))]
-    return np.concatenate([[restored] if mode in ("local_resume", "local_lost") else [], [trainer.step], *flat])
+    resumes = ("local_resume", "local_lost", "replica_lost", "replica_corrupt")
+    return np.concatenate([[restored] if mode in resumes else [], [trainer.step], *flat])
 
 
 def hang_run(mesh):
@@ -221,7 +233,8 @@ def main(coordinator, num_processes, process_id, out, timeout_s=60, mode="forwar
         return
     if mode == "hang":
         hang_run(engine.make_mesh(data=4, model=2))
-    if mode in ("whole", "crash", "resume", "local_crash", "local_resume", "local_lost"):
+    if mode in ("whole", "crash", "resume", "local_crash", "local_resume", "local_lost", "replica_crash",
+                "replica_lost", "replica_corrupt"):
         result = restart_run(engine.make_mesh(data=4, model=2), os.path.join(os.path.dirname(out), "w"), mode)
         if jax.process_index() == 0:
             np.save(out, result)

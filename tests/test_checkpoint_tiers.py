@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import engine
+from engine import checkpoint_tiers
 from engine.checkpoint_tiers import LocalCheckpoints
 from tests import trainer_task as task
 
@@ -128,8 +129,45 @@ def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path, crashed):
     again.close()
 
 
+def test_a_payload_crosses_in_chunks_to_the_next_process(monkeypatch):
+    """`_send`, the replicas' transport (one process: to itself), over several chunks and a part of one."""
+    monkeypatch.setattr(checkpoint_tiers, "_CHUNK", 1024)
+    payload = np.random.RandomState(0).randint(0, 256, 5000).astype(np.uint8)
+    for offset in (-1, 1):
+        np.testing.assert_array_equal(checkpoint_tiers._send(payload, offset), payload)
+    assert checkpoint_tiers._send(np.zeros(0, np.uint8), 1).size == 0
+
+
+def test_a_local_step_written_back_from_its_replica_restores_and_ends_as_the_uninterrupted_run(tmp_path, crashed,
+                                                                                                 whole):
+    """What a peer holding a replica sends (`files`) and the process that lost its copy writes back (`put_files`):
+    the same files, every checksum verified before sending; a replica that fails its checksums is refused."""
+    _crashed_run(tmp_path, crashed)
+    local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
+    step = os.path.join(local.directory, "6")
+    files = {name: open(os.path.join(step, name), "rb").read() for name in os.listdir(step)}
+    payload = local.files(6)
+    local.remove(6)  # this host's copy is gone; its peer sends the replica's bytes
+    local.put_files(6, payload)
+    assert {name: open(os.path.join(step, name), "rb").read() for name in os.listdir(step)} == files
+    replica = checkpoint_tiers._Steps(str(tmp_path / "replica"), keep=1)
+    replica.put_files(6, payload)
+    with open(os.path.join(replica.directory, "6", "blocks.bin"), "r+b") as f:  # one bit flipped in the last block
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        replica.files(6)
+    rerun = _trainer(tmp_path)
+    assert rerun.step == 6
+    _ends_as(rerun, whole)
+
+
 def test_checkpointing_refuses_bad_local_settings():
     with pytest.raises(ValueError, match=r"Checkpointing.local_dir.*None or a directory path"):
         engine.Checkpointing(local_dir="")
     with pytest.raises(ValueError, match=r"Checkpointing.local_every.*an integer >= 1"):
         engine.Checkpointing(local_dir="/tmp/x", local_every=0)
+    with pytest.raises(ValueError, match=r"Checkpointing.local_replicas=2; expected 0 or 1"):
+        engine.Checkpointing(local_dir="/tmp/x", local_replicas=2)

@@ -670,6 +670,24 @@ def test_two_processes_restart_from_the_newest_copy_every_process_holds(tmp_path
     np.testing.assert_array_equal(resumed[1:], whole)
 
 
+@pytest.mark.slow  # six two-process runs; tests/test_checkpoint_tiers.py checks the replica's bytes in one process
+@pytest.mark.parametrize("resume, restored", [("replica_lost", 10), ("replica_corrupt", 9)])
+def test_two_processes_restore_a_lost_local_copy_from_its_peers_replica(tmp_path, resume, restored):
+    """Each process has its own local directory (a host's disk) and keeps a replica of the other's local blocks;
+    both die with local copies of step 10 and persistent ones of step 9, and process 1's local directory is gone
+    (its copy and the replica it held). The re-run writes process 1's blocks back from process 0's replica and
+    restores the local step 10, or, when that replica fails its checksums, drops it and restores the persistent
+    step 9; either ends bit for bit where the uninterrupted run ends."""
+    whole = _two_workers(tmp_path, "whole")
+    _two_workers_die(tmp_path, "replica_crash")
+    run = next((tmp_path / "local0").iterdir())
+    assert sorted(os.listdir(run)) == ["process_0", "replica_of_process_1"]
+    assert os.listdir(run / "replica_of_process_1") == ["10"]
+    resumed = _two_workers(tmp_path, resume)
+    assert resumed[0] == restored and resumed[1] == whole[0] == 16
+    np.testing.assert_array_equal(resumed[1:], whole)
+
+
 @pytest.mark.slow  # for CI time: tests/test_readme.py runs the README's two-process example by default
 def test_two_processes_match_single_process(tmp_path):
     from tests import multihost_worker

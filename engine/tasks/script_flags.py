@@ -125,6 +125,10 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
                         "tier of checkpoints: every --local_save_every updates each process writes its own shards "
                         "there, and a re-run restores the newest copy of either tier. Unset: --workdir's only.")
     flags.DEFINE_integer("local_save_every", 10, "Updates between local checkpoints (with --local_checkpoint_dir).")
+    flags.DEFINE_integer("local_replicas", engine.Checkpointing.local_replicas, "With --local_checkpoint_dir and "
+                         "several processes: 1: each local save also sends the process's shards to a peer, which "
+                         "keeps them, so a re-run where one host lost its local copy still restores the local step; "
+                         "0: none.", lower_bound=0, upper_bound=1)
     if evals:
         flags.DEFINE_integer("eval_every", 0, "Updates between evals on the held-out data (0: after each epoch "
                              "only).")
@@ -314,7 +318,8 @@ def trainer_kwargs():
                                                  zero_quantized_weights=FLAGS.zero_quantized_weights,
                                                  zero_quantized_gradients=FLAGS.zero_quantized_gradients),
                   checkpointing=engine.Checkpointing(local_dir=FLAGS.local_checkpoint_dir,
-                                                     local_every=FLAGS.local_save_every))
+                                                     local_every=FLAGS.local_save_every,
+                                                     local_replicas=FLAGS.local_replicas))
     if FLAGS.diloco_inner_steps:
         kwargs["diloco"] = engine.DiLoCo(
             inner_steps=FLAGS.diloco_inner_steps, fragments=FLAGS.diloco_fragments,
