@@ -16,24 +16,51 @@ pytestmark = [
 ]
 
 
+def _packed(key, B, T, docs):
+    """int32 [B, T] segment ids of `docs` documents a row, packed (ids 0 ... docs - 1 in order), their boundaries at
+    random positions (so not on tile edges)."""
+    cuts = jnp.sort(jax.vmap(lambda k: jax.random.choice(k, jnp.arange(1, T), (docs - 1,), replace=False))(
+        jax.random.split(key, B)), axis=1)
+    return jnp.sum(jnp.arange(T)[None, :, None] >= cuts[:, None, :], axis=2).astype(jnp.int32)
+
+
+def _segments(key, B, T, S, docs, kv_len=None):
+    """(q_ids [B, T], kv_ids [B, S]) or (None, None) without `docs`: self-attention shares one packing; with T != S
+    the queries' ids are shifted by one, so that the last document's queries find no key (fully masked rows), and
+    the padded keys past kv_len carry the last real id (only the length mask hides them)."""
+    if docs is None:
+        return None, None
+    n = kv_len or S
+    kv_ids = jnp.pad(_packed(key, B, n, docs), ((0, 0), (0, S - n)), mode="edge")
+    return (kv_ids, kv_ids) if T == S else (_packed(jax.random.fold_in(key, 1), B, T, docs) + 1, kv_ids)
+
+
 def _attend(B, T, S, H, KVH, D, *, causal=False, dtype=jnp.bfloat16, kv_len=None, window=None, block_k=None,
-            stages=None):
-    """(out, lse [B, H, T] natural, reference out, reference lse) at one shape; kv_len: the real keys of S."""
+            stages=None, docs=None, cap=None):
+    """(out, lse [B, H, T] natural, reference out, reference lse) at one shape; kv_len: the real keys of S; docs:
+    packed documents a row (segment ids); cap: the logit soft cap."""
     from kernels import mosaic_gpu_compile
 
     plan = mosaic_gpu_compile.attention_plan(D, causal=causal, interpret=True, kv_len=kv_len, window=window,
-                                             block_k=block_k, stages=stages)
-    keys = jax.random.split(jax.random.key(T * 131 + S * 7 + D + H), 3)
+                                             block_k=block_k, stages=stages, logit_soft_cap=cap)
+    keys = jax.random.split(jax.random.key(T * 131 + S * 7 + D + H), 4)
     q = jax.random.normal(keys[0], (B, T, H, D), jnp.float32).astype(dtype)
-    k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(dtype) for key in keys[1:])
-    out, lse = jax.jit(lambda q, k, v: mosaic_gpu.forward(q, k, v, None, None, None, plan))(q, k, v)
+    k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(dtype) for key in keys[1:3])
+    q_ids, kv_ids = _segments(keys[3], B, T, S, docs, kv_len)
+    out, lse = jax.jit(lambda q, k, v, *ids: mosaic_gpu.forward(q, k, v, *(ids or (None, None)), None, plan))(
+        q, k, v, *(() if docs is None else (q_ids, kv_ids)))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    real = slice(0, kv_len or S)
-    q, k, v = f32(q), f32(k)[:, real], f32(v)[:, real]
-    ref = mha_reference(q, k, v, causal=causal, window=window)
+    n = kv_len or S
+    q, k, v = f32(q), f32(k)[:, :n], f32(v)[:, :n]
+    kv_ids = None if docs is None else kv_ids[:, :n]
+    ref = mha_reference(q, k, v, causal=causal, window=window, logit_soft_cap=cap,
+                        segment_ids=None if docs is None else (q_ids, kv_ids))
     G = H // KVH
     s = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, G, axis=2)) * D**-0.5
-    mask = _mask(T, k.shape[1], causal, window)
+    s = s if cap is None else cap * jnp.tanh(s / cap)
+    mask = _mask(T, n, causal, window)
+    if docs is not None:
+        mask = mask & (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
     ref_lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
     return f32(out), mosaic_gpu.lse_rows(lse, q.shape).swapaxes(1, 2), ref, ref_lse
 
@@ -63,6 +90,12 @@ CASES = {
     "causal D256": (1, 256, 256, 1, 1, 256, dict(causal=True)),
     "full padded keys": (1, 128, 384, 1, 1, 64, dict(kv_len=300)),
     "causal window": (1, 384, 384, 1, 1, 64, dict(causal=True, window=(100, 0), block_k=64)),
+    # Segment ids: packed documents (several a row, boundaries inside tiles) under the causal band; cross-attention
+    # with padded keys whose last query document sees no key; the soft cap alone and with segments.
+    "causal packed D64 GQA 2/1": (2, 256, 256, 2, 1, 64, dict(causal=True, docs=4, block_k=64)),
+    "full packed padded keys D128": (1, 128, 384, 1, 1, 128, dict(kv_len=300, docs=3)),
+    "causal soft cap D64": (1, 256, 256, 1, 1, 64, dict(causal=True, cap=2.0)),
+    "causal packed soft cap D128": (1, 256, 256, 2, 1, 128, dict(causal=True, docs=3, cap=2.0)),
 }
 
 
@@ -72,7 +105,12 @@ def test_forward_interpreted_matches_reference(case):
     out, lse, ref, ref_lse = _attend(*shape, **options)
     # bf16 / f16 outputs and probabilities: the rounding of one 16-bit value per entry (measured 2e-3 in bf16).
     assert _rel(out, ref) < 5e-3, case
-    assert float(jnp.max(jnp.abs(lse - ref_lse))) < 1e-2, case
+    seen = ref_lse > -jnp.inf  # a query with no visible key: the kernel's lse is +inf and its output 0
+    assert float(jnp.max(jnp.where(seen, jnp.abs(lse - ref_lse), 0.0))) < 1e-2, case
+    assert bool(jnp.all(jnp.where(seen, True, lse == jnp.inf))), case
+    if "docs" in options and shape[1] != shape[2]:
+        assert not bool(jnp.all(seen)), case  # the case holds fully masked rows
+        assert float(jnp.max(jnp.abs(jnp.where(seen.swapaxes(1, 2)[..., None], 0.0, out)))) == 0.0, case
 
 
 # (B, T, S, H, KVH, D, options) of the backward: the dk / dv kernel's loop over a group's heads, the causal band
@@ -83,6 +121,13 @@ BACKWARD_CASES = {
     "full D64 padded keys": (1, 128, 384, 1, 1, 64, dict(kv_len=300)),
     "causal window": (1, 384, 384, 1, 1, 64, dict(causal=True, window=(100, 0))),
     "full D128 GQA 2/1": (1, 128, 256, 2, 1, 128, dict(block_q_bwd=128)),
+    # Segment ids (both kernels' id rings: kv ids beside dq's K / V, q ids beside dk / dv's q, do, lse, delta) and
+    # the soft cap's derivative.
+    "causal packed D64 GQA 2/1": (2, 256, 256, 2, 1, 64, dict(causal=True, docs=4)),
+    "full packed padded keys D64": (1, 128, 384, 1, 1, 64, dict(kv_len=300, docs=3)),
+    "causal packed soft cap D128": (1, 256, 256, 1, 1, 128, dict(causal=True, docs=3, cap=2.0)),
+    # Head dim 256: dv and dk apart, one-stage rings; GQA and segments through the split kernels.
+    "causal D256 GQA 2/1 packed": (1, 256, 256, 2, 1, 256, dict(causal=True, docs=3)),
 }
 
 
@@ -92,23 +137,51 @@ def test_backward_interpreted_matches_reference(case):
 
     B, T, S, H, KVH, D, options = BACKWARD_CASES[case]
     causal, window, kv_len = options.get("causal", False), options.get("window"), options.get("kv_len")
+    cap = options.get("cap")
     plan = mosaic_gpu_compile.attention_plan(D, causal=causal, interpret=True, kv_len=kv_len, window=window,
-                                             block_q_bwd=options.get("block_q_bwd", 64))
-    keys = jax.random.split(jax.random.key(T + S + D), 4)
+                                             block_q_bwd=options.get("block_q_bwd", 64), logit_soft_cap=cap)
+    keys = jax.random.split(jax.random.key(T + S + D), 5)
     q, do = (jax.random.normal(key, (B, T, H, D), jnp.float32).astype(jnp.bfloat16) for key in keys[:2])
-    k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(jnp.bfloat16) for key in keys[2:])
+    k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(jnp.bfloat16) for key in keys[2:4])
+    q_ids, kv_ids = _segments(keys[4], B, T, S, options.get("docs"), kv_len)
 
-    def grads(q, k, v, do):
-        out, lse = mosaic_gpu.forward(q, k, v, None, None, None, plan)
-        return mosaic_gpu.backward(q, k, v, None, None, None, out, lse, do, plan)
+    def grads(q, k, v, do, q_ids, kv_ids):
+        out, lse = mosaic_gpu.forward(q, k, v, q_ids, kv_ids, None, plan)
+        return mosaic_gpu.backward(q, k, v, q_ids, kv_ids, None, out, lse, do, plan)
 
-    dq, dk, dv = jax.jit(grads)(q, k, v, do)
+    dq, dk, dv = jax.jit(grads)(q, k, v, do, q_ids, kv_ids)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     n = kv_len or S
-    _, vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal, window=window), f32(q), f32(k)[:, :n],
-                     f32(v)[:, :n])
+    segment_ids = None if q_ids is None else (q_ids, kv_ids[:, :n])
+    _, vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal, window=window, logit_soft_cap=cap,
+                                                   segment_ids=segment_ids), f32(q), f32(k)[:, :n], f32(v)[:, :n])
     for name, x, ref in zip(("dq", "dk", "dv"), (dq, dk[:, :n], dv[:, :n]), vjp(f32(do))):
         assert _rel(f32(x), ref) < 5e-3, (case, name)  # measured 2.2e-3 to 2.5e-3 in bf16
+
+
+def test_flash_attention_api_with_segment_ids():
+    """`kernels.flash_attention(implementation='mosaic_gpu')` with packed segment ids at a length off the tiles
+    (200: api.py pads queries, keys and ids to 256, the plan masks keys past 200): output and gradients against
+    `mha_reference`."""
+    import kernels
+
+    B, T, H, KVH, D = 1, 200, 2, 1, 64
+    keys = jax.random.split(jax.random.key(5), 5)
+    q, do = (jax.random.normal(key, (B, T, H, D), jnp.float32).astype(jnp.bfloat16) for key in keys[:2])
+    k, v = (jax.random.normal(key, (B, T, KVH, D), jnp.float32).astype(jnp.bfloat16) for key in keys[2:4])
+    ids = _packed(keys[4], B, T, 3)
+
+    def attend(q, k, v):
+        return kernels.flash_attention(q, k, v, causal=True, segment_ids=ids, implementation="mosaic_gpu",
+                                       interpret=True)
+
+    out, vjp = jax.vjp(jax.jit(attend), q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref, ref_vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=True, segment_ids=ids), f32(q), f32(k),
+                           f32(v))
+    assert _rel(f32(out), ref) < 5e-3
+    for name, x, r in zip(("dq", "dk", "dv"), vjp(do), ref_vjp(f32(do))):
+        assert _rel(f32(x), r) < 5e-3, name
 
 
 def test_refusals_are_one_line():
@@ -119,14 +192,18 @@ def test_refusals_are_one_line():
     assert mosaic_gpu.refusal(q, q, plan) is None
     for why, args in [("float32", (jax.ShapeDtypeStruct(q.shape, jnp.float32), q, plan)),
                       ("head_dim 96", (jax.ShapeDtypeStruct((1, 128, 1, 96), jnp.bfloat16),) * 2 + (plan,)),
-                      ("segment_ids", (q, q, plan, True)),
-                      ("dropout", (q, q, plan, False, True)),
-                      ("head_dim 256 in the backward", (jax.ShapeDtypeStruct((1, 128, 1, 256), jnp.bfloat16),) * 2
-                       + (mosaic_gpu_compile.attention_plan(256), False, False, None, True))]:
+                      ("dropout", (q, q, plan, True)),
+                      ("int8 k / v", (q, q, plan, False, (q, q))),
+                      ("at head_dim 256; expected 64", (jax.ShapeDtypeStruct((1, 128, 1, 256), jnp.bfloat16),) * 2
+                       + (mosaic_gpu_compile.attention_plan(256, block_q_bwd=128), False, None, True))]:
         message = mosaic_gpu.refusal(*args)
         assert why in message and "\n" not in message, message
-    with pytest.raises(ValueError, match="segment_ids"):
-        mosaic_gpu.backward(q, q, q, q, q, None, q, None, q, plan)
+    # Segment ids, the soft cap and the backward at head dim 256 run (tests above).
+    assert mosaic_gpu.refusal(q, q, mosaic_gpu_compile.attention_plan(128, logit_soft_cap=30.0)) is None
+    q256 = jax.ShapeDtypeStruct((1, 128, 1, 256), jnp.bfloat16)
+    assert mosaic_gpu.refusal(q256, q256, mosaic_gpu_compile.attention_plan(256), backward=True) is None
+    with pytest.raises(ValueError, match="dropout"):
+        mosaic_gpu.backward(q, q, q, None, None, q, q, None, q, plan)
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +216,27 @@ def hopper_reports():
     return mosaic_gpu_compile.report()
 
 
-# The one kernel that spills (bytes stored, loaded): the causal dk / dv consumer at head dim 128, whose two
-# [64, 128] float32 accumulators, logits, probabilities and dp tiles and the mask's positions exceed its 232
-# registers by a few (kernels/README.md). Bounded here so that it does not grow unseen.
-KNOWN_SPILLS = {("bwd D128 causal", "flash_attention_dkv"): (20, 40)}
+# The kernels that spill (bytes stored, loaded; kernels/README.md), bounded here so that they do not grow unseen:
+# the causal dk / dv consumer at head dim 128, whose two [64, 128] float32 accumulators, logits, probabilities and
+# dp tiles and the mask's positions exceed its 232 registers by a few, more with the segment ids' column vector
+# and the soft cap; at head dim 256 dq's and dk's [64, 256] accumulator beside the [64, 64] tiles (dv alone fits
+# but for the causal mask).
+KNOWN_SPILLS = {
+    ("bwd D128 causal", "flash_attention_dkv"): (20, 40),
+    ("bwd D128 causal segments", "flash_attention_dkv"): (36, 72),
+    ("bwd D128 causal segments soft cap", "flash_attention_dkv"): (40, 96),
+    ("bwd D256 full", "flash_attention_dq"): (360, 372),
+    ("bwd D256 full", "flash_attention_dk"): (432, 500),
+    ("bwd D256 causal", "flash_attention_dq"): (824, 852),
+    ("bwd D256 causal", "flash_attention_dk"): (436, 920),
+    ("bwd D256 causal", "flash_attention_dv"): (28, 128),
+}
 
 
 def test_kernels_compile_for_sm90a(hopper_reports):
-    """Every production case: its kernels (forward; dq and dk / dv), no spills beyond KNOWN_SPILLS, shared memory
-    under Hopper's 227 KiB, wgmma in the PTX (and HGMMA in the SASS where nvdisasm is installed)."""
+    """Every production case: its kernels (forward; dq and dk / dv, or dk and dv apart), no spills beyond
+    KNOWN_SPILLS, shared memory under Hopper's 227 KiB, wgmma in the PTX (and HGMMA in the SASS where nvdisasm is
+    installed)."""
     from kernels import mosaic_gpu_compile
 
     labels = {r.label for r in hopper_reports}

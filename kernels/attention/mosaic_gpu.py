@@ -18,10 +18,16 @@ share its K / V tiles through L2; a K / V tile in shared memory serves the CTA's
 
 Backward: delta = rowsum(out * do) by XLA, then a dq kernel (the forward's CTAs and K / V ring) and a dk / dv kernel
 (one CTA per 128 keys of a kv head; the producer streams the q, do, lse and delta tiles of the band for every q head
-of the group, so k and v are read once per group and dk / dv need no sum over heads).
+of the group, so k and v are read once per group and dk / dv need no sum over heads). At head dim 256 dv and dk
+run as two kernels (their accumulators together exceed a consumer's registers), with one-stage rings.
 
-Not implemented (refused in one line by `refusal`): float32 inputs, head dims other than 64 / 128 / 256 (backward:
-64 / 128), segment ids, dropout, logit soft-cap, int8 kv. `interpret=True` runs the kernels in Mosaic GPU's
+Segment ids (the Triton kernel's semantics): each consumer loads its rows' ids once; the streamed tiles' ids ride
+a ring of their own beside the operands' (TMA, ready and free mbarriers), compared on every tile in the wgmma
+accumulator's layout. Tiles of other documents are not skipped. Logit soft cap: c * tanh(s / c) before the masks;
+the backward's derivative 1 - tanh² is recovered from p and lse (`_capped_gradient`).
+
+Not implemented (refused in one line by `refusal`): float32 inputs, head dims other than 64 / 128 / 256, dropout,
+int8 kv. `interpret=True` runs the kernels in Mosaic GPU's
 interpreter (threads, shared memory, TMA, mbarriers and wgmma simulated on the CPU); there P (and ds) go to wgmma
 through shared memory and each product lands in a fresh accumulator that is added (the interpreter reads wgmma's A
 only from shared memory and has no `pl.run_state`); on a GPU they are register operands accumulating in place.
@@ -34,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels.attention import _band, triton
-from kernels.attention.reference import NEG_INF, attention_mask
+from kernels.attention.reference import NEG_INF, attention_mask, soft_cap
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -50,12 +56,20 @@ CONSUMERS = 2  # consumer warpgroups per CTA; a CTA's query tile is CONSUMERS * 
 BLOCK_Q = CONSUMERS * ROWS
 HEAD_DIMS = (64, 128, 256)
 # The backward's dk and dv accumulators of a 64-row tile take 2 * head_dim / 2 registers a thread: 256 at head dim
-# 256, past the 232 a consumer has.
-BACKWARD_HEAD_DIMS = (64, 128)
+# 256, past the 232 a consumer has, so there dv and dk run as two kernels (`_dkv_kernel`'s `grads`).
+SPLIT_HEAD_DIMS = (256,)
 DTYPES = (jnp.bfloat16, jnp.float16)
 # Registers per thread after `setmaxnreg`: consumers take what the producer gives up (65536 per SM / 384 threads is
 # 170 each on entry; 2 * 232 + 40 = 504 = 3 * 168).
 _CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+
+
+def backward_stages(head_dim, stages):
+    """The backward rings' depth: `stages`, but 1 at head dim 256, where shared memory holds two [128, 256] row
+    tiles (q and do in dq, k and v in dk) and the rings' [64, 256] tiles: 128 + 64 KiB at one stage, 256 at two.
+    (32-row tiles would keep two stages in 192 KiB, but Mosaic's layout inference fails on the [64, 32] logits
+    tiles of JAX 0.11.2.)"""
+    return 1 if head_dim in SPLIT_HEAD_DIMS else stages
 
 
 def default_blocks(head_dim):
@@ -65,7 +79,7 @@ def default_blocks(head_dim):
     return {64: (128, 3), 128: (128, 2), 256: (64, 2)}[head_dim]
 
 
-def refusal(q, k, plan, has_ids=False, has_keys=False, kv_scales=None, backward=False):
+def refusal(q, k, plan, has_keys=False, kv_scales=None, backward=False):
     """Why this module cannot run the call, in one line, or None when it can. q, k: the padded operands (or
     ShapeDtypeStructs)."""
     D = q.shape[3]
@@ -76,23 +90,23 @@ def refusal(q, k, plan, has_ids=False, has_keys=False, kv_scales=None, backward=
         (jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES),
          f"dtype {jnp.dtype(q.dtype).name}; expected bfloat16 or float16"),
         (D not in HEAD_DIMS, f"head_dim {D}; expected one of {HEAD_DIMS}"),
-        (has_ids, "segment_ids; expected None"),
         (has_keys, "dropout; expected dropout_rate=0"),
-        (plan.logit_soft_cap is not None, "logit_soft_cap; expected None"),
         (kv_scales is not None, "int8 k / v; expected a float cache"),
         (plan.blocks.block_q != BLOCK_Q, f"block_q={plan.blocks.block_q}; expected {BLOCK_Q}"),
         (plan.blocks.block_k % 64, f"block_k={plan.blocks.block_k}; expected a multiple of 64"),
         (q.shape[1] % BLOCK_Q or k.shape[1] % plan.blocks.block_k,
          f"lengths {q.shape[1]} / {k.shape[1]}; expected multiples of {BLOCK_Q} / {plan.blocks.block_k}"),
     ]
-    if backward:  # dk / dv: 2 x 64 key rows a CTA, two [64, head_dim] float32 accumulators per consumer
+    if backward:  # dk / dv: 2 x 64 key rows a CTA
         reasons += [
-            (D not in BACKWARD_HEAD_DIMS, f"head_dim {D} in the backward; expected one of {BACKWARD_HEAD_DIMS}"),
             (k.shape[1] % BLOCK_Q, f"kv length {k.shape[1]} in the backward; expected a multiple of {BLOCK_Q}"),
             ((blocks.block_q_bwd or 0) % 64 or q.shape[1] % (blocks.block_q_bwd or 1),
              f"block_q_bwd={blocks.block_q_bwd}; expected a multiple of 64 dividing the length"),
             ((blocks.block_k_bwd or 0) % 64 or k.shape[1] % (blocks.block_k_bwd or 1),
              f"block_k_bwd={blocks.block_k_bwd}; expected a multiple of 64 dividing the kv length"),
+            (D in SPLIT_HEAD_DIMS and max(blocks.block_q_bwd or 0, blocks.block_k_bwd or 0) > 64,
+             f"block_q_bwd / block_k_bwd {blocks.block_q_bwd} / {blocks.block_k_bwd} at head_dim {D}; expected 64 "
+             "(shared memory)"),
         ]
     for bad, why in reasons:
         if bad:
@@ -109,6 +123,70 @@ def _tile_transforms(dtype):
 def _rendezvous(barrier):
     plgpu.barrier_arrive(barrier)
     plgpu.barrier_wait(barrier)
+
+
+def _logits(s, plan):
+    """The logits in the exp2 domain of a tile of raw scores s = q kᵀ: scaled by sm_scale, then
+    `reference.soft_cap`'s c * tanh(s / c) when the plan has a cap (the Triton kernel's order)."""
+    if plan.logit_soft_cap is None:
+        return s * (plan.sm_scale * _LOG2E)
+    return soft_cap(s * plan.sm_scale, plan.logit_soft_cap)[0] * _LOG2E
+
+
+def _capped_gradient(p, lse, dim, plan):
+    """p times the soft cap's derivative 1 - tanh² (p unchanged without a cap), the derivative recovered from p
+    itself: the capped logit is c * tanh = (log2(p) + lse) * ln 2. Holding the derivative from the logits' step
+    instead kept one more [64, cols] float32 tile alive across the wgmmas and spilled 92 / 176 bytes in the dk / dv
+    consumer at head dim 128 (causal, segment ids). lse: the rows' vector along `dim`; p = 0 (masked) stays 0."""
+    if plan.logit_soft_cap is None:
+        return p
+    t = (jnp.log2(p) + lax.broadcast_in_dim(lse, p.shape, [dim])) * (_LN2 / plan.logit_soft_cap)
+    return jnp.where(p > 0, p * (1.0 - t * t), 0.0)
+
+
+def _ids_scratch(stages, block):
+    """Shared memory of segment ids: the consumers' own 64 rows' ids (loaded once, with their barrier) and a ring of
+    the streamed tiles' ids beside the operands' ring (ready and free barriers of its own, so that every ring keeps
+    one TMA copy per barrier phase)."""
+    return (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.Barrier(num_barriers=CONSUMERS),
+            plgpu.SMEM((stages, block), jnp.int32), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages))
+
+
+def _own_ids(ids_ref, ids, b, start, wg, dim):
+    """The ids of the warpgroup's 64 rows from `start` (ids_ref [B, len] int32, ids `_ids_scratch`'s refs), a
+    vector along `dim` of a wgmma tile."""
+    own_smem, own_ready = ids[:2]
+    plgpu.copy_gmem_to_smem(ids_ref.at[b, pl.ds(start, ROWS)], own_smem.at[wg], own_ready.at[wg])
+    plgpu.barrier_wait(own_ready.at[wg])
+    return _load_row(own_smem.at[wg], dim)
+
+
+def _load_ids(ids_ref, ids, b, start, block, slot):
+    """The producer's TMA copy of ids [start, start + block) into ring slot `slot`."""
+    plgpu.copy_gmem_to_smem(ids_ref.at[b, pl.ds(start, block)], ids[2].at[slot], ids[3].at[slot])
+
+
+def _ring_ids(ids):
+    """(ready, free) barriers of the ids ring, for `_pass_by` and the producer."""
+    return ids[3], ids[4]
+
+
+def _take(smem, ready, free, slot, dim):
+    """A vector from ring slot `slot` (waited for, loaded along `dim` of a wgmma tile, the slot freed)."""
+    plgpu.barrier_wait(ready.at[slot])
+    vector = _load_row(smem.at[slot], dim)
+    plgpu.barrier_arrive(free.at[slot])
+    return vector
+
+
+def _same_segment(row_ids, col_ids, shape, visible):
+    """`visible` (a mask or None) and row id == column id over a wgmma tile of `shape`; `visible` itself without
+    segment ids (row_ids None)."""
+    if row_ids is None:
+        return visible
+    same = lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+    return same if visible is None else jnp.logical_and(visible, same)
 
 
 def _scores(q_tile, k_tile, rows, cols, turn):
@@ -235,8 +313,10 @@ def _query_cta(plan, bk, groups, stages, num_kv_blocks):
     return qt, h, b, kvh, lax.axis_index("wg"), band, lo, hi, slot_of
 
 
-def _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, b, kvh, lo, hi, bk, stages, plan):
-    """The producer warpgroup of a query CTA: kv tiles lo ... hi - 1 into the K / V rings."""
+def _kv_producer(k_ref, v_ref, kv_ids_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ids, b, kvh, lo, hi,
+                 bk, stages, plan):
+    """The producer warpgroup of a query CTA: kv tiles lo ... hi - 1 into the K / V rings (and their segment ids
+    into the ids ring: kv_ids_ref and ids None without)."""
     if not plan.interpret:
         plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
@@ -244,12 +324,15 @@ def _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
         keys = (b, pl.ds((lo + n) * bk, bk), kvh)
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+        if ids is not None:
+            _load_ids(kv_ids_ref, ids, b, (lo + n) * bk, bk, slot)
 
-    _produce(hi - lo, stages, load, (k_free, v_free))
+    _produce(hi - lo, stages, load, (k_free, v_free) + (() if ids is None else _ring_ids(ids)[1:]))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem, q_ready, k_ready,
-                    v_ready, k_free, v_free, turn, p_smem=None, *, plan, groups, stages, num_kv_blocks, pingpong):
+def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem,
+                    q_ready, k_ready, v_ready, k_free, v_free, turn, ids, p_smem=None, *, plan, groups, stages,
+                    num_kv_blocks, pingpong):
     bk = plan.blocks.block_k
     D = q_ref.shape[3]
     dtype = q_ref.dtype
@@ -265,7 +348,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), h], q_tile, q_ready.at[wg])
         own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
                           _last_key_tile(plan, bk))
-        scale = plan.sm_scale * _LOG2E
+        row_ids = None if ids is None else _own_ids(q_ids_ref, ids, b, q0, wg, 0)
         plgpu.barrier_wait(q_ready.at[wg])
         if pingpong:
             pl.when(wg == 1)(lambda: _rendezvous(turn))
@@ -276,8 +359,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
             plgpu.barrier_wait(k_ready.at[slot])
             s = _scores(q_tile, k_smem.at[slot], ROWS, bk, turn if pingpong else None)
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * scale
+            s = _logits(s, plan)
             visible = _visible(q0, j * bk, s.shape, plan) if masked else None
+            if ids is not None:
+                visible = _same_segment(row_ids, _take(*ids[2:], slot, 1), s.shape, visible)
             if visible is not None:
                 s = jnp.where(visible, s, NEG_INF)
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -297,7 +382,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
 
         def pass_by(j):  # a tile of the CTA's band outside this warpgroup's: freed unread, the ping-pong kept
             slot = slot_of(j)
-            _pass_by(slot, (k_ready, k_free))
+            _pass_by(slot, (k_ready, k_free), *(() if ids is None else (_ring_ids(ids),)))
             if pingpong:
                 _rendezvous(turn)
                 plgpu.barrier_arrive(turn)
@@ -321,8 +406,21 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(wg == CONSUMERS)(lambda: _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                                                   b, kvh, lo, hi, bk, stages, plan))
+    pl.when(wg == CONSUMERS)(lambda: _kv_producer(k_ref, v_ref, kv_ids_ref, k_smem, v_smem, k_ready, v_ready, k_free,
+                                                   v_free, ids, b, kvh, lo, hi, bk, stages, plan))
+
+
+def _body(kernel, name, absent, **params):
+    """`kernel` as `plgpu.kernel`'s body, named `name` (the name of its compiled dumps), with None at the positions
+    `absent` of its refs: the operands and outputs a call has not (segment ids, dk or dv)."""
+    def body(*refs):
+        refs = list(refs)
+        for position in sorted(absent):
+            refs.insert(position, None)
+        kernel(*refs, **params)
+
+    body.__name__ = name
+    return body
 
 
 def _last_key_tile(plan, block):
@@ -332,7 +430,7 @@ def _last_key_tile(plan, block):
 
 def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     """Returns (out [B, T, H, D] in q's dtype, lse [B, H, T] float32, base 2, +inf where a query sees no key)."""
-    why = refusal(q, k, plan, q_ids is not None, keys is not None, kv_scales)
+    why = refusal(q, k, plan, keys is not None, kv_scales)
     if why:
         raise ValueError(why)
     B, T, H, D = q.shape
@@ -342,9 +440,9 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     num_kv_blocks = pl.cdiv(plan.kv_len or S, bk)
     stages = max(1, min(stages, num_kv_blocks))
     tiles = _tile_transforms(q.dtype)
-    kernel = lambda *refs: _forward_kernel(  # noqa: E731
-        *refs, plan=plan, groups=H // Hkv, stages=stages, num_kv_blocks=num_kv_blocks, pingpong=True)
-    kernel.__name__ = "flash_attention_fwd"
+    ids = () if q_ids is None else (q_ids, kv_ids)
+    kernel = _body(_forward_kernel, "flash_attention_fwd", () if ids else (3, 4), plan=plan, groups=H // Hkv,
+                   stages=stages, num_kv_blocks=num_kv_blocks, pingpong=True)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)),
@@ -359,6 +457,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS),
+            _ids_scratch(stages, bk) if ids else None,
             *[plgpu.SMEM((CONSUMERS, ROWS, bk), q.dtype, transforms=tiles)] * plan.interpret,  # P, interpreted
         ],
         grid=(H, T // BLOCK_Q, B),
@@ -367,7 +466,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
-    )(q, k, v)
+    )(q, k, v, *ids)
 
 
 # The Triton kernel's lse layout: [B, H, T], base 2.
@@ -380,11 +479,12 @@ def _load_row(ref, dim):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem,
-               k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, p_smem=None, *, plan, groups, stages,
-               num_kv_blocks):
-    """dq = sm_scale * sum_j ds_j k_j, ds = p * (dp - delta), p = exp2(s - lse), dp = do vᵀ: the forward's CTAs and
-    K / V ring, each consumer's 64 rows of q, do, lse and delta loaded once."""
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, dq_ref, q_smem, do_smem,
+               lse_smem, delta_smem, k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, ids, p_smem=None, *,
+               plan, groups, stages, num_kv_blocks):
+    """dq = sm_scale * sum_j ds_j k_j, ds = p * (dp - delta) (times the soft cap's derivative), p = exp2(s - lse),
+    dp = do vᵀ: the forward's CTAs and K / V ring (and kv ids ring), each consumer's 64 rows of q, do, lse, delta
+    (and q ids) loaded once."""
     bk = plan.blocks.block_k_bwd
     dtype = q_ref.dtype
     qt, h, b, kvh, wg, band, lo, hi, slot_of = _query_cta(plan, bk, groups, stages, num_kv_blocks)
@@ -404,44 +504,49 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem, 
         for n in range(4):
             plgpu.barrier_wait(row_ready.at[CONSUMERS * n + wg])
         lse, delta = _load_row(lse_smem.at[wg], 0), _load_row(delta_smem.at[wg], 0)
+        row_ids = None if ids is None else _own_ids(q_ids_ref, ids, b, q0, wg, 0)
         own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
                           _last_key_tile(plan, bk))
-        scale = plan.sm_scale * _LOG2E
 
         def step(j, dq, masked):
             slot = slot_of(j)
             plgpu.barrier_wait(k_ready.at[slot])
-            s = _scores(q_tile, k_smem.at[slot], ROWS, bk, None) * scale
+            s = _logits(_scores(q_tile, k_smem.at[slot], ROWS, bk, None), plan)
             visible = _visible(q0, j * bk, s.shape, plan) if masked else None
+            if ids is not None:
+                visible = _same_segment(row_ids, _take(*ids[2:], slot, 1), s.shape, visible)
             if visible is not None:
                 s = jnp.where(visible, s, NEG_INF)
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [0]))
             plgpu.barrier_wait(v_ready.at[slot])
             dp = _scores(do_tile, v_smem.at[slot], ROWS, bk, None)
             plgpu.barrier_arrive(v_free.at[slot])
-            ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+            ds = (_capped_gradient(p, lse, 0, plan) * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
             dq = _accumulate(dq, ds, k_smem.at[slot], None if p_smem is None else p_smem.at[wg])
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        dq = _walk(lo, hi, own, step, lambda j: _pass_by(slot_of(j), (k_ready, k_free), (v_ready, v_free)),
+        id_ring = () if ids is None else (_ring_ids(ids),)
+        dq = _walk(lo, hi, own, step, lambda j: _pass_by(slot_of(j), (k_ready, k_free), (v_ready, v_free), *id_ring),
                    plgpu.layout_cast(jnp.zeros(q_tile.shape, jnp.float32), plgpu.Layout.WGMMA))
         q_tile[...] = (dq * plan.sm_scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(wg == CONSUMERS)(lambda: _kv_producer(k_ref, v_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                                                   b, kvh, lo, hi, bk, stages, plan))
+    pl.when(wg == CONSUMERS)(lambda: _kv_producer(k_ref, v_ref, kv_ids_ref, k_smem, v_smem, k_ready, v_ready, k_free,
+                                                   v_free, ids, b, kvh, lo, hi, bk, stages, plan))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
-                lse_smem, delta_smem, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free, do_free,
-                lse_free, delta_free, p_smem=None, *, plan, groups, stages, num_q_blocks):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, dk_ref, dv_ref, k_smem, v_smem,
+                q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
+                do_free, lse_free, delta_free, ids, p_smem=None, *, plan, groups, stages, num_q_blocks, grads):
     """dv = sum pᵀ do, dk = sm_scale * sum dsᵀ q over the query tiles of every query head of the kv head's group:
     one CTA per (128 keys, kv head, batch row), each consumer 64 key rows; the producer streams (q, do, lse,
     delta) tiles of the CTA's band for each head of the group, so k and v are read once per group and dk / dv
-    need no sum over heads. Works on transposed tiles ([keys, queries])."""
+    need no sum over heads (with segment ids, the q ids ride a ring of their own beside them). Works on transposed
+    tiles ([keys, queries]). grads: "dkv" both, or "dk" / "dv" alone (its other output ref None): at head dim 256
+    both [64, 256] float32 accumulators exceed a consumer's registers, so dv (no v, no delta) and dk run apart."""
     bq = plan.blocks.block_q_bwd
     dtype = q_ref.dtype
     kt, kvh, b = lax.axis_index("kv"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -451,7 +556,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     _, hi = _band.q_range(CONSUMERS * kt + CONSUMERS - 1, bq, ROWS, num_q_blocks, band)
     lo, hi = jnp.int32(lo), jnp.int32(hi)
     per_head = hi - lo
-    rings = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free), (delta_ready, delta_free))
+    with_dk, with_dv = grads in ("dkv", "dk"), grads in ("dkv", "dv")
+    rings = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
+             *[(delta_ready, delta_free)] * with_dk, *(() if ids is None else (_ring_ids(ids),)))
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -462,12 +569,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         keys = (b, pl.ds(k0, ROWS), kvh)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_tile, kv_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, kv_ready.at[CONSUMERS + wg])
         plgpu.barrier_wait(kv_ready.at[wg])
-        plgpu.barrier_wait(kv_ready.at[CONSUMERS + wg])
+        if with_dk:  # dv alone needs no v
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, kv_ready.at[CONSUMERS + wg])
+            plgpu.barrier_wait(kv_ready.at[CONSUMERS + wg])
         own = _split_band(*_band.q_range(j, bq, ROWS, num_q_blocks, band),
                           _band.inner_range(j, ROWS, bq, band[::-1]))
-        scale = plan.sm_scale * _LOG2E
+        row_ids = None if ids is None else _own_ids(kv_ids_ref, ids, b, k0, wg, 0)
         p_tile = None if p_smem is None else p_smem.at[wg]
 
         def per_group_head(g, carry):
@@ -477,38 +585,50 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                 dk, dv = carry
                 slot = slot_of(i)
                 plgpu.barrier_wait(q_ready.at[slot])
-                s_t = _scores(k_tile, q_smem.at[slot], ROWS, bq, None) * scale
+                s_t = _logits(_scores(k_tile, q_smem.at[slot], ROWS, bq, None), plan)
+                visible = None
                 if masked:
                     q_pos = _positions(i * bq, s_t.shape, 1)
                     k_pos = _positions(k0, s_t.shape, 0)
                     visible = attention_mask(q_pos, k_pos, None, None, causal=plan.causal, kv_len=None,
                                              window=plan.window)
-                    s_t = s_t if visible is None else jnp.where(visible, s_t, NEG_INF)
+                if ids is not None:
+                    visible = _same_segment(row_ids, _take(*ids[2:], slot, 1), s_t.shape, visible)
+                s_t = s_t if visible is None else jnp.where(visible, s_t, NEG_INF)
                 plgpu.barrier_wait(lse_ready.at[slot])
-                lse = _load_row(lse_smem.at[slot], 1)
-                plgpu.barrier_arrive(lse_free.at[slot])
-                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(_load_row(lse_smem.at[slot], 1), s_t.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
-                dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], p_tile)
-                dp_t = _scores(v_tile, do_smem.at[slot], ROWS, bq, None)
+                if with_dv:
+                    dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], p_tile)
+                if with_dk:
+                    # Folded in once dv has read p; lse read again from shared memory rather than held in 16
+                    # registers a thread across the wgmma.
+                    p_t = _capped_gradient(
+                        p_t, None if plan.logit_soft_cap is None else _load_row(lse_smem.at[slot], 1), 1, plan)
+                plgpu.barrier_arrive(lse_free.at[slot])
+                if with_dk:
+                    dp_t = _scores(v_tile, do_smem.at[slot], ROWS, bq, None)
                 plgpu.barrier_arrive(do_free.at[slot])
-                plgpu.barrier_wait(delta_ready.at[slot])
-                delta = _load_row(delta_smem.at[slot], 1)
-                plgpu.barrier_arrive(delta_free.at[slot])
-                ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
-                dk = _accumulate(dk, ds_t, q_smem.at[slot], p_tile)
+                if with_dk:
+                    delta = _take(delta_smem, delta_ready, delta_free, slot, 1)
+                    ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                    dk = _accumulate(dk, ds_t, q_smem.at[slot], p_tile)
                 plgpu.barrier_arrive(q_free.at[slot])
                 return dk, dv
 
             return _walk(lo, hi, own, step, lambda i: _pass_by(slot_of(i), *rings), carry)
 
         zeros = plgpu.layout_cast(jnp.zeros(k_tile.shape, jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, groups, per_group_head, (zeros, zeros))
-        k_tile[...] = (dk * plan.sm_scale).astype(dtype)
-        v_tile[...] = dv.astype(dtype)
+        dk, dv = lax.fori_loop(0, groups, per_group_head, (zeros if with_dk else None, zeros if with_dv else None))
+        if with_dk:
+            k_tile[...] = (dk * plan.sm_scale).astype(dtype)
+        if with_dv:
+            v_tile[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
-        plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
+        if with_dk:
+            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[keys])
+        if with_dv:
+            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[keys])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == CONSUMERS)
@@ -523,32 +643,37 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(i * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(i * bq, bq)], delta_smem.at[slot],
-                                    delta_ready.at[slot])
+            if with_dk:
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(i * bq, bq)], delta_smem.at[slot],
+                                        delta_ready.at[slot])
+            if ids is not None:
+                _load_ids(q_ids_ref, ids, b, i * bq, bq, slot)
 
-        _produce(groups * per_head, stages, load, (q_free, do_free, lse_free, delta_free))
+        _produce(groups * per_head, stages, load, tuple(free for _, free in rings))
 
 
 def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     """(dq, dk, dv) in q's dtype from the forward's out and lse [B, H, T] (base 2); delta = rowsum(out * do) is one
-    XLA reduction. Two kernels: dq over kv tiles, dk / dv over the group's query tiles."""
-    why = refusal(q, k, plan, q_ids is not None, keys is not None, backward=True)
+    XLA reduction. Two kernels: dq over kv tiles, dk / dv over the group's query tiles (at head dim 256 dv and dk
+    apart: three kernels)."""
+    why = refusal(q, k, plan, keys is not None, backward=True)
     if why:
         raise ValueError(why)
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
     bq, bk = plan.blocks.block_q_bwd, plan.blocks.block_k_bwd
-    stages = plan.blocks.num_stages_bwd or 2
+    stages = backward_stages(D, plan.blocks.num_stages_bwd or 2)
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
     tiles = _tile_transforms(q.dtype)
     interpret = plgpu.InterpretGPUParams() if plan.interpret else None
     params = plgpu.CompilerParams(approx_math=True)
     kv_stages = max(1, min(stages, pl.cdiv(plan.kv_len or S, bk)))
     row = lambda: plgpu.SMEM((CONSUMERS, ROWS, D), q.dtype, transforms=tiles)  # noqa: E731
-    dq_kernel = lambda *refs: _dq_kernel(  # noqa: E731
-        *refs, plan=plan, groups=G, stages=kv_stages, num_kv_blocks=pl.cdiv(plan.kv_len or S, bk))
-    dq_kernel.__name__ = "flash_attention_dq"
+    ids = () if q_ids is None else (q_ids, kv_ids)
+    no_ids = () if ids else (6, 7)  # the id refs' positions in both kernels' signatures
+    dq_kernel = _body(_dq_kernel, "flash_attention_dq", no_ids, plan=plan, groups=G, stages=kv_stages,
+                      num_kv_blocks=pl.cdiv(plan.kv_len or S, bk))
     dq = plgpu.kernel(
         dq_kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -560,29 +685,36 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
             plgpu.Barrier(num_barriers=kv_stages), plgpu.Barrier(num_barriers=kv_stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=kv_stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=kv_stages),
+            _ids_scratch(kv_stages, bk) if ids else None,
             *[plgpu.SMEM((CONSUMERS, ROWS, bk), q.dtype, transforms=tiles)] * plan.interpret,
         ],
         grid=(H, T // BLOCK_Q, B), grid_names=("heads", "q", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=params, interpret=interpret,
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta, *ids)
 
     q_stages = max(1, min(stages, G * (T // bq)))
-    dkv_kernel = lambda *refs: _dkv_kernel(  # noqa: E731
-        *refs, plan=plan, groups=G, stages=q_stages, num_q_blocks=T // bq)
-    dkv_kernel.__name__ = "flash_attention_dkv"
     ring = lambda: plgpu.SMEM((q_stages, bq, D), q.dtype, transforms=tiles)  # noqa: E731
     vector_ring = lambda: plgpu.SMEM((q_stages, bq), jnp.float32)  # noqa: E731
-    dk, dv = plgpu.kernel(
-        dkv_kernel,
-        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        scratch_types=[
-            row(), row(), ring(), ring(), vector_ring(), vector_ring(),
-            plgpu.Barrier(num_barriers=2 * CONSUMERS),
-            *[plgpu.Barrier(num_barriers=q_stages)] * 4,
-            *[plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=q_stages)] * 4,
-            *[plgpu.SMEM((CONSUMERS, ROWS, bq), q.dtype, transforms=tiles)] * plan.interpret,
-        ],
-        grid=(Hkv, S // BLOCK_Q, B), grid_names=("heads", "kv", "batch"), num_threads=CONSUMERS + 1,
-        thread_name="wg", compiler_params=params, interpret=interpret,
-    )(q, k, v, do, lse, delta)
-    return dq, dk, dv
+    types = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype), "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+    grads = {}
+    for which in ("dv", "dk") if D in SPLIT_HEAD_DIMS else ("dkv",):
+        names = ("dk", "dv") if which == "dkv" else (which,)
+        absent = no_ids + tuple(8 + n for n, name in enumerate(types) if name not in names)  # dk_ref 8, dv_ref 9
+        kernel = _body(_dkv_kernel, f"flash_attention_{which}", absent, plan=plan, groups=G, stages=q_stages,
+                       num_q_blocks=T // bq, grads=which)
+        outs = plgpu.kernel(
+            kernel,
+            out_type=tuple(types[name] for name in names),
+            scratch_types=[
+                row(), row(), ring(), ring(), vector_ring(), vector_ring(),
+                plgpu.Barrier(num_barriers=2 * CONSUMERS),
+                *[plgpu.Barrier(num_barriers=q_stages)] * 4,
+                *[plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=q_stages)] * 4,
+                _ids_scratch(q_stages, bq) if ids else None,
+                *[plgpu.SMEM((CONSUMERS, ROWS, bq), q.dtype, transforms=tiles)] * plan.interpret,
+            ],
+            grid=(Hkv, S // BLOCK_Q, B), grid_names=("heads", "kv", "batch"), num_threads=CONSUMERS + 1,
+            thread_name="wg", compiler_params=params, interpret=interpret,
+        )(q, k, v, do, lse, delta, *ids)
+        grads.update(zip(names, outs))
+    return dq, grads["dk"], grads["dv"]
