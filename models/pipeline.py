@@ -13,14 +13,18 @@ micro-batch passes the ring of stages V times. In tick t = 0 .. V M + S - 2 ever
 of the round before after that, the others what the stage before produced in tick t - 1, passed on by a roll of the
 stage dim (one collective-permute of one micro-batch's activations). The backward pass is autodiff of the tick loop
 (permutes reversed), so all M micro-batches' saved activations are alive at the turn (no 1F1B); with remat each layer
-keeps only its input. The bubble: a stage idles (S - 1) of V M + S - 1 ticks, so more micro-batches and more virtual
+keeps only its input, and no tick keeps its slice of the stage's weights (each layer slices them inside its
+checkpoint). The bubble: a stage idles (S - 1) of V M + S - 1 ticks, so more micro-batches and more virtual
 stages waste less.
 
 Nothing here knows about the engine: the stage count is the size of the ambient mesh's automatic `stage` axis
 (`jax.sharding.use_abstract_mesh`, under which the Trainer traces its steps), 1 outside one.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import kernels
@@ -54,14 +58,21 @@ def num_ticks(stages, microbatches, virtual_stages=1, schedule="gpipe"):
     return virtual_stages * microbatches + stages - 1
 
 
-def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1):
+_STAGE_WEIGHTS = "pipeline_stage_weights"
+# The checkpoint policy of layers without remat: every intermediate saved but the layer's slice of the stage's weights.
+SAVE_ALL_BUT_WEIGHTS = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+
+
+def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None):
     """The stack `x -> layer_fn(params[L-1], ... layer_fn(params[0], x, ctx, 0, m) ..., ctx, L-1, m)` run as a
     pipeline of `stages` stages over `microbatches` micro-batches of the rows, each stage `virtual_stages` times
     (V = 1: GPipe; V > 1: the interleaved schedule, which needs microbatches >= stages).
 
     layer_fn(layer params, h [rows, ...], ctx of those rows, layer index, micro-batch index) -> h. params: a pytree
     of [L, ...] arrays; x [B, ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and
-    positions). Returns the stack's output [B, ...]."""
+    positions). Each layer runs under `jax.checkpoint` with `policy` (None: it keeps only its input; without remat
+    `SAVE_ALL_BUT_WEIGHTS`), which must not save the layer's weights: they are sliced inside it. Returns the stack's
+    output [B, ...]."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows, chunks = x.shape[0], stages * virtual_stages
     _check(num_layers, rows, stages, microbatches, virtual_stages)
@@ -73,13 +84,20 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
         w.reshape(virtual_stages, stages, per_chunk, *w.shape[1:]).swapaxes(0, 1)), params)
     stage_ids = jnp.arange(stages)
 
+    # Layer j of round rnd's chunk is sliced out of the stage's weights p [V, K, ...] inside the layer's checkpoint,
+    # whose policy never saves the slice: the backward slices the loop-invariant p again. Sliced outside (as the
+    # layers' xs), autodiff of the tick loop saved every tick's slice: V M + S - 1 copies of a stage's weights
+    # (LLaMA-3-8B on stage 8, M = 32: 188 GB of temporaries a device, models/README.md#the-pipeline).
+    @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)
+    def layer_of_stage(p, h, c, rnd, j, layer, micro):
+        w = jax.tree.map(lambda a: checkpoint_name(a[rnd, j], _STAGE_WEIGHTS), p)
+        return layer_fn(w, h, c, layer, micro)
+
     def run_stage(p, h, c, stage, micro, rnd):
         chunk = rnd * stages + stage  # the virtual stage this tick runs
-        def body(h, layer):
-            w, j = layer
-            return layer_fn(w, h, c, chunk * per_chunk + j, micro), None
-        weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, rnd, keepdims=False), p)
-        return jax.lax.scan(body, h, (weights, jnp.arange(per_chunk)))[0]
+        def body(h, j):
+            return layer_of_stage(p, h, c, rnd, j, chunk * per_chunk + j, micro), None
+        return jax.lax.scan(body, h, jnp.arange(per_chunk))[0]
 
     run = jax.vmap(run_stage, spmd_axis_name=axes.STAGE)
 

@@ -187,6 +187,23 @@ def test_compiled_tick_loops_follow_the_schedule(virtual_stages, microbatches):
     assert pipeline.bubble_fraction(2, microbatches, virtual_stages) == pytest.approx(1 / ticks)
 
 
+def test_gpipe_keeps_no_more_per_micro_batch_than_the_plain_model():
+    """What GPipe's compiled step (value and gradients, stage 2 x data 4, remat='full') adds to its temporaries for 4
+    more micro-batches of the same size stays below half what the unpipelined model's step on data 4 adds for the
+    same rows: a stage keeps each micro-batch's inputs of its own layers, half the model's, and its half of the
+    logits (measured: 66 KB against 546 KB). Autodiff of the tick loop once kept every tick's slice of the stage's
+    weights as well, which no row count explains: 1.25 MB."""
+    def temporaries(mesh, microbatches):
+        model = _model(remat="full", pipeline_microbatches=microbatches)
+        compiled = _trace_on(mesh, model, rows=4 * microbatches).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    stages, plain = engine.make_mesh(stage=2, data=4), engine.make_mesh(data=4, devices=jax.devices()[:4])
+    grown = temporaries(stages, 8) - temporaries(stages, 4)
+    plain_grown = temporaries(plain, 8) - temporaries(plain, 4)
+    assert 0 < grown < plain_grown / 2, (grown, plain_grown)
+
+
 def _trace_on(mesh, model, rows=ROWS):
     params = models.init_params(model, jax.random.PRNGKey(0))
     ids = _ids(model, rows)

@@ -280,6 +280,22 @@ def test_an_interleaved_pipeline_plan_reports_its_schedules_idle_share():
     assert interleaved["pipeline_virtual_stages"] == 2 and interleaved["collective_bytes"]["collective-permute"] > 0
 
 
+def test_a_1f1b_plan_reports_its_schedules_idle_share():
+    """The tiny model cut to 4 layers on 2 stages, 2 micro-batches, with pipeline_schedule='1f1b': the plan
+    compiles 1F1B's step (one tick loop of M + 2S - 2) and reports its idle share (2S - 2) / (M + 2S - 2) = 1/2, not
+    GPipe's 1/3; the schedule given as a config override is the same plan, and given both ways with two values is
+    refused."""
+    common = {**TINY, "num_devices": 2, "seq_len": 16, "mesh": "1,1,1", "stages": 2, "per_device_batch_size": 2,
+              "pipeline_microbatches": 2, "step": "jit", "loss_implementation": None}
+    one_f_one_b = planning.plan(**common, pipeline_schedule="1f1b", config_overrides={"num_layers": 4})
+    assert one_f_one_b["pipeline_schedule"] == "1f1b" and one_f_one_b["idle_share"] == pytest.approx(1 / 2)
+    overridden = planning.plan(**common, config_overrides={"num_layers": 4, "pipeline_schedule": "1f1b"})
+    assert overridden["idle_share"] == one_f_one_b["idle_share"] and overridden["bytes"] == one_f_one_b["bytes"]
+    with pytest.raises(ValueError, match=r"pipeline_virtual_stages=2 and config_overrides=\{'pipeline_virtual_"
+                                         r"stages': 3\}; expected one value"):
+        planning.plan(**common, pipeline_virtual_stages=2, config_overrides={"pipeline_virtual_stages": 3})
+
+
 @pytest.mark.slow
 def test_diloco_plan_counts_inner_and_outer_steps_apart():
     """DiLoCo on data 4 x fsdp 2 (tiny LLaMA, 90432 parameters): the inner step's bytes are counted apart from the

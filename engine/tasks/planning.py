@@ -29,7 +29,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                  seq_len=2048, remat="full", compute_dtype="bfloat16", grad_dtype=None, reduce_dtype=None,
                  accumulate=1, step="shard_map", hbm_gb=None, loss_implementation="auto",
                  attention_implementation="auto", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-                 pipeline_microbatches=0, pipeline_virtual_stages=1, diloco_inner_steps=0, diloco_fragments=1, diloco_outer_dtype="float32",
+                 pipeline_microbatches=0, pipeline_virtual_stages=1, pipeline_schedule="gpipe", diloco_inner_steps=0,
+                 diloco_fragments=1, diloco_outer_dtype="float32",
                  context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
                  rlhf=None, config_overrides=None):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
@@ -43,7 +44,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
     per stage) of each micro-batch's rows, `pipeline_virtual_stages` per device (1: GPipe; more: the interleaved
-    schedule, models/pipeline.py). diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
+    schedule, models/pipeline.py), on `pipeline_schedule` ('gpipe' or '1f1b'); the result's 'idle_share' is that
+    schedule's (`models.pipeline.bubble_fraction`). diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
     collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
@@ -64,7 +66,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     per step); every result has 'bytes_by_axes' (bytes sent by the mesh axes the collectives span). A program
     larger than a TPU target's memory is a ValueError quoting the compiler. Returns (the result, the
     `jax.stages.Compiled` step)."""
-    settings = dict(locals())  # the keyword arguments, as given: the result repeats them
+    settings = _pipeline_fields(dict(locals()))  # the keyword arguments, as given: the result repeats them
     devices = engine.plan.target_devices(target)
     settings["num_devices"] = num_devices = len(devices) if num_devices is None else num_devices
     if hbm_gb is None and engine.plan.parse_target(target):  # a target's chips: their memory is the budget
@@ -126,6 +128,24 @@ def _implementation(name, devices):
     return name if name != "auto" else kernels.implementation_for_platform(devices[0].platform)
 
 
+_PIPELINE_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "pipeline_schedule": "gpipe"}
+
+
+def _pipeline_fields(settings):
+    """settings with the pipeline's config fields given in config_overrides moved to their arguments (the plan's
+    idle share and result follow them); one given both ways with two values is refused."""
+    overrides = dict(settings["config_overrides"] or {})
+    for key, default in _PIPELINE_FIELDS.items():
+        if key not in overrides:
+            continue
+        value = overrides.pop(key)
+        if settings[key] not in (default, value):
+            raise ValueError(f"{key}={settings[key]!r} and config_overrides={{{key!r}: {value!r}}}; expected one "
+                             "value")
+        settings[key] = value
+    return {**settings, "config_overrides": overrides}
+
+
 def _check_arguments(settings, devices):
     """`plan`'s argument checks; returns the mesh's sizes ({data, fsdp, model[, expert]})."""
     shape = parse_mesh(settings["mesh"])
@@ -165,7 +185,7 @@ def _network(s):
                                param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
                                pipeline_microbatches=s["pipeline_microbatches"],
                                pipeline_virtual_stages=s["pipeline_virtual_stages"],
-                               sequence_parallel=s["sequence_parallel"])
+                               pipeline_schedule=s["pipeline_schedule"], sequence_parallel=s["sequence_parallel"])
     network = models.FAMILIES[s["model"]].Model(config)
     abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
     if not s["lora_rank"]:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
@@ -213,11 +233,13 @@ def _communication(hlo, diloco, num_devices, hosts=None):
 def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, collective_bytes, outer):
     """`plan`'s result dict."""
     microbatches = s["pipeline_microbatches"] or s["stages"]
+    idle = models.pipeline.bubble_fraction(s["stages"], microbatches, s["pipeline_virtual_stages"],
+                                           s["pipeline_schedule"])
     result = {"model": s["model"], "model_config": s["model_config"], "target": s["target"] or "cpu",
               "num_devices": s["num_devices"], "mesh": mesh,
               "stages": s["stages"], "context": s["context"], "pipeline_microbatches": microbatches,
-              "pipeline_virtual_stages": s["pipeline_virtual_stages"],
-              "idle_share": models.pipeline.bubble_fraction(s["stages"], microbatches, s["pipeline_virtual_stages"]),
+              "pipeline_virtual_stages": s["pipeline_virtual_stages"], "pipeline_schedule": s["pipeline_schedule"],
+              "idle_share": idle,
               "zero_stage": s["zero_stage"], "step": step,
               "zero_quantized": {"weights": s["zero_quantized_weights"], "gradients": s["zero_quantized_gradients"]},
               "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],

@@ -129,10 +129,10 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         extra = () if per_layer is None else ({k: v[layer] for k, v in values.items()},)
         return block.apply({"params": w}, h, c, None, *extra, rngs=rngs)[0]
 
-    if config.remat != "none":
-        layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
     weights, microbatches = owner.variables["params"][name], config.pipeline_microbatches or stages
     if config.pipeline_schedule == "1f1b":
+        if config.remat != "none":
+            layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
         if loss_tail is None:
             raise ValueError("pipeline_schedule='1f1b' runs the loss inside the pipeline, and this call asks for the "
                              "model's output; expected pipeline_schedule='gpipe', or the call given its loss "
@@ -141,5 +141,8 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         rest = {k: v for k, v in owner.variables["params"].items() if k != name}
         return pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
                                       microbatches=microbatches)
+    # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat every intermediate but the
+    # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
+    policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
     return pipeline.pipeline(layer_fn, weights, x, ctx, stages=stages, microbatches=microbatches,
-                             virtual_stages=config.pipeline_virtual_stages)
+                             virtual_stages=config.pipeline_virtual_stages, policy=policy)
