@@ -398,6 +398,19 @@ def test_pallas_kernels_inside_the_model_match_plain_path(family, implementation
     _assert_same_loss_and_grads(params, model, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["cudnn", "mosaic_gpu"])
+def test_a_model_with_a_16_bit_only_attention_kernel_initialises_anywhere(implementation):
+    """Initialisation traces the model in float32 and needs only shapes: it runs the plain attention path, so a
+    model set to cuDNN's or Mosaic GPU's attention (16-bit inputs, NVIDIA GPUs only) initialises on this CPU, with
+    the default model's parameter shapes; only its calls run the kernel."""
+    model = models.create_model("llama", "tiny", attention_implementation=implementation)
+    shapes = jax.eval_shape(lambda: models.init_params(model))
+    reference = jax.eval_shape(lambda: models.init_params(models.create_model("llama", "tiny")))
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), shapes) == jax.tree.map(lambda s: (s.shape, s.dtype), reference)
+    with pytest.raises(ValueError, match=implementation):
+        model.apply({"params": models.init_params(model)}, jnp.ones((1, 8), jnp.int32))
+
+
 @pytest.mark.parametrize("family,scan,rate", [
     *((family, scan, "dropout_rate") for family, scan in (("llama", True), ("gptj", False), ("opt", True))),
     pytest.param("t5", False, "dropout_rate", marks=pytest.mark.slow),

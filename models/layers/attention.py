@@ -140,7 +140,10 @@ class Attention(nn.Module):
             k, v = self._head_norm("k", k.reshape(*src.shape[:2], KVH, D)), v.reshape(*src.shape[:2], KVH, D)
             return self._rope(k, ctx["positions"], sliding), v
 
-        opts = dict(sm_scale=self.sm_scale, implementation=self.implementation, interpret=self.interpret, bias=bias,
+        # Initialisation needs only shapes: the plain path, which takes every dtype (cuDNN and Mosaic GPU take only
+        # 16-bit inputs, and init traces the model in its parameters' float32).
+        implementation = "xla" if self.is_initializing() else self.implementation
+        opts = dict(sm_scale=self.sm_scale, implementation=implementation, interpret=self.interpret, bias=bias,
                     logit_soft_cap=self.logit_soft_cap)
         if self.dropout_rate and not self.deterministic:
             opts.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
