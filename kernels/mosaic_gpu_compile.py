@@ -127,7 +127,7 @@ def compile_for_hopper(fn, *args, label=""):
 
 
 def attention_plan(head_dim, *, causal=False, interpret=False, kv_len=None, window=None, block_k=None,
-                   stages=None, block_q_bwd=64, block_k_bwd=64, logit_soft_cap=None):
+                   stages=None, block_q_bwd=64, block_k_bwd=64, logit_soft_cap=None, dropout_rate=0.0):
     """The `flash_attention` plan (kernels/attention/api.py's `_Plan`) `kernels.attention.mosaic_gpu` runs under:
     its default tiles for `head_dim` unless given."""
     from kernels.attention import mosaic_gpu
@@ -137,7 +137,7 @@ def attention_plan(head_dim, *, causal=False, interpret=False, kv_len=None, wind
     blocks = BlockSizes(block_q=mosaic_gpu.BLOCK_Q, block_k=block_k or default_k, block_q_bwd=block_q_bwd,
                         block_k_bwd=block_k_bwd, num_stages=stages or default_stages, num_stages_bwd=2)
     return _Plan("mosaic_gpu", causal, head_dim**-0.5, kv_len, blocks, interpret, window=window,
-                 logit_soft_cap=logit_soft_cap)
+                 logit_soft_cap=logit_soft_cap, dropout_rate=dropout_rate)
 
 
 # The soft cap of the compiled variants: Gemma 2's attention logit cap.
@@ -148,31 +148,37 @@ def attention_cases():
     """{label: (fn, args)}: `kernels.attention.mosaic_gpu` at production shapes (LLaMA-3-8B's 32 / 8 heads, 4096
     tokens, bf16), causal and not, with default tiles: forward + backward (its dq and dk / dv kernels; dk and dv
     apart at 256) at head dims 64, 128 and 256; at 64 and 128 also causal with segment ids (packed documents, the
-    training path's mask), with and without the soft cap."""
+    training path's mask), with and without the soft cap, and with dropout (rate 0.1)."""
     from kernels.attention import mosaic_gpu
 
-    def forward(q, k, v, *ids, plan):
-        return mosaic_gpu.forward(q, k, v, *(ids * 2 or (None, None)), None, plan)
+    def split(extra, has_ids):  # (segment ids, dropout keys) from a case's extra operands
+        return extra[0] if has_ids else None, extra[-1] if len(extra) > has_ids else None
 
-    def backward(q, k, v, do, *ids, plan):
-        out, lse = forward(q, k, v, *ids, plan=plan)
-        return mosaic_gpu.backward(q, k, v, *(ids * 2 or (None, None)), None, out, lse, do, plan)
+    def forward(q, k, v, *extra, plan, has_ids):
+        ids, keys = split(extra, has_ids)
+        return mosaic_gpu.forward(q, k, v, ids, ids, keys, plan)
+
+    def backward(q, k, v, do, *extra, plan, has_ids):
+        ids, keys = split(extra, has_ids)
+        out, lse = mosaic_gpu.forward(q, k, v, ids, ids, keys, plan)
+        return mosaic_gpu.backward(q, k, v, ids, ids, keys, out, lse, do, plan)
 
     cases = {}
     B, T, H, KVH = 1, 4096, 32, 8
-    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    ids, keys = jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, H), jnp.int32)
     variants = {"full": ((), {}), "causal": ((), dict(causal=True)),
                 "causal segments": ((ids,), dict(causal=True)),
-                "causal segments soft cap": ((ids,), dict(causal=True, logit_soft_cap=SOFT_CAP))}
+                "causal segments soft cap": ((ids,), dict(causal=True, logit_soft_cap=SOFT_CAP)),
+                "causal dropout": ((keys,), dict(causal=True, dropout_rate=0.1))}
     for D in mosaic_gpu.HEAD_DIMS:
         q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((B, T, KVH, D), jnp.bfloat16)
         for mask, (extra, options) in variants.items():
             if extra and D == 256:
                 continue
-            plan = attention_plan(D, **options)
-            cases[f"fwd D{D} {mask}"] = (functools.partial(forward, plan=plan), (q, kv, kv, *extra))
-            cases[f"bwd D{D} {mask}"] = (functools.partial(backward, plan=plan), (q, kv, kv, q, *extra))
+            fixed = dict(plan=attention_plan(D, **options), has_ids=any(x is ids for x in extra))
+            cases[f"fwd D{D} {mask}"] = (functools.partial(forward, **fixed), (q, kv, kv, *extra))
+            cases[f"bwd D{D} {mask}"] = (functools.partial(backward, **fixed), (q, kv, kv, q, *extra))
     return cases
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels.attention import mosaic_gpu
-from kernels.attention.reference import mha_reference
+from kernels.attention.reference import dropout_keys, mha_reference
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -36,25 +36,27 @@ def _segments(key, B, T, S, docs, kv_len=None):
 
 
 def _attend(B, T, S, H, KVH, D, *, causal=False, dtype=jnp.bfloat16, kv_len=None, window=None, block_k=None,
-            stages=None, docs=None, cap=None):
+            stages=None, docs=None, cap=None, dropout=0.0):
     """(out, lse [B, H, T] natural, reference out, reference lse) at one shape; kv_len: the real keys of S; docs:
-    packed documents a row (segment ids); cap: the logit soft cap."""
+    packed documents a row (segment ids); cap: the logit soft cap; dropout: its rate."""
     from kernels import mosaic_gpu_compile
 
     plan = mosaic_gpu_compile.attention_plan(D, causal=causal, interpret=True, kv_len=kv_len, window=window,
-                                             block_k=block_k, stages=stages, logit_soft_cap=cap)
-    keys = jax.random.split(jax.random.key(T * 131 + S * 7 + D + H), 4)
+                                             block_k=block_k, stages=stages, logit_soft_cap=cap, dropout_rate=dropout)
+    keys = jax.random.split(jax.random.key(T * 131 + S * 7 + D + H), 5)
     q = jax.random.normal(keys[0], (B, T, H, D), jnp.float32).astype(dtype)
     k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(dtype) for key in keys[1:3])
     q_ids, kv_ids = _segments(keys[3], B, T, S, docs, kv_len)
-    out, lse = jax.jit(lambda q, k, v, *ids: mosaic_gpu.forward(q, k, v, *(ids or (None, None)), None, plan))(
-        q, k, v, *(() if docs is None else (q_ids, kv_ids)))
+    drop = dropout_keys(keys[4], B, H) if dropout else None
+    out, lse = jax.jit(lambda q, k, v, q_ids, kv_ids, drop: mosaic_gpu.forward(q, k, v, q_ids, kv_ids, drop, plan))(
+        q, k, v, q_ids, kv_ids, drop)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     n = kv_len or S
     q, k, v = f32(q), f32(k)[:, :n], f32(v)[:, :n]
     kv_ids = None if docs is None else kv_ids[:, :n]
     ref = mha_reference(q, k, v, causal=causal, window=window, logit_soft_cap=cap,
-                        segment_ids=None if docs is None else (q_ids, kv_ids))
+                        segment_ids=None if docs is None else (q_ids, kv_ids), dropout_rate=dropout,
+                        dropout_keys=drop)
     G = H // KVH
     s = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, G, axis=2)) * D**-0.5
     s = s if cap is None else cap * jnp.tanh(s / cap)
@@ -96,6 +98,8 @@ CASES = {
     "full packed padded keys D128": (1, 128, 384, 1, 1, 128, dict(kv_len=300, docs=3)),
     "causal soft cap D64": (1, 256, 256, 1, 1, 64, dict(causal=True, cap=2.0)),
     "causal packed soft cap D128": (1, 256, 256, 2, 1, 128, dict(causal=True, docs=3, cap=2.0)),
+    # Dropout: the reference's mask bit for bit (a differing bit would move the output by far more than rounding).
+    "causal dropout D64 GQA 2/1": (2, 256, 256, 2, 1, 64, dict(causal=True, dropout=0.1, block_k=64)),
 }
 
 
@@ -126,8 +130,10 @@ BACKWARD_CASES = {
     "causal packed D64 GQA 2/1": (2, 256, 256, 2, 1, 64, dict(causal=True, docs=4)),
     "full packed padded keys D64": (1, 128, 384, 1, 1, 64, dict(kv_len=300, docs=3)),
     "causal packed soft cap D128": (1, 256, 256, 1, 1, 128, dict(causal=True, docs=3, cap=2.0)),
-    # Head dim 256: dv and dk apart, one-stage rings; GQA and segments through the split kernels.
-    "causal D256 GQA 2/1 packed": (1, 256, 256, 2, 1, 256, dict(causal=True, docs=3)),
+    # Dropout (dq's dp, dk / dv's p and dp).
+    "causal packed dropout D64 GQA 2/1": (1, 256, 256, 2, 1, 64, dict(causal=True, docs=3, dropout=0.1)),
+    # Head dim 256: dv and dk apart, one-stage rings; GQA, segments and dropout through the split kernels.
+    "causal D256 GQA 2/1 packed dropout": (1, 256, 256, 2, 1, 256, dict(causal=True, docs=3, dropout=0.1)),
 }
 
 
@@ -137,48 +143,53 @@ def test_backward_interpreted_matches_reference(case):
 
     B, T, S, H, KVH, D, options = BACKWARD_CASES[case]
     causal, window, kv_len = options.get("causal", False), options.get("window"), options.get("kv_len")
-    cap = options.get("cap")
+    cap, dropout = options.get("cap"), options.get("dropout", 0.0)
     plan = mosaic_gpu_compile.attention_plan(D, causal=causal, interpret=True, kv_len=kv_len, window=window,
-                                             block_q_bwd=options.get("block_q_bwd", 64), logit_soft_cap=cap)
-    keys = jax.random.split(jax.random.key(T + S + D), 5)
+                                             block_q_bwd=options.get("block_q_bwd", 64), logit_soft_cap=cap,
+                                             dropout_rate=dropout)
+    keys = jax.random.split(jax.random.key(T + S + D), 6)
     q, do = (jax.random.normal(key, (B, T, H, D), jnp.float32).astype(jnp.bfloat16) for key in keys[:2])
     k, v = (jax.random.normal(key, (B, S, KVH, D), jnp.float32).astype(jnp.bfloat16) for key in keys[2:4])
     q_ids, kv_ids = _segments(keys[4], B, T, S, options.get("docs"), kv_len)
+    drop = dropout_keys(keys[5], B, H) if dropout else None
 
-    def grads(q, k, v, do, q_ids, kv_ids):
-        out, lse = mosaic_gpu.forward(q, k, v, q_ids, kv_ids, None, plan)
-        return mosaic_gpu.backward(q, k, v, q_ids, kv_ids, None, out, lse, do, plan)
+    def grads(q, k, v, do, q_ids, kv_ids, drop):
+        out, lse = mosaic_gpu.forward(q, k, v, q_ids, kv_ids, drop, plan)
+        return mosaic_gpu.backward(q, k, v, q_ids, kv_ids, drop, out, lse, do, plan)
 
-    dq, dk, dv = jax.jit(grads)(q, k, v, do, q_ids, kv_ids)
+    dq, dk, dv = jax.jit(grads)(q, k, v, do, q_ids, kv_ids, drop)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     n = kv_len or S
     segment_ids = None if q_ids is None else (q_ids, kv_ids[:, :n])
     _, vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal, window=window, logit_soft_cap=cap,
-                                                   segment_ids=segment_ids), f32(q), f32(k)[:, :n], f32(v)[:, :n])
+                                                   segment_ids=segment_ids, dropout_rate=dropout, dropout_keys=drop),
+                     f32(q), f32(k)[:, :n], f32(v)[:, :n])
     for name, x, ref in zip(("dq", "dk", "dv"), (dq, dk[:, :n], dv[:, :n]), vjp(f32(do))):
         assert _rel(f32(x), ref) < 5e-3, (case, name)  # measured 2.2e-3 to 2.5e-3 in bf16
 
 
-def test_flash_attention_api_with_segment_ids():
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_flash_attention_api_with_segment_ids(dropout):
     """`kernels.flash_attention(implementation='mosaic_gpu')` with packed segment ids at a length off the tiles
-    (200: api.py pads queries, keys and ids to 256, the plan masks keys past 200): output and gradients against
-    `mha_reference`."""
+    (200: api.py pads queries, keys and ids to 256, the plan masks keys past 200), with and without dropout (the
+    api's keys from `dropout_rng`): output and gradients against `mha_reference`."""
     import kernels
 
     B, T, H, KVH, D = 1, 200, 2, 1, 64
-    keys = jax.random.split(jax.random.key(5), 5)
+    keys = jax.random.split(jax.random.key(5), 6)
     q, do = (jax.random.normal(key, (B, T, H, D), jnp.float32).astype(jnp.bfloat16) for key in keys[:2])
     k, v = (jax.random.normal(key, (B, T, KVH, D), jnp.float32).astype(jnp.bfloat16) for key in keys[2:4])
     ids = _packed(keys[4], B, T, 3)
 
     def attend(q, k, v):
         return kernels.flash_attention(q, k, v, causal=True, segment_ids=ids, implementation="mosaic_gpu",
-                                       interpret=True)
+                                       interpret=True, dropout_rate=dropout, dropout_rng=keys[5] if dropout else None)
 
     out, vjp = jax.vjp(jax.jit(attend), q, k, v)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref, ref_vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=True, segment_ids=ids), f32(q), f32(k),
-                           f32(v))
+    drop = dropout_keys(keys[5], B, H) if dropout else None
+    ref, ref_vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=True, segment_ids=ids, dropout_rate=dropout,
+                                                         dropout_keys=drop), f32(q), f32(k), f32(v))
     assert _rel(f32(out), ref) < 5e-3
     for name, x, r in zip(("dq", "dk", "dv"), vjp(do), ref_vjp(f32(do))):
         assert _rel(f32(x), r) < 5e-3, name
@@ -192,18 +203,19 @@ def test_refusals_are_one_line():
     assert mosaic_gpu.refusal(q, q, plan) is None
     for why, args in [("float32", (jax.ShapeDtypeStruct(q.shape, jnp.float32), q, plan)),
                       ("head_dim 96", (jax.ShapeDtypeStruct((1, 128, 1, 96), jnp.bfloat16),) * 2 + (plan,)),
-                      ("dropout", (q, q, plan, True)),
-                      ("int8 k / v", (q, q, plan, False, (q, q))),
+                      ("int8 k / v", (q, q, plan, (q, q))),
                       ("at head_dim 256; expected 64", (jax.ShapeDtypeStruct((1, 128, 1, 256), jnp.bfloat16),) * 2
-                       + (mosaic_gpu_compile.attention_plan(256, block_q_bwd=128), False, None, True))]:
+                       + (mosaic_gpu_compile.attention_plan(256, block_q_bwd=128), None, True))]:
         message = mosaic_gpu.refusal(*args)
         assert why in message and "\n" not in message, message
-    # Segment ids, the soft cap and the backward at head dim 256 run (tests above).
-    assert mosaic_gpu.refusal(q, q, mosaic_gpu_compile.attention_plan(128, logit_soft_cap=30.0)) is None
+    # Segment ids, the soft cap, dropout and the backward at head dim 256 run (tests above).
+    plan = mosaic_gpu_compile.attention_plan(128, logit_soft_cap=30.0, dropout_rate=0.1)
+    assert mosaic_gpu.refusal(q, q, plan) is None
     q256 = jax.ShapeDtypeStruct((1, 128, 1, 256), jnp.bfloat16)
     assert mosaic_gpu.refusal(q256, q256, mosaic_gpu_compile.attention_plan(256), backward=True) is None
-    with pytest.raises(ValueError, match="dropout"):
-        mosaic_gpu.backward(q, q, q, None, None, q, q, None, q, plan)
+    q96 = jax.ShapeDtypeStruct((1, 128, 1, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        mosaic_gpu.backward(q96, q96, q96, None, None, None, q96, None, q96, plan)
 
 
 @pytest.fixture(scope="module")
@@ -218,13 +230,14 @@ def hopper_reports():
 
 # The kernels that spill (bytes stored, loaded; kernels/README.md), bounded here so that they do not grow unseen:
 # the causal dk / dv consumer at head dim 128, whose two [64, 128] float32 accumulators, logits, probabilities and
-# dp tiles and the mask's positions exceed its 232 registers by a few, more with the segment ids' column vector
-# and the soft cap; at head dim 256 dq's and dk's [64, 256] accumulator beside the [64, 64] tiles (dv alone fits
+# dp tiles and the mask's positions exceed its 232 registers by a few, more with the segment ids' column vector,
+# the soft cap or dropout's hash; at head dim 256 dq's and dk's [64, 256] accumulator beside the [64, 64] tiles (dv alone fits
 # but for the causal mask).
 KNOWN_SPILLS = {
     ("bwd D128 causal", "flash_attention_dkv"): (20, 40),
     ("bwd D128 causal segments", "flash_attention_dkv"): (36, 72),
     ("bwd D128 causal segments soft cap", "flash_attention_dkv"): (40, 96),
+    ("bwd D128 causal dropout", "flash_attention_dkv"): (40, 80),
     ("bwd D256 full", "flash_attention_dq"): (360, 372),
     ("bwd D256 full", "flash_attention_dk"): (432, 500),
     ("bwd D256 causal", "flash_attention_dq"): (824, 852),

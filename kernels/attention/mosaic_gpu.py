@@ -24,23 +24,26 @@ run as two kernels (their accumulators together exceed a consumer's registers), 
 Segment ids (the Triton kernel's semantics): each consumer loads its rows' ids once; the streamed tiles' ids ride
 a ring of their own beside the operands' (TMA, ready and free mbarriers), compared on every tile in the wgmma
 accumulator's layout. Tiles of other documents are not skipped. Logit soft cap: c * tanh(s / c) before the masks;
-the backward's derivative 1 - tanh² is recovered from p and lse (`_capped_gradient`).
+the backward's derivative 1 - tanh² is recovered from p and lse (`_capped_gradient`). Dropout: the Triton kernel's
+mask bit for bit (`reference.dropout_multiplier`'s hash); XLA computes its per-query half ([B, H, T] int32, read
+like lse), the kernels mix in each key position.
 
-Not implemented (refused in one line by `refusal`): float32 inputs, head dims other than 64 / 128 / 256, dropout,
-int8 kv. `interpret=True` runs the kernels in Mosaic GPU's
-interpreter (threads, shared memory, TMA, mbarriers and wgmma simulated on the CPU); there P (and ds) go to wgmma
-through shared memory and each product lands in a fresh accumulator that is added (the interpreter reads wgmma's A
-only from shared memory and has no `pl.run_state`); on a GPU they are register operands accumulating in place.
+Not implemented (refused in one line by `refusal`): float32 inputs, head dims other than 64 / 128 / 256, int8 kv.
+`interpret=True` runs the kernels in Mosaic GPU's interpreter (threads, shared memory, TMA, mbarriers and wgmma
+simulated on the CPU); there P (and ds) go to wgmma through shared memory and each product lands in a fresh
+accumulator that is added (the interpreter reads wgmma's A only from shared memory and has no `pl.run_state`); on a
+GPU they are register operands accumulating in place.
 """
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels.attention import _band, triton
-from kernels.attention.reference import NEG_INF, attention_mask, soft_cap
+from kernels.attention.reference import _DROPOUT_BITS, NEG_INF, _mix, attention_mask, soft_cap
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -79,7 +82,7 @@ def default_blocks(head_dim):
     return {64: (128, 3), 128: (128, 2), 256: (64, 2)}[head_dim]
 
 
-def refusal(q, k, plan, has_keys=False, kv_scales=None, backward=False):
+def refusal(q, k, plan, kv_scales=None, backward=False):
     """Why this module cannot run the call, in one line, or None when it can. q, k: the padded operands (or
     ShapeDtypeStructs)."""
     D = q.shape[3]
@@ -90,7 +93,6 @@ def refusal(q, k, plan, has_keys=False, kv_scales=None, backward=False):
         (jnp.dtype(q.dtype) not in map(jnp.dtype, DTYPES),
          f"dtype {jnp.dtype(q.dtype).name}; expected bfloat16 or float16"),
         (D not in HEAD_DIMS, f"head_dim {D}; expected one of {HEAD_DIMS}"),
-        (has_keys, "dropout; expected dropout_rate=0"),
         (kv_scales is not None, "int8 k / v; expected a float cache"),
         (plan.blocks.block_q != BLOCK_Q, f"block_q={plan.blocks.block_q}; expected {BLOCK_Q}"),
         (plan.blocks.block_k % 64, f"block_k={plan.blocks.block_k}; expected a multiple of 64"),
@@ -145,26 +147,26 @@ def _capped_gradient(p, lse, dim, plan):
 
 
 def _ids_scratch(stages, block):
-    """Shared memory of segment ids: the consumers' own 64 rows' ids (loaded once, with their barrier) and a ring of
-    the streamed tiles' ids beside the operands' ring (ready and free barriers of its own, so that every ring keeps
-    one TMA copy per barrier phase)."""
+    """Shared memory of int32 row vectors (segment ids; dropout's row keys): the consumers' own 64 rows' (loaded
+    once, with their barrier) and a ring of the streamed tiles' beside the operands' ring (ready and free barriers
+    of its own, so that every ring keeps one TMA copy per barrier phase)."""
     return (plgpu.SMEM((CONSUMERS, ROWS), jnp.int32), plgpu.Barrier(num_barriers=CONSUMERS),
             plgpu.SMEM((stages, block), jnp.int32), plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages))
 
 
-def _own_ids(ids_ref, ids, b, start, wg, dim):
-    """The ids of the warpgroup's 64 rows from `start` (ids_ref [B, len] int32, ids `_ids_scratch`'s refs), a
+def _own_ids(src, ids, wg, dim):
+    """The warpgroup's 64 rows' vector `src` (a [64] int32 slice in global memory; ids `_ids_scratch`'s refs), a
     vector along `dim` of a wgmma tile."""
     own_smem, own_ready = ids[:2]
-    plgpu.copy_gmem_to_smem(ids_ref.at[b, pl.ds(start, ROWS)], own_smem.at[wg], own_ready.at[wg])
+    plgpu.copy_gmem_to_smem(src, own_smem.at[wg], own_ready.at[wg])
     plgpu.barrier_wait(own_ready.at[wg])
     return _load_row(own_smem.at[wg], dim)
 
 
-def _load_ids(ids_ref, ids, b, start, block, slot):
-    """The producer's TMA copy of ids [start, start + block) into ring slot `slot`."""
-    plgpu.copy_gmem_to_smem(ids_ref.at[b, pl.ds(start, block)], ids[2].at[slot], ids[3].at[slot])
+def _load_ids(src, ids, slot):
+    """The producer's TMA copy of `src` (a tile's int32 vector in global memory) into ring slot `slot`."""
+    plgpu.copy_gmem_to_smem(src, ids[2].at[slot], ids[3].at[slot])
 
 
 def _ring_ids(ids):
@@ -178,6 +180,22 @@ def _take(smem, ready, free, slot, dim):
     vector = _load_row(smem.at[slot], dim)
     plgpu.barrier_arrive(free.at[slot])
     return vector
+
+
+def _row_keys(keys, length):
+    """int32 [B, H, length]: the per-query half _mix(key, q) of `reference.dropout_multiplier`'s hash
+    _mix(_mix(key, q), k), from the dropout keys [B, H]; one small XLA computation, so the kernels mix once per
+    entry."""
+    return _mix(keys[:, :, None], jnp.arange(length, dtype=jnp.int32)[None, None, :])
+
+
+def _dropped(x, row_keys, k_pos, rate):
+    """x times `reference.dropout_multiplier` of its tile (1 / (1 - rate) where kept, 0 where dropped), bit for bit:
+    row_keys (`_row_keys` of the tile's queries) and k_pos broadcast to x's shape."""
+    bits = _mix(row_keys, k_pos)
+    threshold = np.int32(round(rate * (1 << _DROPOUT_BITS)))
+    keep = lax.shift_right_logical(bits, np.int32(32 - _DROPOUT_BITS)) >= threshold
+    return jnp.where(keep, x * np.float32(1.0 / (1.0 - rate)), 0.0)
 
 
 def _same_segment(row_ids, col_ids, shape, visible):
@@ -325,14 +343,14 @@ def _kv_producer(k_ref, v_ref, kv_ids_ref, k_smem, v_smem, k_ready, v_ready, k_f
         plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
         if ids is not None:
-            _load_ids(kv_ids_ref, ids, b, (lo + n) * bk, bk, slot)
+            _load_ids(kv_ids_ref.at[b, pl.ds((lo + n) * bk, bk)], ids, slot)
 
     _produce(hi - lo, stages, load, (k_free, v_free) + (() if ids is None else _ring_ids(ids)[1:]))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem, lse_smem,
-                    q_ready, k_ready, v_ready, k_free, v_free, turn, ids, p_smem=None, *, plan, groups, stages,
-                    num_kv_blocks, pingpong):
+def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, row_keys_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
+                    lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, ids, drop, p_smem=None, *, plan,
+                    groups, stages, num_kv_blocks, pingpong):
     bk = plan.blocks.block_k
     D = q_ref.shape[3]
     dtype = q_ref.dtype
@@ -348,7 +366,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, o_ref, lse_ref, 
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), h], q_tile, q_ready.at[wg])
         own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
                           _last_key_tile(plan, bk))
-        row_ids = None if ids is None else _own_ids(q_ids_ref, ids, b, q0, wg, 0)
+        row_ids = None if ids is None else _own_ids(q_ids_ref.at[b, pl.ds(q0, ROWS)], ids, wg, 0)
+        row_keys = None if drop is None else _own_ids(row_keys_ref.at[b, h, pl.ds(q0, ROWS)], drop, wg, 0)
         plgpu.barrier_wait(q_ready.at[wg])
         if pingpong:
             pl.when(wg == 1)(lambda: _rendezvous(turn))
@@ -370,6 +389,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, o_ref, lse_ref, 
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if drop is not None:  # the sum above is the softmax's own; only the kept terms reach the output
+                p = _dropped(p, lax.broadcast_in_dim(row_keys, p.shape, [0]), _positions(j * bk, p.shape, 1),
+                             plan.dropout_rate)
             p = p.astype(dtype)
             if pingpong:
                 plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue its GEMMs
@@ -430,7 +452,7 @@ def _last_key_tile(plan, block):
 
 def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     """Returns (out [B, T, H, D] in q's dtype, lse [B, H, T] float32, base 2, +inf where a query sees no key)."""
-    why = refusal(q, k, plan, keys is not None, kv_scales)
+    why = refusal(q, k, plan, kv_scales)
     if why:
         raise ValueError(why)
     B, T, H, D = q.shape
@@ -441,8 +463,10 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     stages = max(1, min(stages, num_kv_blocks))
     tiles = _tile_transforms(q.dtype)
     ids = () if q_ids is None else (q_ids, kv_ids)
-    kernel = _body(_forward_kernel, "flash_attention_fwd", () if ids else (3, 4), plan=plan, groups=H // Hkv,
-                   stages=stages, num_kv_blocks=num_kv_blocks, pingpong=True)
+    row_keys = () if keys is None else (_row_keys(keys, T),)
+    absent = (() if ids else (3, 4)) + (() if row_keys else (5,))  # the id and row-key refs' positions
+    kernel = _body(_forward_kernel, "flash_attention_fwd", absent, plan=plan, groups=H // Hkv, stages=stages,
+                   num_kv_blocks=num_kv_blocks, pingpong=True)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)),
@@ -458,6 +482,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS),
             _ids_scratch(stages, bk) if ids else None,
+            _ids_scratch(1, bk) if row_keys else None,  # their own rows' only
             *[plgpu.SMEM((CONSUMERS, ROWS, bk), q.dtype, transforms=tiles)] * plan.interpret,  # P, interpreted
         ],
         grid=(H, T // BLOCK_Q, B),
@@ -466,7 +491,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
-    )(q, k, v, *ids)
+    )(q, k, v, *ids, *row_keys)
 
 
 # The Triton kernel's lse layout: [B, H, T], base 2.
@@ -479,12 +504,12 @@ def _load_row(ref, dim):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, dq_ref, q_smem, do_smem,
-               lse_smem, delta_smem, k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, ids, p_smem=None, *,
-               plan, groups, stages, num_kv_blocks):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, row_keys_ref, dq_ref, q_smem,
+               do_smem, lse_smem, delta_smem, k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, ids, drop,
+               p_smem=None, *, plan, groups, stages, num_kv_blocks):
     """dq = sm_scale * sum_j ds_j k_j, ds = p * (dp - delta) (times the soft cap's derivative), p = exp2(s - lse),
-    dp = do vᵀ: the forward's CTAs and K / V ring (and kv ids ring), each consumer's 64 rows of q, do, lse, delta
-    (and q ids) loaded once."""
+    dp = do vᵀ (times the dropout multiplier): the forward's CTAs and K / V ring (and kv ids ring), each consumer's
+    64 rows of q, do, lse, delta (and q ids, dropout row keys) loaded once."""
     bk = plan.blocks.block_k_bwd
     dtype = q_ref.dtype
     qt, h, b, kvh, wg, band, lo, hi, slot_of = _query_cta(plan, bk, groups, stages, num_kv_blocks)
@@ -504,7 +529,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_id
         for n in range(4):
             plgpu.barrier_wait(row_ready.at[CONSUMERS * n + wg])
         lse, delta = _load_row(lse_smem.at[wg], 0), _load_row(delta_smem.at[wg], 0)
-        row_ids = None if ids is None else _own_ids(q_ids_ref, ids, b, q0, wg, 0)
+        row_ids = None if ids is None else _own_ids(q_ids_ref.at[b, pl.ds(q0, ROWS)], ids, wg, 0)
+        row_keys = None if drop is None else _own_ids(row_keys_ref.at[b, h, pl.ds(q0, ROWS)], drop, wg, 0)
         own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
                           _last_key_tile(plan, bk))
 
@@ -521,6 +547,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_id
             plgpu.barrier_wait(v_ready.at[slot])
             dp = _scores(do_tile, v_smem.at[slot], ROWS, bk, None)
             plgpu.barrier_arrive(v_free.at[slot])
+            if drop is not None:
+                dp = _dropped(dp, lax.broadcast_in_dim(row_keys, dp.shape, [0]), _positions(j * bk, dp.shape, 1),
+                              plan.dropout_rate)
             ds = (_capped_gradient(p, lse, 0, plan) * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
             dq = _accumulate(dq, ds, k_smem.at[slot], None if p_smem is None else p_smem.at[wg])
             plgpu.barrier_arrive(k_free.at[slot])
@@ -538,13 +567,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_id
                                                    v_free, ids, b, kvh, lo, hi, bk, stages, plan))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, dk_ref, dv_ref, k_smem, v_smem,
-                q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, lse_ready, delta_ready, q_free,
-                do_free, lse_free, delta_free, ids, p_smem=None, *, plan, groups, stages, num_q_blocks, grads):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, row_keys_ref, dk_ref, dv_ref,
+                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, lse_ready,
+                delta_ready, q_free, do_free, lse_free, delta_free, ids, drop, p_smem=None, *, plan, groups, stages,
+                num_q_blocks, grads):
     """dv = sum pᵀ do, dk = sm_scale * sum dsᵀ q over the query tiles of every query head of the kv head's group:
     one CTA per (128 keys, kv head, batch row), each consumer 64 key rows; the producer streams (q, do, lse,
     delta) tiles of the CTA's band for each head of the group, so k and v are read once per group and dk / dv
-    need no sum over heads (with segment ids, the q ids ride a ring of their own beside them). Works on transposed
+    need no sum over heads (segment ids and dropout's row keys of the queries ride rings of their own beside them;
+    p and dp are multiplied by the dropout multiplier, its hash computed for each). Works on transposed
     tiles ([keys, queries]). grads: "dkv" both, or "dk" / "dv" alone (its other output ref None): at head dim 256
     both [64, 256] float32 accumulators exceed a consumer's registers, so dv (no v, no delta) and dk run apart."""
     bq = plan.blocks.block_q_bwd
@@ -558,7 +589,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
     per_head = hi - lo
     with_dk, with_dv = grads in ("dkv", "dk"), grads in ("dkv", "dv")
     rings = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
-             *[(delta_ready, delta_free)] * with_dk, *(() if ids is None else (_ring_ids(ids),)))
+             *[(delta_ready, delta_free)] * with_dk, *(() if ids is None else (_ring_ids(ids),)),
+             *(() if drop is None else (_ring_ids(drop),)))
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -575,7 +607,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
             plgpu.barrier_wait(kv_ready.at[CONSUMERS + wg])
         own = _split_band(*_band.q_range(j, bq, ROWS, num_q_blocks, band),
                           _band.inner_range(j, ROWS, bq, band[::-1]))
-        row_ids = None if ids is None else _own_ids(kv_ids_ref, ids, b, k0, wg, 0)
+        row_ids = None if ids is None else _own_ids(kv_ids_ref.at[b, pl.ds(k0, ROWS)], ids, wg, 0)
         p_tile = None if p_smem is None else p_smem.at[wg]
 
         def per_group_head(g, carry):
@@ -598,8 +630,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
                 plgpu.barrier_wait(lse_ready.at[slot])
                 p_t = jnp.exp2(s_t - lax.broadcast_in_dim(_load_row(lse_smem.at[slot], 1), s_t.shape, [1]))
                 plgpu.barrier_wait(do_ready.at[slot])
+
+                def kept(x):  # x times the dropout multiplier of the tile (row keys read where used)
+                    if drop is None:
+                        return x
+                    row_keys = lax.broadcast_in_dim(_load_row(drop[2].at[slot], 1), x.shape, [1])
+                    return _dropped(x, row_keys, _positions(k0, x.shape, 0), plan.dropout_rate)
+
+                if drop is not None:
+                    plgpu.barrier_wait(drop[3].at[slot])
                 if with_dv:
-                    dv = _accumulate(dv, p_t.astype(dtype), do_smem.at[slot], p_tile)
+                    dv = _accumulate(dv, kept(p_t).astype(dtype), do_smem.at[slot], p_tile)
                 if with_dk:
                     # Folded in once dv has read p; lse read again from shared memory rather than held in 16
                     # registers a thread across the wgmma.
@@ -607,7 +648,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
                         p_t, None if plan.logit_soft_cap is None else _load_row(lse_smem.at[slot], 1), 1, plan)
                 plgpu.barrier_arrive(lse_free.at[slot])
                 if with_dk:
-                    dp_t = _scores(v_tile, do_smem.at[slot], ROWS, bq, None)
+                    dp_t = kept(_scores(v_tile, do_smem.at[slot], ROWS, bq, None))
+                if drop is not None:
+                    plgpu.barrier_arrive(drop[4].at[slot])
                 plgpu.barrier_arrive(do_free.at[slot])
                 if with_dk:
                     delta = _take(delta_smem, delta_ready, delta_free, slot, 1)
@@ -647,7 +690,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
                 plgpu.copy_gmem_to_smem(delta_ref.at[b, h, pl.ds(i * bq, bq)], delta_smem.at[slot],
                                         delta_ready.at[slot])
             if ids is not None:
-                _load_ids(q_ids_ref, ids, b, i * bq, bq, slot)
+                _load_ids(q_ids_ref.at[b, pl.ds(i * bq, bq)], ids, slot)
+            if drop is not None:
+                _load_ids(row_keys_ref.at[b, h, pl.ds(i * bq, bq)], drop, slot)
 
         _produce(groups * per_head, stages, load, tuple(free for _, free in rings))
 
@@ -656,7 +701,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     """(dq, dk, dv) in q's dtype from the forward's out and lse [B, H, T] (base 2); delta = rowsum(out * do) is one
     XLA reduction. Two kernels: dq over kv tiles, dk / dv over the group's query tiles (at head dim 256 dv and dk
     apart: three kernels)."""
-    why = refusal(q, k, plan, keys is not None, backward=True)
+    why = refusal(q, k, plan, backward=True)
     if why:
         raise ValueError(why)
     B, T, H, D = q.shape
@@ -671,8 +716,10 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     kv_stages = max(1, min(stages, pl.cdiv(plan.kv_len or S, bk)))
     row = lambda: plgpu.SMEM((CONSUMERS, ROWS, D), q.dtype, transforms=tiles)  # noqa: E731
     ids = () if q_ids is None else (q_ids, kv_ids)
-    no_ids = () if ids else (6, 7)  # the id refs' positions in both kernels' signatures
-    dq_kernel = _body(_dq_kernel, "flash_attention_dq", no_ids, plan=plan, groups=G, stages=kv_stages,
+    row_keys = () if keys is None else (_row_keys(keys, T),)
+    # The id and row-key refs' positions in both kernels' signatures, where the call has none.
+    optional = (() if ids else (6, 7)) + (() if row_keys else (8,))
+    dq_kernel = _body(_dq_kernel, "flash_attention_dq", optional, plan=plan, groups=G, stages=kv_stages,
                       num_kv_blocks=pl.cdiv(plan.kv_len or S, bk))
     dq = plgpu.kernel(
         dq_kernel,
@@ -686,11 +733,12 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=kv_stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=kv_stages),
             _ids_scratch(kv_stages, bk) if ids else None,
+            _ids_scratch(1, bk) if row_keys else None,  # their own rows' only
             *[plgpu.SMEM((CONSUMERS, ROWS, bk), q.dtype, transforms=tiles)] * plan.interpret,
         ],
         grid=(H, T // BLOCK_Q, B), grid_names=("heads", "q", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=params, interpret=interpret,
-    )(q, k, v, do, lse, delta, *ids)
+    )(q, k, v, do, lse, delta, *ids, *row_keys)
 
     q_stages = max(1, min(stages, G * (T // bq)))
     ring = lambda: plgpu.SMEM((q_stages, bq, D), q.dtype, transforms=tiles)  # noqa: E731
@@ -699,7 +747,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     grads = {}
     for which in ("dv", "dk") if D in SPLIT_HEAD_DIMS else ("dkv",):
         names = ("dk", "dv") if which == "dkv" else (which,)
-        absent = no_ids + tuple(8 + n for n, name in enumerate(types) if name not in names)  # dk_ref 8, dv_ref 9
+        absent = optional + tuple(9 + n for n, name in enumerate(types) if name not in names)  # dk_ref 9, dv_ref 10
         kernel = _body(_dkv_kernel, f"flash_attention_{which}", absent, plan=plan, groups=G, stages=q_stages,
                        num_q_blocks=T // bq, grads=which)
         outs = plgpu.kernel(
@@ -711,10 +759,11 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
                 *[plgpu.Barrier(num_barriers=q_stages)] * 4,
                 *[plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=q_stages)] * 4,
                 _ids_scratch(q_stages, bq) if ids else None,
+                _ids_scratch(q_stages, bq) if row_keys else None,  # the ring only
                 *[plgpu.SMEM((CONSUMERS, ROWS, bq), q.dtype, transforms=tiles)] * plan.interpret,
             ],
             grid=(Hkv, S // BLOCK_Q, B), grid_names=("heads", "kv", "batch"), num_threads=CONSUMERS + 1,
             thread_name="wg", compiler_params=params, interpret=interpret,
-        )(q, k, v, do, lse, delta, *ids)
+        )(q, k, v, do, lse, delta, *ids, *row_keys)
         grads.update(zip(names, outs))
     return dq, grads["dk"], grads["dv"]
