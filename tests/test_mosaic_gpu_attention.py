@@ -1,6 +1,7 @@
-"""`kernels.attention.mosaic_gpu` (the warp-specialised Hopper flash attention in Mosaic GPU): its forward run in
-Mosaic GPU's interpreter on the CPU against `mha_reference` in float32, and compiled for sm_90a without a GPU
-(`kernels/mosaic_gpu_compile.py`). Both need JAX >= 0.11 (`make test-gpu-compile`); under the project's JAX they
+"""`kernels.attention.mosaic_gpu` (the warp-specialised Hopper flash attention in Mosaic GPU): its forward and
+backward (segment ids, soft cap, dropout, head dims 64 / 128 / 256) run in Mosaic GPU's interpreter on the CPU
+against `mha_reference` in float32, directly and through `kernels.flash_attention`, and compiled for sm_90a without
+a GPU (`kernels/mosaic_gpu_compile.py`). Both need JAX >= 0.11 (`make test-gpu-compile`); under the project's JAX they
 skip in one line. Marked `gpu_compile`: each interpreted case takes seconds, each compile seconds."""
 import jax
 import jax.numpy as jnp
@@ -231,8 +232,8 @@ def hopper_reports():
 # The kernels that spill (bytes stored, loaded; kernels/README.md), bounded here so that they do not grow unseen:
 # the causal dk / dv consumer at head dim 128, whose two [64, 128] float32 accumulators, logits, probabilities and
 # dp tiles and the mask's positions exceed its 232 registers by a few, more with the segment ids' column vector,
-# the soft cap or dropout's hash; at head dim 256 dq's and dk's [64, 256] accumulator beside the [64, 64] tiles (dv alone fits
-# but for the causal mask).
+# the soft cap or dropout's hash; at head dim 256 dq's and dk's [64, 256] accumulator beside the [64, 64] tiles
+# (dv alone fits but for the causal mask).
 KNOWN_SPILLS = {
     ("bwd D128 causal", "flash_attention_dkv"): (20, 40),
     ("bwd D128 causal segments", "flash_attention_dkv"): (36, 72),

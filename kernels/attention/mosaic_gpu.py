@@ -70,8 +70,9 @@ _CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
 def backward_stages(head_dim, stages):
     """The backward rings' depth: `stages`, but 1 at head dim 256, where shared memory holds two [128, 256] row
     tiles (q and do in dq, k and v in dk) and the rings' [64, 256] tiles: 128 + 64 KiB at one stage, 256 at two.
-    (32-row tiles would keep two stages in 192 KiB, but Mosaic's layout inference fails on the [64, 32] logits
-    tiles of JAX 0.11.2.)"""
+    (32-row tiles would keep two stages in 192 KiB, but each is wgmma's B both transposed, in S = Q Kᵀ, and along a
+    32-long contraction, in dq += ds K: Mosaic (JAX 0.11.2) issues the latter in groups of swizzle / 2 elements, so
+    it needs a 64-byte swizzle, with which layout inference fails on the former.)"""
     return 1 if head_dim in SPLIT_HEAD_DIMS else stages
 
 
