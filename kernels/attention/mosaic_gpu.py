@@ -23,7 +23,8 @@ run as two kernels (their accumulators together exceed a consumer's registers), 
 
 Segment ids (the Triton kernel's semantics): each consumer loads its rows' ids once; the streamed tiles' ids ride
 a ring of their own beside the operands' (TMA, ready and free mbarriers), compared on every tile in the wgmma
-accumulator's layout. Tiles of other documents are not skipped. Logit soft cap: c * tanh(s / c) before the masks;
+accumulator's layout. Tiles of other documents are skipped: `_segment_bounds` (XLA, `triton._block_bounds` per CTA
+and per consumer) is read as scalars and narrows the producer's and each consumer's range of tiles. Logit soft cap: c * tanh(s / c) before the masks;
 the backward's derivative 1 - tanh² is recovered from p and lse (`_capped_gradient`). Dropout: the Triton kernel's
 mask bit for bit (`reference.dropout_multiplier`'s hash); XLA computes its per-query half ([B, H, T] int32, read
 like lse), the kernels mix in each key position.
@@ -319,17 +320,49 @@ def _pass_by(slot, *rings):
         plgpu.barrier_arrive(free.at[slot])
 
 
-def _query_cta(plan, bk, groups, stages, num_kv_blocks):
+def _segment_bounds(ids, other_ids, other_block):
+    """int32 [B, len / 128, 2 + 2 * CONSUMERS]: for each CTA's 128 rows of `ids` [B, len], the first and stop tile of
+    `other_ids` [B, other_len] (tiles of other_block) whose id range meets theirs, then each consumer's 64 rows'
+    (`triton._block_bounds`: for packed ids exactly the tiles sharing an id, for any ids a superset). Read as
+    scalars by the kernels, which then load and compute no tile of another document."""
+    cta = triton._block_bounds(ids, BLOCK_Q, other_ids, other_block)
+    rows = jnp.stack(triton._block_bounds(ids, ROWS, other_ids, other_block), axis=-1)  # [B, len / 64, 2]
+    B, n = cta[0].shape
+    return jnp.concatenate([jnp.stack(cta, axis=-1), rows.reshape(B, n, 2 * CONSUMERS)], axis=-1)
+
+
+def _narrow(first, stop, lo, hi, bounds):
+    """[first, stop) cut to `bounds` (a (first, stop) pair of `_segment_bounds`, or None: unchanged) inside the
+    CTA's [lo, hi): lo <= first <= stop <= hi, empty where no tile meets the rows' ids."""
+    if bounds is None:
+        return first, stop
+    first = _clamp(jnp.maximum(jnp.int32(first), bounds[0]), lo, hi)
+    return first, _clamp(jnp.minimum(jnp.int32(stop), bounds[1]), first, hi)
+
+
+def _cta_bounds(bounds_ref, b, t, wg):
+    """(the CTA's (first, stop), its consumer wg's) from `_segment_bounds` (bounds_ref None: (None, None)); the
+    producer (wg == CONSUMERS) reads the last consumer's, unused."""
+    if bounds_ref is None:
+        return None, None
+    wg = jnp.minimum(wg, CONSUMERS - 1)
+    return ((bounds_ref[b, t, 0], bounds_ref[b, t, 1]),
+            (bounds_ref[b, t, 2 + 2 * wg], bounds_ref[b, t, 3 + 2 * wg]))
+
+
+def _query_cta(plan, bk, groups, stages, num_kv_blocks, bounds_ref=None):
     """A query CTA's indices (q tile, head, batch row, kv head, warpgroup), its band, its kv tiles [lo, hi) (from its
-    first row tile's first to its last row tile's stop) and the ring slot of kv tile j."""
-    qt, h, b = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    first row tile's first to its last row tile's stop, cut to the segment-id bounds), the ring slot of kv tile j
+    and the warpgroup's segment-id bounds (or None)."""
+    qt, h, b, wg = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch"), lax.axis_index("wg")
     kvh = lax.div(h, jnp.int32(groups))
     band = _band.edges(plan.causal, plan.window)
     lo, _ = _band.kv_range(CONSUMERS * qt, ROWS, bk, num_kv_blocks, band)
     _, hi = _band.kv_range(CONSUMERS * qt + CONSUMERS - 1, ROWS, bk, num_kv_blocks, band)
-    lo, hi = jnp.int32(lo), jnp.int32(hi)
+    cta, row_bounds = _cta_bounds(bounds_ref, b, qt, wg)
+    lo, hi = _narrow(jnp.int32(lo), jnp.int32(hi), jnp.int32(lo), jnp.int32(hi), cta)
     slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))  # noqa: E731
-    return qt, h, b, kvh, lax.axis_index("wg"), band, lo, hi, slot_of
+    return qt, h, b, kvh, wg, band, lo, hi, slot_of, row_bounds
 
 
 def _kv_producer(k_ref, v_ref, kv_ids_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, ids, b, kvh, lo, hi,
@@ -349,13 +382,14 @@ def _kv_producer(k_ref, v_ref, kv_ids_ref, k_smem, v_smem, k_ready, v_ready, k_f
     _produce(hi - lo, stages, load, (k_free, v_free) + (() if ids is None else _ring_ids(ids)[1:]))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, row_keys_ref, o_ref, lse_ref, qo_smem, k_smem, v_smem,
-                    lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, ids, drop, p_smem=None, *, plan,
-                    groups, stages, num_kv_blocks, pingpong):
+def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, row_keys_ref, bounds_ref, o_ref, lse_ref, qo_smem,
+                    k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, turn, ids, drop,
+                    p_smem=None, *, plan, groups, stages, num_kv_blocks, pingpong):
     bk = plan.blocks.block_k
     D = q_ref.shape[3]
     dtype = q_ref.dtype
-    qt, h, b, kvh, wg, band, lo, hi, slot_of = _query_cta(plan, bk, groups, stages, num_kv_blocks)
+    qt, h, b, kvh, wg, band, lo, hi, slot_of, row_bounds = _query_cta(plan, bk, groups, stages, num_kv_blocks,
+                                                                       bounds_ref)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -365,8 +399,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, row_keys_ref, o_
         q0 = i * ROWS
         q_tile = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), h], q_tile, q_ready.at[wg])
-        own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
-                          _last_key_tile(plan, bk))
+        own = _split_band(*_narrow(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), lo, hi, row_bounds),
+                          _band.inner_range(i, ROWS, bk, band), _last_key_tile(plan, bk))
         row_ids = None if ids is None else _own_ids(q_ids_ref.at[b, pl.ds(q0, ROWS)], ids, wg, 0)
         row_keys = None if drop is None else _own_ids(row_keys_ref.at[b, h, pl.ds(q0, ROWS)], drop, wg, 0)
         plgpu.barrier_wait(q_ready.at[wg])
@@ -465,7 +499,8 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
     tiles = _tile_transforms(q.dtype)
     ids = () if q_ids is None else (q_ids, kv_ids)
     row_keys = () if keys is None else (_row_keys(keys, T),)
-    absent = (() if ids else (3, 4)) + (() if row_keys else (5,))  # the id and row-key refs' positions
+    bounds = () if q_ids is None else (_segment_bounds(q_ids, kv_ids, bk),)
+    absent = (() if ids else (3, 4, 6)) + (() if row_keys else (5,))  # the id, row-key and bounds refs' positions
     kernel = _body(_forward_kernel, "flash_attention_fwd", absent, plan=plan, groups=H // Hkv, stages=stages,
                    num_kv_blocks=num_kv_blocks, pingpong=True)
     return plgpu.kernel(
@@ -492,7 +527,7 @@ def forward(q, k, v, q_ids, kv_ids, keys, plan, kv_scales=None):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if plan.interpret else None,
-    )(q, k, v, *ids, *row_keys)
+    )(q, k, v, *ids, *row_keys, *bounds)
 
 
 # The Triton kernel's lse layout: [B, H, T], base 2.
@@ -505,15 +540,16 @@ def _load_row(ref, dim):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, row_keys_ref, dq_ref, q_smem,
-               do_smem, lse_smem, delta_smem, k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, ids, drop,
-               p_smem=None, *, plan, groups, stages, num_kv_blocks):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, row_keys_ref, bounds_ref, dq_ref,
+               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, row_ready, k_ready, v_ready, k_free, v_free, ids,
+               drop, p_smem=None, *, plan, groups, stages, num_kv_blocks):
     """dq = sm_scale * sum_j ds_j k_j, ds = p * (dp - delta) (times the soft cap's derivative), p = exp2(s - lse),
     dp = do vᵀ (times the dropout multiplier): the forward's CTAs and K / V ring (and kv ids ring), each consumer's
     64 rows of q, do, lse, delta (and q ids, dropout row keys) loaded once."""
     bk = plan.blocks.block_k_bwd
     dtype = q_ref.dtype
-    qt, h, b, kvh, wg, band, lo, hi, slot_of = _query_cta(plan, bk, groups, stages, num_kv_blocks)
+    qt, h, b, kvh, wg, band, lo, hi, slot_of, row_bounds = _query_cta(plan, bk, groups, stages, num_kv_blocks,
+                                                                       bounds_ref)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -532,8 +568,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_id
         lse, delta = _load_row(lse_smem.at[wg], 0), _load_row(delta_smem.at[wg], 0)
         row_ids = None if ids is None else _own_ids(q_ids_ref.at[b, pl.ds(q0, ROWS)], ids, wg, 0)
         row_keys = None if drop is None else _own_ids(row_keys_ref.at[b, h, pl.ds(q0, ROWS)], drop, wg, 0)
-        own = _split_band(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), _band.inner_range(i, ROWS, bk, band),
-                          _last_key_tile(plan, bk))
+        own = _split_band(*_narrow(*_band.kv_range(i, ROWS, bk, num_kv_blocks, band), lo, hi, row_bounds),
+                          _band.inner_range(i, ROWS, bk, band), _last_key_tile(plan, bk))
 
         def step(j, dq, masked):
             slot = slot_of(j)
@@ -568,10 +604,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_id
                                                    v_free, ids, b, kvh, lo, hi, bk, stages, plan))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, row_keys_ref, dk_ref, dv_ref,
-                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, lse_ready,
-                delta_ready, q_free, do_free, lse_free, delta_free, ids, drop, p_smem=None, *, plan, groups, stages,
-                num_q_blocks, grads):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_ids_ref, row_keys_ref, bounds_ref,
+                dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
+                lse_ready, delta_ready, q_free, do_free, lse_free, delta_free, ids, drop, p_smem=None, *, plan, groups,
+                stages, num_q_blocks, grads):
     """dv = sum pᵀ do, dk = sm_scale * sum dsᵀ q over the query tiles of every query head of the kv head's group:
     one CTA per (128 keys, kv head, batch row), each consumer 64 key rows; the producer streams (q, do, lse,
     delta) tiles of the CTA's band for each head of the group, so k and v are read once per group and dk / dv
@@ -586,7 +622,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
     band = _band.edges(plan.causal, plan.window)
     lo, _ = _band.q_range(CONSUMERS * kt, bq, ROWS, num_q_blocks, band)
     _, hi = _band.q_range(CONSUMERS * kt + CONSUMERS - 1, bq, ROWS, num_q_blocks, band)
-    lo, hi = jnp.int32(lo), jnp.int32(hi)
+    cta, row_bounds = _cta_bounds(bounds_ref, b, kt, wg)
+    lo, hi = _narrow(jnp.int32(lo), jnp.int32(hi), jnp.int32(lo), jnp.int32(hi), cta)
     per_head = hi - lo
     with_dk, with_dv = grads in ("dkv", "dk"), grads in ("dkv", "dv")
     rings = ((q_ready, q_free), (do_ready, do_free), (lse_ready, lse_free),
@@ -606,7 +643,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
         if with_dk:  # dv alone needs no v
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_tile, kv_ready.at[CONSUMERS + wg])
             plgpu.barrier_wait(kv_ready.at[CONSUMERS + wg])
-        own = _split_band(*_band.q_range(j, bq, ROWS, num_q_blocks, band),
+        own = _split_band(*_narrow(*_band.q_range(j, bq, ROWS, num_q_blocks, band), lo, hi, row_bounds),
                           _band.inner_range(j, ROWS, bq, band[::-1]))
         row_ids = None if ids is None else _own_ids(kv_ids_ref.at[b, pl.ds(k0, ROWS)], ids, wg, 0)
         p_tile = None if p_smem is None else p_smem.at[wg]
@@ -718,8 +755,8 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     row = lambda: plgpu.SMEM((CONSUMERS, ROWS, D), q.dtype, transforms=tiles)  # noqa: E731
     ids = () if q_ids is None else (q_ids, kv_ids)
     row_keys = () if keys is None else (_row_keys(keys, T),)
-    # The id and row-key refs' positions in both kernels' signatures, where the call has none.
-    optional = (() if ids else (6, 7)) + (() if row_keys else (8,))
+    # The id, row-key and bounds refs' positions in both kernels' signatures, where the call has none.
+    optional = (() if ids else (6, 7, 9)) + (() if row_keys else (8,))
     dq_kernel = _body(_dq_kernel, "flash_attention_dq", optional, plan=plan, groups=G, stages=kv_stages,
                       num_kv_blocks=pl.cdiv(plan.kv_len or S, bk))
     dq = plgpu.kernel(
@@ -739,7 +776,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
         ],
         grid=(H, T // BLOCK_Q, B), grid_names=("heads", "q", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
         compiler_params=params, interpret=interpret,
-    )(q, k, v, do, lse, delta, *ids, *row_keys)
+    )(q, k, v, do, lse, delta, *ids, *row_keys, *(() if q_ids is None else (_segment_bounds(q_ids, kv_ids, bk),)))
 
     q_stages = max(1, min(stages, G * (T // bq)))
     ring = lambda: plgpu.SMEM((q_stages, bq, D), q.dtype, transforms=tiles)  # noqa: E731
@@ -748,7 +785,7 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
     grads = {}
     for which in ("dv", "dk") if D in SPLIT_HEAD_DIMS else ("dkv",):
         names = ("dk", "dv") if which == "dkv" else (which,)
-        absent = optional + tuple(9 + n for n, name in enumerate(types) if name not in names)  # dk_ref 9, dv_ref 10
+        absent = optional + tuple(10 + n for n, name in enumerate(types) if name not in names)  # dk_ref 10, dv_ref 11
         kernel = _body(_dkv_kernel, f"flash_attention_{which}", absent, plan=plan, groups=G, stages=q_stages,
                        num_q_blocks=T // bq, grads=which)
         outs = plgpu.kernel(
@@ -765,6 +802,6 @@ def backward(q, k, v, q_ids, kv_ids, keys, out, lse, do, plan):
             ],
             grid=(Hkv, S // BLOCK_Q, B), grid_names=("heads", "kv", "batch"), num_threads=CONSUMERS + 1,
             thread_name="wg", compiler_params=params, interpret=interpret,
-        )(q, k, v, do, lse, delta, *ids, *row_keys)
+        )(q, k, v, do, lse, delta, *ids, *row_keys, *(() if q_ids is None else (_segment_bounds(kv_ids, q_ids, bq),)))
         grads.update(zip(names, outs))
     return dq, grads["dk"], grads["dv"]
