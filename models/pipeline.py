@@ -17,6 +17,10 @@ keeps only its input, and no tick keeps its slice of the stage's weights (each l
 checkpoint). The bubble: a stage idles (S - 1) of V M + S - 1 ticks, so more micro-batches and more virtual
 stages waste less.
 
+The tick loop runs in a shard_map manual over `data` (where its blocks of rows split into the M micro-batches), so
+that each device adds up its rows' weight gradients through the backward loop and they are summed over `data` once
+a step, not once a tick.
+
 Nothing here knows about the engine: the stage count is the size of the ambient mesh's automatic `stage` axis
 (`jax.sharding.use_abstract_mesh`, under which the Trainer traces its steps), 1 outside one.
 """
@@ -74,8 +78,43 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     `SAVE_ALL_BUT_WEIGHTS`), which must not save the layer's weights: they are sliced inside it. Returns the stack's
     output [B, ...]."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
-    rows, chunks = x.shape[0], stages * virtual_stages
+    rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, virtual_stages)
+    loop = functools.partial(_tick_loop, layer_fn, stages=stages, microbatches=microbatches,
+                             virtual_stages=virtual_stages, policy=policy)
+    # The tick loop runs manual over the batch axes its rows split over: each device accumulates its own rows' weight
+    # gradients through the backward loop, and the shard_map's transpose sums them over those axes once (its
+    # inputs' cotangents, psummed over the axes their specs leave out), where the partitioner, left to itself,
+    # reduced every tick's contribution into a replicated accumulator: V M + S - 1 reductions a step (the tiny LLaMA
+    # on stage 2 x data 4 at M = 8: 4.68 MB of all-reduce, models/README.md#the-pipeline).
+    manual = _manual_batch_axes(params, rows, microbatches)
+    if manual:
+        rows_spec = P(manual)
+        dtypes = jax.tree.map(lambda w: w.dtype, params)
+        # The weights enter in float32, so that the one reduction of their gradients is in float32 (XLA:CPU's
+        # promotion of a bfloat16 all-reduce aborted on the one the transpose makes: "Invalid binary instruction
+        # opcode copy"); inside, the loop runs on them in their own dtype.
+        sharded = jax.shard_map(
+            lambda p, x, c: loop(jax.tree.map(lambda w, d: w.astype(d), p, dtypes), x, c),
+            in_specs=(P(), rows_spec, jax.tree.map(lambda _: rows_spec, ctx)), out_specs=rows_spec,
+            axis_names=set(manual), check_vma=False)
+        out = sharded(jax.tree.map(_widened, params), x, ctx)
+    else:
+        out = loop(params, x, ctx)
+    if rows % stages:
+        return out
+    # What follows the stack (final norm, head, loss) would run on every row in every stage: give each stage every
+    # S-th row instead (row r to stage r mod S keeps a device's rows within its data position).
+    out = out.reshape(rows // stages, stages, *x.shape[1:])
+    out = jax.lax.with_sharding_constraint(out, P(P.UNCONSTRAINED, axes.STAGE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+    return out.reshape(x.shape)
+
+
+def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages, policy):
+    """`pipeline`'s tick loop on the rows x [B, ...] (all of them, or a device's inside the shard_map over the batch
+    axes): the stack's output [B, ...]."""
+    num_layers = jax.tree.leaves(params)[0].shape[0]
+    rows, chunks = x.shape[0], stages * virtual_stages
     per_chunk = num_layers // chunks
     split = _splitter(rows, microbatches)
     inputs, ctx_mb = split(x), jax.tree.map(split, ctx)
@@ -124,14 +163,24 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
     (_, done), _ = jax.lax.scan(tick, (start, jnp.zeros_like(inputs)),
                                 jnp.arange(num_ticks(stages, microbatches, virtual_stages)))
-    out = done.swapaxes(0, 1).reshape(x.shape)  # [M, m_rows, ...] -> rows
-    if rows % stages:
-        return out
-    # What follows the stack (final norm, head, loss) would run on every row in every stage: give each stage every
-    # S-th row instead (row r to stage r mod S keeps a device's rows within its data position).
-    out = out.reshape(rows // stages, stages, *x.shape[1:])
-    out = jax.lax.with_sharding_constraint(out, P(P.UNCONSTRAINED, axes.STAGE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
-    return out.reshape(x.shape)
+    return done.swapaxes(0, 1).reshape(x.shape)  # [M, m_rows, ...] -> rows
+
+
+def _widened(w):
+    """w in float32 when it is a narrower float (integer and wider weights as they are)."""
+    return w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4 else w
+
+
+def _manual_batch_axes(params, rows, microbatches):
+    """The ambient mesh's automatic batch axes the pipeline's tick loop runs manual over: `data` when it is larger
+    than 1 (and no vmap's axis: DiLoCo's replicas), each of its blocks of the rows splits into the M micro-batches
+    (so a device's micro-batch m is its rows of the whole batch's micro-batch m) and the weights are traced as on a
+    mesh, else (). A jit of arrays on no mesh under `jax.sharding.use_abstract_mesh` compiles for one device, where a
+    shard_map cannot run ("No registered implementation for ... xla.sdy.GlobalToLocalShape"). `fsdp` stays
+    automatic: manual, the loop would need a stage's whole weights and their gradients on every device."""
+    size = kernels.automatic_axes().get(axes.DATA, 1)
+    on_mesh = not jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh.empty
+    return (axes.DATA,) if on_mesh and size > 1 and rows % (size * microbatches) == 0 else ()
 
 
 def _check(num_layers, rows, stages, microbatches, virtual_stages):
