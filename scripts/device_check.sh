@@ -19,7 +19,8 @@
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=480   (BUDGET=seconds overrides the 450)
 # `bash scripts/device_check.sh tune` runs step 5 alone on the whole budget (a second call while the machine is warm,
-# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (carry=[".peers"]; the PyTorch
+# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone, then the engine's rows again with
+# the Mosaic GPU attention while the budget lasts (carry=[".peers"]; the PyTorch
 # peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py .peers/
 # && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
 # class and writes the merged table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over
@@ -46,7 +47,14 @@ check=0 train=0 bench=0 step=0
 if [ "$MODE" = step ]; then
   timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --out="$OUT/bench_gpu_step.jsonl" 2>&1 \
     | tee "$OUT/bench_gpu_step.log" | quiet
-  exit "${PIPESTATUS[0]}"
+  status=${PIPESTATUS[0]}
+  # The engine again with the Mosaic GPU attention (the training rows' segment ids included), while time is left.
+  if [ "$(left)" -gt 60 ]; then
+    timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= \
+      --attention_implementation=mosaic_gpu --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee -a "$OUT/bench_gpu_step.log" \
+      | quiet | tail -8
+  fi
+  exit "$status"
 fi
 if [ "$MODE" = defaults ]; then
   cp kernels/defaults.json "$OUT/defaults.json"
