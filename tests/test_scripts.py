@@ -237,7 +237,7 @@ def test_train_lm_restarted_on_fewer_devices_keeps_the_global_batch_and_trains_l
 def test_train_lm_writes_local_checkpoints_beside_the_workdirs_and_refuses_a_bad_interval(tmp_path):
     """--local_checkpoint_dir / --local_save_every reach engine.Checkpointing: the local tier holds the newest even
     step, the workdir the --save_every ones; a run interrupted between them restores the local one
-    (tests/test_checkpoint_tiers.py)."""
+    (tests/test_checkpoint_tiers.py). A bad interval or replica count is refused in one line."""
     args = [f"--workdir={tmp_path / 'w'}", "--prompts=", *TINY_LM, f"--local_checkpoint_dir={tmp_path / 'local'}",
             "--local_save_every=2", "--save_every=100"]
     _run("train_lm.py", *args, "--max_steps=5")
@@ -245,6 +245,9 @@ def test_train_lm_writes_local_checkpoints_beside_the_workdirs_and_refuses_a_bad
     assert os.listdir(tmp_path / "local" / run / "process_0") == ["4"] and _steps(tmp_path / "w") == [5]
     refused = _run("train_lm.py", *args, "--local_save_every=0", ok=False)
     assert refused.returncode == 2 and "--local_save_every=0; expected an integer >= 1" in refused.stderr
+    refused = _run("train_lm.py", *args, "--local_replicas=2", ok=False)
+    assert refused.returncode == 2 and "local_replicas" in refused.stderr and "2" in refused.stderr
+    assert len([line for line in refused.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
 @pytest.mark.slow
