@@ -105,6 +105,17 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
 
 
 @pytest.mark.gpu_compile
+def test_the_step_compiles_with_the_mosaic_gpu_attention_in_it():
+    """attention_implementation='mosaic_gpu' (head dim 64, packed rows' segment ids): the Hopper kernels (forward,
+    dq, dk / dv) are Mosaic GPU custom calls of the compiled step, beside the Triton loss."""
+    result, compiled = _compiled_plan("gpu:h100", "1,1,1", attention_implementation="mosaic_gpu",
+                                      config_overrides={"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2})
+    assert result["attention_implementation"] == "mosaic_gpu" and result["fits"]
+    hlo = compiled.as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') >= 3, re.findall(r'custom_call_target="([^"]+)"', hlo)
+
+
+@pytest.mark.gpu_compile
 def test_two_hosts_of_eight_gpus_send_the_data_axis_between_them():
     """gpu:h100-16 is two hosts of 8: with data 2 over them (fsdp 8 inside each), the step sends bytes between the
     hosts (the gradients' reduction over `data`), far fewer than within them."""
