@@ -448,16 +448,8 @@ def _gpu_devices(name, topology):
     try:
         from jax.experimental import topologies  # noqa: PLC0415
 
-        from kernels import mosaic_gpu_compile  # noqa: PLC0415 - the H100 description the kernels' tier compiles for
-        config = mosaic_gpu_compile.TARGET_CONFIG
-        spec = {"name": kind, "device_description_str": kind, "memory_bandwidth": bandwidth,
-                "device_memory_size": GPU_MEMORY_BYTES[kind]}
-        for key, value in spec.items():  # the H100 SXM's description with this GPU's name, memory and bandwidth
-            quoted = isinstance(value, str)
-            old_value = r'"[^"]*"' if quoted else "[0-9]+"
-            config, n = re.subn(rf"\b{key}: {old_value}", f'{key}: "{value}"' if quoted else f"{key}: {value}",
-                                config)
-            assert n == 1, key
+        from kernels import mosaic_gpu_compile  # noqa: PLC0415 - the Hopper description the kernels' tier compiles for
+        config = mosaic_gpu_compile.hopper_target_config(kind, GPU_MEMORY_BYTES[kind], bandwidth)
         desc = topologies.get_topology_desc(platform="cuda", target_config=config, topology=topology)
     except Exception as e:  # noqa: BLE001 - no CUDA plugin: one line saying what to install
         raise ValueError(f"target='gpu:{name}...' needs JAX's CUDA plugin for compile-only GPUs (pip install "

@@ -25,23 +25,33 @@ import jax.numpy as jnp
 
 # Shared memory a Hopper thread block may use (227 KiB; the kernel fails to launch above it).
 MAX_SHARED_BYTES = 227 * 1024
-# XLA's h100_sxm target spec (xla/backends/gpu/target_config/specs/h100_sxm.txtpb), throughput tables dropped.
-TARGET_CONFIG = """
-gpu_device_info {
+# XLA's h100_sxm target spec (xla/backends/gpu/target_config/specs/h100_sxm.txtpb), throughput tables dropped; a
+# Hopper of another name, memory or bandwidth (an H200) differs only there.
+_TARGET_TEMPLATE = """
+gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: 84942979072
+  memory_bandwidth: {bandwidth} l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: {memory}
   shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+  cuda_compute_capability {{ major: 9 feature_extension: ACCELERATED_FEATURES }}
   registers_per_core_limit: 65536 registers_per_block_limit: 65536
   thread_dim_limit_x: 1024 thread_dim_limit_y: 1024 thread_dim_limit_z: 64
-  device_vendor: "NVIDIA Corporation" platform_version: "Compute Capability 9.0a" name: "NVIDIA H100 80GB HBM3"
-}
+  device_vendor: "NVIDIA Corporation" platform_version: "Compute Capability 9.0a" name: "{name}"
+}}
 platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 10 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
+dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+device_description_str: "{name}"
 """
+
+
+def hopper_target_config(name="NVIDIA H100 80GB HBM3", memory=84942979072, bandwidth=3352320000000):
+    """The `GpuTargetConfigProto` text of an H100 SXM (by default), or of a Hopper GPU named `name` with `memory`
+    bytes at `bandwidth` bytes/s (the CUDA plugin's compile-only devices take that name as their `device_kind`)."""
+    return _TARGET_TEMPLATE.format(name=name, memory=int(memory), bandwidth=int(bandwidth))
+
+
+TARGET_CONFIG = hopper_target_config()
 _HOPPER = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
 
 

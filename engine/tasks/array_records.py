@@ -274,8 +274,8 @@ def _load_index(path, feature, index):
 
 def _index_file(path, feature):
     """(encoding, per-record token counts, largest id) of one file: from its index, beside it or in the cache,
-    when one matches it, else read and its index written (beside it where its directory is writable, else in the
-    cache; a stale one is replaced)."""
+    when one matches it, else read and its index written (beside it where that can be written, else in the cache;
+    a stale one is replaced)."""
     beside, cached = path + INDEX_SUFFIX, _cached_index(path)
     for index in (beside, cached):
         if os.path.isfile(index):
