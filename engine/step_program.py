@@ -59,18 +59,12 @@ def choose_step(mesh, precision, parallelism, diloco):
         check("reduce_dtype", precision.reduce_dtype, not precision.reduces_narrow, "None with diloco (its "
               "replicas reduce nothing per step)")
         return "diloco"
-    # Rows split over `expert` beside an automatic `model` inside the shard_map step abort XLA's SPMD partitioner
-    # (jaxlib 0.10.2, dense models too: "partition_group_list ... Check failed").
-    expert_model = sizes.get("expert", 1) > 1 and sizes.get("model", 1) > 1
     if step == "auto" and any(parallelism.int8):
         step = "shard_map"
     elif step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
         pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
-        jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1 or expert_model
+        jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
         step = "jit" if jit else "shard_map"
-    if step == "shard_map" and expert_model:
-        raise ValueError(f"the shard_map step on a mesh with expert={sizes['expert']} and model={sizes['model']}; "
-                         "expected step='jit' (and no Parallelism.int8), or expert or model of 1")
     if precision.reduces_narrow:
         platform = mesh.devices.flat[0].platform
         check("reduce_dtype", precision.reduce_dtype, step == "shard_map" and platform != "cpu",

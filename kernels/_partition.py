@@ -77,16 +77,26 @@ def _automatic_axes(include_size_one):
 def auto_axis_size(name):
     """Size of the ambient mesh's axis `name` when it is automatic; 1 outside a mesh, where the mesh lacks it and
     where it is manual (inside a shard_map over it)."""
+    return _axis_size(name, jax.sharding.AxisType.Auto)
+
+
+def manual_axis_size(name):
+    """Size of the ambient mesh's axis `name` when it is manual (inside a shard_map over it, as the engine's shard_map
+    step is over `data`, `fsdp` and `expert`); 1 outside a mesh, where the mesh lacks it and where it is automatic."""
+    return _axis_size(name, jax.sharding.AxisType.Manual)
+
+
+def _axis_size(name, kind):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or name not in mesh.axis_names:
         return 1
     i = mesh.axis_names.index(name)
-    return mesh.axis_sizes[i] if mesh.axis_types[i] == jax.sharding.AxisType.Auto else 1
+    return mesh.axis_sizes[i] if mesh.axis_types[i] == kind else 1
 
 
 def manual_batch_axes():
     """The ambient mesh's batch axes larger than 1 that are manual (inside a shard_map over them, as the engine's
-    shard_map step is over `data` and `fsdp`), in mesh order: the axes a statistic of the whole batch must be summed
+    shard_map step is over `data`, `fsdp` and `expert`), in mesh order: the axes a statistic of the whole batch must be summed
     over. () outside a mesh and where they are automatic (the partitioner sums over them itself)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:

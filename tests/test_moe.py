@@ -486,14 +486,6 @@ def test_a_sharded_checkpoint_streams_onto_an_expert_mesh(hf_checkpoint, tmp_pat
         np.testing.assert_array_equal(jax.device_get(a), b, err_msg=jax.tree_util.keystr(p))
 
 
-def test_shard_map_step_beside_model_and_expert_is_refused_in_one_line():
-    model = models.create_model("mixtral", "tiny")
-    with pytest.raises(ValueError, match=r"shard_map step on a mesh with expert=2 and model=2; expected step='jit'"):
-        engine.Trainer(mesh=engine.make_mesh(data=2, expert=2, model=2), collate_fn=lm.collate_lm,
-                       loss_fn=lm.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
-                       optimizer=optax.sgd(1.0), parallelism=engine.Parallelism(step="shard_map"))
-
-
 def test_router_losses_of_uniform_and_collapsed_routers():
     """A router with zero logits balances perfectly (load balancing k, z-loss log(E)^2); one that sends every token
     to the same experts is penalised (E / k times more); padding tokens do not count."""

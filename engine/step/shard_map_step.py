@@ -1,6 +1,6 @@
-"""The overlapped step (`shard_map_train_step`): a `jax.shard_map` manual over `data` and `fsdp` (the `model` axis
-stays automatic, split by the compiler from the parameter specs) computes the gradients with explicit collectives;
-the optimizer update then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
+"""The overlapped step (`shard_map_train_step`): a `jax.shard_map` manual over `data`, `fsdp` and `expert` (the
+`model` axis stays automatic, split by the compiler from the parameter specs) computes the gradients with explicit
+collectives; the optimizer update then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
 
 Inside the shard_map each device runs `loss_fn` on its own rows of every micro-batch:
   - ZeRO-3 (every parameter split over a data axis in `param_specs`, i.e. `fsdp`): the shard is all-gathered in
@@ -12,7 +12,10 @@ Inside the shard_map each device runs `loss_fn` on its own rows of every micro-b
     row-split embedding table is looked up vocab-parallel (`engine.step.gathering`), never gathered, and so is a
     `kernels.linear_cross_entropy` head split by vocabulary columns (`kernels.matmul.vocab_parallel_loss`).
   - accumulation: partial gradients stay in the parameter's (ZeRO-2: the update's) layout between micro-batches.
-  - the remaining data-parallel reduction (`data`, and `fsdp` for unsplit parameters) is one all-reduce, or a
+  - expert parallelism: the rows are split over `expert` too; a parameter split over it (a mixture's stacked
+    experts) stays split, each device computing with its own experts (the MoE layer sends the tokens to them,
+    models/layers/moe.py), and its gradient is not summed over `expert`; every other gradient is, like over `data`.
+  - the remaining data-parallel reduction (`data`, `expert`, and `fsdp` for unsplit parameters) is one all-reduce, or a
     reduce-scatter into `update_specs` (ZeRO-1/2: each device then updates only its optimizer-state shard and the
     compiler all-gathers the new weights).
 """
@@ -34,10 +37,13 @@ from engine.step.update import (apply_update, checked_user_gradients, combine, c
 from kernels import axes
 
 _P = jax.sharding.PartitionSpec
-# The axes the step handles by hand; the others stay with the compiler. `expert` splits the rows too, but a
-# mixture-of-experts layer exchanges its tokens over it in a shard_map of its own (models/layers/moe.py), so here it
-# stays automatic, like `model`.
-MANUAL_AXES = (axes.DATA, axes.FSDP)
+# The axes the step handles by hand; the others stay with the compiler. `expert` splits the rows like `data`, and a
+# mixture's experts: a parameter split over it is expert-parallel (each device keeps its block, never gathered, its
+# gradient not summed over `expert`), and the MoE layer exchanges the device's tokens over it directly
+# (models/layers/moe.py). Left automatic beside an automatic `model`, rows split over it aborted XLA's SPMD
+# partitioner (jaxlib 0.10.2, "partition_group_list ... Check failed", dense models too).
+MANUAL_AXES = (axes.DATA, axes.FSDP, axes.EXPERT)
+_KEPT_AXES = (axes.EXPERT,)  # manual axes a parameter stays split over inside the step
 
 
 def _spec_axes(spec, ndim, manual=True):
@@ -59,9 +65,10 @@ class _LeafPlan:
     """How one parameter travels through the step.
 
     gather: ((dim, axes), ...) the parameter is split over (gathered at use, its gradient reduce-scattered in the
-      backward pass). scatter: ((dim, axes), ...) the gradient is further reduce-scattered over (ZeRO-1/2 `data`).
-      reduce: the remaining manual axes the gradient is summed over (all-reduce).
-      auto_spec: the parameter's split over the automatic axes (`model`), or None."""
+      backward pass). kept: ((dim, axes), ...) it stays split over (`expert`: a mixture's experts, each device's
+      own; its gradient is not summed over them). scatter: ((dim, axes), ...) the gradient is further
+      reduce-scattered over (ZeRO-1/2 `data`). reduce: the remaining manual axes the gradient is summed over
+      (all-reduce). auto_spec: the parameter's split over the automatic axes (`model`), or None."""
 
     def __init__(self, param_spec, update_spec, shape, sizes):
         live = lambda axes: tuple(a for a in axes if sizes.get(a, 1) > 1)  # noqa: E731
@@ -69,11 +76,15 @@ class _LeafPlan:
         self.in_spec, self.out_spec = _manual_spec(p_axes), _manual_spec(u_axes)
         auto = [live(a) for a in _spec_axes(param_spec, len(shape), manual=False)]
         self.auto_spec = _manual_spec(auto) if any(auto) else None
-        self.gather = tuple((d, live(a)) for d, a in enumerate(p_axes) if live(a))
+        split = lambda axes, kept: live(tuple(a for a in axes if (a in _KEPT_AXES) == kept))  # noqa: E731
+        self.gather = tuple((d, split(a, False)) for d, a in enumerate(p_axes) if split(a, False))
+        self.kept = tuple((d, split(a, True)) for d, a in enumerate(p_axes) if split(a, True))
         self.scatter = tuple((d, live(tuple(x for x in u if x not in p)))
                              for d, (p, u) in enumerate(zip(p_axes, u_axes)) if live(tuple(x for x in u if x not in p)))
-        used = {a for _, axes in self.gather + self.scatter for a in axes}
+        used = {a for _, axes in self.gather + self.kept + self.scatter for a in axes}
         self.reduce = tuple(a for a in MANUAL_AXES if sizes.get(a, 1) > 1 and a not in used)
+        kept = dict(self.kept)
+        self.traced_shape = tuple(n // math.prod(sizes[a] for a in kept.get(d, ())) for d, n in enumerate(shape))
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -210,7 +221,8 @@ class _Settings:
 
 class _Layout(NamedTuple):
     """The parameters' flat layout: their treedef, each leaf's `_LeafPlan`, whether it trains (mask), and its
-    full-size abstract value in the compute dtype (what the loss is traced with)."""
+    abstract value in the compute dtype as the loss sees it (what the loss is traced with): full size, but for the
+    dims it stays split over (`_LeafPlan.kept`)."""
     treedef: object
     plans: list
     mask: list
@@ -222,7 +234,8 @@ class _Layout(NamedTuple):
         plans = [_LeafPlan(s, u, x.shape, settings.sizes) for s, u, x in
                  zip(treedef.flatten_up_to(param_specs), treedef.flatten_up_to(update_specs), leaves)]
         mask = [True] * len(leaves) if trainable is None else treedef.flatten_up_to(trainable)
-        return cls(treedef, plans, mask, [jax.ShapeDtypeStruct(x.shape, settings.compute_type(x)) for x in leaves])
+        return cls(treedef, plans, mask, [jax.ShapeDtypeStruct(pl.traced_shape, settings.compute_type(x))
+                                          for pl, x in zip(plans, leaves)])
 
     def trained(self, xs, want=True):
         """The entries of the per-leaf list `xs` that train (want=False: that are frozen)."""
@@ -260,7 +273,7 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
         trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
         local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
         args = [Sharded(x, pl.gather, s.compute_type(x), s.reduce_dtype, int8=s.int8,
-                        layout=s.layout(x.shape, s.held_type(x)), auto=pl.auto_spec, grad_dtype=s.grad_dtype)
+                        layout=s.layout(x.shape, s.held_type(x)), grad_dtype=s.grad_dtype)
                 if pl.gather
                 else x.astype(s.compute_type(x)) for x, pl in zip(local_leaves, layout.plans)]
         flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]

@@ -149,7 +149,10 @@ class MoE(nn.Module):
         w = _Experts(E, D, F, self.std, self.quantize, self.lora_rank, self.lora_targets, self.dtype,
                      self.param_dtype, name="experts")()
         ep = kernels.auto_axis_size(axes.EXPERT)
-        if ep > 1 and E % ep == 0:
+        if w["gate"].shape[0] < E:  # inside the engine's shard_map step: this device's experts and rows
+            out = _expert_parallel(self._ffn, tokens, chosen, w, E // w["gate"].shape[0], self.expert_exchange,
+                                   manual=True)
+        elif ep > 1 and E % ep == 0:
             out = _expert_parallel(self._ffn, tokens, chosen, w, ep, self.expert_exchange)
         else:
             order, group_sizes = _sorted_copies(chosen, E)
@@ -187,16 +190,18 @@ def _sorted_copies(chosen, num_experts):
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def _expert_parallel(ffn, tokens, chosen, w, ep, exchange=None):
+def _expert_parallel(ffn, tokens, chosen, w, ep, exchange=None, manual=False):
     """Expert parallelism (GShard's dispatch, dropless): `ffn` over the experts split into `ep` blocks on the ambient
     mesh's automatic `expert` axis, each token copy sent to the device holding its expert and its output sent back.
-    tokens [N, D], chosen [N, k] -> the copies' outputs [N, k, D]. exchange (`EXPERT_EXCHANGES`): None the
+    tokens [N, D], chosen [N, k] -> the copies' outputs [N, k, D]. manual: `expert` is already manual (the engine's
+    shard_map step, which splits the rows over it like `data`): tokens are this device's rows and w its own experts
+    (E / ep of them), exchanged as they are. exchange (`EXPERT_EXCHANGES`): None the
     platform's, chosen when the program is lowered (`jax.lax.platform_dependent`, so a CPU host lowering for GPU or
     TPU gets theirs): `jax.lax.ragged_all_to_all` ('ragged': the routed rows alone) on GPU and TPU, `_padded_exchange`
     ('padded': XLA:CPU has no ragged all-to-all) on CPU.
 
     Runs in a shard_map manual over every automatic axis (XLA's partitioner fails on the exchange beside an automatic
-    `model`): the rows split over the batch axes that divide N (each device routes its own rows; rows whole over
+    `model`; with `manual`, over those that remain, `model` among them): the rows split over the batch axes that divide N (each device routes its own rows; rows whole over
     `expert` are routed by every device of it, which gives the same result), each expert's hidden units over
     `model` where it divides them (Megatron's split: the outputs are summed over `model`), whole otherwise. Each
     device sorts its n * k copies by expert, so those for one expert are one slice; the devices' counts per expert
@@ -235,9 +240,10 @@ def _expert_parallel(ffn, tokens, chosen, w, ep, exchange=None):
         return back[jnp.argsort(order)].reshape(n, k, D)
 
     # Megatron's pair over `model`: gate and up (and their B) split by columns, down (and its A) by rows
-    columns, rows_split = P(axes.EXPERT, None, tp), P(axes.EXPERT, tp, None)
+    split = None if manual else axes.EXPERT
+    columns, rows_split = P(split, None, tp), P(split, tp, None)
     specs = {name: columns if name in ("gate", "up", "gate_lora_b", "up_lora_b") else rows_split
-             if name in ("down", "down_lora_a") else P(axes.EXPERT) for name in w}
+             if name in ("down", "down_lora_a") else P(split) for name in w}
     return kernels.shard(local, (tokens, chosen, w), (rows, rows, specs), rows, "xla", every_axis=True)
 
 
@@ -306,7 +312,7 @@ class _Experts(nn.Module):
 
     @nn.compact
     def __call__(self):
-        E, D, F = self.num_experts, self.features, self.hidden
+        E, D, F = _held_experts(self, self.num_experts), self.features, self.hidden
         shapes = {"gate": (E, D, F), "up": (E, D, F), "down": (E, F, D)}
         if not self.quantize:
             init = nn.initializers.normal(self.std)
@@ -326,6 +332,17 @@ class _Experts(nn.Module):
             w.update({f"{name}_{part}": v.astype(w[name].dtype) for name, pair in pairs.items()
                       for part, v in pair.items()})
         return w
+
+
+def _held_experts(module, num_experts):
+    """The experts `module`'s stacked weights hold: all of them, or, where `expert` is a manual axis (the engine's
+    shard_map step) and the weights came split over it, this device's E / expert (its `expert` block, not gathered:
+    the tokens travel to their experts instead)."""
+    ep = kernels.manual_axis_size(axes.EXPERT)
+    if ep > 1 and num_experts % ep == 0 and module.has_variable("params", "gate"):
+        held = module.get_variable("params", "gate").shape[0]
+        return held if held == num_experts // ep else num_experts
+    return num_experts
 
 
 class _ExpertAdapters(nn.Module):
