@@ -19,12 +19,18 @@ stages waste less.
 
 The tick loop runs in a shard_map manual over `data` (where its blocks of rows split into the M micro-batches), so
 that each device adds up its rows' weight gradients through the backward loop and they are summed over `data` once
-a step, not once a tick.
+a step, not once a tick. `fsdp` inside a stage (ZeRO-3) stays automatic by default (`fsdp_gather='tick'`): each
+tick gathers its layers' weight shards and reduce-scatters their gradients, so a device holds 1/fsdp of its stage
+at the cost of those collectives every tick. `fsdp_gather='step'` makes `fsdp` manual too: the stage's weights are
+gathered once before the loop and their gradients reduced once after it, and every device holds the stage's whole
+weights and gradients for the step (MaxText's `pipeline_fsdp_ag_once`, torchtitan's pipeline default). Inside the
+shard_map each device draws its own dropout masks: the micro-batch index a layer is handed counts every device's.
 
 Nothing here knows about the engine: the stage count is the size of the ambient mesh's automatic `stage` axis
 (`jax.sharding.use_abstract_mesh`, under which the Trainer traces its steps), 1 outside one.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +52,7 @@ def _on_stages(x):
 
 
 SCHEDULES = ("gpipe", "1f1b")
+FSDP_GATHERS = ("tick", "step")  # when a stage's fsdp-split weights are gathered (and their gradients reduced)
 
 
 def bubble_fraction(stages, microbatches, virtual_stages=1, schedule="gpipe"):
@@ -67,19 +74,20 @@ _STAGE_WEIGHTS = "pipeline_stage_weights"
 SAVE_ALL_BUT_WEIGHTS = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
 
 
-def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None):
+def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None, fsdp_gather="tick"):
     """The stack `x -> layer_fn(params[L-1], ... layer_fn(params[0], x, ctx, 0, m) ..., ctx, L-1, m)` run as a
     pipeline of `stages` stages over `microbatches` micro-batches of the rows, each stage `virtual_stages` times
     (V = 1: GPipe; V > 1: the interleaved schedule, which needs microbatches >= stages).
 
-    layer_fn(layer params, h [rows, ...], ctx of those rows, layer index, micro-batch index) -> h. params: a pytree
-    of [L, ...] arrays; x [B, ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and
-    positions). Each layer runs under `jax.checkpoint` with `policy` (None: it keeps only its input; without remat
-    `SAVE_ALL_BUT_WEIGHTS`), which must not save the layer's weights: they are sliced inside it. Returns the stack's
-    output [B, ...]."""
+    layer_fn(layer params, h [rows, ...], ctx of those rows, layer index, micro-batch index) -> h; the index is one
+    of M x the batch shards (`_micro_index`), for the layer's dropout key. params: a pytree of [L, ...] arrays; x [B,
+    ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and positions). Each layer runs under
+    `jax.checkpoint` with `policy` (None: it keeps only its input; without remat `SAVE_ALL_BUT_WEIGHTS`), which must
+    not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or 'step' (the module's docstring).
+    Returns the stack's output [B, ...]."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows = x.shape[0]
-    _check(num_layers, rows, stages, microbatches, virtual_stages)
+    _check(num_layers, rows, stages, microbatches, virtual_stages, fsdp_gather)
     loop = functools.partial(_tick_loop, layer_fn, stages=stages, microbatches=microbatches,
                              virtual_stages=virtual_stages, policy=policy)
     # The tick loop runs manual over the batch axes its rows split over: each device accumulates its own rows' weight
@@ -87,7 +95,7 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     # inputs' cotangents, psummed over the axes their specs leave out), where the partitioner, left to itself,
     # reduced every tick's contribution into a replicated accumulator: V M + S - 1 reductions a step (the tiny LLaMA
     # on stage 2 x data 4 at M = 8: 4.68 MB of all-reduce, models/README.md#the-pipeline).
-    manual = _manual_batch_axes(params, rows, microbatches)
+    manual = _manual_batch_axes(params, rows, microbatches, fsdp_gather)
     if manual:
         rows_spec = P(manual)
         dtypes = jax.tree.map(lambda w: w.dtype, params)
@@ -95,7 +103,8 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
         # promotion of a bfloat16 all-reduce aborted on the one the transpose makes: "Invalid binary instruction
         # opcode copy"); inside, the loop runs on them in their own dtype.
         sharded = jax.shard_map(
-            lambda p, x, c: loop(jax.tree.map(lambda w, d: w.astype(d), p, dtypes), x, c),
+            lambda p, x, c: loop(jax.tree.map(lambda w, d: w.astype(d), p, dtypes), x, c,
+                                 shard=jax.lax.axis_index(manual)),
             in_specs=(P(), rows_spec, jax.tree.map(lambda _: rows_spec, ctx)), out_specs=rows_spec,
             axis_names=set(manual), check_vma=False)
         out = sharded(jax.tree.map(_widened, params), x, ctx)
@@ -110,9 +119,9 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     return out.reshape(x.shape)
 
 
-def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages, policy):
+def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages, policy, shard=None):
     """`pipeline`'s tick loop on the rows x [B, ...] (all of them, or a device's inside the shard_map over the batch
-    axes): the stack's output [B, ...]."""
+    axes, whose index there is `shard`): the stack's output [B, ...]."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows, chunks = x.shape[0], stages * virtual_stages
     per_chunk = num_layers // chunks
@@ -130,7 +139,7 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
     @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)
     def layer_of_stage(p, h, c, rnd, j, layer, micro):
         w = jax.tree.map(lambda a: checkpoint_name(a[rnd, j], _STAGE_WEIGHTS), p)
-        return layer_fn(w, h, c, layer, micro)
+        return layer_fn(w, h, c, layer, _micro_index(micro, microbatches, shard))
 
     def run_stage(p, h, c, stage, micro, rnd):
         chunk = rnd * stages + stage  # the virtual stage this tick runs
@@ -171,19 +180,39 @@ def _widened(w):
     return w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4 else w
 
 
-def _manual_batch_axes(params, rows, microbatches):
-    """The ambient mesh's automatic batch axes the pipeline's tick loop runs manual over: `data` when it is larger
-    than 1 (and no vmap's axis: DiLoCo's replicas), each of its blocks of the rows splits into the M micro-batches
-    (so a device's micro-batch m is its rows of the whole batch's micro-batch m) and the weights are traced as on a
-    mesh, else (). A jit of arrays on no mesh under `jax.sharding.use_abstract_mesh` compiles for one device, where a
-    shard_map cannot run ("No registered implementation for ... xla.sdy.GlobalToLocalShape"). `fsdp` stays
-    automatic: manual, the loop would need a stage's whole weights and their gradients on every device."""
-    size = kernels.automatic_axes().get(axes.DATA, 1)
-    on_mesh = not jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh.empty
-    return (axes.DATA,) if on_mesh and size > 1 and rows % (size * microbatches) == 0 else ()
+def _micro_index(micro, microbatches, shard):
+    """The index a layer is handed for micro-batch `micro` of batch shard `shard` (None outside the shard_map over
+    the batch axes): m + M x shard, so that devices holding different rows draw different dropout masks."""
+    return micro if shard is None else micro + microbatches * shard
 
 
-def _check(num_layers, rows, stages, microbatches, virtual_stages):
+def _manual_batch_axes(params, rows, microbatches, fsdp_gather="tick"):
+    """The ambient mesh's automatic batch axes the pipeline's tick loop runs manual over, in mesh order: `data`, and
+    `fsdp` with fsdp_gather='step', those larger than 1 (and no vmap's axis: DiLoCo's replicas), when their blocks
+    of the rows each split into the M micro-batches (so a device's micro-batch m is its rows of the whole batch's
+    micro-batch m) and the weights are traced as on a mesh, else (); with fsdp_gather='step' and `fsdp` > 1 a batch
+    whose blocks do not split is refused in one line. A jit of arrays on no mesh under
+    `jax.sharding.use_abstract_mesh` compiles for one device, where a shard_map cannot run ("No registered
+    implementation for ... xla.sdy.GlobalToLocalShape"). With fsdp_gather='tick' `fsdp` stays automatic: manual,
+    the loop needs a stage's whole weights and their gradients on every device."""
+    sizes = kernels.automatic_axes()
+    names = (axes.DATA, axes.FSDP) if fsdp_gather == "step" else (axes.DATA,)
+    manual = tuple(a for a in names if sizes.get(a, 1) > 1)
+    if not manual or jax.typeof(jax.tree.leaves(params)[0]).sharding.mesh.empty:
+        return ()
+    shards = math.prod(sizes[a] for a in manual)
+    if rows % (shards * microbatches) == 0:
+        return manual
+    if axes.FSDP in manual:
+        raise ValueError(f"pipeline_fsdp_gather='step' with {rows} rows over {shards} batch shards "
+                         f"({' x '.join(f'{a} {sizes[a]}' for a in manual)}) in pipeline_microbatches={microbatches}; "
+                         "expected each device's rows to split into the micro-batches, or pipeline_fsdp_gather='tick'")
+    return ()
+
+
+def _check(num_layers, rows, stages, microbatches, virtual_stages, fsdp_gather):
+    if fsdp_gather not in FSDP_GATHERS:
+        raise ValueError(f"pipeline_fsdp_gather={fsdp_gather!r}; expected one of {FSDP_GATHERS}")
     if num_layers % (stages * virtual_stages):
         what = f"stage={stages}" + (f" x pipeline_virtual_stages={virtual_stages}" if virtual_stages > 1 else "")
         raise ValueError(f"a mesh with {what} splits a stack of {num_layers} layers; expected a stage count"
@@ -201,7 +230,8 @@ def _splitter(rows, microbatches):
     return lambda a: a.reshape(rows // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
 
 
-def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *, stages, microbatches):
+def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *, stages, microbatches,
+                  fsdp_gather="tick"):
     """`tail_fn(tail_params, stack(x), tail_inputs)` with the stack of `pipeline` (V = 1) run on the 1F1B schedule:
     (loss, aux), each summed over the micro-batches, differentiable in params, x and tail_params.
 
@@ -217,12 +247,13 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     `jax.vjp` of the stage's layers recomputed from its input, so a stage keeps only the inputs of the micro-batches
     between its forward and its backward: 2 (S - 1 - s) + 1, a ring of 2S - 1 slots whatever M (GPipe keeps all M);
     slot t mod (2S - 1) takes tick t's input. The lock-step costs ticks: M + 2S - 2 (each a forward and a backward)
-    where GPipe runs M + S - 1 of each. Not differentiated (evaluation), it is `pipeline` and then the tail."""
+    where GPipe runs M + S - 1 of each. The loop runs manual over the batch axes as `pipeline`'s (`fsdp_gather`):
+    each device adds up its rows' gradients, summed over those axes once, in float32, after the loop. Not
+    differentiated (evaluation), it is `pipeline` and then the tail."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows = x.shape[0]
-    _check(num_layers, rows, stages, microbatches, 1)
+    _check(num_layers, rows, stages, microbatches, 1, fsdp_gather)
     per_chunk, ring = num_layers // stages, 2 * stages - 1
-    split = _splitter(rows, microbatches)
     stage_ids = jnp.arange(stages)
     last = stage_ids == stages - 1
 
@@ -235,12 +266,44 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def stage_grads(p, h, c, stage, micro, dout):
         return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro), p, h)[1](dout)
 
-    forward_all = jax.vmap(run_stage, spmd_axis_name=axes.STAGE)
-    backward_all = jax.vmap(stage_grads, spmd_axis_name=axes.STAGE)
     read_slot = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, keepdims=False),
                          spmd_axis_name=axes.STAGE)
 
     def one_f_one_b(params, x, tail_params, ctx, tail_inputs):
+        """(loss, aux), (the gradients of params, x and tail_params, in their dtypes)."""
+        (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs)
+        in_dtypes = functools.partial(jax.tree.map, lambda g, w: g.astype(w.dtype))
+        return (loss, aux), (in_dtypes(grads, params), dx, in_dtypes(tail_grads, tail_params))
+
+    def on_batch_shards(params, x, tail_params, ctx, tail_inputs):
+        manual = _manual_batch_axes(params, rows, microbatches, fsdp_gather)
+        # With `data` manual and the rows also split over an automatic `fsdp`, XLA's partitioner aborts on the tail's
+        # gathers (jaxlib 0.10.2: "partition_group_list ... Check failed"): there the loop stays automatic.
+        if kernels.automatic_axes().get(axes.FSDP, 1) > 1 and axes.FSDP not in manual:
+            manual = ()
+        if not manual:
+            return local_1f1b(params, x, tail_params, ctx, tail_inputs)
+        rows_spec = P(manual)
+
+        def on_shard(params, x, tail_params, ctx, tail_inputs):
+            (loss, aux), (grads, dx, tail_grads) = local_1f1b(params, x, tail_params, ctx, tail_inputs,
+                                                              shard=jax.lax.axis_index(manual))
+            total = functools.partial(jax.tree.map, lambda a: jax.lax.psum(a, manual))
+            return total((loss, aux)), (total(grads), dx, total(tail_grads))
+
+        along_rows = lambda tree: jax.tree.map(lambda _: rows_spec, tree)  # noqa: E731
+        return jax.shard_map(on_shard, in_specs=(P(), rows_spec, P(), along_rows(ctx), along_rows(tail_inputs)),
+                             out_specs=((P(), P()), (P(), rows_spec, P())), axis_names=set(manual),
+                             check_vma=False)(params, x, tail_params, ctx, tail_inputs)
+
+    def local_1f1b(params, x, tail_params, ctx, tail_inputs, shard=None):
+        """(loss, aux), (float32 gradients of params, of x, float32 of tail_params) of the rows x (all of them, or a
+        device's inside the shard_map over the batch axes, whose index there is `shard`)."""
+        at_shard = lambda fn: lambda p, h, c, stage, micro, *rest: fn(  # noqa: E731
+            p, h, c, stage, _micro_index(micro, microbatches, shard), *rest)
+        forward_all = jax.vmap(at_shard(run_stage), spmd_axis_name=axes.STAGE)
+        backward_all = jax.vmap(at_shard(stage_grads), spmd_axis_name=axes.STAGE)
+        split = _splitter(x.shape[0], microbatches)
         inputs, ctx_mb, tail_mb = split(x), jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)
         stage_params = jax.tree.map(lambda w: _on_stages(w.reshape(stages, per_chunk, *w.shape[1:])), params)
 
@@ -293,14 +356,13 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                  jnp.zeros_like(inputs), *zeros(results))
         (_, _, _, grads, tail_grads, dx, loss, aux), _ = jax.lax.scan(
             tick, carry, jnp.arange(num_ticks(stages, microbatches, schedule="1f1b")))
-        grads = jax.tree.map(lambda g, w: g.reshape(w.shape).astype(w.dtype), grads, params)
-        tail_grads = jax.tree.map(lambda g, w: g.astype(w.dtype), tail_grads, tail_params)
+        grads = jax.tree.map(lambda g, w: g.reshape(w.shape), grads, params)
         dx = dx.swapaxes(0, 1).reshape(x.shape)
         return (loss, aux), (grads, dx, tail_grads)
 
     @jax.custom_vjp
     def run(params, x, tail_params, ctx, tail_inputs):
-        out = pipeline(layer_fn, params, x, ctx, stages=stages, microbatches=microbatches)
+        out = pipeline(layer_fn, params, x, ctx, stages=stages, microbatches=microbatches, fsdp_gather=fsdp_gather)
         return tail_fn(tail_params, out, tail_inputs)
 
     def backward(grads, cotangent):

@@ -73,6 +73,8 @@ flags.DEFINE_integer("pipeline_virtual_stages", 1, "Virtual stages per device (1
 flags.DEFINE_enum("pipeline_schedule", "gpipe", list(models.pipeline.SCHEDULES), "The pipeline's schedule (1f1b: "
                   "each micro-batch's backward as soon as it leaves the last stage; the idle share is the "
                   "schedule's).")
+flags.DEFINE_enum("pipeline_fsdp_gather", "tick", list(models.pipeline.FSDP_GATHERS), "With fsdp inside a stage: "
+                  "gather its weights (and reduce their gradients) every tick, or once a step.")
 flags.DEFINE_integer("diloco_inner_steps", 0, "> 0: plan DiLoCo over `data` (needs --zero_stage=0): bytes of an "
                      "inner step, and of each part's outer step.", lower_bound=0)
 flags.DEFINE_integer("diloco_fragments", 1, "Streaming DiLoCo's parts.", lower_bound=1)
@@ -141,7 +143,8 @@ def main(argv):
     print(json.dumps(planning.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
                                pipeline_microbatches=FLAGS.pipeline_microbatches,
                                pipeline_virtual_stages=FLAGS.pipeline_virtual_stages,
-                               pipeline_schedule=FLAGS.pipeline_schedule, context=FLAGS.context_parallel,
+                               pipeline_schedule=FLAGS.pipeline_schedule,
+                               pipeline_fsdp_gather=FLAGS.pipeline_fsdp_gather, context=FLAGS.context_parallel,
                                diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
                                diloco_outer_dtype=FLAGS.diloco_outer_dtype,
                                zero_quantized_weights=FLAGS.zero_quantized_weights,

@@ -56,6 +56,9 @@ def _assert_close(got, grads, want, want_grads):
     # activations while it runs), the head tied to the embedding (its gradient from both ends of the pipeline).
     pytest.param(dict(stage=4, fsdp=2), dict(num_layers=8, remat="none", tie_word_embeddings=True),
                  marks=pytest.mark.slow),
+    # ZeRO-3 inside the stages gathered once a step: the loop, the tail and its tied head manual over data and fsdp.
+    (dict(stage=2, fsdp=2, data=2), dict(pipeline_microbatches=2, pipeline_fsdp_gather="step",
+                                         tie_word_embeddings=True)),
 ])
 def test_1f1b_equals_the_plain_model(mesh, options):
     model = _model(**options)

@@ -297,6 +297,19 @@ def test_a_1f1b_plan_reports_its_schedules_idle_share():
 
 
 @pytest.mark.slow
+def test_a_pipeline_plan_gathers_fsdp_once_a_step_when_asked():
+    """Stage 2 x fsdp 2, 4 micro-batches: with pipeline_fsdp_gather='step' (here as a config override) the plan
+    reports it and its step sends under half the bytes of the per-tick gathers' outside the stages' permutes."""
+    common = {**TINY, "num_devices": 4, "seq_len": 16, "mesh": "1,2,1", "stages": 2, "per_device_batch_size": 4,
+              "pipeline_microbatches": 4, "step": "jit"}
+    tick = planning.plan(**common, config_overrides={"num_layers": 4})
+    step = planning.plan(**common, config_overrides={"num_layers": 4, "pipeline_fsdp_gather": "step"})
+    assert (tick["pipeline_fsdp_gather"], step["pipeline_fsdp_gather"]) == ("tick", "step")
+    weights = lambda r: r["collective_bytes_total"] - r["collective_bytes"]["collective-permute"]  # noqa: E731
+    assert weights(step) < weights(tick) / 2, (step["collective_bytes"], tick["collective_bytes"])
+
+
+@pytest.mark.slow
 def test_diloco_plan_counts_inner_and_outer_steps_apart():
     """DiLoCo on data 4 x fsdp 2 (tiny LLaMA, 90432 parameters): the inner step's bytes are counted apart from the
     outer steps' (the same for both wire formats); each of 2 parts' fp32 outer step all-reduces its half of a device's

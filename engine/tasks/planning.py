@@ -29,7 +29,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                  seq_len=2048, remat="full", compute_dtype="bfloat16", grad_dtype=None, reduce_dtype=None,
                  accumulate=1, step="shard_map", hbm_gb=None, loss_implementation="auto",
                  attention_implementation="auto", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
-                 pipeline_microbatches=0, pipeline_virtual_stages=1, pipeline_schedule="gpipe", diloco_inner_steps=0,
+                 pipeline_microbatches=0, pipeline_virtual_stages=1, pipeline_schedule="gpipe",
+                 pipeline_fsdp_gather="tick", diloco_inner_steps=0,
                  diloco_fragments=1, diloco_outer_dtype="float32",
                  context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
                  rlhf=None, config_overrides=None):
@@ -44,8 +45,9 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
     per stage) of each micro-batch's rows, `pipeline_virtual_stages` per device (1: GPipe; more: the interleaved
-    schedule, models/pipeline.py), on `pipeline_schedule` ('gpipe' or '1f1b'); the result's 'idle_share' is that
-    schedule's (`models.pipeline.bubble_fraction`). diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
+    schedule, models/pipeline.py), on `pipeline_schedule` ('gpipe' or '1f1b'), with `pipeline_fsdp_gather` ('tick' or
+    'step': when a stage's fsdp-split weights are gathered); the result's 'idle_share' is that schedule's
+    (`models.pipeline.bubble_fraction`). diloco_inner_steps > 0: DiLoCo over `data` (`engine.DiLoCo` with
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
     collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
@@ -128,7 +130,8 @@ def _implementation(name, devices):
     return name if name != "auto" else kernels.implementation_for_platform(devices[0].platform)
 
 
-_PIPELINE_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "pipeline_schedule": "gpipe"}
+_PIPELINE_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "pipeline_schedule": "gpipe",
+                    "pipeline_fsdp_gather": "tick"}
 
 
 def _pipeline_fields(settings):
@@ -185,7 +188,8 @@ def _network(s):
                                param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
                                pipeline_microbatches=s["pipeline_microbatches"],
                                pipeline_virtual_stages=s["pipeline_virtual_stages"],
-                               pipeline_schedule=s["pipeline_schedule"], sequence_parallel=s["sequence_parallel"])
+                               pipeline_schedule=s["pipeline_schedule"],
+                               pipeline_fsdp_gather=s["pipeline_fsdp_gather"], sequence_parallel=s["sequence_parallel"])
     network = models.FAMILIES[s["model"]].Model(config)
     abstract = jax.eval_shape(lambda: models.init_params(network, jax.random.PRNGKey(0)))
     if not s["lora_rank"]:  # master weights in fp32 (with LoRA: the frozen ones in param_dtype, the adapters in fp32)
@@ -239,7 +243,7 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
               "num_devices": s["num_devices"], "mesh": mesh,
               "stages": s["stages"], "context": s["context"], "pipeline_microbatches": microbatches,
               "pipeline_virtual_stages": s["pipeline_virtual_stages"], "pipeline_schedule": s["pipeline_schedule"],
-              "idle_share": idle,
+              "pipeline_fsdp_gather": s["pipeline_fsdp_gather"], "idle_share": idle,
               "zero_stage": s["zero_stage"], "step": step,
               "zero_quantized": {"weights": s["zero_quantized_weights"], "gradients": s["zero_quantized_gradients"]},
               "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],

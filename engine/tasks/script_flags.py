@@ -67,6 +67,10 @@ def define_flags():
                       "'gpipe' (all forwards, then all backwards: every micro-batch's activations alive at once) or "
                       "'1f1b' (each micro-batch's backward as soon as it leaves the last stage: at most 2 x stages "
                       "- 1 alive; the LM loss with plain logits, dense models, --pipeline_virtual_stages=1).")
+    flags.DEFINE_enum("pipeline_fsdp_gather", "tick", list(models.pipeline.FSDP_GATHERS), "With --pipeline_stages "
+                      "> 1 and fsdp > 1 in --mesh: 'tick' (each tick gathers its layers' weight shards and reduces "
+                      "their gradients; a device holds 1/fsdp of its stage) or 'step' (once a step: every device "
+                      "holds its stage's whole weights and gradients, and sends far fewer bytes).")
     flags.DEFINE_integer("zero_stage", 0, "0, 1 (split optimizer state over data) or 2 (gradients too).")
     flags.DEFINE_integer("per_device_batch_size", 4, "Examples per device (along data x fsdp) per micro-batch.")
     flags.DEFINE_integer("accumulate_grad_batches", 1, "Micro-batches per optimizer update.")

@@ -55,6 +55,10 @@ class ModelOptions:
     as it leaves the last stage, the loss inside the pipeline: at most 2S - 1 micro-batches' stage inputs alive per
     stage; V = 1, and the model call must be given its loss, `DecoderLM(loss_tail=)` as `engine.tasks.lm.lm_loss_fn`
     does: models/README.md#the-pipeline).
+    pipeline_fsdp_gather: with `fsdp` inside a stage (ZeRO-3), 'tick' (each tick gathers its layers' weight shards
+    and reduce-scatters their gradients: a device holds 1/fsdp of its stage) or 'step' (the stage's weights gathered
+    once before the tick loop and their gradients reduced once after it: every device holds the stage's whole
+    weights and gradients; far fewer bytes sent, models/README.md#the-pipeline).
     sequence_parallel: under a mesh whose automatic `model` axis divides the tokens, the residual stream between
     the tensor-parallel attention and MLP blocks (and the norms and dropouts on it) holds T / model tokens per
     device (Megatron-LM's sequence parallelism, Korthikanti et al., 2022): each block all-gathers its input's tokens
@@ -79,6 +83,7 @@ class ModelOptions:
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
     pipeline_schedule: str = "gpipe"
+    pipeline_fsdp_gather: str = "tick"
     sequence_parallel: bool = False
 
     def __post_init__(self):
@@ -113,6 +118,9 @@ class ModelOptions:
                              "(1: GPipe)")
         if self.pipeline_schedule not in pipeline.SCHEDULES:
             raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r}; expected one of {pipeline.SCHEDULES}")
+        if self.pipeline_fsdp_gather not in pipeline.FSDP_GATHERS:
+            raise ValueError(f"pipeline_fsdp_gather={self.pipeline_fsdp_gather!r}; expected one of "
+                             f"{pipeline.FSDP_GATHERS}")
         if self.pipeline_schedule == "1f1b" and self.pipeline_virtual_stages > 1:
             raise ValueError(f"pipeline_schedule='1f1b' with pipeline_virtual_stages={self.pipeline_virtual_stages}; "
                              "expected pipeline_virtual_stages=1 (1F1B runs one chunk per stage)")

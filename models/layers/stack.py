@@ -140,9 +140,10 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         tail_fn, inputs = loss_tail
         rest = {k: v for k, v in owner.variables["params"].items() if k != name}
         return pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
-                                      microbatches=microbatches)
+                                      microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather)
     # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat every intermediate but the
     # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
     policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
     return pipeline.pipeline(layer_fn, weights, x, ctx, stages=stages, microbatches=microbatches,
-                             virtual_stages=config.pipeline_virtual_stages, policy=policy)
+                             virtual_stages=config.pipeline_virtual_stages, policy=policy,
+                             fsdp_gather=config.pipeline_fsdp_gather)
