@@ -31,8 +31,9 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
               f"False on a mesh with fsdp={sizes.get('fsdp', 1)}: it quantizes the ZeRO-3 weight gathers over "
               "fsdp; expected fsdp > 1")
     if int8.gradients:
-        check("zero_quantized_gradients", True, sizes.get("data", 1) * sizes.get("fsdp", 1) > 1,
-              "False on a mesh with data=1 and fsdp=1: no gradient is reduced; expected data or fsdp > 1")
+        reduced = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
+        check("zero_quantized_gradients", True, reduced > 1, "False on a mesh with data=1, fsdp=1 and expert=1: "
+              "no gradient is reduced; expected data, fsdp or expert > 1")
 
 
 def choose_step(mesh, precision, parallelism, diloco):

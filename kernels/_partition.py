@@ -96,8 +96,8 @@ def _axis_size(name, kind):
 
 def manual_batch_axes():
     """The ambient mesh's batch axes larger than 1 that are manual (inside a shard_map over them, as the engine's
-    shard_map step is over `data`, `fsdp` and `expert`), in mesh order: the axes a statistic of the whole batch must be summed
-    over. () outside a mesh and where they are automatic (the partitioner sums over them itself)."""
+    shard_map step is over `data`, `fsdp` and `expert`), in mesh order: the axes a statistic of the whole batch must
+    be summed over. () outside a mesh and where they are automatic (the partitioner sums over them itself)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return ()

@@ -48,17 +48,20 @@ def _check_equals_one_device(model, params, rows, metrics, trained):
     return grads
 
 
-@pytest.mark.parametrize("family, mesh", [
-    ("mixtral", dict(data=2, expert=2, model=2)),
-    ("mixtral", dict(fsdp=2, expert=2, model=2)),
-    ("qwen3_moe", dict(data=2, expert=2, model=2)),
-    ("qwen3_moe", dict(fsdp=2, expert=2, model=2)),
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mesh, remat", [
+    ("mixtral", dict(data=2, expert=2, model=2), "none"),
+    ("mixtral", dict(fsdp=2, expert=2, model=2), "full"),
+    ("qwen3_moe", dict(data=2, expert=2, model=2), "none"),
+    ("qwen3_moe", dict(fsdp=2, expert=2, model=2), "none"),
 ])
-def test_shard_map_step_on_expert_and_model_equals_one_device_and_the_jit_step(family, mesh):
-    """Mixtral (every layer sparse, scanned) and Qwen3-MoE (scanned) with both router losses weighing in: the
-    shard_map step's loss, router losses and updated weights equal one device's and the jit step's on the same mesh;
-    the experts stay split over `expert`."""
-    model = models.create_model(family, "tiny", scan_layers=True, router_aux_loss_coef=0.5, router_z_loss_coef=1e-2)
+def test_shard_map_step_on_expert_and_model_equals_one_device_and_the_jit_step(family, mesh, remat):
+    """Mixtral and Qwen3-MoE (scanned, every layer sparse) with both router losses weighing in (the load-balancing
+    one 25x Mixtral's): the shard_map step's loss, router losses and updated weights equal one device's and the jit
+    step's on the same mesh; the experts stay split over `expert`. remat='full' beside fsdp: the hand-pipelined
+    layer stack gathers each layer's own experts over fsdp."""
+    model = models.create_model(family, "tiny", scan_layers=True, remat=remat, router_aux_loss_coef=0.5,
+                                router_z_loss_coef=1e-2)
     params = models.init_params(model, jax.random.PRNGKey(0))
     rows = _rows(8)
     manual, manual_params = _trainer_step(model, params, rows, mesh, "shard_map")

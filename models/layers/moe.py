@@ -195,20 +195,20 @@ def _expert_parallel(ffn, tokens, chosen, w, ep, exchange=None, manual=False):
     mesh's automatic `expert` axis, each token copy sent to the device holding its expert and its output sent back.
     tokens [N, D], chosen [N, k] -> the copies' outputs [N, k, D]. manual: `expert` is already manual (the engine's
     shard_map step, which splits the rows over it like `data`): tokens are this device's rows and w its own experts
-    (E / ep of them), exchanged as they are. exchange (`EXPERT_EXCHANGES`): None the
-    platform's, chosen when the program is lowered (`jax.lax.platform_dependent`, so a CPU host lowering for GPU or
-    TPU gets theirs): `jax.lax.ragged_all_to_all` ('ragged': the routed rows alone) on GPU and TPU, `_padded_exchange`
-    ('padded': XLA:CPU has no ragged all-to-all) on CPU.
+    (E / ep of them), exchanged as they are. exchange (`EXPERT_EXCHANGES`): None the platform's, chosen when the
+    program is lowered (`jax.lax.platform_dependent`, so a CPU host lowering for GPU or TPU gets theirs):
+    `jax.lax.ragged_all_to_all` ('ragged': the routed rows alone) on GPU and TPU, `_padded_exchange` ('padded':
+    XLA:CPU has no ragged all-to-all) on CPU.
 
     Runs in a shard_map manual over every automatic axis (XLA's partitioner fails on the exchange beside an automatic
-    `model`; with `manual`, over those that remain, `model` among them): the rows split over the batch axes that divide N (each device routes its own rows; rows whole over
-    `expert` are routed by every device of it, which gives the same result), each expert's hidden units over
-    `model` where it divides them (Megatron's split: the outputs are summed over `model`), whole otherwise. Each
-    device sorts its n * k copies by expert, so those for one expert are one slice; the devices' counts per expert
-    (all-gathered, [ep, E] int32) tell every device where each slice lands: a receiver holds its rows sorted by local
-    expert, then by source, ready for the grouped matmul, in a buffer of ep * n * k rows (the most it could get:
-    dropless, static shapes; the grouped matmul skips the rows past its groups). The outputs go back slice by slice
-    into the senders' sorted order."""
+    `model`; with `manual`, over the automatic axes left, `model` among them): the rows split over the batch axes
+    that divide N (each device routes its own rows; rows whole over `expert` are routed by every device of it,
+    which gives the same result), each expert's hidden units over `model` where it divides them (Megatron's split:
+    the outputs are summed over `model`), whole otherwise. Each device sorts its n * k copies by expert, so those for
+    one expert are one slice; the devices' counts per expert (all-gathered, [ep, E] int32) tell every device where
+    each slice lands: a receiver holds its rows sorted by local expert, then by source, ready for the grouped
+    matmul, in a buffer of ep * n * k rows (the most it could get: dropless, static shapes; the grouped matmul skips
+    the rows past its groups). The outputs go back slice by slice into the senders' sorted order."""
     N, k = chosen.shape
     P = jax.sharding.PartitionSpec
     rows = P(kernels.batch_axes(kernels.automatic_axes(), N))
