@@ -38,6 +38,20 @@ def _shapes(type_text):
             if dt in _BYTES]
 
 
+def _async_results(type_text):
+    """The results' part of an async collective's start type: XLA:GPU's `((operands...), results...)` without its
+    operands (counting both, a reduce-scatter's input was added to its result and the sum taken n times); any other
+    type as it is."""
+    if not type_text.startswith("(("):
+        return type_text
+    depth = 0
+    for i, c in enumerate(type_text[1:], 1):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0:
+            return type_text[i + 1:]
+    return type_text
+
+
 def _computations(hlo):
     """{name: [instruction lines]} and the entry computation's name."""
     comps, entry, current = {}, None, None
@@ -245,8 +259,9 @@ def _collectives(hlo, num_devices, root=None):
             n = len(groups[0]) if groups else 1
             shapes = _shapes(m.group(2))
             if m.group(3).endswith("-start"):
-                shapes = [x for x in shapes if x[1] > 1 or x[0] not in ("u32", "s32")]  # XLA:TPU's sync words
-                if kind in ("all-gather", "collective-permute") and len(shapes) > 1:
+                results = _async_results(m.group(2))
+                shapes = [x for x in _shapes(results) if x[1] > 1 or x[0] not in ("u32", "s32")]  # TPU's sync words
+                if results == m.group(2) and kind in ("all-gather", "collective-permute") and len(shapes) > 1:
                     shapes = shapes[len(shapes) // 2:]  # (operands..., results...): count the results
             operands = re.findall(r"%([\w.\-]+)", m.group(4).split(")")[0])
             if kind == "ragged-all-to-all":  # (operand, output, offsets and sizes) -> output: see the docstring

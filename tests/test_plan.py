@@ -90,6 +90,20 @@ ENTRY %main (a: f32[4]) -> f32[4] {
     assert got["all-reduce"] == int(4 * 2 * 2 * 3 / 4)
     assert got["reduce-scatter"] == int(1 * 4 * 4 * 3 / 4)
     assert got["all-to-all"] == 24 // 2  # groups over axis_1 (2 devices), not all 4
+    # XLA:GPU's async collectives: ((operands), results) start types, counted at their results as the sync ones.
+    gpu = """HloModule m
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %rs = ((f32[8,4]{1,0}), f32[2,4]{1,0}) reduce-scatter-start(%a), replica_groups=[1,4]<=[4], dimensions={0}
+  %ar = ((bf16[16]{0}, f32[2]{0}), bf16[16]{0}, f32[2]{0}) all-reduce-start(%b, %c), replica_groups=[1,4]<=[4]
+  %ag = ((bf16[2]{0}, bf16[1]{0}), (bf16[8]{0}, bf16[4]{0})) all-gather-start(%d, %e), replica_groups=[1,4]<=[4]
+  ROOT %a2a = ((f32[8]{0}), f32[8]{0}) all-to-all-start(%f), replica_groups=[1,4]<=[4], dimensions={0}
+}
+"""
+    got = plan.collective_bytes(gpu, num_devices=4)
+    assert got["reduce-scatter"] == 8 * 4 * 4 * 3 // 4  # its input x (n-1)/n, not input and result n times
+    assert got["all-reduce"] == (16 * 2 + 2 * 4) * 2 * 3 // 4
+    assert got["all-gather"] == (8 + 4) * 2 * 3 // 4 and got["all-to-all"] == 8 * 4 * 3 // 4
 
 
 def test_replica_groups_in_every_spelling_and_the_bytes_across_hosts():
