@@ -1,11 +1,12 @@
 """The training step on one GPU at LLM shapes, beside transformers + PyTorch eager and torch.compile (issue 44).
 
-For each shape and row length: the engine's step (a native LLaMA, scanned layers, bf16 compute over fp32 master
-weights, AdamW, `engine.Trainer` on a one-device mesh), then `--torch_peer` (transformers' LlamaForCausalLM, autocast
-bf16 over fp32 weights, fused AdamW) eager and under torch.compile at the same shape and tokens a step. Every run is a
-subprocess of its own: it frees the device between runs (JAX keeps its memory pool until the process ends), JAX and
-PyTorch never share the GPU, and `--per_run_timeout` bounds each one. Each prints one `RESULT {json}` line; this
-process only counts model FLOPs (on the CPU backend, so it takes no GPU memory) and prints the table.
+For each shape and row length: the engine's step (a native LLaMA, scanned layers, bf16 compute over fp32 master weights,
+AdamW, `engine.Trainer` on a one-device mesh; with `--engine_runs=bf16,fp8` also with the projections' matmuls in FP8,
+`models.ModelOptions.fp8`, issue 47's row), then `--torch_peer` (transformers' LlamaForCausalLM, autocast bf16 over fp32
+weights, fused AdamW) eager and under torch.compile at the same shape and tokens a step. Every run is a subprocess of
+its own: it frees the device between runs (JAX keeps its memory pool until the process ends), JAX and PyTorch never
+share the GPU, and `--per_run_timeout` bounds each one. Each prints one `RESULT {json}` line; this process only counts
+model FLOPs (on the CPU backend, so it takes no GPU memory) and prints the table.
 
 The engine is timed as `fit` runs it: `fit` warms up (its first step compiles), then the compiled step is called
 directly on one placed batch, each step waited for, and the median taken. MFU counts `models.train_flops_per_example`
@@ -13,6 +14,7 @@ directly on one placed batch, each step waited for, and the median taken. MFU co
 
   .venv/bin/python scripts/bench_gpu_step.py --shapes=tiny --seq_lens=64 --tokens_per_step=256   # CPU smoke test
   python3 scripts/bench_gpu_step.py --shapes=tinyllama,llama3_8b --seq_lens=2048,8192 --out=$OUT/bench_gpu_step.jsonl
+  python3 scripts/bench_gpu_step.py --shapes=llama3_8b --engine_runs=bf16,fp8 --peers=   # FP8 against bf16
 """
 import json
 import os
@@ -52,6 +54,8 @@ DEFAULT_PEER = next((p for p in (os.path.join(ROOT, ".peers", PEER_FILE),
                                  os.path.join(ROOT, "..", "shared", "peers", PEER_FILE)) if os.path.exists(p)),
                     os.path.join(ROOT, ".peers", PEER_FILE))
 TARGET_RATIO, TARGET_MFU = 1.15, 0.50  # issue 44: over torch.compile's tokens/s; MFU at the LLaMA-3-8B shape
+TARGET_FP8 = 1.3  # issue 47: the FP8 step's tokens/s over the bf16 step's at the LLaMA-3-8B shape
+ENGINE_RUNS = {"bf16": "engine", "fp8": "engine fp8"}  # --engine_runs -> the run's name in the table
 
 flags.DEFINE_list("shapes", ["tinyllama", "llama3_8b"], f"Model shapes, of {sorted(SHAPES)}.")
 flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")
@@ -67,6 +71,8 @@ flags.DEFINE_enum("attention_implementation", None, list(kernels.ATTENTION_IMPLE
 flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *kernels.IMPLEMENTATIONS],
                   "The engine's loss: plain logits, 'chunked' (kernels.linear_cross_entropy_sum), or the fused head + "
                   "loss kernel (kernels.linear_cross_entropy).")
+flags.DEFINE_list("engine_runs", ["bf16"], "The engine's runs, in this order: bf16 (every matmul in bf16) and / or "
+                  "fp8 (the attention and MLP projections' matmuls in FP8, models.ModelOptions.fp8).")
 flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
                   "with a note when torch has no CUDA, unless this flag is given explicitly (a CPU smoke test).")
 flags.DEFINE_string("torch_peer", DEFAULT_PEER, "Path of torch_llama_step.py (the GPU machine receives only the "
@@ -78,15 +84,16 @@ flags.DEFINE_string("worker", None, "Internal: measure the engine at SHAPE:SEQ_L
 
 
 # ------------------------------------------------------------------------------------------------ shapes and FLOPs
-def make_model(shape, seq_len, *, llama3_layers=8, remat="none", attention_implementation=None):
+def make_model(shape, seq_len, *, llama3_layers=8, remat="none", attention_implementation=None, fp8=False):
     """The native LLaMA (`models.create_model('llama', ...)`) of a shape at rows of `seq_len` tokens, scanned, with
-    the given remat and attention kernel. The model's dtype is left at its default: the step's compute dtype comes
-    from `engine.Precision`, as a user's does."""
+    the given remat and attention kernel (and FP8 projections with `fp8`). The model's dtype is left at its default:
+    the step's compute dtype comes from `engine.Precision`, as a user's does."""
     import models
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}; expected one of {sorted(SHAPES)}")
     base, overrides = SHAPES[shape]
-    overrides = dict(overrides, scan_layers=True, remat=remat, attention_implementation=attention_implementation)
+    overrides = dict(overrides, scan_layers=True, remat=remat, attention_implementation=attention_implementation,
+                     fp8=fp8)
     if shape == "llama3_8b":
         overrides["num_layers"] = llama3_layers
     overrides["max_position_embeddings"] = max(seq_len, models.get_config("llama", base).max_position_embeddings)
@@ -113,10 +120,10 @@ def flops_per_step(model, seq_len, rows):
 
 # ------------------------------------------------------------------------------------------------ the engine's run
 def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers=8, remat="none",
-                attention_implementation=None, loss_implementation=None):
-    """Measures the engine's step on the first device: {'step_ms' (median), 'tokens_per_s', 'warmup_s' (`fit`'s
-    first `warmup` steps, the compile included), 'peak_gb' (None where the device does not say), 'device_kind',
-    'peak_tflops', 'loss', ...}."""
+                attention_implementation=None, loss_implementation=None, fp8=False):
+    """Measures the engine's step on the first device: {'run' ('engine', or 'engine fp8' with `fp8`), 'step_ms'
+    (median), 'tokens_per_s', 'warmup_s' (`fit`'s first `warmup` steps, the compile included), 'peak_gb' (None where
+    the device does not say), 'device_kind', 'peak_tflops', 'loss', ...}."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -130,7 +137,7 @@ def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers
     if steps < 1 or warmup < 1:
         raise ValueError(f"steps={steps}, warmup={warmup}; expected both >= 1 (the first warm-up step compiles)")
     model = make_model(shape, seq_len, llama3_layers=llama3_layers, remat=remat,
-                       attention_implementation=attention_implementation)
+                       attention_implementation=attention_implementation, fp8=fp8)
     config = model.config
     device = jax.devices()[0]
     mesh = engine.make_mesh(data=1, devices=[device])
@@ -159,7 +166,8 @@ def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers
     step_s = statistics.median(times)
     stats = _memory_stats(device)
     peak = stats.get("peak_bytes_in_use")
-    return dict(run="engine", step_ms=round(step_s * 1e3, 3), tokens_per_s=round(rows * seq_len / step_s, 1),
+    return dict(run=ENGINE_RUNS["fp8" if fp8 else "bf16"], step_ms=round(step_s * 1e3, 3),
+                tokens_per_s=round(rows * seq_len / step_s, 1),
                 warmup_s=round(warmup_s, 2), peak_gb=None if peak is None else round(peak / 1e9, 2),
                 device_kind=device.device_kind, peak_tflops=peak_tflops(device),
                 loss=float(metrics["loss"]), batch=rows, seq=seq_len, jax=jax.__version__)
@@ -255,9 +263,18 @@ def format_table(records):
 
 def target_lines(records):
     """Issue 44's targets, one line each where the runs it needs finished: the engine's tokens/s at least 1.15x
-    torch.compile's, and at least 50 % MFU at the llama3_8b shape."""
+    torch.compile's, and at least 50 % MFU at the llama3_8b shape; issue 47's: the FP8 step's tokens/s at least 1.3x
+    the bf16 step's at the llama3_8b shape."""
     lines = []
+    bf16 = {(r["shape"], r["seq"]): r["tokens_per_s"] for r in records
+            if r["run"] == ENGINE_RUNS["bf16"] and r.get("tokens_per_s")}
     for r in records:
+        key = (r["shape"], r["seq"])
+        if r["run"] == ENGINE_RUNS["fp8"] and r.get("tokens_per_s") and r["shape"] == "llama3_8b" and key in bf16:
+            ratio = r["tokens_per_s"] / bf16[key]
+            met = "met" if ratio >= TARGET_FP8 else "not met"
+            lines.append(f"target {TARGET_FP8}x the bf16 step with FP8, {r['shape']} seq {r['seq']}: {ratio:.2f}x "
+                         f"({met})")
         if r["run"] != "engine" or not r.get("tokens_per_s") or r["shape"] == "tiny":
             continue
         where = f"{r['shape']} seq {r['seq']}"
@@ -284,6 +301,9 @@ def _check_flags():
     unknown = sorted(set(FLAGS.peers) - set(PEER_NAMES))
     if unknown:
         raise ValueError(f"--peers: {unknown}; expected names of {sorted(PEER_NAMES)}")
+    unknown = sorted(set(FLAGS.engine_runs) - set(ENGINE_RUNS))
+    if unknown or not FLAGS.engine_runs:
+        raise ValueError(f"--engine_runs={','.join(FLAGS.engine_runs)}; expected one or more of {sorted(ENGINE_RUNS)}")
     for name in ("tokens_per_step", "steps", "warmup", "llama3_layers", "per_run_timeout"):
         if getattr(FLAGS, name) < 1:
             raise ValueError(f"--{name}={getattr(FLAGS, name)}; expected an integer >= 1")
@@ -297,8 +317,8 @@ def _engine_kwargs():
                 loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
 
 
-def _worker_cmd(shape, seq_len):
-    cmd = [sys.executable, os.path.abspath(__file__), f"--worker={shape}:{seq_len}"]
+def _worker_cmd(shape, seq_len, kind="bf16"):
+    cmd = [sys.executable, os.path.abspath(__file__), f"--worker={shape}:{seq_len}:{kind}"]
     for name in ("tokens_per_step", "steps", "warmup", "llama3_layers", "remat", "loss_implementation"):
         cmd.append(f"--{name}={getattr(FLAGS, name)}")
     if FLAGS.attention_implementation:
@@ -324,7 +344,7 @@ def _run_shape(shape, seq, peers, child_env, flops, records):
     model = make_model(shape, seq, llama3_layers=FLAGS.llama3_layers)
     rows = rows_of(FLAGS.tokens_per_step, seq)
     flops[(shape, seq)] = flops_per_step(model, seq, rows)
-    runs = [("engine", _worker_cmd(shape, seq))]
+    runs = [(ENGINE_RUNS[kind], _worker_cmd(shape, seq, kind)) for kind in FLAGS.engine_runs]
     args = peer_args(model.config, seq, FLAGS.tokens_per_step, FLAGS.steps, FLAGS.warmup)
     runs += [(PEER_NAMES[p], [FLAGS.torch_python, FLAGS.torch_peer, *args] + (["--compile"] if p == "compile" else []))
              for p in peers]
@@ -346,8 +366,9 @@ def _run_shape(shape, seq, peers, child_env, flops, records):
 def main(argv):
     del argv
     if FLAGS.worker:
-        shape, _, seq = FLAGS.worker.partition(":")
-        print("RESULT " + json.dumps(engine_case(shape, int(seq), **_engine_kwargs())), flush=True)
+        shape, seq, kind = FLAGS.worker.split(":")
+        print("RESULT " + json.dumps(engine_case(shape, int(seq), fp8=kind == "fp8", **_engine_kwargs())),
+              flush=True)
         return
     seq_lens = _check_flags()
     child_env = dict(os.environ)
@@ -358,7 +379,7 @@ def main(argv):
     peers, note = _peers_to_run()
     if note:
         print(note, flush=True)
-    print(f"engine: native LLaMA, scan_layers, remat={FLAGS.remat}, attention="
+    print(f"engine ({', '.join(FLAGS.engine_runs)}): native LLaMA, scan_layers, remat={FLAGS.remat}, attention="
           f"{FLAGS.attention_implementation or 'default'}, loss={FLAGS.loss_implementation}; bf16 compute over fp32 "
           f"master weights, AdamW; one device. {FLAGS.tokens_per_step} tokens a step, median of {FLAGS.steps} steps "
           f"after {FLAGS.warmup}.", flush=True)

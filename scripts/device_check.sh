@@ -20,9 +20,9 @@
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=480   (BUDGET=seconds overrides the 450)
 # `bash scripts/device_check.sh tune` runs step 5 alone on the whole budget (a second call while the machine is warm,
 # e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone, then the engine's rows again with
-# the Mosaic GPU attention while the budget lasts (carry=[".peers"]; the PyTorch
-# peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py .peers/
-# && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
+# the Mosaic GPU attention, then FP8 beside bf16 at LLaMA-3-8B's shape, while the budget lasts (carry=[".peers"]; the
+# PyTorch peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py
+# .peers/ && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
 # class and writes the merged table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over
 # kernels/defaults.json after reading it).
 # On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX, which the
@@ -53,6 +53,12 @@ if [ "$MODE" = step ]; then
     timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= \
       --attention_implementation=mosaic_gpu --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee -a "$OUT/bench_gpu_step.log" \
       | quiet | tail -8
+  fi
+  # FP8 against bf16 at LLaMA-3-8B's shape, side by side in one run (issue 47's 1.3x), while time is left.
+  if [ "$(left)" -gt 60 ]; then
+    timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= --shapes=llama3_8b \
+      --seq_lens=2048 --engine_runs=bf16,fp8 --out="$OUT/bench_gpu_step.jsonl" 2>&1 \
+      | tee -a "$OUT/bench_gpu_step.log" | quiet | tail -6
   fi
   exit "$status"
 fi

@@ -48,6 +48,9 @@ def test_engine_case_peer_parsing_and_table(tmp_path):
     result = bench.engine_case("tiny", 32, tokens_per_step=64, steps=2, warmup=1)
     assert result["step_ms"] > 0 and result["tokens_per_s"] > 0 and result["warmup_s"] > 0, result
     assert result["batch"] == 2 and result["peak_tflops"] is None  # a CPU: no peak, no MFU
+    fp8 = bench.engine_case("tiny", 32, tokens_per_step=64, steps=1, warmup=1, fp8=True)
+    assert (result["run"], fp8["run"]) == ("engine", "engine fp8") and fp8["tokens_per_s"] > 0
+    assert fp8["loss"] != result["loss"]  # the same data and weights, FP8's rounding
     assert bench.parse_result("x\nRESULT {\"a\": 1}\nRESULT {broken\n") == {"a": 1}
     peer = tmp_path / "peer.py"
     peer.write_text(FAKE_PEER)
@@ -70,6 +73,17 @@ def test_engine_case_peer_parsing_and_table(tmp_path):
     assert rows[2][3] == "torch eager (timed out after 60 s)" and rows[2][4] == "n/a"
     for row in rows[:2]:
         assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0 and row[6].endswith(" %"), row
+
+
+def test_target_lines():
+    bench = _load_script()
+    at = lambda run, tps, **kw: dict(shape="llama3_8b", seq=2048, rows=8, run=run, tokens_per_s=tps,  # noqa: E731
+                                     mfu=kw.get("mfu"), vs_compile=kw.get("vs_compile"))
+    lines = bench.target_lines([at("engine", 1000.0, mfu=0.45, vs_compile=1.2), at("engine fp8", 1400.0),
+                                at("torch.compile", 1000 / 1.2, vs_compile=1.0)])
+    assert lines == ["target 1.15x torch.compile, llama3_8b seq 2048: 1.20x (met)",
+                     "target 50 % MFU, llama3_8b seq 2048: 45.0 % (not met)",
+                     "target 1.3x the bf16 step with FP8, llama3_8b seq 2048: 1.40x (met)"], lines
 
 
 @pytest.mark.slow
