@@ -520,8 +520,8 @@ def test_int8_collectives_bad_input():
     with pytest.raises(ValueError, match=r"zero_quantized_weights=True; expected False on a mesh with fsdp=1"):
         engine.Trainer(mesh=engine.make_mesh(data=8), **common,
                        parallelism=engine.Parallelism(zero_quantized_weights=True))
-    with pytest.raises(ValueError, match=r"zero_quantized_gradients=True; expected False on a mesh with data=1 and "
-                                         r"fsdp=1"):
+    with pytest.raises(ValueError, match=r"zero_quantized_gradients=True; expected False on a mesh with data=1, "
+                                         r"fsdp=1 and expert=1"):
         engine.Trainer(mesh=engine.make_mesh(data=1, model=8), **common,
                        parallelism=engine.Parallelism(zero_quantized_gradients=True))
     with pytest.raises(ValueError, match=r"int8=True; expected an engine.step.Int8"):
