@@ -232,6 +232,21 @@ def test_gpipe_reduces_weight_gradients_once_per_step():
     assert 0 <= grown < layer_bytes / 2, (grown, layer_bytes)
 
 
+@pytest.mark.slow
+def test_train_lm_flag_gathers_fsdp_once_a_step_like_per_tick(tmp_path):
+    """train_lm.py with --pipeline_fsdp_gather=step on stage 2 x fsdp 2 x model 2: the same training and eval losses
+    as the per-tick gathers."""
+    from tests.test_scripts import TINY_LM, _eval_losses, _losses, _run, _stdlib_txt  # noqa: PLC0415
+    common = [f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", *TINY_LM, "--max_steps=4", "--log_every=2",
+              "--prompts=", "--mesh=1,2,2", "--per_device_batch_size=4", "--pipeline_stages=2",
+              "--pipeline_microbatches=2"]
+    tick = _run("train_lm.py", *common, f"--workdir={tmp_path / 'tick'}")
+    step = _run("train_lm.py", *common, f"--workdir={tmp_path / 'step'}", "--pipeline_fsdp_gather=step")
+    np.testing.assert_allclose(_losses(step.stdout), _losses(tick.stdout), rtol=1e-4)
+    np.testing.assert_allclose(_eval_losses(step.stdout), _eval_losses(tick.stdout), rtol=1e-4)
+    assert _losses(tick.stdout)
+
+
 def _weight_bytes(mesh, model, rows):
     """Bytes a device sends per step in every collective but the permutes (what moves weights and their gradients)
     in the compiled value and gradients of `model` on `mesh`."""
