@@ -159,10 +159,11 @@ print(json.dumps(planning.plan(model="mixtral", model_config="mixtral-8x7b", con
 """
 
 
-@pytest.mark.parametrize("mesh", ["1,1,1,4", "1,2,1,2"])
+@pytest.mark.parametrize("mesh", ["1,1,1,4", "1,2,1,2", "1,1,2,2"])
 def test_mixtral_expert_parallel_step_compiles_with_the_mosaic_grouped_matmul(mesh):
-    """A two-layer Mixtral (8 experts, top-2) on v5p-8 with its experts over `expert` (alone, and beside fsdp): the
-    shard_map step, the Mosaic grouped matmul inside the layer's ragged all-to-all exchange, compiles and fits."""
+    """A two-layer Mixtral (8 experts, top-2) on v5p-8 with its experts over `expert` (alone, beside fsdp, beside
+    model): the shard_map step ('auto' on TPU; manual over `expert`), the Mosaic grouped matmul inside the layer's
+    ragged all-to-all exchange, compiles and fits."""
     tpu_devices("v5p")
     proc = _run(["-c", _MOE_WORKER, mesh])
     assert proc.returncode == 0, proc.stderr[-3000:]
