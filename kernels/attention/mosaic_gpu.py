@@ -259,6 +259,15 @@ def _positions(start, shape, dim):
     return lax.broadcast_in_dim(vector, shape, [dim])
 
 
+def _per_step(slot, wg):
+    """(slot, wg) made opaque to LLVM, for a backward loop body to index its shared-memory tiles with. A tile
+    address the loop does not change (the consumer's own rows; every slot of a one-stage ring) let LLVM hoist its
+    wgmma descriptors out of the loop, one 64-bit pair per 16-long k step of every GEMM (68 at head dim 256, 136
+    registers), which ptxas then spilled (D256 dq 360 / 372 bytes, D128 causal dk / dv 20 / 40); indexed through
+    this, they are rebuilt each step on the uniform datapath beside the wgmmas, and nothing spills."""
+    return lax.optimization_barrier((slot, wg))
+
+
 def _clamp(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
@@ -572,7 +581,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_id
                           _band.inner_range(i, ROWS, bk, band), _last_key_tile(plan, bk))
 
         def step(j, dq, masked):
-            slot = slot_of(j)
+            slot, w = _per_step(slot_of(j), wg)
+            q_tile, do_tile = q_smem.at[w], do_smem.at[w]
             plgpu.barrier_wait(k_ready.at[slot])
             s = _logits(_scores(q_tile, k_smem.at[slot], ROWS, bk, None), plan)
             visible = _visible(q0, j * bk, s.shape, plan) if masked else None
@@ -653,7 +663,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_ids_ref, kv_i
 
             def step(i, carry, masked):
                 dk, dv = carry
-                slot = slot_of(i)
+                slot, w = _per_step(slot_of(i), wg)
+                k_tile, v_tile = k_smem.at[w], v_smem.at[w]
                 plgpu.barrier_wait(q_ready.at[slot])
                 s_t = _logits(_scores(k_tile, q_smem.at[slot], ROWS, bq, None), plan)
                 visible = None
