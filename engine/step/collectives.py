@@ -1,6 +1,7 @@
 """The shard_map step's collectives over the manual data axes, float and int8 (ZeRO++, `Int8`): the ZeRO-3 gather of
 a parameter shard with its reduce-scatter as the backward pass (`zero3_gather`), and the gradient reductions
-(`reduce_gradient`). `dims` arguments are `((dim, axes), ...)`: the dims a shard is split along and the mesh axes
+(`reduce_gradient`); each on every device's `model` block where the parameter is split over `model` too
+(`in_model_blocks`). `dims` arguments are `((dim, axes), ...)`: the dims a shard is split along and the mesh axes
 that split each.
 """
 import functools
@@ -125,9 +126,7 @@ def reduce_gradient(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None, 
     """Sums a local gradient over the data-parallel shards: reduce-scatter over `plan_scatter`, all-reduce over
     `plan_reduce`, in `reduce_dtype`, back in fp32; with `int8` (`Int8.gradients`, gradients of two or more dims)
     both as int8 exchanges (`reduce_scatter`, `all_reduce_int8`). A gradient split over `model` (`auto_spec`) is
-    reduced block by block in a shard_map over `model` too: left to the partitioner, a reduce-scatter over `data`
-    first gathered the whole `model` dimension."""
-    # Left to the partitioner: 2.9 GB more per MLP stack for LLaMA-7B on 2x2x2 with ZeRO-1.
+    reduced block by block over `model` (`in_model_blocks`)."""
     if not plan_scatter and not plan_reduce:
         return g
 
@@ -142,9 +141,19 @@ def reduce_gradient(g, plan_scatter, plan_reduce, reduce_dtype, auto_spec=None, 
             g = jax.lax.psum(g, plan_reduce)
         return g.astype(jnp.float32)
 
-    # A reduce-scatter along a dimension that `model` splits too stays with the partitioner: block by block, each
-    # device would keep a piece of every model block instead of one contiguous chunk.
-    if auto_spec is None or any(auto_spec[dim] for dim, _ in plan_scatter):
-        return reduce(g)
+    return in_model_blocks(reduce, g, auto_spec, plan_scatter)
+
+
+def in_model_blocks(collective, x, auto_spec, dims):
+    """`collective(x)`, a gather or reduction of `x` over the manual axes along `dims` ((dim, axes), ...), run on each
+    device's block of the automatic axes (`auto_spec`: the parameter's split over `model`, or None), in a shard_map
+    manual over them, so that the automatic split is kept through the collective. Left to the partitioner, a gather
+    or reduce-scatter over `fsdp` or `data` of a `model`-split weight came with the `model` dim gathered around it:
+    the tiny LLaMA's ZeRO-3 step on fsdp 2 x model 2 sent 1.53x fsdp 2 alone's all-gather and reduce-scatter bytes,
+    block by block 0.50x (tests/test_step.py; Mixtral-8x7B: models/README.md); a ZeRO-1 reduction, 2.9 GB more per
+    MLP stack for LLaMA-7B on 2x2x2. A dim in `dims` that `model` splits too stays with the partitioner: block by
+    block, each device would hold a piece of every `model` block instead of one contiguous chunk."""
+    if auto_spec is None or any(auto_spec[dim] for dim, _ in dims):
+        return collective(x)
     named = {a for e in auto_spec for a in ((e,) if isinstance(e, str) else (e or ()))}
-    return jax.shard_map(reduce, in_specs=auto_spec, out_specs=auto_spec, axis_names=named, check_vma=False)(g)
+    return jax.shard_map(collective, in_specs=auto_spec, out_specs=auto_spec, axis_names=named, check_vma=False)(x)

@@ -83,7 +83,8 @@ class _LayerStack:
         return jax.lax.dynamic_index_in_dim(x, self.position(t), 0, keepdims=False)
 
     def gather(self, ws, t):
-        return [all_gather(self.at(w, t), s.dims, s.dtype, s.int8.weights) for w, s in zip(ws, self.slots)]
+        return [s.in_blocks(lambda x, s=s: all_gather(x, s.dims, s.dtype, s.int8.weights), self.at(w, t))
+                for w, s in zip(ws, self.slots)]
 
     def layer(self, consts, carry, x_plain, gathered):
         """One layer on gathered weights: (carry out, per-layer outputs)."""
@@ -158,7 +159,8 @@ class _Backward:
         return [b if l is None else with_layout_constraint(b, l) for b, l in zip(bufs, self.grad_layouts)]
 
     def scatter(self, gs):
-        return [reduce_scatter(g, s.dims, s.reduce_dtype, s.grad_dtype or w.dtype, s.int8.gradients)
+        return [s.in_blocks(lambda g, s=s, w=w: reduce_scatter(g, s.dims, s.reduce_dtype, s.grad_dtype or w.dtype,
+                                                               s.int8.gradients), g)
                 for g, w, s in zip(gs, self.ws, self.grad_slots)]
 
     def put(self, buffers, values, t):

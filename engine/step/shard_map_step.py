@@ -9,6 +9,8 @@ Inside the shard_map each device runs `loss_fn` on its own rows of every micro-b
     scan-over-layers model the loss's jaxpr is re-evaluated so that the stacked weights enter the layer loop as
     shards and each iteration gathers only its own layer; with remat='full' the stack is pipelined by hand
     (`engine.step.layer_scan`: layer t+1's gather and layer t+1's gradient reduce-scatter run beside layer t). A
+    parameter split over `model` too is gathered and reduce-scattered on each device's `model` block
+    (`engine.step.collectives.in_model_blocks`), so the compiler keeps its `model` split through them. A
     row-split embedding table is looked up vocab-parallel (`engine.step.gathering`), never gathered, and so is a
     `kernels.linear_cross_entropy` head split by vocabulary columns (`kernels.matmul.vocab_parallel_loss`).
   - accumulation: partial gradients stay in the parameter's (ZeRO-2: the update's) layout between micro-batches.
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 import kernels
-from engine.step.collectives import Int8, all_gather, reduce_gradient, reduce_scatter
+from engine.step.collectives import Int8, all_gather, in_model_blocks, reduce_gradient, reduce_scatter
 from engine.step.gathering import eval_gathering
 from engine.step.shards import Sharded
 from engine.step.update import (apply_update, checked_user_gradients, combine, current_loss_scale, micro_loss_fn,
@@ -273,7 +275,7 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
         trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
         local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
         args = [Sharded(x, pl.gather, s.compute_type(x), s.reduce_dtype, int8=s.int8,
-                        layout=s.layout(x.shape, s.held_type(x)), grad_dtype=s.grad_dtype)
+                        layout=s.layout(x.shape, s.held_type(x)), auto=pl.auto_spec, grad_dtype=s.grad_dtype)
                 if pl.gather
                 else x.astype(s.compute_type(x)) for x, pl in zip(local_leaves, layout.plans)]
         flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
@@ -294,13 +296,15 @@ def _user_shard_grad_fn(s, layout):
     def value_and_grad(trained_leaves, frozen_leaves, micro_batch, micro_rng):
         trained_iter, frozen_iter = iter(trained_leaves), iter(frozen_leaves)
         local = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
-        whole = [all_gather(x, pl.gather, s.compute_type(x), s.int8.weights) if pl.gather
+        whole = [in_model_blocks(lambda x, pl=pl: all_gather(x, pl.gather, s.compute_type(x), s.int8.weights), x,
+                                 pl.auto_spec, pl.gather) if pl.gather
                  else x.astype(s.compute_type(x)) for x, pl in zip(local, layout.plans)]
         params = layout.treedef.unflatten(whole)
         (loss, metrics), grads = checked_user_gradients(s.grad_fn(params, micro_batch, micro_rng), params, mask)
         weight = _shard_weight(s, metrics)
-        grads = [reduce_scatter(g.astype(jnp.float32) * weight, pl.gather, s.reduce_dtype, jnp.float32,
-                                s.int8.gradients) if pl.gather else g.astype(jnp.float32) * weight
+        grads = [in_model_blocks(lambda g, pl=pl: reduce_scatter(g, pl.gather, s.reduce_dtype, jnp.float32,
+                                                                 s.int8.gradients), g.astype(jnp.float32) * weight,
+                                 pl.auto_spec, pl.gather) if pl.gather else g.astype(jnp.float32) * weight
                  for g, pl in zip(jax.tree.leaves(grads), layout.trained(layout.plans))]
         return (loss * weight, (loss, metrics, weight)), grads
 
