@@ -126,7 +126,7 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
     rows, chunks = x.shape[0], stages * virtual_stages
     per_chunk = num_layers // chunks
     split = _splitter(rows, microbatches)
-    inputs, ctx_mb = split(x), jax.tree.map(split, ctx)
+    inputs, ctx_mb = split(x), _whole_on_device(jax.tree.map(split, ctx), shard)
     # [L, ...] -> [V, S, K, ...] (layer (v S + s) K + k) -> [S, V, K, ...]: stage s's chunks s, S + s, 2S + s, ...
     stage_params = jax.tree.map(lambda w: _on_stages(
         w.reshape(virtual_stages, stages, per_chunk, *w.shape[1:]).swapaxes(0, 1)), params)
@@ -178,6 +178,16 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
 def _widened(w):
     """w in float32 when it is a narrower float (integer and wider weights as they are)."""
     return w.astype(jnp.float32) if jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4 else w
+
+
+def _whole_on_device(ctx, shard):
+    """The per-row inputs (segment ids, positions: small integer arrays) whole on each device inside the shard_map
+    over the batch axes (`shard` not None), where each device holds only its rows anyway: picking a tick's micro-batch
+    from them otherwise made XLA's partitioner abort (jaxlib 0.10.2, "partition_group_list ... Check failed") when
+    the rows came in split over the automatic `stage` or `model` axes too (a reward model's completed rows)."""
+    if shard is None:
+        return ctx
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, P()), ctx)
 
 
 def _micro_index(micro, microbatches, shard):
@@ -304,7 +314,8 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         forward_all = jax.vmap(at_shard(run_stage), spmd_axis_name=axes.STAGE)
         backward_all = jax.vmap(at_shard(stage_grads), spmd_axis_name=axes.STAGE)
         split = _splitter(x.shape[0], microbatches)
-        inputs, ctx_mb, tail_mb = split(x), jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)
+        inputs = split(x)
+        ctx_mb, tail_mb = _whole_on_device((jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)), shard)
         stage_params = jax.tree.map(lambda w: _on_stages(w.reshape(stages, per_chunk, *w.shape[1:])), params)
 
         def tick(carry, t):

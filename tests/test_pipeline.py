@@ -232,6 +232,30 @@ def test_gpipe_reduces_weight_gradients_once_per_step():
     assert 0 <= grown < layer_bytes / 2, (grown, layer_bytes)
 
 
+def test_reward_model_scores_on_a_pipeline_equal_the_plain_ones():
+    """A reward model's sequence scores (rows completed with their last label, the score read at it) on stage 2 x
+    data 2 x model 2, the stack's loop manual over `data`: equal to the plain model's. Picking each tick's
+    micro-batch from those rows' segment ids aborted XLA's partitioner before they were made whole on each device."""
+    from engine.tasks.rlhf import reward  # noqa: PLC0415 - the scripts' scoring, above the models
+    model = _model(remat="full")
+    scorer = models.RewardModel(model)
+    params = models.init_reward_params(scorer, models.init_params(model, jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+    ids = _ids(model, 4)
+    batch = {"input_ids": ids, "segment_ids": jnp.ones_like(ids).at[1, 10:].set(0), "labels": ids}
+    score = lambda p, b: reward.sequence_rewards(scorer, p, b)  # noqa: E731
+    mesh = engine.make_mesh(stage=2, data=2, model=2)
+    specs = engine.auto_shard(params, mesh, trace_fn=lambda p: score(p, batch))
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                 is_leaf=lambda x: isinstance(x, P)))
+
+    def on_mesh(p, b):
+        with kernels.under_mesh(mesh):
+            return score(p, b)
+
+    got = jax.jit(on_mesh)(placed, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(got, jax.jit(score)(params, batch), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_train_lm_flag_gathers_fsdp_once_a_step_like_per_tick(tmp_path):
     """train_lm.py with --pipeline_fsdp_gather=step on stage 2 x fsdp 2 x model 2: the same training and eval losses
