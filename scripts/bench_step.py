@@ -3,7 +3,8 @@
 All three train the same tiny LLaMA-style model on the same data and mesh (`--peers_dir/tinylm.py`): a 2-step
 warm-up, then the wall time of 20 steps. Runs are interleaved (engine, floor, RedCoast, engine, ...) in fresh
 processes, and the table reports medians and the median of the per-round ratios, because single timings on a
-2-core machine are noisy.
+2-core machine are noisy. `fit/direct` is the engine's 20 steps under `fit` over the same compiled step called 20
+times directly on one placed batch: above 1 by `fit`'s own host work per step (data, logging, checks).
 
   .venv/bin/python scripts/bench_step.py --meshes=4x1x2,8x1x1 --rounds=3 --redco_python=/tmp/redco-venv/bin/python
 """
@@ -31,16 +32,19 @@ GLOBAL_BATCH, STEPS, WARMUP = 16, 20, 2
 
 
 def engine_worker(mesh_text, step_kind):
-    """One measurement: prints STEADY <s>, COMPILE <s>, COMPILES <n>."""
+    """One measurement: prints STEADY <s> (`fit`'s STEPS steps), DIRECT <s> (the same compiled step called STEPS
+    times directly on one placed batch: the program alone, without `fit`'s host work), COMPILE <s>, COMPILES <n>."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, os.path.abspath(FLAGS.peers_dir))
     from engine import compiler
     compiler.configure()  # the engine's overlap flags (none on CPU), before JAX starts its backend
     import jax
+    import numpy as np
     import optax
     from tinylm import TinyLM, collate_fn, make_examples, xent
 
     import engine
+    from engine import data as data_lib
     data, fsdp, model = (int(x) for x in mesh_text.split("x"))
     mesh = engine.make_mesh(data=data, fsdp=fsdp, model=model)
     lm = TinyLM()
@@ -64,6 +68,14 @@ def engine_worker(mesh_text, step_kind):
     # fit's n_epochs came to count more epochs rather than a lifetime total).
     assert trainer.step == WARMUP + STEPS, (trainer.step, WARMUP + STEPS)
     print(f"STEADY {time.perf_counter() - start:.4f}")
+    compiled, params, opt_state = trainer.compiled_step(), trainer.params, trainer.opt_state  # donated: fit is done
+    _, _, batch = next(data_lib.iterate_batches(mesh, make_examples(GLOBAL_BATCH, 3), collate_fn,
+                                                per_device_batch_size=per_device))
+    start = time.perf_counter()
+    for i in range(STEPS):
+        params, opt_state, _ = compiled(params, opt_state, batch, np.int32(WARMUP + STEPS + i))
+    jax.block_until_ready((params, opt_state))
+    print(f"DIRECT {time.perf_counter() - start:.4f}")
     print(f"COMPILE {compile_seconds:.4f}")
     print(f"COMPILES {trainer.compile_count}")
 
@@ -73,7 +85,7 @@ def _run(cmd, env):
     values = {}
     for line in out.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in ("STEADY", "COMPILE", "COMPILES"):
+        if len(parts) == 2 and parts[0] in ("STEADY", "DIRECT", "COMPILE", "COMPILES"):
             values[parts[0]] = float(parts[1])
     if "STEADY" not in values:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -113,10 +125,11 @@ def main(argv):
         for kind in FLAGS.steps:
             mine = f"engine[{kind}]"
             rows.append((mesh_text, kind, med[mine], med["floor"], med["redco"], ratio(mine, "floor"),
-                         ratio(mine, "redco"), statistics.median(r["COMPILE"] for r in runs[mine]),
+                         ratio(mine, "redco"), statistics.median(r["STEADY"] / r["DIRECT"] for r in runs[mine]),
+                         statistics.median(r["COMPILE"] for r in runs[mine]),
                          int(max(r["COMPILES"] for r in runs[mine]))))
-    header = ("mesh dxfxm", "step", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "compile s",
-              "compiles")
+    header = ("mesh dxfxm", "step", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "fit/direct",
+              "compile s", "compiles")
     print(f"{STEPS} steady steps, global batch {GLOBAL_BATCH}, {FLAGS.rounds} interleaved rounds, medians")
     print(" | ".join(f"{h:>12}" for h in header))
     for r in rows:
