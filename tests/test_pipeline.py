@@ -260,22 +260,34 @@ def test_reward_model_scores_on_a_pipeline_equal_the_plain_ones():
 def test_train_lm_flag_gathers_fsdp_once_a_step_like_per_tick(tmp_path):
     """train_lm.py with --pipeline_fsdp_gather=step on stage 2 x fsdp 2 x model 2: the same training and eval losses
     as the per-tick gathers."""
+    assert_train_lm_flag_trains_alike(tmp_path, "--pipeline_fsdp_gather=step", "--mesh=1,2,2",
+                                      "--pipeline_microbatches=2")
+
+
+def assert_train_lm_flag_trains_alike(tmp_path, flag, *pipeline):
+    """train_lm.py on 2 stages with the `pipeline` flags (mesh, micro-batches), 4 steps, with and without `flag`:
+    the same training and eval losses (rtol 1e-4), and some of them."""
     from tests.test_scripts import TINY_LM, _eval_losses, _losses, _run, _stdlib_txt  # noqa: PLC0415
     common = [f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", *TINY_LM, "--max_steps=4", "--log_every=2",
-              "--prompts=", "--mesh=1,2,2", "--per_device_batch_size=4", "--pipeline_stages=2",
-              "--pipeline_microbatches=2"]
-    tick = _run("train_lm.py", *common, f"--workdir={tmp_path / 'tick'}")
-    step = _run("train_lm.py", *common, f"--workdir={tmp_path / 'step'}", "--pipeline_fsdp_gather=step")
-    np.testing.assert_allclose(_losses(step.stdout), _losses(tick.stdout), rtol=1e-4)
-    np.testing.assert_allclose(_eval_losses(step.stdout), _eval_losses(tick.stdout), rtol=1e-4)
-    assert _losses(tick.stdout)
+              "--prompts=", "--per_device_batch_size=4", "--pipeline_stages=2", *pipeline]
+    without = _run("train_lm.py", *common, f"--workdir={tmp_path / 'without'}")
+    with_flag = _run("train_lm.py", *common, f"--workdir={tmp_path / 'with'}", flag)
+    np.testing.assert_allclose(_losses(with_flag.stdout), _losses(without.stdout), rtol=1e-4)
+    np.testing.assert_allclose(_eval_losses(with_flag.stdout), _eval_losses(without.stdout), rtol=1e-4)
+    assert _losses(without.stdout)
 
 
 def _weight_bytes(mesh, model, rows):
     """Bytes a device sends per step in every collective but the permutes (what moves weights and their gradients)
-    in the compiled value and gradients of `model` on `mesh`."""
-    hlo = _trace_on(mesh, model, rows).compile().as_text()
-    sent = engine.plan.collective_bytes(hlo, mesh.size)
+    in the compiled value and gradients of `model` on `mesh`: its LM loss with 1F1B, else `_loss`."""
+    if model.config.pipeline_schedule == "1f1b":
+        from tests.test_pipeline_1f1b import _batch, _loss as loss_1f1b  # noqa: PLC0415 - the 1F1B test's LM batch
+        params = models.init_params(model, jax.random.PRNGKey(0))
+        fn, placed, placed_batch = _on_mesh(loss_1f1b(model), params, _batch(model, rows=rows), mesh)
+        lowered = fn.lower(placed, placed_batch)
+    else:
+        lowered = _trace_on(mesh, model, rows)
+    sent = engine.plan.collective_bytes(lowered.compile().as_text(), mesh.size)
     return sum(v for k, v in sent.items() if k != "collective-permute")
 
 
@@ -290,8 +302,6 @@ def test_fsdp_gathered_once_a_step_sends_the_same_at_more_micro_batches(schedule
         def sent(m):
             model = _model(remat="full", pipeline_microbatches=m, pipeline_schedule=schedule,
                            pipeline_fsdp_gather=gather)
-            if schedule == "1f1b":
-                return _weight_bytes_1f1b(engine.make_mesh(stage=2, fsdp=4), model, rows=4 * m)
             return _weight_bytes(engine.make_mesh(stage=2, fsdp=4), model, rows=4 * m)
         return sent(4) - sent(2)
 
@@ -299,14 +309,6 @@ def test_fsdp_gathered_once_a_step_sends_the_same_at_more_micro_batches(schedule
     layer_bytes = sum(w.size * 4 for w in jax.tree.leaves(params["layers"])) // 4  # fp32, 4 layers
     once, per_tick = grown("step"), grown("tick")
     assert abs(once) < layer_bytes / 4 and per_tick > layer_bytes, (once, per_tick, layer_bytes)
-
-
-def _weight_bytes_1f1b(mesh, model, rows):
-    from tests.test_pipeline_1f1b import _batch, _loss as loss_1f1b  # noqa: PLC0415 - the 1F1B test's LM batch
-    params = models.init_params(model, jax.random.PRNGKey(0))
-    fn, placed, placed_batch = _on_mesh(loss_1f1b(model), params, _batch(model, rows=rows), mesh)
-    sent = engine.plan.collective_bytes(fn.lower(placed, placed_batch).compile().as_text(), mesh.size)
-    return sum(v for k, v in sent.items() if k != "collective-permute")
 
 
 @pytest.mark.slow

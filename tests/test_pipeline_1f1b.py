@@ -17,7 +17,7 @@ import models
 from engine.tasks import lm
 from models import pipeline
 from tests import trainer_task as tt
-from tests.test_pipeline import _on_mesh
+from tests.test_pipeline import _on_mesh, assert_train_lm_flag_trains_alike
 
 SEQ = 16
 
@@ -117,15 +117,8 @@ def test_trainer_trains_1f1b_like_without():
 @pytest.mark.slow
 def test_train_lm_flag_trains_1f1b_like_gpipe(tmp_path):
     """train_lm.py with --pipeline_schedule=1f1b: the same training and eval losses as GPipe's on the same mesh."""
-    from tests.test_scripts import TINY_LM, _eval_losses, _losses, _run, _stdlib_txt
-    common = [f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", *TINY_LM, "--max_steps=4", "--log_every=2",
-              "--prompts=", "--mesh=2,1,2", "--per_device_batch_size=4", "--pipeline_stages=2",
-              "--pipeline_microbatches=4"]
-    gpipe = _run("train_lm.py", *common, f"--workdir={tmp_path / 'gpipe'}")
-    one_f_one_b = _run("train_lm.py", *common, f"--workdir={tmp_path / '1f1b'}", "--pipeline_schedule=1f1b")
-    np.testing.assert_allclose(_losses(one_f_one_b.stdout), _losses(gpipe.stdout), rtol=1e-4)
-    np.testing.assert_allclose(_eval_losses(one_f_one_b.stdout), _eval_losses(gpipe.stdout), rtol=1e-4)
-    assert _losses(gpipe.stdout)
+    assert_train_lm_flag_trains_alike(tmp_path, "--pipeline_schedule=1f1b", "--mesh=2,1,2",
+                                      "--pipeline_microbatches=4")
 
 
 def test_1f1b_keeps_less_than_gpipe_and_runs_its_ticks():
