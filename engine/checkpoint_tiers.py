@@ -3,10 +3,9 @@ beside the persistent Orbax checkpoints of the workdir (`engine.checkpoint.Check
 newest complete copy of either (`TieredCheckpointer`).
 
 A local save copies only what a process's devices hold (one copy of each distinct block) to the host, its blocking
-part with the replicas' transfer (below), and writes it in a background thread under
-`<local_dir>/run-<hash of the workdir>/process_<i>/<step>/`: a raw `blocks.bin`, the `index.json` that says where
-each block lies in its global array with its CRC-32, and the step's `meta.json` (the data position, a digest of the
-index and its own). A step is written into `<step>.tmp` and
+part, and writes it in a background thread under `<local_dir>/run-<hash of the workdir>/process_<i>/<step>/`: a raw
+`blocks.bin`, the `index.json` that says where each block lies in its global array with its CRC-32, and the step's
+`meta.json` (the data position, a digest of the index and its own). A step is written into `<step>.tmp` and
 renamed when complete, and the previous local step is deleted only after that, so a process killed mid-write leaves
 its last good copy. Nothing runs on the devices but the replicas' transfer: a process reads back only the blocks it
 wrote (or its peer's replica of them, below), so per-block checksums on the host replace the persistent tier's global
@@ -15,9 +14,18 @@ ones (a pass over the state on the devices and an all-reduce per save).
 Peer replicas (`Checkpointing(local_replicas=1)`, more than one process): each save also sends the process's blocks,
 with their index, to the previous process, which writes them beside its own under `replica_of_process_<p + 1>/`, with
 CRC-32s of its own over the bytes it received (process p holds process (p + 1) mod n's). The bytes cross as a
-collective permute over one device per process, in chunks of at most 64 MiB staged on that device, inside the save's
-blocking part (a collective launched from the writer thread could interleave with the step's own collectives in a
-different order on each process); hosts need no shared storage and no connection beyond the devices'.
+collective permute over one device per process, in chunks of at most 64 MiB staged on that device (`_Transfer`);
+hosts need no shared storage and no connection beyond the devices'. The transfer is off the step's critical path:
+the save only launches its first chunks (asynchronous dispatch) and a receiver thread waits for the bytes and writes
+the replica, so the next steps run while they cross. Every chunk is launched on the thread that dispatches the
+steps, at points the same on every process: the save launches `_WINDOW` chunks, each `local_due` between steps
+`_WINDOW` more, and the next save, `wait` or `close` the rest, a chunk only once the one `_WINDOW` before it has been
+read to the host (by the receiver, else right there), which bounds the device memory a transfer holds. The counts
+depend on the payloads' sizes only (agreed by all processes), never on how far a transfer got, so each device runs
+the permutes and the steps' own collectives in one order on every process; a collective launched from a background
+thread could land before a step's on one process and after it on another, and both would wait for ever. A replica
+is written (into `<step>.tmp`, then renamed) only once all its bytes arrived, so a process killed mid-transfer
+leaves none that passes as complete.
 
 A restart tries steps newest first over both tiers. A local step is a candidate when every process holds it, or, for
 a process that lost it (a wiped `/dev/shm`, a replaced node), its peer holds a replica; and when the restore's layout
@@ -191,12 +199,12 @@ class LocalCheckpoints(_Steps):
         self.replica = _Steps(os.path.join(run_dir, f"replica_of_process_{peer}"), keep) if (
             jax.process_count() > 1) else None
         self.replicas = replicas if self.replica is not None else 0
-        self._writer, self._error = None, None
+        self._threads, self._transfer, self._error = [], None, None
 
     def save(self, step, state, meta):
-        """Copies this process's blocks of `state` to the host (returns once they are there, and with replicas once
-        the next process's blocks arrived: the save's blocking part) and writes them, each with its CRC-32, and
-        `meta` (and the replica) in a background thread; the previous write is awaited first."""
+        """Copies this process's blocks of `state` to the host (the save's blocking part) and writes them, each with
+        its CRC-32, and `meta` in a background thread; with replicas it launches their transfer (module docstring),
+        and a receiver thread writes the next process's blocks as they arrive. The previous save is awaited first."""
         self.wait()
         blocks, index = [], []
         for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -210,30 +218,46 @@ class LocalCheckpoints(_Steps):
                     index.append({"leaf": jax.tree_util.keystr(path), "block": where,
                                   "dtype": str(leaf.dtype), "shape": list(shard.data.shape)})
         blocks = [np.asarray(b) for b in blocks]
-        replica = None
+        self._threads = [threading.Thread(target=self._write, args=(step, blocks, index, meta), daemon=True,
+                                          name="local-checkpoint")]
         if self.replicas:  # process p's blocks go to process p - 1; p + 1's arrive
             header = json.dumps({"meta": meta, "index": index, "sizes": [b.nbytes for b in blocks]}).encode()
-            replica = _unpack(_send(_pack(header, blocks), -1))
-        self._writer = threading.Thread(target=self._write, args=(step, blocks, index, meta, replica), daemon=True,
-                                        name="local-checkpoint")
-        self._writer.start()
+            transfer = _Transfer(_pack(header, blocks), -1)
+            self._transfer = None if transfer.launch(_WINDOW) else transfer  # the rest: `launch_more`, `wait`
+            self._threads.append(threading.Thread(target=self._receive, args=(step, transfer), daemon=True,
+                                                  name="local-checkpoint-replica"))
+        for thread in self._threads:
+            thread.start()
 
-    def _write(self, step, blocks, index, meta, replica):
+    def launch_more(self):
+        """Launches the replica transfer's next chunks; on the thread that dispatches the steps, between steps."""
+        if self._transfer is not None and self._transfer.launch(_WINDOW):
+            self._transfer = None  # the receiver thread holds it, and lets go of its bytes once it wrote them
+
+    def _write(self, step, blocks, index, meta):
         try:
             self.write(step, blocks, index, meta)
-            if replica is not None:
-                header, data = replica
-                ends = np.cumsum([0] + header["sizes"])
-                self.replica.write(step, [data[a:b] for a, b in zip(ends[:-1], ends[1:])], header["index"],
-                                   header["meta"])
         except Exception as e:  # noqa: BLE001 - reported by the next save or wait, in the training thread
-            self._error = e
+            self._error = self._error or e
+
+    def _receive(self, step, transfer):
+        try:
+            header, data = _unpack(transfer.result())
+            ends = np.cumsum([0] + header["sizes"])
+            self.replica.write(step, [data[a:b] for a, b in zip(ends[:-1], ends[1:])], header["index"],
+                               header["meta"])
+        except Exception as e:  # noqa: BLE001 - reported by the next save or wait, in the training thread
+            self._error = self._error or e
 
     def wait(self):
-        """Waits for the write in flight; raises what it failed with (a full local disk, say) as one line."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        """Launches what is left of the replica transfer, waits for the writes in flight and raises what they failed
+        with (a full local disk, say) as one line."""
+        if self._transfer is not None:
+            self._transfer.launch()
+            self._transfer = None
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
         if self._error is not None:
             error, self._error = self._error, None
             raise OSError(f"local checkpoint under {self.directory} failed to write: {error}") from error
@@ -264,6 +288,9 @@ class TieredCheckpointer:
         return sorted(set(self.persistent.all_steps()) | set(self._agreed_local_steps()))
 
     def local_due(self, step):
+        """Whether `step` saves locally. The Trainer asks between steps on the thread that dispatches them, the
+        same steps on every process: the point where a replica transfer's next chunks are launched."""
+        self.local.launch_more()
         return bool(self.local_every) and step % self.local_every == 0
 
     def save(self, step, state, meta):
@@ -399,42 +426,101 @@ def _unpack(payload):
     return json.loads(payload[8:8 + length].tobytes()), payload[8 + length:]
 
 
-_CHUNK = 64 << 20  # bytes a transfer moves at once: the device memory it takes on one device per process, twice
+_CHUNK = 64 << 20  # bytes a permute moves at once
+_WINDOW = 4  # chunks in flight: a transfer stages at most 2 x _WINDOW x _CHUNK bytes on one device per process
 
 
 def _send(payload, offset):
     """Sends every process's `payload` (uint8, any length) to process (p + offset) mod n and returns the one
-    process (p - offset) mod n sent. A collective permute over one device per process, in chunks of at most
-    `_CHUNK` bytes staged through it: the devices' own links carry it (NCCL, the TPU interconnect, gloo on CPU),
-    so hosts need no shared storage nor another connection."""
-    n, me = jax.process_count(), jax.process_index()
-    sizes = np.asarray(multihost_utils.process_allgather(np.int64(payload.size))).ravel()
-    size, largest = int(sizes[(me - offset) % n]), int(sizes.max())
-    received = np.empty(size, np.uint8)
-    if largest == 0:
-        return received
-    chunk = min(_CHUNK, 1 << (largest - 1).bit_length())  # powers of two: few shapes to compile
-    devices = tuple(min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(n))
-    permute, sharding = _permute(devices, offset % n, chunk)
-    pending = None
-    for start in range(0, largest + chunk, chunk):  # one chunk in flight while the previous one is read
-        if start < largest:
-            piece = np.zeros((1, chunk), np.uint8)
-            part = payload[start:start + chunk]
-            piece[0, :part.size] = part
-            out = permute(jax.make_array_from_single_device_arrays(
-                (n, chunk), sharding, [jax.device_put(piece, devices[me])]))
-        if pending is not None:
-            at, array = pending
-            part = received[at:at + chunk]
-            part[:] = np.asarray(array.addressable_shards[0].data)[0, :part.size]
-        pending = (start, out) if start < largest else None
-    return received
+    process (p - offset) mod n sent, all launched and received here (`_Transfer`)."""
+    transfer = _Transfer(payload, offset)
+    transfer.launch()
+    return transfer.result()
+
+
+def _fetch(array):
+    """A received chunk's bytes on the host: waits for its permute."""
+    return np.asarray(array.addressable_shards[0].data)[0]
+
+
+class _Transfer:
+    """Every process's `payload` (uint8, any length) on its way to process (p + offset) mod n: a collective permute
+    over one device per process, in chunks of at most `_CHUNK` bytes staged through it, so the devices' own links
+    carry it (NCCL, the TPU interconnect, gloo on CPU) and hosts need no shared storage nor another connection.
+
+    `__init__` (which agrees the sizes) and `launch` are collectives: only on the thread that dispatches the steps,
+    at the same points on every process (module docstring). `result` may wait on any other thread."""
+
+    def __init__(self, payload, offset):
+        n, me = jax.process_count(), jax.process_index()
+        sizes = np.asarray(multihost_utils.process_allgather(np.int64(payload.size))).ravel()
+        size, largest = int(sizes[(me - offset) % n]), int(sizes.max())
+        self.payload, self.received = payload, np.empty(size, np.uint8)
+        self.chunk = min(_CHUNK, 1 << max(largest - 1, 0).bit_length())  # powers of two: few shapes to compile
+        self.starts = list(range(0, largest, self.chunk))
+        self.devices = tuple(min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                             for p in range(n))
+        self.permute, self.sharding = _permute(self.devices, offset % n, self.chunk) if largest else (None, None)
+        self.outputs = []  # each launched chunk's received array, None once read
+        self.read, self.error = 0, None  # chunks read to the host; what a read failed with
+        self.launched = threading.Condition()  # notified as chunks launch
+        self.reading = threading.Lock()  # one reader of a chunk at a time
+
+    def launch(self, count=None):
+        """Launches the next `count` chunks (None: all), each once the chunk `_WINDOW` before it was read (read here
+        when no other thread has): the count, not the progress, decides what is launched. True once all are."""
+        me = jax.process_index()
+        end = len(self.starts) if count is None else min(len(self.starts), len(self.outputs) + count)
+        while len(self.outputs) < end:
+            i = len(self.outputs)
+            self._read_until(i - _WINDOW + 1)
+            start = self.starts[i]
+            part = self.payload[start:start + self.chunk]
+            if part.size == self.chunk:
+                piece = part.reshape(1, self.chunk)
+            else:
+                piece = np.zeros((1, self.chunk), np.uint8)
+                piece[0, :part.size] = part
+            out = self.permute(jax.make_array_from_single_device_arrays(
+                (len(self.devices), self.chunk), self.sharding, [jax.device_put(piece, self.devices[me])]))
+            with self.launched:
+                self.outputs.append(out)
+                self.launched.notify_all()
+        return len(self.outputs) == len(self.starts)
+
+    def _read_until(self, end):
+        """Reads the chunks before `end` to `received`, each once its permute is done, and lets go of their device
+        buffers; waits for a chunk's launch without holding `reading`, which the launching thread may need. After a
+        failed read the rest are dropped unread (they still launch: the peers expect them) and `result` raises."""
+        while True:
+            with self.reading:
+                if self.read >= end:
+                    return
+                if self.read < len(self.outputs):
+                    out, self.outputs[self.read] = self.outputs[self.read], None
+                    start = self.starts[self.read]
+                    part = self.received[start:start + self.chunk]
+                    if self.error is None:
+                        try:
+                            part[:] = _fetch(out)[:part.size]
+                        except Exception as e:  # noqa: BLE001 - raised by `result`, in the receiving thread
+                            self.error = e
+                    self.read += 1
+                    continue
+            with self.launched:
+                self.launched.wait_for(lambda: len(self.outputs) > self.read)
+
+    def result(self):
+        """The payload process (p - offset) mod n sent, once every chunk has been launched and has arrived."""
+        self._read_until(len(self.starts))
+        if self.error is not None:
+            raise self.error
+        return self.received
 
 
 @functools.lru_cache(maxsize=None)
 def _permute(devices, offset, chunk):
-    """The jitted permute of `_send` over `devices` (one per process) and its input sharding."""
+    """The jitted permute of `_Transfer` over `devices` (one per process) and its input sharding."""
     mesh = jax.sharding.Mesh(np.array(devices), ("process",))
     n = len(devices)
     body = functools.partial(jax.lax.ppermute, axis_name="process", perm=[(p, (p + offset) % n) for p in range(n)])

@@ -3,6 +3,7 @@ complete copy of either tier, ending bit for bit where the uninterrupted run end
 local copy falls back to the persistent tier."""
 import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -130,12 +131,87 @@ def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path, crashed):
 
 
 def test_a_payload_crosses_in_chunks_to_the_next_process(monkeypatch):
-    """`_send`, the replicas' transport (one process: to itself), over several chunks and a part of one."""
+    """`_send`, the replicas' transport (one process: to itself), over several chunks and a part of one; a
+    `_Transfer` launches `count` chunks a call, never more than `_WINDOW` of them unread."""
     monkeypatch.setattr(checkpoint_tiers, "_CHUNK", 1024)
+    monkeypatch.setattr(checkpoint_tiers, "_WINDOW", 2)
     payload = np.random.RandomState(0).randint(0, 256, 5000).astype(np.uint8)
     for offset in (-1, 1):
         np.testing.assert_array_equal(checkpoint_tiers._send(payload, offset), payload)
     assert checkpoint_tiers._send(np.zeros(0, np.uint8), 1).size == 0
+    transfer = checkpoint_tiers._Transfer(payload, -1)
+    in_flight = lambda: sum(out is not None for out in transfer.outputs)  # noqa: E731
+    assert not transfer.launch(2) and len(transfer.outputs) == 2 and in_flight() == 2
+    assert not transfer.launch(2) and len(transfer.outputs) == 4 and in_flight() == 2  # it read what the window needs
+    assert transfer.launch() and len(transfer.outputs) == 5 and in_flight() <= 2
+    np.testing.assert_array_equal(transfer.result(), payload)
+
+
+def _replicated_locally(tmp_path):
+    """LocalCheckpoints of one process that keeps a replica of its own blocks, as process p keeps p + 1's."""
+    local = LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work"))
+    local.replica, local.replicas = checkpoint_tiers._Steps(os.path.join(local.directory, "..", "replica"), 1), 1
+    return local
+
+
+def _sharded_state():
+    mesh = engine.make_mesh(data=4, model=2)
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return {"w": jax.device_put(np.arange(64 * 8, dtype=np.float32).reshape(64, 8), split),
+            "b": jax.device_put(np.arange(5, dtype=np.int32), whole)}
+
+
+def test_a_save_returns_before_its_replica_arrives_and_the_replica_restores(tmp_path, monkeypatch):
+    """The replica's transfer is off the save's critical path: with its bytes held back (`_fetch` waits for the
+    test), the save returns and no replica exists yet; the saving thread never waits for them. Once they arrive the
+    replica is written, and a local copy written back from it restores bit for bit."""
+    release, fetches = threading.Event(), []
+    fetch = checkpoint_tiers._fetch
+
+    def held(array):
+        on_main = threading.current_thread() is threading.main_thread()
+        fetches.append((on_main, release.is_set()))
+        if not on_main:
+            release.wait(timeout=120)  # a safety net for a failing test, not a timing
+        return fetch(array)
+    monkeypatch.setattr(checkpoint_tiers, "_fetch", held)
+    local, state = _replicated_locally(tmp_path), _sharded_state()
+    local.save(3, state, {"step": 3})
+    assert local.replica.steps() == []  # the bytes have not arrived, and nothing passes as a replica
+    assert (True, False) not in fetches  # the saving thread did not wait for them
+    release.set()
+    local.wait()
+    assert local.replica.steps() == [3] and local.steps() == [3]
+    payload = local.replica.files(3)  # what the peer would send back to a process that lost its copy
+    local.remove(3)
+    local.put_files(3, payload)
+    assert local.read_meta(3)["step"] == 3
+    for a, b in zip(jax.tree.leaves(local.restore(3, state)), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding == b.sharding
+
+
+def test_a_transfer_that_fails_midway_leaves_no_replica(tmp_path, monkeypatch):
+    """A chunk that never arrives (a peer lost mid-transfer): the own copy is written, no replica step (complete or
+    not) is, the next `wait` raises in one line, and the next save writes both again."""
+    monkeypatch.setattr(checkpoint_tiers, "_CHUNK", 1024)
+    fetch, calls = checkpoint_tiers._fetch, []
+
+    def fails_second(array):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("peer lost")
+        return fetch(array)
+    monkeypatch.setattr(checkpoint_tiers, "_fetch", fails_second)
+    local, state = _replicated_locally(tmp_path), _sharded_state()
+    local.save(3, state, {"step": 3})
+    with pytest.raises(OSError, match="failed to write: peer lost"):
+        local.wait()
+    assert local.steps() == [3] and not os.path.exists(local.replica.directory)  # not even a partial step
+    local.save(4, state, {"step": 4})
+    local.wait()
+    assert local.steps() == [4] and local.replica.steps() == [4]
 
 
 def test_a_local_step_written_back_from_its_replica_restores_and_ends_as_the_uninterrupted_run(tmp_path, crashed,
