@@ -25,6 +25,11 @@ def _bucket(n):
 
 
 KV_CACHE_DTYPES = ("int8", "bfloat16", "float16", "float32")  # what `generate(kv_cache_dtype=)` stores a cache in
+# XLA options of every generation program (here and models/paged_generate.py), over the process's flags. No while-loop
+# double buffering: engine.compiler turns it on for the training step's pipelined collectives, and it unrolls every
+# loop by two, here the token loop and the layer scan (each nested in the other: four copies of a layer); generation
+# pipelines no collective, so the copies cost compile time only (models/README.md#what-generation-compiles).
+COMPILER_OPTIONS = {"xla_gpu_enable_while_loop_double_buffering": False}
 
 
 def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, temperature=0.0, top_k=None,
@@ -207,7 +212,7 @@ def _compiled_beam(model, max_new, K, length_penalty, early_stopping, eos, pad, 
         pool = add_to_pool(pool, norm(scores, i), seqs, ~done[:, None] & (scores > neg / 2) & (rank < K))
         return pool[1][:, 0]
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=COMPILER_OPTIONS)
 
 
 @functools.lru_cache(maxsize=64)
@@ -251,4 +256,4 @@ def _compiled(model, max_new, temperature, top_k, top_p, eos, pad, cache_dtype):
 
         return jax.lax.while_loop(cond, body, (jnp.int32(1), out, token, done, cache, rng))[1]
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=COMPILER_OPTIONS)

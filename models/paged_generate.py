@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from models.generate import _bucket, _mesh_of
+from models.generate import COMPILER_OPTIONS, _bucket, _mesh_of
 from models.layers.decoder import DecoderLM
 from models.layers.options import compute_dtype
 
@@ -137,10 +137,15 @@ class PagedEngine:
         self.peak_pages = 0  # most pages in use at once
         self.prefills = 0  # prompts prefilled (a shared prompt once)
         mesh = _mesh_of(params)
-        self._pools = _placed(paged_cache(model, num_pages, page_size, cache_dtype), mesh)
+        # Abstract parameters (ShapeDtypeStructs) make abstract pools: an engine whose programs are lowered for a
+        # device this machine lacks (scripts/bench_rollout.py --target), never run.
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        build = jax.eval_shape if abstract else lambda make: make()
+        self._pools = _placed(build(lambda: paged_cache(model, num_pages, page_size, cache_dtype)), mesh)
         # Each prompt's last logits wait in a row of one buffer (rows as held: at most one prompt per running
         # request), so first tokens and decoded ones are drawn by one sampling program of one shape.
-        self._logits = _placed(jnp.zeros((max_batch, model.config.vocab_size), jnp.float32), mesh, split=False)
+        self._logits = _placed(build(lambda: jnp.zeros((max_batch, model.config.vocab_size), jnp.float32)), mesh,
+                               split=False)
         self._free_rows = list(range(max_batch))
         self._waiting = collections.deque()
         self._next_id = 0
@@ -149,10 +154,11 @@ class PagedEngine:
         # Page-table entries per slot: max_len's pages (paged_attention reads every entry's block, so none spare),
         # else a power of two grown (a new compile) when a longer request arrives.
         self._table_width = 1 if max_len is None else -(-max_len // page_size)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=1)
-        self._sample = jax.jit(self._sample_fn)
-        self._copy = jax.jit(self._copy_fn, donate_argnums=0)
+        options = dict(compiler_options=COMPILER_OPTIONS)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2), **options)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1, **options)
+        self._sample = jax.jit(self._sample_fn, **options)
+        self._copy = jax.jit(self._copy_fn, donate_argnums=0, **options)
 
     def add_request(self, prompt_ids, max_new_tokens, *, eos_id=None, temperature=0.0, top_k=None, top_p=None,
                     seed=0):
@@ -467,7 +473,10 @@ def _placed(arrays, mesh, split=True):
 
     def place(x):
         spec = jax.sharding.PartitionSpec(kernels.MODEL_AXIS if split and x.shape[0] % model == 0 else None)
-        return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
     return jax.tree.map(place, arrays)
 
 

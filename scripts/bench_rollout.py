@@ -21,6 +21,9 @@ them, measured on the same model).
   .venv/bin/python scripts/bench_rollout.py --compile_only ...     # each path once: its programs' compile seconds
 """
 import collections
+import importlib
+import os
+import re
 import time
 import types
 
@@ -29,9 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+import engine as engine_lib
+import kernels
 import models
+from engine import compiler, plan
 from engine.tasks import cli, lm
 from models.generate import _bucket  # the static path's prompt padding, for its cache's size
+
+generate_module = importlib.import_module("models.generate")  # (`models.generate` is the function)
 
 FLAGS = flags.FLAGS
 _NO_EOS = types.SimpleNamespace(pad_id=0, eos_id=None)  # a tokenizer's ids, for generate_tokens; lengths are drawn
@@ -67,30 +75,43 @@ flags.DEFINE_bool("train_step", True, "Also time scoring and one training epoch 
                   "rollout's share of a GRPO iteration.")
 flags.DEFINE_bool("compile_only", False, "Run each path once and print what it compiled, per program: traces, "
                   "tracing, lowering and backend compile seconds (the GPU check's compile question, in minutes).")
+flags.DEFINE_string("target", None, "Compile only, for a GPU this machine lacks: 'gpu:h100' or 'gpu:h200' "
+                    "(engine.plan.target_devices: JAX's CUDA plugin, .venv-gpu-compile; no autotuning there). Prints "
+                    "each program a run there compiles: lowering and XLA compile seconds, the compiled HLO's size, "
+                    "fusions (distinct ones: what a GPU's autotuner would tune), matmul fusions, Triton kernels and "
+                    "loops.")
 flags.DEFINE_integer("train_batch", 64, "Rows per training step (with --train_step).", lower_bound=1)
 
 
+def platform():
+    """What the run is for: 'gpu' with --target, else the backend's platform."""
+    return "gpu" if FLAGS.target else jax.default_backend()
+
+
 def dtype():
-    """--dtype, or the backend's default."""
-    return FLAGS.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    """--dtype, or the platform's default."""
+    return FLAGS.dtype or ("float32" if platform() == "cpu" else "bfloat16")
 
 
 def scan_layers():
-    """--scan_layers, or the backend's default."""
-    return jax.default_backend() != "cpu" if FLAGS.scan_layers is None else FLAGS.scan_layers
+    """--scan_layers, or the platform's default."""
+    return platform() != "cpu" if FLAGS.scan_layers is None else FLAGS.scan_layers
 
 
-def workload():
-    """(model, params, requests: one dict per response, prompts of a group consecutive)."""
+def workload(abstract=False, **options):
+    """(model, params, requests: one dict per response, prompts of a group consecutive); `abstract`: the parameters'
+    shapes only (ShapeDtypeStructs); `options`: the model's (e.g. attention_implementation)."""
     if FLAGS.min_prompt > FLAGS.max_prompt or FLAGS.min_new > FLAGS.max_new:
         raise ValueError(f"--min_prompt={FLAGS.min_prompt}, --max_prompt={FLAGS.max_prompt}, --min_new="
                          f"{FLAGS.min_new}, --max_new={FLAGS.max_new}; expected min <= max")
     model = models.create_model("llama", "tiny", vocab_size=FLAGS.vocab, hidden_size=FLAGS.hidden,
                                 intermediate_size=4 * FLAGS.hidden, num_layers=FLAGS.layers, num_heads=FLAGS.heads,
                                 num_kv_heads=FLAGS.kv_heads, scan_layers=scan_layers(),
-                                max_position_embeddings=2 * (FLAGS.max_prompt + FLAGS.max_new))
-    params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed))
-    params = jax.tree.map(lambda p: p.astype(dtype()), params)  # the model computes in its parameters' dtype
+                                max_position_embeddings=2 * (FLAGS.max_prompt + FLAGS.max_new), **options)
+
+    def init():  # the model computes in its parameters' dtype
+        return jax.tree.map(lambda p: p.astype(dtype()), models.init_params(model, jax.random.PRNGKey(FLAGS.seed)))
+    params = jax.eval_shape(init) if abstract else init()
     rng = np.random.default_rng(FLAGS.seed)
     n = FLAGS.prompts * FLAGS.samples
     if FLAGS.lengths == "uniform":
@@ -225,15 +246,129 @@ class _Compiles:
                 f"{row['compile']:.2f} |" for name, row in [*rows, ("all", total)]]
 
 
+def _computations(hlo):
+    """{name: its instruction lines} of an HLO module's text."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) .*\{\s*$", line)
+        if head:
+            name = head.group(1)
+            out[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            out[name].append(line)
+    return out
+
+
+def _canonical(lines):
+    """A fused computation's text without names and metadata: equal for fusions XLA's autotuner caches as one."""
+    names = {}
+    text = "\n".join(re.sub(r", metadata=\{.*?\}(?=,|$)", "", line) for line in lines)
+    return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%{len(names)}"), text)
+
+
+def hlo_stats(hlo):
+    """What a compiled GPU program holds: instructions, fusions and the distinct fused computations among them (a
+    GPU's autotuner tunes each distinct one once: its work), matmul fusions, Triton (Pallas) kernels, while loops."""
+    bodies = _computations(hlo)
+    fused = re.findall(r" fusion\(.*?calls=%([\w.\-]+)", hlo)
+    return dict(instructions=len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", hlo, re.M)), fusions=len(fused),
+                distinct=frozenset(_canonical(bodies[f]) for f in fused),
+                matmuls=len(re.findall(r'"kind":"__triton_(?:nested_)?gemm|__cublas', hlo)),
+                kernels=hlo.count('custom_call_target="__gpu$xla.gpu.triton"'), loops=len(re.findall(r" while\(", hlo)))
+
+
+def target_programs(requests):
+    """{name: (jitted function, abstract arguments)}: every program a run of both paths compiles on --target's GPU
+    (the static `generate`; the paged engine's prefill per prompt bucket, decode step, sampling and page copy), its
+    model's attention the GPU's kernels (Triton) and its arguments on the target device."""
+    # A mesh of the one GPU, as a sharded run has it: its kernels then run in a shard_map, which JAX 0.11 needs
+    # (without one, flax's nn.scan refuses the Triton decode attention in a scanned static `generate`)
+    mesh = engine_lib.make_mesh(devices=plan.target_devices(FLAGS.target)[:1])
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def spec(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+    model, params, _ = workload(abstract=True, attention_implementation=kernels.implementation_for_platform("gpu"))
+    params = jax.tree.map(lambda x: spec(x.shape, x.dtype), params)
+    programs = {}
+    if "static" in FLAGS.paths:
+        rows, width = len(requests), _bucket(max(len(r["prompt_ids"]) for r in requests))
+        run = generate_module._compiled(  # noqa: SLF001 - the program and key generate_tokens' call compiles
+            model, max(r["max_new_tokens"] for r in requests), 0.0, None, None, _NO_EOS.eos_id, _NO_EOS.pad_id, None)
+        programs["static generate"] = run, (params, spec((rows, width)), spec((rows, width)), spec((2,), jnp.uint32))
+    if "paged" in FLAGS.paths:
+        paged = paged_engine(model, params, pages_needed(requests))
+        prefill, decode, sample, copy = (getattr(paged, f"_{name}").fn for name in ("prefill", "decode", "sample",
+                                                                                     "copy"))
+        pools = paged.pools  # abstract, on the mesh
+        logits = spec((FLAGS.max_batch, FLAGS.vocab), jnp.float32)
+        slots, table = spec((FLAGS.max_batch,)), spec((FLAGS.max_batch, paged._table_width))  # noqa: SLF001
+        for width in sorted({_bucket(len(r["prompt_ids"])) for r in requests}):
+            prompt = spec((1, width))
+            programs[f"paged prefill {width}"] = prefill, (params, pools, logits, prompt, prompt,
+                                                            spec((1, table.shape[1])), spec(()), spec(()))
+        programs["paged decode"] = decode, (params, pools, slots, table, slots, slots)
+        floats, seeds = spec((FLAGS.max_batch,), jnp.float32), spec((FLAGS.max_batch,), jnp.uint32)
+        programs["paged sampling"] = sample, (logits, slots, floats, slots, floats, seeds, slots)
+        programs["paged page copy"] = copy, (pools, slots, slots)
+    return programs, mesh
+
+
+def target_report(requests, emit=print):
+    """Emits markdown rows: each program compiled for --target's GPU (no device: XLA:GPU's passes and code
+    generation, no autotuning) as it ends, then the run's total."""
+    programs, mesh = target_programs(requests)
+    emit("| program | lower s | compile s | HLO instructions | fusions (distinct) | matmul fusions | Triton kernels | "
+         "while loops |\n|---|---|---|---|---|---|---|---|")
+    total, distinct = collections.Counter(), set()
+    for name, (fn, args) in programs.items():
+        with kernels.under_mesh(mesh):  # as generate and the engine trace
+            start = time.perf_counter()
+            lowered = fn.trace(*args).lower()
+            lowering = time.perf_counter() - start
+            compiled = lowered.compile()
+        stats = hlo_stats(compiled.as_text())
+        row = dict(stats, lower=lowering, compile=time.perf_counter() - start - lowering,
+                   distinct=len(stats["distinct"]))
+        distinct |= stats["distinct"]
+        total.update(row)
+        emit(f"| {name} | {row['lower']:.2f} | {row['compile']:.2f} | {row['instructions']:,} | "
+             f"{row['fusions']} ({row['distinct']}) | {row['matmuls']} | {row['kernels']} | {row['loops']} |")
+    emit(f"| all {len(programs)} programs | {total['lower']:.2f} | {total['compile']:.2f} | "
+         f"{total['instructions']:,} | {total['fusions']} ({len(distinct)} over the run) | {total['matmuls']} | "
+         f"{total['kernels']} | {total['loops']} |")
+
+
+def pages_needed(requests):
+    """--num_pages, or what --max_batch sequences of the longest request need unshared."""
+    longest = max(len(r["prompt_ids"]) + r["max_new_tokens"] - 1 for r in requests)
+    return FLAGS.num_pages or FLAGS.max_batch * -(-longest // FLAGS.page_size)
+
+
 def main(argv):
     del argv
+    if FLAGS.target:
+        target = plan.parse_target(FLAGS.target)  # a bad name fails here, before JAX starts
+        if target is None or target[0] not in plan.GPU_TARGETS or target[1] != 1:
+            raise ValueError(f"--target={FLAGS.target}; expected one GPU: 'gpu:h100' or 'gpu:h200'")
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the target's devices are the CUDA plugin's compile-only ones
+        jax.config.update("jax_platforms", "cpu")
+        compiler.configure("gpu")  # XLA's flags as a run there has them
+        _, _, requests = workload(abstract=True)
+        print(f"{FLAGS.target}: LLaMA hidden {FLAGS.hidden}, {FLAGS.layers} layers"
+              f"{' (scanned)' if scan_layers() else ''}, vocab {FLAGS.vocab}, {dtype()}, {FLAGS.max_batch} slots, "
+              f"{len(requests)} requests, new tokens up to {max(r['max_new_tokens'] for r in requests)} "
+              f"({FLAGS.lengths})", flush=True)
+        target_report(requests, emit=lambda row: print(row, flush=True))
+        return
     compiles = _Compiles()
     model, params, requests = workload()
     c = model.config
     new_tokens = sum(r["max_new_tokens"] for r in requests)
     per_token = 2 * c.num_layers * c.kv_heads * c.dim_per_head * jnp.dtype(dtype()).itemsize
-    longest = max(len(r["prompt_ids"]) + r["max_new_tokens"] - 1 for r in requests)
-    num_pages = FLAGS.num_pages or FLAGS.max_batch * -(-longest // FLAGS.page_size)
+    num_pages = pages_needed(requests)
     print(f"workload: {FLAGS.prompts} prompts x {FLAGS.samples} samples, prompts {FLAGS.min_prompt}-"
           f"{FLAGS.max_prompt} tokens, responses {FLAGS.min_new}-{FLAGS.max_new} ({FLAGS.lengths}, mean "
           f"{new_tokens / len(requests):.1f}), {new_tokens} response tokens; LLaMA hidden {c.hidden_size}, "
