@@ -26,9 +26,9 @@ def _bucket(n):
 
 KV_CACHE_DTYPES = ("int8", "bfloat16", "float16", "float32")  # what `generate(kv_cache_dtype=)` stores a cache in
 # XLA options of every generation program (here and models/paged_generate.py), over the process's flags. No while-loop
-# double buffering: engine.compiler turns it on for the training step's pipelined collectives, and it unrolls every
-# loop by two, here the token loop and the layer scan (each nested in the other: four copies of a layer); generation
-# pipelines no collective, so the copies cost compile time only (models/README.md#what-generation-compiles).
+# double buffering: engine.compiler turns it on for the training step's pipelined collectives, and it unrolls loops by
+# two, here the layer scans (two copies of a layer and its attention kernel in every program); generation pipelines
+# no collective, so the copies cost compile time only (models/README.md, "what generation compiles on a GPU").
 COMPILER_OPTIONS = {"xla_gpu_enable_while_loop_double_buffering": False}
 
 
