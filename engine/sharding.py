@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from engine.dataflow import is_adapter, key_str, leaf_shape, path_str, trace_decisions
 from engine.dataflow import scan_counts  # noqa: F401  (engine.sharding.scan_counts: the steps' spelling)
 from kernels.axes import CONTEXT, EXPERT, FSDP, MODEL, STAGE
+from kernels.matmul.fp8 import OVERWRITE
 
 # Parameters smaller than this (elements) stay replicated over `fsdp`: splitting norms and small biases saves
 # nothing and costs a gather each.
@@ -302,7 +303,7 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     least `FSDP_MIN_ELEMENTS` elements also get their largest remaining divisible dimension split over `fsdp` (on a
     TPU, one that leaves the shards whole memory tiles first: `add_axis`); with `context > 1`, over `context` too
     (a context group computes on the same rows, so, like ZeRO-3, it holds one copy of the weights between its
-    devices, gathered where used).
+    devices, gathered where used). FP8 amax histories (`kernels.matmul.fp8.OVERWRITE`) stay whole on every device.
     """
     sizes, tile = _axis_sizes(mesh), device_tile(mesh)
     compiled_rules = _check_rules(rules)
@@ -330,6 +331,9 @@ def auto_shard(params, mesh, *, trace_fn=None, rules=None):
     for path, leaf in leaves:
         key = "/".join(path)
         shape = leaf_shape(leaf)
+        if path[-1] == OVERWRITE:  # an FP8 amax history: a few floats, the same on every device (engine/step/update.py)
+            specs[key] = P()
+            continue
         rule = next(((spec, src) for rx, spec, src in compiled_rules if rx.search(key)), None)
         if rule is not None:
             _check_rule(key, shape, rule[0], rule[1], sizes)

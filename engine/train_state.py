@@ -25,7 +25,7 @@ from engine import step as step_lib
 from engine.checkpoint import Checkpointer, abstract_like
 from engine.config import RESTORE_CHECKPOINTS, check
 from engine.sharding import add_axis, auto_shard, device_tile, log_sharding, path_str
-from engine.step import partition, split_loss
+from engine.step import overwrite_tree, partition, split_loss
 
 
 def place(x, sharding):
@@ -63,6 +63,8 @@ def trainable_mask(trainable, params):
     """Trainer's `trainable` argument -> None (everything trains) or a tree of bools of `params`' structure. Refuses
     a selection that holds an integer parameter (quantised weights cannot train)."""
     mask = None if trainable is None else _mask_of(trainable, params)
+    if mask is not None:  # FP8 amax histories are the step's to update whatever trains (engine/step/update.py)
+        mask = jax.tree.map(lambda m, o: bool(m or o), mask, overwrite_tree(params))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     wants = jax.tree.leaves(mask) if mask is not None else [True] * len(leaves)
     integer = [path_str(p) for (p, x), m in zip(leaves, wants) if m and not jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -204,10 +206,13 @@ class TrainState:
                             _auto_specs(abstract_params, self.mesh, self.loss_fn, self.batch_spec, rules))
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         shapes = jax.tree.map(lambda x: x.shape, abstract_params)
-        data_axis = lambda spec, shape: add_axis(spec, shape, "data", sizes, tile=device_tile(self.mesh))  # noqa: E731
-        grad_specs = (jax.tree.map(data_axis, self.param_specs, shapes, is_leaf=is_spec)
+        overwrite = overwrite_tree(abstract_params)  # FP8 amax histories: whole on every device, in every layout
+        self.param_specs = jax.tree.map(lambda s, o: P() if o else s, self.param_specs, overwrite, is_leaf=is_spec)
+        data_axis = lambda spec, shape, o: spec if o else add_axis(  # noqa: E731
+            spec, shape, "data", sizes, tile=device_tile(self.mesh))
+        grad_specs = (jax.tree.map(data_axis, self.param_specs, shapes, overwrite, is_leaf=is_spec)
                       if self.zero_stage >= 2 else self.param_specs)
-        self.update_specs = (jax.tree.map(data_axis, self.param_specs, shapes, is_leaf=is_spec)
+        self.update_specs = (jax.tree.map(data_axis, self.param_specs, shapes, overwrite, is_leaf=is_spec)
                              if self.zero_stage >= 1 else self.param_specs)  # parameter-shaped, of the update
         if self.diloco is None:
             self._init_opt = lambda p: step_lib.init_opt_state(self.optimizer, partition(p, mask)[0],  # noqa: E731

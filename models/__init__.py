@@ -25,6 +25,6 @@ from models.quantize import dequantize, quantize
 from models.qwen2 import Qwen2, Qwen2Config
 from models.qwen3 import Qwen3, Qwen3Config
 from models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
-from models.registry import FAMILIES, create_model, get_config, init_params, param_shardings
+from models.registry import FAMILIES, add_fp8_histories, create_model, get_config, init_params, param_shardings
 from models.reward import SCORE_TRAINABLE, RewardModel, init_reward_params, load_reward_model, save_reward_model
 from models.t5 import T5, T5Config

@@ -266,6 +266,8 @@ def _load(path, dtype, layout, options, classifier):
         if score.shape[0] != width:
             raise ValueError(f"tensor 'score.weight' in {path} has shape {score.shape[::-1]}; the config needs "
                              f"(num_labels, {width})")
+    if config.fp8_history:
+        params = registry.add_fp8_histories(model, params, layout=layout)
     if config.lora_rank:
         params = lora.add_lora(model, params, layout=layout)
     return model, params, score

@@ -1,9 +1,10 @@
 """The model families and how a model and its parameters come to be: `FAMILIES` (model_type -> family module),
 `get_config` / `create_model` for a named config, `model_type` of a model, and `init_params` / `param_shardings`
-for fresh parameters on a layout. Checkpoint formats live elsewhere (`models.hf`); this table is what they read."""
+for fresh parameters on a layout (`add_fp8_histories`: the fresh FP8 amax histories a loaded checkpoint lacks). Checkpoint formats live elsewhere (`models.hf`); this table is what they read."""
 import jax
 import jax.numpy as jnp
 
+from kernels.matmul.fp8 import OVERWRITE
 from models import gemma2, gemma3, gptj, llama, mistral, mixtral, opt, qwen2, qwen3, qwen3_moe, t5
 
 # model_type -> family module (each has Config, Model, NAMED_CONFIGS, config_from_hf, config_to_hf, hf_tensor_map).
@@ -50,6 +51,31 @@ def init_params(model, rng=None, *, layout=None):
     if layout is None:
         return jax.jit(init)(rng)
     return jax.jit(init, out_shardings=param_shardings(model, jax.eval_shape(init, rng), layout))(rng)
+
+
+def add_fp8_histories(model, params, *, layout=None):
+    """`params` with a fresh (zero) FP8 amax history (`kernels.matmul.fp8.OVERWRITE`) for every projection of
+    `model` (a config with fp8_history > 0) that lacks one: what a checkpoint without them (a Hugging Face one, a run
+    without delayed scaling) needs to train with delayed scaling. The other parameters are passed through as they
+    are; on `layout`'s shardings when given."""
+    abstract = jax.eval_shape(lambda: init_params(model))
+    shardings = None if layout is None else param_shardings(model, abstract, layout)
+    out = jax.tree.map(lambda x: x, params)  # a copy of the dicts: the caller's tree is not changed
+    for path, like in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        keys = tuple(k.key for k in path)
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        if keys[-1] != OVERWRITE or keys[-1] in node:
+            continue
+        zeros = jnp.zeros(like.shape, like.dtype)
+        if shardings is not None:
+            sharding = shardings
+            for k in keys:
+                sharding = sharding[k]
+            zeros = jax.device_put(zeros, sharding)
+        node[keys[-1]] = zeros
+    return out
 
 
 def param_shardings(model, abstract, layout):

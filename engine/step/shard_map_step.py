@@ -17,6 +17,8 @@ Inside the shard_map each device runs `loss_fn` on its own rows of every micro-b
   - expert parallelism: the rows are split over `expert` too; a parameter split over it (a mixture's stacked
     experts) stays split, each device computing with its own experts (the MoE layer sends the tokens to them,
     models/layers/moe.py), and its gradient is not summed over `expert`; every other gradient is, like over `data`.
+  - an FP8 amax history (`engine.step.update.is_overwrite`) is whole on every device and so is its "gradient" (the
+    amaxes are maxima over the batch axes): it is not reduced, its micro-batches' values are combined by maximum.
   - the remaining data-parallel reduction (`data`, `expert`, and `fsdp` for unsplit parameters) is one all-reduce, or a
     reduce-scatter into `update_specs` (ZeRO-1/2: each device then updates only its optimizer-state shard and the
     compiler all-gathers the new weights).
@@ -34,8 +36,8 @@ import kernels
 from engine.step.collectives import Int8, all_gather, in_model_blocks, reduce_gradient, reduce_scatter
 from engine.step.gathering import eval_gathering
 from engine.step.shards import Sharded
-from engine.step.update import (apply_update, checked_user_gradients, combine, current_loss_scale, micro_loss_fn,
-                                partition, select_guard)
+from engine.step.update import (apply_update, checked_user_gradients, combine, current_loss_scale, is_overwrite,
+                                micro_loss_fn, partition, select_guard)
 from kernels import axes
 
 _P = jax.sharding.PartitionSpec
@@ -222,26 +224,33 @@ class _Settings:
 
 
 class _Layout(NamedTuple):
-    """The parameters' flat layout: their treedef, each leaf's `_LeafPlan`, whether it trains (mask), and its
-    abstract value in the compute dtype as the loss sees it (what the loss is traced with): full size, but for the
-    dims it stays split over (`_LeafPlan.kept`)."""
+    """The parameters' flat layout: their treedef, each leaf's `_LeafPlan`, whether it trains (mask), its abstract
+    value in the compute dtype as the loss sees it (what the loss is traced with): full size, but for the dims it
+    stays split over (`_LeafPlan.kept`), and whether it is an `is_overwrite` leaf (kept in float32, not reduced)."""
     treedef: object
     plans: list
     mask: list
     full: list
+    overwrite: list
 
     @classmethod
     def of(cls, params, param_specs, update_specs, trainable, settings):
-        leaves, treedef = jax.tree.flatten(params)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+        leaves, overwrite = [x for _, x in paths], [is_overwrite(p) for p, _ in paths]
         plans = [_LeafPlan(s, u, x.shape, settings.sizes) for s, u, x in
                  zip(treedef.flatten_up_to(param_specs), treedef.flatten_up_to(update_specs), leaves)]
         mask = [True] * len(leaves) if trainable is None else treedef.flatten_up_to(trainable)
-        return cls(treedef, plans, mask, [jax.ShapeDtypeStruct(pl.traced_shape, settings.compute_type(x))
-                                          for pl, x in zip(plans, leaves)])
+        return cls(treedef, plans, mask, [jax.ShapeDtypeStruct(pl.traced_shape, x.dtype if o else
+                                                               settings.compute_type(x))
+                                          for pl, x, o in zip(plans, leaves, overwrite)], overwrite)
 
     def trained(self, xs, want=True):
         """The entries of the per-leaf list `xs` that train (want=False: that are frozen)."""
         return [x for x, m in zip(xs, self.mask) if m == want]
+
+    def cast(self, s, xs):
+        """The per-leaf list `xs` in the compute dtype, but the `is_overwrite` leaves."""
+        return [x if o else x.astype(s.compute_type(x)) for x, o in zip(xs, self.overwrite)]
 
 
 def _local_gradients(s, layout, local_params, local_batch, step, scale):
@@ -253,11 +262,14 @@ def _local_gradients(s, layout, local_params, local_batch, step, scale):
                _user_shard_grad_fn(s, layout))
     local_leaves = jax.tree.leaves(local_params)
     one = functools.partial(_micro_gradients, s, layout, grad_fn, rng, shard, local_leaves)
-    grads, loss, metrics = _sum_micro_batches(one, local_batch, s.accumulate)
+    maxed = layout.trained(layout.overwrite)
+    grads, loss, metrics = _sum_micro_batches(one, local_batch, s.accumulate, maxed)
     inv = 1.0 / s.accumulate
-    grads = [reduce_gradient(g, () if s.zero_stage == 2 else pl.scatter, pl.reduce, s.reduce_dtype, pl.auto_spec,
-                             s.int8.gradients) * inv for g, pl in zip(grads, layout.trained(layout.plans))]
-    grads = [s.constrain(g.astype(s.held_type(x))) for g, x in zip(grads, layout.trained(local_leaves))]
+    grads = [g if o else reduce_gradient(g, () if s.zero_stage == 2 else pl.scatter, pl.reduce, s.reduce_dtype,
+                                         pl.auto_spec, s.int8.gradients) * inv
+             for g, pl, o in zip(grads, layout.trained(layout.plans), maxed)]
+    grads = [g if o else s.constrain(g.astype(s.held_type(x)))
+             for g, x, o in zip(grads, layout.trained(local_leaves), maxed)]
     loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, s.live) if s.live else v) * inv, (loss, metrics))
     return grads, loss, metrics
 
@@ -276,8 +288,7 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
         local_leaves = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
         args = [Sharded(x, pl.gather, s.compute_type(x), s.reduce_dtype, int8=s.int8,
                         layout=s.layout(x.shape, s.held_type(x)), auto=pl.auto_spec, grad_dtype=s.grad_dtype)
-                if pl.gather
-                else x.astype(s.compute_type(x)) for x, pl in zip(local_leaves, layout.plans)]
+                if pl.gather else x for x, pl in zip(layout.cast(s, local_leaves), layout.plans)]
         flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
         loss, metrics = out_tree.unflatten(eval_gathering(closed.jaxpr, closed.consts, flat_in, s.remat))
         weight = _shard_weight(s, metrics)
@@ -298,14 +309,16 @@ def _user_shard_grad_fn(s, layout):
         local = [next(trained_iter) if m else next(frozen_iter) for m in layout.mask]
         whole = [in_model_blocks(lambda x, pl=pl: all_gather(x, pl.gather, s.compute_type(x), s.int8.weights), x,
                                  pl.auto_spec, pl.gather) if pl.gather
-                 else x.astype(s.compute_type(x)) for x, pl in zip(local, layout.plans)]
+                 else x for x, pl in zip(layout.cast(s, local), layout.plans)]
         params = layout.treedef.unflatten(whole)
         (loss, metrics), grads = checked_user_gradients(s.grad_fn(params, micro_batch, micro_rng), params, mask)
         weight = _shard_weight(s, metrics)
-        grads = [in_model_blocks(lambda g, pl=pl: reduce_scatter(g, pl.gather, s.reduce_dtype, jnp.float32,
+        grads = [g.astype(jnp.float32) if o else
+                 in_model_blocks(lambda g, pl=pl: reduce_scatter(g, pl.gather, s.reduce_dtype, jnp.float32,
                                                                  s.int8.gradients), g.astype(jnp.float32) * weight,
                                  pl.auto_spec, pl.gather) if pl.gather else g.astype(jnp.float32) * weight
-                 for g, pl in zip(jax.tree.leaves(grads), layout.trained(layout.plans))]
+                 for g, pl, o in zip(jax.tree.leaves(grads), layout.trained(layout.plans),
+                                     layout.trained(layout.overwrite))]
         return (loss * weight, (loss, metrics, weight)), grads
 
     return value_and_grad
@@ -327,24 +340,27 @@ def _micro_gradients(s, layout, grad_fn, rng, shard, local_leaves, micro_batch, 
         micro_rng = jax.random.fold_in(micro_rng, shard)
     (_, (loss, metrics, weight)), grads = grad_fn(layout.trained(local_leaves), layout.trained(local_leaves, False),
                                                   micro_batch, micro_rng)
-    grads = [g.astype(s.grad_dtype or jnp.float32) for g in grads]
+    maxed = layout.trained(layout.overwrite)
+    grads = [g.astype(jnp.float32 if o else s.grad_dtype or jnp.float32) for g, o in zip(grads, maxed)]
     if s.zero_stage == 2:
-        grads = [reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients).astype(g.dtype)
-                 for g, pl in zip(grads, layout.trained(layout.plans))]
+        grads = [g if o else
+                 reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients).astype(g.dtype)
+                 for g, pl, o in zip(grads, layout.trained(layout.plans), maxed)]
     metrics = {k: v if k == s.weight_metric else v * weight for k, v in metrics.items()}
     return grads, loss * weight, metrics
 
 
-def _sum_micro_batches(one, batch, accumulate):
+def _sum_micro_batches(one, batch, accumulate, maxed):
     """`one(micro_batch, i)`'s (gradients, loss, metrics) summed over the `accumulate` micro-batches of `batch`, in
-    one `lax.scan`."""
+    one `lax.scan`; the gradients where `maxed` (a bool per gradient) their maximum instead."""
     if accumulate == 1:
         return one(jax.tree.map(lambda x: x[0], batch), 0)
 
     def body(carry, xs):
         g, l, m = one(*xs)
         acc_g, acc_l, acc_m = carry
-        return ([a + b for a, b in zip(acc_g, g)], acc_l + l, jax.tree.map(jnp.add, acc_m, m)), None
+        acc_g = [jnp.maximum(a, b) if o else a + b for a, b, o in zip(acc_g, g, maxed)]
+        return (acc_g, acc_l + l, jax.tree.map(jnp.add, acc_m, m)), None
 
     shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], batch), 0)
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

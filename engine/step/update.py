@@ -7,6 +7,12 @@ Trainer with the parameter / optimizer-state / batch shardings. `batch` leaves a
 `fold_in(that, i)`). A non-finite loss or gradient norm leaves params and optimizer state unchanged;
 `metrics['finite']` tells the Trainer.
 
+A parameter named `kernels.matmul.fp8.OVERWRITE` (an FP8 projection's amax history, delayed scaling) is state, not
+a weight: its "gradient" is its next value (Flax's and MaxText's "overwrite with gradient"). The steps take the
+largest over micro-batches (its entries are amaxes), keep it whole (its value is the same on every device: the
+amaxes are maxima over the batch axes), hand the optimizer a zero in its place, and write it into the parameters
+after the update when the step is finite (`is_overwrite`, `apply_update`).
+
 With a `LossScale` (float16 compute) the optimizer state is `{'optimizer': the optimizer's state, 'loss_scale':
 {'scale', 'good_steps'}}`: the loss is multiplied by the scale before differentiation, so float16 cotangents that would
 underflow to zero stay representable, and the float32 gradients are divided by it before the update.
@@ -16,6 +22,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+
+from kernels.matmul.fp8 import OVERWRITE
+
+
+def is_overwrite(path):
+    """Whether the parameter at key path `path` is overwritten with its gradient (`OVERWRITE`, see the module)."""
+    return bool(path) and getattr(path[-1], "key", None) == OVERWRITE
+
+
+def overwrite_tree(tree):
+    """A tree of bools of `tree`'s structure (None leaves kept): True at the `is_overwrite` leaves."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: is_overwrite(p), tree)
+
+
+def any_overwrite(tree):
+    return any(is_overwrite(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
 def split_loss(out):
@@ -96,9 +118,11 @@ def current_loss_scale(opt_state, loss_scale):
 
 
 def cast_floating(tree, dtype):
+    """`tree`'s floating leaves in `dtype` (None: unchanged), but the `is_overwrite` ones, which stay float32."""
     if dtype is None:
         return tree
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and not is_overwrite(p) else x, tree)
 
 
 def micro_loss_fn(loss_fn, compute_dtype):
@@ -180,24 +204,29 @@ def trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable):
 def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g, grad_dtype=None):
     """Mean loss, metrics and gradients over the `accumulate` micro-batches of `batch`, in one `lax.scan`; the running
     sum is passed through `constrain` (its sharding) after every micro-batch. The gradients, the running sum included,
-    are held in `grad_dtype` (None: the running sum in fp32, the mean in the parameters' dtypes)."""
+    are held in `grad_dtype` (None: the running sum in fp32, the mean in the parameters' dtypes); an `is_overwrite`
+    leaf's are the largest over the micro-batches, in float32."""
     if accumulate == 1:
         (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(rng, 0))
         return loss, metrics, constrain(cast_floating(grads, grad_dtype))
+    overwrite = overwrite_tree(params)
 
     def body(carry, xs):
         micro_batch, i = xs
         (loss, metrics), g = grad_fn(params, micro_batch, jax.random.fold_in(rng, i))
         acc_g, acc_loss, acc_m = carry
-        acc_g = constrain(jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc_g, g))
+        acc_g = constrain(jax.tree.map(lambda a, b, o: jnp.maximum(a, b) if o else a + b.astype(a.dtype),
+                                       acc_g, g, overwrite))
         return (acc_g, acc_loss + loss, jax.tree.map(jnp.add, acc_m, metrics)), None
 
-    zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, grad_dtype or jnp.float32), params))
+    zeros = constrain(jax.tree.map(lambda p, o: jnp.zeros(p.shape, jnp.float32 if o else grad_dtype or jnp.float32),
+                                   params, overwrite))
     (_, metric_shapes), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch), rng)
     init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes))
     (grads, loss, metrics), _ = jax.lax.scan(body, init, (batch, jnp.arange(accumulate)))
     scale = 1.0 / accumulate
-    grads = jax.tree.map(lambda g, p: (g * scale).astype(grad_dtype or p.dtype), grads, params)
+    grads = jax.tree.map(lambda g, p, o: g if o else (g * scale).astype(grad_dtype or p.dtype), grads, params,
+                         overwrite)
     return loss * scale, jax.tree.map(lambda m: m * scale, metrics), grads
 
 
@@ -208,6 +237,22 @@ def select_guard(device):
 
 def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None, select=False):
     """The optimizer update, applied only when loss and gradient norm are finite; returns (params, opt_state, metrics).
+    An `is_overwrite` parameter takes its gradient as its new value when the step is finite (the optimizer is handed
+    a zero for it, so its norm and moments leave the others alone); otherwise the update is `_update`'s."""
+    overwrite = overwrite_tree(params)
+    if not any(jax.tree.leaves(overwrite)):
+        return _update(optimizer, params, opt_state, grads, loss, metrics, loss_scale, select)
+    values = jax.tree.map(lambda g, o: g if o else None, grads, overwrite)
+    grads = jax.tree.map(lambda g, o: jnp.zeros_like(g) if o else g, grads, overwrite)
+    new, opt_state, metrics = _update(optimizer, params, opt_state, grads, loss, metrics, loss_scale, select)
+    keep = metrics["finite"] & jnp.all(jnp.stack([jnp.isfinite(v).all() for v in jax.tree.leaves(values)]))
+    new = jax.tree.map(lambda n, p, v, o: jnp.where(keep, v.astype(p.dtype), p) if o else n, new, params, values,
+                       overwrite, is_leaf=lambda x: x is None)
+    return new, opt_state, metrics
+
+
+def _update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None, select=False):
+    """`apply_update` of weights only.
 
     How the guard keeps the update in place in the donated buffers depends on the compiler, so the step says which
     (`select_guard`). By default a `lax.cond` around the whole update: a `where` on its result keeps old and new
@@ -221,7 +266,7 @@ def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=
     if loss_scale is not None:
         state, opt_state = opt_state["loss_scale"], opt_state["optimizer"]
         grads = jax.tree.map(lambda g: (g.astype(jnp.float32) / state["scale"]).astype(g.dtype), grads)
-        params, opt_state, metrics = apply_update(optimizer, params, opt_state, grads, loss, metrics, select=select)
+        params, opt_state, metrics = _update(optimizer, params, opt_state, grads, loss, metrics, select=select)
         metrics["loss_scale"] = state["scale"]
         return params, {"optimizer": opt_state, "loss_scale": loss_scale.next(state, metrics["finite"])}, metrics
     grad_norm = optax.global_norm(grads)

@@ -220,22 +220,29 @@ def trainable(also=None):
 def with_flags(model, params):
     """(model, params) with the runtime options the flags set: --dropout_rate / --attention_dropout_rate (each
     unchanged when unset), --fp8 (the projections' matmuls in FP8 when set; like --compute_dtype a setting of each
-    run, not recorded in run.json) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches,
+    run, not recorded in run.json), --fp8_history (delayed scaling: fresh amax histories added where `params` lack
+    them; recorded in run.json, as they are parameters) and, for a pipeline (--pipeline_stages > 1), --pipeline_microbatches,
     --pipeline_virtual_stages, --pipeline_schedule and the layers stacked (`models.stack_layers`; run.json records
     the layout, so a resume needs the same flags)."""
     options = {name: getattr(FLAGS, name) for name in ("dropout_rate", "attention_dropout_rate")
                if getattr(FLAGS, name) is not None}
     if FLAGS.fp8:
         options["fp8"] = True
+    if FLAGS.fp8_history:
+        if not FLAGS.fp8:
+            raise ValueError(f"--fp8_history={FLAGS.fp8_history} without --fp8; expected --fp8 (the histories scale "
+                             "FP8 matmuls) or --fp8_history=0")
+        options["fp8_history"] = FLAGS.fp8_history
     model, params = with_pipeline(model, params)
     if not options:
         return model, params
     try:
-        return model.clone(config=dataclasses.replace(model.config, **options)), params
+        model = model.clone(config=dataclasses.replace(model.config, **options))
     except ValueError as e:
         if not FLAGS.fp8:
             raise
-        raise ValueError(f"--fp8: {e}") from None
+        raise ValueError(f"--fp8{'_history' if FLAGS.fp8_history else ''}: {e}") from None
+    return model, models.add_fp8_histories(model, params) if FLAGS.fp8_history else params
 
 
 def with_pipeline(model, params):

@@ -15,10 +15,10 @@ from engine.tasks.rlhf import ppo, preference, reward
 FLAGS = flags.FLAGS
 
 
-# Runtime options are not recorded in run.json; the LoRA, quantisation and layer-stacking fields are (they change the
-# parameters and their checkpoint layout).
+# Runtime options are not recorded in run.json; the LoRA, quantisation, FP8 history and layer-stacking fields are
+# (they change the parameters and their checkpoint layout).
 _RECORDED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
-                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "scan_layers")}
+                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "fp8_history", "scan_layers")}
 RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_RECORDED_DEFAULTS) | {"hf_config"}
 RUN_FILE = "run.json"
 

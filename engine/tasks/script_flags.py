@@ -81,6 +81,10 @@ def define_flags():
                       "e4m3 operands, e5m2 output gradients, per-tensor scales from each tensor's amax in the step; "
                       "the rest in --compute_dtype, master weights and optimizer as they are. FP8 tensor cores on "
                       "Hopper GPUs; emulated (FP8 rounding, float32 products) on CPU.")
+    flags.DEFINE_integer("fp8_history", 0, "With --fp8: 0 (scales from each tensor's own amax, current scaling) or "
+                         "the length of each projection's amax history (delayed scaling: scales from the largest of the "
+                         "last N amaxes, models.ModelOptions.fp8_history; the histories are parameters the step "
+                         "updates, saved with the checkpoints and recorded in run.json). 16 is a common length.")
     flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
                       "optimizer update (engine.Precision.grad_dtype): bfloat16 halves their memory.")
     flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "

@@ -117,6 +117,7 @@ class Attention(nn.Module):
     lora_dropout: float = 0.0
     quantize: str | None = None
     fp8: bool = False  # the q, k, v, o matmuls in FP8 (`Linear`)
+    fp8_history: int = 0  # their amax histories' length (0: current scaling)
     sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
     dtype: Dtype | None = None  # None: the projections' kernels' dtype
     param_dtype: Dtype = jnp.float32

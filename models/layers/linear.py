@@ -7,7 +7,7 @@ import numpy as np
 
 import kernels
 from kernels.matmul.formats import NF4_BLOCK, NF4_LEVELS, dequantize_nf4
-from kernels.matmul.fp8 import fp8_dot
+from kernels.matmul.fp8 import HISTORY_ROWS, OVERWRITE, fp8_dot
 from models.layers.options import Dtype, layer_dtype
 
 _NF4_STD = float(np.std(NF4_LEVELS))  # of a uniformly random NF4 code: a fresh kernel's scale divides by it
@@ -68,9 +68,12 @@ class Linear(nn.Module):
     weight never exists; the kernel path reads q as int8 and scales in its epilogue. With LoRA the kernel path
     computes (x q) s alone and the rest follows in plain jnp. dtype None: the product is taken in the dtype of the
     kernel it is handed (a quantised kernel's: its scale's), the input cast to it. fp8: x @ kernel runs as
-    `kernels.matmul.fp8.fp8_dot` (e4m3 operands, e5m2 output gradient, per-tensor current scales, float32
-    accumulation) and returns the compute dtype; bias, LoRA's low-rank product and the activation stay in the compute
-    dtype. Not with quantize or `implementation` (ModelOptions refuses them together)."""
+    `kernels.matmul.fp8.fp8_dot` (e4m3 operands, e5m2 output gradient, per-tensor scales, float32 accumulation)
+    and returns the compute dtype; bias, LoRA's low-rank product and the activation stay in the compute dtype. Not
+    with quantize or `implementation` (ModelOptions refuses them together). fp8_history > 0: delayed scaling, the
+    scales from a float32 `fp8_history` [3, fp8_history] of the last amaxes of x, the kernel and the output gradient
+    (zeros when fresh; a parameter whose next value is its gradient, engine/step/update.py); it is declared whenever
+    fp8_history > 0, so a checkpoint of an FP8 run loads without fp8 too (and then goes unused)."""
     in_features: int
     features: int
     use_bias: bool = False
@@ -81,6 +84,7 @@ class Linear(nn.Module):
     deterministic: bool = True
     quantize: str | None = None
     fp8: bool = False
+    fp8_history: int = 0
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
 
@@ -97,6 +101,9 @@ class Linear(nn.Module):
         if self.lora_rank:
             self.lora_a = self.param("lora_a", lora_a_init, (self.in_features, self.lora_rank), jnp.float32)
             self.lora_b = self.param("lora_b", nn.initializers.zeros, (self.lora_rank, self.features), jnp.float32)
+        if self.fp8_history:
+            self.amax_history = self.param(OVERWRITE, nn.initializers.zeros, (HISTORY_ROWS, self.fp8_history),
+                                           jnp.float32)
 
     def compute_dtype(self):
         """`dtype`, else the dtype of the kernel (a quantised kernel's scale) this module is handed."""
@@ -125,7 +132,7 @@ class Linear(nn.Module):
         if implementation is not None:
             y = kernels.fused_matmul(x, w, w_scale=scale, implementation=implementation, interpret=interpret)
         elif self.fp8:
-            y = fp8_dot(x, w)
+            y = fp8_dot(x, w, self.amax_history if self.fp8_history else None)
         else:
             y = jnp.dot(x, w.astype(dtype))
             if scale is not None:
@@ -146,6 +153,8 @@ def projection_options(module, name):
     out = {} if module.quantize is None else {"quantize": module.quantize}
     if module.fp8:
         out["fp8"] = True
+    if module.fp8_history:
+        out["fp8_history"] = module.fp8_history
     if not module.lora_rank or name not in module.lora_targets:
         return out
     return dict(out, lora_rank=module.lora_rank, lora_scale=module.lora_alpha / module.lora_rank,

@@ -29,6 +29,7 @@ class MLP(nn.Module):
     deterministic: bool = True  # False: training call (LoRA dropout, with a 'dropout' rng)
     quantize: str | None = None
     fp8: bool = False  # the projections' matmuls in FP8 (`Linear`; not with `implementation`)
+    fp8_history: int = 0  # their amax histories' length (0: current scaling)
     sequence_parallel: bool = False  # x and the output with tokens split over `model` (`split_tokens`)
     dtype: Dtype | None = None  # None: the projections' kernels' dtype
     param_dtype: Dtype = jnp.float32

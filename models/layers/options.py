@@ -46,6 +46,10 @@ class ModelOptions:
     dtype and the optimizer are unchanged, so checkpoints are too. A cuBLASLt FP8 GEMM on Hopper GPUs, emulated
     (FP8's rounding, float32 products) elsewhere (models/README.md#fp8). LoRA adapters stay in the compute dtype on
     an FP8 base product; not with quantize (int8 / nf4 bases) or mlp_implementation (the fused kernels).
+    fp8_history > 0: delayed scaling instead (Transformer Engine's and MaxText's recipe): each projection holds a
+    float32 `fp8_history` parameter [3, fp8_history] of the last amaxes of its input, kernel and output gradient,
+    scales from their maxima, updated by the train step (its "gradient" is its next value) and saved with the
+    checkpoints; a field that changes the parameters, like quantize (the histories are there whatever fp8 says).
     pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
     (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (V M + S - 1) of each stage's time.
     pipeline_virtual_stages: V, the times a micro-batch passes every stage (1: GPipe; V > 1: the interleaved
@@ -80,6 +84,7 @@ class ModelOptions:
     lora_dropout: float = 0.0
     quantize: str | None = None
     fp8: bool = False
+    fp8_history: int = 0
     pipeline_microbatches: int = 0
     pipeline_virtual_stages: int = 1
     pipeline_schedule: str = "gpipe"
@@ -102,6 +107,8 @@ class ModelOptions:
             raise ValueError(f"quantize={self.quantize!r}; expected one of {QUANTIZE_FORMATS}")
         if not isinstance(self.fp8, bool):
             raise ValueError(f"fp8={self.fp8!r}; expected a bool")
+        if isinstance(self.fp8_history, bool) or not isinstance(self.fp8_history, int) or self.fp8_history < 0:
+            raise ValueError(f"fp8_history={self.fp8_history!r}; expected an integer >= 0 (0: current scaling)")
         if self.fp8 and (self.quantize is not None or self.mlp_implementation is not None):
             raise ValueError(f"fp8=True with quantize={self.quantize!r}, mlp_implementation="
                              f"{self.mlp_implementation!r}; expected both None (FP8 matmuls take float kernels in "
@@ -147,6 +154,7 @@ def sublayer_options(config):
     (`ModelOptions`)."""
     return dict(lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_targets=tuple(config.lora_targets),
                 lora_dropout=config.lora_dropout, quantize=config.quantize, fp8=config.fp8,
+                fp8_history=config.fp8_history,
                 sequence_parallel=config.sequence_parallel)
 
 

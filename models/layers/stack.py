@@ -55,6 +55,9 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
         if not scan:
             raise ValueError(f"a mesh with stage={stages} needs scan_layers=True (the pipeline splits the stacked "
                              "layer weights); got scan_layers=False")
+        if config.fp8 and config.fp8_history:  # a stage's layers run once a tick: their cotangents would add
+            raise ValueError(f"a mesh with stage={stages} and fp8_history={config.fp8_history}: a pipeline runs FP8 "
+                             "with current scaling only; expected fp8_history=0")
         if not owner.is_initializing():
             return _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per_layer,
                               loss_tail), None
