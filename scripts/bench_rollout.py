@@ -19,6 +19,7 @@ them, measured on the same model).
   .venv/bin/python scripts/bench_rollout.py                       # 64 prompts x 8 samples, up to 256 new tokens
   .venv/bin/python scripts/bench_rollout.py --prompts=8 --max_new=32 --timed_runs=1   # a quick look
   .venv/bin/python scripts/bench_rollout.py --compile_only ...     # each path once: its programs' compile seconds
+  JAX_PLATFORMS=cpu .venv-gpu-compile/bin/python scripts/bench_rollout.py --target=gpu:h200 ...  # compiled for a GPU
 """
 import collections
 import importlib
