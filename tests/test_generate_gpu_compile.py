@@ -43,3 +43,33 @@ def test_generation_programs_hold_one_layer_at_any_depth_under_the_gpu_flags():
     assert two["paged decode"][1:] == (1, 1)  # one paged-attention kernel, one layer loop
     assert two["paged prefill 8"][1:] == (1, 1)
     assert two["static generate"][1:] == (2, 3)  # prefill's and decode's kernels; prefill's, token and decode loops
+
+
+@pytest.mark.gpu_compile
+def test_a_scanned_model_generates_with_the_triton_decode_kernel_under_jax_0_11():
+    """A scanned LLaMA's `generate` with Triton attention, lowered for a GPU outside a mesh (what `generate.py` and
+    PPO's rollouts run on one GPU). Under JAX 0.11 a `pallas_call` is never dead-code eliminated, and flax's
+    `nn.scan` traces its body once to check that nothing it broadcasts depends on the loop: the cached decode through
+    the Triton kernel failed that check ("broadcasted variable has a data dependency on the scan body"); cached calls
+    of a scanned stack are a plain lax.scan now (models/layers/stack.py `_cached_scan`)."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from kernels import mosaic_gpu_compile
+    from tests import targets
+
+    generate = importlib.import_module("models.generate")  # the module (models.generate is its function)
+
+    why = mosaic_gpu_compile.available()
+    if why:
+        pytest.skip(why)
+    model = models.create_model("llama", "tiny", scan_layers=True, attention_implementation="triton")
+    params = jax.eval_shape(lambda: models.init_params(model))
+    ids = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    run = generate._compiled(model, 4, 0.0, None, None, None, 0, None)
+    with targets.for_gpu():
+        text = run.trace(params, ids, ids, jax.random.PRNGKey(0)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 2, "expected the prefill's and the decode's Triton kernels"

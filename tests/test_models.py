@@ -251,12 +251,13 @@ def _assert_same_loss_and_grads(params, model, reference, rtol=1e-6, atol=1e-6):
         np.testing.assert_allclose(g, h, atol=atol)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, "int8"])
-def test_kv_cache_decoding_matches_full_forward(cache_dtype):
+@pytest.mark.parametrize("cache_dtype,scan", [(None, False), (None, True), ("int8", False)])
+def test_kv_cache_decoding_matches_full_forward(cache_dtype, scan):
     """Prefill + one-token steps through the cache give the logits of one full forward pass (padded batch); with
     an int8 cache (keys and values rounded per token and head, read as int8 by kernels.decode_attention) within 1%
-    of the logits' range, and its buffers are int8."""
-    model, params = _tiny("llama")
+    of the logits' range, and its buffers are int8. Scanned, the cached calls are a lax.scan over the stacked
+    weights and cache (models/layers/stack.py `_cached_scan`)."""
+    model, params = _tiny("llama", scan_layers=scan)
     v, apply = {"params": params}, jax.jit(model.apply)
     full = np.asarray(apply(v, jnp.asarray(IDS), jnp.asarray(MASK)))
     cache = model.init_cache(B, T, cache_dtype)

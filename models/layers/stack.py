@@ -31,7 +31,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     by layer) and the engine's overlapped ZeRO-3 stack see the same single-block scan as for uniform layers. Such a
     stack's cache has no common per-layer shape (sliding layers keep rings of the window, the others every
     position: `empty_cache`'s {'full', 'sliding'}), so a cached call (generation) of a scanned stack runs its layers
-    one after the other on slices of the stacked weights, each with its kind's cache.
+    one after the other on slices of the stacked weights, each with its kind's cache; with one cache shape a cached
+    call is a `lax.scan` over the stacked weights and cache (`_cached_scan`).
 
     What a block sows into 'intermediates' (the MoE router's statistics, `layers.moe`) comes out stacked
     [num_layers, ...] from a scan, per `{name}_{i}` otherwise; the pipeline drops it.
@@ -64,6 +65,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     layered = per_layer is not None or isinstance(cache, list)
     if layered and cache is not None and scan and not owner.is_initializing():
         return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
+    if cache is not None and scan and not owner.is_initializing():
+        return _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
@@ -104,6 +107,22 @@ def _restack(caches):
     if caches[0][0] is None:
         return stacked([c for _, c in caches])
     return {kind: stacked([c for k, c in caches if k == kind]) for kind in ("full", "sliding")}
+
+
+def _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs):
+    """A scanned stack's cached call (generation) when every layer's cache has one shape: a `lax.scan` of the block
+    applied to each layer's slice of the stacked weights `owner`'s `name` and its cache. Not `nn.scan`: before it
+    scans, flax traces the body once to check that nothing it broadcasts depends on the loop, and a Pallas kernel the
+    body calls outside a custom_vjp (the Triton decode attention) survives that trace's dead-code elimination under
+    JAX 0.11 (a `pallas_call` is never removed), so flax refused the scan ("broadcasted variable has a data
+    dependency on the scan body") and a scanned model could not generate on a GPU."""
+    block, weights = block_cls(parent=None, **block_kwargs), owner.variables["params"][name]
+
+    def body(h, layer):
+        w, layer_cache = layer
+        return block.apply({"params": w}, h, ctx, layer_cache)
+
+    return jax.lax.scan(body, x, (weights, cache))
 
 
 def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers):
