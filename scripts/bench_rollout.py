@@ -284,8 +284,7 @@ def target_programs(requests):
     """{name: (jitted function, abstract arguments)}: every program a run of both paths compiles on --target's GPU
     (the static `generate`; the paged engine's prefill per prompt bucket, decode step, sampling and page copy), its
     model's attention the GPU's kernels (Triton) and its arguments on the target device."""
-    # A mesh of the one GPU, as a sharded run has it: its kernels then run in a shard_map, which JAX 0.11 needs
-    # (without one, flax's nn.scan refuses the Triton decode attention in a scanned static `generate`)
+    # A mesh of the one GPU, as a sharded run has it (its kernels then run in a shard_map)
     mesh = engine_lib.make_mesh(devices=plan.target_devices(FLAGS.target)[:1])
     on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
