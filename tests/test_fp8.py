@@ -149,10 +149,12 @@ def test_the_fp8_flag_builds_the_model_and_refuses_a_quantized_base():
 
 
 @pytest.mark.gpu_compile
-def test_on_hopper_each_product_is_a_gemm_of_fp8_operands():
+@pytest.mark.parametrize("delayed", [False, True])
+def test_on_hopper_each_product_is_a_gemm_of_fp8_operands(delayed):
     """Compiled deviceless for an H100 (`make test-gpu-compile`; kernels/mosaic_gpu_compile.py's target), the
     forward and both gradient products of fp8_dot are GEMM fusions whose dot reads the fp8 arrays (e4m3 x e4m3,
-    e5m2 x e4m3, e4m3 x e5m2): no float dot is left and the fp8 rounding is not simplified away."""
+    e5m2 x e4m3, e4m3 x e5m2): no float dot is left and the fp8 rounding is not simplified away; with delayed
+    scaling (an amax history) too."""
     from jax.experimental import topologies
 
     from kernels import mosaic_gpu_compile
@@ -165,10 +167,12 @@ def test_on_hopper_each_product_is_a_gemm_of_fp8_operands():
     replicated = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
     args = [jax.ShapeDtypeStruct((4, 256, 1024), jnp.bfloat16, sharding=replicated),
             jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=replicated)]
-    loss = lambda x, w: jnp.sum(fp8_dot(x, w).astype(jnp.float32) ** 2)  # noqa: E731
+    if delayed:
+        args.append(jax.ShapeDtypeStruct((3, 16), jnp.float32, sharding=replicated))
+    loss = lambda x, w, *h: jnp.sum(fp8_dot(x, w, *h).astype(jnp.float32) ** 2)  # noqa: E731
     hopper = jax.sharding.AbstractMesh((), ()).update(abstract_device=mosaic_gpu_compile._HOPPER)
     with jax.sharding.use_abstract_mesh(hopper):
-        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower().compile().as_text()
+        hlo = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower().compile().as_text()
     operands = {}
     for line in hlo.splitlines():
         if " dot(" in line:
