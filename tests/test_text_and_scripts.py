@@ -262,6 +262,13 @@ def test_create_model_and_run_json(tmp_path):
     adapted = model.clone(config=model.config.__class__(**{**vars(model.config), "lora_rank": 4}))
     with pytest.raises(ValueError, match=r"fields \['lora_rank'\] differ"):
         run_record.save_run(str(tmp_path / "w"), "lm", adapted, tok)
+    # FP8 amax histories are parameters: a run with them is another model, and the error names the flags it ran with.
+    delayed = model.clone(config=model.config.__class__(**{**vars(model.config), "fp8": True, "fp8_history": 16}))
+    with pytest.raises(ValueError, match=r"fields \['fp8_history'\] differ.*: it ran with --fp8_history=0 \(no FP8"):
+        run_record.save_run(str(tmp_path / "w"), "lm", delayed, tok)
+    run_record.save_run(str(tmp_path / "d"), "lm", delayed, tok)
+    with pytest.raises(ValueError, match=r"fields \['fp8_history'\] differ.*: it ran with --fp8 --fp8_history=16$"):
+        run_record.save_run(str(tmp_path / "d"), "lm", model, tok)
 
 
 def test_optimizer_flags_schedules_and_errors():

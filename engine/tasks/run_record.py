@@ -67,6 +67,10 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
                 hint = (f": its layers were {'' if was else 'not '}scanned (stacked), so --model_overrides with "
                         f'"scan_layers": {str(was).lower()} (GPU and TPU runs default to true, CPU runs to false), '
                         f"and --pipeline_stages {'> 1 if it ran as a pipeline' if was else '=1'}")
+            if "fp8_history" in changed:
+                was = (old_config or {}).get("fp8_history") or 0
+                hint += (f"{'; ' if hint else ': '}it ran with " + (f"--fp8 --fp8_history={was}" if was else
+                                                                     "--fp8_history=0 (no FP8 amax histories)"))
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              f"flags of that run{hint}")
