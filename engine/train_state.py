@@ -151,6 +151,10 @@ class TrainState:
     Until then `arrays` is None and `init_params` holds the caller's parameters."""
 
     def __init__(self, *, mesh, params, trainable, optimizer, loss_fn, parallelism, diloco, loss_scale, seed):
+        if diloco is not None and any(jax.tree.leaves(overwrite_tree(params))):
+            # A replica's amax histories are not weights its outer step could average and move with momentum.
+            raise ValueError("diloco with FP8 amax histories in params (models.ModelOptions.fp8_history > 0); "
+                             "expected fp8_history=0 (FP8's current scaling) with DiLoCo")
         self.trainable = trainable_mask(trainable, params)  # None, or a tree of bools of the parameters' structure
         self.mesh, self.optimizer, self.loss_fn, self.diloco = mesh, optimizer, loss_fn, diloco
         self.rules, self.zero_stage = parallelism.sharding_rules, parallelism.zero_stage

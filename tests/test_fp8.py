@@ -318,6 +318,19 @@ def test_a_non_finite_step_keeps_the_histories():
         np.testing.assert_array_equal(out["w"], -np.ones(3) if np.isfinite(loss) else np.ones(3))
 
 
+def test_diloco_refuses_amax_histories_in_one_line():
+    import optax
+
+    import engine
+    from engine.tasks import lm
+
+    model = models.create_model("llama", "tiny", fp8=True, fp8_history=4)
+    with pytest.raises(ValueError, match=r"^diloco with FP8 amax histories .*; expected fp8_history=0"):
+        engine.Trainer(mesh=engine.make_mesh(data=2, devices=jax.devices()[:2]), collate_fn=lm.collate_lm,
+                       loss_fn=lm.lm_loss_fn(model), params=models.init_params(model), optimizer=optax.sgd(1.0),
+                       diloco=engine.DiLoCo(inner_steps=2))
+
+
 def _delayed_rows():
     rng = np.random.RandomState(0)
     rows = [{"tokens": rng.randint(3, 120, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
