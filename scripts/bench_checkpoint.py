@@ -1,13 +1,14 @@
 """The step-time cost of local checkpoints (`engine.Checkpointing(local_dir=..., local_every=...)`): the same
 training run without a local tier and with local saves every `--every` updates, rounds interleaved, medians of the
-steady time per step, the last local write included (the persistent tier is not saved inside the timed steps).
-With `--processes=2` the run is two processes of 4 CPU devices each (gloo between them), and each interval is also
-timed with a peer replica (`local_replicas=1`: each save sends the process's blocks to the other process). Prints a
-table.
+steady time per step, the last local write included (the persistent tier is not saved inside the timed steps),
+and the blocking part of a local save (`fit`'s time in its saves, from the workdir's goodput.json). With
+`--processes=2` the run is two processes of 4 CPU devices each (gloo between them), and each interval is also timed
+with a peer replica (`local_replicas=1`: each save sends the process's blocks to the other process). Prints a table.
 
   .venv/bin/python scripts/bench_checkpoint.py --state_mb=100 --every=10,1 --rounds=3 --local_dir=/dev/shm
   .venv/bin/python scripts/bench_checkpoint.py --state_mb=100 --every=10 --rounds=3 --processes=2
 """
+import json
 import os
 import socket
 import statistics
@@ -32,8 +33,8 @@ flags.DEFINE_string("shared_dir", None, "Set by --processes=2: where the process
 
 
 def run_once(every, replicas, workdir, local_dir):
-    """Seconds per update of `FLAGS.steps` updates with local saves every `every` (0: no local tier) and
-    `replicas` peer replicas."""
+    """(seconds per update of `FLAGS.steps` updates with local saves every `every` (0: no local tier) and
+    `replicas` peer replicas, seconds a local save blocked the loop (None without saves), state MB)."""
     import jax
     import numpy as np
     import optax
@@ -68,7 +69,11 @@ def run_once(every, replicas, workdir, local_dir):
     jax.block_until_ready(trainer.params)
     trainer.close()  # the last local write included
     seconds = (time.perf_counter() - start) / FLAGS.steps
-    return seconds, sum(x.nbytes for x in jax.tree.leaves(params)) * 3 / 1e6
+    saves, blocked = every and (2 + FLAGS.steps) // every - 2 // every, None
+    if saves and jax.process_index() == 0:  # process 0 writes the record
+        with open(os.path.join(workdir, "goodput.json")) as f:
+            blocked = json.load(f)[-1]["checkpoint_s"] / saves  # the timed call's record
+    return seconds, blocked, sum(x.nbytes for x in jax.tree.leaves(params)) * 3 / 1e6
 
 
 def _start_processes(argv):
@@ -92,7 +97,7 @@ def main(argv):
         import engine
         engine.initialize_distributed(FLAGS.coordinator, 2, FLAGS.process_id)
     rows = [(0, 0)] + [(int(e), r) for e in FLAGS.every for r in ((0, 1) if FLAGS.processes == 2 else (0,))]
-    times = {row: [] for row in rows}
+    times, blocked = {row: [] for row in rows}, {row: [] for row in rows}
     for round_ in range(FLAGS.rounds):
         for every, replicas in rows:
             # A local directory per run and process (a host's own disk), deleted after the run; the workdir is
@@ -100,20 +105,22 @@ def main(argv):
             with tempfile.TemporaryDirectory() as workdir, tempfile.TemporaryDirectory(dir=FLAGS.local_dir) as local:
                 if FLAGS.shared_dir:
                     workdir = os.path.join(FLAGS.shared_dir, f"{round_}-{every}-{replicas}")
-                seconds, state_mb = run_once(every, replicas, workdir, local)
+                seconds, blocked_s, state_mb = run_once(every, replicas, workdir, local)
             times[every, replicas].append(seconds)
+            blocked[every, replicas].append(blocked_s)
     if FLAGS.process_id:
         return
     print(f"state {state_mb:.1f} MB, {FLAGS.steps} updates a run, {FLAGS.rounds} rounds, local_dir {FLAGS.local_dir}, "
           f"{FLAGS.processes} process(es)")
-    print("| local saves | ms / update (median) | cost over none (median of rounds) |")
-    print("|---|---|---|")
+    print("| local saves | ms / update (median) | cost over none (median of rounds) | a save blocks (ms, median) |")
+    print("|---|---|---|---|")
     for row in rows:
         ratios = [t / b for t, b in zip(times[row], times[0, 0])]
         every, replicas = row
         name = "none" if every == 0 else f"every {every}" + (", a peer replica" if replicas else "")
+        save = "—" if every == 0 else f"{1e3 * statistics.median(blocked[row]):.0f}"
         print(f"| {name} | {1e3 * statistics.median(times[row]):.1f} | "
-              f"{100 * (statistics.median(ratios) - 1):+.1f} % |")
+              f"{100 * (statistics.median(ratios) - 1):+.1f} % | {save} |")
 
 
 if __name__ == "__main__":
