@@ -310,6 +310,21 @@ def test_a_1f1b_plan_reports_its_schedules_idle_share():
         planning.plan(**common, pipeline_virtual_stages=2, config_overrides={"pipeline_virtual_stages": 3})
 
 
+def test_config_overrides_of_the_plans_own_arguments_move_to_them():
+    """--model_overrides as the training scripts take them ('scan_layers': true, 'remat', FP8 with its amax
+    histories): the plan's own arguments follow them (they collided with a TypeError before), scan_layers=False is
+    refused in one line (plans compile the scanned stack), and one given both ways with two values too."""
+    common = {**TINY, "num_devices": 2, "seq_len": 16, "mesh": "2,1,1", "per_device_batch_size": 1, "step": "jit"}
+    planned = planning.plan(**common, config_overrides={"scan_layers": True, "remat": "dots", "fp8": True,
+                                                        "fp8_history": 4})
+    assert planned["remat"] == "dots"
+    assert planned["params"] - planning.plan(**common)["params"] == 2 * 7 * 3 * 4  # the histories: layers x 7 x 3 x 4
+    with pytest.raises(ValueError, match=r"^config_overrides=\{'scan_layers': False\}; expected true or no "):
+        planning.plan(**common, config_overrides={"scan_layers": False})
+    with pytest.raises(ValueError, match=r"^remat='none' and config_overrides=\{'remat': 'dots'\}; expected one"):
+        planning.plan(**common, remat="none", config_overrides={"remat": "dots"})
+
+
 @pytest.mark.slow
 def test_a_pipeline_plan_gathers_fsdp_once_a_step_when_asked():
     """Stage 2 x fsdp 2, 4 micro-batches: with pipeline_fsdp_gather='step' (here as a config override) the plan

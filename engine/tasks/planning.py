@@ -68,7 +68,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     per step); every result has 'bytes_by_axes' (bytes sent by the mesh axes the collectives span). A program
     larger than a TPU target's memory is a ValueError quoting the compiler. Returns (the result, the
     `jax.stages.Compiled` step)."""
-    settings = _pipeline_fields(dict(locals()))  # the keyword arguments, as given: the result repeats them
+    settings = _config_fields(dict(locals()))  # the keyword arguments, as given: the result repeats them
     devices = engine.plan.target_devices(target)
     settings["num_devices"] = num_devices = len(devices) if num_devices is None else num_devices
     if hbm_gb is None and engine.plan.parse_target(target):  # a target's chips: their memory is the budget
@@ -130,15 +130,23 @@ def _implementation(name, devices):
     return name if name != "auto" else kernels.implementation_for_platform(devices[0].platform)
 
 
-_PIPELINE_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "pipeline_schedule": "gpipe",
-                    "pipeline_fsdp_gather": "tick"}
+# Config fields that are also arguments of `plan` (with the argument's default): one given in config_overrides moves
+# to its argument (the plan's idle share, kernels and result follow them).
+_ARGUMENT_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "pipeline_schedule": "gpipe",
+                    "pipeline_fsdp_gather": "tick", "remat": "full", "lora_rank": 0,
+                    "attention_implementation": "auto", "param_dtype": "float32", "quantize": None,
+                    "sequence_parallel": False}
 
 
-def _pipeline_fields(settings):
-    """settings with the pipeline's config fields given in config_overrides moved to their arguments (the plan's
-    idle share and result follow them); one given both ways with two values is refused."""
+def _config_fields(settings):
+    """settings with the config fields given in config_overrides that are also its arguments moved to them; one given
+    both ways with two values is refused, and so is scan_layers=False (a plan scans its layers)."""
     overrides = dict(settings["config_overrides"] or {})
-    for key, default in _PIPELINE_FIELDS.items():
+    if overrides.get("scan_layers", True) is not True:
+        raise ValueError(f"config_overrides={{'scan_layers': {overrides['scan_layers']!r}}}; expected true or no "
+                         "scan_layers (a plan compiles the scanned stack, as the GPU and TPU runs train it)")
+    overrides.pop("scan_layers", None)
+    for key, default in _ARGUMENT_FIELDS.items():
         if key not in overrides:
             continue
         value = overrides.pop(key)
