@@ -36,10 +36,6 @@ def overwrite_tree(tree):
     return jax.tree_util.tree_map_with_path(lambda p, _: is_overwrite(p), tree)
 
 
-def any_overwrite(tree):
-    return any(is_overwrite(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-
-
 def split_loss(out):
     """loss_fn may return `loss` or `(loss, metrics)`."""
     if isinstance(out, tuple):
