@@ -89,6 +89,8 @@ def generate(model, params, input_ids, *, max_new_tokens, attention_mask=None, t
     else:
         run = _compiled(model, max_new_tokens, float(temperature), top_k, top_p, eos_token_id, pad_token_id,
                         cache_dtype)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, ids, mask, rng))):
+        run = run.__wrapped__  # inside a caller's jit (a predictor's pred_fn): inlined there, compiled as the caller's
     mesh = _mesh_of(params)
     # Traced under the parameters' mesh, Pallas kernels run on each device's own block (kernels/_partition.py).
     with kernels.under_mesh(mesh):

@@ -251,6 +251,17 @@ def _assert_same_loss_and_grads(params, model, reference, rtol=1e-6, atol=1e-6):
         np.testing.assert_allclose(g, h, atol=atol)
 
 
+def test_generate_inside_a_callers_jit_equals_generate():
+    """A pred_fn may call `models.generate` inside its own jit (the Predictor's, seq2seq_pred_fn): generation's own
+    compiler options, legal on a top-level jit only, must not reach a nested one."""
+    model, params = _tiny("llama")
+    ids, mask = jnp.asarray(IDS), jnp.asarray(MASK)
+    direct = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=3)
+    nested = jax.jit(lambda p, i, m: models.generate(model, p, i, attention_mask=m, max_new_tokens=3))(params, ids,
+                                                                                                         mask)
+    np.testing.assert_array_equal(nested, direct)
+
+
 @pytest.mark.parametrize("cache_dtype,scan", [(None, False), (None, True), ("int8", False)])
 def test_kv_cache_decoding_matches_full_forward(cache_dtype, scan):
     """Prefill + one-token steps through the cache give the logits of one full forward pass (padded batch); with
