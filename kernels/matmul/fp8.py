@@ -50,18 +50,22 @@ def amax(x):
     return jax.lax.pmax(out, manual) if manual else out
 
 
-def quantize_fp8(x, dtype, scale_amax=None):
+def delayed_amax(history_max, own):
+    """The amax a delayed scale is taken from: the history's largest, or the tensor's `own` while the history is
+    still all zero (a fresh run's first step)."""
+    return jnp.where(history_max > 0, history_max, own)
+
+
+def quantize_fp8(x, dtype, by=None):
     """(q, scale): `x` scaled by one float32 scale, amax / max(dtype) (1 for an all-zero x), and rounded to the fp8
-    `dtype` (nearest even); x ~= q * scale. amax: `scale_amax` when given and > 0 (delayed scaling: values beyond it
+    `dtype` (nearest even); x ~= q * scale. amax: `by` when given (delayed scaling, `delayed_amax`: values beyond it
     saturate at the format's largest), else the tensor's own (`amax`), so its largest magnitude lands on the
     format's largest value."""
     dtype = jnp.dtype(dtype)
     top = float(jnp.finfo(dtype).max)
     x = x.astype(jnp.float32)
-    own = amax(x)
-    if scale_amax is not None:
-        own = jnp.where(scale_amax > 0, scale_amax, own)
-    scale = jnp.where(own > 0, own / top, 1.0)
+    by = amax(x) if by is None else by
+    scale = jnp.where(by > 0, by / top, 1.0)
     # The clip saturates values past a delayed scale and guards the rounding of x / scale (1 ulp past the top would
     # be NaN in e4m3fn, inf in e5m2).
     return jnp.clip(x / scale, -top, top).astype(dtype), scale
@@ -86,8 +90,10 @@ def _forward(x, w, history):
         amaxes = None
     else:
         top = jnp.max(history, axis=1)
-        xq, wq = quantize_fp8(x, E4M3, top[0]), quantize_fp8(w, E4M3, top[1])
-        amaxes = (amax(x), amax(w), top[2])
+        amax_x, amax_w = amax(x), amax(w)  # taken once: for the history and a fresh row's scale
+        xq = quantize_fp8(x, E4M3, delayed_amax(top[0], amax_x))
+        wq = quantize_fp8(w, E4M3, delayed_amax(top[1], amax_w))
+        amaxes = (amax_x, amax_w, top[2])
     return _dot(xq, wq, (((x.ndim - 1,), (0,)), ((), ())), x.dtype), (xq, wq, amaxes)
 
 
@@ -145,8 +151,9 @@ def _fp8_dot_delayed_fwd(dtypes, x, w, history):
 
 def _fp8_dot_delayed_bwd(dtypes, residuals, g):
     xq, wq, amax_x, amax_w, g_top, history = residuals
-    dx, dw = _gradients(dtypes, xq, wq, quantize_fp8(g, E5M2, g_top), g.ndim)
-    return dx, dw, pushed(history, jnp.stack([amax_x, amax_w, amax(g)]))
+    amax_g = amax(g)
+    dx, dw = _gradients(dtypes, xq, wq, quantize_fp8(g, E5M2, delayed_amax(g_top, amax_g)), g.ndim)
+    return dx, dw, pushed(history, jnp.stack([amax_x, amax_w, amax_g]))
 
 
 _fp8_dot_delayed.defvjp(_fp8_dot_delayed_fwd, _fp8_dot_delayed_bwd)
