@@ -1,6 +1,10 @@
 """The model families and how a model and its parameters come to be: `FAMILIES` (model_type -> family module),
 `get_config` / `create_model` for a named config, `model_type` of a model, and `init_params` / `param_shardings`
-for fresh parameters on a layout (`add_fp8_histories`: the fresh FP8 amax histories a loaded checkpoint lacks). Checkpoint formats live elsewhere (`models.hf`); this table is what they read."""
+for fresh parameters on a layout (`add_fp8_histories`: the fresh FP8 amax histories a loaded checkpoint lacks).
+Checkpoint formats live elsewhere (`models.hf`); this table is what they read."""
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -63,18 +67,13 @@ def add_fp8_histories(model, params, *, layout=None):
     out = jax.tree.map(lambda x: x, params)  # a copy of the dicts: the caller's tree is not changed
     for path, like in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         keys = tuple(k.key for k in path)
-        node = out
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        if keys[-1] != OVERWRITE or keys[-1] in node:
+        if keys[-1] != OVERWRITE:
             continue
-        zeros = jnp.zeros(like.shape, like.dtype)
-        if shardings is not None:
-            sharding = shardings
-            for k in keys:
-                sharding = sharding[k]
-            zeros = jax.device_put(zeros, sharding)
-        node[keys[-1]] = zeros
+        node = functools.reduce(lambda tree, key: tree.setdefault(key, {}), keys[:-1], out)
+        if OVERWRITE not in node:
+            zeros = jnp.zeros(like.shape, like.dtype)
+            node[OVERWRITE] = zeros if shardings is None else jax.device_put(
+                zeros, functools.reduce(operator.getitem, keys, shardings))
     return out
 
 
