@@ -52,9 +52,9 @@ def choose_step(mesh, precision, parallelism, diloco):
               f"whose devices have no pinned_host memory (only {sorted(kinds)})")
     sizes = dict(mesh.shape)
     context = sizes.get("context", 1)
-    if step == "shard_map" and context > 1:
-        raise ValueError(f"step='shard_map' on a mesh with context={context}; expected step='jit' or 'auto' "
-                         "(context parallelism runs in the jit step)")
+    if step == "shard_map" and context > 1 and sizes.get("stage", 1) > 1:
+        raise ValueError(f"step='shard_map' on a mesh with context={context} and stage={sizes['stage']}; expected "
+                         "step='jit' or 'auto' (a pipeline's context parallelism runs in the jit step)")
     check_zero_quantized(parallelism.int8, mesh, step, diloco is not None)
     if diloco is not None:
         check("reduce_dtype", precision.reduce_dtype, not precision.reduces_narrow, "None with diloco (its "

@@ -6,7 +6,8 @@ from kernels._defaults import default_implementation
 from kernels._dispatch import (ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implementation_for_platform,
                                resolve_implementation)
 from kernels._partition import (CONTEXT_AXIS, MODEL_AXIS, auto_axis_size, automatic_axes, batch_axes, context_size,
-                                manual_axis_size, manual_batch_axes, shard, tracing_mesh, under_mesh, vmapped)
+                                manual_axis_size, manual_batch_axes, manual_context_size, shard, tracing_mesh,
+                                under_mesh, vmapped)
 from kernels.attention import (decode_attention, dropout_keys, dropout_multiplier, flash_attention, mha_reference,
                                paged_attention, quantize_kv)
 from kernels.grouped_matmul import grouped_matmul  # the op; the sub-package stays importable by its path

@@ -96,13 +96,14 @@ def _axis_size(name, kind):
 
 def manual_batch_axes():
     """The ambient mesh's batch axes larger than 1 that are manual (inside a shard_map over them, as the engine's
-    shard_map step is over `data`, `fsdp` and `expert`), in mesh order: the axes a statistic of the whole batch must
-    be summed over. () outside a mesh and where they are automatic (the partitioner sums over them itself)."""
+    shard_map step is over `data`, `fsdp`, `expert` and, on a context mesh, `context`), in mesh order: the axes a
+    statistic of the whole batch (its rows and their tokens) must be summed over. () outside a mesh and where they
+    are automatic (the partitioner sums over them itself)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return ()
     return tuple(name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-                 if name in BATCH_AXES and size > 1 and kind == jax.sharding.AxisType.Manual)
+                 if name in BATCH_AXES + (CONTEXT_AXIS,) and size > 1 and kind == jax.sharding.AxisType.Manual)
 
 
 def context_size(*lengths):
@@ -110,6 +111,13 @@ def context_size(*lengths):
     1. Any implementation: the sequence split is not the partitioner's to undo."""
     size = auto_axis_size(CONTEXT_AXIS)
     return size if all(n % size == 0 for n in lengths) else 1
+
+
+def manual_context_size():
+    """Size of the ambient mesh's `context` axis when it is manual, else 1: inside the engine's shard_map step on a
+    context mesh, where each device traces its own contiguous slice of every row's tokens (the lengths an op sees
+    are the slice's), so that an op mixing tokens (attention, positions) exchanges them over `context` itself."""
+    return manual_axis_size(CONTEXT_AXIS)
 
 
 def batch_axes(axes, rows):

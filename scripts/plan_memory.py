@@ -65,7 +65,7 @@ flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): 
 flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
                      "--mesh product).", lower_bound=1)
 flags.DEFINE_integer("context_parallel", 1, "Context parallelism: devices each row's tokens are split over (the "
-                     "mesh's `context` axis; devices = context x stages x the --mesh product; the jit step).",
+                     "mesh's `context` axis; devices = context x stages x the --mesh product; either step).",
                      lower_bound=1)
 flags.DEFINE_integer("pipeline_microbatches", 0, "Micro-batches of the pipeline (0: one per stage).", lower_bound=0)
 flags.DEFINE_integer("pipeline_virtual_stages", 1, "Virtual stages per device (1: GPipe; more: the interleaved "

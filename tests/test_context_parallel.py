@@ -306,11 +306,53 @@ def test_a_windowed_family_beyond_its_heads_is_refused_in_one_line():
         "it (ring attention); expected window=None or query heads per device divisible by context")
 
 
-def test_shard_map_step_refuses_a_context_mesh():
-    with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2; expected step='jit'"):
-        engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=lm.collate_lm, loss_fn=lambda *a: 0.0,
-                       params={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1),
-                       parallelism=engine.Parallelism(step="shard_map"))
+def _trainer(family, mesh, step, loss_implementation=None, **options):
+    model = models.create_model(family, "tiny", scan_layers=True, remat="full", **options)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    return engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model, loss_implementation,
+                                                                                      interpret=True),
+                          params=params, optimizer=optax.sgd(0.5), parallelism=engine.Parallelism(step=step))
+
+
+@pytest.mark.parametrize("family, mesh, options, loss_implementation", [
+    ("llama", dict(data=2, context=2, model=2), {}, None),  # Ulysses, k / v through the all-to-all
+    ("llama", dict(fsdp=2, context=4), {}, None),            # ZeRO-3 over fsdp and context; kv heads gathered
+    pytest.param("llama", dict(context=8), {}, None, marks=pytest.mark.slow),  # ring: 4 heads on 8 devices
+    pytest.param("llama", dict(data=2, context=2, model=2),  # kernels in a shard_map inside the step's
+                 dict(attention_implementation="triton", mlp_implementation="triton", kernel_interpret=True,
+                      sequence_parallel=True), "xla", marks=pytest.mark.slow),
+    ("mixtral", dict(expert=2, context=2, model=2), {}, None),  # router losses' sums over context too
+    pytest.param("gemma2", dict(data=2, context=2, model=2), {}, None, marks=pytest.mark.slow),  # windows, caps
+    pytest.param("opt", dict(data=2, context=2, model=2), {}, None, marks=pytest.mark.slow),  # learned positions
+    pytest.param("llama", dict(fsdp=2, context=2, model=2), dict(fp8=True, fp8_history=4), None,
+                 marks=pytest.mark.slow),  # amaxes over the whole batch's tokens
+])
+def test_shard_map_step_on_a_context_mesh_equals_one_device(family, mesh, options, loss_implementation):
+    """The shard_map step manual over `context` (each device its slice of every row's tokens: positions from the
+    whole rows, attention's exchange in the step's manual region, the shards' losses weighted by their tokens):
+    two SGD steps on packed rows with padding give one device's losses and parameters."""
+    rows = _packed_rows(16, seq=32)
+    ref = _trainer(family, engine.make_mesh(devices=jax.devices()[:1]), "jit", loss_implementation, **options)
+    ref.fit(rows, per_device_batch_size=4, max_steps=2, log_every=1)
+    got = _trainer(family, engine.make_mesh(**mesh), "shard_map", loss_implementation, **options)
+    row_split = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
+    got.fit(rows, per_device_batch_size=4 // row_split, max_steps=2, log_every=1)
+    assert got._step_kind == "shard_map"
+    np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in ref.history], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(got.params))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_map_step_on_a_context_mesh_refuses_a_loss_that_sees_whole_rows():
+    """A loss that does not say it runs on token slices (a user's, T5's) is refused in one line, so that nothing
+    computed over a row's tokens (pooling, a sequence's log-probability) is silently taken over a slice."""
+    model = models.create_model("t5", "tiny")
+    for loss_fn in (lambda *a: 0.0, seq2seq.seq2seq_loss_fn(model)):
+        with pytest.raises(ValueError, match=r"step='shard_map' on a mesh with context=2 with a loss_fn that does "
+                                             r"not set token_parallel = True and a weight_metric"):
+            engine.Trainer(mesh=engine.make_mesh(data=4, context=2), collate_fn=lm.collate_lm, loss_fn=loss_fn,
+                           params={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1),
+                           parallelism=engine.Parallelism(step="shard_map"))
 
 
 def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads():

@@ -1,6 +1,7 @@
-"""The overlapped step (`shard_map_train_step`): a `jax.shard_map` manual over `data`, `fsdp` and `expert` (the
-`model` axis stays automatic, split by the compiler from the parameter specs) computes the gradients with explicit
-collectives; the optimizer update then runs auto-partitioned on the gradient shards, as in `jit_train_step`.
+"""The overlapped step (`shard_map_train_step`): a `jax.shard_map` manual over `data`, `fsdp`, `expert` and
+`context` (the `model` axis stays automatic, split by the compiler from the parameter specs) computes the gradients
+with explicit collectives; the optimizer update then runs auto-partitioned on the gradient shards, as in
+`jit_train_step`.
 
 Inside the shard_map each device runs `loss_fn` on its own rows of every micro-batch:
   - ZeRO-3 (every parameter split over a data axis in `param_specs`, i.e. `fsdp`): the shard is all-gathered in
@@ -17,6 +18,11 @@ Inside the shard_map each device runs `loss_fn` on its own rows of every micro-b
   - expert parallelism: the rows are split over `expert` too; a parameter split over it (a mixture's stacked
     experts) stays split, each device computing with its own experts (the MoE layer sends the tokens to them,
     models/layers/moe.py), and its gradient is not summed over `expert`; every other gradient is, like over `data`.
+  - context parallelism: every row's tokens are split over `context` too (a batch leaf [rows, tokens, ...]), each
+    device tracing the loss on its slice: the decoder takes the tokens' positions in the whole rows and attention
+    exchanges them over `context` (kernels.flash_attention), the shards' losses are weighted by `weight_metric`
+    and every gradient is summed over `context` (or reduce-scattered, where auto_shard split the weight over it as
+    ZeRO-3). Only a loss with `token_parallel` set runs so (`check_token_parallel`).
   - an FP8 amax history (`engine.step.update.is_overwrite`) is whole on every device and so is its "gradient" (the
     amaxes are maxima over the batch axes): it is not reduced, its micro-batches' values are combined by maximum.
   - the remaining data-parallel reduction (`data`, `expert`, and `fsdp` for unsplit parameters) is one all-reduce, or a
@@ -46,7 +52,12 @@ _P = jax.sharding.PartitionSpec
 # gradient not summed over `expert`), and the MoE layer exchanges the device's tokens over it directly
 # (models/layers/moe.py). Left automatic beside an automatic `model`, rows split over it aborted XLA's SPMD
 # partitioner (jaxlib 0.10.2, "partition_group_list ... Check failed", dense models too).
-MANUAL_AXES = (axes.DATA, axes.FSDP, axes.EXPERT)
+# `context` splits every row's tokens: each device traces its own slice of them (models/layers/decoder.py gives
+# those tokens their positions in the whole rows, kernels.flash_attention exchanges them over `context`), so a loss
+# runs here on a context mesh only where it says it can (`loss_fn.token_parallel`, `check_token_parallel`); left
+# automatic beside `model`, the token split aborted the same partitioner.
+MANUAL_AXES = (axes.DATA, axes.FSDP, axes.EXPERT, axes.CONTEXT)
+_ROW_AXES = axes.BATCH  # the manual axes a batch's rows are split over (its tokens over `context`)
 _KEPT_AXES = (axes.EXPERT,)  # manual axes a parameter stays split over inside the step
 
 
@@ -91,6 +102,37 @@ class _LeafPlan:
         self.traced_shape = tuple(n // math.prod(sizes[a] for a in kept.get(d, ())) for d, n in enumerate(shape))
 
 
+def check_token_parallel(loss_fn, mesh, weight_metric, grad_fn=None):
+    """Raises a one-line ValueError unless the shard_map step can run `loss_fn` on `mesh`'s `context` split (each
+    device its slice of every row's tokens): nothing to check without one; else the loss must say it is computed
+    from the model's outputs token by token, the model taking its positions and attention over the whole rows
+    (`loss_fn.token_parallel`, set by `engine.tasks.lm.lm_loss_fn` for a decoder-only model), and what its loss is a
+    mean over (`weight_metric`, e.g. 'tokens'), so that the shards' means combine into the batch's."""
+    context = dict(mesh.shape).get(axes.CONTEXT, 1)
+    if context == 1:
+        return
+    if grad_fn is not None:
+        raise ValueError(f"grad_fn with step='shard_map' on a mesh with context={context}; expected step='jit' or "
+                         "'auto' (a grad_fn sees whole rows)")
+    if not getattr(loss_fn, "token_parallel", False) or weight_metric is None:
+        raise ValueError(f"step='shard_map' on a mesh with context={context} with a loss_fn that does not set "
+                         "token_parallel = True and a weight_metric (each device computes it on its slice of every "
+                         "row's tokens: engine.tasks.lm.lm_loss_fn of a decoder-only model does); expected step='jit' "
+                         "or 'auto' for this loss")
+
+
+def _batch_spec(x, sizes):
+    """A batch leaf [accumulate, rows, ...]'s spec: rows over the row axes, and on a context mesh tokens (dim 2) over
+    `context`."""
+    context = sizes.get(axes.CONTEXT, 1)
+    if context == 1:
+        return _P(None, _ROW_AXES)
+    if x.ndim < 3 or x.shape[2] % context:
+        raise ValueError(f"a batch leaf of shape {tuple(x.shape[1:])} on a mesh with context={context}; expected "
+                         f"[rows, tokens, ...] with tokens divisible by {context} (the shard_map step splits them)")
+    return _P(None, _ROW_AXES, axes.CONTEXT)
+
+
 def _shard_map(fn, mesh, in_specs, out_specs):
     """`jax.shard_map`, manual over the data axes only; replication is not type-checked because every reduction
     here is explicit. Over the abstract mesh the step is traced under (`kernels.tracing_mesh`): a concrete mesh
@@ -128,6 +170,7 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
       adds the rounded partial sums); the ZeRO-3 layer stack's buffers (remat='full') and the micro-batches' running
       sum are in it.
     """
+    check_token_parallel(loss_fn, mesh, weight_metric, grad_fn)
     settings = _Settings.checked(mesh, micro_loss_fn(loss_fn, None), key, compute_dtype, reduce_dtype, remat,
                                  accumulate, zero_stage, weight_metric, int8, grad_dtype)
     if grad_fn is not None:
@@ -142,7 +185,7 @@ def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs,
         layout = _Layout.of(params, param_specs, update_specs, trainable, settings)
         fn = _shard_map(functools.partial(_local_gradients, settings, layout), mesh,
                         in_specs=(layout.treedef.unflatten([pl.in_spec for pl in layout.plans]),
-                                  _P(None, MANUAL_AXES), _P(), _P()),
+                                  jax.tree.map(lambda x: _batch_spec(x, settings.sizes), batch), _P(), _P()),
                         out_specs=([pl.out_spec for pl in layout.trained(layout.plans)], _P(), _P()))
         grads, loss, metrics = fn(params, batch, step, current_loss_scale(opt_state, loss_scale))
         trained, frozen = partition(params, trainable)

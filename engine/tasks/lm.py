@@ -133,6 +133,9 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
         loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
         return add_router_losses(model.config, loss, metrics, sown)
     loss_fn.weight_metric = "tokens"  # a mean over tokens: Trainer(step='shard_map') weights shards by it
+    # per-token terms of a decoder whose positions and attention see whole rows: the shard_map step may split the
+    # rows' tokens over `context` (each device its slice; engine.step.check_token_parallel)
+    loss_fn.token_parallel = isinstance(model, models.layers.DecoderLM) and not one_f_one_b
     return loss_fn
 
 

@@ -51,7 +51,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     `diloco_fragments` parts and `diloco_outer_dtype` outer gradients; needs zero_stage=0, its own step): the
     collective bytes are then an inner step's, and 'outer_step_bytes' lists what each part's outer step sends.
     context > 1: context parallelism, each row's `seq_len` tokens split over that many devices (the mesh's `context`
-    axis, on top of the others; the jit step, the only one that runs it). zero_quantized_weights /
+    axis, on top of the others; either step). zero_quantized_weights /
     zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
     sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
     loss_implementation: None (materialised [tokens, vocab] logits) or the fused head + loss kernel's

@@ -174,6 +174,8 @@ def flash_attention(
     dropout_rate = _validate_dropout(dropout_rate, dropout_rng)
     window, logit_soft_cap = _validate_window(window), _validate_soft_cap(logit_soft_cap)
     context = _partition.context_size(q.shape[1], k.shape[1])
+    manual = _partition.manual_context_size()  # inside the shard_map step on a context mesh: q, k, v a token slice
+    context = max(context, manual)
     plain = not dropout_rate and window is None and logit_soft_cap is None and block_sizes is None and context == 1
     shape = dict(head_dim=q.shape[3], seq_len=max(q.shape[1], k.shape[1]), causal=causal, dtype=q.dtype,
                  segments=q_ids is not None)
@@ -186,7 +188,7 @@ def flash_attention(
     settings = dict(impl=impl, causal=causal, sm_scale=sm_scale, interpret=interpret, block_sizes=block_sizes,
                     dropout_rate=dropout_rate, window=window, logit_soft_cap=logit_soft_cap)
     if context > 1:
-        return _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings)
+        return _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings, manual=manual > 1)
     return _padded_attention(q, k, v, q_ids, kv_ids, keys, **settings)
 
 
@@ -202,11 +204,13 @@ def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, i
     return _on_mesh(q, k, v, q_ids, kv_ids, keys, plan)[:, :T, :, :D]
 
 
-def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
+def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings, manual=False):
     """The attention of `flash_attention` (its `settings`) on sequences split over the mesh's `context` axis, in a
     shard_map manual over `context` and the rows' and heads' axes (each device's block of rows and of `model` heads
     is its own; partly automatic, the partitioner gathered rows and heads onto every device before each exchange),
-    for every implementation. Results equal the unsplit attention.
+    for every implementation. Results equal the unsplit attention. `manual`: `context` is manual already (the
+    engine's shard_map step; q, k and v are this device's token slice [B, T/C, H, D]): the same exchange, in a
+    shard_map over the other axes only.
 
     DeepSpeed-Ulysses (Jacobs et al., 2023) where the heads allow: an all-to-all turns each device's slice of the
     tokens of its heads into every token of 1/context of those heads, the unchanged attention runs on whole
@@ -223,7 +227,7 @@ def _context_parallel(q, k, v, q_ids, kv_ids, keys, context, settings):
     b, m = _partition.batch_axes(auto, B), _partition.model_axis(auto, H, KVH)
     M = auto[m] if m else 1
     axis = _partition.CONTEXT_AXIS
-    args, specs, split = _operands(q, k, v, q_ids, kv_ids, keys, b, axis, m)
+    args, specs, split = _operands(q, k, v, q_ids, kv_ids, keys, b, None if manual else axis, m)
     hq, G = H // M // context, H // KVH  # query heads per device after the exchange; query heads per kv head
     kv_to_heads = (KVH // M) % context == 0
     if (H // M) % context or (not kv_to_heads and G % hq):

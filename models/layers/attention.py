@@ -46,6 +46,9 @@ def attend(q, k, v, *, causal, q_segment_ids=None, kv_segment_ids=None, bias=Non
         return kernels.flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale, window=window,
                                        logit_soft_cap=logit_soft_cap, implementation=implementation,
                                        interpret=interpret, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    if kernels.manual_context_size() > 1:  # its [T, S] bias and masks are the whole rows'
+        raise ValueError(f"attention with a bias (T5's relative positions) on a {kernels.manual_context_size()}-way "
+                         "token split of the shard_map step; expected step='jit' or 'auto' for this model")
     B, T, H, D = q.shape
     S, KVH = k.shape[1], k.shape[2]
     scale = D ** -0.5 if sm_scale is None else sm_scale

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import kernels
 from models.layers.attention import empty_cache
 from models.layers.linear import Linear
 from models.layers.norms import Norm
@@ -27,7 +28,7 @@ def decoder_context(input_ids, attention_mask, positions, cache):
     seg = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
     ctx = {"segment_ids": seg}
     if cache is None:
-        ctx["positions"] = segment_positions(seg) if positions is None else positions
+        ctx["positions"] = _token_positions(seg) if positions is None else positions
         return ctx, None
     if "page_table" in cache:  # a paged cache (models/layers/attention.py): each row continues at its own length
         lengths = cache["lengths"]
@@ -43,6 +44,18 @@ def decoder_context(input_ids, attention_mask, positions, cache):
     kv_seg = jax.lax.dynamic_update_slice(cache["segment_ids"], seg, (0, idx))
     ctx.update(positions=positions, cache_index=idx, kv_segment_ids=kv_seg)
     return ctx, {"index": idx + T, "segment_ids": kv_seg}
+
+
+def _token_positions(seg):
+    """`segment_positions(seg)`; inside the engine's shard_map step on a context mesh, where seg [B, T/C] is this
+    device's slice of its rows, the positions of those tokens in the whole rows (from the rows' segment ids, a few
+    ints per token, gathered over `context`)."""
+    context = kernels.manual_context_size()
+    if context == 1:
+        return segment_positions(seg)
+    whole = segment_positions(jax.lax.all_gather(seg, kernels.CONTEXT_AXIS, axis=1, tiled=True))
+    c = jax.lax.axis_index(kernels.CONTEXT_AXIS)
+    return jax.lax.dynamic_slice_in_dim(whole, c * seg.shape[1], seg.shape[1], axis=1)
 
 
 def token_embedding(vocab_size, features, *, std=0.02, name=None, dtype=None, param_dtype=jnp.float32):
