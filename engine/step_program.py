@@ -143,9 +143,9 @@ class StepProgram:
             memory = plan_lib.memory_per_device(compiled)
             if memory is not None:
                 size = {k: _size_text(v) for k, v in memory.items()}
-                logging.info("train step compiled: %s per device (arguments %s, outputs %s, aliased %s, "
-                             "temporaries %s)", size["total"], size["arguments"], size["outputs"], size["aliased"],
-                             size["temporaries"])
+                logging.info("train step (step=%s) compiled: %s per device (arguments %s, outputs %s, aliased %s, "
+                             "temporaries %s)", self.kind, size["total"], size["arguments"], size["outputs"],
+                             size["aliased"], size["temporaries"])
                 self._check_fits(memory, size)
             self._executables[key] = compiled
         return self._executables[key]

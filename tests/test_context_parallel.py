@@ -315,7 +315,8 @@ def _trainer(family, mesh, step, loss_implementation=None, **options):
 
 
 @pytest.mark.parametrize("family, mesh, options, loss_implementation", [
-    ("llama", dict(data=2, context=2, model=2), {}, None),  # Ulysses, k / v through the all-to-all
+    pytest.param("llama", dict(data=2, context=2, model=2), {}, None,  # Ulysses, k / v through the all-to-all
+                 marks=pytest.mark.slow),  # CI time: Mixtral's case below runs it on expert x context x model
     ("llama", dict(fsdp=2, context=4), {}, None),            # ZeRO-3 over fsdp and context; kv heads gathered
     pytest.param("llama", dict(context=8), {}, None, marks=pytest.mark.slow),  # ring: 4 heads on 8 devices
     pytest.param("llama", dict(data=2, context=2, model=2),  # kernels in a shard_map inside the step's

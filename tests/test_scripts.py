@@ -316,6 +316,20 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
 
 
 @pytest.mark.slow
+def test_train_lm_on_a_context_mesh_trains_alike_with_either_step(tmp_path):
+    """--context_parallel=2 on data 2 x model 2: --train_step=shard_map (context manual in the step) logs the
+    losses of the jit step, and the runs say which step ran."""
+    common = [f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}", *TINY_LM, "--max_steps=6", "--log_every=2",
+              "--prompts=", "--mesh=2,1,2", "--context_parallel=2"]
+    runs = {step: _run("train_lm.py", *common, f"--workdir={tmp_path / step}", f"--train_step={step}")
+            for step in ("jit", "shard_map")}
+    np.testing.assert_allclose(_losses(runs["shard_map"].stdout), _losses(runs["jit"].stdout), rtol=1e-5)
+    assert len(_losses(runs["jit"].stdout)) == 3
+    for step, out in runs.items():
+        assert f"step={step}" in out.stdout + out.stderr, step
+
+
+@pytest.mark.slow
 def test_ppo_and_dpo_on_a_pipeline_equal_ppo_and_dpo_without(tmp_path):
     """SFT -> reward model -> PPO, PPO's actor and critic each a 2-stage pipeline (stage 2 x data 2 x model 2, the
     SFT and reward workdirs unscanned: their layers are stacked on load): the rollouts' reward, the loss and the

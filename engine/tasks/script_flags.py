@@ -90,6 +90,10 @@ def define_flags():
     flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "
                       "reductions carry and sum in (engine.Precision.reduce_dtype; GPU and TPU only).")
     flags.DEFINE_bool("remat", False, "Rematerialise the forward pass in the backward pass (less memory).")
+    flags.DEFINE_enum("train_step", "auto", list(engine.config.STEPS), "The Trainer's step (engine.Parallelism.step): "
+                      "auto (shard_map on GPU and TPU, jit on CPU and on context meshes), shard_map (explicit ZeRO "
+                      "collectives, each device on its own rows and, with --context_parallel, its own tokens) or "
+                      "jit (the partitioner's collectives).")
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-process runs (else "
                         "ENGINE_COORDINATOR_ADDRESS or SLURM).")
     flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.")
@@ -321,7 +325,7 @@ def trainer_kwargs():
                   precision=engine.Precision(compute_dtype=compute_dtype(),
                                             grad_dtype=_DTYPES[FLAGS.grad_dtype],
                                             reduce_dtype=_DTYPES[FLAGS.reduce_dtype]),
-                  parallelism=engine.Parallelism(zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
+                  parallelism=engine.Parallelism(step=FLAGS.train_step, zero_stage=FLAGS.zero_stage, remat=FLAGS.remat,
                                                  offload_optimizer=FLAGS.offload_optimizer,
                                                  zero_quantized_weights=FLAGS.zero_quantized_weights,
                                                  zero_quantized_gradients=FLAGS.zero_quantized_gradients),
