@@ -36,9 +36,10 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
               "no gradient is reduced; expected data, fsdp or expert > 1")
 
 
-def choose_step(mesh, precision, parallelism, diloco):
+def choose_step(mesh, precision, parallelism, diloco, loss_fn=None, grad_fn=None):
     """The step a Trainer runs on `mesh`: 'jit', 'shard_map' or 'diloco' (`Parallelism.step='auto'` resolved), after
-    refusing the settings that step cannot run."""
+    refusing the settings that step cannot run (`loss_fn`, `grad_fn`: the Trainer's, checked for the shard_map step
+    on a context mesh)."""
     step, offload = parallelism.step, parallelism.offload_optimizer
     if diloco is not None:
         check("zero_stage", parallelism.zero_stage, parallelism.zero_stage == 0, "0 with diloco (each data "
@@ -71,6 +72,8 @@ def choose_step(mesh, precision, parallelism, diloco):
         check("reduce_dtype", precision.reduce_dtype, step == "shard_map" and platform != "cpu",
               f"None with the {step} step on {platform} devices (bf16 reductions run in the shard_map step on "
               "GPU and TPU; the jit step's are the compiler's, and XLA:CPU aborts on them)")
+    if step == "shard_map":
+        step_lib.check_token_parallel(loss_fn, mesh, getattr(loss_fn, "weight_metric", None), grad_fn)
     return step
 
 

@@ -34,7 +34,7 @@ from engine.config import Checkpointing, Logging, Parallelism, Precision, check
 from engine.flops import peak_tflops
 from engine.goodput import Goodput
 from engine.sharding import path_str
-from engine.step import cast_floating, check_token_parallel, split_loss
+from engine.step import cast_floating, split_loss
 from engine.step_program import StepProgram, choose_step
 from engine.train_state import TrainState, check_shared_workdir
 from engine.watchdog import Watchdog
@@ -77,10 +77,7 @@ def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulat
     if checkpointing.restore == "best":
         _validate("Checkpointing.restore", checkpointing.restore, checkpointing.params_only and workdir is not None,
                   "'latest', or 'best' with Checkpointing.params_only=True and a workdir")
-    step = choose_step(mesh, precision, parallelism, diloco)
-    if step == "shard_map":
-        check_token_parallel(loss_fn, mesh, getattr(loss_fn, "weight_metric", None), grad_fn)
-    return step
+    return choose_step(mesh, precision, parallelism, diloco, loss_fn, grad_fn)
 
 
 class Trainer:

@@ -53,7 +53,8 @@ def define_flags():
                          "schedule, or the interleaved one with --pipeline_virtual_stages.")
     flags.DEFINE_integer("context_parallel", 1, "Context (sequence) parallelism: devices each row's tokens are split "
                          "over (the mesh's `context` axis; the devices are context x stages x the --mesh product). "
-                         "Attention exchanges sequence for heads (all-to-all), so heads / model must divide by it.")
+                         "Attention exchanges sequence for heads (all-to-all) where heads / model divide by it, "
+                         "else passes key / value blocks round a ring.")
     flags.DEFINE_bool("sequence_parallel", False, "Megatron-LM's sequence parallelism with --mesh's model > 1: the "
                       "residual stream between the tensor-parallel attention and MLP blocks holds 1/model of the "
                       "tokens per device (each block all-gathers them; its output is reduce-scattered).")
