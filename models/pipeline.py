@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -241,13 +242,17 @@ def _splitter(rows, microbatches):
 
 
 def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *, stages, microbatches,
-                  fsdp_gather="tick"):
+                  fsdp_gather="tick", layer_inputs=()):
     """`tail_fn(tail_params, stack(x), tail_inputs)` with the stack of `pipeline` (V = 1) run on the 1F1B schedule:
     (loss, aux), each summed over the micro-batches, differentiable in params, x and tail_params.
 
     tail_fn(tail_params, h [rows, ...], tail_inputs of those rows) -> (loss, aux): what follows the stack (final norm,
     head, the loss of those rows), a sum over rows (a mean divides by the whole batch's count), so the micro-batches'
     add up to the batch's; aux (metrics) has no gradient. tail_inputs: a pytree of [B, ...] arrays (labels).
+    layer_inputs: a pytree of arrays `layer_fn` takes as a sixth argument (a dropout key, per-layer values: what it
+    would otherwise close over), not differentiated. Neither function may close over a traced value: the custom_vjp
+    rules run them, and a rule closing over a value traced outside it fails where the engine's shard_map step
+    re-traces the loss's equations (engine/step/gathering.py).
 
     Differentiated (a custom_vjp), the forward runs the whole schedule and keeps the gradients, scaled by the loss's
     cotangent in the backward. Tick t = 0 .. M + 2S - 3: every stage (vmapped over the stage dim, as in `pipeline`)
@@ -264,55 +269,58 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, 1, fsdp_gather)
     per_chunk, ring = num_layers // stages, 2 * stages - 1
-    stage_ids = jnp.arange(stages)
+    # Host constants, not traced values: the custom_vjp's rules below close over them, and a rule closing over a
+    # value traced outside it fails where the step re-traces the loss's equations (engine.step.gathering).
+    stage_ids = np.arange(stages, dtype=np.int32)
     last = stage_ids == stages - 1
 
-    def run_stage(p, h, c, stage, micro):
+    def run_stage(p, h, c, stage, micro, extra):
         def body(h, layer):
             w, j = layer
-            return layer_fn(w, h, c, stage * per_chunk + j, micro), None
+            return layer_fn(w, h, c, stage * per_chunk + j, micro, extra), None
         return jax.lax.scan(body, h, (p, jnp.arange(per_chunk)))[0]
 
-    def stage_grads(p, h, c, stage, micro, dout):
-        return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro), p, h)[1](dout)
+    def stage_grads(p, h, c, stage, micro, extra, dout):
+        return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro, extra), p, h)[1](dout)
 
     read_slot = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, keepdims=False),
                          spmd_axis_name=axes.STAGE)
 
-    def one_f_one_b(params, x, tail_params, ctx, tail_inputs):
+    def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra):
         """(loss, aux), (the gradients of params, x and tail_params, in their dtypes)."""
-        (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs)
+        (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra)
         in_dtypes = functools.partial(jax.tree.map, lambda g, w: g.astype(w.dtype))
         return (loss, aux), (in_dtypes(grads, params), dx, in_dtypes(tail_grads, tail_params))
 
-    def on_batch_shards(params, x, tail_params, ctx, tail_inputs):
+    def on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra):
         manual = _manual_batch_axes(params, rows, microbatches, fsdp_gather)
         # With `data` manual and the rows also split over an automatic `fsdp`, XLA's partitioner aborts on the tail's
         # gathers (jaxlib 0.10.2: "partition_group_list ... Check failed"): there the loop stays automatic.
         if kernels.automatic_axes().get(axes.FSDP, 1) > 1 and axes.FSDP not in manual:
             manual = ()
         if not manual:
-            return local_1f1b(params, x, tail_params, ctx, tail_inputs)
+            return local_1f1b(params, x, tail_params, ctx, tail_inputs, extra)
         rows_spec = P(manual)
 
-        def on_shard(params, x, tail_params, ctx, tail_inputs):
-            (loss, aux), (grads, dx, tail_grads) = local_1f1b(params, x, tail_params, ctx, tail_inputs,
+        def on_shard(params, x, tail_params, ctx, tail_inputs, extra):
+            (loss, aux), (grads, dx, tail_grads) = local_1f1b(params, x, tail_params, ctx, tail_inputs, extra,
                                                               shard=jax.lax.axis_index(manual))
             total = functools.partial(jax.tree.map, lambda a: jax.lax.psum(a, manual))
             return total((loss, aux)), (total(grads), dx, total(tail_grads))
 
         along_rows = lambda tree: jax.tree.map(lambda _: rows_spec, tree)  # noqa: E731
-        return jax.shard_map(on_shard, in_specs=(P(), rows_spec, P(), along_rows(ctx), along_rows(tail_inputs)),
+        return jax.shard_map(on_shard, in_specs=(P(), rows_spec, P(), along_rows(ctx), along_rows(tail_inputs),
+                                                 jax.tree.map(lambda _: P(), extra)),
                              out_specs=((P(), P()), (P(), rows_spec, P())), axis_names=set(manual),
-                             check_vma=False)(params, x, tail_params, ctx, tail_inputs)
+                             check_vma=False)(params, x, tail_params, ctx, tail_inputs, extra)
 
-    def local_1f1b(params, x, tail_params, ctx, tail_inputs, shard=None):
+    def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None):
         """(loss, aux), (float32 gradients of params, of x, float32 of tail_params) of the rows x (all of them, or a
         device's inside the shard_map over the batch axes, whose index there is `shard`)."""
         at_shard = lambda fn: lambda p, h, c, stage, micro, *rest: fn(  # noqa: E731
             p, h, c, stage, _micro_index(micro, microbatches, shard), *rest)
-        forward_all = jax.vmap(at_shard(run_stage), spmd_axis_name=axes.STAGE)
-        backward_all = jax.vmap(at_shard(stage_grads), spmd_axis_name=axes.STAGE)
+        forward_all = jax.vmap(at_shard(run_stage), in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=axes.STAGE)
+        backward_all = jax.vmap(at_shard(stage_grads), in_axes=(0, 0, 0, 0, 0, None, 0), spmd_axis_name=axes.STAGE)
         split = _splitter(x.shape[0], microbatches)
         inputs = split(x)
         ctx_mb, tail_mb = _whole_on_device((jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)), shard)
@@ -328,7 +336,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, h, t % ring, axis=1))
             with kernels.vmapped(axes.STAGE):
                 out = _on_stages(forward_all(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), stage_ids,
-                                             micro))
+                                             micro, extra))
             # The tail on the micro-batch leaving the last stage; its gradient in h starts that micro-batch's
             # backward in this tick.
             leaving = t - (stages - 1)
@@ -348,7 +356,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
             with kernels.vmapped(axes.STAGE):
                 d_params, d_in = backward_all(stage_params, stored, jax.tree.map(lambda a: a[back], ctx_mb),
-                                              stage_ids, back, d_h)
+                                              stage_ids, back, extra, d_h)
             grads = jax.tree.map(lambda a, g: a + jnp.where(_along(back_on, g.ndim), g, 0), grads, d_params)
             tail_grads = jax.tree.map(lambda a, g: a + jnp.where(tail_on, g, 0), tail_grads, d_tail)
             dx = dx.at[back[0]].set(jnp.where(back_on[0], d_in[0], dx[back[0]]))
@@ -372,16 +380,17 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         return (loss, aux), (grads, dx, tail_grads)
 
     @jax.custom_vjp
-    def run(params, x, tail_params, ctx, tail_inputs):
-        out = pipeline(layer_fn, params, x, ctx, stages=stages, microbatches=microbatches, fsdp_gather=fsdp_gather)
+    def run(params, x, tail_params, ctx, tail_inputs, extra):
+        out = pipeline(lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, extra), params, x, ctx,
+                       stages=stages, microbatches=microbatches, fsdp_gather=fsdp_gather)
         return tail_fn(tail_params, out, tail_inputs)
 
     def backward(grads, cotangent):
         scale = cotangent[0]
-        return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None, None)
+        return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None, None, None)
 
     run.defvjp(one_f_one_b, backward)
-    return run(params, x, tail_params, ctx, tail_inputs)
+    return run(params, x, tail_params, ctx, tail_inputs, layer_inputs)
 
 
 def _along(mask, ndim):

@@ -123,11 +123,13 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
     def loss_fn(params, batch, rng, is_training):
         if one_f_one_b:
             labels = batch["labels"]
-            count = jnp.maximum((labels >= 0).sum(), 1)
-            tail = lambda logits, rows: loss_and_metrics(model, None, logits, rows, None, interpret,  # noqa: E731
-                                                         count=count)
+            # The batch's count travels with each row: the pipeline's custom_vjp rules run the tail, and a rule
+            # closing over a traced value fails where the shard_map step re-traces the loss (engine.step.gathering).
+            count = jnp.full(labels.shape[:1], jnp.maximum((labels >= 0).sum(), 1))
+            tail = lambda logits, rows: loss_and_metrics(model, None, logits, rows[0], None,  # noqa: E731
+                                                         interpret, count=rows[1][0])
             return model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], train=is_training,
-                               rngs=dropout_rngs(rng), loss_tail=(tail, labels))
+                               rngs=dropout_rngs(rng), loss_tail=(tail, (labels, count)))
         out, sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
                                  return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
         loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)

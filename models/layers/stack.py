@@ -146,7 +146,10 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     key = None if block_kwargs.get("deterministic", True) else owner.make_rng("dropout")
     values = {} if per_layer is None else {k: jnp.asarray(v) for k, v in per_layer.items()}
 
-    def layer_fn(w, h, c, layer, micro):
+    def layer_fn(w, h, c, layer, micro, closure):
+        """Layer `layer` on micro-batch `micro`; closure: (the dropout key or None, the per-layer values), passed in
+        (the 1F1B pipeline's custom_vjp rules run this and may not close over traced values)."""
+        key, values = closure
         rngs = {} if key is None else {"dropout": jax.random.fold_in(jax.random.fold_in(key, layer), micro)}
         extra = () if per_layer is None else ({k: v[layer] for k, v in values.items()},)
         return block.apply({"params": w}, h, c, None, *extra, rngs=rngs)[0]
@@ -162,10 +165,12 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         tail_fn, inputs = loss_tail
         rest = {k: v for k, v in owner.variables["params"].items() if k != name}
         return pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
-                                      microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather)
+                                      microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather,
+                                      layer_inputs=(key, values))
     # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat every intermediate but the
     # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
     policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
-    return pipeline.pipeline(layer_fn, weights, x, ctx, stages=stages, microbatches=microbatches,
+    gpipe_layer = lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, (key, values))  # noqa: E731
+    return pipeline.pipeline(gpipe_layer, weights, x, ctx, stages=stages, microbatches=microbatches,
                              virtual_stages=config.pipeline_virtual_stages, policy=policy,
                              fsdp_gather=config.pipeline_fsdp_gather)
