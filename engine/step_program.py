@@ -2,6 +2,7 @@
 ahead-of-time compile per batch signature (memory logged, and checked against the device, before the first step).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,17 +24,17 @@ def check_zero_quantized(int8, mesh, step="auto", diloco=False):
     for name, value in zip(("zero_quantized_weights", "zero_quantized_gradients"), int8):
         check(name, value, isinstance(value, bool), "a bool")
         if value:
-            check(name, value, step in ("auto", "shard_map") and not diloco and sizes.get("context", 1) == 1,
-                  "False unless the step is 'shard_map' or 'auto' without diloco or context parallelism "
-                  "(it quantizes the shard_map step's own collectives)")
+            check(name, value, step in ("auto", "shard_map") and not diloco,
+                  "False unless the step is 'shard_map' or 'auto' without diloco (it quantizes the shard_map step's "
+                  "own collectives)")
     if int8.weights:
         check("zero_quantized_weights", True, sizes.get("fsdp", 1) > 1,
               f"False on a mesh with fsdp={sizes.get('fsdp', 1)}: it quantizes the ZeRO-3 weight gathers over "
               "fsdp; expected fsdp > 1")
     if int8.gradients:
-        reduced = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
-        check("zero_quantized_gradients", True, reduced > 1, "False on a mesh with data=1, fsdp=1 and expert=1: "
-              "no gradient is reduced; expected data, fsdp or expert > 1")
+        reduced = math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", "context"))
+        check("zero_quantized_gradients", True, reduced > 1, "False on a mesh with data=1, fsdp=1, expert=1 and "
+              "context=1: no gradient is reduced; expected data, fsdp, expert or context > 1")
 
 
 def choose_step(mesh, precision, parallelism, diloco, loss_fn=None, grad_fn=None):

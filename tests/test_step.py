@@ -486,17 +486,23 @@ def test_int8_zero3_step_trains_like_the_exact_one_and_sends_int8(mesh, remat):
     assert {len(m.split(",")) for line in ops("reduce-scatter") for m in re.findall(r"= f32\[([\d,]+)\]", line)} <= {3}
 
 
-@pytest.mark.parametrize("mesh,zero_stage", [("8x1x1", 0), pytest.param("2x2x2", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh,zero_stage", [("8x1x1", 0), pytest.param("2x2x2", 2, marks=pytest.mark.slow),
+                                             pytest.param("2x1x2c2", 1, marks=pytest.mark.slow)])  # context manual
 def test_int8_data_parallel_step_trains_like_the_exact_one_and_sends_int8(mesh, zero_stage):
     """zero_quantized_gradients on data-parallel meshes (no fsdp needed): the LLaMA's losses and moves stay close to
     the exact step's, and no float32 all-reduce or reduce-scatter of a gradient matrix is left in the compiled
     step (int8 all-to-alls and all-gathers instead)."""
     ops = _int8_run_like_the_exact_one(mesh, "full", zero_stage, zero_quantized_gradients=True)
     assert any("s8[" in line for line in ops("all-to-all")) and any("= s8[" in line for line in ops("all-gather"))
-    # (On 2x2x2 the tensor-parallel activations, [1 row, 16 tokens, ...], are all-reduced over `model` as before.)
+    # (With `model` the tensor-parallel activations, [1 row, 16 tokens / context, ...], are all-reduced over it.)
+    tokens = 16 // _INT8_MESHES[mesh].get("context", 1)
     float_matrices = [m for name in ("all-reduce", "reduce-scatter") for line in ops(name)
-                      for m in re.findall(r"= f32\[(\d+,\d+[\d,]*)\]", line) if not m.startswith("1,16")]
+                      for m in re.findall(r"= f32\[(\d+,\d+[\d,]*)\]", line) if not m.startswith(f"1,{tokens},")
+                      and m != f"1,{tokens}"]
     assert not float_matrices, float_matrices
+
+
+_INT8_MESHES = {**MESHES, "2x1x2c2": dict(data=2, context=2, model=2)}  # c2: context 2, manual in the step
 
 
 def _int8_run_like_the_exact_one(mesh, remat, zero_stage, **int8):
@@ -507,7 +513,7 @@ def _int8_run_like_the_exact_one(mesh, remat, zero_stage, **int8):
     params = models.init_params(model, jax.random.PRNGKey(0))
 
     def run(**kwargs):
-        trainer = engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm,
+        trainer = engine.Trainer(mesh=engine.make_mesh(**_INT8_MESHES[mesh]), collate_fn=lm.collate_lm,
                                  loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.5),
                                  parallelism=engine.Parallelism(zero_stage=zero_stage, **kwargs))
         trainer.fit(_packed_rows(32), per_device_batch_size=1, max_steps=3, log_every=1)
@@ -541,7 +547,7 @@ def test_int8_collectives_bad_input():
         engine.Trainer(mesh=engine.make_mesh(data=8), **common,
                        parallelism=engine.Parallelism(zero_quantized_weights=True))
     with pytest.raises(ValueError, match=r"zero_quantized_gradients=True; expected False on a mesh with data=1, "
-                                         r"fsdp=1 and expert=1"):
+                                         r"fsdp=1, expert=1 and context=1"):
         engine.Trainer(mesh=engine.make_mesh(data=1, model=8), **common,
                        parallelism=engine.Parallelism(zero_quantized_gradients=True))
     with pytest.raises(ValueError, match=r"int8=True; expected an engine.step.Int8"):
