@@ -134,11 +134,15 @@ def _batch_spec(x, sizes):
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
-    """`jax.shard_map`, manual over the data axes only; replication is not type-checked because every reduction
-    here is explicit. Over the abstract mesh the step is traced under (`kernels.tracing_mesh`): a concrete mesh
-    must equal the context's, which names a target device when lowering for an accelerator this host lacks."""
+    """`jax.shard_map`, manual over the data axes only (`context` only where it splits the tokens: a manual
+    `context` of size 1 before an automatic `stage` made JAX 0.11 abort on a pipeline's shardings, "Manual axes must
+    be sorted by mesh axis index"); replication is not type-checked because every reduction here is explicit. Over
+    the abstract mesh the step is traced under (`kernels.tracing_mesh`): a concrete mesh must equal the context's,
+    which names a target device when lowering for an accelerator this host lacks."""
+    sizes = dict(mesh.shape)
+    manual = {a for a in MANUAL_AXES if a != axes.CONTEXT or sizes.get(a, 1) > 1}
     return jax.shard_map(fn, mesh=kernels.tracing_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
-                         axis_names=set(MANUAL_AXES), check_vma=False)
+                         axis_names=manual, check_vma=False)
 
 
 def shard_map_train_step(*, loss_fn, optimizer, mesh, param_specs, update_specs, zero_stage, accumulate,
