@@ -356,14 +356,16 @@ def test_shard_map_step_on_a_context_mesh_refuses_a_loss_that_sees_whole_rows():
                            parallelism=engine.Parallelism(step="shard_map"))
 
 
-def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads():
+@pytest.mark.parametrize("step", ["auto", "shard_map"])
+def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads(step):
     """The Trainer's step for a Triton LLaMA on data 2 x context 2 x model 2, lowered for cuda: the attention kernel
     sees its row (2 rows / data 2), every token (32) of it and 1 of the 4 query heads (4 / model 2 / context 2),
-    with the one kv head that head reads."""
+    with the one kv head that head reads; in the jit step ('auto') and in the shard_map step (context manual)."""
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=lm.collate_lm,
-                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1),
+                             parallelism=engine.Parallelism(step=step))
     operands = kernel_operands_of_train_step(trainer, 2, 32)
     attention = [t for t in operands if re.search(r"tensor<\d+x32x\d+x16x", t)]
     assert attention and all(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t) == ["1x32x1x16"] * 3 for t in attention[:1])
