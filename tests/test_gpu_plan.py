@@ -105,6 +105,16 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
 
 
 @pytest.mark.gpu_compile
+def test_the_shard_map_step_on_a_context_mesh_compiles_for_h100s():
+    """The shard_map step with `context` manual (fsdp 2 x context 2 on four H100s): XLA:GPU compiles it with the
+    Triton attention and loss, the tokens exchanged by all-to-all (Ulysses) and the gradients reduce-scattered."""
+    result, compiled = _compiled_plan("gpu:h100-4", "1,2,1", context=2)
+    assert result["step"] == "shard_map" and result["context"] == 2 and result["fits"]
+    assert result["collective_bytes"]["all-to-all"] > 0 and result["collective_bytes"]["reduce-scatter"] > 0
+    assert compiled.as_text().count('custom_call_target="__gpu$xla.gpu.triton"') >= 3
+
+
+@pytest.mark.gpu_compile
 def test_the_step_compiles_with_the_mosaic_gpu_attention_in_it():
     """attention_implementation='mosaic_gpu' (head dim 64, packed rows' segment ids): the Hopper kernels (forward,
     dq, dk / dv) are Mosaic GPU custom calls of the compiled step, beside the Triton loss."""
