@@ -372,14 +372,17 @@ def test_train_step_lowered_for_cuda_attends_over_whole_sequences_of_local_heads
     assert all(set(re.findall(r"tensor<(\d+x\d+x\d+x16)x", t)) == {"1x32x1x16"} for t in attention), attention
 
 
-def test_train_step_lowered_for_cuda_runs_the_mlp_kernels_on_local_tokens():
+@pytest.mark.parametrize("step", ["auto", "shard_map"])
+def test_train_step_lowered_for_cuda_runs_the_mlp_kernels_on_local_tokens(step):
     """The gated-MLP kernels of a Triton LLaMA's step on data 2 x context 2 x model 2, lowered for cuda, see their
     device's tokens only: 2 rows (4 / data 2) x 16 tokens (32 / context 2) = 32 rows of 64 features, and 64 of the
-    128 hidden columns (model 2); whole rows would be 64."""
+    128 hidden columns (model 2); whole rows would be 64. In the jit step ('auto') and in the shard_map step (where
+    the batch itself enters split over `context`)."""
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", mlp_implementation="triton")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=lm.collate_lm,
-                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1))
+                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1),
+                             parallelism=engine.Parallelism(step=step))
     operands = kernel_operands_of_train_step(trainer, 4, 32)
     assert len(operands) >= 3 and all(t.startswith("tensor<32x64xf32>, ") for t in operands), operands
     assert sum("tensor<64x64xf32>, tensor<64x64xf32>" in t for t in operands) >= 2, operands  # gate and up halves
