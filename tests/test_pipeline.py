@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import engine
 import kernels
 import models
+from engine.tasks import lm
 from models import pipeline
 from tests import trainer_task as tt
 
@@ -264,6 +265,33 @@ def test_train_lm_flag_gathers_fsdp_once_a_step_like_per_tick(tmp_path):
                                       "--pipeline_microbatches=2")
 
 
+def _with_segments(rows):
+    batch = tt.collate_fn(rows)
+    return {**batch, "segment_ids": np.ones_like(batch["input_ids"])}
+
+
+def test_shard_map_step_gathers_one_layer_a_tick_inside_a_stage():
+    """ZeRO-3 inside a stage in the shard_map step (stage 2 x fsdp 2 x model 2, 2 layers a stage): with
+    pipeline_fsdp_gather='tick' each tick gathers the one layer it runs (every weight all-gather is of one layer of
+    the device's stage) and holds less than with 'step', which gathers the stage's layers once; the losses agree."""
+    def run(gather):
+        model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2, pipeline_fsdp_gather=gather)
+        trainer = engine.Trainer(mesh=engine.make_mesh(stage=2, fsdp=2, model=2), collate_fn=_with_segments,
+                                 loss_fn=lm.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
+                                 optimizer=optax.adam(1e-2), parallelism=engine.Parallelism(step="shard_map"))
+        trainer.fit(tt.make_examples(32), per_device_batch_size=4, max_steps=2, log_every=1)
+        compiled = trainer.compiled_step()
+        # The leading dims of the stacked kernels [layers, in, out] gathered (rows [rows, SEQ, ...] left out).
+        gathered = re.findall(r"= f32\[(\d+),(\d+),\d+\]\{[^}]*\} all-gather(?:-start)?\(", compiled.as_text())
+        leading = {int(n) for n, second in gathered if int(second) != SEQ}
+        return [h["loss"] for h in trainer.history], leading, compiled.memory_analysis().temp_size_in_bytes
+
+    per_tick, once = run("tick"), run("step")
+    assert per_tick[1] == {1} and once[1] == {2}, (per_tick[1], once[1])
+    assert per_tick[2] < 0.8 * once[2], (per_tick[2], once[2])
+    np.testing.assert_allclose(per_tick[0], once[0], rtol=1e-6)
+
+
 def assert_train_lm_flag_trains_alike(tmp_path, flag, *pipeline):
     """train_lm.py on 2 stages with the `pipeline` flags (mesh, micro-batches), 4 steps, with and without `flag`:
     the same training and eval losses (rtol 1e-4), and some of them."""
@@ -400,7 +428,6 @@ def test_stack_layers_keeps_the_function():
 def test_pipelined_train_step_with_triton_kernels_lowers_for_cuda():
     """The Trainer's step for a pipelined LLaMA with Triton attention and MLP kernels on stage 2 x data 2 x model 2,
     lowered for cuda: the kernels are there, each on its stage's rows and its `model` half of the heads/columns."""
-    from engine.tasks import lm
     from tests.targets import kernel_operands_of_train_step
     model = models.create_model("llama", "tiny", scan_layers=True, remat="full", attention_implementation="triton",
                                 mlp_implementation="triton", pipeline_microbatches=2)

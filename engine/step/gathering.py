@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import kernels
 from engine.sharding import scan_counts
 from engine.step import layer_scan
+from engine.step.shard_views import sliced_in_loop, varying_vars, view
 from engine.step.shards import Sharded, bind_eqn, full, local_cast
 
 _CASTS = ("convert_element_type", "reduce_precision", "copy", "copy_p")
@@ -26,12 +27,16 @@ def _open(values, fn):
     return inner, arrays
 
 
-def eval_gathering(jaxpr, consts, args, in_remat=False):
+def eval_gathering(jaxpr, consts, args, in_remat=False, varying=None):
     """Evaluates `jaxpr` where some arguments are `Sharded`: each is gathered right at its use. Through `scan`
-    (stacked layer weights as `xs`), `checkpoint` (remat), `jit` and element-wise casts the shards travel unopened,
-    so a scanned layer stack gathers one layer's weights per iteration. Outside a remat region every equation that
-    opens a shard runs in its own `jax.checkpoint`, so no gathered weight is saved for the backward pass."""
+    (stacked layer weights as `xs`, or as constants the body slices), `checkpoint` (remat), `jit`, element-wise
+    casts and views (`shard_views.view`) the shards travel unopened, so a scanned layer stack gathers one layer's
+    weights per iteration. Outside a remat region every equation that opens a shard runs in its own
+    `jax.checkpoint`, so no gathered weight is saved for the backward pass. varying: the variables that may differ
+    between devices (`shard_views.varying_vars`; None: all but the `Sharded` arguments' dependents may)."""
     from jax.extend import core as jex_core
+    if varying is None:
+        varying = varying_vars(jaxpr, [not isinstance(x, Sharded) for x in args])
     env = {}
 
     def read(v):
@@ -48,21 +53,25 @@ def eval_gathering(jaxpr, consts, args, in_remat=False):
             outs = bind_eqn(eqn, invals)
         elif name in _CASTS and len(invals) == 1:
             outs = [invals[0].cast(eqn)]
+        elif (moved := view(eqn, invals, varying)) is not None:
+            outs = [moved]
         elif name == "gather" and _is_row_lookup(eqn, invals):
             outs = [_vocab_parallel_lookup(eqn, *invals)]
         elif (loss := _vocab_split_loss(eqn, invals)) is not None:
             x, w, labels = invals
             outs = [loss.run(x, local_cast(w), labels, w.dims[0][1])]
         elif name == "scan":
-            outs = (layer_scan.pipelined_scan if layer_scan.is_remat_layer_stack(eqn, invals) else _scan_gathering)(
-                eqn, invals, in_remat)
+            if layer_scan.is_remat_layer_stack(eqn, invals):
+                outs = layer_scan.pipelined_scan(eqn, invals, in_remat)
+            else:
+                outs = _scan_gathering(eqn, invals, in_remat, varying)
         elif name in ("checkpoint", "remat", "remat2"):
             p = eqn.params
-            inner, arrays = _open(invals, lambda vals: eval_gathering(p["jaxpr"], (), vals, in_remat=True))
+            inner, arrays = _open(invals, lambda vals: eval_gathering(p["jaxpr"], (), vals, True, varying))
             outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])(*arrays)
         elif name in ("jit", "pjit", "closed_call"):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            outs = eval_gathering(inner.jaxpr, inner.consts, invals, in_remat)
+            outs = eval_gathering(inner.jaxpr, inner.consts, invals, in_remat, varying)
         elif in_remat:
             outs = bind_eqn(eqn, [full(x) for x in invals])
         else:
@@ -119,10 +128,14 @@ def _vocab_parallel_lookup(eqn, table, ids):
     return table.apply_casts(jax.lax.psum_scatter(found, axes, scatter_dimension=0, tiled=True).astype(table.dtype))
 
 
-def _scan_gathering(eqn, invals, in_remat):
+def _scan_gathering(eqn, invals, in_remat, varying):
     p = eqn.params
     n_consts, n_carry = scan_counts(p)
-    consts = [full(x) for x in invals[:n_consts]]
+    body = p["jaxpr"]
+    # A weight the body only slices (a pipeline's stage of layers, one layer per tick) stays split: each iteration
+    # gathers its slice, and its gradient's slice is reduce-scattered there.
+    consts = [x if isinstance(x, Sharded) and sliced_in_loop(body.jaxpr, body.jaxpr.invars[i]) else full(x)
+              for i, x in enumerate(invals[:n_consts])]
     init = [full(x) for x in invals[n_consts:n_consts + n_carry]]
     xs, slots = [], []
     for x in invals[n_consts + n_carry:]:
@@ -133,11 +146,10 @@ def _scan_gathering(eqn, invals, in_remat):
         else:
             xs.append(full(x))
             slots.append(None)
-    body = p["jaxpr"]
 
     def step(carry, x):
         x = [s.rebuild(a) if s is not None else a for s, a in zip(slots, x)]
-        outs = eval_gathering(body.jaxpr, body.consts, consts + list(carry) + x, in_remat)
+        outs = eval_gathering(body.jaxpr, body.consts, consts + list(carry) + x, in_remat, varying)
         return outs[:n_carry], outs[n_carry:]
 
     carry, ys = jax.lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
