@@ -64,7 +64,7 @@ def choose_step(mesh, precision, parallelism, diloco, loss_fn=None, grad_fn=None
         return "diloco"
     if step == "auto" and any(parallelism.int8):
         step = "shard_map"
-    elif step == "auto":  # with a pipeline, the shard_map step's ZeRO-3 gathers a stage's layers at once
+    elif step == "auto":  # stage x fsdp: XLA:GPU aborts on the shard_map step beside `model`; 1F1B gathers a stage
         pipeline_fsdp = sizes.get("stage", 1) > 1 and sizes.get("fsdp", 1) > 1
         jit = mesh.devices.flat[0].platform == "cpu" or pipeline_fsdp or context > 1
         step = "jit" if jit else "shard_map"

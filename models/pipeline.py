@@ -23,10 +23,10 @@ a step, not once a tick. `fsdp` inside a stage (ZeRO-3) stays automatic by defau
 tick gathers its layers' weight shards and reduce-scatters their gradients, so a device holds 1/fsdp of its stage
 at the cost of those collectives every tick. `fsdp_gather='step'` makes `fsdp` manual too: the stage's weights are
 gathered once before the loop and their gradients reduced once after it, and every device holds the stage's whole
-weights and gradients for the step (MaxText's `pipeline_fsdp_ag_once`, torchtitan's pipeline default). Inside a step
-that is manual over `fsdp` itself (the engine's shard_map step gathers each weight at its use) the same choice holds:
-'tick' reads each layer out of the stage inside the loop, so that step gathers one layer per tick; 'step' hands the
-loop the stage whole (an optimization barrier the step sees as one use of the whole weights). Inside the
+weights and gradients for the step (MaxText's `pipeline_fsdp_ag_once`, torchtitan's pipeline default). A step
+that is manual over `fsdp` itself (the engine's shard_map step, which gathers each weight at its use) gathers each
+layer in the tick that reads it out of the stage, as 'tick' does, and refuses 'step' (held whole before the loop,
+XLA:TPU's compiler aborted on the stage's slices). Inside the
 shard_map each device draws its own dropout masks: the micro-batch index a layer is handed counts every device's.
 
 Nothing here knows about the engine: the stage count is the size of the ambient mesh's automatic `stage` axis
@@ -100,10 +100,6 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     # reduced every tick's contribution into a replicated accumulator: V M + S - 1 reductions a step (the tiny LLaMA
     # on stage 2 x data 4 at M = 8: 4.68 MB of all-reduce, models/README.md#the-pipeline).
     manual = _manual_batch_axes(params, rows, microbatches, fsdp_gather)
-    if fsdp_gather == "step" and kernels.manual_axis_size(axes.FSDP) > 1:
-        # Traced inside a step manual over `fsdp` (the engine's shard_map step), whose ZeRO-3 gathers a weight at
-        # its first use whole and otherwise one tick's layer at a time: a barrier is a use of the whole stage.
-        params = jax.lax.optimization_barrier(params)
     if manual:
         rows_spec = P(manual)
         dtypes = jax.tree.map(lambda w: w.dtype, params)
@@ -231,6 +227,10 @@ def _manual_batch_axes(params, rows, microbatches, fsdp_gather="tick"):
 def _check(num_layers, rows, stages, microbatches, virtual_stages, fsdp_gather):
     if fsdp_gather not in FSDP_GATHERS:
         raise ValueError(f"pipeline_fsdp_gather={fsdp_gather!r}; expected one of {FSDP_GATHERS}")
+    if fsdp_gather == "step" and kernels.manual_axis_size(axes.FSDP) > 1:
+        raise ValueError("pipeline_fsdp_gather='step' inside a step manual over fsdp (the engine's shard_map step, "
+                         "which gathers each layer's weights in the tick that runs it); expected 'tick', or the jit "
+                         "step to gather a stage's weights once a step")
     if num_layers % (stages * virtual_stages):
         what = f"stage={stages}" + (f" x pipeline_virtual_stages={virtual_stages}" if virtual_stages > 1 else "")
         raise ValueError(f"a mesh with {what} splits a stack of {num_layers} layers; expected a stage count"
