@@ -4,6 +4,7 @@ parallelism, with GPipe's and the interleaved schedule; each stage holds only it
 passes activations (collective-permutes), never weights, between stages, and reduces weight gradients over `data`
 once a step; the compiled tick loops run V M + S - 1 ticks; the Trainer trains the same on a pipeline as without;
 bad input fails in one line."""
+import math
 import re
 
 import jax
@@ -270,13 +271,15 @@ def _with_segments(rows):
     return {**batch, "segment_ids": np.ones_like(batch["input_ids"])}
 
 
-def test_shard_map_step_gathers_one_layer_a_tick_inside_a_stage():
-    """ZeRO-3 inside a stage in the shard_map step (stage 2 x fsdp 2 x model 2, 2 layers a stage): each tick gathers
-    the one layer it runs (every weight all-gather is of one layer of the device's stage; before, XLA:CPU gathered
-    the stage's 2 layers once and held them) and the losses are the jit step's; pipeline_fsdp_gather='step' is
-    refused there in one line."""
+@pytest.mark.parametrize("virtual_stages", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_shard_map_step_gathers_one_layer_a_tick_inside_a_stage(virtual_stages):
+    """ZeRO-3 inside a stage in the shard_map step (stage 2 x fsdp 2 x model 2, 2 layers a stage; GPipe and the
+    interleaved schedule): each tick gathers the one layer it runs (every weight all-gather is of one layer of the
+    device's stage; before, XLA:CPU gathered the stage's 2 layers once and held them) and the losses are the jit
+    step's; pipeline_fsdp_gather='step' is refused there in one line."""
     def run(step, gather="tick"):
-        model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2, pipeline_fsdp_gather=gather)
+        model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2, pipeline_fsdp_gather=gather,
+                       pipeline_virtual_stages=virtual_stages)
         trainer = engine.Trainer(mesh=engine.make_mesh(stage=2, fsdp=2, model=2), collate_fn=_with_segments,
                                  loss_fn=lm.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
                                  optimizer=optax.adam(1e-2), parallelism=engine.Parallelism(step=step))
@@ -284,9 +287,10 @@ def test_shard_map_step_gathers_one_layer_a_tick_inside_a_stage():
         return [h["loss"] for h in trainer.history], trainer.compiled_step().as_text()
 
     losses, hlo = run("shard_map")
-    # The leading dims of the stacked kernels [layers, in, out] gathered (rows [rows, SEQ, ...] left out).
-    gathered = re.findall(r"= f32\[(\d+),(\d+),\d+\]\{[^}]*\} all-gather(?:-start)?\(", hlo)
-    assert {int(n) for n, second in gathered if int(second) != SEQ} == {1}, gathered
+    # The layers in each gathered stacked kernel [..., in, out] (rows [..., SEQ, D] and 2-D weights left out).
+    shapes = [tuple(map(int, d.split(","))) for d in re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} all-gather(?:-start)?\(",
+                                                               hlo)]
+    assert {math.prod(s[:-2]) for s in shapes if len(s) >= 3 and s[-2] != SEQ} == {1}, shapes
     np.testing.assert_allclose(losses, run("jit")[0], rtol=1e-6)
     with pytest.raises(ValueError, match=r"pipeline_fsdp_gather='step' inside a step manual over fsdp .*; expected "
                                          r"'tick', or the jit step"):

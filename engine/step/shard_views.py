@@ -8,6 +8,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
+import kernels
 from engine.sharding import scan_counts
 from engine.step.shards import Sharded, bind_eqn
 
@@ -150,7 +151,9 @@ def _carried(spec, in_shape, out_shape, moved):
 
 def _moved_spec(spec, moved, rank):
     """A PartitionSpec of the input carried to the output dims `moved` names, None where nothing is split, or
-    False where the output keeps no dim for one of the input's split dims."""
+    False where the output keeps no dim for one of the input's dims split over `model` (whose gathers run block by
+    block: `collectives.in_model_blocks`). Other automatic splits it cannot carry are left to the partitioner (an
+    interleaved pipeline's [L] -> [V, S, K] has `stage` over V and S together, which its constraint then places)."""
     if spec is None:
         return None
     out = [None] * rank
@@ -158,7 +161,9 @@ def _moved_spec(spec, moved, rank):
         if entry is None:
             continue
         if moved.get(d) is None:
-            return False
+            if kernels.MODEL_AXIS in ((entry,) if isinstance(entry, str) else entry):
+                return False
+            continue
         out[moved[d]] = entry
     return P(*out) if any(e is not None for e in out) else None
 
