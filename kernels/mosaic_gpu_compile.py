@@ -1,4 +1,5 @@
-"""The project's Mosaic GPU kernels compiled for Hopper (`sm_90a`) without a GPU, and what ptxas says about each.
+"""The project's Mosaic GPU kernels (and XLA's own GEMM fusions) compiled for Hopper (`sm_90a`) without a GPU, and
+what ptxas says about each.
 
 XLA compiles ahead of time for a GPU it does not have once the cuda PJRT plugin (`jax-cuda13-plugin`,
 `jax-cuda13-pjrt`) builds a compile-only topology from a `GpuTargetConfigProto` (`TARGET_CONFIG`, an H100 SXM's).
@@ -195,3 +196,79 @@ def attention_cases():
 def report():
     """Every case of `attention_cases` compiled: a list of `KernelReport`."""
     return [r for label, (fn, args) in attention_cases().items() for r in compile_for_hopper(fn, *args, label=label)]
+
+
+# ---- XLA's own GEMM fusions, compiled the same way (the FP8 projections' tensor-core path). ----
+
+# A Triton GEMM tile a Hopper warpgroup MMA takes (128 x 128 x 64, 8 warps, 3 stages): the autotuner's candidates on
+# a GPU include it; a deviceless compile, which cannot time candidates, otherwise takes the first that compiles
+# (16 x 8 tiles, 2 warps: warp MMA).
+WGMMA_GEMM_CONFIG = "block_m:128 block_n:128 block_k:64 num_stages:3 num_warps:8 num_ctas:1"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmFusionReport:
+    """One XLA GEMM fusion kernel: its PTX's warpgroup MMA instructions by shape and operand types
+    ({'m64n128k32.f32.e4m3.e4m3': 2}), ptxas's registers and spilled bytes, and the SASS's MMA opcodes ({'QGMMA': 2}:
+    warpgroup FP8; 'HGMMA': warpgroup 16-bit; 'QMMA' / 'HMMA': warp MMA) and local-memory instructions (LDL / STL)."""
+
+    kernel: str
+    wgmma: dict
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    sass_mma: dict
+    local_memory: int
+
+
+def _nvidia_tool(name):
+    """A CUDA tool the `triton` package ships; ptxas: the one that reads XLA's PTX (`ptxas-blackwell`, CUDA 13, where
+    triton's plain `ptxas` is CUDA 12's and refuses PTX 9.0)."""
+    from triton import knobs
+    bin_dir = os.path.dirname(knobs.nvidia.cuobjdump.path)
+    if name == "ptxas" and os.path.exists(os.path.join(bin_dir, "ptxas-blackwell")):
+        name = "ptxas-blackwell"
+    return os.path.join(bin_dir, name)
+
+
+def gemm_fusions_for_hopper(fn, *args, config=WGMMA_GEMM_CONFIG):
+    """`GemmFusionReport`s of the Triton GEMM fusions XLA makes of `jax.jit(fn)` compiled for an H100 at `args`
+    (pytrees of arrays or ShapeDtypeStructs) with every GEMM fusion at `config` (`xla_gpu_override_gemm_autotuner`; None: the
+    deviceless compile's own pick): the PTX XLA writes, assembled by ptxas for sm_90a and disassembled by
+    cuobjdump."""
+    import subprocess
+
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIG, topology="1x1x1")
+    replicated = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), args)
+    reports = []
+    with tempfile.TemporaryDirectory() as dump:
+        target = jax.sharding.AbstractMesh((), ()).update(abstract_device=_HOPPER)
+        with jax.sharding.use_abstract_mesh(target):
+            options = {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True,
+                       "xla_dump_emitter_re": ".*"}  # without an emitter pattern no PTX is written
+            if config is not None:
+                options["xla_gpu_override_gemm_autotuner"] = config
+            jax.jit(fn).trace(*args).lower().compile(compiler_options=options)
+        for ptx_file in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+            ptx = open(ptx_file).read()
+            kernel = re.search(r"\.entry (\w*gemm_fusion\w*)\(", ptx)
+            if kernel is None:
+                continue
+            cubin = ptx_file[:-len(".ptx")] + ".cubin"
+            log = subprocess.run([_nvidia_tool("ptxas"), "-arch=sm_90a", "-v", ptx_file, "-o", cubin], check=True,
+                                 capture_output=True, text=True).stderr
+            sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True,
+                                  text=True).stdout
+            registers = re.search(r"Used (\d+) registers", log)
+            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            mma = re.findall(r"\b([HQI]G?MMA)\.", sass)
+            reports.append(GemmFusionReport(
+                kernel.group(1), {k: ptx.count(f"wgmma.mma_async.sync.aligned.{k}")
+                                  for k in set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.([\w.]+)", ptx))},
+                int(registers.group(1)) if registers else 0, int(spills.group(1)) if spills else 0,
+                int(spills.group(2)) if spills else 0, {k: mma.count(k) for k in set(mma)},
+                len(re.findall(r"\b(?:LDL|STL)\b", sass))))
+    return reports

@@ -183,6 +183,42 @@ def test_on_hopper_each_product_is_a_gemm_of_fp8_operands(delayed):
                                                 ("f8e4m3fn", "f8e5m2")]), operands
 
 
+@pytest.mark.gpu_compile
+def test_on_hopper_the_fp8_products_reach_warpgroup_fp8_mma():
+    """At a Triton GEMM tile a warpgroup takes (128 x 128 x 64, 8 warps: `WGMMA_GEMM_CONFIG`, one of the autotuner's
+    candidates on a GPU), XLA's GEMM fusions of fp8_dot's forward and both gradient products are wgmma of e4m3 /
+    e5m2 operands in the PTX and QGMMA (Hopper's FP8 tensor-core MMA) in ptxas's SASS, without spills or local
+    memory; so is every FP8 product of a tiny LLaMA's loss gradient (its bf16 ones HGMMA). The deviceless compile's
+    own pick (16 x 8 tiles, 2 warps) is warp MMA (HMMA), the reason for the override."""
+    from kernels import mosaic_gpu_compile
+
+    why = mosaic_gpu_compile.available()
+    if why:
+        pytest.skip(why)
+    args = [jax.ShapeDtypeStruct((4, 256, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)]
+    grad = jax.grad(lambda x, w: jnp.sum(fp8_dot(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))
+    reports = mosaic_gpu_compile.gemm_fusions_for_hopper(grad, *args)
+    assert sorted(k for r in reports for k in r.wgmma) == [
+        "m64n128k32.f32.e4m3.e4m3", "m64n128k32.f32.e4m3.e5m2", "m64n128k32.f32.e5m2.e4m3"], reports
+    assert all(set(r.sass_mma) == {"QGMMA"} and not (r.spill_stores or r.local_memory) for r in reports), reports
+    assert all("QGMMA" not in r.sass_mma for r in mosaic_gpu_compile.gemm_fusions_for_hopper(grad, *args,
+                                                                                             config=None))
+    from engine.tasks import lm
+
+    model = models.create_model("llama", "tiny", fp8=True, dtype="bfloat16")
+    params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+    ids = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+
+    def loss(p, ids):
+        batch = {"input_ids": ids, "labels": ids, "segment_ids": jnp.ones_like(ids)}
+        return lm.lm_loss_fn(model)(p, batch, jax.random.PRNGKey(0), True)[0]
+
+    reports = mosaic_gpu_compile.gemm_fusions_for_hopper(jax.grad(loss), params, ids)
+    fp8 = [r for r in reports if any("e4m3" in k or "e5m2" in k for k in r.wgmma)]
+    assert len(fp8) >= 7 and all(set(r.sass_mma) == {"QGMMA"} and not r.spill_stores for r in fp8), reports
+    assert all(set(r.sass_mma) == {"HGMMA"} for r in reports if r not in fp8), reports
+
+
 @pytest.mark.slow  # two compiles of a tiny LLaMA (about 20 s on this machine)
 def test_both_steps_scale_fp8_by_the_whole_batch_and_train_alike():
     """One SGD step of the tiny LLaMA with FP8 projections through the jit step and the shard_map step on data 4 x
