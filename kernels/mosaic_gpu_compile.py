@@ -233,8 +233,8 @@ def _nvidia_tool(name):
 
 def gemm_fusions_for_hopper(fn, *args, config=WGMMA_GEMM_CONFIG):
     """`GemmFusionReport`s of the Triton GEMM fusions XLA makes of `jax.jit(fn)` compiled for an H100 at `args`
-    (pytrees of arrays or ShapeDtypeStructs) with every GEMM fusion at `config` (`xla_gpu_override_gemm_autotuner`; None: the
-    deviceless compile's own pick): the PTX XLA writes, assembled by ptxas for sm_90a and disassembled by
+    (pytrees of arrays or ShapeDtypeStructs) with every GEMM fusion at `config` (`xla_gpu_override_gemm_autotuner`;
+    None: the deviceless compile's own pick): the PTX XLA writes, assembled by ptxas for sm_90a and disassembled by
     cuobjdump."""
     import subprocess
 
