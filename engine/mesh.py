@@ -1,4 +1,4 @@
-"""The device mesh: six named axes, `('data', 'fsdp', 'expert', 'stage', 'context', 'model')`.
+"""The device mesh: six named axes, `('data', 'fsdp', 'expert', 'context', 'stage', 'model')`.
 
 - `data`: pure data parallelism; weights replicated (ZeRO-1/2 may still split optimizer state / gradients over it).
 - `fsdp`: ZeRO-3 / fully sharded data parallelism; weights, gradients and optimizer state split.
@@ -16,7 +16,8 @@ The `model` and `context` axes are innermost (their all-reduces and all-to-alls 
 on several hosts, they stay inside one host's fast interconnect (NVLink / ICI)
 and the pipeline and data-parallel axes, which send less, cross the slower network (Megatron's layout): devices are
 placed stage-major, then data, fsdp, expert, context, model. The axes' order in the mesh differs from that placement
-because XLA (JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`) to precede the automatic `stage`.
+because XLA (JAX 0.11) requires the shard_map step's manual axes (`data`, `fsdp`, `expert`, `context`) to precede the
+automatic `stage` (a manual `context` after it aborted the compile: "Manual axes must be sorted by mesh axis index").
 """
 import math
 
@@ -83,7 +84,7 @@ def _device_grid(shape, devices):
 
 
 def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, context=1, expert=1, devices=None):
-    """Builds a `Mesh` with axes `('data', 'fsdp', 'expert', 'stage', 'context', 'model')`; one size may be -1 to
+    """Builds a `Mesh` with axes `('data', 'fsdp', 'expert', 'context', 'stage', 'model')`; one size may be -1 to
     take the remaining devices.
 
     `devices` defaults to all devices of all processes (`jax.devices()`). Raises `ValueError` when the sizes do not
@@ -92,7 +93,8 @@ def make_mesh(*, data=-1, fsdp=1, model=1, stage=1, context=1, expert=1, devices
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: devices is empty; expected at least one device")
-    shape = _resolve_sizes((data, fsdp, expert, stage, context, model), len(devices))
+    given = {DATA: data, FSDP: fsdp, EXPERT: expert, STAGE: stage, CONTEXT: context, MODEL: model}
+    shape = _resolve_sizes(tuple(given[a] for a in AXES), len(devices))
     placed = tuple(shape[AXES.index(a)] for a in _PLACEMENT)
     grid = np.transpose(_device_grid(placed, devices), [_PLACEMENT.index(a) for a in AXES])
     return Mesh(grid, AXES)

@@ -7,5 +7,5 @@ STAGE = "stage"      # pipeline parallelism: the layer stack split into contiguo
 CONTEXT = "context"  # context parallelism: every row's tokens split
 MODEL = "model"      # tensor parallelism: weight matrices and attention heads split
 
-AXES = (DATA, FSDP, EXPERT, STAGE, CONTEXT, MODEL)  # the mesh's order (the shard_map step's manual axes first)
+AXES = (DATA, FSDP, EXPERT, CONTEXT, STAGE, MODEL)  # the mesh's order (the shard_map step's manual axes first)
 BATCH = (DATA, FSDP, EXPERT)  # the axes a batch's rows are split over

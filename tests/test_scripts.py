@@ -143,7 +143,7 @@ def _check_choice(out, rows, chosen, layouts, global_batch, stages=1):
     assert sent == sorted(sent) and chosen.group(1) == rows[0][0], out.stdout
     data, fsdp, model = map(int, chosen.group(1).split(","))
     assert int(chosen.group(2)) * data * fsdp == global_batch
-    layout = f"on mesh data={data} x fsdp={fsdp} x expert=1 x stage={stages} x context=1 x model={model}"
+    layout = f"on mesh data={data} x fsdp={fsdp} x expert=1 x context=1 x stage={stages} x model={model}"
     assert layout in out.stdout + out.stderr
 
 
@@ -301,7 +301,7 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
     flat = _run("train_lm.py", *common, f"--workdir={tmp_path / 'flat'}", "--mesh=4,1,2", "--per_device_batch_size=2")
     piped = _run("train_lm.py", *common, f"--workdir={tmp_path / 'pipe'}", "--mesh=2,1,2", "--per_device_batch_size=4",
                  "--pipeline_stages=2", "--pipeline_microbatches=2")
-    assert "on mesh data=2 x fsdp=1 x expert=1 x stage=2 x context=1 x model=2" in piped.stdout + piped.stderr
+    assert "on mesh data=2 x fsdp=1 x expert=1 x context=1 x stage=2 x model=2" in piped.stdout + piped.stderr
     np.testing.assert_allclose(_losses(piped.stdout), _losses(flat.stdout), rtol=1e-3)
     np.testing.assert_allclose(_eval_losses(piped.stdout), _eval_losses(flat.stdout), rtol=1e-3)
     assert json.loads((tmp_path / "pipe" / "run.json").read_text())["config"]["scan_layers"] is True

@@ -47,7 +47,7 @@ def _both_ways(module, *args, mesh=None):
 def test_make_mesh_shapes_and_fill():
     assert engine.make_mesh().shape == {"stage": 1, "data": 8, "fsdp": 1, "context": 1, "model": 1, "expert": 1}
     m = engine.make_mesh(data=2, fsdp=-1, model=2)
-    assert m.axis_names == ("data", "fsdp", "expert", "stage", "context", "model")
+    assert m.axis_names == ("data", "fsdp", "expert", "context", "stage", "model")
     assert dict(m.shape) == {"data": 2, "fsdp": 2, "stage": 1, "context": 1, "model": 2, "expert": 1}
     assert sorted(d.id for d in m.devices.flat) == list(range(8))
     sub = engine.make_mesh(data=1, model=4, devices=jax.devices()[:4])
@@ -248,7 +248,7 @@ def test_rules_override_first_match_wins():
 
 @pytest.mark.parametrize("rules, message", [
     ([(r"lm_head", P("tensor"))], r"sharding rule 'lm_head' names mesh axis 'tensor' for parameter 'lm_head/kernel' "
-                                  r"of shape \(32, 64\); the mesh has axes \('data', 'fsdp', 'expert', 'stage', 'context', 'model'\)"),
+                                  r"of shape \(32, 64\); the mesh has axes \('data', 'fsdp', 'expert', 'context', 'stage', 'model'\)"),
     ([(r"norm/scale", P("model"))], r"splits dim 0 \(size 32\)"),
     ([(r"down_proj", P(None, None, "model"))], r"3 entries for parameter 'layers_0/down_proj/kernel' of shape"),
     ([(r"mlp", "model")], r"rules: entry .*expected a \(regex string, PartitionSpec\) pair"),
