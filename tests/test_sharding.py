@@ -55,12 +55,12 @@ def test_make_mesh_shapes_and_fill():
     piped = engine.make_mesh(stage=2, model=2)
     assert dict(piped.shape) == {"data": 2, "fsdp": 1, "stage": 2, "context": 1, "model": 2, "expert": 1}
     # Placed stage-major: each stage a contiguous block of devices, the model pairs inside it.
-    assert [sorted(d.id for d in piped.devices[:, :, :, s].flat) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sorted(d.id for d in piped.devices[:, :, :, :, s].flat) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     # context sits inside data, outside model: a context group is a contiguous block, model pairs within it.
     ctx = engine.make_mesh(data=2, context=2, model=2)
     assert dict(ctx.shape) == {"data": 2, "fsdp": 1, "stage": 1, "context": 2, "model": 2, "expert": 1}
     assert [sorted(d.id for d in ctx.devices[i].flat) for i in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [sorted(d.id for d in ctx.devices[0, 0, 0, 0, c].flat) for c in range(2)] == [[0, 1], [2, 3]]
+    assert [sorted(d.id for d in ctx.devices[0, 0, 0, c].flat) for c in range(2)] == [[0, 1], [2, 3]]
     # expert sits inside fsdp, outside model: an expert group's all-to-all stays within a data block.
     moe = engine.make_mesh(data=2, expert=2, model=2)
     assert dict(moe.shape) == {"data": 2, "fsdp": 1, "stage": 1, "context": 1, "model": 2, "expert": 2}
