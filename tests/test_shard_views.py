@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import engine
 from engine.step.gathering import eval_gathering
-from engine.step.shard_views import varying_vars
+from engine.step.shard_views import sliced_in_loop, varying_vars
 from engine.step.shards import Sharded
 
 LAYERS, VOCAB, D, ROWS, T = 3, 16, 32, 8, 4
@@ -69,3 +69,23 @@ def test_varying_values_follow_the_rows_through_loops():
     body = scan.params["jaxpr"].jaxpr
     index = body.invars[-1]  # the loop counter: the same on every device
     assert index not in varying and body.invars[-2] in varying  # the carry (the rows' activations) varies
+
+
+def test_a_loop_slicing_at_indices_that_differ_between_devices_gathers_the_stack_before_it():
+    """A layer picked by each device's rows (an index that varies) cannot be a slice of a shard: the stack stays a
+    loop constant gathered once, not gathered whole at every iteration."""
+    def picked(table, stack, ids):
+        k = ids[0, 0] % LAYERS
+
+        def layer(h, _):
+            return jnp.tanh(h @ stack[k]), None
+
+        return jnp.sum(jax.lax.scan(layer, table[ids], None, length=LAYERS)[0] ** 2)
+
+    table, stack, ids = _inputs()
+    for fn, sliced in ((_loss, True), (picked, False)):
+        closed = jax.make_jaxpr(fn)(table, stack, ids)
+        varying = varying_vars(closed.jaxpr, [False, False, True])
+        body = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
+        weights = next(v for v in body.invars if v.aval.shape == stack.shape)
+        assert sliced_in_loop(body, weights, varying) == sliced, fn

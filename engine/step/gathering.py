@@ -134,7 +134,7 @@ def _scan_gathering(eqn, invals, in_remat, varying):
     body = p["jaxpr"]
     # A weight the body only slices (a pipeline's stage of layers, one layer per tick) stays split: each iteration
     # gathers its slice, and its gradient's slice is reduce-scattered there.
-    consts = [x if isinstance(x, Sharded) and sliced_in_loop(body.jaxpr, body.jaxpr.invars[i]) else full(x)
+    consts = [x if isinstance(x, Sharded) and sliced_in_loop(body.jaxpr, body.jaxpr.invars[i], varying) else full(x)
               for i, x in enumerate(invals[:n_consts])]
     init = [full(x) for x in invals[n_consts:n_consts + n_carry]]
     xs, slots = [], []

@@ -56,10 +56,11 @@ def view(eqn, invals, varying):
                    auto=auto, grad_dtype=x.grad_dtype)
 
 
-def sliced_in_loop(jaxpr, var):
+def sliced_in_loop(jaxpr, var, varying):
     """Whether every use of `var` inside the loop body `jaxpr` (through views, nested loops' constants, remat and
-    jit regions) ends in an index or slice of it, or in a nested loop's scanned inputs: a stacked weight the loop
-    reads a part of per iteration, which is then gathered a part at a time (`view`) rather than whole before it."""
+    jit regions) ends in an index or slice of it at indices the same on every device (none in `varying`), or in a
+    nested loop's scanned inputs: a stacked weight the loop reads a part of per iteration, which is then gathered a
+    part at a time (`view`) rather than whole before it."""
     from jax.extend import core as jex_core
     if any(v is var for v in jaxpr.outvars):
         return False
@@ -69,20 +70,22 @@ def sliced_in_loop(jaxpr, var):
             continue
         name = eqn.primitive.name
         if name in _VIEWS or name in ("convert_element_type", "reduce_precision", "copy", "copy_p"):
-            if positions != [0] or not sliced_in_loop(jaxpr, eqn.outvars[0]):
+            if positions != [0] or not sliced_in_loop(jaxpr, eqn.outvars[0], varying):
                 return False
         elif name in _SLICES:
-            if positions != [0] or math.prod(eqn.outvars[0].aval.shape) >= math.prod(eqn.invars[0].aval.shape):
+            if (positions != [0] or _is_varying(eqn.invars[1:], varying)
+                    or math.prod(eqn.outvars[0].aval.shape) >= math.prod(eqn.invars[0].aval.shape)):
                 return False
         elif name == "scan":
             body, (n_consts, n_carry) = eqn.params["jaxpr"].jaxpr, scan_counts(eqn.params)
             for i in positions:
-                if n_consts <= i < n_consts + n_carry or (i < n_consts and not sliced_in_loop(body, body.invars[i])):
+                if n_consts <= i < n_consts + n_carry or (i < n_consts and
+                                                          not sliced_in_loop(body, body.invars[i], varying)):
                     return False
         elif name in ("checkpoint", "remat", "remat2", "jit", "pjit", "closed_call"):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             inner = getattr(inner, "jaxpr", inner)
-            if not all(sliced_in_loop(inner, inner.invars[i]) for i in positions):
+            if not all(sliced_in_loop(inner, inner.invars[i], varying) for i in positions):
                 return False
         else:
             return False
