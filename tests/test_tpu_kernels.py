@@ -95,8 +95,8 @@ def test_llama_mlp_and_head_compile(generation, model, index):
 @pytest.mark.parametrize("kind, collective", [("ulysses", "all-to-all"), ("ring", "collective-permute")])
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_context_parallel_attention_compiles(generation, kind, collective):
+    tpu_devices(generation)  # skips without libtpu, before the case asks for a TPU topology
     case = context_parallel_case(generation, kind)
-    tpu_devices(generation)
     compiled = tpu_compile.compile_with(case.lower(generation))
     assert tpu_compile.device_bytes(compiled) <= HBM_BYTES[generation]
     assert collective in compiled.as_text(), f"{kind} attention without {collective}"
