@@ -10,9 +10,7 @@ import kernels
 from engine.sharding import scan_counts
 from engine.step import layer_scan
 from engine.step.shard_views import sliced_in_loop, varying_vars, view
-from engine.step.shards import Sharded, bind_eqn, full, local_cast
-
-_CASTS = ("convert_element_type", "reduce_precision", "copy", "copy_p")
+from engine.step.shards import CASTS, Sharded, bind_eqn, full, local_cast
 
 
 def _open(values, fn):
@@ -51,7 +49,7 @@ def eval_gathering(jaxpr, consts, args, in_remat=False, varying=None):
         name = eqn.primitive.name
         if not any(isinstance(x, Sharded) for x in invals):
             outs = bind_eqn(eqn, invals)
-        elif name in _CASTS and len(invals) == 1:
+        elif name in CASTS and len(invals) == 1:
             outs = [invals[0].cast(eqn)]
         elif (moved := view(eqn, invals, varying)) is not None:
             outs = [moved]

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from engine.sharding import scan_counts
-from engine.step.shards import Sharded, bind_eqn
+from engine.step.shards import CASTS, Sharded, bind_eqn
 
 _VIEWS = ("reshape", "transpose", "squeeze", "sharding_constraint", "name")
 _SLICES = ("gather", "dynamic_slice")
@@ -69,7 +69,7 @@ def sliced_in_loop(jaxpr, var, varying):
         if not positions:
             continue
         name = eqn.primitive.name
-        if name in _VIEWS or name in ("convert_element_type", "reduce_precision", "copy", "copy_p"):
+        if name in _VIEWS or name in CASTS:
             if positions != [0] or not sliced_in_loop(jaxpr, eqn.outvars[0], varying):
                 return False
         elif name in _SLICES:
@@ -137,12 +137,13 @@ def _carried(spec, in_shape, out_shape, moved):
     leads it and divides over its mesh axes (a split: [L] -> [S, K] with L over S stages)."""
     if spec is None:
         return moved
-    sizes = dict(zip(jax.sharding.get_abstract_mesh().axis_names, jax.sharding.get_abstract_mesh().axis_sizes))
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     carried = dict(moved)
     for d, entry in enumerate(spec):
         if entry is None or moved.get(d) is not None:
             continue
-        split = math.prod(sizes[a] for a in ((entry,) if isinstance(entry, str) else entry))
+        split = math.prod(sizes[a] for a in _names(entry))
         before = math.prod(in_shape[:d])
         for e, n in enumerate(out_shape):
             if math.prod(out_shape[:e]) == before and n > 1:
@@ -164,25 +165,27 @@ def _moved_spec(spec, moved, rank):
         if entry is None:
             continue
         if moved.get(d) is None:
-            if kernels.MODEL_AXIS in ((entry,) if isinstance(entry, str) else entry):
+            if kernels.MODEL_AXIS in _names(entry):
                 return False
             continue
         out[moved[d]] = entry
     return P(*out) if any(e is not None for e in out) else None
 
 
+def _names(entry):
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _constrained(spec, constraint, rank):
     """`spec` with a sharding constraint's named entries over it (its unconstrained dims keep spec's)."""
     entries = list(tuple(spec) if spec is not None else ()) + [None] * rank
-    named = {a for e in constraint if e is not None and e is not P.UNCONSTRAINED
-             for a in ((e,) if isinstance(e, str) else e)}
+    named = {a for e in constraint if e is not P.UNCONSTRAINED for a in _names(e)}
     out = []
     for d in range(rank):
         c = constraint[d] if d < len(constraint) else P.UNCONSTRAINED
         if c is P.UNCONSTRAINED:
-            e = entries[d]
-            axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-            axes = tuple(a for a in axes if a not in named)
+            axes = tuple(a for a in _names(entries[d]) if a not in named)
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         else:
             out.append(c)

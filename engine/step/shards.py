@@ -6,6 +6,8 @@ from jax.ad_checkpoint import checkpoint_name
 from engine.step.collectives import Int8, in_model_blocks, zero3_gather
 
 GATHERED = "zero3_gathered"  # checkpoint name of every ZeRO-3-gathered weight: never saved for the backward pass
+# Element-wise casts of a parameter, deferred to after its gather (`Sharded.cast`): the gather moves the fewest bytes.
+CASTS = ("convert_element_type", "reduce_precision", "copy", "copy_p")
 
 
 class Sharded:
