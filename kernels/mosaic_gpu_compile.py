@@ -110,23 +110,28 @@ def _parse(label, base, seconds):
         advisories=dict(re.findall(r"\((C\d{4})\) (.*?)$", text, re.M)), seconds=seconds, ptx=ptx)
 
 
-def compile_for_hopper(fn, *args, label=""):
-    """`KernelReport`s of the Mosaic GPU kernels in `jax.jit(fn)` compiled for an H100 (sm_90a) at `args`
-    (arrays or ShapeDtypeStructs), in dump order; kernels this process compiled before are not dumped again."""
+def _compile_deviceless(fn, args, compiler_options=None):
+    """`jax.jit(fn)` compiled for one compile-only H100 at `args` (pytrees of arrays or ShapeDtypeStructs, placed
+    on it), with XLA's `compiler_options`."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIG, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in args]
+    replicated = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), args)
+    target = jax.sharding.AbstractMesh((), ()).update(abstract_device=_HOPPER)
+    with jax.sharding.use_abstract_mesh(target):
+        return jax.jit(fn).trace(*args).lower().compile(compiler_options=compiler_options)
+
+
+def compile_for_hopper(fn, *args, label=""):
+    """`KernelReport`s of the Mosaic GPU kernels in `jax.jit(fn)` compiled for an H100 (sm_90a) at `args`
+    (arrays or ShapeDtypeStructs), in dump order; kernels this process compiled before are not dumped again."""
     with tempfile.TemporaryDirectory() as dump:
         before = os.environ.get("MOSAIC_GPU_DUMP_TO")
         os.environ["MOSAIC_GPU_DUMP_TO"] = dump
         try:
             start = time.perf_counter()
-            target = jax.sharding.AbstractMesh((), ()).update(abstract_device=_HOPPER)
-            with jax.sharding.use_abstract_mesh(target):
-                jax.jit(fn).trace(*args).lower().compile()
+            _compile_deviceless(fn, args)
             seconds = time.perf_counter() - start
         finally:
             if before is None:
@@ -238,20 +243,15 @@ def gemm_fusions_for_hopper(fn, *args, config=WGMMA_GEMM_CONFIG):
     cuobjdump."""
     import subprocess
 
-    from jax.experimental import topologies
+    from kernels.gpu_compile import parse_ptxas_log
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=TARGET_CONFIG, topology="1x1x1")
-    replicated = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), jax.sharding.PartitionSpec())
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), args)
     reports = []
     with tempfile.TemporaryDirectory() as dump:
-        target = jax.sharding.AbstractMesh((), ()).update(abstract_device=_HOPPER)
-        with jax.sharding.use_abstract_mesh(target):
-            options = {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True,
-                       "xla_dump_emitter_re": ".*"}  # without an emitter pattern no PTX is written
-            if config is not None:
-                options["xla_gpu_override_gemm_autotuner"] = config
-            jax.jit(fn).trace(*args).lower().compile(compiler_options=options)
+        options = {"xla_dump_to": dump, "xla_gpu_dump_llvmir": True,
+                   "xla_dump_emitter_re": ".*"}  # without an emitter pattern no PTX is written
+        if config is not None:
+            options["xla_gpu_override_gemm_autotuner"] = config
+        _compile_deviceless(fn, args, options)
         for ptx_file in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
             ptx = open(ptx_file).read()
             kernel = re.search(r"\.entry (\w*gemm_fusion\w*)\(", ptx)
@@ -262,13 +262,11 @@ def gemm_fusions_for_hopper(fn, *args, config=WGMMA_GEMM_CONFIG):
                                  capture_output=True, text=True).stderr
             sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", cubin], check=True, capture_output=True,
                                   text=True).stdout
-            registers = re.search(r"Used (\d+) registers", log)
-            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            registers, spill_stores, spill_loads, _ = parse_ptxas_log(log)
             mma = re.findall(r"\b([HQI]G?MMA)\.", sass)
             reports.append(GemmFusionReport(
                 kernel.group(1), {k: ptx.count(f"wgmma.mma_async.sync.aligned.{k}")
                                   for k in set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.([\w.]+)", ptx))},
-                int(registers.group(1)) if registers else 0, int(spills.group(1)) if spills else 0,
-                int(spills.group(2)) if spills else 0, {k: mma.count(k) for k in set(mma)},
+                registers, spill_stores, spill_loads, {k: mma.count(k) for k in set(mma)},
                 len(re.findall(r"\b(?:LDL|STL)\b", sass))))
     return reports
