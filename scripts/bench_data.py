@@ -18,7 +18,10 @@ Tokens per second count the tokens in rows (padding excluded), over --batches ba
 waits for the workers to start, reported apart as start s). With --train_steps, a tiny LLaMA (--hidden, --layers)
 trains on the MapDataset's batches through `Trainer.fit` for each --workers value, and the table gives the share of
 its step time spent waiting for the next batch (the Trainer's data timer; the first log interval, which compiles,
-left out).
+left out). With --consume_tokens_per_s, a consumer takes each batch from the prefetch thread `fit` runs
+(`engine.data.Prefetcher` over `iterate_batches`) and holds it for the time a device training at that rate spends on
+it (sleeping: a GPU's step is asynchronous, so the host is idle meanwhile), and the table gives the share of that
+time spent waiting for the next batch: the input wait of a run on an accelerator this machine lacks.
 
   .venv/bin/python scripts/bench_data.py                                        # 256 MB corpus, seq 2048
   .venv/bin/python scripts/bench_data.py --corpus_mb=16 --seq_len=256 --batches=20 --train_steps=30   # a smoke run
@@ -53,6 +56,9 @@ flags.DEFINE_list("workers", ["0", "1", "2"], "Worker counts of the MapDataset r
 flags.DEFINE_integer("batches", 50, "Batches timed per row, after the first.", lower_bound=1)
 flags.DEFINE_integer("train_steps", 40, "Training steps per --workers value for the input-wait share (0: none).",
                      lower_bound=0)
+flags.DEFINE_float("consume_tokens_per_s", 0, "A paced consumer's rate (0: none): it holds each batch for its tokens "
+                   "at this rate, and the table gives the share of time it waited for input.", lower_bound=0)
+flags.DEFINE_integer("consume_batches", 100, "Batches the paced consumer takes, after the first.", lower_bound=1)
 flags.DEFINE_integer("hidden", 64, "The tiny LLaMA's hidden size.", lower_bound=8)
 flags.DEFINE_integer("layers", 2, "The tiny LLaMA's layers.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed of the corpus and the shuffle.")
@@ -238,6 +244,30 @@ def wait_share(mesh, examples, tokenizer, workers):
     return waited / (t1 - t0), (t1 - t0) / max(1, s1 - s0)
 
 
+def paced_wait(mesh, examples, workers):
+    """(consumed tokens per second, share of the time waited) of a consumer that takes --consume_batches batches of
+    `examples` from `fit`'s prefetch thread and holds each for its tokens / --consume_tokens_per_s seconds."""
+    per_device = FLAGS.batch_rows // data_lib.data_parallel_size(mesh)
+    hold = FLAGS.batch_rows * FLAGS.seq_len / FLAGS.consume_tokens_per_s
+    batches = data_lib.iterate_batches(mesh, examples, lm.collate_lm, per_device_batch_size=per_device,
+                                       seed=FLAGS.seed, workers=workers)
+    prefetch = data_lib.Prefetcher(batches)
+    try:
+        it = iter(prefetch)
+        next(it)  # the workers' start-up, apart
+        waited, started = 0.0, time.perf_counter()
+        for _ in range(FLAGS.consume_batches):
+            asked = time.perf_counter()
+            next(it)
+            waited += time.perf_counter() - asked
+            time.sleep(hold)
+        elapsed = time.perf_counter() - started
+        return FLAGS.consume_batches * FLAGS.batch_rows * FLAGS.seq_len / elapsed, waited / elapsed
+    finally:
+        prefetch.close()
+        batches.close()
+
+
 def main(argv):
     del argv
     workers = [int(w) for w in FLAGS.workers]
@@ -257,26 +287,34 @@ def main(argv):
           f"{os.cpu_count()} CPUs, {jax.local_device_count()} {jax.devices()[0].platform} device(s)", flush=True)
     import grain  # noqa: PLC0415
 
-    rows = []
-    for name in FLAGS.tokenizers:
+    def tokenizer_named(name):
         tokenizer = load_bpe(bpe_path) if name == "bpe" else text_data.ByteTokenizer()
-        shown = f"BPE {tokenizer.vocab_size}" if name == "bpe" else "bytes"
-        mixture = sources.Mixture(parquet_path, tokenizer, FLAGS.seq_len)
-        rows.append((shown, "Mixture (packed, streamed)", 0, *measure(mesh, mixture, 0)))
-        print(rows[-1], flush=True)
-        dataset = grain.MapDataset.source(ArrowPieces(arrow_path, chars_per_row(tokenizer, documents))).map(
+        return tokenizer, (f"BPE {tokenizer.vocab_size}" if name == "bpe" else "bytes")
+
+    def spans(tokenizer):
+        return grain.MapDataset.source(ArrowPieces(arrow_path, chars_per_row(tokenizer, documents))).map(
             FirstRow(tokenizer, FLAGS.seq_len))
+
+    def each_input(run, name):
+        """`run(mesh, examples, workers)` of the Mixture and of the MapDataset per --workers value, as table rows."""
+        tokenizer, shown = tokenizer_named(name)
+        out = [(shown, "Mixture (packed, streamed)", 0,
+                *run(mesh, sources.Mixture(parquet_path, tokenizer, FLAGS.seq_len), 0))]
+        print(out[-1], flush=True)
         for w in workers:
-            rows.append((shown, "MapDataset (text spans)", w, *measure(mesh, dataset, w)))
-            print(rows[-1], flush=True)
+            out.append((shown, "MapDataset (text spans)", w, *run(mesh, spans(tokenizer), w)))
+            print(out[-1], flush=True)
+        return out
+
+    rows = [row for name in FLAGS.tokenizers for row in each_input(measure, name)]
+    trained = "bpe" if "bpe" in FLAGS.tokenizers else "byte"  # the tokenizer of the wait measurements
     waits = []
     if FLAGS.train_steps:
-        tokenizer = load_bpe(bpe_path) if "bpe" in FLAGS.tokenizers else text_data.ByteTokenizer()
-        dataset = grain.MapDataset.source(ArrowPieces(arrow_path, chars_per_row(tokenizer, documents))).map(
-            FirstRow(tokenizer, FLAGS.seq_len))
+        tokenizer, _ = tokenizer_named(trained)
         for w in workers:
-            waits.append((w, *wait_share(mesh, dataset, tokenizer, w)))
+            waits.append((w, *wait_share(mesh, spans(tokenizer), tokenizer, w)))
             print(waits[-1], flush=True)
+    paced = each_input(paced_wait, trained) if FLAGS.consume_tokens_per_s else []
     print()
     print("| tokenizer | examples | workers | start s | tokens/s per process |")
     print("|---|---|---|---|---|")
@@ -289,6 +327,13 @@ def main(argv):
         print("|---|---|---|")
         for w, share, step in waits:
             print(f"| {w} | {step:.3f} | {share:.1%} |")
+    if paced:
+        print()
+        print(f"| tokenizer | examples | workers | consumed tokens/s (paced at {FLAGS.consume_tokens_per_s:,.0f}) | "
+              "input wait, share of time |")
+        print("|---|---|---|---|---|")
+        for shown, examples, w, rate, share in paced:
+            print(f"| {shown} | {examples} | {w} | {rate:,.0f} | {share:.2%} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""scripts/bench_data.py end to end on a tiny generated corpus (a few seconds): the rates table, the paced consumer's
+rate held to its pace and its wait a share of the time."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rows(stdout, header):
+    """The cells of the markdown table whose header row starts with `header`."""
+    lines = stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_bench_data_prints_rates_and_the_paced_wait(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: batches of any row count
+    pace = 20_000
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_data.py"), f"--workdir={tmp_path}", "--corpus_mb=1",
+         "--min_words=50", "--max_words=200", "--bpe_vocab=400", "--bpe_train_mb=1", "--tokenizers=bpe",
+         "--seq_len=64", "--batch_rows=4", "--batches=3", "--workers=0", "--train_steps=0",
+         f"--consume_tokens_per_s={pace}", "--consume_batches=10"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rates = _rows(out.stdout, "| tokenizer | examples | workers | start s |")
+    assert [r[1] for r in rates] == ["Mixture (packed, streamed)", "MapDataset (text spans)"]
+    assert all(float(r[4].replace(",", "")) > 0 for r in rates)
+    paced = _rows(out.stdout, "| tokenizer | examples | workers | consumed tokens/s")
+    assert len(paced) == 2
+    for row in paced:
+        consumed, share = float(row[3].replace(",", "")), float(re.sub("%$", "", row[4])) / 100
+        # Held 256 tokens / 20k tokens/s = 12.8 ms a batch: the rate is the pace less the waits, never above it.
+        assert 0.5 * pace < consumed <= pace * 1.01, row
+        assert 0 <= share < 0.5, row
