@@ -12,3 +12,4 @@ from kernels.attention import (decode_attention, dropout_keys, dropout_multiplie
                                paged_attention, quantize_kv)
 from kernels.grouped_matmul import grouped_matmul  # the op; the sub-package stays importable by its path
 from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy, linear_cross_entropy_sum, quantize_int8
+from kernels.shard_rules import is_shard, register_shard_rule, shard_rule

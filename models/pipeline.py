@@ -25,8 +25,9 @@ at the cost of those collectives every tick. `fsdp_gather='step'` makes `fsdp` m
 gathered once before the loop and their gradients reduced once after it, and every device holds the stage's whole
 weights and gradients for the step (MaxText's `pipeline_fsdp_ag_once`, torchtitan's pipeline default). A step
 that is manual over `fsdp` itself (the engine's shard_map step, which gathers each weight at its use) gathers each
-layer in the tick that reads it out of the stage, as 'tick' does, and refuses 'step' (held whole before the loop,
-XLA:TPU's compiler aborted on the stage's slices). Inside the
+layer in the tick that reads it out of the stage, as 'tick' does (1F1B's rules through their rule for shards,
+`kernels.shard_rules`), and refuses 'step' (held whole before the loop, XLA:TPU's compiler aborted on the stage's
+slices). Inside the
 shard_map each device draws its own dropout masks: the micro-batch index a layer is handed counts every device's.
 
 Nothing here knows about the engine: the stage count is the size of the ambient mesh's automatic `stage` axis
@@ -271,7 +272,9 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     slot t mod (2S - 1) takes tick t's input. The lock-step costs ticks: M + 2S - 2 (each a forward and a backward)
     where GPipe runs M + S - 1 of each. The loop runs manual over the batch axes as `pipeline`'s (`fsdp_gather`):
     each device adds up its rows' gradients, summed over those axes once, in float32, after the loop. Not
-    differentiated (evaluation), it is `pipeline` and then the tail."""
+    differentiated (evaluation), it is `pipeline` and then the tail. Where the stage's weights arrive as ZeRO-3
+    shards (the engine's shard_map step, through the rule this registers: `kernels.shard_rules`), each tick gathers
+    the layers it runs one at a time and reduce-scatters their gradients into float32 sums of the shards' size."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, 1, fsdp_gather)
@@ -290,23 +293,52 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def stage_grads(p, h, c, stage, micro, extra, dout):
         return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro, extra), p, h)[1](dout)
 
+    def gathering_stages(gathers, shard):
+        """(forward, backward) of every stage at once, as `run_stage` and `stage_grads` vmapped over the stages, for
+        stage weights p [S, K, ...] some of which are ZeRO-3 shards (`gathers`: per leaf of p, its
+        `kernels.shard_rules` shard or None): each layer's slice [S, ...] of them is gathered in the layer's
+        checkpoint, which never saves it, so a stage holds one layer whole at a time and its backward gathers the
+        layer again and reduce-scatters the layer's gradient to the shard there (the vjp is in the shards)."""
+        @functools.partial(jax.checkpoint, policy=SAVE_ALL_BUT_WEIGHTS, prevent_cse=False)
+        def layer(p, h, c, stage, micro, extra, j):
+            sliced = [jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False) for a in jax.tree.leaves(p)]
+            w = jax.tree.unflatten(jax.tree.structure(p), [
+                checkpoint_name(g.gather(a) if g is not None else a, _STAGE_WEIGHTS) for a, g in zip(sliced, gathers)])
+            one = jax.vmap(lambda w, h, c, stage, micro: layer_fn(
+                w, h, c, stage * per_chunk + j, _micro_index(micro, microbatches, shard), extra),
+                spmd_axis_name=axes.STAGE)
+            with kernels.vmapped(axes.STAGE):
+                return one(w, h, c, stage, micro)
+
+        def forward(p, h, c, stage, micro, extra):
+            return jax.lax.scan(lambda h, j: (layer(p, h, c, stage, micro, extra, j), None), h,
+                                jnp.arange(per_chunk))[0]
+
+        def backward(p, h, c, stage, micro, extra, dout):
+            return jax.vjp(lambda p, h: forward(p, h, c, stage, micro, extra), p, h)[1](dout)
+
+        return forward, backward
+
     read_slot = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, keepdims=False),
                          spmd_axis_name=axes.STAGE)
 
-    def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra):
-        """(loss, aux), (the gradients of params, x and tail_params, in their dtypes)."""
-        (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra)
+    def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra, gathers=None):
+        """(loss, aux), (the gradients of params, x and tail_params, in their dtypes); `gathers`: as
+        `gathering_stages`' (params are then the shards' local parts)."""
+        (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra,
+                                                               gathers)
         in_dtypes = functools.partial(jax.tree.map, lambda g, w: g.astype(w.dtype))
         return (loss, aux), (in_dtypes(grads, params), dx, in_dtypes(tail_grads, tail_params))
 
-    def on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra):
+    def on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra, gathers=None):
         manual = _manual_batch_axes(params, rows, microbatches, fsdp_gather)
         # With `data` manual and the rows also split over an automatic `fsdp`, XLA's partitioner aborts on the tail's
         # gathers (jaxlib 0.10.2: "partition_group_list ... Check failed"): there the loop stays automatic.
         if kernels.automatic_axes().get(axes.FSDP, 1) > 1 and axes.FSDP not in manual:
             manual = ()
         if not manual:
-            return local_1f1b(params, x, tail_params, ctx, tail_inputs, extra)
+            return local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, gathers=gathers)
+        assert gathers is None, "shards come from a step manual over the batch axes"  # on_shards checked it
         rows_spec = P(manual)
 
         def on_shard(params, x, tail_params, ctx, tail_inputs, extra):
@@ -321,13 +353,26 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                              out_specs=((P(), P()), (P(), rows_spec, P())), axis_names=set(manual),
                              check_vma=False)(params, x, tail_params, ctx, tail_inputs, extra)
 
-    def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None):
+    def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None, gathers=None):
         """(loss, aux), (float32 gradients of params, of x, float32 of tail_params) of the rows x (all of them, or a
-        device's inside the shard_map over the batch axes, whose index there is `shard`)."""
+        device's inside the shard_map over the batch axes, whose index there is `shard`); `gathers`: as
+        `gathering_stages`'."""
         at_shard = lambda fn: lambda p, h, c, stage, micro, *rest: fn(  # noqa: E731
             p, h, c, stage, _micro_index(micro, microbatches, shard), *rest)
-        forward_all = jax.vmap(at_shard(run_stage), in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=axes.STAGE)
-        backward_all = jax.vmap(at_shard(stage_grads), in_axes=(0, 0, 0, 0, 0, None, 0), spmd_axis_name=axes.STAGE)
+
+        def in_stages(fn, in_axes):
+            vmapped = jax.vmap(at_shard(fn), in_axes=in_axes, spmd_axis_name=axes.STAGE)
+
+            def run(*args):
+                with kernels.vmapped(axes.STAGE):
+                    return vmapped(*args)
+            return run
+
+        if gathers is None:
+            forward_all = in_stages(run_stage, (0, 0, 0, 0, 0, None))
+            backward_all = in_stages(stage_grads, (0, 0, 0, 0, 0, None, 0))
+        else:
+            forward_all, backward_all = gathering_stages(gathers, shard)
         split = _splitter(x.shape[0], microbatches)
         inputs = split(x)
         ctx_mb, tail_mb = _whole_on_device((jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)), shard)
@@ -341,9 +386,8 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             h = _on_stages(jnp.where(_along(stage_ids == 0, inputs.ndim), inputs[micro[0]][None],
                                      jnp.roll(previous, 1, axis=0)))
             saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, h, t % ring, axis=1))
-            with kernels.vmapped(axes.STAGE):
-                out = _on_stages(forward_all(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), stage_ids,
-                                             micro, extra))
+            out = _on_stages(forward_all(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), stage_ids, micro,
+                                         extra))
             # The tail on the micro-batch leaving the last stage; its gradient in h starts that micro-batch's
             # backward in this tick.
             leaving = t - (stages - 1)
@@ -361,9 +405,8 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             d_h = jnp.where(_along(last, grad_in.ndim), d_out[None], jnp.roll(grad_in, -1, axis=0))
             d_h = _on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0))
             stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
-            with kernels.vmapped(axes.STAGE):
-                d_params, d_in = backward_all(stage_params, stored, jax.tree.map(lambda a: a[back], ctx_mb),
-                                              stage_ids, back, extra, d_h)
+            d_params, d_in = backward_all(stage_params, stored, jax.tree.map(lambda a: a[back], ctx_mb), stage_ids,
+                                          back, extra, d_h)
             grads = jax.tree.map(lambda a, g: a + jnp.where(_along(back_on, g.ndim), g, 0), grads, d_params)
             tail_grads = jax.tree.map(lambda a, g: a + jnp.where(tail_on, g, 0), tail_grads, d_tail)
             dx = dx.at[back[0]].set(jnp.where(back_on[0], d_in[0], dx[back[0]]))
@@ -386,18 +429,52 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         dx = dx.swapaxes(0, 1).reshape(x.shape)
         return (loss, aux), (grads, dx, tail_grads)
 
-    @jax.custom_vjp
-    def run(params, x, tail_params, ctx, tail_inputs, extra):
+    def evaluate(params, x, tail_params, ctx, tail_inputs, extra):
         out = pipeline(lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, extra), params, x, ctx,
                        stages=stages, microbatches=microbatches, fsdp_gather=fsdp_gather)
         return tail_fn(tail_params, out, tail_inputs)
 
-    def backward(grads, cotangent):
-        scale = cotangent[0]
-        return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None, None, None)
+    run = jax.custom_vjp(evaluate)
+
+    def backward(grads, cotangent):  # this call's own function: the key of its shard rule
+        return _scaled_by_cotangent(grads, cotangent)
 
     run.defvjp(one_f_one_b, backward)
+    in_tree = jax.tree.structure((params, x, tail_params, ctx, tail_inputs, layer_inputs))
+
+    def on_shards(inputs):
+        """`kernels.shard_rules`' rule (the engine's shard_map step, its ZeRO-3 shards still split): the stage's
+        weights enter as the shards' local parts and each tick gathers the layers it runs one at a time, their
+        gradients reduce-scattered to the shards layer by layer and summed there (`gathering_stages`), instead of the
+        stage's weights and their float32 gradients held whole for the step. Other split inputs (the tail's) are
+        gathered whole, as the step would."""
+        params, x, tail_params, ctx, tail_inputs, extra = jax.tree.unflatten(in_tree, inputs)
+        leaves, tree = jax.tree.flatten(params, is_leaf=kernels.is_shard)
+        gathers = [v if kernels.is_shard(v) else None for v in leaves]  # the rules below use their gather only
+        local = jax.tree.unflatten(tree, [v.local if kernels.is_shard(v) else v for v in leaves])
+        if not any(g is not None for g in gathers) or _manual_batch_axes(local, rows, microbatches, fsdp_gather):
+            return None
+        x, tail_params, ctx, tail_inputs, extra = jax.tree.map(
+            lambda v: v.gather(v.local) if kernels.is_shard(v) else v, (x, tail_params, ctx, tail_inputs, extra),
+            is_leaf=kernels.is_shard)
+
+        def whole(local, *rest):
+            weights = [g.gather(a) if g is not None else a for a, g in zip(jax.tree.leaves(local), gathers)]
+            return evaluate(jax.tree.unflatten(tree, weights), *rest)
+
+        on_local = jax.custom_vjp(whole)
+        on_local.defvjp(functools.partial(one_f_one_b, gathers=gathers), _scaled_by_cotangent)
+        return jax.tree.leaves(on_local(local, x, tail_params, ctx, tail_inputs, extra))
+
+    kernels.register_shard_rule(backward, on_shards)
     return run(params, x, tail_params, ctx, tail_inputs, layer_inputs)
+
+
+def _scaled_by_cotangent(grads, cotangent):
+    """1F1B's backward rule: the gradients its forward rule computed (of the weights, the input and the tail's
+    weights), scaled by the loss's cotangent; none for the per-row inputs and the layer inputs."""
+    scale = cotangent[0]
+    return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None, None, None)
 
 
 def _along(mask, ndim):

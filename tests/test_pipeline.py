@@ -271,15 +271,18 @@ def _with_segments(rows):
     return {**batch, "segment_ids": np.ones_like(batch["input_ids"])}
 
 
-@pytest.mark.parametrize("virtual_stages", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_shard_map_step_gathers_one_layer_a_tick_inside_a_stage(virtual_stages):
-    """ZeRO-3 inside a stage in the shard_map step (stage 2 x fsdp 2 x model 2, 2 layers a stage; GPipe and the
-    interleaved schedule): each tick gathers the one layer it runs (every weight all-gather is of one layer of the
-    device's stage; before, XLA:CPU gathered the stage's 2 layers once and held them) and the losses are the jit
-    step's; pipeline_fsdp_gather='step' is refused there in one line."""
+@pytest.mark.parametrize("schedule", [dict(pipeline_virtual_stages=1),
+                                      pytest.param(dict(pipeline_virtual_stages=2), marks=pytest.mark.slow),
+                                      dict(pipeline_schedule="1f1b")], ids=["gpipe", "interleaved", "1f1b"])
+def test_shard_map_step_gathers_one_layer_a_tick_inside_a_stage(schedule):
+    """ZeRO-3 inside a stage in the shard_map step (stage 2 x fsdp 2 x model 2, 2 layers a stage; GPipe, the
+    interleaved schedule and 1F1B): each tick gathers the one layer it runs (every weight all-gather is of one layer
+    of the device's stage; before, XLA:CPU gathered the stage's 2 layers once and held them, and 1F1B's custom_vjp
+    gathered them whole before its loop: its rule for shards, `kernels.shard_rules`, gathers them a layer at a time
+    in the loop) and the losses are the jit step's; pipeline_fsdp_gather='step' is refused there in one line."""
     def run(step, gather="tick"):
         model = _model(vocab_size=tt.VOCAB, remat="full", pipeline_microbatches=2, pipeline_fsdp_gather=gather,
-                       pipeline_virtual_stages=virtual_stages)
+                       **schedule)
         trainer = engine.Trainer(mesh=engine.make_mesh(stage=2, fsdp=2, model=2), collate_fn=_with_segments,
                                  loss_fn=lm.lm_loss_fn(model), params=models.init_params(model, jax.random.PRNGKey(0)),
                                  optimizer=optax.adam(1e-2), parallelism=engine.Parallelism(step=step))

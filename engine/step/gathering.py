@@ -1,7 +1,8 @@
 """The shard_map step's evaluation of the traced loss with `Sharded` parameters (`eval_gathering`): each shard is
 gathered right at its use; a scanned layer stack gathers one layer per iteration (`engine.step.layer_scan`
 pipelines a remat'd one by hand); a row-split embedding table and a vocabulary-split output head with
-`kernels.linear_cross_entropy` run vocab-parallel without gathering the weight.
+`kernels.linear_cross_entropy` run vocab-parallel without gathering the weight; a custom_vjp whose author registered
+a rule for shards (`kernels.shard_rules`: 1F1B's pipeline) runs on them through it.
 """
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,8 @@ def eval_gathering(jaxpr, consts, args, in_remat=False, varying=None):
         elif name in ("jit", "pjit", "closed_call"):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             outs = eval_gathering(inner.jaxpr, inner.consts, invals, in_remat, varying)
+        elif (rule := kernels.shard_rule(eqn)) is not None and (ruled := rule(invals)) is not None:
+            outs = ruled  # a custom_vjp that runs on shards itself (kernels.shard_rules: a 1F1B pipeline's)
         elif in_remat:
             outs = bind_eqn(eqn, [full(x) for x in invals])
         else:

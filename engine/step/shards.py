@@ -26,6 +26,12 @@ class Sharded:
             lambda x: zero3_gather(x, self.dims, self.dtype, self.reduce_dtype, self.int8, self.grad_dtype),
             self.local), GATHERED))
 
+    def gather(self, local):
+        """The whole parameter from `local`, this shard or a slice of it along dims the split leaves alone, in the
+        compute dtype with the loss's casts; its gradient is reduce-scattered back to `local`'s layout
+        (`kernels.shard_rules`' protocol: a custom_vjp's own rule for shards)."""
+        return self.rebuild(local).full()
+
     def in_blocks(self, collective, x):
         """`collective(x)` (a gather or reduce-scatter over the manual axes, of the shard or one layer of it) on each
         device's `model` block where the parameter is split over `model` too (`collectives.in_model_blocks`)."""
