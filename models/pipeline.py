@@ -293,38 +293,40 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def stage_grads(p, h, c, stage, micro, extra, dout):
         return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro, extra), p, h)[1](dout)
 
-    def gathering_stages(gathers, shard):
-        """(forward, backward) of every stage at once, as `run_stage` and `stage_grads` vmapped over the stages, for
-        stage weights p [S, K, ...] some of which are ZeRO-3 shards (`gathers`: per leaf of p, its
-        `kernels.shard_rules` shard or None): each layer's slice [S, ...] of them is gathered in the layer's
-        checkpoint, which never saves it, so a stage holds one layer whole at a time and its backward gathers the
-        layer again and reduce-scatters the layer's gradient to the shard there (the vjp is in the shards)."""
+    def gathering_pass(gathers, shard):
+        """`stage_pass` for stage weights p [S, K, ...] some of which are ZeRO-3 shards (`gathers`: per leaf of p,
+        its `kernels.shard_rules` shard or None): layer by layer, the stages' slice [S, ...] is gathered once for
+        both the forward micro-batch and the backward one's recomputation, inside the layer's checkpoint, which
+        never saves it; the backward gathers the layer again and reduce-scatters its gradient to the shard there
+        (the vjp is in the shards). A stage holds one layer whole at a time; two gathers a layer a tick."""
         @functools.partial(jax.checkpoint, policy=SAVE_ALL_BUT_WEIGHTS, prevent_cse=False)
-        def layer(p, h, c, stage, micro, extra, j):
+        def layer(p, h, r, c, c_back, micro, back, extra, j):
             sliced = [jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False) for a in jax.tree.leaves(p)]
             w = jax.tree.unflatten(jax.tree.structure(p), [
                 checkpoint_name(g.gather(a) if g is not None else a, _STAGE_WEIGHTS) for a, g in zip(sliced, gathers)])
             one = jax.vmap(lambda w, h, c, stage, micro: layer_fn(
                 w, h, c, stage * per_chunk + j, _micro_index(micro, microbatches, shard), extra),
                 spmd_axis_name=axes.STAGE)
-            with kernels.vmapped(axes.STAGE):
-                return one(w, h, c, stage, micro)
+            with kernels.vmapped(axes.STAGE):  # the forward micro-batch's output is not differentiated
+                return one(jax.lax.stop_gradient(w), h, c, stage_ids, micro), one(w, r, c_back, stage_ids, back)
 
-        def forward(p, h, c, stage, micro, extra):
-            return jax.lax.scan(lambda h, j: (layer(p, h, c, stage, micro, extra, j), None), h,
-                                jnp.arange(per_chunk))[0]
+        def stage_pass(p, h, c, micro, stored, c_back, back, extra):
+            def streams(p, stored):  # (the recomputed stream, the forward one as the vjp's aux)
+                (h_out, r_out), _ = jax.lax.scan(
+                    lambda carry, j: (layer(p, *carry, c, c_back, micro, back, extra, j), None), (h, stored),
+                    jnp.arange(per_chunk))
+                return r_out, h_out
+            _, pull, out = jax.vjp(streams, p, stored, has_aux=True)
+            return out, pull
 
-        def backward(p, h, c, stage, micro, extra, dout):
-            return jax.vjp(lambda p, h: forward(p, h, c, stage, micro, extra), p, h)[1](dout)
-
-        return forward, backward
+        return stage_pass
 
     read_slot = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, keepdims=False),
                          spmd_axis_name=axes.STAGE)
 
     def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra, gathers=None):
         """(loss, aux), (the gradients of params, x and tail_params, in their dtypes); `gathers`: as
-        `gathering_stages`' (params are then the shards' local parts)."""
+        `gathering_pass`' (params are then the shards' local parts)."""
         (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra,
                                                                gathers)
         in_dtypes = functools.partial(jax.tree.map, lambda g, w: g.astype(w.dtype))
@@ -356,7 +358,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None, gathers=None):
         """(loss, aux), (float32 gradients of params, of x, float32 of tail_params) of the rows x (all of them, or a
         device's inside the shard_map over the batch axes, whose index there is `shard`); `gathers`: as
-        `gathering_stages`'."""
+        `gathering_pass`'."""
         at_shard = lambda fn: lambda p, h, c, stage, micro, *rest: fn(  # noqa: E731
             p, h, c, stage, _micro_index(micro, microbatches, shard), *rest)
 
@@ -368,11 +370,17 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                     return vmapped(*args)
             return run
 
-        if gathers is None:
-            forward_all = in_stages(run_stage, (0, 0, 0, 0, 0, None))
-            backward_all = in_stages(stage_grads, (0, 0, 0, 0, 0, None, 0))
-        else:
-            forward_all, backward_all = gathering_stages(gathers, shard)
+        forward_all = in_stages(run_stage, (0, 0, 0, 0, 0, None))
+        backward_all = in_stages(stage_grads, (0, 0, 0, 0, 0, None, 0))
+
+        def stage_pass(p, h, c, micro, stored, c_back, back, extra):
+            """(every stage's forward of micro-batches `micro` from h, a function of the output gradient d_h giving
+            the gradients (of p, of the input) of the backward micro-batches `back` recomputed from `stored`)."""
+            out = forward_all(p, h, c, stage_ids, micro, extra)
+            return out, lambda d_h: backward_all(p, stored, c_back, stage_ids, back, extra, d_h)
+
+        if gathers is not None:
+            stage_pass = gathering_pass(gathers, shard)
         split = _splitter(x.shape[0], microbatches)
         inputs = split(x)
         ctx_mb, tail_mb = _whole_on_device((jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)), shard)
@@ -386,8 +394,15 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             h = _on_stages(jnp.where(_along(stage_ids == 0, inputs.ndim), inputs[micro[0]][None],
                                      jnp.roll(previous, 1, axis=0)))
             saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, h, t % ring, axis=1))
-            out = _on_stages(forward_all(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), stage_ids, micro,
-                                         extra))
+            # Backward: stage s on micro-batch t - 2(S - 1) + s, recomputed from its input (written in tick
+            # t - 2(S - 1 - s)); off the schedule its output gradient is zero and its gradients are dropped.
+            back = t - 2 * (stages - 1) + stage_ids
+            back_on = (back >= 0) & (back < microbatches)
+            back = jnp.clip(back, 0, microbatches - 1)
+            stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
+            out, stage_grads_of = stage_pass(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), micro, stored,
+                                             jax.tree.map(lambda a: a[back], ctx_mb), back, extra)
+            out = _on_stages(out)
             # The tail on the micro-batch leaving the last stage; its gradient in h starts that micro-batch's
             # backward in this tick.
             leaving = t - (stages - 1)
@@ -397,16 +412,8 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                 lambda tp, h: tail_fn(tp, h, jax.tree.map(lambda a: a[leaving], tail_mb)), tail_params,
                 out[stages - 1], has_aux=True)
             d_tail, d_out = pull(jnp.ones_like(part))
-            # Backward: stage s on micro-batch t - 2(S - 1) + s, recomputed from its input (written in tick
-            # t - 2(S - 1 - s)); off the schedule its output gradient is zero and its gradients are dropped.
-            back = t - 2 * (stages - 1) + stage_ids
-            back_on = (back >= 0) & (back < microbatches)
-            back = jnp.clip(back, 0, microbatches - 1)
             d_h = jnp.where(_along(last, grad_in.ndim), d_out[None], jnp.roll(grad_in, -1, axis=0))
-            d_h = _on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0))
-            stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
-            d_params, d_in = backward_all(stage_params, stored, jax.tree.map(lambda a: a[back], ctx_mb), stage_ids,
-                                          back, extra, d_h)
+            d_params, d_in = stage_grads_of(_on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0)))
             grads = jax.tree.map(lambda a, g: a + jnp.where(_along(back_on, g.ndim), g, 0), grads, d_params)
             tail_grads = jax.tree.map(lambda a, g: a + jnp.where(tail_on, g, 0), tail_grads, d_tail)
             dx = dx.at[back[0]].set(jnp.where(back_on[0], d_in[0], dx[back[0]]))
@@ -445,7 +452,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def on_shards(inputs):
         """`kernels.shard_rules`' rule (the engine's shard_map step, its ZeRO-3 shards still split): the stage's
         weights enter as the shards' local parts and each tick gathers the layers it runs one at a time, their
-        gradients reduce-scattered to the shards layer by layer and summed there (`gathering_stages`), instead of the
+        gradients reduce-scattered to the shards layer by layer and summed there (`gathering_pass`), instead of the
         stage's weights and their float32 gradients held whole for the step. Other split inputs (the tail's) are
         gathered whole, as the step would."""
         params, x, tail_params, ctx, tail_inputs, extra = jax.tree.unflatten(in_tree, inputs)
