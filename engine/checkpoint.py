@@ -31,6 +31,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kernels.axes import entry_axes
+
 _CHECKSUMS, _META_DIGEST = "checksums", "meta_sha256"  # the meta's keys of the state's and its own checksums
 
 
@@ -280,7 +282,7 @@ def _sharded_partial_sums(leaf, sharding):
     spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
     if sharding.memory_kind not in (None, "device"):
         leaf = jax.device_put(leaf, sharding.with_memory_kind("device"))
-    names = [() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry) for entry in spec]
+    names = [entry_axes(entry) for entry in spec]
 
     def local(block):
         offsets = [jax.lax.axis_index(axes).astype(jnp.uint32) * np.uint32(block.shape[axis] % 2**32) if axes

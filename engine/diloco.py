@@ -114,7 +114,7 @@ def fragment_plan(diloco, shapes, specs, axis_sizes):
     for i, (shape, spec) in enumerate(zip(leaves, spec_leaves)):
         for dim, size in enumerate(shape):
             entry = spec[dim] if dim < len(spec) else None
-            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            names = axes.entry_axes(entry)
             if size % (n * math.prod(axis_sizes[a] for a in names)) == 0:
                 cuts[i] = _Cut(dim=dim)
                 break

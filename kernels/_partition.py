@@ -151,7 +151,7 @@ def shard(fn, args, in_specs, out_specs, implementation, every_axis=False):
     named = set()
     for spec in jax.tree.leaves(in_specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)):
         for entry in spec:
-            named.update((entry,) if isinstance(entry, str) else (entry or ()))
+            named.update(axes.entry_axes(entry))
     if implementation != "xla" or every_axis:
         named.update(_automatic_axes(include_size_one=True))
     elif named:  # 'xla' context parallelism, maybe inside a vmap over blocks

@@ -9,3 +9,8 @@ MODEL = "model"      # tensor parallelism: weight matrices and attention heads s
 
 AXES = (DATA, FSDP, EXPERT, CONTEXT, STAGE, MODEL)  # the mesh's order (the shard_map step's manual axes first)
 BATCH = (DATA, FSDP, EXPERT)  # the axes a batch's rows are split over
+
+
+def entry_axes(entry):
+    """The mesh axes of one PartitionSpec entry: None, an axis name or a tuple of them."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

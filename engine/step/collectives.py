@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from kernels.axes import entry_axes
 
 
 class Int8(NamedTuple):
@@ -155,5 +156,5 @@ def in_model_blocks(collective, x, auto_spec, dims):
     block, each device would hold a piece of every `model` block instead of one contiguous chunk."""
     if auto_spec is None or any(auto_spec[dim] for dim, _ in dims):
         return collective(x)
-    named = {a for e in auto_spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+    named = {a for e in auto_spec for a in entry_axes(e)}
     return jax.shard_map(collective, in_specs=auto_spec, out_specs=auto_spec, axis_names=named, check_vma=False)(x)

@@ -67,8 +67,7 @@ def _spec_axes(spec, ndim, manual=True):
     entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
     out = []
     for e in entries:
-        axes = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-        out.append(tuple(a for a in axes if (a in MANUAL_AXES) == manual))
+        out.append(tuple(a for a in axes.entry_axes(e) if (a in MANUAL_AXES) == manual))
     return tuple(out)
 
 

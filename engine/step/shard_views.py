@@ -9,6 +9,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import kernels
+from kernels.axes import entry_axes
 from engine.sharding import scan_counts
 from engine.step.shards import CASTS, Sharded, bind_eqn
 
@@ -143,7 +144,7 @@ def _carried(spec, in_shape, out_shape, moved):
     for d, entry in enumerate(spec):
         if entry is None or moved.get(d) is not None:
             continue
-        split = math.prod(sizes[a] for a in _names(entry))
+        split = math.prod(sizes[a] for a in entry_axes(entry))
         before = math.prod(in_shape[:d])
         for e, n in enumerate(out_shape):
             if math.prod(out_shape[:e]) == before and n > 1:
@@ -165,27 +166,22 @@ def _moved_spec(spec, moved, rank):
         if entry is None:
             continue
         if moved.get(d) is None:
-            if kernels.MODEL_AXIS in _names(entry):
+            if kernels.MODEL_AXIS in entry_axes(entry):
                 return False
             continue
         out[moved[d]] = entry
     return P(*out) if any(e is not None for e in out) else None
 
 
-def _names(entry):
-    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _constrained(spec, constraint, rank):
     """`spec` with a sharding constraint's named entries over it (its unconstrained dims keep spec's)."""
     entries = list(tuple(spec) if spec is not None else ()) + [None] * rank
-    named = {a for e in constraint if e is not P.UNCONSTRAINED for a in _names(e)}
+    named = {a for e in constraint if e is not P.UNCONSTRAINED for a in entry_axes(e)}
     out = []
     for d in range(rank):
         c = constraint[d] if d < len(constraint) else P.UNCONSTRAINED
         if c is P.UNCONSTRAINED:
-            axes = tuple(a for a in _names(entries[d]) if a not in named)
+            axes = tuple(a for a in entry_axes(entries[d]) if a not in named)
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         else:
             out.append(c)
