@@ -295,29 +295,54 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
 
     def gathering_pass(gathers, shard):
         """`stage_pass` for stage weights p [S, K, ...] some of which are ZeRO-3 shards (`gathers`: per leaf of p,
-        its `kernels.shard_rules` shard or None): layer by layer, the stages' slice [S, ...] is gathered once for
-        both the forward micro-batch and the backward one's recomputation, inside the layer's checkpoint, which
-        never saves it; the backward gathers the layer again and reduce-scatters its gradient to the shard there
-        (the vjp is in the shards). A stage holds one layer whole at a time; two gathers a layer a tick."""
-        @functools.partial(jax.checkpoint, policy=SAVE_ALL_BUT_WEIGHTS, prevent_cse=False)
-        def layer(p, h, r, c, c_back, micro, back, extra, j):
-            sliced = [jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False) for a in jax.tree.leaves(p)]
-            w = jax.tree.unflatten(jax.tree.structure(p), [
-                checkpoint_name(g.gather(a) if g is not None else a, _STAGE_WEIGHTS) for a, g in zip(sliced, gathers)])
+        its `kernels.shard_rules` shard or None). The forward runs the layers in order, each layer's slice [S, ...]
+        gathered once for both the forward micro-batch and the backward one's recomputation, and keeps the latter's
+        input to every layer; the backward runs them in reverse, each layer gathered again, recomputed from its input
+        and differentiated in the shards (the gather's backward reduce-scatters the layer's gradient to them), and
+        adds that gradient into the sums' slice of the layer. A stage holds one layer whole at a time and no
+        gradient of the stage's size but the sums."""
+        def layer_of(p, j):
+            """Layer j's slice [S, ...] of each leaf of p (shards where they are)."""
+            return [jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False) for a in jax.tree.leaves(p)]
+
+        def gathered(p, sliced):
+            """The weights of a layer from its slices `sliced`, gathered where they are shards."""
+            return jax.tree.unflatten(jax.tree.structure(p), [g.gather(a) if g is not None else a
+                                                              for a, g in zip(sliced, gathers)])
+
+        def run(w, h, c, micro, j, extra):
+            """Layer j of every stage on h [S, rows, ...]."""
             one = jax.vmap(lambda w, h, c, stage, micro: layer_fn(
                 w, h, c, stage * per_chunk + j, _micro_index(micro, microbatches, shard), extra),
                 spmd_axis_name=axes.STAGE)
-            with kernels.vmapped(axes.STAGE):  # the forward micro-batch's output is not differentiated
-                return one(jax.lax.stop_gradient(w), h, c, stage_ids, micro), one(w, r, c_back, stage_ids, back)
+            with kernels.vmapped(axes.STAGE):
+                return one(w, h, c, stage_ids, micro)
 
         def stage_pass(p, h, c, micro, stored, c_back, back, extra):
-            def streams(p, stored):  # (the recomputed stream, the forward one as the vjp's aux)
-                (h_out, r_out), _ = jax.lax.scan(
-                    lambda carry, j: (layer(p, *carry, c, c_back, micro, back, extra, j), None), (h, stored),
-                    jnp.arange(per_chunk))
-                return r_out, h_out
-            _, pull, out = jax.vjp(streams, p, stored, has_aux=True)
-            return out, pull
+            def forward(carry, j):
+                h, r = carry
+                w = gathered(p, layer_of(p, j))
+                return (run(w, h, c, micro, j, extra), run(w, r, c_back, back, j, extra)), r
+
+            (out, _), kept = jax.lax.scan(forward, (h, stored), jnp.arange(per_chunk))
+
+            def backward(d_h, grads, on):
+                def layer(carry, j):
+                    d, grads = carry
+                    _, pull = jax.vjp(lambda sliced, r: run(gathered(p, sliced), r, c_back, back, j, extra),
+                                      layer_of(p, j), kept[j])
+                    d_sliced, d = pull(d)
+                    grads = jax.tree.unflatten(jax.tree.structure(grads), [
+                        jax.lax.dynamic_update_index_in_dim(
+                            a, jax.lax.dynamic_index_in_dim(a, j, axis=1) + jnp.where(
+                                _along(on, g.ndim + 1), g[:, None], 0).astype(a.dtype), j, axis=1)
+                        for a, g in zip(jax.tree.leaves(grads), d_sliced)])
+                    return (d, grads), None
+
+                (d_in, grads), _ = jax.lax.scan(layer, (d_h, grads), jnp.arange(per_chunk), reverse=True)
+                return grads, d_in
+
+            return out, backward
 
         return stage_pass
 
@@ -374,10 +399,15 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         backward_all = in_stages(stage_grads, (0, 0, 0, 0, 0, None, 0))
 
         def stage_pass(p, h, c, micro, stored, c_back, back, extra):
-            """(every stage's forward of micro-batches `micro` from h, a function of the output gradient d_h giving
-            the gradients (of p, of the input) of the backward micro-batches `back` recomputed from `stored`)."""
+            """(every stage's forward of micro-batches `micro` from h, `backward(d_h, grads, on)`: the backward of
+            micro-batches `back` recomputed from `stored`, given their output gradient d_h: (the gradient sums
+            `grads` plus p's gradient in the stages where `on`, the input's gradient))."""
             out = forward_all(p, h, c, stage_ids, micro, extra)
-            return out, lambda d_h: backward_all(p, stored, c_back, stage_ids, back, extra, d_h)
+
+            def backward(d_h, grads, on):
+                d_params, d_in = backward_all(p, stored, c_back, stage_ids, back, extra, d_h)
+                return jax.tree.map(lambda a, g: a + jnp.where(_along(on, g.ndim), g, 0), grads, d_params), d_in
+            return out, backward
 
         if gathers is not None:
             stage_pass = gathering_pass(gathers, shard)
@@ -413,8 +443,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                 out[stages - 1], has_aux=True)
             d_tail, d_out = pull(jnp.ones_like(part))
             d_h = jnp.where(_along(last, grad_in.ndim), d_out[None], jnp.roll(grad_in, -1, axis=0))
-            d_params, d_in = stage_grads_of(_on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0)))
-            grads = jax.tree.map(lambda a, g: a + jnp.where(_along(back_on, g.ndim), g, 0), grads, d_params)
+            grads, d_in = stage_grads_of(_on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0)), grads, back_on)
             tail_grads = jax.tree.map(lambda a, g: a + jnp.where(tail_on, g, 0), tail_grads, d_tail)
             dx = dx.at[back[0]].set(jnp.where(back_on[0], d_in[0], dx[back[0]]))
             loss, aux = jax.tree.map(lambda a, v: a + jnp.where(tail_on, v, 0), (loss, aux), (part, part_aux))

@@ -146,6 +146,23 @@ def test_llama7b_pipeline_and_context_meshes_compile(generation, kind):
     assert (r["stages"], r["context"]) == ((2, 1) if kind == "pipeline" else (1, 2))
 
 
+@pytest.mark.slow
+def test_llama7b_1f1b_shard_map_step_compiles_with_fsdp_in_its_stages():
+    """1F1B in the shard_map step with ZeRO-3 inside its 2 stages (v5p-16: stage 2 x fsdp 4, 4 micro-batches of 4
+    rows, engine/README.md#figures): its custom_vjp's rule for shards gathers each tick's layers one at a time. While
+    the custom_vjp held its stage's weights whole, XLA:TPU's compile aborted there ("rotated_pincer_fusion_emitter
+    ... Check failed: s_count.has_value()")."""
+    tpu_devices("v5p")  # skips without libtpu
+    proc = _run(["scripts/plan_memory.py", "--target=tpu:v5p-16", "--model=llama", "--model_config=llama-7b",
+                 "--mesh=1,4,1", "--pipeline_stages=2", "--per_device_batch_size=4", "--seq_len=2048",
+                 "--pipeline_microbatches=4", "--train_step=shard_map", "--pipeline_schedule=1f1b",
+                 "--loss_implementation=plain"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (r["step"], r["stages"], r["pipeline_schedule"]) == ("shard_map", 2, "1f1b")
+    assert r["bytes"]["total"] <= r["hbm_gb"] * GB
+
+
 # ---- expert parallelism ----
 
 _SMALL_MIXTRAL = {"num_layers": 2, "hidden_size": 1024, "intermediate_size": 2048, "num_heads": 8, "num_kv_heads": 8,
