@@ -6,13 +6,13 @@ pipeline's rules would hold a stage's whole weights and their gradients). Its au
 backward function of the custom_vjp it builds, a rule that runs the equation on the shards itself
 (`register_shard_rule`); the step looks it up from the traced equation (`shard_rule`).
 
-`rule(inputs)` gets the custom_vjp's flattened arguments, where each parameter still split
-is a shard (`is_shard`): `local`, this device's part (the parameter's rank, split along dims the manual axes divide),
-and `gather(local)`, the whole parameter in the loss's compute dtype from `local` or from a slice of it along dims the
-split leaves alone (a layer of a stacked parameter, with any leading dims kept), differentiable: its gradient is
-reduce-scattered back to the slice's layout, summed over the devices that share the parameter, as the step's own
-gathers do. The rule returns the equation's outputs (a flat list), differentiable in the shards' `local` parts and
-the other inputs, or None to leave the equation to the step. Imports nothing of ours.
+`rule(inputs)` gets the custom_vjp's flattened arguments, where each parameter still split is a shard (`is_shard`):
+`local`, this device's part (the parameter's rank, split along dims the manual axes divide), and `gather(local)`, the
+whole parameter in the loss's compute dtype from `local` or from a slice of it along dims the split leaves alone (a
+layer of a stacked parameter, with any leading dims kept), differentiable: its gradient is reduce-scattered back to
+the slice's layout, summed over the devices that share the parameter, as the step's own gathers do. The rule
+returns the equation's outputs (a flat list), differentiable in the shards' `local` parts and the other inputs, or
+None to leave the equation to the step. Imports nothing of ours.
 """
 import weakref
 
