@@ -305,11 +305,6 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             """Layer j's slice [S, ...] of each leaf of p (shards where they are)."""
             return [jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False) for a in jax.tree.leaves(p)]
 
-        def gathered(p, sliced):
-            """The weights of a layer from its slices `sliced`, gathered where they are shards."""
-            return jax.tree.unflatten(jax.tree.structure(p), [g.gather(a) if g is not None else a
-                                                              for a, g in zip(sliced, gathers)])
-
         def run(w, h, c, micro, j, extra):
             """Layer j of every stage on h [S, rows, ...]."""
             one = jax.vmap(lambda w, h, c, stage, micro: layer_fn(
@@ -321,7 +316,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         def stage_pass(p, h, c, micro, stored, c_back, back, extra):
             def forward(carry, j):
                 h, r = carry
-                w = gathered(p, layer_of(p, j))
+                w = _gathered(p, layer_of(p, j), gathers)
                 return (run(w, h, c, micro, j, extra), run(w, r, c_back, back, j, extra)), r
 
             (out, _), kept = jax.lax.scan(forward, (h, stored), jnp.arange(per_chunk))
@@ -329,7 +324,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             def backward(d_h, grads, on):
                 def layer(carry, j):
                     d, grads = carry
-                    _, pull = jax.vjp(lambda sliced, r: run(gathered(p, sliced), r, c_back, back, j, extra),
+                    _, pull = jax.vjp(lambda sliced, r: run(_gathered(p, sliced, gathers), r, c_back, back, j, extra),
                                       layer_of(p, j), kept[j])
                     d_sliced, d = pull(d)
                     grads = jax.tree.unflatten(jax.tree.structure(grads), [
@@ -495,8 +490,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             is_leaf=kernels.is_shard)
 
         def whole(local, *rest):
-            weights = [g.gather(a) if g is not None else a for a, g in zip(jax.tree.leaves(local), gathers)]
-            return evaluate(jax.tree.unflatten(tree, weights), *rest)
+            return evaluate(_gathered(local, jax.tree.leaves(local), gathers), *rest)
 
         on_local = jax.custom_vjp(whole)
         on_local.defvjp(functools.partial(one_f_one_b, gathers=gathers), _scaled_by_cotangent)
@@ -504,6 +498,13 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
 
     kernels.register_shard_rule(backward, on_shards)
     return run(params, x, tail_params, ctx, tail_inputs, layer_inputs)
+
+
+def _gathered(like, leaves, gathers):
+    """The tree of `like` with `leaves` (its leaves, or a layer's slices of them), each gathered whole where `gathers`
+    holds its `kernels.shard_rules` shard."""
+    return jax.tree.unflatten(jax.tree.structure(like), [g.gather(a) if g is not None else a
+                                                         for a, g in zip(leaves, gathers)])
 
 
 def _scaled_by_cotangent(grads, cotangent):

@@ -201,12 +201,17 @@ class FirstRow:
         return sources.pack([text], self.tokenizer, self.seq_len)[0]
 
 
+def _batches(mesh, examples, workers):
+    """`examples`' global batches of --batch_rows rows, built as `fit` builds them (`iterate_batches`)."""
+    return data_lib.iterate_batches(mesh, examples, lm.collate_lm,
+                                    per_device_batch_size=FLAGS.batch_rows // data_lib.data_parallel_size(mesh),
+                                    seed=FLAGS.seed, workers=workers)
+
+
 def measure(mesh, examples, workers):
     """(start seconds, tokens per second) of --batches + 1 batches of `examples` through iterate_batches."""
-    per_device = FLAGS.batch_rows // data_lib.data_parallel_size(mesh)
     started = time.perf_counter()
-    batches = data_lib.iterate_batches(mesh, examples, lm.collate_lm, per_device_batch_size=per_device,
-                                       seed=FLAGS.seed, workers=workers)
+    batches = _batches(mesh, examples, workers)
     try:
         for _ in range(max(1, workers)):  # batch k comes from worker k: each has started before the clock runs
             next(batches)
@@ -247,10 +252,8 @@ def wait_share(mesh, examples, tokenizer, workers):
 def paced_wait(mesh, examples, workers):
     """(consumed tokens per second, share of the time waited) of a consumer that takes --consume_batches batches of
     `examples` from `fit`'s prefetch thread and holds each for its tokens / --consume_tokens_per_s seconds."""
-    per_device = FLAGS.batch_rows // data_lib.data_parallel_size(mesh)
     hold = FLAGS.batch_rows * FLAGS.seq_len / FLAGS.consume_tokens_per_s
-    batches = data_lib.iterate_batches(mesh, examples, lm.collate_lm, per_device_batch_size=per_device,
-                                       seed=FLAGS.seed, workers=workers)
+    batches = _batches(mesh, examples, workers)
     prefetch = data_lib.Prefetcher(batches)
     try:
         it = iter(prefetch)
