@@ -1,7 +1,8 @@
 """The 1F1B pipeline schedule (models/pipeline.py `pipeline_1f1b`, `pipeline_schedule='1f1b'`): the LM loss of a
 tiny LLaMA run through it equals the unpipelined model's, values and gradients, on meshes that mix stages with data,
 tensor parallelism and ZeRO-3, and through the Trainer; dropout masks are GPipe's; the compiled program keeps less
-temporary memory than GPipe's at M = 4S and runs M + 2S - 2 ticks; what it does not support fails in one line."""
+temporary memory than GPipe's at M = 4S and runs its M + 2S - 2 ticks in three phases (forward only, both, backward
+only); what it does not support fails in one line."""
 import dataclasses
 import re
 
@@ -129,13 +130,15 @@ def test_train_lm_flag_trains_1f1b_like_gpipe(tmp_path):
                                       "--pipeline_microbatches=4")
 
 
-def test_1f1b_keeps_less_than_gpipe_and_runs_its_ticks():
+def test_1f1b_keeps_less_than_gpipe_and_runs_its_phases():
     """At M = 4S the compiled 1F1B step's temporaries are below GPipe's (GPipe keeps every micro-batch's layer
     inputs and the whole batch's logits at the turn; 1F1B a ring of 2S - 1 stage inputs and one micro-batch's
-    logits; measured 2.29 MB against 3.05 MB), and its one tick loop runs M + 2S - 2 ticks where GPipe runs M + S - 1
-    forward and backward."""
-    stages, microbatches, rows = 2, 8, 64
-    mesh = engine.make_mesh(stage=stages, data=4)
+    logits; measured 2.66 MB against 5.61 MB at S = 4), and its ticks run in three loops: S - 1 forward only, M with
+    both halves, S - 1 backward only (M + 2S - 2 in all), where GPipe runs M + S - 1 forward and M + S - 1 backward:
+    a stage computes as long as GPipe's (one lock-step loop of M + 2S - 2 forwards and backwards took 1.5x GPipe's
+    time, scripts/bench_pipeline.py)."""
+    stages, microbatches, rows = 4, 16, 64
+    mesh = engine.make_mesh(stage=stages, data=2)
     model = _model(pipeline_microbatches=microbatches)
     params = models.init_params(model, jax.random.PRNGKey(0))
     batch = _batch(model, rows=rows, seq=64)
@@ -145,12 +148,15 @@ def test_1f1b_keeps_less_than_gpipe_and_runs_its_ticks():
         compiled[name] = fn.lower(placed, placed_batch).compile()
     temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
     assert temp["1f1b"] < 0.8 * temp["gpipe"], temp
-    trips = {k: [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', c.as_text())]
-             for k, c in compiled.items()}
-    ticks = pipeline.num_ticks(stages, microbatches, schedule="1f1b")
-    assert ticks == microbatches + 2 * stages - 2
-    assert trips["1f1b"].count(ticks) == 1 and trips["gpipe"].count(pipeline.num_ticks(stages, microbatches)) == 2
-    assert pipeline.bubble_fraction(stages, microbatches, schedule="1f1b") == pytest.approx(2 / ticks)
+    ticks = pipeline.num_ticks(stages, microbatches)
+    # The loops of at most GPipe's ticks (the others are the kernels' own: 128 and 2048 trips).
+    trips = {k: sorted(n for n in map(int, re.findall(r'known_trip_count":\{"n":"(\d+)"', c.as_text()))
+                       if n <= ticks) for k, c in compiled.items()}
+    assert trips["1f1b"] == [stages - 1, stages - 1, microbatches], trips  # one layer a stage: no layer loop
+    assert sum(trips["1f1b"]) == pipeline.num_ticks(stages, microbatches, schedule="1f1b")
+    assert trips["gpipe"] == [ticks] * 2, trips
+    assert pipeline.bubble_fraction(stages, microbatches, schedule="1f1b") == pytest.approx(
+        pipeline.bubble_fraction(stages, microbatches)) == pytest.approx(3 / 19)
 
 
 def test_undifferentiated_1f1b_is_the_loss():
