@@ -60,11 +60,14 @@ SCHEDULES = ("gpipe", "1f1b")
 FSDP_GATHERS = ("tick", "step")  # when a stage's fsdp-split weights are gathered (and their gradients reduced)
 
 
-def bubble_fraction(stages, microbatches, virtual_stages=1, schedule="gpipe"):
+def bubble_fraction(stages, microbatches, virtual_stages=1, schedule="gpipe", one_loop=False):
     """Share of a device's time spent idle: (S - 1) / (V M + S - 1) for V virtual stages per device (V = 1: GPipe),
     and 1F1B's the same as GPipe's (its S - 1 first ticks run forwards only and its S - 1 last backwards only, so a
-    stage's M + 2S - 2 ticks take the time of M + S - 1 forwards and backwards, as GPipe's)."""
-    del schedule  # 1F1B idles as GPipe does
+    stage's M + 2S - 2 ticks take the time of M + S - 1 forwards and backwards, as GPipe's), but (2S - 2) /
+    (M + 2S - 2) with `one_loop`: its ticks run as one loop of both halves, as they do where the jit step's
+    partitioner places a stage's ZeRO-3 gathers (`pipeline_1f1b`)."""
+    if schedule == "1f1b" and one_loop:
+        return 1 - microbatches / num_ticks(stages, microbatches, schedule="1f1b")
     return 1 - microbatches * virtual_stages / num_ticks(stages, microbatches, virtual_stages)
 
 
@@ -474,7 +477,12 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         carry = (start, start, _on_stages(jnp.zeros((stages, ring) + inputs.shape[1:], x.dtype)),
                  jax.tree.map(_on_stages, zeros(stage_params, jnp.float32)), zeros(tail_params, jnp.float32),
                  jnp.zeros_like(inputs), *zeros(results))
-        for first, stop, forward, backward in _phases_1f1b(stages, microbatches):
+        # Where XLA's partitioner places the loop's ZeRO-3 gathers (an automatic `fsdp` in the jit step), it moved
+        # weights in the loops of one half where it moved activations in the loop of both (LLaMA-3-70B on stage 8
+        # x fsdp 8 x model 8, XLA:GPU: 71.4 GB sent a step against 28.9, models/README.md#the-pipeline): there the
+        # ticks stay one loop.
+        phased = gathers is not None or kernels.automatic_axes().get(axes.FSDP, 1) == 1
+        for first, stop, forward, backward in _phases_1f1b(stages, microbatches, phased):
             if stop > first:
                 carry, _ = jax.lax.scan(functools.partial(tick, forward=forward, backward=backward), carry,
                                         jnp.arange(first, stop))
@@ -523,14 +531,16 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     return run(params, x, tail_params, ctx, tail_inputs, layer_inputs)
 
 
-def _phases_1f1b(stages, microbatches):
-    """1F1B's tick loop in phases (first tick, end, forward, backward): the S - 1 ticks before the first
-    micro-batch reaches the last stage run forwards only, the S - 1 after the last one left it backwards only, the
-    M between both (and the tail): every stage's ticks then add up to GPipe's M + S - 1 forwards and backwards. At
-    S = 2 the last tick stays in the loop before it (its forward masked): XLA inlines a loop of one tick, and that
-    tick run outside a loop held more temporaries than the loop (tests/test_pipeline_1f1b.py's shape: 3.44 MB
-    against 2.58), which the first tick does not."""
+def _phases_1f1b(stages, microbatches, phased=True):
+    """1F1B's tick loops (first tick, end, forward, backward): the S - 1 ticks before the first micro-batch reaches
+    the last stage run forwards only, the S - 1 after the last one left it backwards only, the M between both (and
+    the tail): every stage's ticks then add up to GPipe's M + S - 1 forwards and backwards. At S = 2 the last tick
+    stays in the loop before it (its forward masked): XLA inlines a loop of one tick, and that tick run outside a
+    loop held more temporaries than the loop (tests/test_pipeline_1f1b.py's shape: 3.44 MB against 2.58), which the
+    first tick does not. Not `phased`: one loop, every tick both halves, the inactive ones masked."""
     ticks = num_ticks(stages, microbatches, schedule="1f1b")
+    if not phased:
+        return ((0, ticks, True, True),)
     drain = microbatches + stages - 1 if stages > 2 else ticks
     return ((0, stages - 1, True, False), (stages - 1, drain, True, True), (drain, ticks, False, True))
 

@@ -159,6 +159,23 @@ def test_1f1b_keeps_less_than_gpipe_and_runs_its_phases():
         pipeline.bubble_fraction(stages, microbatches)) == pytest.approx(3 / 19)
 
 
+@pytest.mark.slow
+def test_1f1b_beside_the_partitioners_fsdp_runs_one_loop():
+    """Where the jit step's partitioner places a stage's ZeRO-3 gathers (an automatic `fsdp`), 1F1B's ticks stay one
+    loop of both halves (in loops of one half it moved weights instead of activations: 2.5x the bytes at
+    LLaMA-3-70B's size), and the plan's idle share says so."""
+    stages, microbatches = 4, 8
+    model = _model(pipeline_microbatches=microbatches, num_layers=8)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    fn, placed, placed_batch = _on_mesh(_loss(model), params, _batch(model, rows=16), engine.make_mesh(stage=4,
+                                                                                                        fsdp=2))
+    ticks = pipeline.num_ticks(stages, microbatches, schedule="1f1b")
+    trips = [n for n in map(int, re.findall(r'known_trip_count":\{"n":"(\d+)"',
+                                            fn.lower(placed, placed_batch).compile().as_text())) if n <= ticks]
+    assert trips.count(ticks) == 1 and stages - 1 not in trips, trips
+    assert pipeline.bubble_fraction(stages, microbatches, schedule="1f1b", one_loop=True) == pytest.approx(6 / 14)
+
+
 def test_undifferentiated_1f1b_is_the_loss():
     """Evaluation (no gradient) runs GPipe's forward and the tail on every row: the same loss and metrics."""
     model = _model(pipeline_microbatches=2)
