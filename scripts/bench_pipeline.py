@@ -7,7 +7,8 @@ each schedule compiled once in this process and then timed in interleaved rounds
       --microbatches=8
 
 Columns: ms a step (median over rounds), that over GPipe's, the schedule's idle share
-(`models.pipeline.bubble_fraction`), and the compiled program's temporaries per device. On simulated CPU devices
+(`models.pipeline.bubble_fraction`), the compiled program's temporaries per device and the bytes a device sends a
+step (`engine.plan.collective_bytes`). On simulated CPU devices
 every device's work shares the host's cores, so the time counts the computation each schedule runs, masked ticks
 included; what a stage idles waiting for another shows only on real devices.
 """
@@ -40,6 +41,7 @@ def main(argv):
 
     import engine
     import kernels
+    from engine import plan
     import models
     from engine.tasks import lm
     from models import pipeline
@@ -80,6 +82,7 @@ def main(argv):
         runs[name] = dict(fn=compiled, args=(placed, placed_batch), times=[],
                           compile=time.perf_counter() - start,
                           temp=compiled.memory_analysis().temp_size_in_bytes,
+                          sent=sum(plan.collective_bytes(compiled.as_text(), devices).values()),
                           idle=pipeline.bubble_fraction(FLAGS.stages, FLAGS.microbatches,
                                                         config.pipeline_virtual_stages, config.pipeline_schedule))
         print(f"{name}: compiled in {runs[name]['compile']:.1f} s", flush=True)
@@ -95,11 +98,13 @@ def main(argv):
     print(f"\n{os.environ.get('XLA_FLAGS', '')}: stage {FLAGS.stages} x data {devices // FLAGS.stages}, "
           f"M = {FLAGS.microbatches}, {FLAGS.layers} layers of width {FLAGS.hidden_size}, {FLAGS.rows} rows of "
           f"{FLAGS.seq_len} tokens, medians of {FLAGS.rounds} rounds x {FLAGS.steps} steps")
-    print(f"{'schedule':<12} {'ms / step':>10} {'x GPipe':>8} {'idle share':>11} {'temporaries MB':>15}")
+    print(f"{'schedule':<12} {'ms / step':>10} {'x GPipe':>8} {'idle share':>11} {'temporaries MB':>15} "
+          f"{'sent MB':>8}")
     for name, run in runs.items():
         ms = statistics.median(run["times"])
         ratio = f"{ms / reference:.3f}" if reference else "-"
-        print(f"{name:<12} {1e3 * ms:>10.1f} {ratio:>8} {run['idle']:>11.3f} {run['temp'] / 1e6:>15.2f}")
+        print(f"{name:<12} {1e3 * ms:>10.1f} {ratio:>8} {run['idle']:>11.3f} {run['temp'] / 1e6:>15.2f} "
+              f"{run['sent'] / 1e6:>8.2f}")
 
 
 if __name__ == "__main__":

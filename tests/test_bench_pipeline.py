@@ -1,5 +1,5 @@
 """scripts/bench_pipeline.py end to end at a tiny size: a row per schedule, each schedule's idle share the formula's
-(1F1B's GPipe's), times measured."""
+(1F1B's GPipe's), times, temporaries and bytes sent measured."""
 import os
 import subprocess
 import sys
@@ -22,6 +22,7 @@ def test_bench_pipeline_prints_each_schedule():
     at = next(i for i, line in enumerate(lines) if line.startswith("schedule"))
     rows = {cells[0]: cells[1:] for cells in (line.split() for line in lines[at + 1:at + 4])}
     assert set(rows) == {"gpipe", "interleaved", "1f1b"}, out.stdout
-    assert float(rows["gpipe"][1]) == 1.0 and all(float(r[0]) > 0 and float(r[3]) > 0 for r in rows.values())
+    assert float(rows["gpipe"][1]) == 1.0
+    assert all(float(r[0]) > 0 and float(r[3]) > 0 and float(r[4]) > 0 for r in rows.values())  # time, memory, bytes
     assert float(rows["gpipe"][2]) == float(rows["1f1b"][2]) == pytest.approx(pipeline.bubble_fraction(2, 4), abs=1e-3)
     assert float(rows["interleaved"][2]) == pytest.approx(pipeline.bubble_fraction(2, 4, 2), abs=1e-3)

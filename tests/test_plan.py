@@ -296,13 +296,17 @@ def test_an_interleaved_pipeline_plan_reports_its_schedules_idle_share():
 
 def test_a_1f1b_plan_reports_its_schedules_idle_share():
     """The tiny model cut to 4 layers on 2 stages, 2 micro-batches, with pipeline_schedule='1f1b': the plan
-    compiles 1F1B's step (one tick loop of M + 2S - 2) and reports its idle share (2S - 2) / (M + 2S - 2) = 1/2, not
-    GPipe's 1/3; the schedule given as a config override is the same plan, and given both ways with two values is
-    refused."""
+    compiles 1F1B's step (M + 2S - 2 ticks, the first forwards only) and reports its idle share, GPipe's
+    (S - 1) / (M + S - 1) = 1/3, but (2S - 2) / (M + 2S - 2) = 1/2 beside the jit step's fsdp, where its ticks run
+    as one loop of both halves; the schedule given as a config override is the same plan, and given both ways with
+    two values is refused."""
     common = {**TINY, "num_devices": 2, "seq_len": 16, "mesh": "1,1,1", "stages": 2, "per_device_batch_size": 2,
               "pipeline_microbatches": 2, "step": "jit", "loss_implementation": None}
     one_f_one_b = planning.plan(**common, pipeline_schedule="1f1b", config_overrides={"num_layers": 4})
-    assert one_f_one_b["pipeline_schedule"] == "1f1b" and one_f_one_b["idle_share"] == pytest.approx(1 / 2)
+    assert one_f_one_b["pipeline_schedule"] == "1f1b" and one_f_one_b["idle_share"] == pytest.approx(1 / 3)
+    beside_fsdp = planning.plan(**{**common, "num_devices": 4, "mesh": "1,2,1", "per_device_batch_size": 1},
+                                pipeline_schedule="1f1b", config_overrides={"num_layers": 4})
+    assert beside_fsdp["idle_share"] == pytest.approx(1 / 2)
     overridden = planning.plan(**common, config_overrides={"num_layers": 4, "pipeline_schedule": "1f1b"})
     assert overridden["idle_share"] == one_f_one_b["idle_share"] and overridden["bytes"] == one_f_one_b["bytes"]
     with pytest.raises(ValueError, match=r"pipeline_virtual_stages=2 and config_overrides=\{'pipeline_virtual_"
