@@ -255,7 +255,7 @@ def _splitter(rows, microbatches):
 
 
 def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *, stages, microbatches,
-                  fsdp_gather="tick", layer_inputs=()):
+                  fsdp_gather="tick", layer_inputs=(), full_remat=False):
     """`tail_fn(tail_params, stack(x), tail_inputs)` with the stack of `pipeline` (V = 1) run on the 1F1B schedule:
     (loss, aux), each summed over the micro-batches, differentiable in params, x and tail_params.
 
@@ -263,7 +263,8 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     head, the loss of those rows), a sum over rows (a mean divides by the whole batch's count), so the micro-batches'
     add up to the batch's; aux (metrics) has no gradient. tail_inputs: a pytree of [B, ...] arrays (labels).
     layer_inputs: a pytree of arrays `layer_fn` takes as a sixth argument (a dropout key, per-layer values: what it
-    would otherwise close over), not differentiated. Neither function may close over a traced value: the custom_vjp
+    would otherwise close over), not differentiated. full_remat: `layer_fn` is a `jax.checkpoint` that saves nothing
+    (its backward recomputes it from its input). Neither function may close over a traced value: the custom_vjp
     rules run them, and a rule closing over a value traced outside it fails where the engine's shard_map step
     re-traces the loss's equations (engine/step/gathering.py).
 
@@ -282,7 +283,10 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     those axes once, in float32, after the loop. Not
     differentiated (evaluation), it is `pipeline` and then the tail. Where the stage's weights arrive as ZeRO-3
     shards (the engine's shard_map step, through the rule this registers: `kernels.shard_rules`), each tick gathers
-    the layers it runs one at a time and reduce-scatters their gradients into float32 sums of the shards' size."""
+    the layers it runs one at a time and reduce-scatters their gradients into float32 sums of the shards' size. With
+    `full_remat` the backward runs that way too, layer by layer, each layer's gradient added into the sums' slice:
+    no stage-sized gradient per tick, and no more computation (a checkpoint saving nothing recomputes its layer in
+    either form; without it, or saving some of it, the stage is differentiated at once, its forward run once)."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, 1, fsdp_gather)
@@ -301,9 +305,9 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def stage_grads(p, h, c, stage, micro, extra, dout):
         return jax.vjp(lambda p, h: run_stage(p, h, c, stage, micro, extra), p, h)[1](dout)
 
-    def gathering_pass(gathers, shard):
-        """`stage_pass` for stage weights p [S, K, ...] some of which are ZeRO-3 shards (`gathers`: per leaf of p,
-        its `kernels.shard_rules` shard or None). The forward runs the layers in order, each layer's slice [S, ...]
+    def layerwise_pass(gathers, shard):
+        """`stage_pass` for stage weights p [S, K, ...] some of which may be ZeRO-3 shards (`gathers`: per leaf of
+        p, its `kernels.shard_rules` shard or None). The forward runs the layers in order, each layer's slice [S, ...]
         gathered once for both the forward micro-batch and the backward one's recomputation, and keeps the latter's
         input to every layer; the backward runs them in reverse, each layer gathered again, recomputed from its input
         and differentiated in the shards (the gather's backward reduce-scatters the layer's gradient to them), and
@@ -356,7 +360,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
 
     def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra, gathers=None):
         """(loss, aux), (the gradients of params, x and tail_params, in their dtypes); `gathers`: as
-        `gathering_pass`' (params are then the shards' local parts)."""
+        `layerwise_pass`' (params are then the shards' local parts)."""
         (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra,
                                                                gathers)
         in_dtypes = functools.partial(jax.tree.map, lambda g, w: g.astype(w.dtype))
@@ -388,7 +392,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None, gathers=None):
         """(loss, aux), (float32 gradients of params, of x, float32 of tail_params) of the rows x (all of them, or a
         device's inside the shard_map over the batch axes, whose index there is `shard`); `gathers`: as
-        `gathering_pass`'."""
+        `layerwise_pass`'."""
         at_shard = lambda fn: lambda p, h, c, stage, micro, *rest: fn(  # noqa: E731
             p, h, c, stage, _micro_index(micro, microbatches, shard), *rest)
 
@@ -415,8 +419,8 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                 return jax.tree.map(lambda a, g: a + jnp.where(_along(on, g.ndim), g, 0), grads, d_params), d_in
             return out, backward
 
-        if gathers is not None:
-            stage_pass = gathering_pass(gathers, shard)
+        if gathers is not None or full_remat:
+            stage_pass = layerwise_pass(gathers or [None] * len(jax.tree.leaves(params)), shard)
         split = _splitter(x.shape[0], microbatches)
         inputs = split(x)
         ctx_mb, tail_mb = _whole_on_device((jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)), shard)
@@ -507,7 +511,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def on_shards(inputs):
         """`kernels.shard_rules`' rule (the engine's shard_map step, its ZeRO-3 shards still split): the stage's
         weights enter as the shards' local parts and each tick gathers the layers it runs one at a time, their
-        gradients reduce-scattered to the shards layer by layer and summed there (`gathering_pass`), instead of the
+        gradients reduce-scattered to the shards layer by layer and summed there (`layerwise_pass`), instead of the
         stage's weights and their float32 gradients held whole for the step. Other split inputs (the tail's) are
         gathered whole, as the step would."""
         params, x, tail_params, ctx, tail_inputs, extra = jax.tree.unflatten(in_tree, inputs)

@@ -166,7 +166,7 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         rest = {k: v for k, v in owner.variables["params"].items() if k != name}
         return pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
                                       microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather,
-                                      layer_inputs=(key, values))
+                                      layer_inputs=(key, values), full_remat=config.remat == "full")
     # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat every intermediate but the
     # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
     policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
