@@ -278,10 +278,10 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     slot t mod (2S - 1) takes tick t's input. The loop runs M + 2S - 2 ticks in three phases (`_phases_1f1b`): the
     first S - 1 forwards only (no micro-batch has reached its backward), the last S - 1 backwards only (every one has
     left its forward), so a stage computes for as long as GPipe's M + S - 1 forward and M + S - 1 backward ticks
-    take (run as one lock-step loop, every tick a forward and a backward, it took M + 2S - 2 of each). The loop runs
-    manual over the batch axes as `pipeline`'s (`fsdp_gather`): each device adds up its rows' gradients, summed over
-    those axes once, in float32, after the loop. Not
-    differentiated (evaluation), it is `pipeline` and then the tail. Where the stage's weights arrive as ZeRO-3
+    take (run as one lock-step loop, every tick a forward and a backward, it took M + 2S - 2 of each; it still does
+    beside an automatic `fsdp`, where XLA's partitioner moved weights in the loops of one half). The loop runs manual
+    over the batch axes as `pipeline`'s (`fsdp_gather`): each device adds up its rows' gradients, summed over those
+    axes once, in float32, after the loop. Not differentiated (evaluation), it is `pipeline` and then the tail. Where the stage's weights arrive as ZeRO-3
     shards (the engine's shard_map step, through the rule this registers: `kernels.shard_rules`), each tick gathers
     the layers it runs one at a time and reduce-scatters their gradients into float32 sums of the shards' size. With
     `full_remat` the backward runs that way too, layer by layer, each layer's gradient added into the sums' slice:
