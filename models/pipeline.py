@@ -281,9 +281,10 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     take (run as one lock-step loop, every tick a forward and a backward, it took M + 2S - 2 of each; it still does
     beside an automatic `fsdp`, where XLA's partitioner moved weights in the loops of one half). The loop runs manual
     over the batch axes as `pipeline`'s (`fsdp_gather`): each device adds up its rows' gradients, summed over those
-    axes once, in float32, after the loop. Not differentiated (evaluation), it is `pipeline` and then the tail. Where the stage's weights arrive as ZeRO-3
-    shards (the engine's shard_map step, through the rule this registers: `kernels.shard_rules`), each tick gathers
-    the layers it runs one at a time and reduce-scatters their gradients into float32 sums of the shards' size. With
+    axes once, in float32, after the loop. Not differentiated (evaluation), it is `pipeline` and then the tail. Where
+    the stage's weights arrive as ZeRO-3 shards (the engine's shard_map step, through the rule this registers:
+    `kernels.shard_rules`), each tick gathers the layers it runs one at a time and reduce-scatters their gradients
+    into float32 sums of the shards' size. With
     `full_remat` the backward runs that way too, layer by layer, each layer's gradient added into the sums' slice:
     no stage-sized gradient per tick, and no more computation (a checkpoint saving nothing recomputes its layer in
     either form; without it, or saving some of it, the stage is differentiated at once, its forward run once)."""
