@@ -7,12 +7,13 @@ import sys
 import pytest
 
 from models import pipeline
+from tests.xla_flags import cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_pipeline_prints_each_schedule():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": cpu_devices(8)}
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_pipeline.py"), "--stages=2", "--microbatches=4",
          "--layers=4", "--hidden_size=64", "--seq_len=16", "--rows=16", "--rounds=1", "--steps=1"],
