@@ -41,8 +41,8 @@ def main(argv):
 
     import engine
     import kernels
-    from engine import plan
     import models
+    from engine import plan
     from engine.tasks import lm
     from models import pipeline
 
