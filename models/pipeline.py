@@ -309,11 +309,11 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     def layerwise_pass(gathers, shard):
         """`stage_pass` for stage weights p [S, K, ...] some of which may be ZeRO-3 shards (`gathers`: per leaf of
         p, its `kernels.shard_rules` shard or None). The forward runs the layers in order, each layer's slice [S, ...]
-        gathered once for both the forward micro-batch and the backward one's recomputation, and keeps the latter's
-        input to every layer; the backward runs them in reverse, each layer gathered again, recomputed from its input
-        and differentiated in the shards (the gather's backward reduce-scatters the layer's gradient to them), and
-        adds that gradient into the sums' slice of the layer. A stage holds one layer whole at a time and no
-        gradient of the stage's size but the sums."""
+        gathered, and keeps every layer's input [S, K, ...] (the ring holds them until the micro-batch's backward);
+        the backward runs the layers in reverse, each gathered again, recomputed from its kept input and
+        differentiated in the shards (the gather's backward reduce-scatters the layer's gradient to them), and adds
+        that gradient into the sums' slice of the layer. A stage holds one layer whole at a time and no gradient of
+        the stage's size but the sums."""
         def layer_of(p, j):
             """Layer j's slice [S, ...] of each leaf of p (shards where they are)."""
             return [jax.lax.dynamic_index_in_dim(a, j, axis=1, keepdims=False) for a in jax.tree.leaves(p)]
@@ -326,17 +326,18 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             with kernels.vmapped(axes.STAGE):
                 return one(w, h, c, stage_ids, micro)
 
-        def stage_pass(p, h, c, micro, stored, c_back, back, extra, forward=True, backward=True):
-            def layer_forward(carry, j):
-                h, r = carry
-                w = _gathered(p, layer_of(p, j), gathers)
-                return (run(w, h, c, micro, j, extra) if forward else h,
-                        run(w, r, c_back, back, j, extra) if backward else r), r
+        def stage_pass(p, h, c, micro, extra, forward=True):
+            out = entering = None
+            if forward:
+                def layer_forward(h, j):
+                    return run(_gathered(p, layer_of(p, j), gathers), h, c, micro, j, extra), h
 
-            (out, _), kept = jax.lax.scan(layer_forward, (h if forward else None, stored if backward else None),
-                                          jnp.arange(per_chunk))
+                out, entering = jax.lax.scan(layer_forward, h, jnp.arange(per_chunk))
+                entering = entering.swapaxes(0, 1)  # [K, S, ...] -> [S, K, ...]: the stage dim first, as the ring's
 
-            def backward(d_h, grads, on):
+            def backward(stored, c_back, back, d_h, grads, on):
+                kept = stored.swapaxes(0, 1)  # each layer's input of micro-batches `back`, [K, S, ...]
+
                 def layer(carry, j):
                     d, grads = carry
                     _, pull = jax.vjp(lambda sliced, r: run(_gathered(p, sliced, gathers), r, c_back, back, j, extra),
@@ -352,7 +353,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                 (d_in, grads), _ = jax.lax.scan(layer, (d_h, grads), jnp.arange(per_chunk), reverse=True)
                 return grads, d_in
 
-            return out, backward
+            return out, entering, backward
 
         return stage_pass
 
@@ -408,19 +409,20 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         forward_all = in_stages(run_stage, (0, 0, 0, 0, 0, None))
         backward_all = in_stages(stage_grads, (0, 0, 0, 0, 0, None, 0))
 
-        def stage_pass(p, h, c, micro, stored, c_back, back, extra, forward=True, backward=True):
-            """(every stage's forward of micro-batches `micro` from h (None where not `forward`),
-            `backward(d_h, grads, on)`: the backward of micro-batches `back` recomputed from `stored`, given their
-            output gradient d_h: (the gradient sums `grads` plus p's gradient in the stages where `on`, the input's
-            gradient); called only where `backward`)."""
+        def stage_pass(p, h, c, micro, extra, forward=True):
+            """(every stage's forward of micro-batches `micro` from h, what the ring keeps of them until their
+            backward (here h), both None where not `forward`; `backward(stored, c_back, back, d_h, grads, on)`: the
+            backward of micro-batches `back` from what the ring kept of them, recomputed, given their output gradient
+            d_h: (the gradient sums `grads` plus p's gradient in the stages where `on`, the input's gradient))."""
             out = forward_all(p, h, c, stage_ids, micro, extra) if forward else None
 
-            def backward(d_h, grads, on):
+            def backward(stored, c_back, back, d_h, grads, on):
                 d_params, d_in = backward_all(p, stored, c_back, stage_ids, back, extra, d_h)
                 return jax.tree.map(lambda a, g: a + jnp.where(_along(on, g.ndim), g, 0), grads, d_params), d_in
-            return out, backward
+            return out, h, backward
 
-        if gathers is not None or full_remat:
+        layerwise = gathers is not None or full_remat
+        if layerwise:
             stage_pass = layerwise_pass(gathers or [None] * len(jax.tree.leaves(params)), shard)
         split = _splitter(x.shape[0], microbatches)
         inputs = split(x)
@@ -431,24 +433,17 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             """Tick t of a phase: `forward` (a micro-batch enters some stage) and `backward` (one leaves some stage
             backward) are the phase's, False where no stage has that half to run."""
             previous, grad_in, saved, grads, tail_grads, dx, loss, aux = carry
-            # Forward: stage s on micro-batch t - s, its input kept in slot t mod R (whose micro-batch finished its
-            # backward on this stage at least one tick ago).
+            # Forward: stage s on micro-batch t - s, what the ring keeps of it (its input, or every layer's) in slot
+            # t mod R (whose micro-batch finished its backward on this stage at least one tick ago).
             micro = jnp.clip(t - stage_ids, 0, microbatches - 1)
-            h = stored = None
+            h = None
             if forward:
                 h = _on_stages(jnp.where(_along(stage_ids == 0, inputs.ndim), inputs[micro[0]][None],
                                          jnp.roll(previous, 1, axis=0)))
-                saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, h, t % ring, axis=1))
-            # Backward: stage s on micro-batch t - 2(S - 1) + s, recomputed from its input (written in tick
-            # t - 2(S - 1 - s)); off the schedule its output gradient is zero and its gradients are dropped.
-            back = t - 2 * (stages - 1) + stage_ids
-            back_on = (back >= 0) & (back < microbatches)
-            back = jnp.clip(back, 0, microbatches - 1)
-            if backward:
-                stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
-            out, stage_grads_of = stage_pass(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), micro, stored,
-                                             jax.tree.map(lambda a: a[back], ctx_mb), back, extra, forward=forward,
-                                             backward=backward)
+            out, keep, stage_grads_of = stage_pass(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), micro,
+                                                   extra, forward=forward)
+            if forward:
+                saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, keep, t % ring, axis=1))
             if not backward:
                 return (_on_stages(out), grad_in, saved, grads, tail_grads, dx, loss, aux), None
             d_h = jnp.roll(grad_in, -1, axis=0)
@@ -468,7 +463,14 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                 loss, aux = jax.tree.map(lambda a, v: a + jnp.where(tail_on, v, 0), (loss, aux), (part, part_aux))
             else:
                 out = previous
-            grads, d_in = stage_grads_of(_on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0)), grads, back_on)
+            # Backward: stage s on micro-batch t - 2(S - 1) + s, from what the ring kept of it (written in tick
+            # t - 2(S - 1 - s)); off the schedule its output gradient is zero and its gradients are dropped.
+            back = t - 2 * (stages - 1) + stage_ids
+            back_on = (back >= 0) & (back < microbatches)
+            back = jnp.clip(back, 0, microbatches - 1)
+            stored = _on_stages(read_slot(saved, (t - 2 * (stages - 1 - stage_ids)) % ring))
+            grads, d_in = stage_grads_of(stored, jax.tree.map(lambda a: a[back], ctx_mb), back,
+                                         _on_stages(jnp.where(_along(back_on, d_h.ndim), d_h, 0)), grads, back_on)
             dx = dx.at[back[0]].set(jnp.where(back_on[0], d_in[0], dx[back[0]]))
             return (out, _on_stages(d_in), saved, grads, tail_grads, dx, loss, aux), None
 
@@ -479,7 +481,9 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         results = jax.eval_shape(lambda tp, h: tail_fn(tp, h, jax.tree.map(lambda a: a[0], tail_mb)), tail_params,
                                  inputs[0])
         start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
-        carry = (start, start, _on_stages(jnp.zeros((stages, ring) + inputs.shape[1:], x.dtype)),
+        # The ring: a stage's input of each micro-batch in flight, or (layer by layer) every layer's input of it.
+        kept_shape = (stages, ring) + ((per_chunk,) if layerwise else ()) + inputs.shape[1:]
+        carry = (start, start, _on_stages(jnp.zeros(kept_shape, x.dtype)),
                  jax.tree.map(_on_stages, zeros(stage_params, jnp.float32)), zeros(tail_params, jnp.float32),
                  jnp.zeros_like(inputs), *zeros(results))
         # Where XLA's partitioner places the loop's ZeRO-3 gathers (an automatic `fsdp` in the jit step), it moved
