@@ -488,7 +488,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                  jnp.zeros_like(inputs), *zeros(results))
         # Where XLA's partitioner places the loop's ZeRO-3 gathers (an automatic `fsdp` in the jit step), it moved
         # weights in the loops of one half where it moved activations in the loop of both (LLaMA-3-70B on stage 8
-        # x fsdp 8 x model 8, XLA:GPU: 67.8 GB sent a step against 25.2, models/README.md#the-pipeline): there the
+        # x fsdp 8 x model 8, XLA:GPU: 97.1 GB sent a step against 23.0, models/README.md#the-pipeline): there the
         # ticks stay one loop.
         phased = gathers is not None or kernels.automatic_axes().get(axes.FSDP, 1) == 1
         for first, stop, forward, backward in _phases_1f1b(stages, microbatches, phased):
