@@ -272,10 +272,10 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     cotangent in the backward. Tick t = 0 .. M + 2S - 3: every stage (vmapped over the stage dim, as in `pipeline`)
     runs the forward of micro-batch t - s and the backward of micro-batch t - 2(S - 1) + s: the micro-batch leaving
     the last stage goes through `jax.vjp(tail_fn)` in the same tick, whose gradient in h starts its backward there;
-    stage s < S - 1 takes the input gradient stage s + 1 made last tick (a roll the other way). The backward is a
-    `jax.vjp` of the stage's layers recomputed from its input, so a stage keeps only the inputs of the micro-batches
-    between its forward and its backward: 2 (S - 1 - s) + 1, a ring of 2S - 1 slots whatever M (GPipe keeps all M);
-    slot t mod (2S - 1) takes tick t's input. The loop runs M + 2S - 2 ticks in three phases (`_phases_1f1b`): the
+    stage s < S - 1 takes the input gradient stage s + 1 made last tick (a roll the other way). A stage keeps what
+    its backward needs of the micro-batches between their forward and their backward (the stage's input, or with
+    `full_remat` every layer's): 2 (S - 1 - s) + 1 of them, in a ring of R = min(2S - 1, M) slots (GPipe keeps all
+    M); slot t mod R takes tick t's. The loop runs M + 2S - 2 ticks in three phases (`_phases_1f1b`): the
     first S - 1 forwards only (no micro-batch has reached its backward), the last S - 1 backwards only (every one has
     left its forward), so a stage computes for as long as GPipe's M + S - 1 forward and M + S - 1 backward ticks
     take (run as one lock-step loop, every tick a forward and a backward, it took M + 2S - 2 of each; it still does
@@ -291,7 +291,9 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, 1, fsdp_gather)
-    per_chunk, ring = num_layers // stages, 2 * stages - 1
+    # The ring: 2S - 1 slots, or M where fewer micro-batches are ever in flight (then a stage writes a slot only
+    # for a micro-batch it runs, so that no idle tick overwrites one still to be read).
+    per_chunk, ring = num_layers // stages, min(2 * stages - 1, microbatches)
     # Host constants, not traced values: the custom_vjp's rules below close over them, and a rule closing over a
     # value traced outside it fails where the step re-traces the loss's equations (engine.step.gathering).
     stage_ids = np.arange(stages, dtype=np.int32)
@@ -443,6 +445,10 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
             out, keep, stage_grads_of = stage_pass(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), micro,
                                                    extra, forward=forward)
             if forward:
+                if ring < 2 * stages - 1:
+                    running = (t - stage_ids >= 0) & (t - stage_ids < microbatches)
+                    keep = jnp.where(_along(running, keep.ndim), keep,
+                                     jax.lax.dynamic_index_in_dim(saved, t % ring, axis=1, keepdims=False))
                 saved = _on_stages(jax.lax.dynamic_update_index_in_dim(saved, keep, t % ring, axis=1))
             if not backward:
                 return (_on_stages(out), grad_in, saved, grads, tail_grads, dx, loss, aux), None
