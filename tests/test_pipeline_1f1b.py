@@ -132,8 +132,8 @@ def test_train_lm_flag_trains_1f1b_like_gpipe(tmp_path):
 
 def test_1f1b_keeps_less_than_gpipe_and_runs_its_phases():
     """At M = 4S the compiled 1F1B step's temporaries are below GPipe's (GPipe keeps every micro-batch's layer
-    inputs and the whole batch's logits at the turn; 1F1B a ring of 2S - 1 stage inputs and one micro-batch's
-    logits; measured 2.66 MB against 5.61 MB at S = 4), and its ticks run in three loops: S - 1 forward only, M with
+    inputs and the whole batch's logits at the turn; 1F1B the layer inputs of min(2S - 1, M) micro-batches and one
+    micro-batch's logits; measured 2.66 MB against 5.61 MB at S = 4), and its ticks run in three loops: S - 1 forward only, M with
     both halves, S - 1 backward only (M + 2S - 2 in all), where GPipe runs M + S - 1 forward and M + S - 1 backward:
     a stage computes as long as GPipe's (one lock-step loop of M + 2S - 2 forwards and backwards took 1.5x GPipe's
     time, scripts/bench_pipeline.py)."""
