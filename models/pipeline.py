@@ -15,7 +15,8 @@ stage dim (one collective-permute of one micro-batch's activations). The backwar
 (permutes reversed), so all M micro-batches' saved activations are alive at the turn (no 1F1B); with remat each layer
 keeps only its input, and no tick keeps its slice of the stage's weights (each layer slices them inside its
 checkpoint). The bubble: a stage idles (S - 1) of V M + S - 1 ticks, so more micro-batches and more virtual
-stages waste less.
+stages waste less. A layer may hand sums beside its output (a mixture's router statistics: `pipeline(aux=)`),
+which the loop adds up over the items each stage runs, so the stack yields the whole batch's.
 
 The tick loop runs in a shard_map manual over `data` (where its blocks of rows split into the M micro-batches), so
 that each device adds up its rows' weight gradients through the backward loop and they are summed over `data` once
@@ -84,7 +85,8 @@ _STAGE_WEIGHTS = "pipeline_stage_weights"
 SAVE_ALL_BUT_WEIGHTS = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
 
 
-def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None, fsdp_gather="tick"):
+def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None, fsdp_gather="tick",
+             aux=None):
     """The stack `x -> layer_fn(params[L-1], ... layer_fn(params[0], x, ctx, 0, m) ..., ctx, L-1, m)` run as a
     pipeline of `stages` stages over `microbatches` micro-batches of the rows, each stage `virtual_stages` times
     (V = 1: GPipe; V > 1: the interleaved schedule, which needs microbatches >= stages).
@@ -94,12 +96,16 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and positions). Each layer runs under
     `jax.checkpoint` with `policy` (None: it keeps only its input; without remat `SAVE_ALL_BUT_WEIGHTS`), which must
     not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or 'step' (the module's docstring).
-    Returns the stack's output [B, ...]."""
+    Returns the stack's output [B, ...].
+
+    aux: a pytree of zeros (float arrays) when layer_fn returns (h, a layer's aux of that structure), e.g. a mixture
+    of experts' router statistics, which are sums: then (the output, aux summed over every layer and micro-batch of
+    the whole batch), differentiable like the output (the same sums as the unpipelined stack's layers give)."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, virtual_stages, fsdp_gather)
     loop = functools.partial(_tick_loop, layer_fn, stages=stages, microbatches=microbatches,
-                             virtual_stages=virtual_stages, policy=policy)
+                             virtual_stages=virtual_stages, policy=policy, aux=aux)
     # The tick loop runs manual over the batch axes its rows split over: each device accumulates its own rows' weight
     # gradients through the backward loop, and the shard_map's transpose sums them over those axes once (its
     # inputs' cotangents, psummed over the axes their specs leave out), where the partitioner, left to itself,
@@ -112,14 +118,25 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
         # The weights enter in float32, so that the one reduction of their gradients is in float32 (XLA:CPU's
         # promotion of a bfloat16 all-reduce aborted on the one the transpose makes: "Invalid binary instruction
         # opcode copy"); inside, the loop runs on them in their own dtype.
+        def body(p, x, c):
+            out = loop(jax.tree.map(lambda w, d: w.astype(d), p, dtypes), x, c, shard=jax.lax.axis_index(manual))
+            # the aux sums of a device's rows, summed over the batch shards: the whole batch's
+            return out if aux is None else (out[0], jax.lax.psum(out[1], manual))
         sharded = jax.shard_map(
-            lambda p, x, c: loop(jax.tree.map(lambda w, d: w.astype(d), p, dtypes), x, c,
-                                 shard=jax.lax.axis_index(manual)),
-            in_specs=(P(), rows_spec, jax.tree.map(lambda _: rows_spec, ctx)), out_specs=rows_spec,
+            body, in_specs=(P(), rows_spec, jax.tree.map(lambda _: rows_spec, ctx)),
+            out_specs=rows_spec if aux is None else (rows_spec, jax.tree.map(lambda _: P(), aux)),
             axis_names=set(manual), check_vma=False)
         out = sharded(jax.tree.map(_widened, params), x, ctx)
     else:
         out = loop(params, x, ctx)
+    if aux is not None:
+        return _spread_rows(out[0], x, stages), out[1]
+    return _spread_rows(out, x, stages)
+
+
+def _spread_rows(out, x, stages):
+    """The stack's output out [B, ...] with each stage given every S-th row."""
+    rows = x.shape[0]
     if rows % stages:
         return out
     # What follows the stack (final norm, head, loss) would run on every row in every stage: give each stage every
@@ -129,9 +146,10 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     return out.reshape(x.shape)
 
 
-def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages, policy, shard=None):
+def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages, policy, aux=None, shard=None):
     """`pipeline`'s tick loop on the rows x [B, ...] (all of them, or a device's inside the shard_map over the batch
-    axes, whose index there is `shard`): the stack's output [B, ...]."""
+    axes, whose index there is `shard`): the stack's output [B, ...], and with `aux` (zeros of layer_fn's aux) its
+    sum over the layers of every item the stages ran (not the clipped ones of idle ticks)."""
     num_layers = jax.tree.leaves(params)[0].shape[0]
     rows, chunks = x.shape[0], stages * virtual_stages
     per_chunk = num_layers // chunks
@@ -153,14 +171,20 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
 
     def run_stage(p, h, c, stage, micro, rnd):
         chunk = rnd * stages + stage  # the virtual stage this tick runs
-        def body(h, j):
-            return layer_of_stage(p, h, c, rnd, j, chunk * per_chunk + j, micro), None
-        return jax.lax.scan(body, h, jnp.arange(per_chunk))[0]
+        if aux is None:
+            def body(h, j):
+                return layer_of_stage(p, h, c, rnd, j, chunk * per_chunk + j, micro), None
+            return jax.lax.scan(body, h, jnp.arange(per_chunk))[0]
+
+        def body_aux(carry, j):
+            h, total = layer_of_stage(p, carry[0], c, rnd, j, chunk * per_chunk + j, micro)
+            return (h, jax.tree.map(jnp.add, carry[1], total)), None
+        return jax.lax.scan(body_aux, (h, aux), jnp.arange(per_chunk))[0]
 
     run = jax.vmap(run_stage, spmd_axis_name=axes.STAGE)
 
     def tick(carry, t):
-        previous, done = carry
+        (previous, done), total = carry[:2], carry[2:]
         # Stage s runs item t - s of its V M: micro-batch (t - s) mod M in round (t - s) // M. Stage s > 0 takes
         # what stage s - 1 produced last tick (the roll is the collective-permute); stage 0 the input micro-batch
         # in round 0, else that micro-batch's output of the last stage in the round before, kept in `done` (it was
@@ -173,16 +197,25 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
         h = _on_stages(jnp.where(first, fresh[None], jnp.roll(previous, 1, axis=0)))
         c = jax.tree.map(lambda a: _on_stages(a[micro]), ctx_mb)
         with kernels.vmapped(axes.STAGE):
-            out = _on_stages(run(stage_params, h, c, stage_ids, micro, rnd))
+            out = run(stage_params, h, c, stage_ids, micro, rnd)
+        if aux is not None:  # each stage's sums of the item it ran (none in the ticks it idles)
+            out, layers_aux = out
+            running = (t - stage_ids >= 0) & (t - stage_ids < virtual_stages * microbatches)
+            total = (jax.tree.map(lambda a, b: a + jnp.where(running.reshape((stages,) + (1,) * (b.ndim - 1)), b, 0),
+                                  total[0], layers_aux),)
+        out = _on_stages(out)
         # The last stage's output of its item; its final round's stays as the stack's output.
         finished = t >= stages - 1
         done = done.at[micro[stages - 1]].set(jnp.where(finished, out[stages - 1], done[micro[stages - 1]]))
-        return (out, done), None
+        return (out, done, *total), None
 
     start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
-    (_, done), _ = jax.lax.scan(tick, (start, jnp.zeros_like(inputs)),
-                                jnp.arange(num_ticks(stages, microbatches, virtual_stages)))
-    return done.swapaxes(0, 1).reshape(x.shape)  # [M, m_rows, ...] -> rows
+    sums = () if aux is None else (jax.tree.map(lambda a: jnp.zeros((stages,) + jnp.shape(a), jnp.result_type(a)),
+                                                aux),)
+    (_, done, *sums), _ = jax.lax.scan(tick, (start, jnp.zeros_like(inputs), *sums),
+                                       jnp.arange(num_ticks(stages, microbatches, virtual_stages)))
+    out = done.swapaxes(0, 1).reshape(x.shape)  # [M, m_rows, ...] -> rows
+    return out if aux is None else (out, jax.tree.map(lambda a: a.sum(0), sums[0]))
 
 
 def _widened(w):

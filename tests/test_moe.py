@@ -20,6 +20,7 @@ from engine.tasks import lm
 from kernels import axes
 from models import layers
 from tests.test_mistral import IDS, MASK, check_greedy_generate, check_round_trip, hf_builder
+from tests import trainer_task as tt
 from tests.test_qwen import train_adapters_only
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -314,24 +315,8 @@ def test_expert_parallel_trainer_step_equals_one_device(mesh, step, remat):
     model = models.create_model("mixtral", "tiny", scan_layers=True, remat=remat, router_aux_loss_coef=0.5,
                                 router_z_loss_coef=1e-2)
     params = models.init_params(model, jax.random.PRNGKey(0))
-    rng = np.random.RandomState(0)
-    rows = [{"tokens": rng.randint(3, 120, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
-            for _ in range(8)]
-    mesh = engine.make_mesh(**mesh)
-    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
-                             optimizer=optax.sgd(1.0), parallelism=engine.Parallelism(step=step))
-    trainer.fit(rows, per_device_batch_size=8 // (mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]),
-                max_steps=1, log_every=1)
-    split = trainer.history[-1]
+    trainer, _ = tt.assert_sgd_step_equals_one_device(model, params, tt.lm_rows(8), engine.make_mesh(**mesh), step)
     assert trainer.params["layers"]["mlp"]["experts"]["gate"].sharding.spec[1] == "expert"
-    (loss, single), grads = jax.jit(jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True),
-                                    static_argnums=(2, 3))(params, lm.collate_lm(rows), None, True)
-    assert split["loss"] == pytest.approx(float(loss), rel=1e-5)
-    for key in ("load_balancing_loss", "router_z_loss"):
-        assert split[key] == pytest.approx(float(single[key]), rel=1e-5), key
-    for (path, a), p, g in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0],
-                               jax.tree.leaves(params), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
@@ -603,22 +588,9 @@ def test_trainer_step_on_2x2x2_equals_one_device():
     same loss and router metrics, the same updated weights."""
     model = models.create_model("qwen3_moe", "tiny", scan_layers=True, router_z_loss_coef=1e-3)
     params = models.init_params(model, jax.random.PRNGKey(0))
-    rng = np.random.RandomState(0)
-    rows = [{"tokens": rng.randint(3, 120, 17).astype(np.int32), "segment_ids": np.ones(17, np.int32)}
-            for _ in range(4)]  # one global batch: 1 row x data 2 x fsdp 2
-    trainer = engine.Trainer(mesh=engine.make_mesh(data=2, fsdp=2, model=2), collate_fn=lm.collate_lm,
-                             loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(1.0))
-    trainer.fit(rows, per_device_batch_size=1, max_steps=1, log_every=1)
-    split, split_params = trainer.history[-1], jax.device_get(trainer.params)
-
-    (loss, single), grads = jax.jit(jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True),
-                                    static_argnums=(2, 3))(params, lm.collate_lm(rows), None, True)
-    assert split["loss"] == pytest.approx(float(loss), rel=1e-5)
-    for key in ("load_balancing_loss", "router_z_loss"):
-        assert split[key] == pytest.approx(float(single[key]), rel=1e-5), key
-    for (path, a), p, g in zip(jax.tree_util.tree_flatten_with_path(split_params)[0], jax.tree.leaves(params),
-                               jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+    # one global batch: 1 row x data 2 x fsdp 2
+    _, grads = tt.assert_sgd_step_equals_one_device(model, params, tt.lm_rows(4), engine.make_mesh(data=2, fsdp=2,
+                                                                                                     model=2))
     moved = jax.tree.map(lambda g: np.abs(g).max(), grads)
     assert moved["layers"]["mlp"]["experts"]["gate"] > 1e-4 and moved["layers"]["mlp"]["router"]["kernel"] > 1e-4
 

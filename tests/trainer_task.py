@@ -34,3 +34,35 @@ def loss_fn(params, batch, rng, is_training):
 
 def init_params(seed=0):
     return MODEL.init(jax.random.key(seed), np.zeros((1, SEQ), np.int32))["params"]
+
+
+def lm_rows(n, length=17, seed=0):
+    """n `collate_lm` rows of random tokens, every position valid."""
+    rng = np.random.RandomState(seed)
+    return [{"tokens": rng.randint(3, 120, length).astype(np.int32), "segment_ids": np.ones(length, np.int32)}
+            for _ in range(n)]
+
+
+def assert_sgd_step_equals_one_device(model, params, rows, mesh, step="auto",
+                                      metrics=("load_balancing_loss", "router_z_loss")):
+    """One SGD step (learning rate 1: the update is the gradient; Adam's first step would amplify rounding in the
+    near-zero ones) of `model`'s LM loss on `rows` (one global batch) through the Trainer on `mesh` equals one
+    device's: the loss, `metrics` and every updated weight. Returns (the Trainer, one device's gradients)."""
+    import engine  # noqa: PLC0415 (the Trainer tests' task needs none of these)
+    import pytest  # noqa: PLC0415
+    from engine.tasks import lm  # noqa: PLC0415
+
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
+                             optimizer=optax.sgd(1.0), parallelism=engine.Parallelism(step=step))
+    trainer.fit(rows, per_device_batch_size=len(rows) // (mesh.shape["data"] * mesh.shape["fsdp"]
+                                                          * mesh.shape["expert"]), max_steps=1, log_every=1)
+    split = trainer.history[-1]
+    (loss, single), grads = jax.jit(jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True),
+                                    static_argnums=(2, 3))(params, lm.collate_lm(rows), None, True)
+    assert split["loss"] == pytest.approx(float(loss), rel=1e-5)
+    for key in metrics:
+        assert split[key] == pytest.approx(float(single[key]), rel=1e-5), key
+    for (path, a), p, g in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0],
+                               jax.tree.leaves(params), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, p - g, atol=1e-6, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+    return trainer, grads

@@ -152,8 +152,8 @@ def apply_sowing(model, params, *args, **kwargs):
 
 def add_router_losses(config, loss, metrics, intermediates):
     """(loss + router_aux_loss_coef · load balancing + router_z_loss_coef · z-loss, metrics with both terms) for a
-    mixture-of-experts model (`models.layers.router_losses` of the statistics its layers sowed; unchanged when there
-    are none, as under a pipeline)."""
+    mixture-of-experts model (`models.layers.router_losses` of the statistics its layers sowed, or its pipeline's
+    sums of them; unchanged when there are none)."""
     terms = models.layers.router_losses(intermediates) if intermediates else None
     if terms is None:
         return loss, metrics

@@ -14,6 +14,7 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels
 from kernels import axes
@@ -379,6 +380,38 @@ def moe_block(config, **kw):
                expert_exchange=c.expert_exchange, **kw)
 
 
+def _sown(intermediates):
+    """Every router statistics dict sown into `intermediates` (a collection's nested dicts), in order."""
+    found = []
+
+    def walk(node):
+        for key, value in node.items():
+            if key == STATS:
+                found.extend(value)
+            elif isinstance(value, dict):
+                walk(value)
+
+    walk(intermediates)
+    return found
+
+
+def empty_stats(num_experts):
+    """Zeros of the router statistics one MoE call sows (host arrays): the start of their sum over the layers and
+    micro-batches of a pipeline (`models.pipeline.pipeline`'s aux), which then sows the whole batch's."""
+    zero = np.zeros((), np.float32)
+    return {"counts": np.zeros((num_experts,), np.float32), "probs": np.zeros((num_experts,), np.float32),
+            "z": zero, "tokens": zero}
+
+
+def summed_stats(intermediates, num_experts):
+    """The router statistics sown into `intermediates` (stacked or not) summed into `empty_stats`' structure."""
+    total = {k: jnp.asarray(v) for k, v in empty_stats(num_experts).items()}
+    for stats in _sown(intermediates):
+        for name, value in stats.items():
+            total[name] = total[name] + value.reshape(-1, *total[name].shape).sum(0)
+    return total
+
+
 def router_losses(intermediates):
     """(load_balancing, z_loss) float32 scalars from the statistics the MoE layers sowed into `intermediates` (the
     collection of a `model.apply(..., mutable=['intermediates'])`), or None when there are none.
@@ -390,16 +423,7 @@ def router_losses(intermediates):
     layers' valid tokens. Every statistic is a sum, so inside a shard_map over batch axes (the engine's shard_map
     step: each device runs the loss on its own rows) they are summed over those axes first: both terms are the whole
     batch's, as in the jit step and on one device, not a mean of per-device products."""
-    found = []
-
-    def walk(node):
-        for key, value in node.items():
-            if key == STATS:
-                found.extend(value)
-            elif isinstance(value, dict):
-                walk(value)
-
-    walk(intermediates)
+    found = _sown(intermediates)
     if not found:
         return None
     E = found[0]["counts"].shape[-1]

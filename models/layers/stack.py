@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from models import pipeline
+from models.layers import moe
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer
@@ -35,7 +36,9 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     call is a `lax.scan` over the stacked weights and cache (`_cached_scan`).
 
     What a block sows into 'intermediates' (the MoE router's statistics, `layers.moe`) comes out stacked
-    [num_layers, ...] from a scan, per `{name}_{i}` otherwise; the pipeline drops it.
+    [num_layers, ...] from a scan, per `{name}_{i}` otherwise; GPipe's pipeline sows its sums over the layers and
+    micro-batches (`moe.summed_stats`; a mixture's router statistics are what blocks sow), the 1F1B one refuses a
+    mixture.
 
     loss_tail (tail_fn, inputs): what follows the stack down to a loss, for the 1F1B pipeline
     (config.pipeline_schedule='1f1b', which runs it per micro-batch: `models.pipeline.pipeline_1f1b`), tail_fn taking
@@ -146,13 +149,25 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     key = None if block_kwargs.get("deterministic", True) else owner.make_rng("dropout")
     values = {} if per_layer is None else {k: jnp.asarray(v) for k, v in per_layer.items()}
 
+    # A mixture's router statistics are sums: each layer returns its own beside h, and the pipeline adds them up
+    # over the layers and micro-batches, so that the loss's router terms are the whole batch's, as without one.
+    experts = getattr(config, "num_experts", 0)
+    if experts and config.pipeline_schedule == "1f1b":
+        raise ValueError(f"pipeline_schedule='1f1b' with a mixture of experts (num_experts={experts}); expected "
+                         "pipeline_schedule='gpipe': the 1F1B pipeline runs each micro-batch's backward before the "
+                         "batch's router statistics are known")
+
     def layer_fn(w, h, c, layer, micro, closure):
         """Layer `layer` on micro-batch `micro`; closure: (the dropout key or None, the per-layer values), passed in
-        (the 1F1B pipeline's custom_vjp rules run this and may not close over traced values)."""
+        (the 1F1B pipeline's custom_vjp rules run this and may not close over traced values). A mixture's layer
+        returns (h, its router statistics, `moe.summed_stats`)."""
         key, values = closure
         rngs = {} if key is None else {"dropout": jax.random.fold_in(jax.random.fold_in(key, layer), micro)}
         extra = () if per_layer is None else ({k: v[layer] for k, v in values.items()},)
-        return block.apply({"params": w}, h, c, None, *extra, rngs=rngs)[0]
+        if not experts:
+            return block.apply({"params": w}, h, c, None, *extra, rngs=rngs)[0]
+        (h, _), state = block.apply({"params": w}, h, c, None, *extra, rngs=rngs, mutable=["intermediates"])
+        return h, moe.summed_stats(state.get("intermediates", {}), experts)
 
     weights, microbatches = owner.variables["params"][name], config.pipeline_microbatches or stages
     if config.pipeline_schedule == "1f1b":
@@ -171,6 +186,10 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
     policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
     gpipe_layer = lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, (key, values))  # noqa: E731
-    return pipeline.pipeline(gpipe_layer, weights, x, ctx, stages=stages, microbatches=microbatches,
-                             virtual_stages=config.pipeline_virtual_stages, policy=policy,
-                             fsdp_gather=config.pipeline_fsdp_gather)
+    out = pipeline.pipeline(gpipe_layer, weights, x, ctx, stages=stages, microbatches=microbatches,
+                            virtual_stages=config.pipeline_virtual_stages, policy=policy,
+                            fsdp_gather=config.pipeline_fsdp_gather, aux=moe.empty_stats(experts) if experts else None)
+    if not experts:
+        return out
+    owner.sow("intermediates", moe.STATS, out[1])  # the whole batch's, as router_losses reads them
+    return out[0]
