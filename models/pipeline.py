@@ -395,23 +395,24 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     read_slot = jax.vmap(lambda ring_, i: jax.lax.dynamic_index_in_dim(ring_, i, keepdims=False),
                          spmd_axis_name=axes.STAGE)
 
-    def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra, gathers=None):
+    def one_f_one_b(params, x, tail_params, ctx, tail_inputs, extra, gathers=None, seed=None):
         """(loss, aux), (the gradients of params, x and tail_params, in their dtypes); `gathers`: as
-        `layerwise_pass`' (params are then the shards' local parts)."""
+        `layerwise_pass`' (params are then the shards' local parts); seed: the loss's cotangent the backward starts
+        from (None: 1)."""
         (loss, aux), (grads, dx, tail_grads) = on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra,
-                                                               gathers)
+                                                               gathers, seed)
         in_dtypes = functools.partial(jax.tree.map, lambda g, w: g.astype(w.dtype))
         return (loss, aux), (in_dtypes(grads, params), dx, in_dtypes(tail_grads, tail_params))
 
-    def on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra, gathers=None):
+    def on_batch_shards(params, x, tail_params, ctx, tail_inputs, extra, gathers=None, seed=None):
         manual = _manual_batch_axes(params, rows, microbatches, fsdp_gather)
         # With `data` manual and the rows also split over an automatic `fsdp`, XLA's partitioner aborts on the tail's
         # gathers (jaxlib 0.10.2: "partition_group_list ... Check failed"): there the loop stays automatic.
         if kernels.automatic_axes().get(axes.FSDP, 1) > 1 and axes.FSDP not in manual:
             manual = ()
         if not manual:
-            return local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, gathers=gathers)
-        assert gathers is None, "shards come from a step manual over the batch axes"  # on_shards checked it
+            return local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, gathers=gathers, seed=seed)
+        assert gathers is None and seed is None, "shards come from a step manual over the batch axes"  # on_shards'
         rows_spec = P(manual)
 
         def on_shard(params, x, tail_params, ctx, tail_inputs, extra):
@@ -426,10 +427,10 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                              out_specs=((P(), P()), (P(), rows_spec, P())), axis_names=set(manual),
                              check_vma=False)(params, x, tail_params, ctx, tail_inputs, extra)
 
-    def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None, gathers=None):
+    def local_1f1b(params, x, tail_params, ctx, tail_inputs, extra, shard=None, gathers=None, seed=None):
         """(loss, aux), (float32 gradients of params, of x, float32 of tail_params) of the rows x (all of them, or a
         device's inside the shard_map over the batch axes, whose index there is `shard`); `gathers`: as
-        `layerwise_pass`'."""
+        `layerwise_pass`'; seed: as `one_f_one_b`'s."""
         at_shard = lambda fn: lambda p, h, c, stage, micro, *rest: fn(  # noqa: E731
             p, h, c, stage, _micro_index(micro, microbatches, shard), *rest)
 
@@ -496,7 +497,7 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
                 part, pull, part_aux = jax.vjp(
                     lambda tp, h: tail_fn(tp, h, jax.tree.map(lambda a: a[leaving], tail_mb)), tail_params,
                     out[stages - 1], has_aux=True)
-                d_tail, d_out = pull(jnp.ones_like(part))
+                d_tail, d_out = pull(jnp.ones_like(part) if seed is None else jnp.full_like(part, seed))
                 d_h = jnp.where(_along(last, grad_in.ndim), d_out[None], d_h)
                 tail_grads = jax.tree.map(lambda a, g: a + jnp.where(tail_on, g, 0), tail_grads, d_tail)
                 loss, aux = jax.tree.map(lambda a, v: a + jnp.where(tail_on, v, 0), (loss, aux), (part, part_aux))
@@ -539,6 +540,33 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         dx = dx.swapaxes(0, 1).reshape(x.shape)
         return (loss, aux), (grads, dx, tail_grads)
 
+    def forward_loss(params, x, tail_params, ctx, tail_inputs, extra, gathers):
+        """(loss, aux) of the stage weights' shards (local parts, `gathers` as `layerwise_pass`'), each layer
+        gathered in the tick that runs it: the schedule's M + S - 1 forward ticks, each micro-batch through the tail
+        as it leaves the last stage."""
+        stage_pass = layerwise_pass(gathers, None)
+        split = _splitter(x.shape[0], microbatches)
+        inputs, ctx_mb, tail_mb = split(x), jax.tree.map(split, ctx), jax.tree.map(split, tail_inputs)
+        stage_params = jax.tree.map(lambda w: _on_stages(w.reshape(stages, per_chunk, *w.shape[1:])), params)
+
+        def tick(carry, t):
+            previous, results = carry
+            micro = jnp.clip(t - stage_ids, 0, microbatches - 1)
+            h = _on_stages(jnp.where(_along(stage_ids == 0, inputs.ndim), inputs[micro[0]][None],
+                                     jnp.roll(previous, 1, axis=0)))
+            out = _on_stages(stage_pass(stage_params, h, jax.tree.map(lambda a: a[micro], ctx_mb), micro, extra)[0])
+            leaving = t - (stages - 1)
+            on = (leaving >= 0) & (leaving < microbatches)
+            part = tail_fn(tail_params, out[stages - 1],
+                           jax.tree.map(lambda a: a[jnp.clip(leaving, 0, microbatches - 1)], tail_mb))
+            return (out, jax.tree.map(lambda a, v: a + jnp.where(on, v, 0), results, part)), None
+
+        results = jax.eval_shape(lambda tp, h: tail_fn(tp, h, jax.tree.map(lambda a: a[0], tail_mb)), tail_params,
+                                 inputs[0])
+        start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
+        carry = (start, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), results))
+        return jax.lax.scan(tick, carry, jnp.arange(num_ticks(stages, microbatches)))[0][1]
+
     def evaluate(params, x, tail_params, ctx, tail_inputs, extra):
         out = pipeline(lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, extra), params, x, ctx,
                        stages=stages, microbatches=microbatches, fsdp_gather=fsdp_gather)
@@ -571,8 +599,18 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         def whole(local, *rest):
             return evaluate(_gathered(local, jax.tree.leaves(local), gathers), *rest)
 
+        # The shards' gradients are reduce-scattered as each layer's backward runs, and a device's share of the step's
+        # loss (its cotangent: the shard_map step weighs a device's mean by its tokens) must scale its part before
+        # that sum, not the sum after it (as the rule for whole weights does): the forward rule computes only the
+        # loss, and the backward rule runs the schedule from the cotangent, a forward of the stack more.
+        def forward(local, *rest):
+            return forward_loss(local, *rest, gathers=gathers), (local, *rest)
+
+        def backward(inputs, cotangent):
+            return (*one_f_one_b(*inputs, gathers=gathers, seed=cotangent[0])[1], None, None, None)
+
         on_local = jax.custom_vjp(whole)
-        on_local.defvjp(functools.partial(one_f_one_b, gathers=gathers), _scaled_by_cotangent)
+        on_local.defvjp(forward, backward)
         return jax.tree.leaves(on_local(local, x, tail_params, ctx, tail_inputs, extra))
 
     kernels.register_shard_rule(backward, on_shards)

@@ -100,10 +100,12 @@ class DecoderLM(nn.Module):
     mask and the positions. train=True applies dropout (config.dropout_rate) and needs a 'dropout' rng. Blocks take
     a `deterministic` attribute (False in training calls).
 
-    loss_tail (loss_fn, inputs): the call returns loss_fn(logits, inputs) instead of the logits, where loss_fn(logits
-    [b, T, vocab] of some rows, those rows of the pytree `inputs` of [B, ...] arrays) -> (loss, aux) is a sum over
-    rows. The 1F1B pipeline (config.pipeline_schedule='1f1b') needs it: it runs the final norm, the head and loss_fn
-    per micro-batch inside the pipeline (`apply_layers`) and returns (loss, aux) summed over the micro-batches.
+    loss_tail (loss_fn, inputs): the call returns loss_fn(logits, inputs, params) instead of the logits, where
+    loss_fn(logits [b, T, vocab] of some rows, or with return_hidden their hidden states [b, T, D] (for a fused head +
+    loss), those rows of the pytree `inputs` of [B, ...] arrays, the model's parameters but the layer stack's (the
+    head's among them)) -> (loss, aux) is a sum over rows. The 1F1B pipeline (config.pipeline_schedule='1f1b') needs
+    it: it runs the final norm, the head and loss_fn per micro-batch inside the pipeline (`apply_layers`) and returns
+    (loss, aux) summed over the micro-batches.
     hidden_states [B, T, D]: the layer stack's output, given instead of input_ids: the call runs only what follows
     the stack (that per-micro-batch tail)."""
     config: Any
@@ -124,7 +126,7 @@ class DecoderLM(nn.Module):
         embed = token_embedding(c.vocab_size, embed_dim, name="embed", **lin)
         if hidden_states is None:
             x, new_cache, layer_cache = self._stack(input_ids, attention_mask, positions, cache, train, embed,
-                                                    loss_tail, lin)
+                                                    loss_tail, return_hidden, lin)
             if isinstance(x, tuple):  # the 1F1B pipeline's (loss, aux): the tail ran inside it
                 return x
         else:
@@ -139,9 +141,9 @@ class DecoderLM(nn.Module):
                         head_bias=self.head_bias, logit_soft_cap=getattr(c, "final_logit_softcap", None), **lin)
         if loss_tail is None or hidden_states is not None:
             return out
-        return loss_tail[0](out, loss_tail[1])
+        return loss_tail[0](out, loss_tail[1], self.variables["params"])
 
-    def _stack(self, input_ids, attention_mask, positions, cache, train, embed, loss_tail, lin):
+    def _stack(self, input_ids, attention_mask, positions, cache, train, embed, loss_tail, return_hidden, lin):
         """(the layer stack's output, or the 1F1B pipeline's (loss, aux), the cache without 'layers' or None, the
         layers' cache or None): the embeddings and the stack of __call__."""
         c = self.config
@@ -161,7 +163,8 @@ class DecoderLM(nn.Module):
         sliding = sliding_layers(c)
         if loss_tail is not None:  # what follows the stack, as a function of the parameters (the 1F1B pipeline's)
             model, (loss_fn, inputs) = self.clone(parent=None), loss_tail
-            loss_tail = (lambda params, h, rows: loss_fn(model.apply({"params": params}, None, hidden_states=h), rows),
+            loss_tail = (lambda params, h, rows: loss_fn(
+                model.apply({"params": params}, None, hidden_states=h, return_hidden=return_hidden), rows, params),
                          inputs)
         x, layer_cache = apply_layers(self.block, split_tokens(x, c.sequence_parallel), ctx, cache, c, owner=self,
                                       per_layer={"sliding": sliding} if len(set(sliding)) > 1 else None,
