@@ -314,7 +314,8 @@ class _DiLoCoStep:
         grad_fn = trained_grad_fn(self.loss_fn, self.compute_dtype, self.remat, frozen, self.trainable,
                                   current_loss_scale(opt_state, self.loss_scale))
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate,
-                                                     grad_dtype=self.grad_dtype)
+                                                     grad_dtype=self.grad_dtype,
+                                                     weight_metric=getattr(self.loss_fn, "weight_metric", None))
         return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale)
 
     def outer(self, args):  # fragments=1: the whole trees

@@ -96,7 +96,8 @@ class Trainer:
         structure. Frozen parameters keep their values and get no gradient (none is computed), no optimizer state
         and no DiLoCo replicas; the optimizer sees the trained parameters only (None at the frozen ones).
       seed: fixes shuffling and the per-step rngs (`fold_in(key(seed), step)`, so a resume reproduces them).
-      accumulate_grad_batches: micro-batches per optimizer update (scanned inside the one compiled step).
+      accumulate_grad_batches: micro-batches per optimizer update (scanned inside the one compiled step), weighed
+        by `loss_fn.weight_metric` where it names one (a token mean stays the whole batch's).
       grad_fn: None (the engine differentiates `loss_fn`), or `grad_fn(params, batch, rng) -> ((loss, metrics),
         grads)`, the structure `jax.value_and_grad(f, has_aux=True)` returns, called in place of that
         differentiation on each micro-batch's rows as a step sees them (all of them in the jit step; each device's

@@ -108,6 +108,38 @@ def test_accumulation_equals_large_batch():
     np.testing.assert_allclose([h["loss"] for h in a.history], [h["loss"] for h in b.history], rtol=1e-6)
 
 
+@pytest.mark.parametrize("step", ["jit", "shard_map", pytest.param("diloco", marks=pytest.mark.slow)])
+def test_accumulating_a_token_mean_equals_the_large_batch(step):
+    """A loss that is a mean over tokens (`weight_metric='tokens'`) on rows of unequal token counts: 2 micro-batches
+    of 4 rows give one batch of 8's loss, metrics and update, as 4 shards of 2 rows do (each micro-batch weighed by
+    its tokens, as the shards are; a mean of the micro-batches' means was 1e-3 off in the loss, 8e-3 in a weight).
+    The jit and shard_map steps, and DiLoCo's inner steps."""
+    import models  # noqa: PLC0415
+    from engine.tasks import lm  # noqa: PLC0415
+
+    model = models.create_model("llama", "tiny", num_layers=2)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    rows = task.lm_rows(8)
+    rows[0]["segment_ids"][2:] = 0  # one row of 2 tokens among rows of 17: its micro-batch has fewer
+
+    def fit(accumulate, mesh):
+        kwargs = {"diloco": engine.DiLoCo(inner_steps=1)} if step == "diloco" else {
+            "parallelism": engine.Parallelism(step=step)}
+        trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
+                                 optimizer=optax.sgd(1.0), accumulate_grad_batches=accumulate, **kwargs)
+        trainer.fit(rows, per_device_batch_size=8 // accumulate // mesh.shape["data"], max_steps=1, log_every=1)
+        return trainer
+
+    one = fit(1, engine.make_mesh(data=1, devices=jax.devices()[:1]))
+    # DiLoCo's replicas over `data` train apart: its case is one replica (an outer step after each inner one)
+    for accumulate, data in ((2, 1),) if step == "diloco" else ((2, 1), (2, 2), (1, 4)):
+        got = fit(accumulate, engine.make_mesh(data=data, devices=jax.devices()[:data]))
+        for key in ("loss", "accuracy", "tokens"):
+            want = one.history[-1][key] / (accumulate if key == "tokens" else 1)
+            assert got.history[-1][key] == pytest.approx(want, rel=1e-5), (accumulate, data, key)
+        _assert_trees_close(got.params, one.params)
+
+
 def test_schedule_counts_updates_not_micro_batches():
     """With accumulation 4 the schedule still reaches its end at the last update (optax.MultiSteps would be at 1/4)."""
     schedule = optax.linear_schedule(0.1, 0.0, transition_steps=4)

@@ -27,7 +27,7 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
         else:
             value_and_grad = trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable)
         loss, metrics, grads = accumulate_gradients(value_and_grad, trained, batch, rng, accumulate, constrain,
-                                                     grad_dtype)
+                                                     grad_dtype, getattr(loss_fn, "weight_metric", None))
         trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale,
                                                    select)
         return combine(trained, frozen, trainable), opt_state, metrics

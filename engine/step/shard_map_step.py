@@ -43,7 +43,7 @@ from engine.step.collectives import Int8, all_gather, in_model_blocks, reduce_gr
 from engine.step.gathering import eval_gathering
 from engine.step.shards import Sharded
 from engine.step.update import (apply_update, checked_user_gradients, combine, current_loss_scale, is_overwrite,
-                                micro_loss_fn, partition, select_guard)
+                                micro_loss_fn, micro_weight, partition, scaled_metrics, select_guard)
 from kernels import axes
 
 _P = jax.sharding.PartitionSpec
@@ -312,15 +312,15 @@ def _local_gradients(s, layout, local_params, local_batch, step, scale):
     local_leaves = jax.tree.leaves(local_params)
     one = functools.partial(_micro_gradients, s, layout, grad_fn, rng, shard, local_leaves)
     maxed = layout.trained(layout.overwrite)
-    grads, loss, metrics = _sum_micro_batches(one, local_batch, s.accumulate, maxed)
-    inv = 1.0 / s.accumulate
+    grads, loss, metrics, total = _sum_micro_batches(one, local_batch, s.accumulate, maxed)
+    inv = 1.0 / jnp.where(total > 0, total, 1.0)  # 1 / accumulate without a weight_metric
     grads = [g if o else reduce_gradient(g, () if s.zero_stage == 2 else pl.scatter, pl.reduce, s.reduce_dtype,
                                          pl.auto_spec, s.int8.gradients) * inv
              for g, pl, o in zip(grads, layout.trained(layout.plans), maxed)]
     grads = [g if o else s.constrain(g.astype(s.held_type(x)))
              for g, x, o in zip(grads, layout.trained(local_leaves), maxed)]
-    loss, metrics = jax.tree.map(lambda v: (jax.lax.psum(v, s.live) if s.live else v) * inv, (loss, metrics))
-    return grads, loss, metrics
+    loss, metrics = jax.tree.map(lambda v: jax.lax.psum(v, s.live) if s.live else v, (loss, metrics))
+    return grads, loss * inv, scaled_metrics(metrics, inv, s.weight_metric, 1.0 / s.accumulate)
 
 
 def _shard_grad_fn(s, layout, local_batch, rng, scale):
@@ -374,16 +374,25 @@ def _user_shard_grad_fn(s, layout):
 
 
 def _shard_weight(s, metrics):
-    """This shard's weight in the global mean: 1 / shards, or its share of the `weight_metric` summed over shards."""
+    """This shard's weight in its micro-batch's mean: 1 / shards, or its share of the `weight_metric` summed over
+    shards (0 where no shard has any)."""
     if s.weight_metric is None:
         return jnp.float32(1.0 / s.n_shards)
-    w = jax.lax.stop_gradient(metrics[s.weight_metric])
-    return w / (jax.lax.psum(w, s.live) if s.live else w)
+    w, total = micro_weight(metrics, s.weight_metric), _micro_batch_weight(s, metrics)
+    return jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def _micro_batch_weight(s, metrics):
+    """A micro-batch's weight among the step's: its `weight_metric` summed over the shards (1 without one)."""
+    w = micro_weight(metrics, s.weight_metric)
+    return jax.lax.psum(w, s.live) if s.live and s.weight_metric is not None else w
 
 
 def _micro_gradients(s, layout, grad_fn, rng, shard, local_leaves, micro_batch, i):
-    """(gradients in fp32 or grad_dtype, weighted loss, weighted metrics) of micro-batch i; under ZeRO-2 the
-    gradients already reduce-scattered over `data`, so partial sums stay split between micro-batches."""
+    """(gradients in fp32 or grad_dtype, weighted loss, weighted metrics, the micro-batch's weight) of micro-batch i,
+    each weighted by the shard's share of the micro-batch and, with more than one, by the micro-batch's weight among
+    the step's (`_micro_batch_weight`: the sum over them divides at the end); under ZeRO-2 the gradients already
+    reduce-scattered over `data`, so partial sums stay split between micro-batches."""
     micro_rng = jax.random.fold_in(rng, i)
     if shard is not None:
         micro_rng = jax.random.fold_in(micro_rng, shard)
@@ -395,21 +404,22 @@ def _micro_gradients(s, layout, grad_fn, rng, shard, local_leaves, micro_batch, 
         grads = [g if o else
                  reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients).astype(g.dtype)
                  for g, pl, o in zip(grads, layout.trained(layout.plans), maxed)]
-    metrics = {k: v if k == s.weight_metric else v * weight for k, v in metrics.items()}
-    return grads, loss * weight, metrics
+    part = _micro_batch_weight(s, metrics) if s.accumulate > 1 else jnp.float32(1.0)
+    grads = [g if o else g * part.astype(g.dtype) for g, o in zip(grads, maxed)]
+    return grads, loss * weight * part, scaled_metrics(metrics, weight * part, s.weight_metric), part
 
 
 def _sum_micro_batches(one, batch, accumulate, maxed):
-    """`one(micro_batch, i)`'s (gradients, loss, metrics) summed over the `accumulate` micro-batches of `batch`, in
-    one `lax.scan`; the gradients where `maxed` (a bool per gradient) their maximum instead."""
+    """`one(micro_batch, i)`'s (gradients, loss, metrics, weight) summed over the `accumulate` micro-batches of
+    `batch`, in one `lax.scan`; the gradients where `maxed` (a bool per gradient) their maximum instead."""
     if accumulate == 1:
         return one(jax.tree.map(lambda x: x[0], batch), 0)
 
     def body(carry, xs):
-        g, l, m = one(*xs)
-        acc_g, acc_l, acc_m = carry
+        g, l, m, w = one(*xs)
+        acc_g, acc_l, acc_m, acc_w = carry
         acc_g = [jnp.maximum(a, b) if o else a + b for a, b, o in zip(acc_g, g, maxed)]
-        return (acc_g, acc_l + l, jax.tree.map(jnp.add, acc_m, m)), None
+        return (acc_g, acc_l + l, jax.tree.map(jnp.add, acc_m, m), acc_w + w), None
 
     shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], batch), 0)
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

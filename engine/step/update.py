@@ -197,11 +197,17 @@ def trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable):
     return value_and_grad
 
 
-def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g, grad_dtype=None):
+def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lambda g: g, grad_dtype=None,
+                         weight_metric=None):
     """Mean loss, metrics and gradients over the `accumulate` micro-batches of `batch`, in one `lax.scan`; the running
     sum is passed through `constrain` (its sharding) after every micro-batch. The gradients, the running sum included,
     are held in `grad_dtype` (None: the running sum in fp32, the mean in the parameters' dtypes); an `is_overwrite`
-    leaf's are the largest over the micro-batches, in float32."""
+    leaf's are the largest over the micro-batches, in float32.
+
+    weight_metric: None (each micro-batch counts equally), or the metric of `grad_fn` holding what its loss is a mean
+    over (e.g. 'tokens'): the micro-batches are then weighed by it, so that the step's loss, gradients and other
+    metrics are the whole batch's mean however it is cut into micro-batches (that metric itself stays a mean per
+    micro-batch)."""
     if accumulate == 1:
         (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch), jax.random.fold_in(rng, 0))
         return loss, metrics, constrain(cast_floating(grads, grad_dtype))
@@ -210,20 +216,42 @@ def accumulate_gradients(grad_fn, params, batch, rng, accumulate, constrain=lamb
     def body(carry, xs):
         micro_batch, i = xs
         (loss, metrics), g = grad_fn(params, micro_batch, jax.random.fold_in(rng, i))
-        acc_g, acc_loss, acc_m = carry
-        acc_g = constrain(jax.tree.map(lambda a, b, o: jnp.maximum(a, b) if o else a + b.astype(a.dtype),
+        acc_g, acc_loss, acc_m, acc_w = carry
+        w = micro_weight(metrics, weight_metric)
+        acc_g = constrain(jax.tree.map(lambda a, b, o: jnp.maximum(a, b) if o else a + (b * w).astype(a.dtype),
                                        acc_g, g, overwrite))
-        return (acc_g, acc_loss + loss, jax.tree.map(jnp.add, acc_m, metrics)), None
+        metrics = scaled_metrics(metrics, w, weight_metric)
+        return (acc_g, acc_loss + loss * w, jax.tree.map(jnp.add, acc_m, metrics), acc_w + w), None
 
     zeros = constrain(jax.tree.map(lambda p, o: jnp.zeros(p.shape, jnp.float32 if o else grad_dtype or jnp.float32),
                                    params, overwrite))
     (_, metric_shapes), _ = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch), rng)
-    init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), metric_shapes))
-    (grads, loss, metrics), _ = jax.lax.scan(body, init, (batch, jnp.arange(accumulate)))
-    scale = 1.0 / accumulate
+    init = (zeros, jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.promote_types(m.dtype, jnp.float32)), metric_shapes),
+            jnp.zeros((), jnp.float32))
+    (grads, loss, metrics, total), _ = jax.lax.scan(body, init, (batch, jnp.arange(accumulate)))
+    scale = 1.0 / jnp.where(total > 0, total, 1.0)
     grads = jax.tree.map(lambda g, p, o: g if o else (g * scale).astype(grad_dtype or p.dtype), grads, params,
                          overwrite)
-    return loss * scale, jax.tree.map(lambda m: m * scale, metrics), grads
+    metrics = scaled_metrics(metrics, scale, weight_metric, 1.0 / accumulate)
+    return loss * scale, metrics, grads
+
+
+def scaled_metrics(metrics, scale, weight_metric, own=1.0):
+    """`metrics` times `scale`, but `weight_metric`'s own entry times `own`."""
+    if weight_metric is None:
+        return jax.tree.map(lambda v: v * scale, metrics)
+    return {k: jax.tree.map(lambda v: v * (own if k == weight_metric else scale), v) for k, v in metrics.items()}
+
+
+def micro_weight(metrics, weight_metric):
+    """A micro-batch's weight among the step's: its `weight_metric` (float32, no gradient), or 1 without one."""
+    if weight_metric is None:
+        return jnp.float32(1.0)
+    if weight_metric not in metrics:
+        raise ValueError(f"loss_fn.weight_metric={weight_metric!r}, a metric its loss does not return (it returns "
+                         f"{sorted(metrics)}); expected the name of the metric its loss is a mean over, e.g. 'tokens'")
+    return jax.lax.stop_gradient(metrics[weight_metric]).astype(jnp.float32)
 
 
 def select_guard(device):
