@@ -20,7 +20,6 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
@@ -31,14 +30,13 @@ from engine import fit_loop
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_tiers import open_checkpointer
 from engine.config import Checkpointing, Logging, Parallelism, Precision, check
+from engine.evaluation import EvalLoss
 from engine.flops import peak_tflops
 from engine.goodput import Goodput
 from engine.sharding import path_str
-from engine.step import cast_floating, split_loss
 from engine.step_program import StepProgram, choose_step
 from engine.train_state import TrainState, check_shared_workdir
 from engine.watchdog import Watchdog
-import kernels
 
 _validate = check
 
@@ -145,7 +143,7 @@ class Trainer:
         self._program = StepProgram(kind=self._step_kind, state=self._state, loss_fn=loss_fn, optimizer=optimizer,
                                     accumulate=accumulate_grad_batches, precision=precision,
                                     parallelism=parallelism, diloco=diloco, grad_fn=grad_fn)
-        self._eval_fn = None
+        self._eval_loss = None
         # Figures of the latest log line: examples_per_second, seconds_per_step and, with flops_per_example,
         # model_tflops_per_device and mfu (None where the device's peak is unknown).
         self.throughput = {}
@@ -585,29 +583,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ eval
     def eval_loss(self, examples, *, per_device_batch_size):
-        """Mean of `loss_fn(..., is_training=False)` over `examples`, weighted by examples per batch. The last
-        incomplete batch is padded by repeating its last example; its loss counts with its real examples only."""
+        """Mean of `loss_fn(..., is_training=False)` over `examples`, as one batch of them all would give it
+        (`engine.evaluation.EvalLoss`: batches weighed by `loss_fn.weight_metric`, the last one's padding taken
+        out)."""
         _validate("per_device_batch_size", per_device_batch_size,
                   isinstance(per_device_batch_size, int) and per_device_batch_size >= 1, "an integer >= 1")
-        batches = data_lib.iterate_batches(self.mesh, examples, self.collate_fn,
-                                           per_device_batch_size=per_device_batch_size, shuffle=False,
-                                           drop_remainder=False)
-        total, count = 0.0, 0
-        for _, n_real, batch in batches:
-            self._state.note_batch(batch)
-            if self._eval_fn is None:
-                def eval_step(params, batch):
-                    with kernels.under_mesh(self.mesh):  # see _train_step
-                        loss, _ = split_loss(self.loss_fn(cast_floating(params, self.compute_dtype),
-                                                           jax.tree.map(lambda x: x[0], batch),
-                                                           jax.random.fold_in(self._state.key, 2**31 - 1), False))
-                    return jnp.asarray(loss, jnp.float32)
-                self._eval_fn = jax.jit(eval_step)
-            total += float(self._eval_fn(self._state.arrays["params"], batch)) * n_real
-            count += n_real
-        if count == 0:
-            raise ValueError("eval_loss: examples is empty; expected at least one example")
-        return total / count
+        if self._eval_loss is None:
+            self._eval_loss = EvalLoss(self.mesh, self.loss_fn, self.collate_fn, self.compute_dtype, self._state.key)
+        return self._eval_loss(lambda: self._state.arrays["params"], examples, per_device_batch_size,
+                               self._state.note_batch)
 
     def _watched_evaluate(self, *args):
         with self._watchdog.waiting(f"eval at step {self._state.step}"), self._goodput.timed("eval"):

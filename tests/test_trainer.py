@@ -140,6 +140,37 @@ def test_accumulating_a_token_mean_equals_the_large_batch(step):
         _assert_trees_close(got.params, one.params)
 
 
+def test_eval_loss_is_one_batchs_whatever_the_batch_size_and_padding():
+    """`eval_loss` of a token mean over rows of unequal token counts equals the loss of one batch holding them all,
+    at any eval batch size and device count: each batch weighed by its tokens, and the last batch's padding (copies
+    of its last row) taken out. Also for a stream, and for a loss without a weight_metric (a mean over rows). Weighed
+    by rows with the copies left in, the token mean was up to 3.5e-4 off here (a random model's token losses are
+    alike) and the row mean 2.4 % to 6.1 %."""
+    import models  # noqa: PLC0415
+    from engine.tasks import lm  # noqa: PLC0415
+
+    model = models.create_model("llama", "tiny", num_layers=1)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    rows = task.lm_rows(11)
+    for i, n in ((0, 2), (5, 4), (10, 9)):  # the last row, which the padding copies, has fewer tokens
+        rows[i]["segment_ids"][n:] = 0
+    token_mean = lm.lm_loss_fn(model)
+
+    def row_mean(params, batch, rng, train):  # a mean over rows of each row's token count
+        return jnp.mean(batch["segment_ids"].sum(-1).astype(jnp.float32))
+
+    for loss_fn in (token_mean, row_mean):
+        want = float(jax.jit(lambda p, b, f=loss_fn: engine.step.split_loss(f(p, b, None, False))[0])(
+            params, lm.collate_lm(rows)))
+        for devices, size in ((1, 4), (4, 2), (2, 3), (8, 1)):
+            trainer = engine.Trainer(mesh=engine.make_mesh(data=devices, devices=jax.devices()[:devices]),
+                                     collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params,
+                                     optimizer=optax.sgd(1.0))
+            assert trainer.eval_loss(rows, per_device_batch_size=size) == pytest.approx(want, rel=1e-5), (devices, size)
+            if (devices, size) == (4, 2):
+                assert trainer.eval_loss(iter(rows), per_device_batch_size=size) == pytest.approx(want, rel=1e-5)
+
+
 def test_schedule_counts_updates_not_micro_batches():
     """With accumulation 4 the schedule still reaches its end at the last update (optax.MultiSteps would be at 1/4)."""
     schedule = optax.linear_schedule(0.1, 0.0, transition_steps=4)
