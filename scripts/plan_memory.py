@@ -53,8 +53,9 @@ flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the g
 flags.DEFINE_enum("reduce_dtype", "float32", ["float32", "bfloat16"], "Dtype the shard_map step's gradient "
                   "reductions carry and sum in (engine.Precision.reduce_dtype; GPU and TPU targets).")
 flags.DEFINE_integer("accumulate", 1, "Micro-batches per update.", lower_bound=1)
-flags.DEFINE_enum("train_step", "shard_map", ["shard_map", "jit", "auto"], "The Trainer's step implementation "
-                  "(auto: the Trainer's choice for the target, shard_map on TPU).")
+flags.DEFINE_enum("train_step", "auto", ["shard_map", "jit", "auto"], "The Trainer's step implementation (auto, as "
+                  "the training scripts' --train_step: the Trainer's choice for the target's devices and the mesh, "
+                  "so that the plan is of the program a run compiles).")
 flags.DEFINE_enum("loss_implementation", "auto", ["plain", "auto", "xla", "triton", "mosaic_tpu"], "plain: "
                   "materialised logits; else the fused linear + cross-entropy (no [tokens, vocab] array): xla "
                   "(blockwise), triton, mosaic_tpu, or auto: the target's own (mosaic_tpu on TPU, triton on GPU, xla "
