@@ -317,7 +317,9 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
     axes once, in float32, after the loop. Not differentiated (evaluation), it is `pipeline` and then the tail. Where
     the stage's weights arrive as ZeRO-3 shards (the engine's shard_map step, through the rule this registers:
     `kernels.shard_rules`), each tick gathers the layers it runs one at a time and reduce-scatters their gradients
-    into float32 sums of the shards' size. With
+    into float32 sums of the shards' size; as those sums add up the devices' parts, which the step weighs (its
+    cotangent, a device's share of the tokens) before the sum, that rule's forward computes the loss alone and its
+    backward runs the schedule from the cotangent. With
     `full_remat` the backward runs that way too, layer by layer, each layer's gradient added into the sums' slice:
     no stage-sized gradient per tick, and no more computation (a checkpoint saving nothing recomputes its layer in
     either form; without it, or saving some of it, the stage is differentiated at once, its forward run once)."""
@@ -606,11 +608,11 @@ def pipeline_1f1b(layer_fn, tail_fn, params, x, ctx, tail_params, tail_inputs, *
         def forward(local, *rest):
             return forward_loss(local, *rest, gathers=gathers), (local, *rest)
 
-        def backward(inputs, cotangent):
+        def from_cotangent(inputs, cotangent):
             return (*one_f_one_b(*inputs, gathers=gathers, seed=cotangent[0])[1], None, None, None)
 
         on_local = jax.custom_vjp(whole)
-        on_local.defvjp(forward, backward)
+        on_local.defvjp(forward, from_cotangent)
         return jax.tree.leaves(on_local(local, x, tail_params, ctx, tail_inputs, extra))
 
     kernels.register_shard_rule(backward, on_shards)
