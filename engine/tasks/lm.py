@@ -105,7 +105,8 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
     Training calls run the model with dropout (its config.dropout_rate) drawn from `rng`. A mixture-of-experts model
     (config.num_experts) adds its router losses with the config's weights and reports both (`add_router_losses`).
     A model on the 1F1B pipeline (config.pipeline_schedule='1f1b') is given the loss as its tail (`DecoderLM`'s
-    loss_tail: the head and loss per micro-batch inside the pipeline, the fused one too); dense models only."""
+    loss_tail: the head and loss per micro-batch inside the pipeline, the fused one too; a mixture's router losses
+    of the whole batch's statistics, which the pipeline returns beside it)."""
     check_implementation(implementation)
     config = getattr(model, "config", None)
     cap = getattr(config, "final_logit_softcap", None)
@@ -113,9 +114,6 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
         raise ValueError(f"loss_implementation={implementation!r} with a final logit soft-cap ({cap}, Gemma 2); "
                          "expected plain logits (--loss_implementation=plain): the fused head + loss does not cap")
     one_f_one_b = getattr(config, "pipeline_schedule", "gpipe") == "1f1b"
-    if one_f_one_b and getattr(config, "num_experts", 0):
-        raise ValueError(f"pipeline_schedule='1f1b' with a mixture of experts (num_experts={config.num_experts}); "
-                         "expected pipeline_schedule='gpipe': the 1F1B tail has no router losses")
 
     def loss_fn(params, batch, rng, is_training):
         if one_f_one_b:
@@ -125,9 +123,11 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
             count = jnp.full(labels.shape[:1], jnp.maximum((labels >= 0).sum(), 1))
             tail = lambda out, rows, tail_params: loss_and_metrics(  # noqa: E731
                 model, tail_params, out, rows[0], implementation, interpret, count=rows[1][0])
-            return model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], train=is_training,
-                               rngs=dropout_rngs(rng), loss_tail=(tail, (labels, count)),
-                               return_hidden=implementation is not None)
+            (loss, metrics), sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
+                                                 train=is_training, rngs=dropout_rngs(rng),
+                                                 loss_tail=(tail, (labels, count)),
+                                                 return_hidden=implementation is not None)
+            return add_router_losses(config, loss, metrics, sown)
         out, sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
                                  return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
         loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)

@@ -67,7 +67,7 @@ def define_flags():
     flags.DEFINE_enum("pipeline_schedule", "gpipe", list(models.pipeline.SCHEDULES), "With --pipeline_stages > 1: "
                       "'gpipe' (all forwards, then all backwards: every micro-batch's activations alive at once) or "
                       "'1f1b' (each micro-batch's backward as soon as it leaves the last stage: at most 2 x stages "
-                      "- 1 alive; the LM loss, dense models, --pipeline_virtual_stages=1).")
+                      "- 1 alive; the LM loss, --pipeline_virtual_stages=1).")
     flags.DEFINE_enum("pipeline_fsdp_gather", "tick", list(models.pipeline.FSDP_GATHERS), "With --pipeline_stages "
                       "> 1 and fsdp > 1 in --mesh: 'tick' (each tick gathers its layers' weight shards and reduces "
                       "their gradients; a device holds 1/fsdp of its stage) or 'step' (once a step: every device "

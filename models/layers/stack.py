@@ -37,8 +37,7 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
 
     What a block sows into 'intermediates' (the MoE router's statistics, `layers.moe`) comes out stacked
     [num_layers, ...] from a scan, per `{name}_{i}` otherwise; GPipe's pipeline sows its sums over the layers and
-    micro-batches (`moe.summed_stats`; a mixture's router statistics are what blocks sow), the 1F1B one refuses a
-    mixture.
+    micro-batches (`moe.summed_stats`; a mixture's router statistics are what blocks sow), and so does 1F1B's.
 
     loss_tail (tail_fn, inputs): what follows the stack down to a loss, for the 1F1B pipeline
     (config.pipeline_schedule='1f1b', which runs it per micro-batch: `models.pipeline.pipeline_1f1b`), tail_fn taking
@@ -152,10 +151,6 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     # A mixture's router statistics are sums: each layer returns its own beside h, and the pipeline adds them up
     # over the layers and micro-batches, so that the loss's router terms are the whole batch's, as without one.
     experts = getattr(config, "num_experts", 0)
-    if experts and config.pipeline_schedule == "1f1b":
-        raise ValueError(f"pipeline_schedule='1f1b' with a mixture of experts (num_experts={experts}); expected "
-                         "pipeline_schedule='gpipe': the 1F1B pipeline runs each micro-batch's backward before the "
-                         "batch's router statistics are known")
 
     def layer_fn(w, h, c, layer, micro, closure):
         """Layer `layer` on micro-batch `micro`; closure: (the dropout key or None, the per-layer values), passed in
@@ -179,9 +174,13 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
                              "(DecoderLM's loss_tail, as engine.tasks.lm.lm_loss_fn passes it)")
         tail_fn, inputs = loss_tail
         rest = {k: v for k, v in owner.variables["params"].items() if k != name}
-        return pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
-                                      microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather,
-                                      layer_inputs=(key, values), full_remat=config.remat == "full")
+        out = pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
+                                     microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather,
+                                     layer_inputs=(key, values), full_remat=config.remat == "full",
+                                     aux=moe.empty_stats(experts) if experts else None)
+        if experts:
+            owner.sow("intermediates", moe.STATS, out[2])  # the whole batch's, as router_losses reads them
+        return out[:2]
     # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat every intermediate but the
     # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
     policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
