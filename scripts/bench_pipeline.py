@@ -28,6 +28,8 @@ flags.DEFINE_integer("rows", 32, "Rows a step (divisible by data x microbatches)
 flags.DEFINE_list("schedules", ["gpipe", "interleaved", "1f1b"], "Schedules to time: gpipe, interleaved (V = 2), 1f1b.")
 flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
 flags.DEFINE_integer("steps", 5, "Steps a round, each timed to completion.")
+flags.DEFINE_enum("family", "llama", ["llama", "mixtral"], "The stack's family: llama (dense) or mixtral (a mixture "
+                  "of experts, 4 experts of the same width, its router losses in the loss).")
 
 SCHEDULES = {"gpipe": dict(pipeline_schedule="gpipe"), "1f1b": dict(pipeline_schedule="1f1b"),
              "interleaved": dict(pipeline_schedule="gpipe", pipeline_virtual_stages=2)}
@@ -63,7 +65,7 @@ def main(argv):
 
     runs = {}
     for name in FLAGS.schedules:
-        model = models.create_model("llama", "tiny", **base, **SCHEDULES[name])
+        model = models.create_model(FLAGS.family, "tiny", **base, **SCHEDULES[name])
         params = models.init_params(model, jax.random.PRNGKey(0))
         loss_fn = lm.lm_loss_fn(model)
         loss = lambda p, b, loss_fn=loss_fn: loss_fn(p, b, None, False)[0]  # noqa: E731

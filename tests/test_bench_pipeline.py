@@ -12,11 +12,13 @@ from tests.xla_flags import cpu_devices
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_pipeline_prints_each_schedule():
+@pytest.mark.parametrize("family", ["llama", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_bench_pipeline_prints_each_schedule(family):
     env = {**os.environ, "XLA_FLAGS": cpu_devices(8)}
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_pipeline.py"), "--stages=2", "--microbatches=4",
-         "--layers=4", "--hidden_size=64", "--seq_len=16", "--rows=16", "--rounds=1", "--steps=1"],
+         "--layers=4", "--hidden_size=64", "--seq_len=16", "--rows=16", "--rounds=1", "--steps=1",
+         f"--family={family}"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
