@@ -246,7 +246,7 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
     """`plan`'s result dict."""
     microbatches = s["pipeline_microbatches"] or s["stages"]
     # 1F1B runs its ticks as one loop where the jit step's partitioner places the stages' ZeRO-3 gathers (the rule
-    # `models.pipeline.pipeline_1f1b` applies at trace time as `phased`: keep the two in step).
+    # `models.pipeline_1f1b.pipeline_1f1b` applies at trace time as `phased`: keep the two in step).
     one_loop = step == "jit" and mesh[1] > 1 and s["pipeline_fsdp_gather"] == "tick"
     idle = models.pipeline.bubble_fraction(s["stages"], microbatches, s["pipeline_virtual_stages"],
                                            s["pipeline_schedule"], one_loop=one_loop)

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import pipeline
+from models import pipeline, pipeline_1f1b
 from models.layers import moe
 
 _REMAT_POLICIES = {
@@ -40,7 +40,7 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     micro-batches (`moe.summed_stats`; a mixture's router statistics are what blocks sow), and so does 1F1B's.
 
     loss_tail (tail_fn, inputs): what follows the stack down to a loss, for the 1F1B pipeline
-    (config.pipeline_schedule='1f1b', which runs it per micro-batch: `models.pipeline.pipeline_1f1b`), tail_fn taking
+    (config.pipeline_schedule='1f1b', which runs it per micro-batch: `models.pipeline_1f1b`), tail_fn taking
     `owner`'s other parameters, the stack's output rows and those rows of `inputs`. When that pipeline runs, the
     first result is tail_fn's (loss, aux) summed over the micro-batches instead of the stack's output; it refuses a
     call without a tail. Other calls ignore it."""
@@ -174,10 +174,10 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
                              "(DecoderLM's loss_tail, as engine.tasks.lm.lm_loss_fn passes it)")
         tail_fn, inputs = loss_tail
         rest = {k: v for k, v in owner.variables["params"].items() if k != name}
-        out = pipeline.pipeline_1f1b(layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages,
-                                     microbatches=microbatches, fsdp_gather=config.pipeline_fsdp_gather,
-                                     layer_inputs=(key, values), full_remat=config.remat == "full",
-                                     aux=moe.empty_stats(experts) if experts else None)
+        out = pipeline_1f1b.pipeline_1f1b(
+            layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages, microbatches=microbatches,
+            fsdp_gather=config.pipeline_fsdp_gather, layer_inputs=(key, values), full_remat=config.remat == "full",
+            aux=moe.empty_stats(experts) if experts else None)
         if experts:
             owner.sow("intermediates", moe.STATS, out[2])  # the whole batch's, as router_losses reads them
         return out[:2]
