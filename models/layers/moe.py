@@ -428,10 +428,8 @@ def router_losses(intermediates):
         return None
     E = found[0]["counts"].shape[-1]
     manual = kernels.manual_batch_axes()
-
-    def total(name, *shape):
-        value = sum(s[name].reshape(-1, *shape).sum(0) for s in found)
-        return jax.lax.psum(value, manual) if manual else value
-    tokens = jnp.maximum(total("tokens"), 1.0)
-    load_balancing = E * jnp.sum(total("counts", E) / tokens * total("probs", E) / tokens)
-    return load_balancing, total("z") / tokens
+    sums = summed_stats(intermediates, E)
+    total = {k: jax.lax.psum(v, manual) if manual else v for k, v in sums.items()}
+    tokens = jnp.maximum(total["tokens"], 1.0)
+    load_balancing = E * jnp.sum(total["counts"] / tokens * total["probs"] / tokens)
+    return load_balancing, total["z"] / tokens
