@@ -44,20 +44,22 @@ def lm_rows(n, length=17, seed=0):
 
 
 def assert_sgd_step_equals_one_device(model, params, rows, mesh, step="auto",
-                                      metrics=("load_balancing_loss", "router_z_loss")):
+                                      metrics=("load_balancing_loss", "router_z_loss"), implementation=None):
     """One SGD step (learning rate 1: the update is the gradient; Adam's first step would amplify rounding in the
-    near-zero ones) of `model`'s LM loss on `rows` (one global batch) through the Trainer on `mesh` equals one
-    device's: the loss, `metrics` and every updated weight. Returns (the Trainer, one device's gradients)."""
+    near-zero ones) of `model`'s LM loss (`lm_loss_fn(model, implementation)`) on `rows` (one global batch) through
+    the Trainer on `mesh` equals one device's: the loss, `metrics` and every updated weight. Returns (the Trainer,
+    one device's gradients)."""
     import engine  # noqa: PLC0415 (the Trainer tests' task needs none of these)
     import pytest  # noqa: PLC0415
     from engine.tasks import lm  # noqa: PLC0415
 
-    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model), params=params,
+    loss_fn = lm.lm_loss_fn(model, implementation)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=loss_fn, params=params,
                              optimizer=optax.sgd(1.0), parallelism=engine.Parallelism(step=step))
     trainer.fit(rows, per_device_batch_size=len(rows) // (mesh.shape["data"] * mesh.shape["fsdp"]
                                                           * mesh.shape["expert"]), max_steps=1, log_every=1)
     split = trainer.history[-1]
-    (loss, single), grads = jax.jit(jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True),
+    (loss, single), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
                                     static_argnums=(2, 3))(params, lm.collate_lm(rows), None, True)
     assert split["loss"] == pytest.approx(float(loss), rel=1e-5)
     for key in metrics:
