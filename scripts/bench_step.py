@@ -5,10 +5,16 @@ warm-up, then the wall time of 20 steps. Runs are interleaved (engine, floor, Re
 processes, and the table reports medians and the median of the per-round ratios, because single timings on a
 2-core machine are noisy. `fit/direct` is the engine's 20 steps under `fit` over the same compiled step called 20
 times directly on one placed batch: above 1 by `fit`'s own host work per step (data, logging, checks).
+`in-process` is the engine's 20 steps under `fit` over the floor's 20 steps (`plain_step.py`'s own loop, collation
+and placement included) alternated `--in_process_rounds` times inside one worker, after both are compiled: the
+median of those ratios, free of the differences between processes that dominate the other columns.
 
   .venv/bin/python scripts/bench_step.py --meshes=4x1x2,8x1x1 --rounds=3 --redco_python=/tmp/redco-venv/bin/python
 """
+import contextlib
+import io
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -25,6 +31,8 @@ flags.DEFINE_string("peers_dir", os.path.join(ROOT, "..", "shared", "peers"),
 flags.DEFINE_string("redco_python", "/tmp/redco-venv/bin/python",
                     "Python of an environment with redco==0.4.23 (skipped when missing).")
 flags.DEFINE_list("steps", ["jit", "shard_map"], "The engine's train step implementations to time (Trainer(step=)).")
+flags.DEFINE_integer("in_process_rounds", 3, "Alternations of the engine's `fit` and the floor's loop inside each "
+                     "engine worker (data x model meshes only; 0: none).")
 flags.DEFINE_string("worker", None, "Internal: run one engine measurement for this mesh and print it.")
 flags.DEFINE_string("worker_step", "jit", "Internal: the step implementation of --worker.")
 
@@ -33,7 +41,8 @@ GLOBAL_BATCH, STEPS, WARMUP = 16, 20, 2
 
 def engine_worker(mesh_text, step_kind):
     """One measurement: prints STEADY <s> (`fit`'s STEPS steps), DIRECT <s> (the same compiled step called STEPS
-    times directly on one placed batch: the program alone, without `fit`'s host work), COMPILE <s>, COMPILES <n>."""
+    times directly on one placed batch: the program alone, without `fit`'s host work), COMPILE <s>, COMPILES <n>,
+    and on data x model meshes INPROCESS <ratio> (`_in_process_ratio`)."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, os.path.abspath(FLAGS.peers_dir))
     from engine import compiler
@@ -68,6 +77,8 @@ def engine_worker(mesh_text, step_kind):
     # fit's n_epochs came to count more epochs rather than a lifetime total).
     assert trainer.step == WARMUP + STEPS, (trainer.step, WARMUP + STEPS)
     print(f"STEADY {time.perf_counter() - start:.4f}")
+    if fsdp == 1 and FLAGS.in_process_rounds > 0:
+        print(f"INPROCESS {_in_process_ratio(trainer, per_device, make_examples):.4f}")
     compiled, params, opt_state = trainer.compiled_step(), trainer.params, trainer.opt_state  # donated: fit is done
     _, _, batch = next(data_lib.iterate_batches(mesh, make_examples(GLOBAL_BATCH, 3), collate_fn,
                                                 per_device_batch_size=per_device))
@@ -80,16 +91,45 @@ def engine_worker(mesh_text, step_kind):
     print(f"COMPILES {trainer.compile_count}")
 
 
+def _in_process_ratio(trainer, per_device, make_examples):
+    """Median over `--in_process_rounds` of (the engine's STEPS steps under `fit`) / (the floor's STEPS steps), the
+    two alternated in this process, which runs first swapped every round. The floor is `plain_step.py` run here
+    (its own warm-up and timing, output dropped), then its `run` loop called again on the same examples."""
+    import jax
+    with contextlib.redirect_stdout(io.StringIO()):
+        floor = runpy.run_path(os.path.join(os.path.abspath(FLAGS.peers_dir), "plain_step.py"))
+    examples = make_examples(GLOBAL_BATCH * STEPS, 2)
+
+    def engine_steps():
+        trainer.fit(examples, per_device_batch_size=per_device, n_epochs=1, log_every=100)
+        jax.block_until_ready(trainer.params)
+
+    ratios = []
+    for i in range(FLAGS.in_process_rounds):
+        seconds = {}
+        for name, run in (("engine", engine_steps), ("floor", floor["run"]))[::1 if i % 2 == 0 else -1]:
+            start = time.perf_counter()
+            run(examples) if name == "floor" else run()  # the floor's loop blocks on its parameters at the end
+            seconds[name] = time.perf_counter() - start
+        ratios.append(seconds["engine"] / seconds["floor"])
+    return statistics.median(ratios)
+
+
 def _run(cmd, env):
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     values = {}
     for line in out.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in ("STEADY", "DIRECT", "COMPILE", "COMPILES"):
+        if len(parts) == 2 and parts[0] in ("STEADY", "DIRECT", "COMPILE", "COMPILES", "INPROCESS"):
             values[parts[0]] = float(parts[1])
     if "STEADY" not in values:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     return values
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
 
 
 def main(argv):
@@ -110,7 +150,8 @@ def main(argv):
         for _ in range(FLAGS.rounds):
             for kind in FLAGS.steps:
                 runs[f"engine[{kind}]"].append(_run([sys.executable, __file__, f"--worker={mesh_text}",
-                                                     f"--worker_step={kind}", f"--peers_dir={peers}"], env))
+                                                     f"--worker_step={kind}", f"--peers_dir={peers}",
+                                                     f"--in_process_rounds={FLAGS.in_process_rounds}"], env))
             if fsdp == 1:  # the peers know data x model meshes only
                 runs["floor"].append(_run([sys.executable, os.path.join(peers, "plain_step.py")], env))
                 if have_redco:
@@ -126,10 +167,11 @@ def main(argv):
             mine = f"engine[{kind}]"
             rows.append((mesh_text, kind, med[mine], med["floor"], med["redco"], ratio(mine, "floor"),
                          ratio(mine, "redco"), statistics.median(r["STEADY"] / r["DIRECT"] for r in runs[mine]),
+                         _median(r.get("INPROCESS") for r in runs[mine]),
                          statistics.median(r["COMPILE"] for r in runs[mine]),
                          int(max(r["COMPILES"] for r in runs[mine]))))
     header = ("mesh dxfxm", "step", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "fit/direct",
-              "compile s", "compiles")
+              "in-process", "compile s", "compiles")
     print(f"{STEPS} steady steps, global batch {GLOBAL_BATCH}, {FLAGS.rounds} interleaved rounds, medians")
     print(" | ".join(f"{h:>12}" for h in header))
     for r in rows:

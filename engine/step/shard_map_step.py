@@ -325,7 +325,8 @@ def _local_gradients(s, layout, local_params, local_batch, step, scale):
 
 def _shard_grad_fn(s, layout, local_batch, rng, scale):
     """`value_and_grad` of this device's weighted share of the loss on one micro-batch, with respect to its trained
-    leaves: `(trained, frozen, micro_batch, rng) -> ((scaled share, (loss, metrics, weight)), grads)`. The loss is
+    leaves: `(trained, frozen, micro_batch, rng) -> ((scaled share, (loss, metrics, weights)), grads)`, weights
+    `_shard_weight`'s. The loss is
     traced once at full size and re-evaluated with the ZeRO-3 shards as `Sharded` (`eval_gathering`)."""
     first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local_batch)
     closed, out_shape = jax.make_jaxpr(s.micro, return_shape=True)(
@@ -340,9 +341,9 @@ def _shard_grad_fn(s, layout, local_batch, rng, scale):
                 if pl.gather else x for x, pl in zip(layout.cast(s, local_leaves), layout.plans)]
         flat_in = args + jax.tree.leaves(micro_batch) + [micro_rng]
         loss, metrics = out_tree.unflatten(eval_gathering(closed.jaxpr, closed.consts, flat_in, s.remat))
-        weight = _shard_weight(s, metrics)
-        scaled = loss * weight if scale is None else loss * weight * scale
-        return scaled, (loss, metrics, weight)
+        weights = _shard_weight(s, metrics)
+        scaled = loss * weights[0] if scale is None else loss * weights[0] * scale
+        return scaled, (loss, metrics, weights)
 
     return jax.value_and_grad(jax.checkpoint(shard_loss) if s.remat else shard_loss, has_aux=True)
 
@@ -361,50 +362,46 @@ def _user_shard_grad_fn(s, layout):
                  else x for x, pl in zip(layout.cast(s, local), layout.plans)]
         params = layout.treedef.unflatten(whole)
         (loss, metrics), grads = checked_user_gradients(s.grad_fn(params, micro_batch, micro_rng), params, mask)
-        weight = _shard_weight(s, metrics)
+        weights = _shard_weight(s, metrics)
+        weight = weights[0]
         grads = [g.astype(jnp.float32) if o else
                  in_model_blocks(lambda g, pl=pl: reduce_scatter(g, pl.gather, s.reduce_dtype, jnp.float32,
                                                                  s.int8.gradients), g.astype(jnp.float32) * weight,
                                  pl.auto_spec, pl.gather) if pl.gather else g.astype(jnp.float32) * weight
                  for g, pl, o in zip(jax.tree.leaves(grads), layout.trained(layout.plans),
                                      layout.trained(layout.overwrite))]
-        return (loss * weight, (loss, metrics, weight)), grads
+        return (loss * weight, (loss, metrics, weights)), grads
 
     return value_and_grad
 
 
 def _shard_weight(s, metrics):
-    """This shard's weight in its micro-batch's mean: 1 / shards, or its share of the `weight_metric` summed over
-    shards (0 where no shard has any)."""
+    """(this shard's weight in its micro-batch's mean, the micro-batch's weight among the step's): 1 / shards and 1,
+    or the shard's share of the `weight_metric` summed over shards (0 where no shard has any) and that sum."""
     if s.weight_metric is None:
-        return jnp.float32(1.0 / s.n_shards)
-    w, total = micro_weight(metrics, s.weight_metric), _micro_batch_weight(s, metrics)
-    return jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0)
-
-
-def _micro_batch_weight(s, metrics):
-    """A micro-batch's weight among the step's: its `weight_metric` summed over the shards (1 without one)."""
+        return jnp.float32(1.0 / s.n_shards), jnp.float32(1.0)
     w = micro_weight(metrics, s.weight_metric)
-    return jax.lax.psum(w, s.live) if s.live and s.weight_metric is not None else w
+    total = jax.lax.psum(w, s.live) if s.live else w
+    return jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), 0.0), total
 
 
 def _micro_gradients(s, layout, grad_fn, rng, shard, local_leaves, micro_batch, i):
     """(gradients in fp32 or grad_dtype, weighted loss, weighted metrics, the micro-batch's weight) of micro-batch i,
     each weighted by the shard's share of the micro-batch and, with more than one, by the micro-batch's weight among
-    the step's (`_micro_batch_weight`: the sum over them divides at the end); under ZeRO-2 the gradients already
+    the step's (`_shard_weight`'s second: the sum over them divides at the end); under ZeRO-2 the gradients already
     reduce-scattered over `data`, so partial sums stay split between micro-batches."""
     micro_rng = jax.random.fold_in(rng, i)
     if shard is not None:
         micro_rng = jax.random.fold_in(micro_rng, shard)
-    (_, (loss, metrics, weight)), grads = grad_fn(layout.trained(local_leaves), layout.trained(local_leaves, False),
-                                                  micro_batch, micro_rng)
+    (_, (loss, metrics, (weight, part))), grads = grad_fn(layout.trained(local_leaves),
+                                                         layout.trained(local_leaves, False), micro_batch, micro_rng)
     maxed = layout.trained(layout.overwrite)
     grads = [g.astype(jnp.float32 if o else s.grad_dtype or jnp.float32) for g, o in zip(grads, maxed)]
     if s.zero_stage == 2:
         grads = [g if o else
                  reduce_gradient(g, pl.scatter, (), s.reduce_dtype, pl.auto_spec, s.int8.gradients).astype(g.dtype)
                  for g, pl, o in zip(grads, layout.trained(layout.plans), maxed)]
-    part = _micro_batch_weight(s, metrics) if s.accumulate > 1 else jnp.float32(1.0)
+    part = part if s.accumulate > 1 else jnp.float32(1.0)
     grads = [g if o else g * part.astype(g.dtype) for g, o in zip(grads, maxed)]
     return grads, loss * weight * part, scaled_metrics(metrics, weight * part, s.weight_metric), part
 
