@@ -115,3 +115,22 @@ def test_auto_picks_the_shard_map_step_beside_expert_and_model_on_gpu_and_tpu(pl
     sizes = dict(dict(data=1, fsdp=1, expert=1, stage=1, context=1, model=1), **mesh)
     fake = types.SimpleNamespace(shape=sizes, devices=np.array([types.SimpleNamespace(platform=platform)]))
     assert choose_step(fake, engine.Precision(), engine.Parallelism(), None) == step
+
+
+@pytest.mark.parametrize("step", ["jit", pytest.param("shard_map", marks=pytest.mark.slow)])
+def test_router_losses_under_gradient_accumulation_are_each_micro_batchs(step):
+    """With `accumulate_grad_batches` the router losses are each micro-batch's, weighed like its loss by its tokens
+    (Megatron's and transformers' micro-batch level auxiliary loss): a micro-batch's gradient is taken before the
+    later ones' statistics exist. One SGD step of the tiny Mixtral on data 2 x expert 2 x model 2, two micro-batches
+    of unequal token counts, equals that mean on one device; the whole batch's terms would give another update."""
+    from tests import trainer_task as tt
+    from tests.test_step import _packed_rows
+
+    model = models.create_model("mixtral", "tiny", router_aux_loss_coef=0.5, router_z_loss_coef=1e-2)
+    params = models.init_params(model, jax.random.PRNGKey(0))
+    rows = _packed_rows(16, seq=16)
+    _, grads = tt.assert_sgd_step_equals_one_device(model, params, rows, engine.make_mesh(data=2, expert=2, model=2),
+                                                     step, accumulate=2)
+    _, whole = jax.value_and_grad(lm.lm_loss_fn(model), has_aux=True)(params, lm.collate_lm(rows), None, True)
+    router = grads["layers_0"]["mlp"]["router"]["kernel"]
+    assert np.abs(router - whole["layers_0"]["mlp"]["router"]["kernel"]).max() > 1e-2 * np.abs(router).max()
