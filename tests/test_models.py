@@ -542,28 +542,35 @@ def test_bfloat16_load_runs_close_to_float32(tmp_path):
 
 def test_t5_v1_0_with_a_large_initializer_factor_is_as_exact_as_transformers(tmp_path):
     """T5 v1.0 (ReLU MLP, head tied and scaled by d_model^-0.5) built by transformers with initializer_factor=2.0,
-    logits up to ~13 on the left-padded batch. T5 scales down neither its attention logits nor these larger weights
-    (each sublayer's gain is about factor^2), so fp32 rounding grows through the layers in any implementation: at
-    seeds 0-5 transformers' own fp32 logits stand 3e-5 to 2e-4 from its float64 ones, ours 3e-5 to 1.5e-4 (they
-    move with XLA's code generator: 7e-5 at seed 0 with the default flags, 1.5e-4 with the tests' -O0), so fp32
-    against fp32 differs by up to 3.5e-4 with nothing wrong; at initializer_factor 1 all three agree within 2e-6.
-    The exact reference is transformers in float64 (its eager and SDPA paths agree to 1e-13 there); ours must be
-    as close to it as transformers' fp32 is, within a factor 2 (0.4-1.5 over those seeds). A wrong output scale,
-    activation, attention scale, bucket or pad mask moves logits by 1e-2 or more."""
+    logits up to ~18 on the left-padded batch. T5 scales down neither its attention logits (the decoder's
+    cross-attention reaches ~60) nor these larger weights, so float32 rounding is amplified through the layers in
+    any implementation, by an amount that depends on the direction of each rounding: at torch seed 13 ours stand
+    4.8e-4 from transformers' float64 logits and its own float32 logits 9.2e-5, though every input of that
+    cross-attention (q, k, v) is as close to float64 in ours as in transformers' (k: 3.95e-5 and 4.00e-5), and at
+    seed 0 it is the other way (6.6e-5 against 2.0e-4). Over seeds 0-59 (the tests' XLA flags) the ratio's
+    geometric mean is 0.98, 6 seeds above 2x and 7 below 0.5x: nothing is computed less precisely. So the test
+    holds the ratio's geometric mean over 8 seeds (0.68 at these flags) to at most 1.5, and each seed's error below
+    1e-3: a wrong output scale, activation, attention scale, bucket or pad mask moves logits by 1e-2 or more. The
+    exact reference is transformers in float64 (its eager and SDPA paths agree to 1e-13 there)."""
     torch = pytest.importorskip("torch")
     tf = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf_model = tf.T5ForConditionalGeneration(tf.T5Config(
-        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-        relative_attention_max_distance=16, decoder_start_token_id=0, feed_forward_proj="relu",
-        tie_word_embeddings=True, initializer_factor=2.0)).eval()
-    hf_model.save_pretrained(str(tmp_path))
-    model, params = models.load_pretrained(str(tmp_path))
-    assert model.config.tie_word_embeddings and model.config.scale_decoder_outputs and not model.config.gated
-    dec = np.random.RandomState(1).randint(0, 128, (B, 5))
-    theirs = _hf_logits(hf_model, IDS, MASK, dec)
-    exact = _hf_logits(hf_model.double(), IDS, MASK, dec)
-    assert np.abs(exact).max() > 10  # the regime where rounding matters
-    theirs_error = np.abs(theirs - exact).max()
-    assert 1e-5 < theirs_error < 1e-3
-    assert np.abs(_our_logits(model, params, IDS, MASK, dec) - exact).max() <= 2 * theirs_error
+    ratios = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        hf_model = tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+            relative_attention_max_distance=16, decoder_start_token_id=0, feed_forward_proj="relu",
+            tie_word_embeddings=True, initializer_factor=2.0)).eval()
+        hf_model.save_pretrained(str(tmp_path / str(seed)))
+        model, params = models.load_pretrained(str(tmp_path / str(seed)))
+        assert model.config.tie_word_embeddings and model.config.scale_decoder_outputs and not model.config.gated
+        dec = np.random.RandomState(1).randint(0, 128, (B, 5))
+        theirs = _hf_logits(hf_model, IDS, MASK, dec)
+        exact = _hf_logits(hf_model.double(), IDS, MASK, dec)
+        assert np.abs(exact).max() > 10  # the regime where rounding matters
+        theirs_error = np.abs(theirs - exact).max()
+        assert 1e-5 < theirs_error < 1e-3
+        ours_error = np.abs(_our_logits(model, params, IDS, MASK, dec) - exact).max()
+        assert ours_error < 1e-3, seed
+        ratios.append(ours_error / theirs_error)
+    assert np.exp(np.mean(np.log(ratios))) <= 1.5, ratios
