@@ -850,3 +850,20 @@ def test_a_full_disk_ends_with_one_line_and_status_1(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) < 30, out.stderr
     assert len(errors) == 1 and errors[0].startswith("error: disk full: writing "), errors
+
+
+@pytest.mark.slow
+def test_a_resumed_run_says_that_its_compute_dtype_or_fp8_changed(tmp_path):
+    """The numerics' flags join the optimisation's in run.json: a resume under another --compute_dtype (as it
+    resolves: unset is float32 on CPU, so naming float32 changes nothing) or --fp8 continues and says so."""
+    workdir = tmp_path / "work"
+    args = [f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt').parent}/*.txt", "--tokenizer=byte",
+            f"--workdir={workdir}", "--mesh=-1,1,1", "--prompts=", *TINY_LM]
+    _run("train_lm.py", "--max_steps=2", *args)
+    assert json.loads((workdir / "run.json").read_text())["training"]["compute_dtype"] == "float32"
+    same = _run("train_lm.py", "--max_steps=3", "--compute_dtype=float32", *args)
+    assert "where the run in" not in same.stderr, same.stderr
+    again = _run("train_lm.py", "--max_steps=4", "--compute_dtype=bfloat16", "--fp8", *args)
+    assert f"--compute_dtype=bfloat16 where the run in {workdir} had float32" in again.stderr, again.stderr
+    assert f"--fp8=True where the run in {workdir} had False" in again.stderr
+    assert _steps(workdir)[-1] == 4

@@ -75,7 +75,7 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              f"flags of that run{hint}")
         _note_changed_training_flags(workdir, old.get("training", {}))
-    run["training"] = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
+    run["training"] = _noted_values()
     if global_batch is not None:
         run["training"]["global_batch"] = global_batch
     if FLAGS.is_parsed() and "max_steps" in FLAGS and "lr_extension" in FLAGS:  # a script's, not a library call's
@@ -89,15 +89,29 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
     os.replace(path + ".tmp", path)
 
 
-# The optimisation flags a resumed run may change (it continues, under the new values) but should say it did.
-_NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm", "seed")
+# The flags a resumed run may change (it continues, under the new values) but should say it did: the optimisation's
+# and the numerics' (compute_dtype as it resolves on the platform).
+_NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm", "seed",
+                "compute_dtype", "fp8")
+
+
+def compute_dtype_name():
+    """--compute_dtype's name as a run uses it: unset, bfloat16 on GPU and TPU and float32 on CPU."""
+    return FLAGS.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+
+
+def _noted_values():
+    values = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
+    if "compute_dtype" in values:
+        values["compute_dtype"] = compute_dtype_name()
+    return values
 
 
 def _note_changed_training_flags(workdir, before):
-    for name in _NOTED_FLAGS:
-        if name in FLAGS and name in before and before[name] != FLAGS[name].value:
+    for name, value in _noted_values().items():
+        if name in before and before[name] != value:
             logging.warning("--%s=%s where the run in %s had %s: the resumed run continues under the new value",
-                            name, FLAGS[name].value, workdir, before[name])
+                            name, value, workdir, before[name])
 
 
 def _training_record(workdir):

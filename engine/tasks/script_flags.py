@@ -264,8 +264,7 @@ def loss_implementation(model=None, *, per_token=False):
 def compute_dtype():
     """--compute_dtype as `engine.Precision` takes it (None: float32); unset: bfloat16 on GPU and TPU, float32 on
     CPU."""
-    name = FLAGS.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    return _DTYPES[name]
+    return _DTYPES[run_record.compute_dtype_name()]
 
 
 def parse_mesh(text):
