@@ -7,7 +7,10 @@ processes, and the table reports medians and the median of the per-round ratios,
 times directly on one placed batch: above 1 by `fit`'s own host work per step (data, logging, checks).
 `in-process` is the engine's 20 steps under `fit` over the floor's 20 steps (`plain_step.py`'s own loop, collation
 and placement included) alternated `--in_process_rounds` times inside one worker, after both are compiled: the
-median of those ratios, free of the differences between processes that dominate the other columns.
+median of those ratios, free of the differences between processes that dominate the other columns. `host ms` is
+`fit`'s own host work per step: HOST_STEPS steps under `fit` with the compiled step swapped for one that returns the
+state as it is (data, placement, logging, checks and nothing else), next to the floor's loop without its step
+(collation and `device_put`).
 
   .venv/bin/python scripts/bench_step.py --meshes=4x1x2,8x1x1 --rounds=3 --redco_python=/tmp/redco-venv/bin/python
 """
@@ -36,13 +39,14 @@ flags.DEFINE_integer("in_process_rounds", 3, "Alternations of the engine's `fit`
 flags.DEFINE_string("worker", None, "Internal: run one engine measurement for this mesh and print it.")
 flags.DEFINE_string("worker_step", "jit", "Internal: the step implementation of --worker.")
 
-GLOBAL_BATCH, STEPS, WARMUP = 16, 20, 2
+GLOBAL_BATCH, STEPS, WARMUP, HOST_STEPS = 16, 20, 2, 200
 
 
 def engine_worker(mesh_text, step_kind):
     """One measurement: prints STEADY <s> (`fit`'s STEPS steps), DIRECT <s> (the same compiled step called STEPS
     times directly on one placed batch: the program alone, without `fit`'s host work), COMPILE <s>, COMPILES <n>,
-    and on data x model meshes INPROCESS <ratio> (`_in_process_ratio`)."""
+    HOST <ms> and HOST_FLOOR <ms> (`_host_work`), and on data x model meshes INPROCESS <ratio>
+    (`_in_process_ratio`)."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, os.path.abspath(FLAGS.peers_dir))
     from engine import compiler
@@ -89,6 +93,31 @@ def engine_worker(mesh_text, step_kind):
     print(f"DIRECT {time.perf_counter() - start:.4f}")
     print(f"COMPILE {compile_seconds:.4f}")
     print(f"COMPILES {trainer.compile_count}")
+    trainer.set_params(params, reset_optimizer=True)  # the direct calls donated the state fit held
+    fit_ms, floor_ms = _host_work(trainer, per_device, mesh, collate_fn, make_examples)
+    print(f"HOST {fit_ms:.4f}")
+    print(f"HOST_FLOOR {floor_ms:.4f}")
+
+
+def _host_work(trainer, per_device, mesh, collate_fn, make_examples):
+    """(ms a step of `fit` around a step that returns the state unchanged, ms a step of the floor's loop without its
+    step: collation and `device_put` of each batch onto the data axes)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    metrics = {"loss": jnp.zeros(()), "grad_norm": jnp.zeros(()), "finite": jnp.array(True)}
+    trainer._program.executable = lambda sync, *args: (lambda p, o, b, s: (p, o, metrics))  # noqa: SLF001
+    examples = make_examples(GLOBAL_BATCH * HOST_STEPS, 4)
+    start = time.perf_counter()
+    trainer.fit(examples, per_device_batch_size=per_device, n_epochs=1, log_every=100)
+    fit_ms = (time.perf_counter() - start) / HOST_STEPS * 1e3
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    start = time.perf_counter()
+    for i in range(0, len(examples), GLOBAL_BATCH):
+        batch = jax.device_put(collate_fn(examples[i:i + GLOBAL_BATCH]), rows)
+    jax.block_until_ready(batch)
+    return fit_ms, (time.perf_counter() - start) / HOST_STEPS * 1e3
 
 
 def _in_process_ratio(trainer, per_device, make_examples):
@@ -120,7 +149,8 @@ def _run(cmd, env):
     values = {}
     for line in out.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in ("STEADY", "DIRECT", "COMPILE", "COMPILES", "INPROCESS"):
+        if len(parts) == 2 and parts[0] in ("STEADY", "DIRECT", "COMPILE", "COMPILES", "INPROCESS", "HOST",
+                                                  "HOST_FLOOR"):
             values[parts[0]] = float(parts[1])
     if "STEADY" not in values:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -168,10 +198,11 @@ def main(argv):
             rows.append((mesh_text, kind, med[mine], med["floor"], med["redco"], ratio(mine, "floor"),
                          ratio(mine, "redco"), statistics.median(r["STEADY"] / r["DIRECT"] for r in runs[mine]),
                          _median(r.get("INPROCESS") for r in runs[mine]),
+                         f"{_median(r['HOST'] for r in runs[mine]):.2f}/{_median(r['HOST_FLOOR'] for r in runs[mine]):.2f}",
                          statistics.median(r["COMPILE"] for r in runs[mine]),
                          int(max(r["COMPILES"] for r in runs[mine]))))
     header = ("mesh dxfxm", "step", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "fit/direct",
-              "in-process", "compile s", "compiles")
+              "in-process", "host ms", "compile s", "compiles")
     print(f"{STEPS} steady steps, global batch {GLOBAL_BATCH}, {FLAGS.rounds} interleaved rounds, medians")
     print(" | ".join(f"{h:>12}" for h in header))
     for r in rows:
