@@ -144,13 +144,15 @@ def _in_process_ratio(trainer, per_device, make_examples):
     return statistics.median(ratios)
 
 
+_KEYS = ("STEADY", "DIRECT", "COMPILE", "COMPILES", "INPROCESS", "HOST", "HOST_FLOOR")  # what a worker prints
+
+
 def _run(cmd, env):
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     values = {}
     for line in out.stdout.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in ("STEADY", "DIRECT", "COMPILE", "COMPILES", "INPROCESS", "HOST",
-                                                  "HOST_FLOOR"):
+        if len(parts) == 2 and parts[0] in _KEYS:
             values[parts[0]] = float(parts[1])
     if "STEADY" not in values:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -198,7 +200,7 @@ def main(argv):
             rows.append((mesh_text, kind, med[mine], med["floor"], med["redco"], ratio(mine, "floor"),
                          ratio(mine, "redco"), statistics.median(r["STEADY"] / r["DIRECT"] for r in runs[mine]),
                          _median(r.get("INPROCESS") for r in runs[mine]),
-                         f"{_median(r['HOST'] for r in runs[mine]):.2f}/{_median(r['HOST_FLOOR'] for r in runs[mine]):.2f}",
+                         "/".join(f"{_median(r[k] for r in runs[mine]):.2f}" for k in ("HOST", "HOST_FLOOR")),
                          statistics.median(r["COMPILE"] for r in runs[mine]),
                          int(max(r["COMPILES"] for r in runs[mine]))))
     header = ("mesh dxfxm", "step", "engine s", "floor s", "redco s", "engine/floor", "engine/redco", "fit/direct",

@@ -325,9 +325,9 @@ def _local_gradients(s, layout, local_params, local_batch, step, scale):
 
 def _shard_grad_fn(s, layout, local_batch, rng, scale):
     """`value_and_grad` of this device's weighted share of the loss on one micro-batch, with respect to its trained
-    leaves: `(trained, frozen, micro_batch, rng) -> ((scaled share, (loss, metrics, weights)), grads)`, weights
-    `_shard_weight`'s. The loss is
-    traced once at full size and re-evaluated with the ZeRO-3 shards as `Sharded` (`eval_gathering`)."""
+    leaves: `(trained, frozen, micro_batch, rng) -> ((scaled share, (loss, metrics, weights)), grads)`, with
+    `_shard_weight`'s weights. The loss is traced once at full size and re-evaluated with the ZeRO-3 shards as
+    `Sharded` (`eval_gathering`)."""
     first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), local_batch)
     closed, out_shape = jax.make_jaxpr(s.micro, return_shape=True)(
         layout.treedef.unflatten(layout.full), first, jax.ShapeDtypeStruct((), rng.dtype))
