@@ -17,5 +17,4 @@ from engine.step.update import (LossScale, accumulate_gradients, apply_update, c
 __all__ = ["Int8", "LossScale", "MANUAL_AXES", "accumulate_gradients", "apply_update", "cast_floating",
            "check_token_parallel", "combine", "current_loss_scale", "find_learning_rate", "init_opt_state",
            "is_overwrite", "jit_train_step", "micro_loss_fn", "micro_weight", "overwrite_tree", "partition",
-           "shard_map_train_step",
-           "split_loss", "trained_grad_fn"]
+           "shard_map_train_step", "split_loss", "trained_grad_fn"]

@@ -405,8 +405,12 @@ def empty_stats(num_experts):
 
 def summed_stats(intermediates, num_experts):
     """The router statistics sown into `intermediates` (stacked or not) summed into `empty_stats`' structure."""
+    return _summed(_sown(intermediates), num_experts)
+
+
+def _summed(found, num_experts):
     total = {k: jnp.asarray(v) for k, v in empty_stats(num_experts).items()}
-    for stats in _sown(intermediates):
+    for stats in found:
         for name, value in stats.items():
             total[name] = total[name] + value.reshape(-1, *total[name].shape).sum(0)
     return total
@@ -428,7 +432,7 @@ def router_losses(intermediates):
         return None
     E = found[0]["counts"].shape[-1]
     manual = kernels.manual_batch_axes()
-    sums = summed_stats(intermediates, E)
+    sums = _summed(found, E)
     total = {k: jax.lax.psum(v, manual) if manual else v for k, v in sums.items()}
     tokens = jnp.maximum(total["tokens"], 1.0)
     load_balancing = E * jnp.sum(total["counts"] / tokens * total["probs"] / tokens)

@@ -151,6 +151,7 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     # A mixture's router statistics are sums: each layer returns its own beside h, and the pipeline adds them up
     # over the layers and micro-batches, so that the loss's router terms are the whole batch's, as without one.
     experts = getattr(config, "num_experts", 0)
+    aux = moe.empty_stats(experts) if experts else None
 
     def layer_fn(w, h, c, layer, micro, closure):
         """Layer `layer` on micro-batch `micro`; closure: (the dropout key or None, the per-layer values), passed in
@@ -177,7 +178,7 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         out = pipeline_1f1b.pipeline_1f1b(
             layer_fn, tail_fn, weights, x, ctx, rest, inputs, stages=stages, microbatches=microbatches,
             fsdp_gather=config.pipeline_fsdp_gather, layer_inputs=(key, values), full_remat=config.remat == "full",
-            aux=moe.empty_stats(experts) if experts else None)
+            aux=aux)
         if experts:
             owner.sow("intermediates", moe.STATS, out[2])  # the whole batch's, as router_losses reads them
         return out[:2]
@@ -187,7 +188,7 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
     gpipe_layer = lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, (key, values))  # noqa: E731
     out = pipeline.pipeline(gpipe_layer, weights, x, ctx, stages=stages, microbatches=microbatches,
                             virtual_stages=config.pipeline_virtual_stages, policy=policy,
-                            fsdp_gather=config.pipeline_fsdp_gather, aux=moe.empty_stats(experts) if experts else None)
+                            fsdp_gather=config.pipeline_fsdp_gather, aux=aux)
     if not experts:
         return out
     owner.sow("intermediates", moe.STATS, out[1])  # the whole batch's, as router_losses reads them
