@@ -127,6 +127,18 @@ class _Analysis:
     def _divisible(self, pid, pdim):
         return pdim is not None and self.shapes[pid][pdim] % self.model_size == 0
 
+    def _layer_dim(self, pid, pdim, length):
+        """The param dim a scan of `length` steps iterates over, from the leading one it starts at: where the scanned
+        dim merges param dims pdim .. e (an interleaved pipeline's stack stored [V, L / V, ...] and scanned as [L],
+        `models.layers.stack`), the last of them, which split over `stage` gives each stage its chunk of every
+        round."""
+        shape, size, dim = self.shapes[pid], 1, pdim
+        for dim in range(pdim, len(shape)):
+            size *= shape[dim]
+            if size >= length:
+                break
+        return dim if size == length else pdim
+
     def _decide(self, pid, pdim, kind):
         if pid not in self.decided:
             self.decided[pid] = pdim
@@ -279,9 +291,10 @@ class _Analysis:
         p = eqn.params
         nc, ncarry = scan_counts(p)
         xs = []
-        for info in ins[nc + ncarry:]:  # the body sees xs without their leading (scanned) dim
-            if info.origin is not None and info.origin[1] and info.origin[1][0] is not None:
-                self.scanned.setdefault(info.origin[0], info.origin[1][0])
+        for var, info in zip(eqn.invars[nc + ncarry:], ins[nc + ncarry:]):  # the body sees xs without their
+            if info.origin is not None and info.origin[1] and info.origin[1][0] is not None:  # leading dim
+                pid = info.origin[0]
+                self.scanned.setdefault(pid, self._layer_dim(pid, info.origin[1][0], var.aval.shape[0]))
             origin = (info.origin[0], info.origin[1][1:]) if info.origin is not None else None
             xs.append(_Info(info.split - 1 if info.split else None, origin))
         outs = self.walk(p["jaxpr"].jaxpr, ins[:nc + ncarry] + xs)

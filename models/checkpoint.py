@@ -6,12 +6,14 @@ transpose, layers[, experts]): layers is None (no layer loop), their number, or 
 the tensor (Qwen3-MoE's dense and sparse layers; unscanned models only); experts, when given, is the number of
 per-expert tensors ('{e}' in the name) stacked into one leading [experts] dim (after the layers' under a scan)."""
 from models import registry
+from models.layers import stack
 
 
 def tensor_entries(config, tensor_map):
     """Expands a family's map to (our path, [hf names], transpose, stacked) with layer loops unrolled the way the
     model stores them (one stacked array under scan_layers, `layers_{i}` sub-trees otherwise). stacked counts the
-    leading dims the names are stacked into (0, 1 or 2: layers, experts), the names in row-major order of them."""
+    leading dims the names are stacked into (0 to 3: layers, as [L] or [V, L / V], experts), the names in row-major
+    order of them."""
     for path, name, transpose, layers, *experts in tensor_map:
         def per_expert(name=name, experts=experts, **i):
             return [name.format(e=e, **i) for e in range(experts[0])] if experts else [name.format(**i)]
@@ -21,8 +23,9 @@ def tensor_entries(config, tensor_map):
             yield path, per_expert(), transpose, extra
             continue
         indices = range(layers) if isinstance(layers, int) else layers
-        if config.scan_layers:
-            yield path, [n for i in indices for n in per_expert(i=i)], transpose, 1 + extra
+        if config.scan_layers:  # [L] or, stored for an interleaved pipeline, [V, L / V] (row-major: layer order)
+            rounds = stack.stored_rounds(config, len(indices))
+            yield path, [n for i in indices for n in per_expert(i=i)], transpose, (1 if rounds == 1 else 2) + extra
         else:
             at = path.index("layers")
             for i in indices:

@@ -143,6 +143,8 @@ def save_lora_adapter(model, params, path):
     for module, names, stacked in _adapted_modules(model):
         node = checkpoint.get_path(params, module)
         a, b = (np.asarray(jax.device_get(node[k]), np.float32) for k in ("lora_a", "lora_b"))
+        if stacked:  # one row per name ([L] or [V, L / V] layers)
+            a, b = (x.reshape(len(names), *x.shape[stacked:]) for x in (a, b))
         for i, name in enumerate(names):
             tensors[f"base_model.model.{name}.lora_A.weight"] = np.ascontiguousarray((a[i] if stacked else a).T)
             tensors[f"base_model.model.{name}.lora_B.weight"] = np.ascontiguousarray((b[i] if stacked else b).T)
@@ -204,6 +206,8 @@ def load_lora_adapter(model, params, path, *, layout=None):
                         raise ValueError(f"{path}/{ADAPTER_WEIGHTS} has no tensor {tensor!r}")
                     parts.append(f.get_tensor(tensor).T.astype(np.float32))
                 value = np.stack(parts) if stacked else parts[0]
+                if stacked and value.shape[1:] == tuple(node[key].shape[stacked:]):  # [L] or [V, L / V] layers
+                    value = value.reshape(node[key].shape)
                 if value.shape != tuple(node[key].shape):
                     raise ValueError(f"{path}: {kind} of {names[0]} is {parts[0].T.shape} (stored [out or r, in or "
                                      f"r]); the model needs {tuple(node[key].shape)} ([in or r, r or out])")

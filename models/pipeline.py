@@ -1,11 +1,11 @@
 """Pipeline parallelism for a scanned layer stack over the mesh's `stage` axis: GPipe's schedule, or the interleaved
 (circular) one with V virtual stages per device.
 
-The stack's weights [L, ...] keep their checkpoint layout. The layers are V S chunks of K = L / (V S); chunk j runs on
-stage j mod S, so stage s holds chunks s, S + s, ..., and the weights are viewed as [V, S, K, ...] with S over
-`stage`. With V = 1 (GPipe) that is `engine.auto_shard`'s contiguous split of the layer dim, and the view moves
-nothing; with V > 1 the chunks of a stage are strided in [L], which no sharding of that dim expresses, so the compiled
-step re-lays the weights out every step (models/README.md#the-pipeline says what that costs). The rows of the batch
+The layers are V S chunks of K = L / (V S); chunk j runs on stage j mod S, so stage s holds chunks s, S + s, ..., and
+the weights are viewed as [V, S, K, ...] with S over `stage`. With V = 1 (GPipe) the stack's weights are [L, ...] and
+that is `engine.auto_shard`'s contiguous split of the layer dim; with V > 1 they are stored [V, L / V, ...]
+(`models.layers.stack.stored_rounds`) with the second dim split over `stage`: either way the view is each stage's
+own weights. The rows of the batch
 are cut into M micro-batches (micro-batch m = rows m, m + M, m + 2M, ...: each device's rows stay its own), and a
 micro-batch passes the ring of stages V times. In tick t = 0 .. V M + S - 2 every stage runs one chunk at once
 (`jax.vmap` over the stage dim, which the compiler splits over `stage`): stage s on item t - s of its V M (micro-batch
@@ -91,7 +91,8 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     (V = 1: GPipe; V > 1: the interleaved schedule, which needs microbatches >= stages).
 
     layer_fn(layer params, h [rows, ...], ctx of those rows, layer index, micro-batch index) -> h; the index is one
-    of M x the batch shards (`_micro_index`), for the layer's dropout key. params: a pytree of [L, ...] arrays; x [B,
+    of M x the batch shards (`_micro_index`), for the layer's dropout key. params: a pytree of [L, ...] arrays (V > 1:
+    [V, L / V, ...], the interleaved schedule's stored form, `models.layers.stack.stored_rounds`); x [B,
     ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and positions). Each layer runs under
     `jax.checkpoint` with `policy` (None: it keeps only its input; without remat `SAVE_ALL_BUT_WEIGHTS`), which must
     not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or 'step' (the module's docstring).
@@ -100,7 +101,7 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     aux: a pytree of zeros (float arrays) when layer_fn returns (h, a layer's aux of that structure), e.g. a mixture
     of experts' router statistics, which are sums: then (the output, aux summed over every layer and micro-batch of
     the whole batch), differentiable like the output (the same sums as the unpipelined stack's layers give)."""
-    num_layers = jax.tree.leaves(params)[0].shape[0]
+    num_layers = _num_layers(params, virtual_stages)
     rows = x.shape[0]
     _check(num_layers, rows, stages, microbatches, virtual_stages, fsdp_gather)
     loop = functools.partial(_tick_loop, layer_fn, stages=stages, microbatches=microbatches,
@@ -149,14 +150,16 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
     """`pipeline`'s tick loop on the rows x [B, ...] (all of them, or a device's inside the shard_map over the batch
     axes, whose index there is `shard`): the stack's output [B, ...], and with `aux` (zeros of layer_fn's aux) its
     sum over the layers of every item the stages ran (not the clipped ones of idle ticks)."""
-    num_layers = jax.tree.leaves(params)[0].shape[0]
+    num_layers = _num_layers(params, virtual_stages)
     rows, chunks = x.shape[0], stages * virtual_stages
     per_chunk = num_layers // chunks
     split = _splitter(rows, microbatches)
     inputs, ctx_mb = split(x), _whole_on_device(jax.tree.map(split, ctx), shard)
-    # [L, ...] -> [V, S, K, ...] (layer (v S + s) K + k) -> [S, V, K, ...]: stage s's chunks s, S + s, 2S + s, ...
+    # [V, L / V, ...] -> [V, S, K, ...] (layer (v S + s) K + k) -> [S, V, K, ...]: stage s's chunks s, S + s, 2S + s,
+    # ..., where the stored second dim's split over `stage` already puts them (GPipe's [L] likewise).
     stage_params = jax.tree.map(lambda w: _on_stages(
-        w.reshape(virtual_stages, stages, per_chunk, *w.shape[1:]).swapaxes(0, 1)), params)
+        w.reshape(virtual_stages, stages, per_chunk, *w.shape[1 if virtual_stages == 1 else 2:]).swapaxes(0, 1)),
+        params)
     stage_ids = jnp.arange(stages)
 
     # Layer j of round rnd's chunk is sliced out of the stage's weights p [V, K, ...] inside the layer's checkpoint,
@@ -215,6 +218,17 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
                                        jnp.arange(num_ticks(stages, microbatches, virtual_stages)))
     out = done.swapaxes(0, 1).reshape(x.shape)  # [M, m_rows, ...] -> rows
     return out if aux is None else (out, jax.tree.map(lambda a: a.sum(0), sums[0]))
+
+
+def _num_layers(params, virtual_stages):
+    """L of a stack's weights: [L, ...] for V = 1, stored [V, L / V, ...] for V > 1 (`models.layers.stack`)."""
+    shape = jax.tree.leaves(params)[0].shape
+    if virtual_stages == 1:
+        return shape[0]
+    if len(shape) < 2 or shape[0] != virtual_stages:
+        raise ValueError(f"pipeline_virtual_stages={virtual_stages} runs a stack stored [{virtual_stages}, layers / "
+                         f"{virtual_stages}, ...]; got weights of shape {shape} (models.stack_layers converts)")
+    return shape[0] * shape[1]
 
 
 def _widened(w):

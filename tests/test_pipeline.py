@@ -14,6 +14,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
 
 import engine
 import kernels
@@ -101,21 +102,27 @@ def test_pipelined_stack_equals_the_plain_one(family, mesh, options):
         assert float(jnp.max(jnp.abs(g - w))) <= 1e-5 * scale, jax.tree_util.keystr(path)
 
 
-def test_stacked_layers_split_over_stage_and_only_activations_move():
-    model = _model(lora_rank=4)
+@pytest.mark.parametrize("mesh, rounds", [(dict(stage=4, data=2), 1), (dict(stage=2, data=4), 2)])
+def test_stacked_layers_split_over_stage_and_only_activations_move(mesh, rounds):
+    """GPipe's stack [L, ...] split over `stage` along L, the interleaved schedule's (V = 2) stored [V, L / V, ...]
+    along its second dim: each stage holds its chunk of every round, and neither compiled step moves a weight."""
+    model = _model(lora_rank=4, pipeline_virtual_stages=rounds, pipeline_microbatches=2)
     params = models.init_params(model, jax.random.PRNGKey(0))
+    assert params["layers"]["mlp"]["up"]["kernel"].shape[:2] == ((4, 64) if rounds == 1 else (2, 2))
     ids = _ids(model)
     loss = _loss(model)
-    mesh = engine.make_mesh(stage=4, data=2)
+    mesh = engine.make_mesh(**mesh)
     specs = engine.auto_shard(params, mesh, trace_fn=lambda p: loss(p, ids))
+    layer_dim = 0 if rounds == 1 else 1
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]:
         name = engine.sharding.path_str(path)
-        assert (spec[:1] == ("stage",)) == name.startswith("layers/"), (name, spec)  # adapters too
+        stage_dims = [d for d, e in enumerate(spec) if e == "stage"]
+        assert stage_dims == ([layer_dim] if name.startswith("layers/") else []), (name, spec)  # adapters too
     fn, placed, placed_ids = _on_mesh(loss, params, ids, mesh)
     kernel = placed["layers"]["mlp"]["up"]["kernel"]
-    assert kernel.addressable_shards[0].data.shape[0] == 1  # 4 layers over 4 stages
+    assert kernel.addressable_shards[0].data.shape[:layer_dim + 1] == ((1,) if rounds == 1 else (2, 1))
     hlo = fn.lower(placed, placed_ids).compile().as_text()
-    assert "collective-permute" in hlo
+    assert "collective-permute" in hlo and "all-to-all" not in hlo
     # What is gathered is activations [..., T, D] (the last stage's outputs), never a weight.
     gathered = re.findall(r"= \w+\[([\d,]*)\][^=]* all-gather(?:-start)?\(", hlo)
     assert all(shape.split(",")[-2:] == [str(SEQ), str(model.config.hidden_size)] for shape in gathered), gathered
@@ -134,6 +141,11 @@ def test_stacked_layers_split_over_stage_and_only_activations_move():
     pytest.param(dict(stage=2, context=2), dict(parallelism=engine.Parallelism(step="jit")), marks=pytest.mark.slow),
     pytest.param(dict(stage=2, data=2, model=2), dict(parallelism=engine.Parallelism(step="jit"), virtual_stages=2),
                  marks=pytest.mark.slow),
+    # The interleaved stack stored [V, L / V, ...]: the shard_map step's ZeRO-3 gathers of its `stage`-split second
+    # dim, and streaming DiLoCo's parts of it.
+    pytest.param(dict(stage=2, fsdp=2, data=2), dict(parallelism=engine.Parallelism(step="shard_map"),
+                                                     virtual_stages=2), marks=pytest.mark.slow),
+    pytest.param(dict(stage=2, data=2, model=2), dict(diloco="streaming", virtual_stages=2), marks=pytest.mark.slow),
     pytest.param(dict(stage=2, fsdp=2, data=2), dict(parallelism=engine.Parallelism(step="jit"), fsdp_gather="step"),
                  marks=pytest.mark.slow),
 ])
@@ -421,8 +433,14 @@ def test_bad_input_fails_in_one_line():
         _trace_on(mesh, _model(pipeline_microbatches=3))
     with pytest.raises(ValueError, match=r"pipeline_virtual_stages=0; expected an integer >= 1"):
         _model(pipeline_virtual_stages=0)
-    with pytest.raises(ValueError, match=r"stage=2 x pipeline_virtual_stages=3 splits a stack of 4 layers"):
+    with pytest.raises(ValueError, match=r"pipeline_virtual_stages=3 cuts a stack of 4 layers into rounds of unequal "
+                                         r"length; expected a value that divides the number of layers"):
         _trace_on(mesh, _model(pipeline_virtual_stages=3))
+    with pytest.raises(ValueError, match=r"stage=2 x pipeline_virtual_stages=2 splits a stack of 6 layers"):
+        _trace_on(mesh, _model(pipeline_virtual_stages=2, num_layers=6))
+    with pytest.raises(ValueError, match=r"pipeline_virtual_stages=2 stores the layer stack 'layers' for an "
+                                         r"interleaved pipeline, which this model's stack cannot run"):
+        models.init_params(models.create_model("t5", "tiny", scan_layers=True, pipeline_virtual_stages=2))
     with pytest.raises(ValueError, match=r"pipeline_microbatches=1 with pipeline_virtual_stages=2 on stage=2; "
                                          r"expected at least 2 micro-batches"):
         _trace_on(mesh, _model(pipeline_microbatches=1, pipeline_virtual_stages=2))
@@ -497,3 +515,50 @@ def test_dropout_in_a_pipeline_follows_the_key():
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
     plain = jax.jit(lambda p: loss(p, ids, jax.random.PRNGKey(0)))(params)
     assert abs(float(a) - float(plain)) < 0.1  # dropout of 0.1 moves a loss near 4.9 a little, not wholesale
+
+
+@pytest.mark.slow
+def test_interleaved_stack_is_stored_by_rounds_and_converts_at_every_boundary(tmp_path):
+    """An interleaved pipeline's model (V = 2) stores its stack [V, L / V, ...]: the same layers in the same order as
+    [L, ...] (its fresh init is the GPipe model's, reshaped), computing the same function on no mesh, generating
+    the same tokens, converted both ways by `stack_layers`, and read and written as the same transformers and PEFT
+    directories."""
+    plain = _model(lora_rank=2)
+    params = models.init_params(plain, jax.random.PRNGKey(0))
+    params = jax.tree.map(lambda a: a + 0.01, params)  # LoRA's B starts at zero: make every adapter count
+    model = _model(lora_rank=2, pipeline_virtual_stages=2)
+    fresh = models.init_params(model, jax.random.PRNGKey(0))
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(fresh["layers"])[0],
+                                 jax.tree.leaves(models.init_params(plain, jax.random.PRNGKey(0))["layers"])):
+        assert got.shape == (2, 2, *want.shape[1:]), jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(got.reshape(want.shape), want)
+    model_again, stored = models.stack_layers(plain, params, virtual_stages=2)
+    assert model_again.config == model.config
+    ids = _ids(model, rows=2)
+    want = plain.apply({"params": params}, ids)
+    np.testing.assert_allclose(model.apply({"params": stored}, ids), want, rtol=1e-6, atol=1e-6)
+    back_model, back = models.stack_layers(model, stored, virtual_stages=1)
+    assert back_model.config == plain.config
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back, params))
+    unscanned = _model(lora_rank=2, scan_layers=False)
+    _, from_unscanned = models.stack_layers(unscanned, models.init_params(unscanned, jax.random.PRNGKey(3)),
+                                            virtual_stages=2)
+    assert from_unscanned["layers"]["mlp"]["up"]["kernel"].shape[:2] == (2, 2)
+    np.testing.assert_array_equal(models.generate(model, stored, ids[:, :4], max_new_tokens=4),
+                                  models.generate(plain, params, ids[:, :4], max_new_tokens=4))
+    # A transformers directory and a PEFT adapter: the same files from either form, read back into either.
+    models.save_pretrained(model, stored, str(tmp_path / "hf_v2"))
+    models.save_pretrained(plain, params, str(tmp_path / "hf_v1"))
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.3.self_attn.q_proj.weight"):
+        with safe_open(str(tmp_path / "hf_v2" / "model.safetensors"), "np") as a, \
+                safe_open(str(tmp_path / "hf_v1" / "model.safetensors"), "np") as b:
+            np.testing.assert_array_equal(a.get_tensor(name), b.get_tensor(name))
+    loaded_model, loaded = models.load_pretrained(str(tmp_path / "hf_v1"), scan_layers=True, pipeline_virtual_stages=2)
+    assert loaded["layers"]["mlp"]["up"]["kernel"].shape[:2] == (2, 2)
+    np.testing.assert_allclose(loaded_model.apply({"params": loaded}, ids),
+                               models.merge_lora(plain, params)[0].apply(
+                                   {"params": models.merge_lora(plain, params)[1]}, ids), rtol=1e-5, atol=1e-5)
+    models.save_lora_adapter(model, stored, str(tmp_path / "peft"))
+    base_model, base = models.merge_lora(model, jax.tree.map(jnp.zeros_like, stored))
+    adapted_model, adapted = models.load_lora_adapter(base_model, base, str(tmp_path / "peft"))
+    np.testing.assert_array_equal(adapted["layers"]["attn"]["q"]["lora_a"], stored["layers"]["attn"]["q"]["lora_a"])

@@ -247,18 +247,17 @@ def with_flags(model, params):
 
 def with_pipeline(model, params):
     """(model, params) laid out for the mesh flags: --sequence_parallel set; for --pipeline_stages > 1 the layers
-    stacked (`models.stack_layers`), --pipeline_microbatches, --pipeline_virtual_stages, --pipeline_schedule and
-    --pipeline_fsdp_gather set."""
+    stacked as --pipeline_virtual_stages stores them (`models.stack_layers`), --pipeline_microbatches,
+    --pipeline_schedule and --pipeline_fsdp_gather set."""
     if FLAGS.sequence_parallel:
         model = model.clone(config=dataclasses.replace(model.config, sequence_parallel=True))
     if FLAGS.pipeline_stages == 1:
         return model, params
     try:
-        model, params = models.stack_layers(model, params)
+        model, params = models.stack_layers(model, params, virtual_stages=FLAGS.pipeline_virtual_stages)
     except ValueError as e:
         raise ValueError(f"--pipeline_stages={FLAGS.pipeline_stages}: {e}") from None
     config = dataclasses.replace(model.config, pipeline_microbatches=FLAGS.pipeline_microbatches,
-                                 pipeline_virtual_stages=FLAGS.pipeline_virtual_stages,
                                  pipeline_schedule=FLAGS.pipeline_schedule,
                                  pipeline_fsdp_gather=FLAGS.pipeline_fsdp_gather)
     return model.clone(config=config), params

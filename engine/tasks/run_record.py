@@ -16,9 +16,11 @@ FLAGS = flags.FLAGS
 
 
 # Runtime options are not recorded in run.json; the LoRA, quantisation, FP8 history and layer-stacking fields are
-# (they change the parameters and their checkpoint layout).
+# (they change the parameters and their checkpoint layout: an interleaved pipeline's virtual stages store the stack
+# [V, L / V, ...], `models.layers.stack.stored_rounds`).
 _RECORDED_DEFAULTS = {f.name: f.default for f in dataclasses.fields(models.ModelOptions)
-                  if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "fp8_history", "scan_layers")}
+                      if f.name in ("lora_rank", "lora_alpha", "lora_targets", "quantize", "fp8_history", "scan_layers",
+                                    "pipeline_virtual_stages")}
 RUNTIME_FIELDS = {f.name for f in dataclasses.fields(models.ModelOptions)} - set(_RECORDED_DEFAULTS) | {"hf_config"}
 RUN_FILE = "run.json"
 
@@ -67,6 +69,10 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
                 hint = (f": its layers were {'' if was else 'not '}scanned (stacked), so --model_overrides with "
                         f'"scan_layers": {str(was).lower()} (GPU and TPU runs default to true, CPU runs to false), '
                         f"and --pipeline_stages {'> 1 if it ran as a pipeline' if was else '=1'}")
+            if "pipeline_virtual_stages" in changed:
+                was = (old_config or {}).get("pipeline_virtual_stages") or 1
+                hint += (f"{'; ' if hint else ': '}its layers are stored for --pipeline_virtual_stages={was} (--init_from "
+                         "that workdir converts them)")
             if "fp8_history" in changed:
                 was = (old_config or {}).get("fp8_history") or 0
                 hint += (f"{'; ' if hint else ': '}it ran with " + (f"--fp8 --fp8_history={was}" if was else

@@ -14,7 +14,7 @@ from models.layers.norms import Norm
 from models.layers.options import compute_dtype, config_dtype
 from models.layers.parallel import gather_tokens, split_tokens
 from models.layers.rotary import segment_positions
-from models.layers.stack import apply_layers
+from models.layers.stack import apply_layers, layer_major, stored_form, stored_rounds
 
 
 def decoder_context(input_ids, attention_mask, positions, cache):
@@ -187,21 +187,30 @@ def sliding_layers(config):
     return tuple(getattr(config, "sliding_layers", (True,) * config.num_layers))
 
 
-def stack_layers(model, params):
-    """(model with scan_layers=True, params with its `layers_{i}` sub-trees stacked into one [num_layers, ...] tree
-    under `layers`): the layout a pipeline splits over stages. Unchanged when already scanned. Decoder-only
-    families (a `DecoderLM`); ValueError otherwise."""
+def stack_layers(model, params, virtual_stages=None):
+    """(model with scan_layers=True, params with its layers stacked under `layers`): the layout a pipeline splits over
+    stages. An unscanned model's `layers_{i}` sub-trees are stacked into one [num_layers, ...] tree; virtual_stages
+    (None: the model's own `pipeline_virtual_stages`) sets that field, the stack stored as such a model stores it
+    ([V, L / V, ...] for V > 1, `layers.stack.stored_rounds`), converted from the form `model` stores (the same
+    layers in the same order). Unchanged when nothing changes. Decoder-only families (a `DecoderLM`); ValueError
+    otherwise."""
     if not isinstance(model, DecoderLM):
         raise ValueError("a pipeline needs a decoder-only model (LLaMA, GPT-J, OPT, Qwen, Mistral, Gemma); got "
                          f"{type(model).__name__}")
-    if model.config.scan_layers:
+    config, n = model.config, model.config.num_layers
+    target = dataclasses.replace(config, scan_layers=True, pipeline_virtual_stages=(
+        config.pipeline_virtual_stages if virtual_stages is None else virtual_stages))
+    rounds = stored_rounds(target, n)  # checked before anything moves
+    if target == config:
         return model, params
-    n = model.config.num_layers
     params = dict(params)
+    if config.scan_layers:
+        params["layers"] = stored_form(layer_major(params["layers"], stored_rounds(config, n)), rounds)
+        return model.clone(config=target), params
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *[params.pop(f"layers_{i}") for i in range(n)])
     # The stack sits where the unscanned model creates its first layer (creation order decides auto_shard's names
     # fallback and the tables it logs).
     params = {**{k: v for k, v in params.items() if k in ("embed", "embed_positions", "project_in")},
-              "layers": stacked, **{k: v for k, v in params.items() if k not in ("embed", "embed_positions",
-                                                                                  "project_in")}}
-    return model.clone(config=dataclasses.replace(model.config, scan_layers=True)), params
+              "layers": stored_form(stacked, rounds), **{k: v for k, v in params.items()
+                                                         if k not in ("embed", "embed_positions", "project_in")}}
+    return model.clone(config=target), params

@@ -46,10 +46,15 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     call without a tail. Other calls ignore it."""
     num_layers = config.num_layers if num_layers is None else num_layers
     scan, remat = config.scan_layers, config.remat
+    rounds = stored_rounds(config, num_layers)
     cache = None if cache is None else cache["layers"]
     block_kwargs = {"config": config, **block_kwargs}
     if remat != "none" and remat not in _REMAT_POLICIES:
         raise ValueError(f"remat={remat!r}; expected 'none', 'full' or 'dots'")
+    if rounds > 1 and owner is None:
+        raise ValueError(f"pipeline_virtual_stages={rounds} stores the layer stack '{name}' for an interleaved pipeline, "
+                         "which this model's stack cannot run (decoder-only families can); expected "
+                         "pipeline_virtual_stages=1")
     stages = pipeline.num_stages()
     if stages > 1 and cache is None:
         if owner is None:
@@ -66,9 +71,9 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
                               loss_tail), None
     layered = per_layer is not None or isinstance(cache, list)
     if layered and cache is not None and scan and not owner.is_initializing():
-        return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers)
+        return _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers, rounds)
     if cache is not None and scan and not owner.is_initializing():
-        return _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs)
+        return _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs, rounds)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
@@ -76,6 +81,12 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
         stack = nn.scan(block_cls, variable_axes={"params": 0, "intermediates": 0},
                         split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast, 0) + (0,) * len(layer), length=num_layers)
+        if rounds > 1:  # the scan sees [L, ...]; the weights are stored [V, L / V, ...] (`stored_rounds`). Mapped
+            # out at init only: flax's map_variables(init=True) calls the scan on the stored weights whenever a
+            # collection is mutable (a mixture's sown statistics).
+            stack = nn.map_variables(stack, "params", trans_in_fn=lambda t: layer_major(t, rounds),
+                                     trans_out_fn=lambda t: stored_form(t, rounds), init=owner.is_initializing(),
+                                     mutable=owner.is_initializing())
         return stack(name=name, **block_kwargs)(x, ctx, cache, *layer)
     caches = [(None, None)] * num_layers if cache is None else _layer_caches(cache, per_layer, num_layers)
     for i in range(num_layers):
@@ -85,6 +96,38 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     if cache is None:
         return x, None
     return x, _restack(caches)
+
+
+def stored_rounds(config, num_layers):
+    """V where a scanned stack's weights are stored [V, L / V, ...] instead of [L, ...]: an interleaved pipeline's
+    (`pipeline_virtual_stages` V > 1), whose stage s runs the layer chunks s, S + s, 2S + s, ... of L / (V S) layers.
+    Stored so, with the second dim split over `stage` (`engine.auto_shard`), each stage holds its chunks of every
+    round, and the schedule's [V, S, K, ...] view of them moves no weight; [L, ...] split over `stage` holds a stage's
+    layers in one contiguous block, which the schedule re-laid out every step. The same layers in the same memory
+    order (`layer_major` is a reshape), so a checkpoint converts at its boundary (`models.stack_layers`, the Hugging
+    Face maps). 1 otherwise (unscanned, or V = 1)."""
+    rounds = getattr(config, "pipeline_virtual_stages", 1)
+    if not config.scan_layers or rounds == 1:
+        return 1
+    if num_layers % rounds:
+        raise ValueError(f"pipeline_virtual_stages={rounds} cuts a stack of {num_layers} layers into rounds of unequal "
+                         "length; expected a value that divides the number of layers")
+    return rounds
+
+
+def layer_major(weights, rounds):
+    """A stack's weights [L, ...] from their stored form (`stored_rounds`: [V, L / V, ...] for rounds = V > 1, else
+    [L, ...] as they are)."""
+    if rounds == 1:
+        return weights
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), weights)
+
+
+def stored_form(weights, rounds):
+    """A stack's weights [L, ...] in their stored form (`stored_rounds`): [V, L / V, ...] for rounds = V > 1."""
+    if rounds == 1:
+        return weights
+    return jax.tree.map(lambda a: a.reshape(rounds, a.shape[0] // rounds, *a.shape[1:]), weights)
 
 
 def _layer_caches(cache, per_layer, num_layers):
@@ -111,14 +154,14 @@ def _restack(caches):
     return {kind: stacked([c for k, c in caches if k == kind]) for kind in ("full", "sliding")}
 
 
-def _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs):
+def _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs, rounds):
     """A scanned stack's cached call (generation) when every layer's cache has one shape: a `lax.scan` of the block
     applied to each layer's slice of the stacked weights `owner`'s `name` and its cache. Not `nn.scan`: before it
     scans, flax traces the body once to check that nothing it broadcasts depends on the loop, and a Pallas kernel the
     body calls outside a custom_vjp (the Triton decode attention) survives that trace's dead-code elimination under
     JAX 0.11 (a `pallas_call` is never removed), so flax refused the scan ("broadcasted variable has a data
     dependency on the scan body") and a scanned model could not generate on a GPU."""
-    block, weights = block_cls(parent=None, **block_kwargs), owner.variables["params"][name]
+    block, weights = block_cls(parent=None, **block_kwargs), layer_major(owner.variables["params"][name], rounds)
 
     def body(h, layer):
         w, layer_cache = layer
@@ -127,10 +170,10 @@ def _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs):
     return jax.lax.scan(body, x, (weights, cache))
 
 
-def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers):
+def _layer_by_layer(owner, block_cls, x, ctx, cache, name, block_kwargs, per_layer, num_layers, rounds):
     """A scanned stack's cached call when its layers' caches differ in shape: each layer is the block applied to its
     slice of the stacked weights `owner`'s `name`, with its kind's cache (`apply_layers`)."""
-    block, weights = block_cls(parent=None, **block_kwargs), owner.variables["params"][name]
+    block, weights = block_cls(parent=None, **block_kwargs), layer_major(owner.variables["params"][name], rounds)
     caches = _layer_caches(cache, per_layer, num_layers)
     for i, (kind, layer_cache) in enumerate(caches):
         layer = () if per_layer is None else ({k: v[i] for k, v in per_layer.items()},)
