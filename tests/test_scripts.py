@@ -316,6 +316,32 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
 
 
 @pytest.mark.slow
+def test_train_lm_on_an_interleaved_pipeline_records_its_stored_stack(tmp_path):
+    """--pipeline_virtual_stages=2 trains like the flat mesh; run.json records it (the stack is stored [V, L / V]),
+    so a resume under another value is refused in one line, while --init_from that workdir converts the stack and
+    generate.py reads it on a mesh without stages."""
+    data = f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}"
+    four = '--model_overrides={"hidden_size": 32, "intermediate_size": 64, "num_layers": 4}'
+    common = [data, *TINY_LM[:-1], four, "--max_steps=4", "--log_every=2", "--prompts="]
+    flat = _run("train_lm.py", *common, f"--workdir={tmp_path / 'flat'}", "--mesh=4,1,2", "--per_device_batch_size=2")
+    piped = [*common, "--mesh=2,1,2", "--per_device_batch_size=4", "--pipeline_stages=2", "--pipeline_microbatches=2"]
+    inter = _run("train_lm.py", *piped, f"--workdir={tmp_path / 'v2'}", "--pipeline_virtual_stages=2")
+    np.testing.assert_allclose(_losses(inter.stdout), _losses(flat.stdout), rtol=1e-3)
+    assert json.loads((tmp_path / "v2" / "run.json").read_text())["config"]["pipeline_virtual_stages"] == 2
+    again = _run("train_lm.py", *piped, f"--workdir={tmp_path / 'v2'}", "--max_steps=6", ok=False)
+    assert again.returncode == 2 and "fields ['pipeline_virtual_stages'] differ" in again.stderr
+    assert again.stderr.strip().endswith("its layers are stored for --pipeline_virtual_stages=2 (its export_hf.py "
+                                         "directory, or the workdir as --init_from of the scripts that take one, "
+                                         "starts a run under another value)")
+    _run("export_hf.py", f"--workdir={tmp_path / 'v2'}", f"--out={tmp_path / 'hf'}")
+    _run("train_lm.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=byte",
+         *[a for a in piped if a != four], f"--workdir={tmp_path / 'v1'}", "--max_steps=2")
+    assert json.loads((tmp_path / "v1" / "run.json").read_text())["config"]["pipeline_virtual_stages"] == 1
+    gen = _run("generate.py", f"--workdir={tmp_path / 'v2'}", "--prompts=def ", "--max_new_tokens=3", "--mesh=4,1,2")
+    assert "--- 'def':" in gen.stdout
+
+
+@pytest.mark.slow
 def test_train_lm_on_a_context_mesh_trains_alike_with_either_step(tmp_path):
     """--context_parallel=2 on data 2 x model 2: --train_step=shard_map (context manual in the step) logs the
     losses of the jit step, and the runs say which step ran."""

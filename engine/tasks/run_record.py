@@ -71,8 +71,9 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
                         f"and --pipeline_stages {'> 1 if it ran as a pipeline' if was else '=1'}")
             if "pipeline_virtual_stages" in changed:
                 was = (old_config or {}).get("pipeline_virtual_stages") or 1
-                hint += (f"{'; ' if hint else ': '}its layers are stored for --pipeline_virtual_stages={was} (--init_from "
-                         "that workdir converts them)")
+                hint += (f"{'; ' if hint else ': '}its layers are stored for --pipeline_virtual_stages={was} (its "
+                         "export_hf.py directory, or the workdir as --init_from of the scripts that take one, "
+                         "starts a run under another value)")
             if "fp8_history" in changed:
                 was = (old_config or {}).get("fp8_history") or 0
                 hint += (f"{'; ' if hint else ': '}it ran with " + (f"--fp8 --fp8_history={was}" if was else
