@@ -205,8 +205,9 @@ def test_a_mixture_on_a_pipeline_adds_the_whole_batchs_router_losses(mesh, optio
 
 
 @pytest.mark.slow
-def test_generation_under_a_pipeline_mesh_matches():
-    model = _model()
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_generation_under_a_pipeline_mesh_matches(rounds):
+    model = _model(pipeline_virtual_stages=rounds, pipeline_microbatches=2)
     params = models.init_params(model, jax.random.PRNGKey(0))
     prompts = _ids(model, rows=2)[:, :4]
     want = models.generate(model, params, prompts, max_new_tokens=4)

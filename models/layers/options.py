@@ -53,7 +53,9 @@ class ModelOptions:
     pipeline_microbatches: micro-batches per step of the pipeline when the ambient mesh has a `stage` axis
     (`models.pipeline`; 0: as many as stages); more shrink the bubble, (S - 1) / (V M + S - 1) of each stage's time.
     pipeline_virtual_stages: V, the times a micro-batch passes every stage (1: GPipe; V > 1: the interleaved
-    schedule, stage s running layer chunks s, S + s, 2S + s, ... of L / (V S) layers each; needs M >= S).
+    schedule, stage s running layer chunks s, S + s, 2S + s, ... of L / (V S) layers each; needs M >= S). With V > 1
+    a scanned stack is stored [V, L / V, ...] (`layers.stack.stored_rounds`), so, like quantize, it changes the
+    parameters' layout: training scripts record it, and `models.stack_layers` converts.
     pipeline_schedule: 'gpipe' (every forward, then the backward as autodiff of the tick loop: all M micro-batches'
     activations alive at the turn; the interleaved one with V > 1) or '1f1b' (each micro-batch's backward as soon
     as it leaves the last stage, the loss inside the pipeline: at most 2S - 1 micro-batches' stage inputs alive per

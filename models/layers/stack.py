@@ -19,11 +19,12 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
 
     A block is a Module whose __call__(x, ctx, layer_cache) returns (x, layer_cache); it is built with
     config=config and block_kwargs. config.scan_layers: one nn.scan with parameters stacked along a leading
-    [num_layers] axis under `name`; else separate `{name}_{i}` sub-trees. cache: the model's cache dict or None; its
-    'layers' are stacked [num_layers, ...] either way, so generation does not care which. config.remat wraps each
-    block in nn.remat. Under a mesh with a `stage` axis (and no cache) the scanned stack runs as a pipeline
-    (`models.pipeline`); `owner`, the calling module, lends it the stacked weights, and a stack without an owner
-    refuses such a mesh. Returns (x, new cache['layers'] or None).
+    [num_layers] axis under `name` (stored [V, num_layers / V] for an interleaved pipeline: `stored_rounds`); else
+    separate `{name}_{i}` sub-trees. cache: the model's cache dict or None; its 'layers' are stacked
+    [num_layers, ...] either way, so generation does not care which. config.remat wraps each block in nn.remat.
+    Under a mesh with a `stage` axis (and no cache) the scanned stack runs as a pipeline (`models.pipeline`);
+    `owner`, the calling module, lends it the stacked weights, and a stack without an owner refuses such a mesh.
+    Returns (x, new cache['layers'] or None).
 
     per_layer {name: one value per layer} (Gemma: which layers attend within the sliding window) is for layers that
     differ: each block gets a fourth argument {name: its value}. Unscanned, the values are Python constants. Scanned,
@@ -52,8 +53,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
     if remat != "none" and remat not in _REMAT_POLICIES:
         raise ValueError(f"remat={remat!r}; expected 'none', 'full' or 'dots'")
     if rounds > 1 and owner is None:
-        raise ValueError(f"pipeline_virtual_stages={rounds} stores the layer stack '{name}' for an interleaved pipeline, "
-                         "which this model's stack cannot run (decoder-only families can); expected "
+        raise ValueError(f"pipeline_virtual_stages={rounds} stores the layer stack '{name}' for an interleaved "
+                         "pipeline, which this model's stack cannot run (decoder-only families can); expected "
                          "pipeline_virtual_stages=1")
     stages = pipeline.num_stages()
     if stages > 1 and cache is None:
@@ -102,10 +103,10 @@ def stored_rounds(config, num_layers):
     """V where a scanned stack's weights are stored [V, L / V, ...] instead of [L, ...]: an interleaved pipeline's
     (`pipeline_virtual_stages` V > 1), whose stage s runs the layer chunks s, S + s, 2S + s, ... of L / (V S) layers.
     Stored so, with the second dim split over `stage` (`engine.auto_shard`), each stage holds its chunks of every
-    round, and the schedule's [V, S, K, ...] view of them moves no weight; [L, ...] split over `stage` holds a stage's
-    layers in one contiguous block, which the schedule re-laid out every step. The same layers in the same memory
-    order (`layer_major` is a reshape), so a checkpoint converts at its boundary (`models.stack_layers`, the Hugging
-    Face maps). 1 otherwise (unscanned, or V = 1)."""
+    round, and the schedule's [V, S, K, ...] view of them moves no weight ([L, ...] split over `stage` holds a
+    stage's layers in one contiguous block, which the schedule would re-lay out every step). The same layers in the
+    same memory order (`layer_major` is a reshape), so a checkpoint converts at its boundary (`models.stack_layers`,
+    the Hugging Face maps). 1 otherwise (unscanned, or V = 1)."""
     rounds = getattr(config, "pipeline_virtual_stages", 1)
     if not config.scan_layers or rounds == 1:
         return 1
