@@ -35,6 +35,7 @@ import kernels
 from models.generate import COMPILER_OPTIONS, _bucket, _mesh_of
 from models.layers.decoder import DecoderLM
 from models.layers.options import compute_dtype
+from models.layers.stack import layer_major, stored_rounds
 
 
 def paged_cache(model, num_pages, page_size, dtype=None):
@@ -434,7 +435,8 @@ class _Stack:
     def __init__(self, model, params, pools, pages_per_layer):
         self.pools, self.pages_per_layer = pools, pages_per_layer
         self.num_layers = model.config.num_layers
-        self.weights = params["layers"] if model.config.scan_layers else None
+        c = model.config  # the stacked weights [L, ...] (an interleaved pipeline's model stores [V, L / V, ...])
+        self.weights = layer_major(params["layers"], stored_rounds(c, c.num_layers)) if c.scan_layers else None
         self.values = []  # each layer's per-layer arguments, as the model passes them
 
     def layer_ctx(self, ctx, index):

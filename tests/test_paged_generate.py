@@ -176,9 +176,11 @@ def test_int8_pages_equal_generates_int8_cache():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [("gemma2", {}), ("llama", dict(scan_layers=True)),
-                                              ("qwen3", {}), ("mixtral", {})])
+                                              ("qwen3", {}), ("mixtral", {}),
+                                              ("gemma2", dict(scan_layers=True, pipeline_virtual_stages=2))])
 def test_families(family, overrides):
-    """Local / global layers with soft-caps (Gemma 2: the split cache), a scanned stack, q / k norms, experts."""
+    """Local / global layers with soft-caps (Gemma 2: the split cache), a scanned stack, q / k norms, experts; a
+    scanned Gemma 2 stored for an interleaved pipeline ([V, L / V, ...], its layers one at a time)."""
     model, params = _model(family, **overrides)
     requests = _requests(3, 4, model.config.vocab_size, max_new=12)
     requests[1]["prompt_ids"] = requests[0]["prompt_ids"]  # shared pages (Gemma 2: in both pools)
