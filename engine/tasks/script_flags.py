@@ -63,7 +63,8 @@ def define_flags():
                          "for V --pipeline_virtual_stages.")
     flags.DEFINE_integer("pipeline_virtual_stages", 1, "With --pipeline_stages > 1: times each micro-batch passes "
                          "every stage (1: GPipe; V > 1: the interleaved schedule, each stage holding V chunks of "
-                         "layers; needs --pipeline_microbatches >= stages).", lower_bound=1)
+                         "layers, its stack stored [V, layers / V] and recorded in run.json; needs "
+                         "--pipeline_microbatches >= stages).", lower_bound=1)
     flags.DEFINE_enum("pipeline_schedule", "gpipe", list(models.pipeline.SCHEDULES), "With --pipeline_stages > 1: "
                       "'gpipe' (all forwards, then all backwards: every micro-batch's activations alive at once) or "
                       "'1f1b' (each micro-batch's backward as soon as it leaves the last stage: at most 2 x stages "
