@@ -209,6 +209,10 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
         # The last stage's output of its item; its final round's stays as the stack's output.
         finished = t >= stages - 1
         done = done.at[micro[stages - 1]].set(jnp.where(finished, out[stages - 1], done[micro[stages - 1]]))
+        if microbatches % stages:  # whole on each stage: propagation split its micro-batch rows over part of
+            # `stage`, and XLA's SPMD partitioner (JAX 0.11) aborted on the gather of a micro-batch from it at M = 2
+            # on stage 4 x data 2 ("partition_group_list ... Check failed"); JAX 0.10 compiles the same bytes either way
+            done = jax.lax.with_sharding_constraint(done, P())
         return (out, done, *total), None
 
     start = _on_stages(jnp.zeros((stages,) + inputs.shape[1:], x.dtype))
