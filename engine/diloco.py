@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from kernels import axes
 from engine.step import (accumulate_gradients, apply_update, combine, current_loss_scale, init_opt_state, partition,
-                         trained_grad_fn)
+                         trained_grad_fn, weight_metric_of)
 
 
 def _paper_outer_optimizer():
@@ -315,7 +315,7 @@ class _DiLoCoStep:
                                   current_loss_scale(opt_state, self.loss_scale))
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate,
                                                      grad_dtype=self.grad_dtype,
-                                                     weight_metric=getattr(self.loss_fn, "weight_metric", None))
+                                                     weight_metric=weight_metric_of(self.loss_fn))
         return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale)
 
     def outer(self, args):  # fragments=1: the whole trees

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 import kernels
 from engine import data as data_lib
-from engine.step import cast_floating, micro_weight, split_loss
+from engine.step import cast_floating, micro_weight, split_loss, weight_metric_of
 
 
 class EvalLoss:
@@ -20,7 +20,7 @@ class EvalLoss:
     def __init__(self, mesh, loss_fn, collate_fn, compute_dtype, key):
         self.mesh, self.loss_fn, self.collate_fn, self.key = mesh, loss_fn, collate_fn, key
         self.compute_dtype = compute_dtype
-        self.weight_metric = getattr(loss_fn, "weight_metric", None)
+        self.weight_metric = weight_metric_of(loss_fn)
         self._fn = None
 
     def __call__(self, params_fn, examples, per_device_batch_size, note_batch=lambda batch: None):

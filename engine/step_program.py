@@ -71,7 +71,7 @@ def choose_step(mesh, precision, parallelism, diloco, loss_fn=None, grad_fn=None
               f"None with the {step} step on {platform} devices (bf16 reductions run in the shard_map step on "
               "GPU and TPU; the jit step's are the compiler's, and XLA:CPU aborts on them)")
     if step == "shard_map":
-        step_lib.check_token_parallel(loss_fn, mesh, getattr(loss_fn, "weight_metric", None), grad_fn)
+        step_lib.check_token_parallel(loss_fn, mesh, step_lib.weight_metric_of(loss_fn), grad_fn)
     return step
 
 
@@ -122,7 +122,7 @@ class StepProgram:
             elif self.kind == "shard_map":
                 impl = step_lib.shard_map_train_step(
                     mesh=mesh, param_specs=state.param_specs, update_specs=state.update_specs,
-                    zero_stage=parallelism.zero_stage, weight_metric=getattr(self.loss_fn, "weight_metric", None),
+                    zero_stage=parallelism.zero_stage, weight_metric=step_lib.weight_metric_of(self.loss_fn),
                     loss_scale=state.loss_scale, int8=parallelism.int8,
                     reduce_dtype=precision.reduce_dtype or jnp.float32, **user, **common)
             else:

@@ -2,7 +2,7 @@
 import jax
 
 from engine.step.update import (accumulate_gradients, apply_update, combine, current_loss_scale, partition,
-                                select_guard, trained_grad_fn, trained_user_grad_fn)
+                                select_guard, trained_grad_fn, trained_user_grad_fn, weight_metric_of)
 
 
 def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dtype, remat, key, trainable=None,
@@ -27,7 +27,7 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
         else:
             value_and_grad = trained_user_grad_fn(grad_fn, compute_dtype, frozen, trainable)
         loss, metrics, grads = accumulate_gradients(value_and_grad, trained, batch, rng, accumulate, constrain,
-                                                     grad_dtype, getattr(loss_fn, "weight_metric", None))
+                                                     grad_dtype, weight_metric_of(loss_fn))
         trained, opt_state, metrics = apply_update(optimizer, trained, opt_state, grads, loss, metrics, loss_scale,
                                                    select)
         return combine(trained, frozen, trainable), opt_state, metrics

@@ -244,6 +244,12 @@ def scaled_metrics(metrics, scale, weight_metric, own=1.0):
     return {k: jax.tree.map(lambda v: v * (own if k == weight_metric else scale), v) for k, v in metrics.items()}
 
 
+def weight_metric_of(loss_fn):
+    """The metric `loss_fn.weight_metric` names, what its loss is a mean over (e.g. 'tokens'), or None: a loss that
+    names none weighs its micro-batches (and a Trainer's evaluation batches) by their rows."""
+    return getattr(loss_fn, "weight_metric", None)
+
+
 def micro_weight(metrics, weight_metric):
     """A micro-batch's weight among the step's: its `weight_metric` (float32, no gradient), or 1 without one."""
     if weight_metric is None:
