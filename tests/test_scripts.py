@@ -318,8 +318,8 @@ def test_train_lm_on_a_pipeline_trains_like_without_and_generate_reads_it(tmp_pa
 @pytest.mark.slow
 def test_train_lm_on_an_interleaved_pipeline_records_its_stored_stack(tmp_path):
     """--pipeline_virtual_stages=2 trains like the flat mesh; run.json records it (the stack is stored [V, L / V]),
-    so a resume under another value is refused in one line, while --init_from that workdir converts the stack and
-    generate.py reads it on a mesh without stages."""
+    so a resume under another value is refused in one line and one under the same value continues; its export starts
+    a GPipe run, and generate.py reads the workdir on a mesh without stages."""
     data = f"--data={_stdlib_txt(tmp_path / 'data' / 'a.txt')}"
     four = '--model_overrides={"hidden_size": 32, "intermediate_size": 64, "num_layers": 4}'
     common = [data, *TINY_LM[:-1], four, "--max_steps=4", "--log_every=2", "--prompts="]
@@ -330,6 +330,9 @@ def test_train_lm_on_an_interleaved_pipeline_records_its_stored_stack(tmp_path):
     assert json.loads((tmp_path / "v2" / "run.json").read_text())["config"]["pipeline_virtual_stages"] == 2
     again = _run("train_lm.py", *piped, f"--workdir={tmp_path / 'v2'}", "--max_steps=6", ok=False)
     assert again.returncode == 2 and "fields ['pipeline_virtual_stages'] differ" in again.stderr
+    resumed = _run("train_lm.py", *piped, f"--workdir={tmp_path / 'v2'}", "--pipeline_virtual_stages=2",
+                   "--max_steps=6")
+    assert "restored" in resumed.stdout + resumed.stderr and _losses(resumed.stdout), resumed.stderr[-2000:]
     assert again.stderr.strip().endswith("its layers are stored for --pipeline_virtual_stages=2 (its export_hf.py "
                                          "directory, or the workdir as --init_from of the scripts that take one, "
                                          "starts a run under another value)")
