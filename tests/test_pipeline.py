@@ -4,6 +4,7 @@ parallelism, with GPipe's and the interleaved schedule; each stage holds only it
 passes activations (collective-permutes), never weights, between stages, and reduces weight gradients over `data`
 once a step; the compiled tick loops run V M + S - 1 ticks; the Trainer trains the same on a pipeline as without;
 bad input fails in one line."""
+import dataclasses
 import math
 import re
 
@@ -522,8 +523,8 @@ def test_dropout_in_a_pipeline_follows_the_key():
 def test_interleaved_stack_is_stored_by_rounds_and_converts_at_every_boundary(tmp_path):
     """An interleaved pipeline's model (V = 2) stores its stack [V, L / V, ...]: the same layers in the same order as
     [L, ...] (its fresh init is the GPipe model's, reshaped), computing the same function on no mesh, generating
-    the same tokens, converted both ways by `stack_layers`, and read and written as the same transformers and PEFT
-    directories."""
+    the same tokens, converted both ways by `stack_layers`, read and written as the same transformers and PEFT
+    directories, and quantised alike (its NF4 scales split over `stage` with it)."""
     plain = _model(lora_rank=2)
     params = models.init_params(plain, jax.random.PRNGKey(0))
     params = jax.tree.map(lambda a: a + 0.01, params)  # LoRA's B starts at zero: make every adapter count
@@ -547,6 +548,15 @@ def test_interleaved_stack_is_stored_by_rounds_and_converts_at_every_boundary(tm
     assert from_unscanned["layers"]["mlp"]["up"]["kernel"].shape[:2] == (2, 2)
     np.testing.assert_array_equal(models.generate(model, stored, ids[:, :4], max_new_tokens=4),
                                   models.generate(plain, params, ids[:, :4], max_new_tokens=4))
+    # Quantised bases (their scales stacked alike) compute the same and split over `stage` on the same dim.
+    q_model, q_stored = models.quantize(*models.merge_lora(model, stored), "nf4")
+    q_plain, q_params = models.quantize(*models.merge_lora(plain, params), "nf4")
+    np.testing.assert_allclose(q_model.apply({"params": q_stored}, ids), q_plain.apply({"params": q_params}, ids),
+                               rtol=1e-6, atol=1e-6)
+    q_model = q_model.clone(config=dataclasses.replace(q_model.config, pipeline_microbatches=2))
+    specs = engine.auto_shard(q_stored, engine.make_mesh(stage=2, data=4),
+                              trace_fn=lambda p: _loss(q_model)(p, _ids(q_model)))
+    assert all(s[1] == "stage" for s in jax.tree.leaves(specs["layers"], is_leaf=lambda x: isinstance(x, P)))
     # A transformers directory and a PEFT adapter: the same files from either form, read back into either.
     models.save_pretrained(model, stored, str(tmp_path / "hf_v2"))
     models.save_pretrained(plain, params, str(tmp_path / "hf_v1"))
