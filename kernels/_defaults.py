@@ -14,11 +14,17 @@ entry (or names a path the device cannot run) the answer is the per-backend rule
   (x @ w_up)`; logits, then the cross-entropy) or the fused kernel's implementation; for the loss also `'chunked'`
   (`linear_cross_entropy_sum`: row chunks through XLA matmuls, gradients taken in the forward). Shape: `dtype`,
   `training`. Classes: dtype and pass.
+
+A class measured on one kind answers for its near neighbours where they have no entry of their own: first another
+GPU of the same architecture (an H100 takes an H200's measurement: the same SMs and instructions decide which
+kernel is faster), then, for attention, the length bucket next to it (2048 and 16384 take what 4096 and 8192
+measured; shorter first on a tie), on the kind itself before its architecture's others. Nothing further.
 """
 import datetime
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +53,50 @@ def default_implementation(op, *, device_kind=None, table=None, **shape):
         device_kind, platform = jax.devices()[0].device_kind, jax.default_backend()
     else:
         platform = _platform(device_kind)
-    entry = _index(table or TABLE).get(_key(op, device_kind, cls))
+    entry = measured_entry(op, device_kind, cls, table)
     if entry is not None and platform in _RUNS_ON.get(entry["choice"], (platform,)):
         return entry["choice"]
     return implementation_for_platform(platform)
+
+
+def measured_entry(op, device_kind, cls, table=None):
+    """The table entry that answers for class `cls` (`shape_class`'s) of `op` on `device_kind`: its own, else a
+    near neighbour's (the module docstring), else None."""
+    index = _index(table or TABLE)
+    arch = architecture(device_kind)
+    siblings = {key[1] for key in index if key[0] == op and key[1] != device_kind}
+    kinds = [device_kind, *sorted(kind for kind in siblings if arch is not None and architecture(kind) == arch)]
+    for near in _near_classes(op, cls):
+        for kind in kinds:
+            entry = index.get(_key(op, kind, near))
+            if entry is not None:
+                return entry
+    return None
+
+
+# GPU architectures by the device kind's name (`jax.devices()[0].device_kind`: 'NVIDIA H100 80GB HBM3', 'NVIDIA GH200
+# 480GB', 'NVIDIA A100-SXM4-80GB', ...); kinds outside these answer from their own entries only.
+_ARCHITECTURES = (("sm_90", re.compile(r"\b(GH200|H100|H200|H800|H20)\b")),
+                  ("sm_80", re.compile(r"\b(A100|A800|A30)\b")),
+                  ("sm_100", re.compile(r"\b(GB200|B200|B100)\b")))
+
+
+def architecture(device_kind):
+    """The GPU architecture ('sm_90', ...) a device kind's name belongs to; None for any other kind."""
+    if device_kind.startswith(("NVIDIA", "Tesla")):
+        for name, pattern in _ARCHITECTURES:
+            if pattern.search(device_kind):
+                return name
+    return None
+
+
+def _near_classes(op, cls):
+    """`cls`, then (attention) the same class at the length buckets beside it, the shorter first."""
+    yield cls
+    if op == "flash_attention":
+        for seq_len in (cls["seq_len"] // 2, cls["seq_len"] * 2):
+            if seq_len >= 1:
+                yield {**cls, "seq_len": seq_len}
 
 
 def shape_class(op, *, training=True, **shape):

@@ -1,7 +1,7 @@
 """kernels.default_implementation and its table (kernels/_defaults.py, kernels/defaults.json): the checked-in
-entries (issue 44's H200 run) answer only their own device kind and shape classes, every entry carries its
-provenance, flash_attention(implementation=None) reads the table, and `scripts/bench_kernels.py --write_defaults`
-measures, chooses the fastest and merges into a table."""
+entries (issue 44's H200 run) answer their own shape classes and their neighbours', on the H200 and GPUs of its
+architecture; every entry carries its provenance, flash_attention(implementation=None) reads the table, and
+`scripts/bench_kernels.py --write_defaults` measures, chooses the fastest and merges into a table."""
 import json
 import os
 import subprocess
@@ -25,21 +25,47 @@ def _attention(device_kind, seq_len=4096, head_dim=128, causal=True, dtype="bflo
                                           seq_len=seq_len, causal=causal, dtype=dtype, **kwargs)
 
 
-def test_the_checked_in_table_answers_only_what_was_measured():
-    """cuDNN at 4k and 8k (lengths 2049 ... 8192) causal, head_dim 128, bf16, both passes, on an H200; plain XLA
-    matmuls for the gated MLP and the loss when trained there. Everything else: the per-backend rule."""
-    for seq_len in (2049, 4096, 5000, 8192):
-        for training in (True, False):
-            assert _attention(H200, seq_len, training=training) == "cudnn", (seq_len, training)
-    for other in (dict(seq_len=2048), dict(seq_len=8193), dict(causal=False), dict(head_dim=64),
-                  dict(dtype="float16"), dict(dtype=jnp.float32), dict(segments=True)):
-        assert _attention(H200, **other) == "triton", other
-    assert _attention(H100) == "triton" and _attention("TPU v5 lite") == "mosaic_tpu" and _attention("cpu") == "xla"
-    for op in ("gated_mlp", "linear_cross_entropy"):
-        assert kernels.default_implementation(op, device_kind=H200, dtype=jnp.bfloat16) == "plain"
-        assert kernels.default_implementation(op, device_kind=H200, dtype="bfloat16", training=False) == "triton"
-        assert kernels.default_implementation(op, device_kind=H100, dtype="bfloat16") == "triton"
-        assert kernels.default_implementation(op, dtype="bfloat16") == "xla"  # this CPU: the per-backend rule
+def test_the_checked_in_table_answers_what_was_measured_and_its_neighbours():
+    """cuDNN at 4k and 8k causal, head_dim 128, bf16, both passes, on an H200, and so on an H100 (the same
+    architecture) and at the buckets beside them (1025 ... 16384 tokens); plain XLA matmuls for the gated MLP and
+    the loss when trained on either. Everything else: the per-backend rule."""
+    for kind in (H200, H100, "NVIDIA GH200 480GB"):
+        for seq_len in (1025, 2048, 2049, 4096, 5000, 8192, 16384):
+            for training in (True, False):
+                assert _attention(kind, seq_len, training=training) == "cudnn", (kind, seq_len, training)
+        for other in (dict(seq_len=1024), dict(seq_len=16385), dict(causal=False), dict(head_dim=64),
+                      dict(dtype="float16"), dict(dtype=jnp.float32), dict(segments=True)):
+            assert _attention(kind, **other) == "triton", (kind, other)
+        for op in ("gated_mlp", "linear_cross_entropy"):
+            assert kernels.default_implementation(op, device_kind=kind, dtype=jnp.bfloat16) == "plain"
+            assert kernels.default_implementation(op, device_kind=kind, dtype="bfloat16", training=False) == "triton"
+    for kind, rule in (("NVIDIA A100-SXM4-80GB", "triton"), ("NVIDIA A10", "triton"), ("TPU v5 lite", "mosaic_tpu"),
+                       ("cpu", "xla")):
+        assert _attention(kind) == rule, kind
+        assert kernels.default_implementation("linear_cross_entropy", device_kind=kind, dtype="bfloat16") == rule
+    assert kernels.default_implementation("gated_mlp", dtype="bfloat16") == "xla"  # this CPU: the per-backend rule
+
+
+def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path):
+    """The kind's own entry first, then one of its architecture's at the same class, then the length buckets beside
+    it (shorter first, the kind's own before its architecture's); never two buckets away, another architecture or a
+    kind that is no known GPU."""
+    path = str(tmp_path / "table.json")
+    _defaults.merge_table(path, [_entry(H200, 1024, {"triton": 1.0, "cudnn": 2.0}),
+                                 _entry(H100, 1024, {"triton": 2.0, "cudnn": 1.0}),
+                                 _entry(H200, 4096, {"triton": 2.0, "mosaic_gpu": 1.0}),
+                                 _entry("NVIDIA A100-SXM4-80GB", 256, {"triton": 2.0, "cudnn": 1.0}),
+                                 _entry("TPU v5p", 256, {"mosaic_tpu": 2.0, "xla": 1.0})])
+    look = lambda kind, seq_len: _attention(kind, seq_len, 16, dtype="float32", table=path)  # noqa: E731
+    assert look(H200, 1024) == "triton" and look(H100, 1024) == "cudnn"  # each kind's own
+    assert look("NVIDIA H100 PCIe", 1024) == "cudnn"  # the architecture's others, by name: H100 80GB HBM3 < H200
+    assert look(H200, 2048) == "triton" and look(H100, 2048) == "cudnn"  # buckets 1024 and 4096: shorter, own first
+    assert look(H100, 4096) == "mosaic_gpu" and look(H100, 8192) == "mosaic_gpu"  # H200's 4096, then its neighbour
+    assert look("NVIDIA A100-SXM4-80GB", 1024) == "triton"  # its 256 two buckets away, the H200's another arch
+    assert _defaults.measured_entry("flash_attention", H200, _defaults.shape_class(
+        "flash_attention", head_dim=16, seq_len=16384, causal=True, dtype="float32"), table=path) is None
+    assert look("NVIDIA A100-SXM4-80GB", 512) == "cudnn" and look("NVIDIA A10", 256) == "triton"
+    assert look("TPU v5p", 512) == "xla" and look("TPU v5 lite", 256) == "mosaic_tpu"
 
 
 def test_every_entry_states_its_measurement():

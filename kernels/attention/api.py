@@ -151,10 +151,10 @@ def flash_attention(
       implementation: None, 'xla', 'triton', 'mosaic_tpu', 'cudnn' (cuDNN's fused attention through
         `jax.nn.dot_product_attention`, NVIDIA GPUs; `kernels/attention/cudnn.py` lists what it refuses) or
         'mosaic_gpu' (Hopper, JAX >= 0.11; `kernels/attention/mosaic_gpu.py` lists what it refuses). None: the
-        measured default of the device kind and shape class (`kernels.default_implementation`, its forward + backward
-        entry: a call does not know whether it will be differentiated; segment ids are a class of their own) for a
-        call without dropout, window, soft cap, block sizes or context parallelism; otherwise, and where the table
-        has no entry, the backend's kernels.
+        measured default of the device kind and shape class, or of its nearest measured neighbour
+        (`kernels.default_implementation`, its forward + backward entry: a call does not know whether it will be
+        differentiated; segment ids are a class of their own) for a call without dropout, window, soft cap, block
+        sizes or context parallelism; otherwise, and where the table answers nothing, the backend's kernels.
       interpret: run the Pallas kernel in Pallas's interpreter (for CPU tests).
       block_sizes: a `BlockSizes` overriding the heuristic tile sizes.
       dropout_rate: probability in [0, 1) of dropping each attention probability (the kept ones are scaled by
