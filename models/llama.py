@@ -109,7 +109,7 @@ class LlamaBlock(nn.Module):
         x = x + drop(h)
         h = norm(name="mlp_norm")(x)
         if layers.is_sparse_layer(c, self.name):  # a mixture of experts (models/mixtral.py, qwen3_moe.py)
-            h = layers.moe_block(c, name="mlp", **kw)(h, ctx["segment_ids"] > 0)
+            h = layers.moe_block(c, name="mlp", **kw)(h, None if ctx["segment_ids"] is None else ctx["segment_ids"] > 0)
         else:
             h = layers.MLP(c.intermediate_size, c.hidden_act, gated=True, use_bias=c.mlp_bias,
                            std=c.initializer_range, implementation=c.mlp_implementation,

@@ -68,6 +68,9 @@ flags.DEFINE_enum("remat", "none", ["full", "dots", "none"], "The engine's remat
                   "as the PyTorch peers, which keep every activation).")
 flags.DEFINE_enum("attention_implementation", None, list(kernels.ATTENTION_IMPLEMENTATIONS), "The engine's attention "
                   "kernel (unset: kernels.default_implementation's choice for the device and shape).")
+flags.DEFINE_bool("packed", False, "Give the engine's rows segment ids (one document a row), as the training "
+                  "scripts' packed rows carry them: attention then runs the segment-id class (cuDNN's path takes "
+                  "none). Default: whole rows, as the PyTorch peers train on.")
 flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *kernels.IMPLEMENTATIONS],
                   "The engine's loss: plain logits, 'chunked' (kernels.linear_cross_entropy_sum), or the fused head + "
                   "loss kernel (kernels.linear_cross_entropy).")
@@ -120,10 +123,11 @@ def flops_per_step(model, seq_len, rows):
 
 # ------------------------------------------------------------------------------------------------ the engine's run
 def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers=8, remat="none",
-                attention_implementation=None, loss_implementation=None, fp8=False):
+                attention_implementation=None, loss_implementation=None, fp8=False, packed=False):
     """Measures the engine's step on the first device: {'run' ('engine', or 'engine fp8' with `fp8`), 'step_ms'
     (median), 'tokens_per_s', 'warmup_s' (`fit`'s first `warmup` steps, the compile included), 'peak_gb' (None where
-    the device does not say), 'device_kind', 'peak_tflops', 'loss', ...}."""
+    the device does not say), 'device_kind', 'peak_tflops', 'loss', 'attention' (the implementation it ran), ...}.
+    Rows are whole sequences, or with `packed` carry segment ids (one document each)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -143,8 +147,13 @@ def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers
     mesh = engine.make_mesh(data=1, devices=[device])
     rows = rows_of(tokens_per_step, seq_len)
     rng = np.random.default_rng(0)
-    examples = [{"tokens": rng.integers(0, config.vocab_size, seq_len + 1, dtype=np.int32),
-                 "segment_ids": np.ones(seq_len + 1, np.int32)} for _ in range(rows * warmup)]
+    examples = [{"tokens": rng.integers(0, config.vocab_size, seq_len + 1, dtype=np.int32)}
+                for _ in range(rows * warmup)]
+    if packed:
+        examples = [{**e, "segment_ids": np.ones(seq_len + 1, np.int32)} for e in examples]
+    attention = attention_implementation or kernels.default_implementation(
+        "flash_attention", head_dim=config.dim_per_head, seq_len=seq_len, causal=True, dtype=jnp.bfloat16,
+        segments=packed)
     params = models.init_params(model, jax.random.key(0), layout=engine.auto_layout(mesh))
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model, loss_implementation),
                              params=params, optimizer=optax.adamw(1e-4),
@@ -170,7 +179,8 @@ def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers
                 tokens_per_s=round(rows * seq_len / step_s, 1),
                 warmup_s=round(warmup_s, 2), peak_gb=None if peak is None else round(peak / 1e9, 2),
                 device_kind=device.device_kind, peak_tflops=peak_tflops(device),
-                loss=float(metrics["loss"]), batch=rows, seq=seq_len, jax=jax.__version__)
+                loss=float(metrics["loss"]), batch=rows, seq=seq_len, jax=jax.__version__, attention=attention,
+                packed=packed)
 
 
 def _memory_stats(device):
@@ -254,6 +264,8 @@ def format_table(records):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in records:
         run = r["run"] + (f" ({r['note']})" if r.get("note") else "")
+        if r.get("attention"):  # the engine's: the attention it ran, and on which rows
+            run += f" [attention {r['attention']}{', packed rows' if r.get('packed') else ''}]"
         cells = [r["shape"], str(r["seq"]), str(r["rows"]), run, _fmt(r.get("step_ms"), ".1f"),
                  _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", " %"),
                  _fmt(r.get("peak_gb"), ".2f"), _fmt(r.get("warmup_s"), ".1f"), _fmt(r["vs_compile"], ".2f", "x")]
@@ -314,7 +326,8 @@ def _engine_kwargs():
     return dict(tokens_per_step=FLAGS.tokens_per_step, steps=FLAGS.steps, warmup=FLAGS.warmup,
                 llama3_layers=FLAGS.llama3_layers, remat=FLAGS.remat,
                 attention_implementation=FLAGS.attention_implementation,
-                loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation)
+                loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation,
+                packed=FLAGS.packed)
 
 
 def _worker_cmd(shape, seq_len, kind="bf16"):
@@ -323,7 +336,7 @@ def _worker_cmd(shape, seq_len, kind="bf16"):
         cmd.append(f"--{name}={getattr(FLAGS, name)}")
     if FLAGS.attention_implementation:
         cmd.append(f"--attention_implementation={FLAGS.attention_implementation}")
-    return cmd
+    return cmd + ["--packed"] * FLAGS.packed
 
 
 def _peers_to_run():
@@ -380,7 +393,8 @@ def main(argv):
     if note:
         print(note, flush=True)
     print(f"engine ({', '.join(FLAGS.engine_runs)}): native LLaMA, scan_layers, remat={FLAGS.remat}, attention="
-          f"{FLAGS.attention_implementation or 'default'}, loss={FLAGS.loss_implementation}; bf16 compute over fp32 "
+          f"{FLAGS.attention_implementation or 'default'}, loss={FLAGS.loss_implementation}, "
+          f"{'packed rows (segment ids)' if FLAGS.packed else 'whole rows'}; bf16 compute over fp32 "
           f"master weights, AdamW; one device. {FLAGS.tokens_per_step} tokens a step, median of {FLAGS.steps} steps "
           f"after {FLAGS.warmup}.", flush=True)
     records, flops, interrupted = [], {}, False

@@ -48,9 +48,10 @@ if [ "$MODE" = step ]; then
   timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --out="$OUT/bench_gpu_step.jsonl" 2>&1 \
     | tee "$OUT/bench_gpu_step.log" | quiet
   status=${PIPESTATUS[0]}
-  # The engine again with the Mosaic GPU attention (the training rows' segment ids included), while time is left.
+  # The engine again with the Mosaic GPU attention on packed rows (segment ids, as the training scripts' rows carry
+  # them; the run above has whole rows, as the peers), while time is left.
   if [ "$(left)" -gt 60 ]; then
-    timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= \
+    timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= --packed \
       --attention_implementation=mosaic_gpu --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee -a "$OUT/bench_gpu_step.log" \
       | quiet | tail -8
   fi

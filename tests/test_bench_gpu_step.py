@@ -48,6 +48,9 @@ def test_engine_case_peer_parsing_and_table(tmp_path):
     result = bench.engine_case("tiny", 32, tokens_per_step=64, steps=2, warmup=1)
     assert result["step_ms"] > 0 and result["tokens_per_s"] > 0 and result["warmup_s"] > 0, result
     assert result["batch"] == 2 and result["peak_tflops"] is None  # a CPU: no peak, no MFU
+    assert (result["attention"], result["packed"]) == ("xla", False)  # whole rows: no segment ids, as the peers
+    packed = bench.engine_case("tiny", 32, tokens_per_step=64, steps=2, warmup=1, packed=True)
+    assert packed["packed"] and packed["loss"] == pytest.approx(result["loss"], rel=1e-6)  # one document a row
     fp8 = bench.engine_case("tiny", 32, tokens_per_step=64, steps=1, warmup=1, fp8=True)
     assert (result["run"], fp8["run"]) == ("engine", "engine fp8") and fp8["tokens_per_s"] > 0
     assert fp8["loss"] != result["loss"]  # the same data and weights, FP8's rounding
@@ -71,6 +74,7 @@ def test_engine_case_peer_parsing_and_table(tmp_path):
     header, rows = _table_rows(bench.format_table(figures))
     assert header[:4] == ["shape", "seq", "rows", "run"] and len(rows) == 3
     assert rows[2][3] == "torch eager (timed out after 60 s)" and rows[2][4] == "n/a"
+    assert rows[0][3] == "engine [attention xla]" and rows[1][3] == "torch.compile"
     for row in rows[:2]:
         assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0 and row[6].endswith(" %"), row
 
@@ -100,10 +104,11 @@ def test_script_end_to_end_with_a_fake_peer(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     header, rows = _table_rows(out.stdout)
     assert [(r[1], r[2], r[3]) for r in rows] == [(s, str(128 // int(s)), run) for s in ("32", "64")
-                                                  for run in ("engine", "torch.compile", "torch eager")], rows
+                                                  for run in ("engine [attention xla]", "torch.compile",
+                                                              "torch eager")], rows
     ratio = header.index("vs torch.compile")
     for row in rows:
         assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0, row
         assert row[6] == "n/a" and re.fullmatch(r"\d+\.\d\dx", row[ratio]), row  # no CPU peak: no MFU
-    assert [r[ratio] for r in rows if r[3] != "engine"] == ["1.00x", "0.80x"] * 2
+    assert [r[ratio] for r in rows if not r[3].startswith("engine")] == ["1.00x", "0.80x"] * 2
     assert len([json.loads(line) for line in log.read_text().splitlines()]) == 6

@@ -416,3 +416,25 @@ def test_plan_of_a_context_mesh_compiles_in_bfloat16():
     assert split["context"] == 8 and split["collective_bytes"]["collective-permute"] > 0  # the ring: 4 heads
     # fp32 weights + two AdamW moments are 3x the weights' bytes unsplit, 3/8 of them split over 8.
     assert split["bytes"]["arguments"] < 0.5 * split["param_bytes"]
+
+
+@pytest.mark.parametrize("step, mesh, options", [
+    ("shard_map", dict(fsdp=2, context=4), {}),  # positions of each device's token slice without segment ids
+    # ctx's None through the tick loop (rows over data only: JAX 0.11's XLA:CPU aborts beside an automatic fsdp)
+    ("jit", dict(data=4, stage=2), dict(pipeline_microbatches=2)),
+])
+def test_whole_rows_without_segment_ids_train_as_rows_of_one_document(step, mesh, options):
+    """Rows of tokens alone (`collate_lm` gives no segment ids, so attention takes none) train as the same rows
+    with every token in segment 1 on one device: the same losses and parameters."""
+    rng = np.random.default_rng(0)
+    whole = [{"tokens": rng.integers(0, 120, 33).astype(np.int32)} for _ in range(16)]
+    ones = [{**row, "segment_ids": np.ones(33, np.int32)} for row in whole]
+    assert set(lm.collate_lm(whole[:2])) == {"input_ids", "labels"}
+    ref = _trainer("llama", engine.make_mesh(devices=jax.devices()[:1]), "jit", **options)
+    ref.fit(ones, per_device_batch_size=8, max_steps=2, log_every=1)
+    got = _trainer("llama", engine.make_mesh(**mesh), step, **options)
+    got.fit(whole, per_device_batch_size=8 // (mesh.get("data", 1) * mesh.get("fsdp", 1)), max_steps=2, log_every=1)
+    assert got._step_kind == step
+    np.testing.assert_allclose([h["loss"] for h in got.history], [h["loss"] for h in ref.history], rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(jax.device_get(ref.params)), jax.tree.leaves(jax.device_get(got.params))):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels
 import models
 from models import layers
 
@@ -232,6 +233,24 @@ def test_packed_sequences_equal_separate_runs():
     packed = apply({"params": params}, jnp.asarray(IDS[:1]), jnp.asarray([[1] * 4 + [2] * 5]))
     alone = [apply({"params": params}, jnp.asarray(IDS[:1, :4])), apply({"params": params}, jnp.asarray(IDS[:1, 4:]))]
     np.testing.assert_allclose(packed, np.concatenate(alone, axis=1), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gemma2", "t5"])
+def test_a_call_without_a_mask_attends_without_segment_ids(family, monkeypatch):
+    """No attention mask (and no cache): every row one whole sequence, so the attention kernel gets no segment ids
+    (the class the defaults table can answer with cuDNN), and the logits equal those of an all-ones mask."""
+    model, params = _tiny(family)
+    given = []
+    flash_attention = kernels.flash_attention
+    monkeypatch.setattr(kernels, "flash_attention", lambda *a, **k: given.append(k["segment_ids"] is None) or
+                        flash_attention(*a, **k))
+    ids = jnp.asarray(IDS)
+    ones = jnp.ones_like(ids)
+    apply = (lambda *mask: model.apply({"params": params}, ids, ids, *mask, *mask)) if family == "t5" else (
+        lambda *mask: model.apply({"params": params}, ids, *mask))
+    np.testing.assert_allclose(apply(), apply(ones), rtol=1e-6, atol=1e-6)
+    if family != "t5":  # T5's relative position bias attends in plain jnp, with its masks
+        assert given and given[:len(given) // 2] == [True] * (len(given) // 2) and not any(given[len(given) // 2:])
 
 
 @pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "dots"])

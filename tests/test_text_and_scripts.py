@@ -29,6 +29,16 @@ def test_pack_segments_and_labels():
     assert batch["labels"][2].tolist() == [-100] * 5
 
 
+def test_whole_rows_collate_without_segment_ids():
+    """Rows of tokens alone: every next token is a label, no segment ids (the model then attends without them);
+    a batch mixing both kinds of row is refused in one line."""
+    rows = [{"tokens": np.arange(6, dtype=np.int32) + 10 * i} for i in range(2)]
+    batch = lm.collate_lm(rows)
+    assert set(batch) == {"input_ids", "labels"} and batch["labels"].tolist() == [[1, 2, 3, 4, 5], [11, 12, 13, 14, 15]]
+    with pytest.raises(ValueError, match=r"examples: row 1 has no 'segment_ids' and row 0 has; expected every row"):
+        lm.collate_lm([{**rows[0], "segment_ids": np.ones(6, np.int32)}, rows[1]])
+
+
 def test_read_texts_and_errors(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.jsonl").write_text('{"text": "x"}\n"y"\n\n')

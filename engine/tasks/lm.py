@@ -18,8 +18,16 @@ import models
 
 def collate_lm(examples):
     """Rows of `pack` -> {'input_ids', 'labels', 'segment_ids'} [B, seq_len]; labels are -100 where the next token
-    is padding or starts another document."""
+    is padding or starts another document. Rows without 'segment_ids' (each {'tokens'} alone: one whole sequence,
+    as PyTorch trainers feed fixed-length windows) -> {'input_ids', 'labels'}: the model attends without segment
+    ids, which lets a GPU take cuDNN's attention (`kernels.default_implementation`)."""
     tokens = np.stack([e["tokens"] for e in examples])
+    with_ids = ["segment_ids" in e for e in examples]
+    if not any(with_ids):
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].astype(np.int32)}
+    if not all(with_ids):
+        raise ValueError(f"examples: row {with_ids.index(False)} has no 'segment_ids' and row {with_ids.index(True)} "
+                         "has; expected every row of a batch with them (packed documents) or none (whole rows)")
     seg = np.stack([e["segment_ids"] for e in examples])
     labels = np.where((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), tokens[:, 1:], -100).astype(np.int32)
     return {"input_ids": tokens[:, :-1], "labels": labels, "segment_ids": seg[:, :-1]}
@@ -123,12 +131,12 @@ def lm_loss_fn(model, implementation=None, *, interpret=False):
             count = jnp.full(labels.shape[:1], jnp.maximum((labels >= 0).sum(), 1))
             tail = lambda out, rows, tail_params: loss_and_metrics(  # noqa: E731
                 model, tail_params, out, rows[0], implementation, interpret, count=rows[1][0])
-            (loss, metrics), sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
+            (loss, metrics), sown = apply_sowing(model, params, batch["input_ids"], batch.get("segment_ids"),
                                                  train=is_training, rngs=dropout_rngs(rng),
                                                  loss_tail=(tail, (labels, count)),
                                                  return_hidden=implementation is not None)
             return add_router_losses(config, loss, metrics, sown)
-        out, sown = apply_sowing(model, params, batch["input_ids"], batch["segment_ids"],
+        out, sown = apply_sowing(model, params, batch["input_ids"], batch.get("segment_ids"),
                                  return_hidden=implementation is not None, train=is_training, rngs=dropout_rngs(rng))
         loss, metrics = loss_and_metrics(model, params, out, batch["labels"], implementation, interpret)
         return add_router_losses(model.config, loss, metrics, sown)

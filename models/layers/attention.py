@@ -161,7 +161,8 @@ class Attention(nn.Module):
                 k, v = project_kv(kv_input)
             if cache is not None:
                 cache = {**cache, "cross_k": k, "cross_v": v}
-            out = attend(q, k, v, causal=False, q_segment_ids=jnp.maximum(ctx["segment_ids"], 1),
+            q_ids = jnp.ones((B, T), jnp.int32) if ctx["segment_ids"] is None else jnp.maximum(ctx["segment_ids"], 1)
+            out = attend(q, k, v, causal=False, q_segment_ids=q_ids,
                          kv_segment_ids=ctx["encoder_segment_ids"].astype(jnp.int32), **opts)
         else:
             k, v = project_kv(x)

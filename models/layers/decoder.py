@@ -21,15 +21,17 @@ def decoder_context(input_ids, attention_mask, positions, cache):
     """Builds the per-call context for a (cached) decoder.
 
     attention_mask int [B, T]: 0 = padding, 1 = token; larger ids mark packed sequences (a token sees only its own
-    sequence). Positions default to the position within the sequence, counting the tokens already in the cache.
-    A paged cache (with 'page_table') gives row b positions lengths[b] + t and ctx 'page_table' / 'lengths'.
+    sequence); None without a cache: every row one whole sequence, ctx 'segment_ids' None (attention takes no
+    segment ids, so the kernels' unsegmented paths run: cuDNN's where the defaults table measured it fastest).
+    Positions default to the position within the sequence, counting the tokens already in the cache. A paged cache
+    (with 'page_table') gives row b positions lengths[b] + t and ctx 'page_table' / 'lengths'.
     Returns (ctx, cache without 'layers' but with index / segment ids (or lengths) advanced, or None)."""
     B, T = input_ids.shape
+    if cache is None:
+        seg = None if attention_mask is None else attention_mask.astype(jnp.int32)
+        return {"segment_ids": seg, "positions": _token_positions(seg, B, T) if positions is None else positions}, None
     seg = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
     ctx = {"segment_ids": seg}
-    if cache is None:
-        ctx["positions"] = _token_positions(seg) if positions is None else positions
-        return ctx, None
     if "page_table" in cache:  # a paged cache (models/layers/attention.py): each row continues at its own length
         lengths = cache["lengths"]
         if positions is None:
@@ -46,11 +48,14 @@ def decoder_context(input_ids, attention_mask, positions, cache):
     return ctx, {"index": idx + T, "segment_ids": kv_seg}
 
 
-def _token_positions(seg):
-    """`segment_positions(seg)`; inside the engine's shard_map step on a context mesh, where seg [B, T/C] is this
-    device's slice of its rows, the positions of those tokens in the whole rows (from the rows' segment ids, a few
-    ints per token, gathered over `context`)."""
+def _token_positions(seg, B, T):
+    """`segment_positions(seg)` (seg None: B whole rows of T tokens, positions 0 ... T - 1); inside the engine's
+    shard_map step on a context mesh, where seg [B, T/C] is this device's slice of its rows, the positions of those
+    tokens in the whole rows (from the rows' segment ids, a few ints per token, gathered over `context`)."""
     context = kernels.manual_context_size()
+    if seg is None:
+        start = 0 if context == 1 else jax.lax.axis_index(kernels.CONTEXT_AXIS) * T
+        return jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
     if context == 1:
         return segment_positions(seg)
     whole = segment_positions(jax.lax.all_gather(seg, kernels.CONTEXT_AXIS, axis=1, tiled=True))
