@@ -4,6 +4,7 @@ architecture; every entry carries its provenance, flash_attention(implementation
 `scripts/bench_kernels.py --write_defaults` measures, chooses the fastest and merges into a table."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -207,3 +208,40 @@ def test_bench_kernels_chooses_between_kernels_and_plain_matmuls(tmp_path):
         assert set(e["times"]) == {"flash_attention": {"xla", "triton"}, "gated_mlp": {"triton", "plain"},
                                    "linear_cross_entropy": {"triton", "plain", "chunked"}}[e["op"]], e
         assert e["choice"] == min(e["times"], key=e["times"].get)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_h200_step_runs_the_tables_attention_for_its_rows(monkeypatch, packed):
+    """The Trainer's step of a scanned, rematerialised LLaMA (head dim 128, rows of 2048 tokens: the 4096 bucket's
+    neighbour), bf16, lowered for cuda with the checked-in table read for an H200: whole rows (no segment ids) run
+    cuDNN's forward and backward, packed rows (segment ids) the Triton kernels, whose class has no entry."""
+    import optax
+
+    import engine
+    import models
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    from engine.tasks import lm
+    from tests.targets import for_gpu
+    try:
+        fused_attention_stablehlo.check_cudnn_version()
+    except RuntimeError:  # JAX 0.10.2 asks the CUDA plugin while tracing; this host has none
+        monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(api, "default_implementation",
+                        lambda op, **shape: kernels.default_implementation(op, device_kind=H200, **shape))
+    model = models.create_model("llama", "tiny", hidden_size=256, num_heads=2, num_kv_heads=1, intermediate_size=512,
+                                num_layers=2, max_position_embeddings=2048, scan_layers=True, remat="full")
+    mesh = engine.make_mesh(data=1, devices=jax.devices()[:1])
+    trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model),
+                             params=models.init_params(model, jax.random.key(0)), optimizer=optax.adamw(1e-3),
+                             precision=engine.Precision(compute_dtype=jnp.bfloat16))
+    keys = ("input_ids", "labels") + (("segment_ids",) if packed else ())
+    batch = {k: jax.ShapeDtypeStruct((1, 1, 2048), jnp.int32) for k in keys}
+    with for_gpu(mesh):
+        text = trainer.lower(batch, platforms=("cuda",)).as_text()
+    cudnn_calls = re.findall(r"custom_call @(__cudnn\$\w+)", text)
+    triton_calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)
+    if packed:
+        assert not cudnn_calls and len(triton_calls) >= 3, (cudnn_calls, len(triton_calls))  # fwd, dq, dk/dv
+    else:
+        assert sorted(set(cudnn_calls)) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"] and not triton_calls
