@@ -7,7 +7,7 @@ entry (or names a path the device cannot run) the answer is the per-backend rule
 
 - `'flash_attention'`: one of `ATTENTION_IMPLEMENTATIONS`. Shape: `head_dim`, `seq_len` (the longer of len and
   kv_len), `causal`, `dtype`, `segments` (False, the default; True: the call has segment ids, packed documents,
-  which cuDNN's path cannot take), `training` (True, the default: the forward + backward entry; False: forward
+  which cuDNN's path takes as a mask), `training` (True, the default: the forward + backward entry; False: forward
   only). Classes: dtype, head dim, causal, the length's power-of-two bucket (4096 holds 2049 ... 4096), segments and
   pass.
 - `'gated_mlp'`, `'linear_cross_entropy'`: `'plain'` (plain XLA matmuls beat the fused kernel: `silu(x @ w_gate) *
@@ -163,11 +163,10 @@ def read_table(path=None):
     for i, entry in enumerate(entries):
         op = entry.get("op")
         ok = (op in CLASS_KEYS and isinstance(entry.get("device_kind"), str)
-              and tuple(entry.get("class", {})) == CLASS_KEYS[op] and entry.get("choice") in CHOICES[op]
-              and not (entry["class"].get("segments") and entry["choice"] == "cudnn"))
+              and tuple(entry.get("class", {})) == CLASS_KEYS[op] and entry.get("choice") in CHOICES[op])
         if not ok:
             raise ValueError(f"{path}: entry {i} {entry!r}; expected op in {tuple(CLASS_KEYS)}, a device_kind, "
-                             "the op's class keys in order and one of its choices (not 'cudnn' with segments)")
+                             "the op's class keys in order and one of its choices")
     return entries
 
 

@@ -69,8 +69,8 @@ flags.DEFINE_enum("remat", "none", ["full", "dots", "none"], "The engine's remat
 flags.DEFINE_enum("attention_implementation", None, list(kernels.ATTENTION_IMPLEMENTATIONS), "The engine's attention "
                   "kernel (unset: kernels.default_implementation's choice for the device and shape).")
 flags.DEFINE_bool("packed", False, "Give the engine's rows segment ids (one document a row), as the training "
-                  "scripts' packed rows carry them: attention then runs the segment-id class (cuDNN's path takes "
-                  "none). Default: whole rows, as the PyTorch peers train on.")
+                  "scripts' packed rows carry them: attention then runs the defaults table's segment-id class. "
+                  "Default: whole rows, as the PyTorch peers train on.")
 flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *kernels.IMPLEMENTATIONS],
                   "The engine's loss: plain logits, 'chunked' (kernels.linear_cross_entropy_sum), or the fused head + "
                   "loss kernel (kernels.linear_cross_entropy).")

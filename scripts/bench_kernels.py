@@ -62,7 +62,7 @@ flags.DEFINE_integer("kv_heads", None, "Attention kv heads; default = heads.")
 flags.DEFINE_integer("head_dim", None, "Attention head dim; default 128 (CPU: 64).")
 flags.DEFINE_list("causal", ["true", "false"], "Attention masking modes to run.")
 flags.DEFINE_list("segments", ["true", "false"], "--write_defaults: attention classes to time with packed-document "
-                  "segment ids (true: what the training scripts' packed rows pass; cuDNN's path cannot take them) "
+                  "segment ids (true: what the training scripts' packed rows pass; cuDNN takes them as a mask) "
                   "and without (false).")
 flags.DEFINE_float("attention_dropout", 0.0, "When > 0, also time flash_attention with this dropout rate on the "
                    "probabilities (the in-kernel mask hash's cost; FLOPs counted as without dropout).",
@@ -100,10 +100,11 @@ def _peak_tflops():
     return peak_tflops(jax.devices()[0])
 
 
-def _median_seconds(fn, *args):
+def _median_seconds(fn, *args, outputs=None):
     """Median seconds per call over --iters samples. A sample is enough back-to-back calls to last about
     --min_sample_ms, blocked on once, so the host's dispatch and sync (tens of microseconds) are not counted per
-    call: a 0.4 ms kernel timed one call at a time would read ~10% slow."""
+    call: a 0.4 ms kernel timed one call at a time would read ~10% slow. outputs: a list the last call's result is
+    appended to."""
     for _ in range(FLAGS.warmup):
         jax.block_until_ready(fn(*args))
     start = time.perf_counter()
@@ -116,13 +117,16 @@ def _median_seconds(fn, *args):
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / calls)
+    if outputs is not None:
+        outputs.append(out)
     return statistics.median(times)
 
 
-def _measure(name, shape, fn, args, flops):
-    """One table row; a path that fails (OOM, unsupported) is reported instead of measured."""
+def _measure(name, shape, fn, args, flops, outputs=None):
+    """One table row; a path that fails (OOM, unsupported) is reported instead of measured. outputs: as
+    `_median_seconds`'."""
     try:
-        seconds = _median_seconds(jax.jit(fn), *args)
+        seconds = _median_seconds(jax.jit(fn), *args, outputs=outputs)
     except Exception as e:  # a baseline such as cuDNN may not support this shape or device
         logging.warning("%s %s failed: %s", name, shape, e)
         return [name, shape, "-", "-", "-", type(e).__name__]
@@ -219,14 +223,46 @@ def _attention_candidates():
     return {name: dict(implementation=name, interpret=FLAGS.interpret and name == "triton") for name in names}
 
 
-def _timed(rows, times, name, label, shape, fn, args, flops):
+def _timed(rows, times, name, label, shape, fn, args, flops, outputs):
     """Measures candidate `name` of `label` ('op pass'): its row appended to `rows`, its milliseconds to
-    `times[name]` where it ran."""
+    `times[name]` and (its result, its row) to `outputs[name]` where it ran."""
     op, direction = label.split(" ")
-    row = _measure(f"{op}[{name}] {direction}", shape, fn, args, flops)
+    got = []
+    row = _measure(f"{op}[{name}] {direction}", shape, fn, args, flops, outputs=got)
     rows.append(row)
     if row[2] != "-":
-        times[name] = float(row[2])
+        times[name], outputs[name] = float(row[2]), (got[0], row)
+
+
+# How far a candidate's result may be from the reference candidate's (relative, over the output or each gradient)
+# for the defaults table to take it: both computed in the dtype timed, so two 16-bit roundings apart.
+AGREEMENT = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+def _relative_error(got, want):
+    """Relative error of `got` against `want`; a summed result (the loss's chunked path, a scalar) against the sum
+    of `want` (its per-token losses)."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    if got.shape == () and want.shape != ():
+        want = want.sum()
+    return float(jnp.linalg.norm((got - want).ravel()) / jnp.maximum(jnp.linalg.norm(want.ravel()), 1e-30))
+
+
+def _agreeing(times, outputs, reference, dtype):
+    """`times` without the candidates whose results differ from `reference`'s by more than `AGREEMENT` (each such
+    candidate's row noted 'disagrees'): a wrong path is never a default, however fast."""
+    if reference not in outputs:
+        return times
+    kept = {}
+    for name, ms in times.items():
+        (result, row), want = outputs[name], outputs[reference][0]
+        error = max(_relative_error(a, b) for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(want)))
+        if error <= AGREEMENT[jnp.dtype(dtype).name]:
+            kept[name] = ms
+        else:
+            row[5] = f"disagrees with {reference}: {error:.2g}"
+            logging.warning("%s disagrees with %s (relative error %.3g): not a default", name, reference, error)
+    return kept
 
 
 def write_defaults(path, families):
@@ -250,8 +286,8 @@ def write_defaults(path, families):
 
 
 def _attention_defaults(kind, provenance, entries, rows):
-    """Times the attention candidates of each --seq_lens x --causal x --segments class and pass into `entries`
-    (cuDNN's path only without segment ids)."""
+    """Times the attention candidates of each --seq_lens x --causal x --segments class and pass into `entries`,
+    those whose results agree with 'xla''s (`_agreeing`)."""
     dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
     for seq_len in seq_lens:
         for causal in causal_modes:
@@ -260,14 +296,13 @@ def _attention_defaults(kind, provenance, entries, rows):
                 ids = _packed_ids(args[0].shape[0], seq_len) if segments else None
                 label = f"{shape}{' packed' if segments else ''} {dtype.name}"
                 for training in (False, True):
-                    times = {}
+                    times, outputs = {}, {}
                     for name, selection in _attention_candidates().items():
-                        if segments and name == "cudnn":
-                            continue
                         attend = functools.partial(flash_attention, causal=causal, segment_ids=ids, **selection)
                         _timed(rows, times, name, f"flash_attention {'fwd+bwd' if training else 'fwd'}", label,
                                _attention_grads(attend) if training else attend, args,
-                               fwd_flops * (3.5 if training else 1.0))
+                               fwd_flops * (3.5 if training else 1.0), outputs)
+                    times = _agreeing(times, outputs, "xla", dtype)
                     if times:
                         cls = _defaults.shape_class("flash_attention", head_dim=head_dim, seq_len=seq_len,
                                                     causal=causal, dtype=dtype, segments=segments, training=training)
@@ -283,9 +318,11 @@ def _matmul_defaults(kind, provenance, entries, rows):
     for case in matmul_benchmark.cases(size, dtype, impl, ("gated_mlp", "linear_cross_entropy"),
                                        interpret=selection["interpret"]):
         fused, plain, *chunked = case.paths.values()  # the fused kernel, plain XLA[, the chunked sum]
-        times = {}
+        times, outputs = {}, {}
         for name, fn in ((impl, fused), (_defaults.PLAIN, plain), *((_defaults.CHUNKED, f) for f in chunked)):
-            _timed(rows, times, name, f"{case.kernel} {case.direction}", case.shape, fn, case.args, case.flops)
+            _timed(rows, times, name, f"{case.kernel} {case.direction}", case.shape, fn, case.args, case.flops,
+                   outputs)
+        times = _agreeing(times, outputs, _defaults.PLAIN, dtype)
         if times:
             cls = _defaults.shape_class(case.kernel, dtype=dtype, training=case.direction == "fwd+bwd")
             entries.append(_defaults.make_entry(case.kernel, kind, cls, times, shape=case.shape, **provenance))

@@ -564,6 +564,24 @@ def test_cudnn_maps_onto_jax_nn_exactly(cudnn_on_xla, causal, window, t, s, head
     assert {k: cudnn_on_xla[0].get(k) for k in expect} == expect
 
 
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, (9, 0))])
+def test_cudnn_takes_segment_ids_as_a_mask(cudnn_on_xla, causal, window):
+    """One [B, T] array of packed documents becomes jax.nn's boolean mask [B, 1, T, T] of equal ids beside the
+    causal mask or window: values and gradients equal the 'xla' implementation's with the same segment ids."""
+    q, k, v, ct, ids = _inputs((causal, True, 4, 2, 40, 40, 64, jnp.bfloat16))
+
+    def output_and_grads(impl):
+        f = lambda q, k, v: flash_attention(q, k, v, causal=causal, window=window, segment_ids=ids,  # noqa: E731
+                                            implementation=impl)
+        out, pull = jax.vjp(f, q, k, v)
+        return out, pull(jnp.asarray(ct, out.dtype))
+
+    got, want = jax.jit(lambda: output_and_grads("cudnn"))(), jax.jit(lambda: output_and_grads("xla"))()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert _relative_error(g, w) < TOLERANCE[jnp.bfloat16][1]
+    assert {(c["mask"].shape, c["mask"].dtype) for c in cudnn_on_xla} == {((2, 1, 40, 40), np.dtype(bool))}
+
+
 def test_cudnn_on_a_mesh_runs_each_device_s_rows_and_heads(cudnn_on_xla):
     """On data 2 x fsdp 2 x model 2 (the Pallas kernels' shard_map): values and gradients equal the unsplit call,
     and jax.nn sees one row and half the heads."""
@@ -610,8 +628,28 @@ def test_cudnn_lowers_to_cudnn_forward_and_backward_for_cuda(cudnn_lowering, mes
     assert all(types.startswith(f"{q_type}, {kv_type}, {kv_type}") for _, types in calls), calls
 
 
+def test_cudnn_with_segment_ids_lowers_to_cudnn_with_a_bias_for_cuda(cudnn_lowering):
+    """Packed rows (segment ids [B, T]) lowered for cuda: cuDNN's forward and backward with the mask as a bias
+    operand [B, 1, T, T], causal; under JAX 0.11 no bias gradient (the mask is not differentiable)."""
+    q = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 1024, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((4, 1024), jnp.int32)
+    grads = jax.grad(lambda q, k, v, ids: flash_attention(q, k, v, causal=True, segment_ids=ids,
+                                                          implementation="cudnn").astype(jnp.float32).sum(), (0, 1, 2))
+    with for_gpu():
+        text = jax.jit(grads).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(__cudnn\$\w+)\(.*?\).*?: \((.*?)\) ->", text)
+    assert [name for name, _ in calls] == ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"]
+    assert all("tensor<4x1x1024x1024xbf16>" in types for _, types in calls), calls
+    assert re.findall(r"mask_type\\22: \\22(\w+)", text) == ["CAUSAL"] * 2
+    backward_results = re.search(r"custom_call @__cudnn\$fmhaScaleBiasSoftmaxBackward\(.*?\).*?-> (.*?)\n", text)[1]
+    # JAX 0.10.2 returns a bias gradient [4, 1, 1024, 1024] it then drops; 0.11.2 (the GPU machines') none
+    assert ("4x1x1024x1024" in backward_results) == (jax.__version_info__ < (0, 11)), backward_results
+
+
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(segment_ids=_array((2, 64), jnp.int32)), "segment_ids with implementation='cudnn'; .*per-row lengths"),
+    (dict(segment_ids=(_array((2, 64), jnp.int32),) * 2), "segment_ids with implementation='cudnn'; as a "
+     r"\(q_ids, kv_ids\) pair a query may see no key"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate with implementation='cudnn'"),
     (dict(logit_soft_cap=30.0), "logit_soft_cap with implementation='cudnn'"),
     (dict(block_sizes=BlockSizes(block_q=64)), "block_sizes with implementation='cudnn'; cuDNN picks its own"),
@@ -673,6 +711,13 @@ def test_cudnn_under_context_parallelism_runs_ulysses_and_refuses_ring(cudnn_on_
         got = attend(*placed)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
         assert cudnn_on_xla[-1]["q_shape"] == (1, 32, 1, 64)
+        ids = _inputs((True, True, 4, 4, 32, 32, 64, jnp.bfloat16))[4]  # packed documents: the whole rows' ids
+        packed = jax.jit(lambda q, k, v, ids: flash_attention(q, k, v, causal=True, segment_ids=ids,
+                                                              implementation="cudnn"))
+        got = packed(*placed, jax.device_put(ids, NamedSharding(mesh, P("data", "context"))))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(packed(q, k, v, ids), np.float32),
+                                   rtol=1e-2, atol=1e-2)
+        assert cudnn_on_xla[-1]["mask"].shape == (1, 1, 32, 32)
         with pytest.raises(ValueError, match=r"implementation='cudnn' with 2 heads / 2 kv heads over model=2 and "
                                              r"context=2; that needs ring attention"):
             jax.eval_shape(attend, *(x[:, :, :2] for x in (q, k, v)))

@@ -120,18 +120,6 @@ def test_flash_attention_reads_the_table_for_plain_calls(monkeypatch):
     assert len(asked) == 2 and len(ran) == 1
 
 
-def test_a_segmented_class_never_names_cudnn(tmp_path):
-    """cuDNN's path takes no segment ids, so a table naming it for a packed class is refused on reading."""
-    path = str(tmp_path / "table.py")
-    cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=32, causal=True, dtype="float32",
-                                segments=True)
-    entry = _defaults.make_entry("flash_attention", H200, cls, {"triton": 2.0, "cudnn": 1.0}, command="test")
-    with open(path, "w") as f:
-        json.dump({"entries": [entry]}, f)
-    with pytest.raises(ValueError, match="not 'cudnn' with segments"):
-        _defaults.read_table(path)
-
-
 def _entry(device_kind, seq_len, times, training=True):
     cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=seq_len, causal=True, dtype="float32",
                                 training=training)
@@ -245,3 +233,26 @@ def test_an_h200_step_runs_the_tables_attention_for_its_rows(monkeypatch, packed
         assert not cudnn_calls and len(triton_calls) >= 3, (cudnn_calls, len(triton_calls))  # fwd, dq, dk/dv
     else:
         assert sorted(set(cudnn_calls)) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"] and not triton_calls
+
+
+def test_a_candidate_that_disagrees_is_never_a_default():
+    """`bench_kernels._agreeing`: a candidate whose output or any gradient is further from the reference's than the
+    dtype's AGREEMENT is dropped (its row says so) however fast; the loss's summed path is compared with the sum."""
+    import runpy
+
+    from absl import flags
+    before = set(flags.FLAGS)
+    bench = runpy.run_path(os.path.join(ROOT, "scripts", "bench_kernels.py"), run_name="bench_kernels")
+    for name in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, name)
+    want = (jnp.arange(1.0, 9.0), jnp.ones(4))
+    rows = {name: [name, "", "1.0", "", "", ""] for name in ("xla", "close", "wrong", "fast")}
+    outputs = {"xla": (want, rows["xla"]), "close": ((want[0] * 1.01, want[1]), rows["close"]),
+               "wrong": ((want[0], want[1] * 1.1), rows["wrong"]), "fast": ((want[0], -want[1]), rows["fast"])}
+    times = {"xla": 3.0, "close": 2.0, "wrong": 1.0, "fast": 0.5}
+    assert bench["_agreeing"](times, outputs, "xla", jnp.bfloat16) == {"xla": 3.0, "close": 2.0}
+    assert rows["wrong"][5] == "disagrees with xla: 0.1" and rows["fast"][5] == "disagrees with xla: 2"
+    assert bench["_agreeing"](dict(times), outputs, "xla", jnp.float32) == {"xla": 3.0}  # 1e-2 > fp32's 2e-3
+    summed = {"plain": ((want[0],), rows["xla"]), "chunked": ((want[0].sum(),), rows["close"])}
+    assert bench["_agreeing"]({"plain": 2.0, "chunked": 1.0}, summed, "plain", jnp.bfloat16) == {
+        "plain": 2.0, "chunked": 1.0}

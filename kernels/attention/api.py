@@ -197,7 +197,7 @@ def _padded_attention(q, k, v, q_ids, kv_ids, keys, *, impl, causal, sm_scale, i
     """The attention of `flash_attention` on inputs of any length: padded to whole tiles, run on the ambient mesh's
     rows and heads, the padding cut off."""
     if impl == "cudnn":
-        return _cudnn_on_mesh(q, k, v, causal=causal, sm_scale=sm_scale, window=window)
+        return _cudnn_on_mesh(q, k, v, q_ids, causal=causal, sm_scale=sm_scale, window=window)
     T, D = q.shape[1], q.shape[3]
     q, k, v, q_ids, kv_ids, plan = _prepared(q, k, v, q_ids, kv_ids, impl, causal, sm_scale, interpret, block_sizes,
                                              dropout_rate, window, logit_soft_cap)
@@ -646,14 +646,18 @@ def _forward_with_lse(q, k, v, q_ids, kv_ids, impl, sm_scale, interpret, block_s
     return out[:, :T, :, :D], lse[:, :T]
 
 
-def _cudnn_on_mesh(q, k, v, **settings):
-    """`cudnn.attention(q, k, v, **settings)` on the ambient mesh's rows and heads, in the Pallas kernels' shard_map
-    (kernels/_partition.py): XLA's own partitioning of cuDNN's custom call refuses some splits (sequence, head dim),
-    and this way every implementation splits alike."""
+def _cudnn_on_mesh(q, k, v, ids, **settings):
+    """`cudnn.attention(q, k, v, ids, **settings)` on the ambient mesh's rows and heads, in the Pallas kernels'
+    shard_map (kernels/_partition.py): XLA's own partitioning of cuDNN's custom call refuses some splits (sequence,
+    head dim), and this way every implementation splits alike. ids: the segment ids [B, T] of q and k (`cudnn.check`
+    takes one array only), or None."""
     axes = _partition.auto_axes("cudnn")
     b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
     qkv = jax.sharding.PartitionSpec(b, None, m, None)
-    return _partition.shard(functools.partial(cudnn.attention, **settings), (q, k, v), (qkv,) * 3, qkv, "cudnn")
+    if ids is None:
+        return _partition.shard(functools.partial(cudnn.attention, **settings), (q, k, v), (qkv,) * 3, qkv, "cudnn")
+    return _partition.shard(functools.partial(cudnn.attention, **settings), (q, k, v, ids),
+                            (qkv,) * 3 + (jax.sharding.PartitionSpec(b, None),), qkv, "cudnn")
 
 
 def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):

@@ -22,7 +22,7 @@ def decoder_context(input_ids, attention_mask, positions, cache):
 
     attention_mask int [B, T]: 0 = padding, 1 = token; larger ids mark packed sequences (a token sees only its own
     sequence); None without a cache: every row one whole sequence, ctx 'segment_ids' None (attention takes no
-    segment ids, so the kernels' unsegmented paths run: cuDNN's where the defaults table measured it fastest).
+    segment ids: the defaults table's unsegmented class, cuDNN's unmasked path where it measured that fastest).
     Positions default to the position within the sequence, counting the tokens already in the cache. A paged cache
     (with 'page_table') gives row b positions lengths[b] + t and ctx 'page_table' / 'lengths'.
     Returns (ctx, cache without 'layers' but with index / segment ids (or lengths) advanced, or None)."""
