@@ -19,8 +19,9 @@
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=480   (BUDGET=seconds overrides the 450)
 # `bash scripts/device_check.sh tune` runs step 5 alone on the whole budget (a second call while the machine is warm,
-# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone, then the engine's rows again with
-# the Mosaic GPU attention, then FP8 beside bf16 at LLaMA-3-8B's shape, while the budget lasts (carry=[".peers"]; the
+# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (whole rows, as the peers), then the
+# engine's rows again on packed rows with the Mosaic GPU attention and (TinyLlama) cuDNN's masked one, then FP8
+# beside bf16 at LLaMA-3-8B's shape, while the budget lasts (carry=[".peers"]; the
 # PyTorch peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py
 # .peers/ && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
 # class and writes the merged table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over
@@ -54,6 +55,12 @@ if [ "$MODE" = step ]; then
     timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= --packed \
       --attention_implementation=mosaic_gpu --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee -a "$OUT/bench_gpu_step.log" \
       | quiet | tail -8
+  fi
+  # And with cuDNN's attention on the packed rows (their segment ids as a mask), TinyLlama's shape only.
+  if [ "$(left)" -gt 60 ]; then
+    timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= --packed --shapes=tinyllama \
+      --attention_implementation=cudnn --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee -a "$OUT/bench_gpu_step.log" \
+      | quiet | tail -5
   fi
   # FP8 against bf16 at LLaMA-3-8B's shape, side by side in one run (issue 47's 1.3x), while time is left.
   if [ "$(left)" -gt 60 ]; then
