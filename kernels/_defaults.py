@@ -28,6 +28,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implementation_for_platform
 
@@ -55,8 +56,18 @@ def default_implementation(op, *, device_kind=None, table=None, **shape):
         platform = _platform(device_kind)
     entry = measured_entry(op, device_kind, cls, table)
     if entry is not None and platform in _RUNS_ON.get(entry["choice"], (platform,)):
+        if (entry["device_kind"], entry["class"]) != (device_kind, cls):
+            _note_neighbour(op, device_kind, _key(op, device_kind, cls), _key(op, entry["device_kind"], entry["class"]),
+                            entry["choice"])
         return entry["choice"]
     return implementation_for_platform(platform)
+
+
+@functools.lru_cache(maxsize=256)
+def _note_neighbour(op, device_kind, asked, answered, choice):
+    """Logs once per class that a neighbour's measurement chose its implementation."""
+    logging.info("kernels: %s on %s, class %s: %r, as measured on %s for class %s (no entry of its own)", op,
+                 device_kind, asked[2], choice, answered[1], answered[2])
 
 
 def measured_entry(op, device_kind, cls, table=None):

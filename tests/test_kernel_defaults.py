@@ -47,10 +47,11 @@ def test_the_checked_in_table_answers_what_was_measured_and_its_neighbours():
     assert kernels.default_implementation("gated_mlp", dtype="bfloat16") == "xla"  # this CPU: the per-backend rule
 
 
-def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path):
+def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path, caplog):
     """The kind's own entry first, then one of its architecture's at the same class, then the length buckets beside
     it (shorter first, the kind's own before its architecture's); never two buckets away, another architecture or a
     kind that is no known GPU."""
+    caplog.set_level("INFO")
     path = str(tmp_path / "table.json")
     _defaults.merge_table(path, [_entry(H200, 1024, {"triton": 1.0, "cudnn": 2.0}),
                                  _entry(H100, 1024, {"triton": 2.0, "cudnn": 1.0}),
@@ -67,6 +68,9 @@ def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path):
         "flash_attention", head_dim=16, seq_len=16384, causal=True, dtype="float32"), table=path) is None
     assert look("NVIDIA A100-SXM4-80GB", 512) == "cudnn" and look("NVIDIA A10", 256) == "triton"
     assert look("TPU v5p", 512) == "xla" and look("TPU v5 lite", 256) == "mosaic_tpu"
+    said = [r.getMessage() for r in caplog.records if "as measured on" in r.getMessage()]
+    assert any(m.startswith("kernels: flash_attention on NVIDIA H100 PCIe, class ('float32', 16, True, 1024, False, "
+                            "'fwd+bwd'): 'cudnn', as measured on NVIDIA H100 80GB HBM3") for m in said), said
 
 
 def test_every_entry_states_its_measurement():
