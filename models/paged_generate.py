@@ -11,8 +11,9 @@ on top of what the running ones may still take (so no sequence ever waits for a 
 prefills each alone through the model's normal forward (flash attention; its keys and values written into its pages),
 then decodes every slot together, one token each, in one compiled step of fixed shape, attention read through
 `kernels.paged_attention`, and one sampling program draws the tokens (first tokens too). A sequence retires at its own
-EOS or length limit and its pages return to the free list. Compiled once per prompt-length bucket (prefill) and once
-per page-table width (decode), never per request mix.
+EOS or length limit and its pages return to the free list. Compiled once per prompt-length bucket (prefill; once in
+all with `prompt_len`, as `generate_continuous` sets it) and once per page-table width (decode), never per request
+mix.
 
 Shared prompt pages (GRPO's G samples of one prompt, best-of-n): a request whose prompt equals that of a running
 request is not prefilled again; it takes the same prompt pages (a reference count per page; a page returns to the
@@ -97,11 +98,14 @@ class PagedEngine:
     """Continuous batching of greedy or sampled generation over a paged KV cache (the module docstring).
 
     PagedEngine(model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None, cache_dtype=None,
-    max_len=None, share_prompts=True): max_batch sequence slots decoded together; the pool holds num_pages pages of
-    page_size tokens, or as many as memory_bytes holds (`page_bytes`). max_len: the longest request (prompt + new
-    tokens) it takes, which fixes the decode step's shape; None: the page table widens (one more compile) when a
-    longer request arrives. cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values as int8
-    with a float32 scale per token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
+    max_len=None, share_prompts=True, prompt_len=None): max_batch sequence slots decoded together; the pool holds
+    num_pages pages of page_size tokens, or as many as memory_bytes holds (`page_bytes`). max_len: the longest
+    request (prompt + new tokens) it takes, which fixes the decode step's shape; None: the page table widens (one more
+    compile) when a longer request arrives. prompt_len: the longest prompt it takes, which fixes the prefill's shape
+    (every prompt right-padded to it: one prefill program, where each program is a GPU run's compile and
+    autotuning); None: a prefill program per prompt-length bucket (powers of two), which pads short prompts less.
+    cache_dtype None keeps pages in the compute dtype; 'int8' stores keys and values as int8 with a float32 scale per
+    token and head (`kernels.quantize_kv`; the prefill attends to its float keys, as
     `generate(kv_cache_dtype='int8')`). share_prompts: requests with equal prompts share their prompt's pages (the
     module docstring). add_request(prompt_ids, max_new_tokens, ...) queues a request and returns its id; run() serves
     every queued request and returns {id: generated token ids} (the EOS included when met); step() is one round of
@@ -110,10 +114,11 @@ class PagedEngine:
     """
 
     def __init__(self, model, params, *, max_batch, page_size=16, num_pages=None, memory_bytes=None,
-                 cache_dtype=None, max_len=None, share_prompts=True):
+                 cache_dtype=None, max_len=None, share_prompts=True, prompt_len=None):
         if not isinstance(model, DecoderLM):
             raise ValueError(f"model={type(model).__name__}; expected a decoder-only model (a layers.DecoderLM)")
-        for name, value in (("max_batch", max_batch), ("page_size", page_size), ("max_len", max_len or 1)):
+        for name, value in (("max_batch", max_batch), ("page_size", page_size), ("max_len", max_len or 1),
+                            ("prompt_len", 1 if prompt_len is None else prompt_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
         if cache_dtype is not None and cache_dtype not in ("int8", jnp.int8):
@@ -151,7 +156,7 @@ class PagedEngine:
         self._waiting = collections.deque()
         self._next_id = 0
         self._slots = [None] * max_batch  # the running request of each slot
-        self.max_len = max_len
+        self.max_len, self.prompt_len = max_len, prompt_len
         # Page-table entries per slot: max_len's pages (paged_attention reads every entry's block, so none spare),
         # else a power of two grown (a new compile) when a longer request arrives.
         self._table_width = 1 if max_len is None else -(-max_len // page_size)
@@ -180,6 +185,9 @@ class PagedEngine:
             raise ValueError(f"seed={seed!r}; expected an int in [0, 2**32)")
         request = _Request(self._next_id, prompt, max_new_tokens, eos_id, float(temperature), top_k or 0,
                            1.0 if top_p is None else float(top_p), int(seed))
+        if self.prompt_len is not None and len(prompt) > self.prompt_len:
+            raise ValueError(f"prompt_ids of {len(prompt)} tokens; expected at most prompt_len={self.prompt_len} "
+                             "(the engine's prefill shape)")
         if self.max_len is not None and len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens; expected at most "
                              f"max_len={self.max_len} tokens")
@@ -324,7 +332,7 @@ class PagedEngine:
         if prompt is None:
             n = len(request.prompt)
             self._allocate(request, n)
-            ids = np.zeros((1, _bucket(n)), np.int32)
+            ids = np.zeros((1, self.prompt_len or _bucket(n)), np.int32)
             ids[0, :n] = request.prompt
             mask = (np.arange(ids.shape[1]) < n).astype(np.int32)[None]
             prompt = _Prompt(list(request.pages), self._free_rows.pop())
@@ -515,10 +523,11 @@ def generate_continuous(model, params, requests, *, max_batch, page_size=16, num
                         cache_dtype=None, max_len=None, share_prompts=True):
     """Generation for many requests through one `PagedEngine`. requests: dicts of `PagedEngine.add_request`'s arguments
     (prompt_ids, max_new_tokens, and optionally eos_id, temperature, top_k, top_p, seed). Returns each request's
-    generated token ids, in order."""
+    generated token ids, in order. One prefill program: every prompt is padded to the longest one's bucket."""
+    longest = max((np.size(r["prompt_ids"]) for r in requests), default=1)
     engine = PagedEngine(model, params, max_batch=max_batch, page_size=page_size, num_pages=num_pages,
                          memory_bytes=memory_bytes, cache_dtype=cache_dtype, max_len=max_len,
-                         share_prompts=share_prompts)
+                         share_prompts=share_prompts, prompt_len=_bucket(max(longest, 1)))
     ids = [engine.add_request(**request) for request in requests]
     out = engine.run()
     return [out[i] for i in ids]

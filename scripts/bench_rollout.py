@@ -48,6 +48,8 @@ flags.DEFINE_integer("prompts", 64, "Prompts in the rollout.", lower_bound=1)
 flags.DEFINE_integer("samples", 8, "Responses per prompt (GRPO's group size).", lower_bound=1)
 flags.DEFINE_integer("min_prompt", 16, "Shortest prompt, tokens.", lower_bound=1)
 flags.DEFINE_integer("max_prompt", 64, "Longest prompt, tokens.", lower_bound=1)
+flags.DEFINE_enum("prefill", "one", ["one", "bucketed"], "The paged engine's prefill programs: one (every prompt "
+                  "padded to --max_prompt's bucket: PagedEngine(prompt_len=)) or one per prompt-length bucket.")
 flags.DEFINE_integer("min_new", 4, "Shortest response, tokens.", lower_bound=1)
 flags.DEFINE_integer("max_new", 256, "Longest response, tokens (the static path's max_new_tokens).", lower_bound=1)
 flags.DEFINE_enum("lengths", "uniform", ["uniform", "loguniform"], "Distribution of the response lengths.")
@@ -151,7 +153,8 @@ class _Timed:
 def paged_engine(model, params, num_pages):
     """A PagedEngine whose compiled functions add their wall time (result ready) to `engine.seconds`."""
     engine = models.PagedEngine(model, params, max_batch=FLAGS.max_batch, page_size=FLAGS.page_size,
-                                num_pages=num_pages, max_len=FLAGS.max_prompt + FLAGS.max_new)
+                                num_pages=num_pages, max_len=FLAGS.max_prompt + FLAGS.max_new,
+                                prompt_len=_bucket(FLAGS.max_prompt) if FLAGS.prefill == "one" else None)
     engine.seconds = collections.Counter()
     for name in ("_prefill", "_sample", "_decode", "_copy"):
         setattr(engine, name, _Timed(getattr(engine, name), engine.seconds, name[1:]))
@@ -282,8 +285,8 @@ def hlo_stats(hlo):
 
 def target_programs(requests):
     """{name: (jitted function, abstract arguments)}: every program a run of both paths compiles on --target's GPU
-    (the static `generate`; the paged engine's prefill per prompt bucket, decode step, sampling and page copy), its
-    model's attention the GPU's kernels (Triton) and its arguments on the target device."""
+    (the static `generate`; the paged engine's prefill (one, or per prompt bucket), decode step, sampling and page
+    copy), its model's attention the GPU's kernels (Triton) and its arguments on the target device."""
     # A mesh of the one GPU, as a sharded run has it (its kernels then run in a shard_map)
     mesh = engine_lib.make_mesh(devices=plan.target_devices(FLAGS.target)[:1])
     on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -305,7 +308,8 @@ def target_programs(requests):
         pools = paged.pools  # abstract, on the mesh
         logits = spec((FLAGS.max_batch, FLAGS.vocab), jnp.float32)
         slots, table = spec((FLAGS.max_batch,)), spec((FLAGS.max_batch, paged._table_width))  # noqa: SLF001
-        for width in sorted({_bucket(len(r["prompt_ids"])) for r in requests}):
+        for width in [paged.prompt_len] if paged.prompt_len else sorted({_bucket(len(r["prompt_ids"]))
+                                                                           for r in requests}):
             prompt = spec((1, width))
             programs[f"paged prefill {width}"] = prefill, (params, pools, logits, prompt, prompt,
                                                             spec((1, table.shape[1])), spec(()), spec(()))

@@ -80,6 +80,28 @@ def test_greedy_equals_generate_with_fewer_slots_than_requests_eos_and_sampled_n
     assert engine.admission_order == list(range(len(requests)))
 
 
+def test_a_fixed_prompt_len_prefills_every_prompt_in_one_program(monkeypatch):
+    """prompt_len: prompts of 1 ... 12 tokens (buckets 8 and 16) right-padded to 16, one prefill trace where the
+    bucketed engine makes two, the same greedy tokens as generate's; a longer prompt refused in one line at
+    add_request; generate_continuous sets it to its longest prompt's bucket."""
+    model, params = _model("llama")
+    requests = _requests(3, 5, model.config.vocab_size)
+    assert {len(r["prompt_ids"]) <= 8 for r in requests} == {True, False}  # both buckets
+    expected = _reference(model, params, requests)
+    bucketed, _ = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=24)
+    fixed, out = _serve(model, params, requests, max_batch=2, page_size=4, num_pages=24, prompt_len=16)
+    assert out == expected and (bucketed.traces["prefill"], fixed.traces["prefill"]) == (2, 1)
+    with pytest.raises(ValueError, match=r"^prompt_ids of 17 tokens; expected at most prompt_len=16 \(the engine's"):
+        fixed.add_request([1] * 17, 2)
+    with pytest.raises(ValueError, match=r"^prompt_len=0; expected a positive int"):
+        models.PagedEngine(model, params, max_batch=2, num_pages=4, prompt_len=0)
+    made = []
+    monkeypatch.setattr(models.paged_generate, "PagedEngine", lambda *a, **k: made.append(
+        models.PagedEngine(*a, **k)) or made[-1])
+    assert models.generate_continuous(model, params, requests, max_batch=2, page_size=4, num_pages=24) == expected
+    assert made[0].prompt_len == 16 and made[0].traces["prefill"] == 1
+
+
 def test_scheduler_under_random_arrival_and_a_tight_pool():
     """Requests of random lengths (some repeating an earlier prompt, so sharing its pages while it runs) arriving at
     random steps while others run, 2 slots, a pool just large enough for the longest: every request ends at its own
