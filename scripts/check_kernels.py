@@ -38,12 +38,14 @@ LIMITS = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 
 class Case(NamedTuple):
     """One row per dtype: `fn(impl_kwargs, *args)`, its args as float shapes (fresh normal draws in the row's dtype)
-    or `make_args(key, dtype)`; `backward`: also compare the gradients of every arg under a random cotangent."""
+    or `make_args(key, dtype)`; `backward`: also compare the gradients of every arg under a random cotangent;
+    `dtypes`: the only dtypes it runs in (None: every --dtypes)."""
     name: str
     shape: str
     fn: Callable
     args: Union[Sequence[tuple], Callable]
     backward: bool = True
+    dtypes: Union[tuple, None] = None
 
 
 def _model_case(small):
@@ -131,8 +133,26 @@ def _paged_cases(small):
     ]
 
 
-def cases(size):
-    """A `Case` per kernel."""
+def _cudnn_cases(B, T, H, KVH, D, seg):
+    """`flash_attention(implementation='cudnn')` itself, 16-bit only: causal GQA, and packed segment ids (its boolean
+    mask read as a bias), whatever the default implementation is."""
+    import jax.numpy as jnp
+
+    import kernels
+    cudnn = dict(implementation="cudnn")
+    return [
+        Case("flash_attention[cudnn] causal GQA", f"B{B} T{T} H{H}/{KVH} D{D}",
+             lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, **cudnn),
+             [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)], dtypes=("bfloat16", "float16")),
+        Case("flash_attention[cudnn] causal segments", f"B{B} T{T} H{H}/{KVH} D{D}",
+             lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, **cudnn,
+                                                           segment_ids=jnp.asarray(np.tile(seg, (B, 1)))),
+             [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)], dtypes=("bfloat16", "float16")),
+    ]
+
+
+def cases(size, cudnn=False):
+    """A `Case` per kernel; with `cudnn` (an NVIDIA GPU, not interpreted) also cuDNN's attention."""
     import jax
     import jax.numpy as jnp
 
@@ -153,6 +173,7 @@ def cases(size):
     # rows print within seconds and a run cut short keeps the most rows.
     return [
         *_paged_cases(small),
+        *(_cudnn_cases(B, T, H, KVH, D, seg) if cudnn else []),
         Case("flash_attention causal GQA", f"B{B} T{T} H{H}/{KVH} D{D}",
              lambda impl, q, k, v: kernels.flash_attention(q, k, v, causal=True, **impl),
              [(B, T, H, D), (B, T, KVH, D), (B, T, KVH, D)]),
@@ -279,6 +300,7 @@ def main(argv):
     import jax.numpy as jnp
 
     from kernels import resolve_implementation
+    from kernels._dispatch import is_nvidia_gpu
     on_cpu = jax.default_backend() == "cpu"
     impl = {"implementation": "triton", "interpret": True} if FLAGS.interpret else {}
     chosen = impl.get("implementation") or resolve_implementation(None)
@@ -293,8 +315,9 @@ def main(argv):
     _row([name for name, _ in COLUMNS])
     rows = failed = 0
     key = jax.random.key(FLAGS.seed)
-    for name, shape, fn, shapes, backward in cases(size):
-        for dtype_name in FLAGS.dtypes:
+    on_nvidia = not FLAGS.interpret and is_nvidia_gpu(jax.devices()[0])
+    for name, shape, fn, shapes, backward, dtypes in cases(size, cudnn=on_nvidia):
+        for dtype_name in (d for d in FLAGS.dtypes if dtypes is None or d in dtypes):
             key, sub = jax.random.split(key)
             try:
                 r = check(name, fn, shapes, jnp.dtype(dtype_name), impl, sub, backward, FLAGS.reference)

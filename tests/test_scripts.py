@@ -763,6 +763,11 @@ def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
         assert 5e-3 < error < 2e-2 and plain < 1e-5, (error, part, plain)
     assert not check_kernels.passes(error, plain, "float32")
     assert not check_kernels.passes(float("inf"), float("inf"), "bfloat16")  # NaN fails even where XLA's is NaN
+    rows = {c.name: c.dtypes for c in check_kernels.cases("small", cudnn=True)}  # an NVIDIA GPU's rows
+    assert {n: d for n, d in rows.items() if "cudnn" in n} == {
+        "flash_attention[cudnn] causal GQA": ("bfloat16", "float16"),
+        "flash_attention[cudnn] causal segments": ("bfloat16", "float16")}
+    assert not any("cudnn" in c.name for c in check_kernels.cases("small"))
 
 
 @pytest.mark.slow
