@@ -61,6 +61,8 @@ flags.DEFINE_integer("heads", None, "Attention query heads; default 16 (CPU: 4).
 flags.DEFINE_integer("kv_heads", None, "Attention kv heads; default = heads.")
 flags.DEFINE_integer("head_dim", None, "Attention head dim; default 128 (CPU: 64).")
 flags.DEFINE_list("causal", ["true", "false"], "Attention masking modes to run.")
+flags.DEFINE_list("defaults_head_dims", None, "--write_defaults: the head dims whose attention classes it times, in "
+                  "this order (default: --head_dim's).")
 flags.DEFINE_list("segments", ["true", "false"], "--write_defaults: attention classes to time with packed-document "
                   "segment ids (true: what the training scripts' packed rows pass; cuDNN takes them as a mask) "
                   "and without (false).")
@@ -286,28 +288,35 @@ def write_defaults(path, families):
 
 
 def _attention_defaults(kind, provenance, entries, rows):
-    """Times the attention candidates of each --seq_lens x --causal x --segments class and pass into `entries`,
-    those whose results agree with 'xla''s (`_agreeing`)."""
+    """Times the attention candidates of each --defaults_head_dims x --seq_lens x --causal x --segments class into
+    `entries`, forward + backward first (the entry `flash_attention` reads), those whose results agree with 'xla''s
+    (`_agreeing`)."""
     dtype, seq_lens, tokens, heads, kv_heads, head_dim, causal_modes = _attention_setup()
-    for seq_len in seq_lens:
-        for causal in causal_modes:
-            args, fwd_flops, shape = _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
-            for segments in (s.lower() == "true" for s in FLAGS.segments):
-                ids = _packed_ids(args[0].shape[0], seq_len) if segments else None
-                label = f"{shape}{' packed' if segments else ''} {dtype.name}"
-                for training in (False, True):
-                    times, outputs = {}, {}
-                    for name, selection in _attention_candidates().items():
-                        attend = functools.partial(flash_attention, causal=causal, segment_ids=ids, **selection)
-                        _timed(rows, times, name, f"flash_attention {'fwd+bwd' if training else 'fwd'}", label,
-                               _attention_grads(attend) if training else attend, args,
-                               fwd_flops * (3.5 if training else 1.0), outputs)
-                    times = _agreeing(times, outputs, "xla", dtype)
-                    if times:
-                        cls = _defaults.shape_class("flash_attention", head_dim=head_dim, seq_len=seq_len,
-                                                    causal=causal, dtype=dtype, segments=segments, training=training)
-                        entries.append(_defaults.make_entry("flash_attention", kind, cls, times, shape=label,
-                                                            **provenance))
+    for head_dim in [int(d) for d in FLAGS.defaults_head_dims or [head_dim]]:
+        for seq_len in seq_lens:
+            for causal in causal_modes:
+                _attention_class_defaults(kind, provenance, entries, rows, dtype, seq_len, tokens, heads, kv_heads,
+                                          head_dim, causal)
+
+
+def _attention_class_defaults(kind, provenance, entries, rows, dtype, seq_len, tokens, heads, kv_heads, head_dim,
+                              causal):
+    args, fwd_flops, shape = _attention_inputs(dtype, seq_len, tokens, heads, kv_heads, head_dim, causal)
+    for segments in (s.lower() == "true" for s in FLAGS.segments):
+        ids = _packed_ids(args[0].shape[0], seq_len) if segments else None
+        label = f"{shape}{' packed' if segments else ''} {dtype.name}"
+        for training in (True, False):
+            times, outputs = {}, {}
+            for name, selection in _attention_candidates().items():
+                attend = functools.partial(flash_attention, causal=causal, segment_ids=ids, **selection)
+                _timed(rows, times, name, f"flash_attention {'fwd+bwd' if training else 'fwd'}", label,
+                       _attention_grads(attend) if training else attend, args, fwd_flops * (3.5 if training else 1.0),
+                       outputs)
+            times = _agreeing(times, outputs, "xla", dtype)
+            if times:
+                cls = _defaults.shape_class("flash_attention", head_dim=head_dim, seq_len=seq_len, causal=causal,
+                                            dtype=dtype, segments=segments, training=training)
+                entries.append(_defaults.make_entry("flash_attention", kind, cls, times, shape=label, **provenance))
 
 
 def _matmul_defaults(kind, provenance, entries, rows):

@@ -24,8 +24,8 @@
 # beside bf16 at LLaMA-3-8B's shape, while the budget lasts (carry=[".peers"]; the
 # PyTorch peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py
 # .peers/ && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
-# class and writes the merged table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over
-# kernels/defaults.json after reading it).
+# class (attention: head dims 128, 64, 256 at 4k and 16k tokens, causal and not, packed and not) and writes the merged
+# table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over kernels/defaults.json after reading it).
 # On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX, which the
 # training script needs: its wheel is carried in .whl/ (ignored by git; WORKSPACE.md says how to fetch it).
 set -uo pipefail
@@ -72,7 +72,10 @@ if [ "$MODE" = step ]; then
 fi
 if [ "$MODE" = defaults ]; then
   cp kernels/defaults.json "$OUT/defaults.json"
-  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --write_defaults="$OUT/defaults.json" 2>&1 \
+  # Issue 44's head dims (128 first) and GQA at 4k and 16k (their neighbours cover 2k-32k), 5 samples a candidate:
+  # the budget ends it where it ends, every class timed until then written.
+  timeout -s INT "$(left)" $PY scripts/bench_kernels.py --write_defaults="$OUT/defaults.json" --seq_lens=4096,16384 \
+    --defaults_head_dims=128,64,256 --heads=32 --kv_heads=8 --tokens=16384 --iters=5 --warmup=1 2>&1 \
     | tee "$OUT/defaults.log" | quiet
   exit "${PIPESTATUS[0]}"
 fi

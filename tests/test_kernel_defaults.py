@@ -166,20 +166,22 @@ def _write_defaults(path, *args):
 
 
 def test_bench_kernels_writes_the_defaults_of_what_it_measured(tmp_path):
-    """On this CPU (attention only: 'xla' is its one implementation): an entry per pass and segments setting of the
-    measured class for the 'cpu' kind, merged beside an H200 entry already there, and read back by the lookup."""
+    """On this CPU (attention only: 'xla' is its one implementation): an entry per head dim, pass and segments
+    setting of the measured classes for the 'cpu' kind, merged beside an H200 entry already there, and read back by
+    the lookup."""
     path = str(tmp_path / "table.py")
     _defaults.merge_table(path, [_entry(H200, 32, {"triton": 1.0, "cudnn": 2.0})])
-    stdout = _write_defaults(path, "--kernels=attention")
+    stdout = _write_defaults(path, "--kernels=attention", "--defaults_head_dims=16,8")
     assert "defaults written to" in stdout
     entries = _defaults.read_table(path)
     mine = [e for e in entries if e["device_kind"] == "cpu"]
-    assert len(entries) == 5 and sorted((e["class"]["segments"], e["class"]["pass"]) for e in mine) == [
-        (False, "fwd"), (False, "fwd+bwd"), (True, "fwd"), (True, "fwd+bwd")]
+    assert len(entries) == 9 and sorted((e["class"]["head_dim"], e["class"]["segments"], e["class"]["pass"])
+                                        for e in mine) == [
+        (d, s, p) for d in (8, 16) for s in (False, True) for p in ("fwd", "fwd+bwd")]
     for e in mine:
         assert e["choice"] == "xla" and set(e["times"]) == {"xla"} and "--write_defaults" in e["command"]
-        assert {k: v for k, v in e["class"].items() if k not in ("pass", "segments")} == dict(
-            dtype="float32", head_dim=16, causal=True, seq_len=32)
+        assert {k: v for k, v in e["class"].items() if k not in ("pass", "segments", "head_dim")} == dict(
+            dtype="float32", causal=True, seq_len=32)
         assert ("packed" in e["shape"]) == e["class"]["segments"]
     assert _attention("cpu", 32, 16, dtype="float32", table=path) == "xla"
     assert _attention("cpu", 32, 16, dtype="float32", table=path, segments=True) == "xla"
