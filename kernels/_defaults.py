@@ -17,8 +17,10 @@ entry (or names a path the device cannot run) the answer is the per-backend rule
 
 A class measured on one kind answers for its near neighbours where they have no entry of their own: first another
 GPU of the same architecture (an H100 takes an H200's measurement: the same SMs and instructions decide which
-kernel is faster), then, for attention, the length bucket next to it (2048 and 16384 take what 4096 and 8192
-measured; shorter first on a tie), on the kind itself before its architecture's others. Nothing further.
+kernel is faster), then, for attention, a class one step away in length bucket or head dim or both (a length or a
+head dim half or twice its own; fewer steps first, a length step before a head-dim one, the smaller first; the kind
+itself before its architecture's others): 2048 and 16384 tokens take what 4096 and 8192 measured, head dim 64 or
+256 what 128 did. Causal and not, dtypes, segments and passes never stand in for each other.
 """
 import datetime
 import functools
@@ -101,13 +103,20 @@ def architecture(device_kind):
     return None
 
 
+# Attention's neighbours, as (length, head dim) steps in powers of two, nearest first (the module docstring).
+_STEPS = sorted(((dl, dh) for dl in (-1, 0, 1) for dh in (-1, 0, 1)), key=lambda s: (abs(s[0]) + abs(s[1]),
+                                                                                      abs(s[1]), s))
+
+
 def _near_classes(op, cls):
-    """`cls`, then (attention) the same class at the length buckets beside it, the shorter first."""
-    yield cls
-    if op == "flash_attention":
-        for seq_len in (cls["seq_len"] // 2, cls["seq_len"] * 2):
-            if seq_len >= 1:
-                yield {**cls, "seq_len": seq_len}
+    """`cls`, then (attention) the classes one length bucket and / or one head-dim doubling away, nearest first."""
+    if op != "flash_attention":
+        yield cls
+        return
+    for dl, dh in _STEPS:
+        seq_len, head_dim = cls["seq_len"] * 2.0 ** dl, cls["head_dim"] * 2.0 ** dh
+        if seq_len >= 1 and head_dim == int(head_dim) >= 1:
+            yield {**cls, "seq_len": int(seq_len), "head_dim": int(head_dim)}
 
 
 def shape_class(op, *, training=True, **shape):

@@ -28,14 +28,16 @@ def _attention(device_kind, seq_len=4096, head_dim=128, causal=True, dtype="bflo
 
 def test_the_checked_in_table_answers_what_was_measured_and_its_neighbours():
     """cuDNN at 4k and 8k causal, head_dim 128, bf16, both passes, on an H200, and so on an H100 (the same
-    architecture) and at the buckets beside them (1025 ... 16384 tokens); plain XLA matmuls for the gated MLP and
-    the loss when trained on either. Everything else: the per-backend rule."""
+    architecture), at the buckets beside them (1025 ... 16384 tokens) and head dims 64 and 256; plain XLA matmuls
+    for the gated MLP and the loss when trained on either. Everything else: the per-backend rule."""
     for kind in (H200, H100, "NVIDIA GH200 480GB"):
         for seq_len in (1025, 2048, 2049, 4096, 5000, 8192, 16384):
             for training in (True, False):
-                assert _attention(kind, seq_len, training=training) == "cudnn", (kind, seq_len, training)
-        for other in (dict(seq_len=1024), dict(seq_len=16385), dict(causal=False), dict(head_dim=64),
-                      dict(dtype="float16"), dict(dtype=jnp.float32), dict(segments=True)):
+                for head_dim in (64, 128, 256):
+                    assert _attention(kind, seq_len, head_dim, training=training) == "cudnn", (kind, seq_len)
+        for other in (dict(seq_len=1024), dict(seq_len=16385), dict(causal=False), dict(head_dim=32),
+                      dict(head_dim=512), dict(head_dim=64, seq_len=1024), dict(dtype="float16"),
+                      dict(dtype=jnp.float32), dict(segments=True)):
             assert _attention(kind, **other) == "triton", (kind, other)
         for op in ("gated_mlp", "linear_cross_entropy"):
             assert kernels.default_implementation(op, device_kind=kind, dtype=jnp.bfloat16) == "plain"
@@ -49,8 +51,8 @@ def test_the_checked_in_table_answers_what_was_measured_and_its_neighbours():
 
 def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path, caplog):
     """The kind's own entry first, then one of its architecture's at the same class, then the length buckets beside
-    it (shorter first, the kind's own before its architecture's); never two buckets away, another architecture or a
-    kind that is no known GPU."""
+    it (shorter first, the kind's own before its architecture's), then a head dim half or twice its own, then both
+    steps; never two buckets away, another architecture or a kind that is no known GPU."""
     caplog.set_level("INFO")
     path = str(tmp_path / "table.json")
     _defaults.merge_table(path, [_entry(H200, 1024, {"triton": 1.0, "cudnn": 2.0}),
@@ -64,6 +66,10 @@ def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path, 
     assert look(H200, 2048) == "triton" and look(H100, 2048) == "cudnn"  # buckets 1024 and 4096: shorter, own first
     assert look(H100, 4096) == "mosaic_gpu" and look(H100, 8192) == "mosaic_gpu"  # H200's 4096, then its neighbour
     assert look("NVIDIA A100-SXM4-80GB", 1024) == "triton"  # its 256 two buckets away, the H200's another arch
+    head = lambda kind, seq_len, head_dim: _attention(kind, seq_len, head_dim, dtype="float32", table=path)  # noqa
+    assert head(H200, 1024, 8) == "triton" and head(H100, 1024, 32) == "cudnn"  # a head dim away: the kind's own
+    assert head(H100, 2048, 32) == "cudnn" and head(H100, 8192, 32) == "mosaic_gpu"  # a bucket and a head dim away
+    assert head(H100, 1024, 64) == "triton" and head(H100, 256, 32) == "triton"  # two steps in one, or three
     assert _defaults.measured_entry("flash_attention", H200, _defaults.shape_class(
         "flash_attention", head_dim=16, seq_len=16384, causal=True, dtype="float32"), table=path) is None
     assert look("NVIDIA A100-SXM4-80GB", 512) == "cudnn" and look("NVIDIA A10", 256) == "triton"
@@ -118,10 +124,14 @@ def test_flash_attention_reads_the_table_for_plain_calls(monkeypatch):
     ids = (jnp.ones((2, 24), jnp.int32), jnp.ones((2, 40), jnp.int32))
     jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, causal=True, segment_ids=ids), q, kv)
     assert asked[1:] == [("flash_attention", {**shape, "segments": True})] and len(ran) == 1
+    monkeypatch.setattr(api, "default_implementation", lambda op, **shape: asked.append((op, shape)) or "cudnn")
+    jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, causal=True, segment_ids=ids), q, kv)
+    assert len(asked) == 3 and len(ran) == 1  # the table's cuDNN for a (q, kv) pair of ids: the backend's rule
+    monkeypatch.setattr(api, "default_implementation", answer)
     for kwargs in (dict(window=(8, 0)), dict(logit_soft_cap=20.0), dict(interpret=True),
                    dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))):
         jax.eval_shape(lambda q, k: kernels.flash_attention(q, k, k, **kwargs), q, kv)
-    assert len(asked) == 2 and len(ran) == 1
+    assert len(asked) == 3 and len(ran) == 1
 
 
 def _entry(device_kind, seq_len, times, training=True):

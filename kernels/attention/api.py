@@ -180,6 +180,8 @@ def flash_attention(
     shape = dict(head_dim=q.shape[3], seq_len=max(q.shape[1], k.shape[1]), causal=causal, dtype=q.dtype,
                  segments=q_ids is not None)
     impl = _implementation(implementation, interpret, ATTENTION_IMPLEMENTATIONS, shape if plain else None)
+    if impl == "cudnn" and implementation is None and isinstance(segment_ids, (tuple, list)):
+        impl = _implementation(None, interpret)  # the table's cuDNN takes one array of ids, not a (q, kv) pair
     if impl == "cudnn":
         cudnn.check_device(interpret)
         cudnn.check(q, k, segment_ids=segment_ids, dropout_rate=dropout_rate, window=window, causal=causal,
