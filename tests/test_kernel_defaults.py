@@ -262,12 +262,15 @@ def test_a_candidate_that_disagrees_is_never_a_default():
     for name in set(flags.FLAGS) - before:
         delattr(flags.FLAGS, name)
     want = (jnp.arange(1.0, 9.0), jnp.ones(4))
-    rows = {name: [name, "", "1.0", "", "", ""] for name in ("xla", "close", "wrong", "fast")}
+    rows = {name: [name, "", "1.0", "", "", ""] for name in ("xla", "close", "wrong", "fast", "nan")}
     outputs = {"xla": (want, rows["xla"]), "close": ((want[0] * 1.01, want[1]), rows["close"]),
-               "wrong": ((want[0], want[1] * 1.1), rows["wrong"]), "fast": ((want[0], -want[1]), rows["fast"])}
-    times = {"xla": 3.0, "close": 2.0, "wrong": 1.0, "fast": 0.5}
+               "wrong": ((want[0], want[1] * 1.1), rows["wrong"]), "fast": ((want[0], -want[1]), rows["fast"]),
+               "nan": ((want[0], want[1] * jnp.nan), rows["nan"])}  # exact first leaf, NaN second
+    times = {"xla": 3.0, "close": 2.0, "wrong": 1.0, "fast": 0.5, "nan": 0.1}
     assert bench["_agreeing"](times, outputs, "xla", jnp.bfloat16) == {"xla": 3.0, "close": 2.0}
     assert rows["wrong"][5] == "disagrees with xla: 0.1" and rows["fast"][5] == "disagrees with xla: 2"
+    assert rows["nan"][5] == "disagrees with xla: inf"
+    del times["nan"]
     assert bench["_agreeing"](dict(times), outputs, "xla", jnp.float32) == {"xla": 3.0}  # 1e-2 > fp32's 2e-3
     summed = {"plain": ((want[0],), rows["xla"]), "chunked": ((want[0].sum(),), rows["close"])}
     assert bench["_agreeing"]({"plain": 2.0, "chunked": 1.0}, summed, "plain", jnp.bfloat16) == {
