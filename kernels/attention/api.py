@@ -656,10 +656,10 @@ def _cudnn_on_mesh(q, k, v, ids, **settings):
     axes = _partition.auto_axes("cudnn")
     b, m = _partition.batch_axes(axes, q.shape[0]), _partition.model_axis(axes, q.shape[2], k.shape[2])
     qkv = jax.sharding.PartitionSpec(b, None, m, None)
-    if ids is None:
-        return _partition.shard(functools.partial(cudnn.attention, **settings), (q, k, v), (qkv,) * 3, qkv, "cudnn")
-    return _partition.shard(functools.partial(cudnn.attention, **settings), (q, k, v, ids),
-                            (qkv,) * 3 + (jax.sharding.PartitionSpec(b, None),), qkv, "cudnn")
+    args, specs = (q, k, v), (qkv,) * 3
+    if ids is not None:
+        args, specs = args + (ids,), specs + (jax.sharding.PartitionSpec(b, None),)
+    return _partition.shard(functools.partial(cudnn.attention, **settings), args, specs, qkv, "cudnn")
 
 
 def _on_mesh(q, k, v, q_ids, kv_ids, keys, plan):
