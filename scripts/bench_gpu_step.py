@@ -36,10 +36,10 @@ FLAGS = flags.FLAGS
 # LLaMA-3-8B keeps its width and vocabulary but runs --llama3_layers of its 32 layers, so that it and both peers fit
 # one H200 (139 GiB) at 16384 tokens a step. 8 layers: 8 x 218.1M + 2 x 525.3M (embedding, untied head) = 2.80B
 # parameters; fp32 master weights, fp32 gradients and AdamW's two fp32 moments are 16 B each (44.7 GB), a bf16 copy
-# for the matmuls 5.6 GB. Activations: without remat (the default, as the peers) the engine and PyTorch both keep
-# every activation in bf16, about 4.4 GB a layer, and 25 GB around the loss (the fp32 logits [16384, 128256] and
-# their gradient): about 110 GB. 12 layers would add some 31 GB (141 GB, at the card's edge), so 8 leave room for
-# allocator slack. --remat=dots keeps only the weight-matmul outputs (q, k, v, o, gate, up, down: 43008 values a
+# for the matmuls 5.6 GB. Activations: without remat (the default, as the peers) PyTorch eager keeps every
+# activation in bf16, about 4.4 GB a layer (the engine less: scripts/README.md plans it), and 25 GB around the loss
+# (the fp32 logits [16384, 128256] and their gradient): about 110 GB. 12 layers would add some 31 GB (141 GB, at the
+# card's edge), so 8 leave room for allocator slack. --remat=dots keeps only the weight-matmul outputs (q, k, v, o, gate, up, down: 43008 values a
 # token) for less memory and more time.
 SHAPES = {
     "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

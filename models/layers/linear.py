@@ -1,5 +1,7 @@
 """Projections: `Linear` (float, int8 or NF4 kernels, FP8 matmuls, LoRA adapters, the fused-matmul path) and the
 activations."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,16 @@ def activation(name):
     if name not in table:
         raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(table)}")
     return table[name]
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def activate(y, up, act):
+    """act(y) (* up unless None): an MLP's elementwise part after its first projection(s), checkpointed so that a
+    gradient keeps only its inputs (and the down projection its output) and recomputes the rest in the backward's
+    fusion, which reads them anyway; differentiated as written it would also keep the activation's intermediates
+    (SiLU: its sigmoid and output, each as large as y)."""
+    h = activation(act)(y)
+    return h if up is None else h * up
 
 
 def kernel_activation(name):

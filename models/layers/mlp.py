@@ -3,7 +3,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 import kernels
-from models.layers.linear import Linear, kernel_activation, projection_options
+from models.layers.linear import Linear, activate, kernel_activation, projection_options
 from models.layers.options import Dtype
 from models.layers.parallel import gather_tokens, split_tokens
 
@@ -42,7 +42,7 @@ class MLP(nn.Module):
         fused = dict(implementation=self.implementation, interpret=self.interpret)
         up = Linear(d, self.hidden, name="up", **kw, **projection_options(self, "up"))
         if not self.gated:
-            h = up(x, act=self.act, **fused)
+            h = up(x, act=self.act, **fused) if self.implementation is not None else activate(up(x), None, self.act)
         else:
             gate = Linear(d, self.hidden, name="gate", **kw, **projection_options(self, "gate"))
             if (self.implementation is not None and not self.use_bias and not gate.lora_rank and not up.lora_rank
@@ -51,8 +51,11 @@ class MLP(nn.Module):
                 h = kernels.gated_mlp(x.astype(gate.compute_dtype()), w_gate, w_up, w_gate_scale=gate_scale,
                                       w_up_scale=up_scale, activation=kernel_activation(self.act),
                                       **fused)
-            else:
+            elif self.implementation is not None:
                 h = gate(x, act=self.act, **fused) * up(x, **fused)
+            else:
+                h = activate(gate(x), up(x), self.act)
         out = Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std},
                      **projection_options(self, "down"))(h)
         return split_tokens(out, self.sequence_parallel)
+

@@ -19,7 +19,7 @@ import numpy as np
 import kernels
 from kernels import axes
 from kernels.matmul.formats import DEQUANTIZERS
-from models.layers.linear import Linear, activation, lora_a_init, quantized_params
+from models.layers.linear import Linear, activate, lora_a_init, quantized_params
 from models.layers.options import Dtype, layer_dtype
 from models.layers.parallel import gather_tokens, split_tokens
 
@@ -173,7 +173,7 @@ class MoE(nn.Module):
             if f"{name}_lora_a" in w:
                 y = y + mm(mm(x, w[f"{name}_lora_a"]), w[f"{name}_lora_b"]) * jnp.asarray(self.lora_scale, y.dtype)
             return y
-        return project(activation(self.act)(project(rows, "gate")) * project(rows, "up"), "down")
+        return project(activate(project(rows, "gate"), project(rows, "up"), self.act), "down")
 
     def _sow_stats(self, logits, probs, chosen, valid):
         mask = valid.astype(jnp.float32)

@@ -1,4 +1,6 @@
 """RMSNorm and LayerNorm."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,18 +25,29 @@ class Norm(nn.Module):
     @nn.compact
     def __call__(self, x):
         d = x.shape[-1]
-        h = x.astype(jnp.float32)
-        if self.kind == "layer":
-            h = h - h.mean(-1, keepdims=True)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + self.eps)
         if not self.use_scale:
-            return h.astype(layer_dtype(self.dtype, x))
+            return _normalize(x, None, None, self.kind, self.eps, 0.0, layer_dtype(self.dtype, x))
         scale = self.param("scale", nn.initializers.zeros if self.offset else nn.initializers.ones, (d,),
                            self.param_dtype)
-        dtype = layer_dtype(self.dtype, scale)
-        if self.offset:
-            return (h * (self.offset + scale.astype(jnp.float32))).astype(dtype)
-        h = h.astype(dtype) * scale.astype(dtype)
-        if self.kind == "layer" and self.use_bias:
-            h = h + self.param("bias", nn.initializers.zeros, (d,), self.param_dtype).astype(dtype)
-        return h
+        bias = (self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+                if self.kind == "layer" and self.use_bias else None)
+        return _normalize(x, scale, bias, self.kind, self.eps, self.offset, layer_dtype(self.dtype, scale))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3, 4, 5, 6))
+def _normalize(x, scale, bias, kind, eps, offset, dtype):
+    """Norm's arithmetic. Checkpointed, so that a gradient keeps only x (and the parameters) and recomputes the
+    float32 statistics in the backward, where it reads x anyway: differentiated as written it would keep x in float32
+    (twice a 16-bit input's bytes) and the normalised rows beside the output."""
+    h = x.astype(jnp.float32)
+    if kind == "layer":
+        h = h - h.mean(-1, keepdims=True)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps)
+    if scale is None:
+        return h.astype(dtype)
+    if offset:
+        return (h * (offset + scale.astype(jnp.float32))).astype(dtype)
+    h = h.astype(dtype) * scale.astype(dtype)
+    if bias is not None:
+        h = h + bias.astype(dtype)
+    return h
