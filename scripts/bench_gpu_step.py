@@ -64,6 +64,9 @@ flags.DEFINE_integer("steps", 10, "Timed steps of each run.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first compiles).")
 flags.DEFINE_integer("llama3_layers", 8, "Layers of the llama3_8b shape (of LLaMA-3-8B's 32; the comment at SHAPES "
                      "says why 8 fit one H200).")
+flags.DEFINE_bool("scan_layers", True, "Scan the engine's layers (one compiled layer, its saved activations stacked "
+                  "[layers, ...]); false: unrolled, each layer its own code and buffers (longer compile, no stacks to "
+                  "fill and copy in and out).")
 flags.DEFINE_enum("remat", "none", ["full", "dots", "none"], "The engine's rematerialisation of each layer (none: "
                   "as the PyTorch peers, which keep every activation).")
 flags.DEFINE_enum("attention_implementation", None, list(kernels.ATTENTION_IMPLEMENTATIONS), "The engine's attention "
@@ -87,15 +90,16 @@ flags.DEFINE_string("worker", None, "Internal: measure the engine at SHAPE:SEQ_L
 
 
 # ------------------------------------------------------------------------------------------------ shapes and FLOPs
-def make_model(shape, seq_len, *, llama3_layers=8, remat="none", attention_implementation=None, fp8=False):
-    """The native LLaMA (`models.create_model('llama', ...)`) of a shape at rows of `seq_len` tokens, scanned, with
-    the given remat and attention kernel (and FP8 projections with `fp8`). The model's dtype is left at its default:
+def make_model(shape, seq_len, *, llama3_layers=8, remat="none", attention_implementation=None, fp8=False,
+               scan_layers=True):
+    """The native LLaMA (`models.create_model('llama', ...)`) of a shape at rows of `seq_len` tokens, scanned (unless
+    not `scan_layers`), with the given remat and attention kernel (and FP8 projections with `fp8`). The model's dtype is left at its default:
     the step's compute dtype comes from `engine.Precision`, as a user's does."""
     import models
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}; expected one of {sorted(SHAPES)}")
     base, overrides = SHAPES[shape]
-    overrides = dict(overrides, scan_layers=True, remat=remat, attention_implementation=attention_implementation,
+    overrides = dict(overrides, scan_layers=scan_layers, remat=remat, attention_implementation=attention_implementation,
                      fp8=fp8)
     if shape == "llama3_8b":
         overrides["num_layers"] = llama3_layers
@@ -123,11 +127,12 @@ def flops_per_step(model, seq_len, rows):
 
 # ------------------------------------------------------------------------------------------------ the engine's run
 def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers=8, remat="none",
-                attention_implementation=None, loss_implementation=None, fp8=False, packed=False):
+                attention_implementation=None, loss_implementation=None, fp8=False, packed=False, scan_layers=True):
     """Measures the engine's step on the first device: {'run' ('engine', or 'engine fp8' with `fp8`), 'step_ms'
     (median), 'tokens_per_s', 'warmup_s' (`fit`'s first `warmup` steps, the compile included), 'peak_gb' (None where
     the device does not say), 'device_kind', 'peak_tflops', 'loss', 'attention' (the implementation it ran), ...}.
-    Rows are whole sequences, or with `packed` carry segment ids (one document each)."""
+    Rows are whole sequences, or with `packed` carry segment ids (one document each); layers scanned unless not
+    `scan_layers`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -141,7 +146,7 @@ def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers
     if steps < 1 or warmup < 1:
         raise ValueError(f"steps={steps}, warmup={warmup}; expected both >= 1 (the first warm-up step compiles)")
     model = make_model(shape, seq_len, llama3_layers=llama3_layers, remat=remat,
-                       attention_implementation=attention_implementation, fp8=fp8)
+                       attention_implementation=attention_implementation, fp8=fp8, scan_layers=scan_layers)
     config = model.config
     device = jax.devices()[0]
     mesh = engine.make_mesh(data=1, devices=[device])
@@ -180,7 +185,7 @@ def engine_case(shape, seq_len, *, tokens_per_step, steps, warmup, llama3_layers
                 warmup_s=round(warmup_s, 2), peak_gb=None if peak is None else round(peak / 1e9, 2),
                 device_kind=device.device_kind, peak_tflops=peak_tflops(device),
                 loss=float(metrics["loss"]), batch=rows, seq=seq_len, jax=jax.__version__, attention=attention,
-                packed=packed)
+                packed=packed, scan_layers=scan_layers)
 
 
 def _memory_stats(device):
@@ -265,7 +270,8 @@ def format_table(records):
     for r in records:
         run = r["run"] + (f" ({r['note']})" if r.get("note") else "")
         if r.get("attention"):  # the engine's: the attention it ran, and on which rows
-            run += f" [attention {r['attention']}{', packed rows' if r.get('packed') else ''}]"
+            run += (f" [attention {r['attention']}{', packed rows' if r.get('packed') else ''}"
+                    f"{', layers unrolled' if r.get('scan_layers') is False else ''}]")
         cells = [r["shape"], str(r["seq"]), str(r["rows"]), run, _fmt(r.get("step_ms"), ".1f"),
                  _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", " %"),
                  _fmt(r.get("peak_gb"), ".2f"), _fmt(r.get("warmup_s"), ".1f"), _fmt(r["vs_compile"], ".2f", "x")]
@@ -327,7 +333,7 @@ def _engine_kwargs():
                 llama3_layers=FLAGS.llama3_layers, remat=FLAGS.remat,
                 attention_implementation=FLAGS.attention_implementation,
                 loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation,
-                packed=FLAGS.packed)
+                packed=FLAGS.packed, scan_layers=FLAGS.scan_layers)
 
 
 def _worker_cmd(shape, seq_len, kind="bf16"):
@@ -336,7 +342,7 @@ def _worker_cmd(shape, seq_len, kind="bf16"):
         cmd.append(f"--{name}={getattr(FLAGS, name)}")
     if FLAGS.attention_implementation:
         cmd.append(f"--attention_implementation={FLAGS.attention_implementation}")
-    return cmd + ["--packed"] * FLAGS.packed
+    return cmd + ["--packed"] * FLAGS.packed + ["--noscan_layers"] * (not FLAGS.scan_layers)
 
 
 def _peers_to_run():
@@ -392,7 +398,8 @@ def main(argv):
     peers, note = _peers_to_run()
     if note:
         print(note, flush=True)
-    print(f"engine ({', '.join(FLAGS.engine_runs)}): native LLaMA, scan_layers, remat={FLAGS.remat}, attention="
+    print(f"engine ({', '.join(FLAGS.engine_runs)}): native LLaMA, "
+          f"{'scanned' if FLAGS.scan_layers else 'unrolled'} layers, remat={FLAGS.remat}, attention="
           f"{FLAGS.attention_implementation or 'default'}, loss={FLAGS.loss_implementation}, "
           f"{'packed rows (segment ids)' if FLAGS.packed else 'whole rows'}; bf16 compute over fp32 "
           f"master weights, AdamW; one device. {FLAGS.tokens_per_step} tokens a step, median of {FLAGS.steps} steps "

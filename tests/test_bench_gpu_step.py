@@ -51,6 +51,10 @@ def test_engine_case_peer_parsing_and_table(tmp_path):
     assert (result["attention"], result["packed"]) == ("xla", False)  # whole rows: no segment ids, as the peers
     packed = bench.engine_case("tiny", 32, tokens_per_step=64, steps=2, warmup=1, packed=True)
     assert packed["packed"] and packed["loss"] == pytest.approx(result["loss"], rel=1e-6)  # one document a row
+    unrolled = bench.engine_case("tiny", 32, tokens_per_step=64, steps=2, warmup=1, scan_layers=False)
+    assert (result["scan_layers"], unrolled["scan_layers"]) == (True, False)
+    # The same layers one at a time: the bf16 programs round differently, compounded over three AdamW updates.
+    assert unrolled["loss"] == pytest.approx(result["loss"], rel=5e-3)
     fp8 = bench.engine_case("tiny", 32, tokens_per_step=64, steps=1, warmup=1, fp8=True)
     assert (result["run"], fp8["run"]) == ("engine", "engine fp8") and fp8["tokens_per_s"] > 0
     assert fp8["loss"] != result["loss"]  # the same data and weights, FP8's rounding
@@ -75,6 +79,8 @@ def test_engine_case_peer_parsing_and_table(tmp_path):
     assert header[:4] == ["shape", "seq", "rows", "run"] and len(rows) == 3
     assert rows[2][3] == "torch eager (timed out after 60 s)" and rows[2][4] == "n/a"
     assert rows[0][3] == "engine [attention xla]" and rows[1][3] == "torch.compile"
+    _, (row,) = _table_rows(bench.format_table(bench.add_figures([dict(base, **unrolled)], flops, None)))
+    assert row[3] == "engine [attention xla, layers unrolled]"
     for row in rows[:2]:
         assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0 and row[6].endswith(" %"), row
 
