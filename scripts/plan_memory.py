@@ -13,7 +13,11 @@ GPUs' compile-only devices, without autotuning; the memory is XLA:GPU's buffer a
 each GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
-per-device bytes sent per collective type in one step). `--pipeline_stages` plans a pipeline, `--context_parallel`
+per-device bytes sent per collective type in one step); a GPU target's plan prints first a table of what each GPU's
+program launches, per kind, and the device-memory bytes those launches move (engine/traffic.py: matmuls, custom
+kernels, the fills and copies of a scanned stack's saved activations, elementwise fusions), with the milliseconds
+they take at the GPU's memory bandwidth. `--model_overrides='{"scan_layers": false}'` plans the layers unrolled.
+`--pipeline_stages` plans a pipeline, `--context_parallel`
 splits each row's tokens, `--rlhf=ppo|grpo` plans an RLHF update step, `--diloco_inner_steps`
 DiLoCo (with `--diloco_fragments`, `--diloco_outer_dtype`: what each part's outer step sends),
 `--expert_exchange=padded|ragged` a mixture's token exchange on an `expert` mesh (default: the target's, ragged on
@@ -29,7 +33,7 @@ from absl import flags
 
 
 import models
-from engine import compiler, plan
+from engine import compiler, plan, traffic
 from engine.tasks import cli, planning, script_flags
 
 FLAGS = flags.FLAGS
@@ -141,15 +145,18 @@ def main(argv):
             print(json.dumps(r), flush=True)
         print(plan.format_table(results))
         return
-    print(json.dumps(planning.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
-                               pipeline_microbatches=FLAGS.pipeline_microbatches,
-                               pipeline_virtual_stages=FLAGS.pipeline_virtual_stages,
-                               pipeline_schedule=FLAGS.pipeline_schedule,
-                               pipeline_fsdp_gather=FLAGS.pipeline_fsdp_gather, context=FLAGS.context_parallel,
-                               diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
-                               diloco_outer_dtype=FLAGS.diloco_outer_dtype,
-                               zero_quantized_weights=FLAGS.zero_quantized_weights,
-                               zero_quantized_gradients=FLAGS.zero_quantized_gradients, **kwargs)), flush=True)
+    result = planning.plan(mesh=FLAGS.mesh, zero_stage=FLAGS.zero_stage, stages=FLAGS.pipeline_stages,
+                           pipeline_microbatches=FLAGS.pipeline_microbatches,
+                           pipeline_virtual_stages=FLAGS.pipeline_virtual_stages,
+                           pipeline_schedule=FLAGS.pipeline_schedule,
+                           pipeline_fsdp_gather=FLAGS.pipeline_fsdp_gather, context=FLAGS.context_parallel,
+                           diloco_inner_steps=FLAGS.diloco_inner_steps, diloco_fragments=FLAGS.diloco_fragments,
+                           diloco_outer_dtype=FLAGS.diloco_outer_dtype,
+                           zero_quantized_weights=FLAGS.zero_quantized_weights,
+                           zero_quantized_gradients=FLAGS.zero_quantized_gradients, **kwargs)
+    if "traffic" in result:  # a GPU target: what each device's program launches, before the JSON line
+        print(traffic.format_traffic(result["traffic"], plan.GPU_TARGETS[target[0]][1]))
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -319,15 +319,15 @@ def test_a_1f1b_plan_reports_its_schedules_idle_share():
 
 def test_config_overrides_of_the_plans_own_arguments_move_to_them():
     """--model_overrides as the training scripts take them ('scan_layers': true, 'remat', FP8 with its amax
-    histories): the plan's own arguments follow them (they collided with a TypeError before), scan_layers=False is
-    refused in one line (plans compile the scanned stack), and one given both ways with two values too."""
+    histories): the plan's own arguments follow them (they collided with a TypeError before), scan_layers=False
+    plans the layers unrolled (the same parameters), and one given both ways with two values is refused."""
     common = {**TINY, "num_devices": 2, "seq_len": 16, "mesh": "2,1,1", "per_device_batch_size": 1, "step": "jit"}
     planned = planning.plan(**common, config_overrides={"scan_layers": True, "remat": "dots", "fp8": True,
                                                         "fp8_history": 4})
     assert planned["remat"] == "dots"
     assert planned["params"] - planning.plan(**common)["params"] == 2 * 7 * 3 * 4  # the histories: layers x 7 x 3 x 4
-    with pytest.raises(ValueError, match=r"^config_overrides=\{'scan_layers': False\}; expected true or no "):
-        planning.plan(**common, config_overrides={"scan_layers": False})
+    unrolled = planning.plan(**common, config_overrides={"scan_layers": False})
+    assert unrolled["params"] == planned["params"] - 2 * 7 * 3 * 4
     with pytest.raises(ValueError, match=r"^remat='none' and config_overrides=\{'remat': 'dots'\}; expected one"):
         planning.plan(**common, remat="none", config_overrides={"remat": "dots"})
 

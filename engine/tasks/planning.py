@@ -18,6 +18,7 @@ from engine.plan import (parse_mesh, collective_bytes, compile_step, diloco_byte
                          mesh_shapes)
 from engine.tasks import lm
 from engine.tasks.rlhf import ppo
+from engine.traffic import kernel_traffic
 
 
 def plan(**kwargs):
@@ -34,13 +35,15 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                  diloco_fragments=1, diloco_outer_dtype="float32",
                  context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
                  rlhf=None, config_overrides=None):
-    """Compiles one train step of `models` family `model`, config `model_config` (scan over layers, `remat`) with
+    """Compiles one train step of `models` family `model`, config `model_config` (scan over layers unless
+    config_overrides has scan_layers false, `remat`) with
     AdamW (fp32 master weights and moments; gradients held in `grad_dtype` and reduced in `reduce_dtype`, None:
     fp32) on the first `num_devices` devices (None: all) of `target` (None or 'cpu': this machine's, e.g.
     simulated CPU devices; 'tpu:v5p-8', 'tpu:v5e-16x2': a TPU slice's compile-only devices from libtpu; 'gpu:h100-8':
     GPUs' from JAX's CUDA plugin; `engine.plan.parse_target`), and returns a dict: parameter count, per-device bytes (arguments, outputs,
     aliased, temporaries, total), per-device bytes sent per collective type, their sum, and, with `hbm_gb`, whether
-    the total fits. lora_rank > 0: LoRA adapters (float32) on every
+    the total fits; for a GPU target also 'traffic', what the program launches and the bytes each launch moves
+    (`engine.traffic.kernel_traffic`). lora_rank > 0: LoRA adapters (float32) on every
     projection and only they train (`models.LORA_TRAINABLE`); the frozen weights are stored in `param_dtype`, or with
     quantize='int8' / 'nf4' the projections quantised (`models.quantize`). stages > 1: a pipeline of that many stages (the
     mesh's `stage` axis, on top of `mesh`'s data, fsdp, model) over `pipeline_microbatches` micro-batches (0: one
@@ -106,6 +109,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                      param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract)),
                      memory=memory, collective_bytes=comm, outer=outer)
     result["bytes_by_axes"] = engine.plan.bytes_by_axes(hlo, trainer.mesh)
+    if devices[0].platform == "gpu":  # what the GPU program launches and the bytes each launch moves
+        result["traffic"] = kernel_traffic(hlo)
     hosts = engine.plan.hosts_of(trainer.mesh.devices.flat)  # the program's logical ids: the mesh's devices
     if len(set(hosts)) > 1:
         result["cross_slice_bytes"] = sum(_communication(hlo, diloco, num_devices, hosts)[0].values())
@@ -140,12 +145,8 @@ _ARGUMENT_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "p
 
 def _config_fields(settings):
     """settings with the config fields given in config_overrides that are also its arguments moved to them; one given
-    both ways with two values is refused, and so is scan_layers=False (a plan scans its layers)."""
+    both ways with two values is refused."""
     overrides = dict(settings["config_overrides"] or {})
-    if overrides.get("scan_layers", True) is not True:
-        raise ValueError(f"config_overrides={{'scan_layers': {overrides['scan_layers']!r}}}; expected true or no "
-                         "scan_layers (a plan compiles the scanned stack, as the GPU and TPU runs train it)")
-    overrides.pop("scan_layers", None)
     for key, default in _ARGUMENT_FIELDS.items():
         if key not in overrides:
             continue
@@ -190,8 +191,8 @@ def _check_arguments(settings, devices):
 
 def _network(s):
     """(the model, its abstract parameters as trained, its parameter count without quantisation)."""
-    config = models.get_config(s["model"], s["model_config"], **(s["config_overrides"] or {}),
-                               scan_layers=True, remat=s["remat"], lora_rank=s["lora_rank"],
+    config = models.get_config(s["model"], s["model_config"], **{"scan_layers": True, **(s["config_overrides"] or {})},
+                               remat=s["remat"], lora_rank=s["lora_rank"],
                                attention_implementation=s["attention_implementation"],
                                param_dtype=jnp.dtype(s["param_dtype"]).name, quantize=s["quantize"],
                                pipeline_microbatches=s["pipeline_microbatches"],

@@ -1,0 +1,140 @@
+"""What a compiled XLA:GPU program launches and the device-memory bytes each launch moves, read off its optimised HLO
+(`kernel_traffic`): the compile tier's view of where a step's time goes besides its FLOPs, for a program compiled
+for a GPU without one (`engine.plan.target_devices`).
+
+Every launch of the program's top level and of its loops' bodies, times the loops' trip counts, in one of these
+kinds: 'matmul' (XLA's GEMM fusions, cuBLAS calls), 'kernel' (other custom calls: cuDNN's attention, Pallas kernels
+through Triton or Mosaic GPU), 'collective', 'fill' (a fusion of no operand: a buffer set to a constant, such as the
+zeros a scanned stack's saved activations start from), 'stack write' (a dynamic-update-slice into a larger buffer,
+in place: a scan writing one layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one),
+'copy' and 'elementwise' (every other fusion: elementwise work, reductions, transposes). Its bytes: every operand
+read once and the result written once, except that an operand a fusion only slices is read as its slices, and an
+in-place update reads and writes the update alone. An estimate, not a profile: caches, a GEMM's re-reads of its
+tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor for the memory-bound kinds
+(everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
+import re
+
+from engine.plan import _BYTES, _computations, _multiplicities, _shapes
+
+KINDS = ("matmul", "kernel", "collective", "fill", "stack write", "stack read", "copy", "elementwise")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_PARAM = re.compile(r"^\s*%([\w.\-]+) = \S+ parameter\((\d+)\)")
+# Instructions that launch nothing (or whose work the matching -start / -done half counts).
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "fusion-done", "copy-done", "async-done",
+         "all-gather-done", "all-reduce-done", "collective-permute-done", "send-done", "recv-done"}
+_COLLECTIVE = re.compile(r"^(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|"
+                         r"collective-permute)(-start)?$")
+
+
+def _bytes(type_text):
+    return sum(_BYTES[dtype] * n for dtype, n in _shapes(type_text))
+
+
+def _result_type(type_text, op):
+    """The result part of an instruction's type: an async start's `((operands...), result, context)` without its
+    operands and context."""
+    if not op.endswith("-start") or not type_text.startswith("(("):
+        return type_text
+    depth = 0
+    for i, c in enumerate(type_text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 1 and c == ")":
+            parts = re.findall(r"\w+\[[\d,]*\]", type_text[i + 1:])
+            return parts[0] if parts else ""
+    return type_text
+
+
+class _Module:
+    def __init__(self, hlo):
+        self.comps, self.entry = _computations(hlo)
+        self.types, self.roots = {}, {}
+        for name, lines in self.comps.items():
+            for line in lines:
+                m = _INSTR.match(line)
+                if m:
+                    self.types[(name, m.group(1))] = m.group(2)
+                    if line.lstrip().startswith("ROOT"):
+                        self.roots[name] = m.group(3)
+
+    def operand_read(self, callee, index, full):
+        """Bytes a fused computation reads of its parameter `index` (`full` bytes): its slices where it only slices
+        it, none where it is only the buffer an update writes in place."""
+        lines = self.comps.get(callee, ())
+        name = next((m.group(1) for m in map(_PARAM.match, lines) if m and int(m.group(2)) == index), None)
+        if name is None:
+            return full
+        users = [m for m in (_INSTR.match(line) for line in lines
+                             if re.search(rf"%{re.escape(name)}\b(?![.\-\w])", line.split("=", 1)[-1]))
+                 if m and m.group(1) != name]
+        first = [re.match(rf"%{re.escape(name)}\b(?![.\-\w])", u.group(4)) for u in users]
+        if users and all(u.group(3) == "dynamic-slice" and f for u, f in zip(users, first)):
+            return sum(_bytes(u.group(2)) for u in users)
+        if users and all(u.group(3) == "dynamic-update-slice" and f for u, f in zip(users, first)):
+            return 0
+        return full
+
+
+def _launch(module, comp, line):
+    """(kind, bytes) of one instruction of a launching computation, or None where it launches nothing."""
+    m = _INSTR.match(line)
+    if not m or m.group(3) in _FREE:
+        return None
+    _, type_text, op, rest = m.groups()
+    operands = [module.types.get((comp, o), "") for o in re.findall(r"%([\w.\-]+)", rest.split("), ")[0])]
+    result = _result_type(type_text, op)
+    callee = re.search(r"\bcalls=%([\w.\-]+)", line)
+    callee = callee.group(1) if callee else None
+    root = module.roots.get(callee, op) if callee else op
+    if _COLLECTIVE.match(op):
+        return "collective", _bytes(result)
+    if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        kind = "matmul" if target and "cublas" in target.group(1) else "kernel"
+        return kind, _bytes(result) + sum(map(_bytes, operands))
+    if root == "dynamic-update-slice":  # in place: the update is read and written (not the buffer, nor indices)
+        sizes = sorted(b for b in map(_bytes, operands) if b > 8)
+        return "stack write", 2 * (sum(sizes) - (sizes[-1] if sizes else 0))
+    if root == "dynamic-slice":
+        return "stack read", 2 * _bytes(result)
+    if op in ("fusion", "fusion-start") and not operands:
+        return "fill", _bytes(result)
+    read = sum(module.operand_read(callee, i, _bytes(t)) if callee else _bytes(t) for i, t in enumerate(operands))
+    if op in ("copy", "copy-start"):
+        return "copy", read + _bytes(result)
+    is_gemm = 'kind=kCustom' in line and callee and any(" dot(" in body for body in module.comps.get(callee, ()))
+    return ("matmul" if is_gemm else "elementwise"), read + _bytes(result)
+
+
+def _branches(line):
+    """The computations a conditional runs (any one of them per run)."""
+    found = re.search(r"branch_computations=\{([^}]*)\}", line)
+    names = re.findall(r"%([\w.\-]+)", found.group(1)) if found else []
+    return names + re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)
+
+
+def kernel_traffic(hlo):
+    """{'launches': n, 'bytes': b, 'kinds': {kind: {'launches', 'bytes'}}} of a compiled XLA:GPU module's text (the
+    module docstring says what is counted), per run of the program."""
+    module = _Module(hlo)
+    runs = _multiplicities(module.comps, module.entry)
+    bodies = {module.entry} | {b for lines in module.comps.values() for line in lines
+                               for b in re.findall(r"\bbody=%([\w.\-]+)", line) + _branches(line)}
+    kinds = {k: {"launches": 0, "bytes": 0} for k in KINDS}
+    for comp in bodies & set(runs):
+        for line in module.comps[comp]:
+            launch = _launch(module, comp, line)
+            if launch:
+                kinds[launch[0]]["launches"] += runs[comp]
+                kinds[launch[0]]["bytes"] += runs[comp] * launch[1]
+    return {"launches": sum(k["launches"] for k in kinds.values()), "bytes": sum(k["bytes"] for k in kinds.values()),
+            "kinds": kinds}
+
+
+def format_traffic(traffic, bandwidth):
+    """A markdown table of `kernel_traffic`'s result: per kind, launches, GB and ms at `bandwidth` bytes/s."""
+    lines = ["| kind | launches | GB | ms at the memory bandwidth |", "|---|---|---|---|"]
+    rows = [(k, v) for k, v in traffic["kinds"].items() if v["launches"]] + [("all", traffic)]
+    for kind, v in rows:
+        lines.append(f"| {kind} | {v['launches']} | {v['bytes'] / 1e9:.2f} | {v['bytes'] / bandwidth * 1e3:.2f} |")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""engine.traffic: what a compiled XLA:GPU program launches and the bytes each launch moves.
+
+A hand-written module in XLA:GPU's printed form checks the counting rule by rule; the compile tier's test (marked
+gpu_compile: JAX's CUDA plugin, no GPU) reads a real scanned and an unrolled step."""
+import pytest
+
+from engine.traffic import KINDS, format_traffic, kernel_traffic
+
+# A loop of 4 trips whose body slices a weight out of a stack, multiplies by it (a GEMM fusion), writes the result
+# into a stacked buffer in place and runs a custom kernel; before it a fill of that buffer, after it a copy.
+MODULE = """HloModule m
+
+%fused_fill () -> f32[4,8,16] {
+  %c = f32[] constant(0)
+  ROOT %b = f32[4,8,16]{2,1,0} broadcast(%c), dimensions={}
+}
+
+%gemm_body (p0: f32[8,32], p1: f32[4,32,16], p2: s32[]) -> f32[8,16] {
+  %p0 = f32[8,32]{1,0} parameter(0)
+  %p1 = f32[4,32,16]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %w = f32[1,32,16]{2,1,0} dynamic-slice(%p1, %p2, %z, %z), dynamic_slice_sizes={1,32,16}
+  %w2 = f32[32,16]{1,0} bitcast(%w)
+  ROOT %d = f32[8,16]{1,0} dot(%p0, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%dus_body (q0: f32[4,8,16], q1: f32[8,16], q2: s32[]) -> f32[4,8,16] {
+  %q0 = f32[4,8,16]{2,1,0} parameter(0)
+  %q1 = f32[8,16]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %u = f32[1,8,16]{2,1,0} bitcast(%q1)
+  ROOT %r = f32[4,8,16]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %z, %z)
+}
+
+%body (arg: (s32[], f32[8,32], f32[4,32,16], f32[4,8,16])) -> (s32[], f32[8,32], f32[4,32,16], f32[4,8,16]) {
+  %arg = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[8,32]{1,0} get-tuple-element(%arg), index=1
+  %ws = f32[4,32,16]{2,1,0} get-tuple-element(%arg), index=2
+  %acc = f32[4,8,16]{2,1,0} get-tuple-element(%arg), index=3
+  %g = f32[8,16]{1,0} fusion(%x, %ws, %i), kind=kCustom, calls=%gemm_body
+  %k = f32[8,32]{1,0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton"
+  %s = f32[4,8,16]{2,1,0} fusion(%acc, %g, %i), kind=kLoop, calls=%dus_body
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) tuple(%n, %k, %ws, %s)
+}
+
+%cond (carg: (s32[], f32[8,32], f32[4,32,16], f32[4,8,16])) -> pred[] {
+  %carg = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%carg), index=0
+  %lim = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %lim), direction=LT
+}
+
+ENTRY %main (x: f32[8,32], ws: f32[4,32,16]) -> f32[4,8,16] {
+  %x = f32[8,32]{1,0} parameter(0)
+  %ws = f32[4,32,16]{2,1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %f = f32[4,8,16]{2,1,0} fusion(), kind=kLoop, calls=%fused_fill
+  %init = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) tuple(%zero, %x, %ws, %f)
+  %w = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) while(%init), condition=%cond, body=%body, TRIPS
+  %out = f32[4,8,16]{2,1,0} get-tuple-element(%w), index=3
+  ROOT %c = f32[4,8,16]{2,1,0} copy(%out)
+}
+""".replace("TRIPS", 'backend_config={"known_trip_count":{"n":"4"}}')
+
+
+def test_each_launch_counted_by_its_kind_and_bytes_times_its_loop():
+    traffic = kernel_traffic(MODULE)
+    kinds = traffic["kinds"]
+    assert set(kinds) == set(KINDS)
+    # The GEMM reads x [8, 32], only its slice [32, 16] of the stacked weights and the index, writes [8, 16]: 4 times.
+    assert kinds["matmul"] == {"launches": 4, "bytes": 4 * (4 * (8 * 32 + 32 * 16 + 8 * 16) + 4)}
+    assert kinds["kernel"] == {"launches": 4, "bytes": 4 * 4 * (8 * 32 * 2)}
+    # In place: the [8, 16] update read and written, not the [4, 8, 16] buffer it lands in.
+    assert kinds["stack write"] == {"launches": 4, "bytes": 4 * 2 * 4 * 8 * 16}
+    assert kinds["fill"] == {"launches": 1, "bytes": 4 * 4 * 8 * 16}
+    assert kinds["copy"] == {"launches": 1, "bytes": 2 * 4 * 4 * 8 * 16}
+    assert kinds["elementwise"] == {"launches": 4, "bytes": 4 * 12}  # the loop counter's add: a launch too
+    assert kinds["stack read"]["launches"] == kinds["collective"]["launches"] == 0
+    assert traffic["launches"] == 18 and traffic["bytes"] == sum(k["bytes"] for k in kinds.values())
+    table = format_traffic(traffic, bandwidth=1e9)
+    assert table.splitlines()[0] == "| kind | launches | GB | ms at the memory bandwidth |"
+    assert table.splitlines()[-1].startswith("| all | 18 | ")
+    assert "| collective |" not in table  # kinds with no launch are left out
+
+
+@pytest.mark.gpu_compile
+def test_a_scanned_step_fills_and_copies_stacks_an_unrolled_one_does_not():
+    """A bf16 LLaMA step without remat planned for an H100: scanned, its saved activations go through [layers, ...]
+    stacks (zero fills, in-place writes, slices back out); unrolled, none of that, and fewer bytes in all for the same
+    matmul launches."""
+    from tests.test_gpu_plan import _compiled_plan
+
+    overrides = {"hidden_size": 128, "intermediate_size": 352, "num_heads": 4, "num_kv_heads": 2, "num_layers": 3}
+    plans = {scan: _compiled_plan("gpu:h100", "1,1,1", remat="none", loss_implementation=None,
+                                  config_overrides=dict(overrides, scan_layers=scan))[0]["traffic"]
+             for scan in (True, False)}
+    scanned, unrolled = plans[True]["kinds"], plans[False]["kinds"]
+    assert scanned["fill"]["bytes"] > 0 and scanned["stack write"]["launches"] > 0
+    assert scanned["stack read"]["launches"] > 0
+    assert unrolled["stack write"]["launches"] == unrolled["stack read"]["launches"] == 0
+    assert scanned["matmul"]["launches"] == unrolled["matmul"]["launches"]
+    assert plans[False]["bytes"] < plans[True]["bytes"]
