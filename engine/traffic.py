@@ -2,7 +2,8 @@
 (`kernel_traffic`): the compile tier's view of where a step's time goes besides its FLOPs, for a program compiled
 for a GPU without one (`engine.plan.target_devices`).
 
-Every launch of the program's top level and of its loops' bodies, times the loops' trip counts, in one of these
+Every launch of the program's top level and of its loops' bodies, times the loops' trip counts (of a conditional,
+the costliest branch: a step's update rather than its skip of a non-finite one), in one of these
 kinds: 'matmul' (XLA's GEMM fusions, cuBLAS calls), 'kernel' (other custom calls: cuDNN's attention, Pallas kernels
 through Triton or Mosaic GPU), 'collective', 'fill' (a fusion of no operand: a buffer set to a constant, such as the
 zeros a scanned stack's saved activations start from), 'stack write' (a dynamic-update-slice into a larger buffer,
@@ -14,7 +15,7 @@ tiles and what overlaps are not modelled. Time at the device's bandwidth is a fl
 (everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
 import re
 
-from engine.plan import _BYTES, _computations, _multiplicities, _shapes
+from engine.plan import _BYTES, _computations, _shapes, _trip_count
 
 KINDS = ("matmul", "kernel", "collective", "fill", "stack write", "stack read", "copy", "elementwise")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
@@ -107,26 +108,45 @@ def _launch(module, comp, line):
 
 
 def _branches(line):
-    """The computations a conditional runs (any one of them per run)."""
+    """The computations a conditional chooses between."""
     found = re.search(r"branch_computations=\{([^}]*)\}", line)
     names = re.findall(r"%([\w.\-]+)", found.group(1)) if found else []
     return names + re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)
+
+
+def _count(module, comp, times, kinds):
+    """Adds the launches of computation `comp`, run `times` times, to `kinds`: a loop's body times its trip count, a
+    conditional's costliest branch (the path a step takes when it applies its update, not the skip)."""
+    for line in module.comps.get(comp, ()):
+        body = re.search(r"\bbody=%([\w.\-]+)", line)
+        if body and " while(" in line:
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            trips = int(trip.group(1)) if trip else _trip_count(module.comps, comp, line)
+            _count(module, body.group(1), times * trips, kinds)
+            continue
+        branches = _branches(line) if " conditional(" in line else []
+        if branches:
+            taken = []
+            for branch in branches:
+                taken.append({k: {"launches": 0, "bytes": 0} for k in KINDS})
+                _count(module, branch, times, taken[-1])
+            costliest = max(taken, key=lambda t: sum(v["bytes"] for v in t.values()))
+            for kind, v in costliest.items():
+                kinds[kind]["launches"] += v["launches"]
+                kinds[kind]["bytes"] += v["bytes"]
+            continue
+        launch = _launch(module, comp, line)
+        if launch:
+            kinds[launch[0]]["launches"] += times
+            kinds[launch[0]]["bytes"] += times * launch[1]
 
 
 def kernel_traffic(hlo):
     """{'launches': n, 'bytes': b, 'kinds': {kind: {'launches', 'bytes'}}} of a compiled XLA:GPU module's text (the
     module docstring says what is counted), per run of the program."""
     module = _Module(hlo)
-    runs = _multiplicities(module.comps, module.entry)
-    bodies = {module.entry} | {b for lines in module.comps.values() for line in lines
-                               for b in re.findall(r"\bbody=%([\w.\-]+)", line) + _branches(line)}
     kinds = {k: {"launches": 0, "bytes": 0} for k in KINDS}
-    for comp in bodies & set(runs):
-        for line in module.comps[comp]:
-            launch = _launch(module, comp, line)
-            if launch:
-                kinds[launch[0]]["launches"] += runs[comp]
-                kinds[launch[0]]["bytes"] += runs[comp] * launch[1]
+    _count(module, module.entry, 1, kinds)
     return {"launches": sum(k["launches"] for k in kinds.values()), "bytes": sum(k["bytes"] for k in kinds.values()),
             "kinds": kinds}
 

@@ -7,7 +7,8 @@ import pytest
 from engine.traffic import KINDS, format_traffic, kernel_traffic
 
 # A loop of 4 trips whose body slices a weight out of a stack, multiplies by it (a GEMM fusion), writes the result
-# into a stacked buffer in place and runs a custom kernel; before it a fill of that buffer, after it a copy.
+# into a stacked buffer in place and runs a custom kernel; before it a fill of that buffer, after it a copy and a
+# conditional whose one branch runs an elementwise fusion and whose other runs nothing.
 MODULE = """HloModule m
 
 %fused_fill () -> f32[4,8,16] {
@@ -55,15 +56,31 @@ MODULE = """HloModule m
   ROOT %lt = pred[] compare(%ci, %lim), direction=LT
 }
 
-ENTRY %main (x: f32[8,32], ws: f32[4,32,16]) -> f32[4,8,16] {
+%scale_body (e0: f32[4,8,16]) -> f32[4,8,16] {
+  %e0 = f32[4,8,16]{2,1,0} parameter(0)
+  ROOT %e1 = f32[4,8,16]{2,1,0} multiply(%e0, %e0)
+}
+
+%apply (a0: f32[4,8,16]) -> f32[4,8,16] {
+  %a0 = f32[4,8,16]{2,1,0} parameter(0)
+  ROOT %a1 = f32[4,8,16]{2,1,0} fusion(%a0), kind=kLoop, calls=%scale_body
+}
+
+%skip (s0: f32[4,8,16]) -> f32[4,8,16] {
+  ROOT %s0 = f32[4,8,16]{2,1,0} parameter(0)
+}
+
+ENTRY %main (x: f32[8,32], ws: f32[4,32,16], ok: pred[]) -> f32[4,8,16] {
   %x = f32[8,32]{1,0} parameter(0)
   %ws = f32[4,32,16]{2,1,0} parameter(1)
+  %ok = pred[] parameter(2)
   %zero = s32[] constant(0)
   %f = f32[4,8,16]{2,1,0} fusion(), kind=kLoop, calls=%fused_fill
   %init = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) tuple(%zero, %x, %ws, %f)
   %w = (s32[], f32[8,32]{1,0}, f32[4,32,16]{2,1,0}, f32[4,8,16]{2,1,0}) while(%init), condition=%cond, body=%body, TRIPS
   %out = f32[4,8,16]{2,1,0} get-tuple-element(%w), index=3
-  ROOT %c = f32[4,8,16]{2,1,0} copy(%out)
+  %c = f32[4,8,16]{2,1,0} copy(%out)
+  ROOT %r = f32[4,8,16]{2,1,0} conditional(%ok, %c, %c), true_computation=%apply, false_computation=%skip
 }
 """.replace("TRIPS", 'backend_config={"known_trip_count":{"n":"4"}}')
 
@@ -79,12 +96,13 @@ def test_each_launch_counted_by_its_kind_and_bytes_times_its_loop():
     assert kinds["stack write"] == {"launches": 4, "bytes": 4 * 2 * 4 * 8 * 16}
     assert kinds["fill"] == {"launches": 1, "bytes": 4 * 4 * 8 * 16}
     assert kinds["copy"] == {"launches": 1, "bytes": 2 * 4 * 4 * 8 * 16}
-    assert kinds["elementwise"] == {"launches": 4, "bytes": 4 * 12}  # the loop counter's add: a launch too
+    # The loop counter's add (a launch too) and the conditional's costlier branch, counted once.
+    assert kinds["elementwise"] == {"launches": 4 + 1, "bytes": 4 * 12 + 2 * 4 * 4 * 8 * 16}
     assert kinds["stack read"]["launches"] == kinds["collective"]["launches"] == 0
-    assert traffic["launches"] == 18 and traffic["bytes"] == sum(k["bytes"] for k in kinds.values())
+    assert traffic["launches"] == 19 and traffic["bytes"] == sum(k["bytes"] for k in kinds.values())
     table = format_traffic(traffic, bandwidth=1e9)
     assert table.splitlines()[0] == "| kind | launches | GB | ms at the memory bandwidth |"
-    assert table.splitlines()[-1].startswith("| all | 18 | ")
+    assert table.splitlines()[-1].startswith("| all | 19 | ")
     assert "| collective |" not in table  # kinds with no launch are left out
 
 
