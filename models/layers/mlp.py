@@ -58,4 +58,3 @@ class MLP(nn.Module):
         out = Linear(self.hidden, d, name="down", **{**kw, "std": self.out_std or self.std},
                      **projection_options(self, "down"))(h)
         return split_tokens(out, self.sequence_parallel)
-
