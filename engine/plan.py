@@ -70,7 +70,8 @@ def _computations(hlo):
 
 
 def _multiplicities(comps, entry):
-    """How many times each computation runs per step: while bodies by their known trip count (1 when unknown)."""
+    """How many times each computation runs per step: while bodies by their known trip count (1 when unknown), every
+    branch of a conditional once."""
     mult = {entry: 1}
     stack = [entry]
     while stack:
@@ -86,6 +87,8 @@ def _multiplicities(comps, entry):
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
             if branches:
                 callees += [(c, 1) for c in re.findall(r"%([\w.\-]+)", branches.group(1))]
+            # A two-way conditional's (XLA:GPU's non-finite guard: ZeRO-1 / 2's weight gathers sit in its update).
+            callees += [(c, 1) for c in re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)]
             for callee, times in callees:
                 if callee in comps and callee not in mult:
                     mult[callee] = mult[name] * times

@@ -105,6 +105,16 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
 
 
 @pytest.mark.gpu_compile
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_weight_gathers_inside_the_non_finite_guard_are_counted(zero_stage):
+    """XLA:GPU puts the jit step's update, with ZeRO-1 / 2's all-gather of the updated weights, inside the non-finite
+    guard's two-way conditional (XLA:TPU selects instead): its bytes count (they were left out)."""
+    result, compiled = _compiled_plan("gpu:h100-2", "2,1,1", zero_stage=zero_stage, step="jit")
+    assert "true_computation=" in compiled.as_text()
+    assert result["collective_bytes"]["all-gather"] > 0, result["collective_bytes"]
+
+
+@pytest.mark.gpu_compile
 def test_the_shard_map_step_on_a_context_mesh_compiles_for_h100s():
     """The shard_map step with `context` manual (fsdp 2 x context 2 on four H100s): XLA:GPU compiles it with the
     Triton attention and loss, the tokens exchanged by all-to-all (Ulysses) and the gradients reduce-scattered."""
