@@ -54,6 +54,8 @@ def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path, 
     it (shorter first, the kind's own before its architecture's), then a head dim half or twice its own, then both
     steps; never two buckets away, another architecture or a kind that is no known GPU."""
     caplog.set_level("INFO")
+    caplog.set_level("INFO", logger="absl")  # whatever verbosity a test before this one left absl at
+    _defaults._note_neighbour.cache_clear()  # noqa: SLF001 - logged once per class: this test's classes afresh
     path = str(tmp_path / "table.json")
     _defaults.merge_table(path, [_entry(H200, 1024, {"triton": 1.0, "cudnn": 2.0}),
                                  _entry(H100, 1024, {"triton": 2.0, "cudnn": 1.0}),
