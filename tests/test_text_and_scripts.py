@@ -8,6 +8,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import models
@@ -226,6 +227,27 @@ def test_fused_loss_has_no_logits_forward_or_backward():
         loss_fn = lm.lm_loss_fn(model, implementation)
         jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss_fn(p, batch, None, True)[0]))(params)
         assert bool(logits_like(jaxpr_shapes(jaxpr.jaxpr))) == expect_logits, implementation
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_plain_cross_entropy_and_its_one_pass_backward(dtype):
+    """`lm.cross_entropy` (the plain-logits loss) equals optax's in value and gradient (which comes back in the
+    logits' dtype), and its backward holds no scatter: the label's logit differentiated as written scatters into a
+    float32 [tokens, vocab] of zeros."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 7, 50)) * 3, dtype)
+    labels = jnp.asarray(rng.integers(0, 50, (3, 7)), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(3, 7)), jnp.float32)
+    ref = lambda x: (optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+        x.astype(jnp.float32), labels) * weights).sum()
+    ours = lambda x: (lm.cross_entropy(x, labels) * weights).sum()  # noqa: E731
+    np.testing.assert_allclose(ours(logits), ref(logits), rtol=1e-6)
+    grad = jax.grad(ours)(logits)
+    assert grad.dtype == dtype
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(jax.grad(ref)(logits), np.float32),
+                               atol=1e-6 if dtype == jnp.float32 else 1e-2)
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(ours))(logits))
+    assert "scatter" in str(jax.make_jaxpr(jax.grad(ref))(logits))  # what it replaces
 
 
 def test_loss_implementation_is_checked():
