@@ -55,7 +55,7 @@ DEFAULT_PEER = next((p for p in (os.path.join(ROOT, ".peers", PEER_FILE),
                     os.path.join(ROOT, ".peers", PEER_FILE))
 TARGET_RATIO, TARGET_MFU = 1.15, 0.50  # issue 44: over torch.compile's tokens/s; MFU at the LLaMA-3-8B shape
 TARGET_FP8 = 1.3  # issue 47: the FP8 step's tokens/s over the bf16 step's at the LLaMA-3-8B shape
-ENGINE_RUNS = {"bf16": "engine", "fp8": "engine fp8"}  # --engine_runs -> the run's name in the table
+ENGINE_RUNS = {"bf16": "engine", "unrolled": "engine unrolled", "fp8": "engine fp8"}  # --engine_runs -> its name
 
 flags.DEFINE_list("shapes", ["tinyllama", "llama3_8b"], f"Model shapes, of {sorted(SHAPES)}.")
 flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")
@@ -77,8 +77,9 @@ flags.DEFINE_bool("packed", False, "Give the engine's rows segment ids (one docu
 flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *kernels.IMPLEMENTATIONS],
                   "The engine's loss: plain logits, 'chunked' (kernels.linear_cross_entropy_sum), or the fused head + "
                   "loss kernel (kernels.linear_cross_entropy).")
-flags.DEFINE_list("engine_runs", ["bf16"], "The engine's runs, in this order: bf16 (every matmul in bf16) and / or "
-                  "fp8 (the attention and MLP projections' matmuls in FP8, models.ModelOptions.fp8).")
+flags.DEFINE_list("engine_runs", ["bf16"], "The engine's runs, in this order, of: bf16 (every matmul in bf16), "
+                  "unrolled (the same with the layers unrolled) and fp8 (the attention and MLP projections' matmuls in "
+                  "FP8, models.ModelOptions.fp8).")
 flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
                   "with a note when torch has no CUDA, unless this flag is given explicitly (a CPU smoke test).")
 flags.DEFINE_string("torch_peer", DEFAULT_PEER, "Path of torch_llama_step.py (the GPU machine receives only the "
@@ -271,7 +272,7 @@ def format_table(records):
         run = r["run"] + (f" ({r['note']})" if r.get("note") else "")
         if r.get("attention"):  # the engine's: the attention it ran, and on which rows
             run += (f" [attention {r['attention']}{', packed rows' if r.get('packed') else ''}"
-                    f"{', layers unrolled' if r.get('scan_layers') is False else ''}]")
+                    f"{', layers unrolled' if r.get('scan_layers') is False and 'unrolled' not in r['run'] else ''}]")
         cells = [r["shape"], str(r["seq"]), str(r["rows"]), run, _fmt(r.get("step_ms"), ".1f"),
                  _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", " %"),
                  _fmt(r.get("peak_gb"), ".2f"), _fmt(r.get("warmup_s"), ".1f"), _fmt(r["vs_compile"], ".2f", "x")]
@@ -386,8 +387,10 @@ def main(argv):
     del argv
     if FLAGS.worker:
         shape, seq, kind = FLAGS.worker.split(":")
-        print("RESULT " + json.dumps(engine_case(shape, int(seq), fp8=kind == "fp8", **_engine_kwargs())),
-              flush=True)
+        kwargs = _engine_kwargs()
+        kwargs["scan_layers"] &= kind != "unrolled"
+        result = dict(engine_case(shape, int(seq), fp8=kind == "fp8", **kwargs), run=ENGINE_RUNS[kind])
+        print("RESULT " + json.dumps(result), flush=True)
         return
     seq_lens = _check_flags()
     child_env = dict(os.environ)

@@ -19,8 +19,8 @@
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=480   (BUDGET=seconds overrides the 450)
 # `bash scripts/device_check.sh tune` runs step 5 alone on the whole budget (a second call while the machine is warm,
-# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (whole rows, as the peers), then the
-# engine's TinyLlama rows with the layers unrolled, then its rows again on packed rows with the Mosaic GPU attention and (TinyLlama) cuDNN's masked one, then FP8
+# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (whole rows, as the peers; the engine scanned
+# and unrolled), then the engine's rows again on packed rows with the Mosaic GPU attention and (TinyLlama) cuDNN's masked one, then FP8
 # beside bf16 at LLaMA-3-8B's shape, while the budget lasts (carry=[".peers"]; the
 # PyTorch peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py
 # .peers/ && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
@@ -46,15 +46,11 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$O
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
 check=0 train=0 bench=0 step=0
 if [ "$MODE" = step ]; then
-  timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --out="$OUT/bench_gpu_step.jsonl" 2>&1 \
-    | tee "$OUT/bench_gpu_step.log" | quiet
+  # The engine scanned and unrolled (no [layers, ...] stacks of saved activations to fill, copy into and copy out of,
+  # against a longer compile), then the peers, at each shape.
+  timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --engine_runs=bf16,unrolled \
+    --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee "$OUT/bench_gpu_step.log" | quiet
   status=${PIPESTATUS[0]}
-  # The engine's TinyLlama rows again with the layers unrolled: no [layers, ...] stacks of saved activations to fill,
-  # copy into and copy out of, against a longer compile.
-  if [ "$(left)" -gt 60 ]; then
-    timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=120 --peers= --shapes=tinyllama \
-      --noscan_layers --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee -a "$OUT/bench_gpu_step.log" | quiet | tail -5
-  fi
   # The engine again with the Mosaic GPU attention on packed rows (segment ids, as the training scripts' rows carry
   # them; the run above has whole rows, as the peers), while time is left.
   if [ "$(left)" -gt 60 ]; then

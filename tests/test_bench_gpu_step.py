@@ -106,15 +106,18 @@ def test_script_end_to_end_with_a_fake_peer(tmp_path):
     env = dict(os.environ, XLA_FLAGS=cpu_devices(1), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, SCRIPT, "--shapes=tiny", "--seq_lens=32,64", "--tokens_per_step=128",
                           "--steps=2", "--warmup=1", "--peers=compile,eager", f"--torch_peer={peer}",
-                          f"--out={log}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          "--engine_runs=bf16,unrolled", f"--out={log}"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     header, rows = _table_rows(out.stdout)
     assert [(r[1], r[2], r[3]) for r in rows] == [(s, str(128 // int(s)), run) for s in ("32", "64")
-                                                  for run in ("engine [attention xla]", "torch.compile",
+                                                  for run in ("engine [attention xla]",
+                                                              "engine unrolled [attention xla]", "torch.compile",
                                                               "torch eager")], rows
     ratio = header.index("vs torch.compile")
     for row in rows:
         assert float(row[4]) > 0 and float(row[5].replace(",", "")) > 0, row
         assert row[6] == "n/a" and re.fullmatch(r"\d+\.\d\dx", row[ratio]), row  # no CPU peak: no MFU
     assert [r[ratio] for r in rows if not r[3].startswith("engine")] == ["1.00x", "0.80x"] * 2
-    assert len([json.loads(line) for line in log.read_text().splitlines()]) == 6
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(logged) == 8 and [r["scan_layers"] for r in logged if r["run"].startswith("engine")] == [True, False] * 2
