@@ -80,20 +80,30 @@ def _multiplicities(comps, entry):
             callees = []
             body = re.search(r"\bbody=%([\w.\-]+)", line)
             if body:
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                callees.append((body.group(1), int(trip.group(1)) if trip else _trip_count(comps, name, line)))
+                callees.append((body.group(1), loop_trips(comps, name, line)))
             for key in ("calls", "to_apply"):
                 callees += [(c, 1) for c in re.findall(rf"\b{key}=%([\w.\-]+)", line)]
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches:
-                callees += [(c, 1) for c in re.findall(r"%([\w.\-]+)", branches.group(1))]
-            # A two-way conditional's (XLA:GPU's non-finite guard: ZeRO-1 / 2's weight gathers sit in its update).
-            callees += [(c, 1) for c in re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)]
+            callees += [(c, 1) for c in branches_of(line)]
             for callee, times in callees:
                 if callee in comps and callee not in mult:
                     mult[callee] = mult[name] * times
                     stack.append(callee)
     return mult
+
+
+def loop_trips(comps, comp, line):
+    """The trip count of the while loop on `line` of computation `comp`: its backend config's known count, else
+    `_trip_count`'s reading of its condition."""
+    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    return int(trip.group(1)) if trip else _trip_count(comps, comp, line)
+
+
+def branches_of(line):
+    """The computations the conditional on `line` chooses between: an n-way one's `branch_computations`, a two-way
+    one's true / false computations (XLA:GPU's non-finite guard: ZeRO-1 / 2's weight gathers sit in its update)."""
+    found = re.search(r"branch_computations=\{([^}]*)\}", line)
+    names = re.findall(r"%([\w.\-]+)", found.group(1)) if found else []
+    return names + re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)
 
 
 def _trip_count(comps, comp, line):

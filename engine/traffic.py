@@ -15,7 +15,7 @@ tiles and what overlaps are not modelled. Time at the device's bandwidth is a fl
 (everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
 import re
 
-from engine.plan import _BYTES, _computations, _shapes, _trip_count
+from engine.plan import _BYTES, _computations, _shapes, branches_of, loop_trips
 
 KINDS = ("matmul", "kernel", "collective", "fill", "stack write", "stack read", "copy", "elementwise")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
@@ -107,24 +107,15 @@ def _launch(module, comp, line):
     return ("matmul" if is_gemm else "elementwise"), read + _bytes(result)
 
 
-def _branches(line):
-    """The computations a conditional chooses between."""
-    found = re.search(r"branch_computations=\{([^}]*)\}", line)
-    names = re.findall(r"%([\w.\-]+)", found.group(1)) if found else []
-    return names + re.findall(r"\b(?:true|false)_computation=%([\w.\-]+)", line)
-
-
 def _count(module, comp, times, kinds):
     """Adds the launches of computation `comp`, run `times` times, to `kinds`: a loop's body times its trip count, a
     conditional's costliest branch (the path a step takes when it applies its update, not the skip)."""
     for line in module.comps.get(comp, ()):
         body = re.search(r"\bbody=%([\w.\-]+)", line)
         if body and " while(" in line:
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            trips = int(trip.group(1)) if trip else _trip_count(module.comps, comp, line)
-            _count(module, body.group(1), times * trips, kinds)
+            _count(module, body.group(1), times * loop_trips(module.comps, comp, line), kinds)
             continue
-        branches = _branches(line) if " conditional(" in line else []
+        branches = branches_of(line) if " conditional(" in line else []
         if branches:
             taken = []
             for branch in branches:
