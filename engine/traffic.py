@@ -15,10 +15,9 @@ tiles and what overlaps are not modelled. Time at the device's bandwidth is a fl
 (everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
 import re
 
-from engine.plan import _BYTES, _computations, _shapes, branches_of, loop_trips
+from engine.plan import _BYTES, _INSTR, _computations, _shapes, branches_of, loop_trips
 
 KINDS = ("matmul", "kernel", "collective", "fill", "stack write", "stack read", "copy", "elementwise")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _PARAM = re.compile(r"^\s*%([\w.\-]+) = \S+ parameter\((\d+)\)")
 # Instructions that launch nothing (or whose work the matching -start / -done half counts).
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
