@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from kernels import axes
 from engine.step import (accumulate_gradients, apply_update, combine, current_loss_scale, init_opt_state, partition,
-                         trained_grad_fn, weight_metric_of)
+                         select_guard, trained_grad_fn, weight_metric_of)
 
 
 def _paper_outer_optimizer():
@@ -316,7 +316,8 @@ class _DiLoCoStep:
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate,
                                                      grad_dtype=self.grad_dtype,
                                                      weight_metric=weight_metric_of(self.loss_fn))
-        return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale)
+        select = select_guard(self.mesh.devices.flat[0]) if hasattr(self.mesh, "devices") else False
+        return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale, select)
 
     def outer(self, args):  # fragments=1: the whole trees
         replicas, specs = self.replicas, self.specs

@@ -106,11 +106,12 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
 
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize("zero_stage", [1, 2])
-def test_zero_weight_gathers_inside_the_non_finite_guard_are_counted(zero_stage):
-    """XLA:GPU puts the jit step's update, with ZeRO-1 / 2's all-gather of the updated weights, inside the non-finite
-    guard's two-way conditional (XLA:TPU selects instead): its bytes count (they were left out)."""
+def test_the_gpu_step_guards_its_update_by_select_and_counts_zero_weight_gathers(zero_stage):
+    """On GPU the non-finite guard is a `where` per leaf fused into the update (`select_guard`), as on TPU: no
+    conditional, so the gradients are not widened to float32 in a pass of their own before it; ZeRO-1 / 2's
+    all-gather of the updated weights counts (under the conditional it once did, it had been left out)."""
     result, compiled = _compiled_plan("gpu:h100-2", "2,1,1", zero_stage=zero_stage, step="jit")
-    assert "true_computation=" in compiled.as_text()
+    assert "true_computation=" not in compiled.as_text()
     assert result["collective_bytes"]["all-gather"] > 0, result["collective_bytes"]
 
 

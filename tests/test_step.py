@@ -575,3 +575,26 @@ def test_chunked_loss_trains_like_plain_logits_in_both_steps():
                                 jax.tree.leaves(jax.device_get(got.params))):
             err = np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(a)).max(), 1e-3)
             assert err <= 1e-5, (jax.tree_util.keystr(path), err)
+
+
+@pytest.mark.parametrize("loss_scale", [None, engine.LossScale(initial=4.0)])
+def test_the_select_guard_and_the_conditional_guard_agree(loss_scale):
+    """`apply_update`'s two guards (a `where` per leaf on TPU and GPU, `lax.cond` on CPU: `select_guard`): the same
+    update on a finite step; on a non-finite loss or gradient both keep every parameter and moment."""
+    assert step_lib.select_guard(jax.devices("cpu")[0]) is False
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    optimizer = optax.adamw(0.1)
+    state = step_lib.init_opt_state(optimizer, params, loss_scale)
+    grads = {"w": jnp.full((2, 3), 0.5), "b": jnp.array([1.0, -2.0, 3.0])}
+    for loss, g in ((jnp.float32(1.0), grads), (jnp.float32(jnp.nan), grads),
+                    (jnp.float32(1.0), {**grads, "b": jnp.array([1.0, jnp.inf, 3.0])})):
+        out = [jax.jit(lambda p, s, g, l, select=select: step_lib.apply_update(
+            optimizer, p, s, g, l, {}, loss_scale, select))(params, state, g, loss) for select in (False, True)]
+        for a, b in zip(jax.tree.leaves(out[0][:2]), jax.tree.leaves(out[1][:2])):
+            np.testing.assert_array_equal(a, b)
+        assert bool(out[1][2]["finite"]) == bool(jnp.isfinite(loss) and all(jnp.isfinite(x).all() for x in g.values()))
+        if not out[1][2]["finite"]:  # parameters and moments as they were (a loss scale moves on)
+            kept = (out[1][0], out[1][1] if loss_scale is None else out[1][1]["optimizer"])
+            before = (params, state if loss_scale is None else state["optimizer"])
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(kept)):
+                np.testing.assert_array_equal(a, b)

@@ -12,10 +12,10 @@ from engine.step.jit_step import jit_train_step
 from engine.step.shard_map_step import MANUAL_AXES, check_token_parallel, shard_map_train_step
 from engine.step.update import (LossScale, accumulate_gradients, apply_update, cast_floating, combine,
                                 current_loss_scale, find_learning_rate, init_opt_state, is_overwrite, micro_loss_fn,
-                                micro_weight, overwrite_tree, partition, split_loss, trained_grad_fn,
-                                weight_metric_of)
+                                micro_weight, overwrite_tree, partition, select_guard, split_loss,
+                                trained_grad_fn, weight_metric_of)
 
 __all__ = ["Int8", "LossScale", "MANUAL_AXES", "accumulate_gradients", "apply_update", "cast_floating",
            "check_token_parallel", "combine", "current_loss_scale", "find_learning_rate", "init_opt_state",
            "is_overwrite", "jit_train_step", "micro_loss_fn", "micro_weight", "overwrite_tree", "partition",
-           "shard_map_train_step", "split_loss", "trained_grad_fn", "weight_metric_of"]
+           "select_guard", "shard_map_train_step", "split_loss", "trained_grad_fn", "weight_metric_of"]

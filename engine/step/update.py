@@ -261,8 +261,8 @@ def micro_weight(metrics, weight_metric):
 
 
 def select_guard(device):
-    """`apply_update`'s select= for a step compiled for `device`'s platform: True on TPU."""
-    return getattr(device, "platform", None) == "tpu"
+    """`apply_update`'s select= for a step compiled for `device`'s platform: True on TPU and GPU."""
+    return getattr(device, "platform", None) in ("tpu", "gpu")
 
 
 def apply_update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None, select=False):
@@ -285,11 +285,13 @@ def _update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None,
     """`apply_update` of weights only.
 
     How the guard keeps the update in place in the donated buffers depends on the compiler, so the step says which
-    (`select_guard`). By default a `lax.cond` around the whole update: a `where` on its result keeps old and new
-    state alive together on XLA:CPU (LLaMA-7B on 8 devices: 3.2 GB more per device). select=True (XLA:TPU): a `where`
-    on each new leaf, fused into the leaf's element-wise update: XLA:TPU lays the multi-output fusion inside a
-    conditional's branch out row-major and copies every column-major parameter, moment and gradient into it
-    (LLaMA-7B on v5p-8: 4.3 GB more per chip). loss_scale: the `LossScale` the gradients were computed under (they
+    (`select_guard`). By default (XLA:CPU) a `lax.cond` around the whole update: a `where` on its result keeps old
+    and new state alive together there (LLaMA-7B on 8 devices: 3.2 GB more per device). select=True (XLA:TPU and
+    XLA:GPU): a `where` on each new leaf, fused into the leaf's element-wise update. XLA:TPU lays the multi-output
+    fusion inside a conditional's branch out row-major and copies every column-major parameter, moment and gradient
+    into it; XLA:GPU cannot fuse across the conditional's boundary, so the gradients' widening to float32 and the
+    global norm's reads were a pass of their own that wrote float32 gradients (the engine guide has the figures).
+    loss_scale: the `LossScale` the gradients were computed under (they
     are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's). Gradients held in a narrower
     dtype than their parameters (`Precision.grad_dtype`) are widened to it first, inside the update's fusions."""
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype) if g.dtype != p.dtype else g, grads, params)
