@@ -9,10 +9,12 @@ through Triton or Mosaic GPU), 'collective', 'fill' (a fusion of no operand: a b
 zeros a scanned stack's saved activations start from), 'stack write' (a dynamic-update-slice into a larger buffer,
 in place: a scan writing one layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one),
 'copy' and 'elementwise' (every other fusion: elementwise work, reductions, transposes). Its bytes: every operand
-read once and the result written once, except that an operand a fusion only slices is read as its slices, and an
-in-place update reads and writes the update alone. An estimate, not a profile: caches, a GEMM's re-reads of its
-tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor for the memory-bound kinds
-(everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
+read once and the result written once, except that an operand a fusion only slices (through bitcasts too) is read as
+its slices, an in-place update reads and writes the update alone and a cuBLAS call's scratch workspace is not
+counted; with XLA's Triton GEMMs off, cuBLAS calls fused with a stack's slices (XLA's dynamic-slice fusion) are
+'matmul' launches reading their operands' slices and writing their update in place. An estimate, not a profile:
+caches, a GEMM's re-reads of its tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor
+for the memory-bound kinds (everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
 import re
 
 from engine.plan import _BYTES, _INSTR, _computations, _shapes, branches_of, loop_trips
@@ -45,34 +47,83 @@ def _result_type(type_text, op):
     return type_text
 
 
+def _operands(rest):
+    """The instruction names an instruction's operand list (the text after its opcode's parenthesis) names."""
+    return re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+
+
 class _Module:
     def __init__(self, hlo):
         self.comps, self.entry = _computations(hlo)
-        self.types, self.roots = {}, {}
+        self.types, self.roots, self.instrs = {}, {}, {}
         for name, lines in self.comps.items():
             for line in lines:
                 m = _INSTR.match(line)
                 if m:
                     self.types[(name, m.group(1))] = m.group(2)
+                    self.instrs[(name, m.group(1))] = m
                     if line.lstrip().startswith("ROOT"):
                         self.roots[name] = m.group(3)
+                        self.instrs[(name, None)] = m
+
+    def _users(self, callee, name):
+        """The instructions of `callee` that use `name`, through bitcasts (which move nothing): (instruction,
+        whether `name`, or the bitcast of it, is its first operand)."""
+        found = []
+        for line in self.comps.get(callee, ()):
+            m = _INSTR.match(line)
+            if not m or m.group(1) == name or name not in _operands(m.group(4)):
+                continue
+            if m.group(3) == "bitcast":
+                found += self._users(callee, m.group(1))
+            else:
+                found.append((m, _operands(m.group(4))[0] == name))
+        return found
 
     def operand_read(self, callee, index, full):
         """Bytes a fused computation reads of its parameter `index` (`full` bytes): its slices where it only slices
-        it, none where it is only the buffer an update writes in place."""
+        it, none where it is only the buffer an update writes in place (either through bitcasts)."""
         lines = self.comps.get(callee, ())
         name = next((m.group(1) for m in map(_PARAM.match, lines) if m and int(m.group(2)) == index), None)
         if name is None:
             return full
-        users = [m for m in (_INSTR.match(line) for line in lines
-                             if re.search(rf"%{re.escape(name)}\b(?![.\-\w])", line.split("=", 1)[-1]))
-                 if m and m.group(1) != name]
-        first = [re.match(rf"%{re.escape(name)}\b(?![.\-\w])", u.group(4)) for u in users]
-        if users and all(u.group(3) == "dynamic-slice" and f for u, f in zip(users, first)):
-            return sum(_bytes(u.group(2)) for u in users)
-        if users and all(u.group(3) == "dynamic-update-slice" and f for u, f in zip(users, first)):
+        users = self._users(callee, name)
+        if users and all(u.group(3) == "dynamic-slice" and first for u, first in users):
+            return sum(_bytes(u.group(2)) for u, _ in users)
+        if users and all(u.group(3) == "dynamic-update-slice" and first for u, first in users):
             return 0
         return full
+
+    def written(self, callee, result):
+        """Bytes a fused computation writes of its `result`: an output updated in place (a dynamic-update-slice) as
+        its update, a cuBLAS call's workspace not at all."""
+        root = self.instrs.get((callee, None))
+        if root is None:
+            return _bytes(result)
+        outputs = _operands(root.group(4)) if root.group(3) == "tuple" else [root.group(1)]
+        total = 0
+        for name in outputs:
+            m = self.instrs.get((callee, name))
+            while m is not None and m.group(3) == "bitcast":
+                m = self.instrs.get((callee, _operands(m.group(4))[0]))
+            if m is None:
+                continue
+            source = self.instrs.get((callee, _operands(m.group(4))[0])) if m.group(3) == "get-tuple-element" else None
+            if m.group(3) == "dynamic-update-slice":
+                total += _bytes(self.types.get((callee, _operands(m.group(4))[1]), ""))
+            elif not (_is_cublas(source) and _workspace(source.group(2)) == _bytes(m.group(2))):
+                total += _bytes(m.group(2)) - (_workspace(m.group(2)) if _is_cublas(m) else 0)
+        return total
+
+
+def _is_cublas(m):
+    return m is not None and m.group(3) == "custom-call" and "__cublas" in m.group(4)
+
+
+def _workspace(type_text):
+    """The bytes of a cuBLAS call's result that are its scratch workspace (the s8 buffer that ends its tuple)."""
+    shapes = _shapes(type_text)
+    return shapes[-1][1] if type_text.startswith("(") and len(shapes) > 1 and shapes[-1][0] == "s8" else 0
 
 
 def _launch(module, comp, line):
@@ -81,7 +132,7 @@ def _launch(module, comp, line):
     if not m or m.group(3) in _FREE:
         return None
     _, type_text, op, rest = m.groups()
-    operands = [module.types.get((comp, o), "") for o in re.findall(r"%([\w.\-]+)", rest.split("), ")[0])]
+    operands = [module.types.get((comp, o), "") for o in _operands(rest)]
     result = _result_type(type_text, op)
     callee = re.search(r"\bcalls=%([\w.\-]+)", line)
     callee = callee.group(1) if callee else None
@@ -89,9 +140,15 @@ def _launch(module, comp, line):
     if _COLLECTIVE.match(op):
         return "collective", _bytes(result)
     if op == "custom-call":
-        target = re.search(r'custom_call_target="([^"]+)"', line)
-        kind = "matmul" if target and "cublas" in target.group(1) else "kernel"
-        return kind, _bytes(result) + sum(map(_bytes, operands))
+        if _is_cublas(m):
+            return "matmul", _bytes(result) - _workspace(result) + sum(map(_bytes, operands))
+        return "kernel", _bytes(result) + sum(map(_bytes, operands))
+    body = module.comps.get(callee, ()) if callee else ()
+    if 'kind=kCustom' in line and any(" dot(" in b or '"__cublas' in b for b in body):
+        # A GEMM fusion, or cuBLAS with its operands sliced out of a stack and its result written into one in place
+        # (XLA's dynamic-slice fusion): its slices read, its update written.
+        read = sum(module.operand_read(callee, i, _bytes(t)) for i, t in enumerate(operands))
+        return "matmul", read + module.written(callee, result)
     if root == "dynamic-update-slice":  # in place: the update is read and written (not the buffer, nor indices)
         sizes = sorted(b for b in map(_bytes, operands) if b > 8)
         return "stack write", 2 * (sum(sizes) - (sizes[-1] if sizes else 0))
@@ -102,8 +159,7 @@ def _launch(module, comp, line):
     read = sum(module.operand_read(callee, i, _bytes(t)) if callee else _bytes(t) for i, t in enumerate(operands))
     if op in ("copy", "copy-start"):
         return "copy", read + _bytes(result)
-    is_gemm = 'kind=kCustom' in line and callee and any(" dot(" in body for body in module.comps.get(callee, ()))
-    return ("matmul" if is_gemm else "elementwise"), read + _bytes(result)
+    return "elementwise", read + (module.written(callee, result) if callee else _bytes(result))
 
 
 def _count(module, comp, times, kinds):

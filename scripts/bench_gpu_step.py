@@ -55,7 +55,11 @@ DEFAULT_PEER = next((p for p in (os.path.join(ROOT, ".peers", PEER_FILE),
                     os.path.join(ROOT, ".peers", PEER_FILE))
 TARGET_RATIO, TARGET_MFU = 1.15, 0.50  # issue 44: over torch.compile's tokens/s; MFU at the LLaMA-3-8B shape
 TARGET_FP8 = 1.3  # issue 47: the FP8 step's tokens/s over the bf16 step's at the LLaMA-3-8B shape
-ENGINE_RUNS = {"bf16": "engine", "unrolled": "engine unrolled", "fp8": "engine fp8"}  # --engine_runs -> its name
+ENGINE_RUNS = {"bf16": "engine", "unrolled": "engine unrolled", "cublas": "engine cuBLAS", "fp8": "engine fp8"}
+# The XLA flags a run adds to its subprocess's XLA_FLAGS: 'cublas' turns XLA's Triton GEMM fusions off, so that every
+# matmul is a cuBLAS call, which XLA can fuse with a scanned stack's slices (its operands read and its result written
+# in place there: engine/README.md's traffic figures); the autotuner, which times each GEMM alone, cannot weigh that.
+RUN_XLA_FLAGS = {"cublas": "--xla_gpu_enable_triton_gemm=false"}
 
 flags.DEFINE_list("shapes", ["tinyllama", "llama3_8b"], f"Model shapes, of {sorted(SHAPES)}.")
 flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")
@@ -78,8 +82,9 @@ flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *
                   "The engine's loss: plain logits, 'chunked' (kernels.linear_cross_entropy_sum), or the fused head + "
                   "loss kernel (kernels.linear_cross_entropy).")
 flags.DEFINE_list("engine_runs", ["bf16"], "The engine's runs, in this order, of: bf16 (every matmul in bf16), "
-                  "unrolled (the same with the layers unrolled) and fp8 (the attention and MLP projections' matmuls in "
-                  "FP8, models.ModelOptions.fp8).")
+                  "unrolled (the same with the layers unrolled), cublas (the same with XLA's Triton GEMMs off: every "
+                  "matmul through cuBLAS) and fp8 (the attention and MLP projections' matmuls in FP8, "
+                  "models.ModelOptions.fp8).")
 flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
                   "with a note when torch has no CUDA, unless this flag is given explicitly (a CPU smoke test).")
 flags.DEFINE_string("torch_peer", DEFAULT_PEER, "Path of torch_llama_step.py (the GPU machine receives only the "
@@ -208,6 +213,14 @@ def parse_result(stdout):
             except json.JSONDecodeError:
                 continue
     return found
+
+
+def run_env(env, kind):
+    """The environment of engine run `kind`: `env` with the run's `RUN_XLA_FLAGS` appended to its XLA_FLAGS."""
+    extra = RUN_XLA_FLAGS.get(kind)
+    if not extra:
+        return env
+    return dict(env, XLA_FLAGS=" ".join(f for f in (env.get("XLA_FLAGS", ""), extra) if f))
 
 
 def run_case(cmd, timeout, env=None):
@@ -364,13 +377,13 @@ def _run_shape(shape, seq, peers, child_env, flops, records):
     model = make_model(shape, seq, llama3_layers=FLAGS.llama3_layers)
     rows = rows_of(FLAGS.tokens_per_step, seq)
     flops[(shape, seq)] = flops_per_step(model, seq, rows)
-    runs = [(ENGINE_RUNS[kind], _worker_cmd(shape, seq, kind)) for kind in FLAGS.engine_runs]
+    runs = [(ENGINE_RUNS[kind], _worker_cmd(shape, seq, kind), run_env(child_env, kind)) for kind in FLAGS.engine_runs]
     args = peer_args(model.config, seq, FLAGS.tokens_per_step, FLAGS.steps, FLAGS.warmup)
-    runs += [(PEER_NAMES[p], [FLAGS.torch_python, FLAGS.torch_peer, *args] + (["--compile"] if p == "compile" else []))
-             for p in peers]
-    for run, cmd in runs:
+    runs += [(PEER_NAMES[p], [FLAGS.torch_python, FLAGS.torch_peer, *args] + (["--compile"] if p == "compile" else []),
+              child_env) for p in peers]
+    for run, cmd, env in runs:
         start = time.perf_counter()
-        result, why = run_case(cmd, FLAGS.per_run_timeout, child_env)
+        result, why = run_case(cmd, FLAGS.per_run_timeout, env)
         record = dict(result or {}, shape=shape, seq=seq, rows=rows, run=run,
                       wall_s=round(time.perf_counter() - start, 1))
         if result is None:

@@ -19,8 +19,8 @@
 # Full logs go to $OUT (./device_out when unset); every measured row is also logged as it happens.
 #   run: command="bash scripts/device_check.sh", carry=[".whl"], timeout_s=480   (BUDGET=seconds overrides the 450)
 # `bash scripts/device_check.sh tune` runs step 5 alone on the whole budget (a second call while the machine is warm,
-# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (whole rows, as the peers; the engine scanned
-# and unrolled), then the engine's rows again on packed rows with the Mosaic GPU attention and (TinyLlama) cuDNN's masked one, then FP8
+# e.g. BUDGET=240 with timeout_s=260). `step` runs the whole step benchmark alone (whole rows, as the peers; the engine scanned,
+# unrolled and with cuBLAS GEMMs), then the engine's rows again on packed rows with the Mosaic GPU attention and (TinyLlama) cuDNN's masked one, then FP8
 # beside bf16 at LLaMA-3-8B's shape, while the budget lasts (carry=[".peers"]; the
 # PyTorch peer's script travels in the ignored .peers/: `mkdir -p .peers && cp ../shared/peers/torch_llama_step.py
 # .peers/ && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
@@ -46,9 +46,10 @@ $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$O
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
 check=0 train=0 bench=0 step=0
 if [ "$MODE" = step ]; then
-  # The engine scanned and unrolled (no [layers, ...] stacks of saved activations to fill, copy into and copy out of,
-  # against a longer compile), then the peers, at each shape.
-  timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --engine_runs=bf16,unrolled \
+  # The engine scanned, unrolled (no [layers, ...] stacks of saved activations to fill, copy into and copy out of,
+  # against a longer compile) and scanned with every matmul through cuBLAS (XLA's Triton GEMMs off: cuBLAS reads and
+  # writes the stacks' slices in place), then the peers, at each shape.
+  timeout -s INT "$(left)" $PY scripts/bench_gpu_step.py --per_run_timeout=240 --engine_runs=bf16,unrolled,cublas \
     --out="$OUT/bench_gpu_step.jsonl" 2>&1 | tee "$OUT/bench_gpu_step.log" | quiet
   status=${PIPESTATUS[0]}
   # The engine again with the Mosaic GPU attention on packed rows (segment ids, as the training scripts' rows carry

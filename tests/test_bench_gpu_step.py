@@ -96,6 +96,18 @@ def test_target_lines():
                      "target 1.3x the bf16 step with FP8, llama3_8b seq 2048: 1.40x (met)"], lines
 
 
+def test_an_engine_run_adds_its_xla_flags_to_its_subprocess_only():
+    """'cublas' appends XLA's Triton-GEMM switch to the XLA_FLAGS its worker inherits (keeping the user's); the other
+    runs and the peers get the environment as it was."""
+    bench = _load_script()
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/d", "HOME": "/h"}
+    assert bench.run_env(env, "cublas") == {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false",
+                                            "HOME": "/h"}
+    assert bench.run_env({}, "cublas") == {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
+    assert bench.run_env(env, "bf16") is env and bench.run_env(env, "unrolled") is env
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+
+
 @pytest.mark.slow
 def test_script_end_to_end_with_a_fake_peer(tmp_path):
     """The whole script: the engine in its worker subprocess, the fake peer eager and compiled, the JSON-lines log,
@@ -106,13 +118,14 @@ def test_script_end_to_end_with_a_fake_peer(tmp_path):
     env = dict(os.environ, XLA_FLAGS=cpu_devices(1), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, SCRIPT, "--shapes=tiny", "--seq_lens=32,64", "--tokens_per_step=128",
                           "--steps=2", "--warmup=1", "--peers=compile,eager", f"--torch_peer={peer}",
-                          "--engine_runs=bf16,unrolled", f"--out={log}"], cwd=ROOT, env=env, capture_output=True,
+                          "--engine_runs=bf16,unrolled,cublas", f"--out={log}"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     header, rows = _table_rows(out.stdout)
     assert [(r[1], r[2], r[3]) for r in rows] == [(s, str(128 // int(s)), run) for s in ("32", "64")
                                                   for run in ("engine [attention xla]",
-                                                              "engine unrolled [attention xla]", "torch.compile",
+                                                              "engine unrolled [attention xla]",
+                                                              "engine cuBLAS [attention xla]", "torch.compile",
                                                               "torch eager")], rows
     ratio = header.index("vs torch.compile")
     for row in rows:
@@ -120,4 +133,5 @@ def test_script_end_to_end_with_a_fake_peer(tmp_path):
         assert row[6] == "n/a" and re.fullmatch(r"\d+\.\d\dx", row[ratio]), row  # no CPU peak: no MFU
     assert [r[ratio] for r in rows if not r[3].startswith("engine")] == ["1.00x", "0.80x"] * 2
     logged = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(logged) == 8 and [r["scan_layers"] for r in logged if r["run"].startswith("engine")] == [True, False] * 2
+    assert len(logged) == 10
+    assert [r["scan_layers"] for r in logged if r["run"].startswith("engine")] == [True, False, True] * 2

@@ -123,3 +123,60 @@ def test_a_scanned_step_fills_and_copies_stacks_an_unrolled_one_does_not():
     assert unrolled["stack write"]["launches"] == unrolled["stack read"]["launches"] == 0
     assert scanned["matmul"]["launches"] == unrolled["matmul"]["launches"]
     assert plans[False]["bytes"] < plans[True]["bytes"]
+
+
+# cuBLAS as XLA:GPU runs it with its Triton GEMMs off: a top-level call (its result beside a scratch workspace) and, in
+# a loop body, XLA's dynamic-slice fusion (a call reading its weight's slice out of a stack and writing its result
+# into another in place), beside an elementwise fusion that slices a stack through a bitcast.
+CUBLAS = """HloModule c
+
+%dsf (p0: f32[4,32,16], p1: s32[], p2: f32[8,32], p3: f32[4,8,16]) -> (f32[4,8,16], s8[1024]) {
+  %p0 = f32[4,32,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[8,32]{1,0} parameter(2)
+  %p3 = f32[4,8,16]{2,1,0} parameter(3)
+  %z = s32[] constant(0)
+  %ds = f32[1,32,16]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,32,16}
+  %w = f32[32,16]{1,0} bitcast(%ds)
+  %cc = (f32[8,16]{1,0}, s8[1024]{0}) custom-call(%p2, %w), custom_call_target="__cublas$lt$matmul"
+  %y = f32[8,16]{1,0} get-tuple-element(%cc), index=0
+  %y3 = f32[1,8,16]{2,1,0} bitcast(%y)
+  %u = f32[4,8,16]{2,1,0} dynamic-update-slice(%p3, %y3, %p1, %z, %z)
+  %ws = s8[1024]{0} get-tuple-element(%cc), index=1
+  ROOT %t = (f32[4,8,16]{2,1,0}, s8[1024]{0}) tuple(%u, %ws)
+}
+
+%scale (e0: f32[4,32,16], e1: s32[]) -> f32[32,16] {
+  %e0 = f32[4,32,16]{2,1,0} parameter(0)
+  %e1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %flat = f32[4,512]{1,0} bitcast(%e0)
+  %s = f32[1,512]{1,0} dynamic-slice(%flat, %e1, %z), dynamic_slice_sizes={1,512}
+  %b = f32[32,16]{1,0} bitcast(%s)
+  ROOT %m = f32[32,16]{1,0} multiply(%b, %b)
+}
+
+ENTRY %main (x: f32[8,32], ws: f32[4,32,16], acc: f32[4,8,16], i: s32[], v: f32[32,16]) -> (f32[4,8,16], f32[32,16]) {
+  %x = f32[8,32]{1,0} parameter(0)
+  %ws = f32[4,32,16]{2,1,0} parameter(1)
+  %acc = f32[4,8,16]{2,1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %v = f32[32,16]{1,0} parameter(4)
+  %g = (f32[8,16]{1,0}, s8[1024]{0}) custom-call(%x, %v), custom_call_target="__cublas$lt$matmul"
+  %f = (f32[4,8,16]{2,1,0}, s8[1024]{0}) fusion(%ws, %i, %x, %acc), kind=kCustom, calls=%dsf
+  %out = f32[4,8,16]{2,1,0} get-tuple-element(%f), index=0
+  %e = f32[32,16]{1,0} fusion(%ws, %i), kind=kLoop, calls=%scale
+  ROOT %r = (f32[4,8,16]{2,1,0}, f32[32,16]{1,0}) tuple(%out, %e)
+}
+"""
+
+
+def test_cublas_calls_count_without_their_workspace_and_read_and_write_stack_slices_in_place():
+    kinds = kernel_traffic(CUBLAS)["kinds"]
+    # The top-level call: x and v read, [8, 16] written (not its 1 KiB workspace). The fused one: x, the weight's
+    # [32, 16] slice and the index read, only its [8, 16] update written into the [4, 8, 16] stack.
+    top, fused = 4 * (8 * 32 + 32 * 16 + 8 * 16), 4 * (8 * 32 + 32 * 16 + 8 * 16) + 4
+    assert kinds["matmul"] == {"launches": 2, "bytes": top + fused}
+    # A slice of the stack read through a bitcast: [512] of it (and the index), not the whole [4, 32, 16].
+    assert kinds["elementwise"] == {"launches": 1, "bytes": 4 * 512 + 4 + 4 * 32 * 16}
+    assert kinds["stack write"]["launches"] == kinds["stack read"]["launches"] == 0
