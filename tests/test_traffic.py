@@ -180,3 +180,39 @@ def test_cublas_calls_count_without_their_workspace_and_read_and_write_stack_sli
     # A slice of the stack read through a bitcast: [512] of it (and the index), not the whole [4, 32, 16].
     assert kinds["elementwise"] == {"launches": 1, "bytes": 4 * 512 + 4 + 4 * 32 * 16}
     assert kinds["stack write"]["launches"] == kinds["stack read"]["launches"] == 0
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("n, d, v", [(4096, 1024, 32000), (8192, 2048, 32000)])
+def test_the_fused_loss_moves_no_more_than_plain_logits_and_holds_less(n, d, v):
+    """`kernels.linear_cross_entropy` (Triton) and plain bf16 logits with `lm.cross_entropy`, loss and both
+    gradients compiled for an H200 (n tokens, width d, vocabulary v; issue 44 timed the second shape): the kernel's
+    backward adds each vocabulary chunk's share of d x to the float32 sum in its epilogue, in place, over chunks sized
+    to that sum (it once summed 32 chunks outside the kernel: 2.9x plain's bytes at the second shape). `-s` prints
+    the figures kernels/README.md quotes."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import engine.plan
+    import kernels
+    from engine.tasks import lm
+
+    mesh = Mesh(engine.plan.target_devices("gpu:h200")[:1], ("x",))
+    whole = NamedSharding(mesh, PartitionSpec())
+    args = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16, sharding=whole),
+            jax.ShapeDtypeStruct((d, v), jnp.bfloat16, sharding=whole),
+            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=whole))
+    losses = {"fused": lambda x, w, y: jnp.mean(kernels.linear_cross_entropy(x, w, y, implementation="triton")),
+              "plain": lambda x, w, y: jnp.mean(lm.cross_entropy(x @ w, y))}
+    out = {}
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        for name, loss in losses.items():
+            compiled = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(*args).compile()
+            out[name] = (kernel_traffic(compiled.as_text()), compiled.memory_analysis().temp_size_in_bytes)
+    (fused, fused_temp), (plain, plain_temp) = out["fused"], out["plain"]
+    for name, (t, temp) in out.items():
+        print(f"{name} {n} x {d} x {v}: {t['launches']} launches, {t['bytes'] / 1e9:.2f} GB, temporaries "
+              f"{temp / 1e9:.3f} GB")
+    assert fused["bytes"] <= 1.02 * plain["bytes"], (fused["bytes"], plain["bytes"])
+    assert fused_temp < 0.5 * plain_temp and fused["launches"] < 150, (fused_temp, plain_temp, fused["launches"])

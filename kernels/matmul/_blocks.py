@@ -14,7 +14,7 @@ class BlockSizes:
       least 16; Mosaic: multiples of 128, so transposed operands also meet the (8, 128) rule).
     num_warps, num_stages: Triton CompilerParams (ignored elsewhere).
     vocab_chunk: vocabulary columns per step of the loss's chunked backward (and of the 'xla' forward); the
-      largest temporary is [N, vocab_chunk]. None: the vocabulary split into `LOSS_VOCAB_CHUNKS` chunks.
+      largest temporary is [N, vocab_chunk]. None: `with_vocab_chunk`'s choice.
     """
     block_m: int = 128
     block_n: int = 128
@@ -24,9 +24,6 @@ class BlockSizes:
     vocab_chunk: int | None = None
 
 
-# Chunks of the vocabulary in the 'xla' loss: enough that the temporaries are a small fraction of the materialised
-# logits (kernels/README.md gives the measured ratio), few enough that each chunk's matmul stays large.
-LOSS_VOCAB_CHUNKS = 32
 
 # Starting points, not tuned measurements yet: Triton's H100 matmul tutorial tiles (128x128x64, 8 warps, 3-4 stages),
 # halved in m where the kernel holds two float32 accumulators (gated MLP) or an extra epilogue tile; Mosaic's 512
@@ -106,12 +103,16 @@ def fit(block, dim, implementation):
     return block
 
 
-def with_vocab_chunk(blocks, vocab, implementation):
-    """`blocks` with `vocab_chunk` filled in for a vocabulary of `vocab` columns."""
+def with_vocab_chunk(blocks, vocab, implementation, width, itemsize):
+    """`blocks` with `vocab_chunk` filled in for a vocabulary of `vocab` columns, a model `width` wide (the loss's D)
+    and its rows' dtype `itemsize` bytes: a chunk's d logits [N, chunk] as large as the float32 d x [N, D] the
+    backward accumulates across chunks anyway (2 D columns for 16-bit rows), so that the temporaries stay a small
+    fraction of the materialised logits while d x is read and written once a chunk, in as few chunks as that
+    allows (kernels/README.md)."""
     if blocks.vocab_chunk is not None:
         return blocks
     # Chunks are a multiple of the kernel's vocabulary block, so no chunk needs padding inside the kernel.
-    chunk = _round_up(-(-vocab // LOSS_VOCAB_CHUNKS), fit(blocks.block_n, vocab, implementation))
+    chunk = _round_up(min(vocab, -(-4 * width // itemsize)), fit(blocks.block_n, vocab, implementation))
     return dataclasses.replace(blocks, vocab_chunk=chunk)
 
 

@@ -35,10 +35,10 @@ class _Config(NamedTuple):
     interpret: bool
 
     def matmul(self, lhs, rhs, extras=(), *, extra_kinds=(), terms=_ONE, epilogue=reference.epilogue_identity,
-               out_dtypes, trans_lhs=False, trans_rhs=False):
+               out_dtypes, trans_lhs=False, trans_rhs=False, aliases=()):
         return _BACKENDS[self.implementation].matmul(
             lhs, rhs, extras, terms=terms, epilogue=epilogue, extra_kinds=extra_kinds, out_dtypes=out_dtypes,
-            trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=self.blocks, interpret=self.interpret)
+            trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=self.blocks, interpret=self.interpret, aliases=aliases)
 
 
 def _config(implementation, interpret, block_sizes, op):

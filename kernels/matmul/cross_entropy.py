@@ -58,9 +58,10 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, implementation=None
     return loss.reshape(labels.shape)
 
 
-def _with_vocab_chunk(cfg, vocab):
-    """cfg with the loss's vocabulary chunk sized for `vocab` columns (unless `block_sizes` fixed it)."""
-    return cfg._replace(blocks=_blocks.with_vocab_chunk(cfg.blocks, vocab, cfg.implementation))
+def _with_vocab_chunk(cfg, x, w):
+    """cfg with the loss's vocabulary chunk sized for rows `x` and weight `w` (unless `block_sizes` fixed it)."""
+    return cfg._replace(blocks=_blocks.with_vocab_chunk(cfg.blocks, w.shape[1], cfg.implementation, w.shape[0],
+                                                        jnp.dtype(x.dtype).itemsize))
 
 
 class VocabParallelLoss(NamedTuple):
@@ -77,7 +78,7 @@ class VocabParallelLoss(NamedTuple):
         ever holds the whole weight or its gradient. x [..., D] and labels [...] are flattened to rows. Returns this
         device's per-token loss, labels' shape. A Pallas kernel runs inside a `shard_map` over the ambient mesh's
         automatic axes, holding every operand whole (`kernels/_partition.py`: Mosaic refuses any automatic axis)."""
-        cfg = _with_vocab_chunk(self.cfg, w.shape[1])
+        cfg = _with_vocab_chunk(self.cfg, x, w)
 
         def rows(x, w, labels):
             return _vocab_parallel(self.ignore_index, cfg, axis_name, x.reshape(-1, x.shape[-1]), w,
@@ -121,7 +122,7 @@ def _loss_call(loss):
     """The loss as one `jax.jit` per settings, its body opening with the marker (the contract above)."""
     def linear_cross_entropy(x, w, labels):
         x = loss_call_p.bind(x, loss=loss)
-        return _linear_cross_entropy(x, w, labels, loss.ignore_index, _with_vocab_chunk(loss.cfg, w.shape[1]))
+        return _linear_cross_entropy(x, w, labels, loss.ignore_index, _with_vocab_chunk(loss.cfg, x, w))
 
     return jax.jit(linear_cross_entropy)
 
@@ -196,8 +197,9 @@ def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True):
         (dlogits,) = cfg.matmul((x,), (w_c,), (lse.reshape(n, 1), (labels - start).reshape(n, 1), g),
                                 extra_kinds=("row",) * 3, epilogue=reference.epilogue_dlogits,
                                 out_dtypes=(x.dtype,))
-        if want_x:
-            dx = dx + cfg.matmul((dlogits,), (w_c,), out_dtypes=(jnp.float32,), trans_rhs=True)[0]
+        if want_x:  # the float32 sum over chunks, added in the matmul's epilogue and written over itself in place
+            (dx,) = cfg.matmul((dlogits,), (w_c,), (dx,), extra_kinds=("tile",), epilogue=reference.epilogue_add,
+                               out_dtypes=(jnp.float32,), trans_rhs=True, aliases=((0, 0),))
         if want_w:
             (dw_c,) = cfg.matmul((x,), (dlogits,), out_dtypes=(w.dtype,), trans_lhs=True)
             dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=1)

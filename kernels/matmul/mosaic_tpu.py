@@ -48,7 +48,7 @@ def _matmul_kernel(*refs, n_lhs, n_rhs, n_extras, terms, epilogue, trans_lhs, tr
 
 
 def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, trans_lhs=False, trans_rhs=False,
-           blocks, interpret=False):
+           blocks, interpret=False, aliases=()):
     lhs, rhs, extras, (m, n), (bm, bn, bk), (mp, np_, kp) = _blocks.pad_operands(
         lhs, rhs, extras, extra_kinds, trans_lhs=trans_lhs, trans_rhs=trans_rhs, blocks=blocks,
         implementation="mosaic_tpu")
@@ -71,6 +71,7 @@ def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, 
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)),
         interpret=_interpret(interpret),
+        input_output_aliases={len(lhs) + len(rhs) + e: o for e, o in aliases},
         name="fused_matmul",
         cost_estimate=_cost.matmul(lhs, rhs, extras, extra_kinds, out_dtypes, terms=terms, epilogue=epilogue,
                                    tiles=(bm, bn, bk), padded=(mp, np_, kp)),

@@ -2,11 +2,12 @@
 materialising references the tests compare against.
 
 A backend is a module with two functions (see `triton.py`, `mosaic_tpu.py`):
-- `matmul(lhs, rhs, extras, *, terms, epilogue, extra_kinds, out_dtypes, trans_lhs, trans_rhs, blocks, interpret)`:
-  accumulators `acc_t = sum_{(i, j) in terms[t]} op(lhs[i]) @ op(rhs[j])` in float32 (`op` transposes when
-  `trans_lhs` / `trans_rhs`), then `epilogue(accs, cols, *extras) -> outputs`, applied per output tile before its
-  only store. `extras` are per-row `[M, 1]`, per-column `[1, N]` or per-tile `[M, N]` arrays (`extra_kinds`);
-  `cols [1, N]` are the output's column indices.
+- `matmul(lhs, rhs, extras, *, terms, epilogue, extra_kinds, out_dtypes, trans_lhs, trans_rhs, blocks, interpret,
+  aliases)`: accumulators `acc_t = sum_{(i, j) in terms[t]} op(lhs[i]) @ op(rhs[j])` in float32 (`op` transposes
+  when `trans_lhs` / `trans_rhs`), then `epilogue(accs, cols, *extras) -> outputs`, applied per output tile before
+  its only store. `extras` are per-row `[M, 1]`, per-column `[1, N]` or per-tile `[M, N]` arrays (`extra_kinds`);
+  `cols [1, N]` are the output's column indices. `aliases`: (extra index, output index) pairs, a per-tile extra whose
+  buffer the output is written into in place (each tile read before its own store).
 - `lce_forward(x [N, D], w [D, V], labels [N], *, blocks, interpret) -> (lse [N], label_logit [N])`, float32, with
   the vocabulary swept blockwise by an online log-sum-exp (`lse_update`).
 """
@@ -79,6 +80,11 @@ def epilogue_identity(accs, cols, *extras):
     return accs
 
 
+def epilogue_add(accs, cols, total):
+    """acc + total: a product added to the float32 sum it accumulates into (extras: that sum's tile)."""
+    return (accs[0] + total,)
+
+
 def epilogue_gate(activation, has_scales=False):
     """act(gate) * up with gate = acc_gate (* gate_scale), up = acc_up (* up_scale); extras: the two scales [1, N]
     when has_scales."""
@@ -133,8 +139,8 @@ def dot(a, b, trans_a=False, trans_b=False):
 
 
 def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, trans_lhs=False, trans_rhs=False,
-           blocks=None, interpret=False):
-    del extra_kinds, blocks, interpret  # Whole arrays: XLA picks its own tiling and fuses the epilogue.
+           blocks=None, interpret=False, aliases=()):
+    del extra_kinds, blocks, interpret, aliases  # Whole arrays: XLA tiles, fuses the epilogue and reuses buffers.
     accs = tuple(sum(dot(lhs[i], rhs[j], trans_lhs, trans_rhs) for i, j in term) for term in terms)
     cols = lax.broadcasted_iota(jnp.int32, (1, accs[0].shape[1]), 1)
     outs = epilogue(accs, cols, *extras)
