@@ -154,11 +154,10 @@ def _vocab_parallel(ignore_index, cfg, axis_name, x, w, labels):
         (x_all, w, local, lse, labels), marks = res_marks
         want_x, want_w = (m is not None for m in marks[:2])
         g_all = lax.all_gather(_instantiate(g), axis_name, axis=0, tiled=True)
-        dx_all, dw = _lce_grads(ignore_index, cfg, (x_all, w, local, lse), g_all, want_x, want_w)
+        dx_all, dw = _lce_grads(ignore_index, cfg, (x_all, w, local, lse), g_all, want_x, want_w, dx_dtype=jnp.float32)
         dx = None
         if want_x:  # summed in float32: every device holds part of every row's gradient (its slice's share)
-            dx = lax.psum_scatter(dx_all.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
-            dx = dx.astype(x_all.dtype)
+            dx = lax.psum_scatter(dx_all, axis_name, scatter_dimension=0, tiled=True).astype(x_all.dtype)
         return dx, dw, None
 
     run.defvjp(_marked(forward), backward, symbolic_zeros=True)
@@ -184,9 +183,9 @@ def _linear_cross_entropy_bwd(ignore_index, cfg, res_marks, g):
     return dx, dw, None
 
 
-def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True):
+def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True, dx_dtype=None):
     """(dx or None, dw or None) of the loss, recomputing the logits one vocabulary chunk at a time; only what is
-    wanted is computed (a frozen head, e.g. under LoRA, costs no [D, V] gradient)."""
+    wanted is computed (a frozen head, e.g. under LoRA, costs no [D, V] gradient). dx in `dx_dtype` (None: x's)."""
     x, w, labels, lse = res
     n = x.shape[0]
     # Zero cotangent for ignored tokens zeroes their whole row of d logits, hence their dx and share of dw.
@@ -208,7 +207,7 @@ def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True):
     init = (jnp.zeros(x.shape, jnp.float32) if want_x else jnp.zeros((), jnp.float32),
             jnp.zeros_like(w) if want_w else jnp.zeros((), w.dtype))
     dx, dw = reference.sweep_vocab(step, init, w, cfg.blocks.vocab_chunk)
-    return (dx.astype(x.dtype) if want_x else None), (dw if want_w else None)
+    return (dx.astype(dx_dtype or x.dtype) if want_x else None), (dw if want_w else None)
 
 
 _linear_cross_entropy.defvjp(_marked(_linear_cross_entropy_fwd), _linear_cross_entropy_bwd, symbolic_zeros=True)
