@@ -24,7 +24,6 @@ class BlockSizes:
     vocab_chunk: int | None = None
 
 
-
 # Starting points, not tuned measurements yet: Triton's H100 matmul tutorial tiles (128x128x64, 8 warps, 3-4 stages),
 # halved in m where the kernel holds two float32 accumulators (gated MLP) or an extra epilogue tile; Mosaic's 512
 # tiles from jax's ops/tpu/matmul.py, halved for the two-accumulator kernel to stay well inside VMEM. The gated
@@ -103,17 +102,23 @@ def fit(block, dim, implementation):
     return block
 
 
+# Mosaic TPU's loss chunks: the vocabulary in this many (the tiles of `_MOSAIC_BY_GENERATION` were searched with
+# them; 2048- and 8192-column chunks overflowed v5p's scoped VMEM at 2048 x 4096 x 32000).
+MOSAIC_LOSS_VOCAB_CHUNKS = 32
+
+
 def with_vocab_chunk(blocks, vocab, implementation, width, itemsize):
     """`blocks` with `vocab_chunk` filled in for a vocabulary of `vocab` columns, a model `width` wide (the loss's D)
     and its rows' dtype `itemsize` bytes: a chunk's d logits [N, chunk] as large as the float32 d x [N, D] the
     backward accumulates across chunks anyway (2 D columns for 16-bit rows), so that the temporaries stay a small
     fraction of the materialised logits while d x is read and written once a chunk, in as few chunks as that
-    allows (kernels/README.md)."""
+    allows (kernels/README.md); Mosaic TPU's: `MOSAIC_LOSS_VOCAB_CHUNKS` of them."""
     if blocks.vocab_chunk is not None:
         return blocks
+    columns = (-(-vocab // MOSAIC_LOSS_VOCAB_CHUNKS) if implementation == "mosaic_tpu"
+               else min(vocab, -(-4 * width // itemsize)))
     # Chunks are a multiple of the kernel's vocabulary block, so no chunk needs padding inside the kernel.
-    chunk = _round_up(min(vocab, -(-4 * width // itemsize)), fit(blocks.block_n, vocab, implementation))
-    return dataclasses.replace(blocks, vocab_chunk=chunk)
+    return dataclasses.replace(blocks, vocab_chunk=_round_up(columns, fit(blocks.block_n, vocab, implementation)))
 
 
 def validate(block_sizes, implementation):

@@ -196,7 +196,7 @@ def _lce_grads(ignore_index, cfg, res, g, want_x=True, want_w=True, dx_dtype=Non
         (dlogits,) = cfg.matmul((x,), (w_c,), (lse.reshape(n, 1), (labels - start).reshape(n, 1), g),
                                 extra_kinds=("row",) * 3, epilogue=reference.epilogue_dlogits,
                                 out_dtypes=(x.dtype,))
-        if want_x and cfg.implementation == "mosaic_tpu":  # the loss's tiles and a float32 sum tile overflow VMEM
+        if want_x and cfg.implementation == "mosaic_tpu":  # its tiles and a float32 sum tile overflow scoped VMEM
             dx = dx + cfg.matmul((dlogits,), (w_c,), out_dtypes=(jnp.float32,), trans_rhs=True)[0]
         elif want_x:  # the float32 sum over chunks, added in the matmul's epilogue and written over itself in place
             (dx,) = cfg.matmul((dlogits,), (w_c,), (dx,), extra_kinds=("tile",), epilogue=reference.epilogue_add,
