@@ -291,9 +291,9 @@ def _update(optimizer, params, opt_state, grads, loss, metrics, loss_scale=None,
     fusion inside a conditional's branch out row-major and copies every column-major parameter, moment and gradient
     into it; XLA:GPU cannot fuse across the conditional's boundary, so the gradients' widening to float32 and the
     global norm's reads were a pass of their own that wrote float32 gradients (the engine guide has the figures).
-    loss_scale: the `LossScale` the gradients were computed under (they
-    are unscaled here, and the scale moves on; metrics['loss_scale'] is this step's). Gradients held in a narrower
-    dtype than their parameters (`Precision.grad_dtype`) are widened to it first, inside the update's fusions."""
+    loss_scale: the `LossScale` the gradients were computed under (they are unscaled here, and the scale moves on;
+    metrics['loss_scale'] is this step's). Gradients held in a narrower dtype than their parameters
+    (`Precision.grad_dtype`) are widened to it first, inside the update's fusions."""
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype) if g.dtype != p.dtype else g, grads, params)
     if loss_scale is not None:
         state, opt_state = opt_state["loss_scale"], opt_state["optimizer"]

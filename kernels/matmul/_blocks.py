@@ -102,9 +102,9 @@ def fit(block, dim, implementation):
     return block
 
 
-# Mosaic TPU's loss chunks: the vocabulary in this many (the tiles of `_MOSAIC_BY_GENERATION` were searched with
-# them; 2048- and 8192-column chunks overflowed v5p's scoped VMEM at 2048 x 4096 x 32000).
-MOSAIC_LOSS_VOCAB_CHUNKS = 32
+# The loss's most vocabulary chunks (and Mosaic TPU's number of them: the tiles of `_MOSAIC_BY_GENERATION` were
+# searched with 32; 2048- and 8192-column chunks overflowed v5p's scoped VMEM at 2048 x 4096 x 32000).
+LOSS_VOCAB_CHUNKS = 32
 
 
 def with_vocab_chunk(blocks, vocab, implementation, width, itemsize):
@@ -112,11 +112,12 @@ def with_vocab_chunk(blocks, vocab, implementation, width, itemsize):
     and its rows' dtype `itemsize` bytes: a chunk's d logits [N, chunk] as large as the float32 d x [N, D] the
     backward accumulates across chunks anyway (2 D columns for 16-bit rows), so that the temporaries stay a small
     fraction of the materialised logits while d x is read and written once a chunk, in as few chunks as that
-    allows (kernels/README.md); Mosaic TPU's: `MOSAIC_LOSS_VOCAB_CHUNKS` of them."""
+    allows (kernels/README.md), and at most `LOSS_VOCAB_CHUNKS` of them (a narrow model's); Mosaic TPU's: that
+    many."""
     if blocks.vocab_chunk is not None:
         return blocks
-    columns = (-(-vocab // MOSAIC_LOSS_VOCAB_CHUNKS) if implementation == "mosaic_tpu"
-               else min(vocab, -(-4 * width // itemsize)))
+    fewest = -(-vocab // LOSS_VOCAB_CHUNKS)
+    columns = fewest if implementation == "mosaic_tpu" else min(vocab, max(fewest, -(-4 * width // itemsize)))
     # Chunks are a multiple of the kernel's vocabulary block, so no chunk needs padding inside the kernel.
     return dataclasses.replace(blocks, vocab_chunk=_round_up(columns, fit(blocks.block_n, vocab, implementation)))
 
