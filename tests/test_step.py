@@ -581,7 +581,8 @@ def test_chunked_loss_trains_like_plain_logits_in_both_steps():
 def test_the_select_guard_and_the_conditional_guard_agree(loss_scale):
     """`apply_update`'s two guards (a `where` per leaf on TPU and GPU, `lax.cond` on CPU: `select_guard`): the same
     update on a finite step; on a non-finite loss or gradient both keep every parameter and moment."""
-    assert step_lib.select_guard(jax.devices("cpu")[0]) is False
+    from tests.targets import H200
+    assert step_lib.select_guard(jax.devices("cpu")[0]) is False and step_lib.select_guard(H200) is True
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
     optimizer = optax.adamw(0.1)
     state = step_lib.init_opt_state(optimizer, params, loss_scale)
