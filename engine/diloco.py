@@ -316,8 +316,8 @@ class _DiLoCoStep:
         loss, metrics, grads = accumulate_gradients(grad_fn, params, batch, rng, self.accumulate,
                                                      grad_dtype=self.grad_dtype,
                                                      weight_metric=weight_metric_of(self.loss_fn))
-        select = select_guard(self.mesh.devices.flat[0]) if hasattr(self.mesh, "devices") else False
-        return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale, select)
+        return apply_update(self.optimizer, params, opt_state, grads, loss, metrics, self.loss_scale,
+                            select_guard(self.mesh))
 
     def outer(self, args):  # fragments=1: the whole trees
         replicas, specs = self.replicas, self.specs

@@ -143,11 +143,11 @@ def _launch(module, comp, line):
         if _is_cublas(m):
             return "matmul", _bytes(result) - _workspace(result) + sum(map(_bytes, operands))
         return "kernel", _bytes(result) + sum(map(_bytes, operands))
+    read = sum(module.operand_read(callee, i, _bytes(t)) if callee else _bytes(t) for i, t in enumerate(operands))
     body = module.comps.get(callee, ()) if callee else ()
     if 'kind=kCustom' in line and any(" dot(" in b or '"__cublas' in b for b in body):
         # A GEMM fusion, or cuBLAS with its operands sliced out of a stack and its result written into one in place
         # (XLA's dynamic-slice fusion): its slices read, its update written.
-        read = sum(module.operand_read(callee, i, _bytes(t)) for i, t in enumerate(operands))
         return "matmul", read + module.written(callee, result)
     if root == "dynamic-update-slice":  # in place: the update is read and written (not the buffer, nor indices)
         sizes = sorted(b for b in map(_bytes, operands) if b > 8)
@@ -156,7 +156,6 @@ def _launch(module, comp, line):
         return "stack read", 2 * _bytes(result)
     if op in ("fusion", "fusion-start") and not operands:
         return "fill", _bytes(result)
-    read = sum(module.operand_read(callee, i, _bytes(t)) if callee else _bytes(t) for i, t in enumerate(operands))
     if op in ("copy", "copy-start"):
         return "copy", read + _bytes(result)
     return "elementwise", read + (module.written(callee, result) if callee else _bytes(result))

@@ -16,7 +16,7 @@ def jit_train_step(*, loss_fn, optimizer, grad_shardings, accumulate, compute_dt
     grad_dtype: None or the dtype the gradients are held in until the update (`Precision.grad_dtype`)."""
     constrain = lambda g: jax.tree.map(jax.lax.with_sharding_constraint, g, grad_shardings)  # noqa: E731
     mesh = next((getattr(s, "mesh", None) for s in jax.tree.leaves(grad_shardings)), None)
-    select = select_guard(mesh.devices.flat[0]) if mesh is not None and hasattr(mesh, "devices") else False
+    select = select_guard(mesh)
 
     def step(params, opt_state, batch, step):
         rng = jax.random.fold_in(key, step)

@@ -260,8 +260,10 @@ def micro_weight(metrics, weight_metric):
     return jax.lax.stop_gradient(metrics[weight_metric]).astype(jnp.float32)
 
 
-def select_guard(device):
-    """`apply_update`'s select= for a step compiled for `device`'s platform: True on TPU and GPU."""
+def select_guard(where):
+    """`apply_update`'s select= for a step compiled for the platform of `where`, a device or a mesh (its first
+    device's; None or an abstract mesh: False): True on TPU and GPU."""
+    device = where.devices.flat[0] if isinstance(where, jax.sharding.Mesh) else where
     return getattr(device, "platform", None) in ("tpu", "gpu")
 
 
