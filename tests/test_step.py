@@ -59,8 +59,8 @@ def test_shard_map_step_equals_jit_step(mesh, accumulate, zero_stage):
     assert got.compile_count == 1
 
 
-def _llama_trainer(kind, mesh, loss_fn, **kwargs):
-    model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat="full"))
+def _llama_trainer(kind, mesh, loss_fn, remat="full", **kwargs):
+    model = models.FAMILIES["llama"].Model(models.get_config("llama", "tiny", scan_layers=True, remat=remat))
     params = models.init_params(model, jax.random.PRNGKey(0))
     return engine.Trainer(mesh=engine.make_mesh(**MESHES[mesh]), collate_fn=lm.collate_lm, loss_fn=loss_fn(model),
                           params=params, optimizer=optax.sgd(0.5), **kwargs, parallelism=engine.Parallelism(step=kind))
@@ -101,6 +101,24 @@ def test_scanned_llama_token_weighted_loss_and_per_layer_gathers():
     assert gathered and not stacked & set(gathered), (stacked, gathered)
     per_layer = {s[1:] for s in stacked}
     assert sum(g in per_layer for g in gathered) >= 2 * 7  # 7 layer matrices, gathered forward and in backward
+
+
+def test_a_scanned_stack_without_remat_gathers_each_layer_again_in_the_backward():
+    """A scanned LLaMA without remat on 1x4x2, whose layer keeps only its matmul and kernel outputs
+    (`models.layers.stack`'s policy): the shard_map step's update equals the jit step's, and each layer matrix is
+    gathered in the forward and again in the backward pass (none kept from one to the other, none stacked)."""
+    rows = _packed_rows(16)
+    ref = _llama_trainer("jit", "1x4x2", lm.lm_loss_fn, remat="none")
+    ref.fit(rows, per_device_batch_size=1, max_steps=2, log_every=2)
+    got = _llama_trainer("shard_map", "1x4x2", lm.lm_loss_fn, remat="none")
+    got.fit(rows, per_device_batch_size=1, max_steps=2, log_every=2)
+    _assert_same_run(ref, got)
+    hlo = got.compiled_step().as_text()
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(got.params["layers"])}
+    gathered = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather\(", hlo)]
+    assert gathered and not stacked & set(gathered), (stacked, gathered)
+    # 7 layer matrices (each device's `model` block of them), gathered in the forward and the backward pass
+    assert sum(len(g) == 2 for g in gathered) >= 2 * 7, gathered
 
 
 @pytest.mark.slow

@@ -111,6 +111,12 @@ def _gather_bwd(dims, dtype, reduce_dtype, int8, grad_dtype, res, g):
 zero3_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+def is_zero3_gather(params):
+    """Whether a traced `custom_vjp_call` equation's `params` are a `zero3_gather`'s (its backward function named, as
+    JAX 0.10 and 0.11 name it)."""
+    return getattr(params.get("bwd"), "f", None) is _gather_bwd
+
+
 def all_reduce_int8(g, axes):
     """`psum(g, axes)` in float32 with int8 traffic: the int8 reduce-scatter of `reduce_scatter` along the first dim
     the group size divides, then this device's summed chunk all-gathered as int8 rows (`all_gather`), so each value

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import kernels
 from engine.sharding import scan_counts
 from engine.step import layer_scan
+from engine.step.collectives import is_zero3_gather
 from engine.step.shard_views import sliced_in_loop, varying_vars, view
 from engine.step.shards import CASTS, Sharded, bind_eqn, full, local_cast
 
@@ -67,7 +68,7 @@ def eval_gathering(jaxpr, consts, args, in_remat=False, varying=None):
         elif name in ("checkpoint", "remat", "remat2"):
             p = eqn.params
             inner, arrays = _open(invals, lambda vals: eval_gathering(p["jaxpr"], (), vals, True, varying))
-            outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=p["policy"])(*arrays)
+            outs = jax.checkpoint(inner, prevent_cse=p["prevent_cse"], policy=_regathered(p["policy"]))(*arrays)
         elif name in ("jit", "pjit", "closed_call"):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             outs = eval_gathering(inner.jaxpr, inner.consts, invals, in_remat, varying)
@@ -81,6 +82,19 @@ def eval_gathering(jaxpr, consts, args, in_remat=False, varying=None):
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [full(read(v)) for v in jaxpr.outvars]
+
+
+def _regathered(policy):
+    """A remat region's `policy` (None: save nothing) that never saves a shard's gather (`collectives.zero3_gather`):
+    a policy that keeps what is costly to recompute (a scanned stack's without remat, `models.layers.stack`) would
+    otherwise keep every gathered weight from the forward pass to the backward, where it is gathered again."""
+    if policy is None:
+        return None
+
+    def regathered(prim, *avals, **params):
+        return False if prim.name == "custom_vjp_call" and is_zero3_gather(params) else policy(prim, *avals, **params)
+
+    return regathered
 
 
 def _is_row_lookup(eqn, invals):

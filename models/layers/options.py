@@ -21,7 +21,8 @@ class ModelOptions:
     dtype: computation dtype; None (the default): the dtype of the parameters the model is handed, so a Trainer's
     `Precision(compute_dtype=)` (which casts them) governs every matmul; a name forces that dtype whatever the
     parameters hold. param_dtype: the dtype fresh parameters are created in. scan_layers: one nn.scan over stacked
-    layer weights (a leading [layers] axis), so a deep model compiles one layer. remat: 'none', 'full' (recompute the
+    layer weights (a leading [layers] axis), so a deep model compiles one layer. remat: 'none' (no matmul or kernel
+    recomputed; a scanned stack recomputes the elementwise work between them, `layers.stack`), 'full' (recompute the
     whole layer in the backward pass) or 'dots' (save the outputs of weight matmuls, recompute the rest).
     attention_implementation: passed to kernels.flash_attention (None = best for the backend). mlp_implementation:
     None = plain jnp MLP; a name ('xla', 'triton', ...) routes the MLP through the fused kernels. kernel_interpret:

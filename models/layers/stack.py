@@ -12,6 +12,27 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight-matmul outputs
 }
 
+# What a scanned stack without remat recomputes in the backward pass instead of keeping: elementwise arithmetic,
+# casts, comparisons, reductions, layout ops and random bits (the norms, rotary embeddings, activations, residual
+# adds, a dropout mask), and all_gather (a ZeRO-3 layer's weights are gathered again, as under 'dots'). Each value a
+# scan keeps is zero-filled, copied into its [layers, ...] buffer and copied back out; one of these is recomputed
+# from the kept values in a pass the backward mostly makes anyway. Matmuls, kernels (attention), the other
+# collectives, sorts and gathers are kept. Unscanned layers keep everything (a value kept is then only held).
+_RECOMPUTED = frozenset((
+    "neg", "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "abs", "sign", "pow", "integer_pow", "square",
+    "sqrt", "rsqrt", "exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "floor",
+    "ceil", "round", "clamp", "select_n", "convert_element_type", "reduce_precision", "copy", "copy_p", "eq", "ne",
+    "lt", "le", "gt", "ge", "and", "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "broadcast_in_dim", "reshape", "squeeze",
+    "expand_dims", "transpose", "concatenate", "slice", "split", "pad", "rev", "iota", "random_bits",
+    "random_wrap", "random_unwrap", "random_fold_in", "random_split", "random_seed", "threefry2x32", "all_gather",
+    "name"))
+
+
+def _keep_costly(prim, *_, **__):
+    """remat policy of a scanned stack with remat='none': keep all but `_RECOMPUTED`'s outputs."""
+    return prim.name not in _RECOMPUTED
+
 
 def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, per_layer=None,
                  loss_tail=None, **block_kwargs):
@@ -77,6 +98,8 @@ def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="lay
         return _cached_scan(owner, block_cls, x, ctx, cache, name, block_kwargs, rounds)
     if remat != "none":
         block_cls = nn.remat(block_cls, policy=_REMAT_POLICIES[remat], prevent_cse=not scan)
+    elif scan:
+        block_cls = nn.remat(block_cls, policy=_keep_costly, prevent_cse=False)
     if scan:
         layer = () if per_layer is None else ({k: jnp.asarray(v) for k, v in per_layer.items()},)
         stack = nn.scan(block_cls, variable_axes={"params": 0, "intermediates": 0},
