@@ -56,6 +56,15 @@ def test_a_bf16_step_keeps_no_float32_activation_and_only_the_mlps_projections(f
     assert len(_activations(leaves, ff)) == (2 if gated else 1), _activations(leaves, ff)
 
 
+def test_dropout_keeps_no_random_draws():
+    """With dropout a scanned stack draws its masks again in the backward (from the same key) instead of keeping the
+    float32 draws or more activations: no float32 activation, as many of the model's width as without dropout."""
+    config, leaves = _residuals("llama", dropout_rate=0.1)
+    _, without = _residuals("llama")
+    assert not _wide32(leaves, config.hidden_size, config.intermediate_size)
+    assert len(_activations(leaves, config.hidden_size)) == len(_activations(without, config.hidden_size))
+
+
 def test_a_scanned_llama_keeps_its_layer_inputs_and_matmul_and_attention_outputs():
     """With the GPU's attention kernel (Triton, interpreted), of the model's width a scanned LLaMA layer keeps its
     input and the q and o projections' outputs (no norm's output, no residual sum), of the heads' only the kernel's
