@@ -14,11 +14,12 @@ _REMAT_POLICIES = {
 
 # What a scanned stack without remat recomputes in the backward pass instead of keeping: elementwise arithmetic,
 # casts, comparisons, layout ops and random bits (the norms' outputs, rotary embeddings, activations, residual sums,
-# a dropout mask), checkpoint names (a named value is kept where its input is) and all_gather (a ZeRO-3 layer's
-# weights are gathered again, as under 'dots'). Each value a scan keeps is zero-filled, copied into its [layers, ...]
-# buffer and copied back out; one of these is recomputed from kept values in a pass the backward mostly makes anyway.
-# Matmuls, kernels (attention), reductions (their outputs are small; recomputed, their inputs would be kept), the
-# other collectives, sorts and gathers are kept. Unscanned layers keep everything (a kept value is then only held).
+# a dropout mask) and checkpoint names (a named value is kept where its input is). Each value a scan keeps is
+# zero-filled, copied into its [layers, ...] buffer and copied back out; one of these is recomputed from kept values
+# in a pass the backward mostly makes anyway. Matmuls, kernels (attention), reductions (their outputs are small;
+# recomputed, their inputs would be kept), collectives, sorts and gathers are kept (the engine's shard_map step
+# gathers a ZeRO-3 layer's weights again in the backward whatever the policy). Unscanned layers keep everything (a
+# kept value is then only held).
 _RECOMPUTED = frozenset((
     "neg", "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "abs", "sign", "pow", "integer_pow", "square",
     "sqrt", "rsqrt", "exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "floor",
@@ -27,7 +28,7 @@ _RECOMPUTED = frozenset((
     "and", "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic", "broadcast_in_dim",
     "reshape", "squeeze", "expand_dims", "transpose", "concatenate", "stack", "slice", "split", "pad", "rev", "iota",
     "random_bits", "random_wrap", "random_unwrap", "random_fold_in", "random_split", "random_seed", "threefry2x32",
-    "name", "all_gather"))
+    "name"))
 
 
 def _keep_costly(prim, *_, **__):
