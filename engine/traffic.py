@@ -10,9 +10,9 @@ zeros a scanned stack's saved activations start from), 'stack write' (a dynamic-
 in place: a scan writing one layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one),
 'copy' and 'elementwise' (every other fusion: elementwise work, reductions, transposes). Its bytes: every operand
 read once and the result written once, except that an operand a fusion only slices (through bitcasts too) is read as
-its slices, an in-place update reads and writes the update alone and a cuBLAS call's scratch workspace is not
-counted; with XLA's Triton GEMMs off, cuBLAS calls fused with a stack's slices (XLA's dynamic-slice fusion) are
-'matmul' launches reading their operands' slices and writing their update in place. An estimate, not a profile:
+its slices, an in-place update reads its inputs (not the buffer) and writes the update alone and a cuBLAS call's
+scratch workspace is not counted; with XLA's Triton GEMMs off, cuBLAS calls fused with a stack's slices (XLA's
+dynamic-slice fusion) are 'matmul' launches reading their operands' slices and writing their update in place. An estimate, not a profile:
 caches, a GEMM's re-reads of its tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor
 for the memory-bound kinds (everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
 import re
@@ -82,13 +82,14 @@ class _Module:
 
     def operand_read(self, callee, index, full):
         """Bytes a fused computation reads of its parameter `index` (`full` bytes): its slices where it only slices
-        it, none where it is only the buffer an update writes in place (either through bitcasts)."""
+        it (dynamic or static slices), none where it is only the buffer an update writes in place (either through
+        bitcasts)."""
         lines = self.comps.get(callee, ())
         name = next((m.group(1) for m in map(_PARAM.match, lines) if m and int(m.group(2)) == index), None)
         if name is None:
             return full
         users = self._users(callee, name)
-        if users and all(u.group(3) == "dynamic-slice" and first for u, first in users):
+        if users and all(u.group(3) in ("dynamic-slice", "slice") and first for u, first in users):
             return sum(_bytes(u.group(2)) for u, _ in users)
         if users and all(u.group(3) == "dynamic-update-slice" and first for u, first in users):
             return 0
@@ -149,7 +150,11 @@ def _launch(module, comp, line):
         # A GEMM fusion, or cuBLAS with its operands sliced out of a stack and its result written into one in place
         # (XLA's dynamic-slice fusion): its slices read, its update written.
         return "matmul", read + module.written(callee, result)
-    if root == "dynamic-update-slice":  # in place: the update is read and written (not the buffer, nor indices)
+    if root == "dynamic-update-slice":  # in place: the update read (its slices where sliced) and written, not the
+        # buffer (the largest operand, of which the fusion reads nothing), nor indices
+        if callee:
+            return "stack write", 2 * sum(module.operand_read(callee, i, _bytes(t)) for i, t in enumerate(operands)
+                                          if _bytes(t) > 8)
         sizes = sorted(b for b in map(_bytes, operands) if b > 8)
         return "stack write", 2 * (sum(sizes) - (sizes[-1] if sizes else 0))
     if root == "dynamic-slice":

@@ -106,6 +106,33 @@ def test_each_launch_counted_by_its_kind_and_bytes_times_its_loop():
     assert "| collective |" not in table  # kinds with no launch are left out
 
 
+# A fused q, k, v projection's output [8, 48] whose k part [8, 16] a fusion slices and writes into its stack in place.
+SLICED_UPDATE = """HloModule s
+
+%dus_k (q0: f32[4,8,16], q1: f32[8,48], q2: s32[]) -> f32[4,8,16] {
+  %q0 = f32[4,8,16]{2,1,0} parameter(0)
+  %q1 = f32[8,48]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %k = f32[8,16]{1,0} slice(%q1), slice={[0:8], [16:32]}
+  %u = f32[1,8,16]{2,1,0} bitcast(%k)
+  ROOT %r = f32[4,8,16]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %z, %z)
+}
+
+ENTRY %main (acc: f32[4,8,16], qkv: f32[8,48], i: s32[]) -> f32[4,8,16] {
+  %acc = f32[4,8,16]{2,1,0} parameter(0)
+  %qkv = f32[8,48]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %s = f32[4,8,16]{2,1,0} fusion(%acc, %qkv, %i), kind=kLoop, calls=%dus_k
+}
+"""
+
+
+def test_a_stack_write_of_a_slice_reads_the_slice():
+    """A stack write whose update a fusion slices out of a larger operand reads that slice, not the operand."""
+    assert kernel_traffic(SLICED_UPDATE)["kinds"]["stack write"] == {"launches": 1, "bytes": 2 * 4 * 8 * 16}
+
+
 @pytest.mark.gpu_compile
 def test_a_scanned_step_fills_and_copies_stacks_an_unrolled_one_does_not():
     """A bf16 LLaMA step without remat planned for an H100: scanned, its saved activations go through [layers, ...]
