@@ -79,9 +79,7 @@ def num_ticks(stages, microbatches, virtual_stages=1, schedule="gpipe"):
     return virtual_stages * microbatches + stages - 1
 
 
-_STAGE_WEIGHTS = "pipeline_stage_weights"
-# The checkpoint policy of layers without remat: every intermediate saved but the layer's slice of the stage's weights.
-SAVE_ALL_BUT_WEIGHTS = jax.checkpoint_policies.save_anything_except_these_names(_STAGE_WEIGHTS)
+_STAGE_WEIGHTS = "pipeline_stage_weights"  # the checkpoint name of a layer's slice of its stage's weights
 
 
 def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None, fsdp_gather="tick",
@@ -94,8 +92,8 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     of M x the batch shards (`_micro_index`), for the layer's dropout key. params: a pytree of [L, ...] arrays (V > 1:
     [V, L / V, ...], the interleaved schedule's stored form, `models.layers.stack.stored_rounds`); x [B,
     ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and positions). Each layer runs under
-    `jax.checkpoint` with `policy` (None: it keeps only its input; without remat `SAVE_ALL_BUT_WEIGHTS`), which must
-    not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or 'step' (the module's docstring).
+    `jax.checkpoint` with `policy` (None: it keeps only its input; without remat `models.layers.stack`'s, which
+    recomputes slices), which must not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or 'step' (the module's docstring).
     Returns the stack's output [B, ...].
 
     aux: a pytree of zeros (float arrays) when layer_fn returns (h, a layer's aux of that structure), e.g. a mixture

@@ -36,6 +36,12 @@ def _keep_costly(prim, *_, **__):
     return prim.name not in _RECOMPUTED
 
 
+def _keep_costly_but_slices(prim, *_, **__):
+    """GPipe's remat policy of a layer with remat='none': `_keep_costly`'s, gathers and dynamic slices recomputed too
+    (each tick slices its layer out of the stage's weights: kept, every tick's slice would be held to the backward)."""
+    return prim.name not in _RECOMPUTED and prim.name not in ("gather", "dynamic_slice")
+
+
 def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, per_layer=None,
                  loss_tail=None, **block_kwargs):
     """Runs the blocks of a stack (config.num_layers unless given); call from inside a parent's compact method.
@@ -251,9 +257,9 @@ def _pipelined(owner, block_cls, x, ctx, config, name, block_kwargs, stages, per
         if experts:
             owner.sow("intermediates", moe.STATS, out[2])  # the whole batch's, as router_losses reads them
         return out[:2]
-    # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat every intermediate but the
-    # layer's weights), so that no tick's slice of the stage's weights is saved for the backward.
-    policy = pipeline.SAVE_ALL_BUT_WEIGHTS if config.remat == "none" else _REMAT_POLICIES[config.remat]
+    # GPipe checkpoints each layer itself (`config.remat`'s policy; without remat the scanned stack's, slices
+    # recomputed too), so that no tick's slice of the stage's weights is saved for the backward.
+    policy = _keep_costly_but_slices if config.remat == "none" else _REMAT_POLICIES[config.remat]
     gpipe_layer = lambda w, h, c, layer, micro: layer_fn(w, h, c, layer, micro, (key, values))  # noqa: E731
     out = pipeline.pipeline(gpipe_layer, weights, x, ctx, stages=stages, microbatches=microbatches,
                             virtual_stages=config.pipeline_virtual_stages, policy=policy,
