@@ -1,20 +1,20 @@
 """What a compiled XLA:GPU program launches and the device-memory bytes each launch moves, read off its optimised HLO
-(`kernel_traffic`): the compile tier's view of where a step's time goes besides its FLOPs, for a program compiled
-for a GPU without one (`engine.plan.target_devices`).
+(`kernel_traffic`): the compile tier's view of where a step's time goes besides its FLOPs, for a program compiled for a
+GPU without one (`engine.plan.target_devices`).
 
-Every launch of the program's top level and of its loops' bodies, times the loops' trip counts (of a conditional,
-the costliest branch: a step's update rather than its skip of a non-finite one), in one of these
-kinds: 'matmul' (XLA's GEMM fusions, cuBLAS calls), 'kernel' (other custom calls: cuDNN's attention, Pallas kernels
-through Triton or Mosaic GPU), 'collective', 'fill' (a fusion of no operand: a buffer set to a constant, such as the
-zeros a scanned stack's saved activations start from), 'stack write' (a dynamic-update-slice into a larger buffer,
-in place: a scan writing one layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one),
-'copy' and 'elementwise' (every other fusion: elementwise work, reductions, transposes). Its bytes: every operand
-read once and the result written once, except that an operand a fusion only slices (through bitcasts too) is read as
-its slices, an in-place update reads its inputs (not the buffer) and writes the update alone and a cuBLAS call's
-scratch workspace is not counted; with XLA's Triton GEMMs off, cuBLAS calls fused with a stack's slices (XLA's
-dynamic-slice fusion) are 'matmul' launches reading their operands' slices and writing their update in place. An estimate, not a profile:
-caches, a GEMM's re-reads of its tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor
-for the memory-bound kinds (everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
+Every launch of the program's top level and of its loops' bodies, times the loops' trip counts (of a conditional, the
+costliest branch: a step's update rather than its skip of a non-finite one), in one of these kinds: 'matmul' (XLA's GEMM
+fusions, cuBLAS calls), 'kernel' (other custom calls: cuDNN's attention, Pallas kernels through Triton or Mosaic GPU),
+'collective', 'fill' (a fusion of no operand: a buffer set to a constant, such as the zeros a scanned stack's saved
+activations start from), 'stack write' (a dynamic-update-slice into a larger buffer, in place: a scan writing one
+layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one), 'copy' and 'elementwise' (every
+other fusion: elementwise work, reductions, transposes). Its bytes: every operand read once and the result written once,
+except that an operand a fusion only slices (through bitcasts too) is read as its slices, an in-place update reads its
+inputs (not the buffer) and writes the update alone and a cuBLAS call's scratch workspace is not counted; with XLA's
+Triton GEMMs off, cuBLAS calls fused with a stack's slices (XLA's dynamic-slice fusion) are 'matmul' launches reading
+their operands' slices and writing their update in place. An estimate, not a profile: caches, a GEMM's re-reads of its
+tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor for the memory-bound kinds
+(everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
 import re
 
 from engine.plan import _BYTES, _INSTR, _computations, _shapes, branches_of, loop_trips

@@ -93,7 +93,8 @@ def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1
     [V, L / V, ...], the interleaved schedule's stored form, `models.layers.stack.stored_rounds`); x [B,
     ...]; ctx: a pytree of [B, ...] arrays (per-row inputs such as segment ids and positions). Each layer runs under
     `jax.checkpoint` with `policy` (None: it keeps only its input; without remat `models.layers.stack`'s, which
-    recomputes slices), which must not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or 'step' (the module's docstring).
+    recomputes slices), which must not save the layer's weights: they are sliced inside it. fsdp_gather: 'tick' or
+    'step' (the module's docstring).
     Returns the stack's output [B, ...].
 
     aux: a pytree of zeros (float arrays) when layer_fn returns (h, a layer's aux of that structure), e.g. a mixture
