@@ -144,7 +144,8 @@ def _launch(module, comp, line):
         if _is_cublas(m):
             return "matmul", _bytes(result) - _workspace(result) + sum(map(_bytes, operands))
         return "kernel", _bytes(result) + sum(map(_bytes, operands))
-    read = sum(module.operand_read(callee, i, _bytes(t)) if callee else _bytes(t) for i, t in enumerate(operands))
+    reads = [module.operand_read(callee, i, _bytes(t)) if callee else _bytes(t) for i, t in enumerate(operands)]
+    read = sum(reads)
     body = module.comps.get(callee, ()) if callee else ()
     if 'kind=kCustom' in line and any(" dot(" in b or '"__cublas' in b for b in body):
         # A GEMM fusion, or cuBLAS with its operands sliced out of a stack and its result written into one in place
@@ -153,8 +154,7 @@ def _launch(module, comp, line):
     if root == "dynamic-update-slice":  # in place: the update read (its slices where sliced) and written, not the
         # buffer (the largest operand, of which the fusion reads nothing), nor indices
         if callee:
-            return "stack write", 2 * sum(module.operand_read(callee, i, _bytes(t)) for i, t in enumerate(operands)
-                                          if _bytes(t) > 8)
+            return "stack write", 2 * sum(r for r, t in zip(reads, operands) if _bytes(t) > 8)
         sizes = sorted(b for b in map(_bytes, operands) if b > 8)
         return "stack write", 2 * (sum(sizes) - (sizes[-1] if sizes else 0))
     if root == "dynamic-slice":

@@ -39,7 +39,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import kernels
@@ -77,9 +76,6 @@ def num_ticks(stages, microbatches, virtual_stages=1, schedule="gpipe"):
     if schedule == "1f1b":
         return microbatches + 2 * stages - 2
     return virtual_stages * microbatches + stages - 1
-
-
-_STAGE_WEIGHTS = "pipeline_stage_weights"  # the checkpoint name of a layer's slice of its stage's weights
 
 
 def pipeline(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages=1, policy=None, fsdp_gather="tick",
@@ -167,7 +163,7 @@ def _tick_loop(layer_fn, params, x, ctx, *, stages, microbatches, virtual_stages
     # (LLaMA-3-8B on stage 8, M = 32: 188 GB of temporaries a device, models/README.md#the-pipeline).
     @functools.partial(jax.checkpoint, policy=policy, prevent_cse=False)
     def layer_of_stage(p, h, c, rnd, j, layer, micro):
-        w = jax.tree.map(lambda a: checkpoint_name(a[rnd, j], _STAGE_WEIGHTS), p)
+        w = jax.tree.map(lambda a: a[rnd, j], p)
         return layer_fn(w, h, c, layer, _micro_index(micro, microbatches, shard))
 
     def run_stage(p, h, c, stage, micro, rnd):

@@ -39,7 +39,7 @@ def _keep_costly(prim, *_, **__):
 def _keep_costly_but_slices(prim, *_, **__):
     """GPipe's remat policy of a layer with remat='none': `_keep_costly`'s, gathers and dynamic slices recomputed too
     (each tick slices its layer out of the stage's weights: kept, every tick's slice would be held to the backward)."""
-    return prim.name not in _RECOMPUTED and prim.name not in ("gather", "dynamic_slice")
+    return _keep_costly(prim) and prim.name not in ("gather", "dynamic_slice")
 
 
 def apply_layers(block_cls, x, ctx, cache, config, *, num_layers=None, name="layers", owner=None, per_layer=None,
