@@ -1,4 +1,4 @@
-"""The one place that sets XLA options, so that collectives overlap compute.
+"""The one place that sets XLA options, so that collectives overlap compute, and where compiled programs are kept.
 
 `configure(platform)` must run before JAX initialises its backend (the first `jax.devices()` or computation): XLA
 reads `XLA_FLAGS` (GPU) and libtpu reads `LIBTPU_INIT_ARGS` (TPU) once, at start-up. It appends only the flags of
@@ -9,9 +9,16 @@ tier (tests/test_tpu_step.py) compiles with every TPU flag, which libtpu would r
 Every script calls it (`engine.tasks.cli.run`, before the script's `main`); a library user calls
 `engine.compiler.configure()` first thing, before anything asks JAX for a device. Called after the backend is up
 it changes nothing and logs a warning saying so.
+
+`use_compilation_cache(path)` turns on JAX's persistent compilation cache: a program compiled once (the train step,
+eval, generation; on a GPU with its autotuning, whose per-fusion results XLA keeps there too) loads from disk in the
+next process that compiles it, a restarted or re-run script included. The scripts call it (`--compilation_cache_dir`);
+a library user calls it, or sets `jax_compilation_cache_dir`, before the first compile. `cache_hits()` counts the
+programs loaded from it in this process.
 """
 import os
 
+import jax
 from absl import logging
 
 # GPU (XLA_FLAGS). Why each:
@@ -96,3 +103,58 @@ def backend_started():
     """Whether JAX has initialised a backend (after which XLA and libtpu no longer read their flags)."""
     from jax._src import xla_bridge  # noqa: PLC0415 - jax's own test of it; no public one
     return xla_bridge.backends_are_initialized()
+
+
+# JAX's persistent compilation cache.
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = [0]
+
+
+def _count_cache_hit(event, **_):
+    if event == _CACHE_HIT_EVENT:
+        _cache_hits[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+def cache_hits():
+    """Programs this process loaded from the persistent compilation cache instead of compiling them."""
+    return _cache_hits[0]
+
+
+def default_cache_dir():
+    """Where the scripts keep compiled programs unless told otherwise: `$XDG_CACHE_HOME/redline/jax` (XDG_CACHE_HOME
+    defaults to ~/.cache), one directory for every run of this user; deleting it only costs compile time."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "redline", "jax")
+
+
+def use_compilation_cache(path=None):
+    """Keeps every program that takes a second or more to compile (JAX's `jax_persistent_cache_min_compile_time_secs`)
+    in JAX's persistent compilation cache at `path`, so that later processes load it instead of compiling: a
+    directory (created if missing) or a URL JAX's cache takes (gs://...). '' turns the cache off; None: the directory
+    JAX already has (`JAX_COMPILATION_CACHE_DIR`), else `default_cache_dir()`. Returns the directory in use, or None
+    when off. A `path` that cannot be created raises ValueError; the default one is skipped with a warning (a
+    read-only home must not stop a run). Call before the first compile: JAX opens its cache once per process. Only
+    process 0 of a multi-process run writes entries (JAX's rule); every process reads them."""
+    if path == "":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    given = path is not None
+    path = path or jax.config.jax_compilation_cache_dir or default_cache_dir()
+    if "://" not in path:
+        path = os.path.abspath(os.path.expanduser(path))
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            if given:
+                raise ValueError(f"cannot create {path} ({e.strerror or e}); expected a directory this process can "
+                                 "create and write, or '' to compile without the cache") from None
+            logging.warning("compiler: no compilation cache (%s: %s); every program compiles afresh", path,
+                            e.strerror or e)
+            jax.config.update("jax_enable_compilation_cache", False)
+            return None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path

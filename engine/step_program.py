@@ -3,11 +3,13 @@ ahead-of-time compile per batch signature (memory logged, and checked against th
 """
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 
+from engine import compiler
 from engine import data as data_lib
 from engine import diloco as diloco_lib
 from engine import plan as plan_lib
@@ -140,12 +142,17 @@ class StepProgram:
         memory per device is known, and logged, before the first step runs (MaxText prints it the same way)."""
         key = (sync, jax.tree.structure(batch), tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch)))
         if key not in self._executables:
+            hits, start = compiler.cache_hits(), time.perf_counter()
             compiled = self.jitted(sync).lower(params, opt_state, batch, step).compile()
+            how = (f"loaded from the compilation cache in {time.perf_counter() - start:.1f} s"
+                   if compiler.cache_hits() > hits else f"compiled in {time.perf_counter() - start:.1f} s")
             memory = plan_lib.memory_per_device(compiled)
-            if memory is not None:
+            if memory is None:
+                logging.info("train step (step=%s) %s", self.kind, how)
+            else:
                 size = {k: _size_text(v) for k, v in memory.items()}
-                logging.info("train step (step=%s) compiled: %s per device (arguments %s, outputs %s, aliased %s, "
-                             "temporaries %s)", self.kind, size["total"], size["arguments"], size["outputs"],
+                logging.info("train step (step=%s) %s: %s per device (arguments %s, outputs %s, aliased %s, "
+                             "temporaries %s)", self.kind, how, size["total"], size["arguments"], size["outputs"],
                              size["aliased"], size["temporaries"])
                 self._check_fits(memory, size)
             self._executables[key] = compiled

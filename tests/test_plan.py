@@ -175,6 +175,37 @@ def test_compiler_flags_only_for_their_platform(monkeypatch):
         compiler.configure("metal")
 
 
+
+class _Config:
+    """jax.config's two settings `compiler.use_compilation_cache` reads and writes, without touching the real one
+    (JAX opens its cache once per process: the suite's is conftest's)."""
+
+    def __init__(self, cache_dir):
+        self.jax_compilation_cache_dir, self.jax_enable_compilation_cache = cache_dir, True
+
+    def update(self, name, value):
+        setattr(self, name, value)
+
+
+def test_compilation_cache_directory_default_and_off(monkeypatch, tmp_path):
+    config = _Config(None)
+    monkeypatch.setattr(compiler, "jax", type("jax", (), {"config": config}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiler.use_compilation_cache() == str(tmp_path / "xdg" / "redline" / "jax")  # unset: the user's cache
+    assert os.path.isdir(config.jax_compilation_cache_dir) and config.jax_enable_compilation_cache
+    config.jax_compilation_cache_dir = str(tmp_path / "env")  # JAX_COMPILATION_CACHE_DIR's, as JAX reads it
+    assert compiler.use_compilation_cache() == str(tmp_path / "env")
+    assert compiler.use_compilation_cache(str(tmp_path / "given")) == str(tmp_path / "given")
+    assert compiler.use_compilation_cache("gs://bucket/cache") == "gs://bucket/cache"  # a URL: JAX's to open
+    assert compiler.use_compilation_cache("") is None and not config.jax_enable_compilation_cache
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"cannot create .*file/cache \(Not a directory\); expected a directory"):
+        compiler.use_compilation_cache(str(tmp_path / "file" / "cache"))
+    # The default directory that cannot be made (a read-only or odd home) leaves the run without the cache.
+    config.jax_compilation_cache_dir = None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert compiler.use_compilation_cache() is None and not config.jax_enable_compilation_cache
+
 _START_PROBE = """
 import json, os, runpy, sys
 import engine, models

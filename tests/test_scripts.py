@@ -598,6 +598,9 @@ def _bad_inputs(tmp_path, slow):
     if not slow:
         return {
             ("train_lm.py", f"--data={tmp_path / 'latin1.txt'}"): "latin1.txt: not UTF-8 at byte 7",
+            ("train_lm.py", f"--compilation_cache_dir={tmp_path / 'empty.txt' / 'cache'}"): (
+                f"--compilation_cache_dir={tmp_path / 'empty.txt' / 'cache'}: cannot create "
+                f"{tmp_path / 'empty.txt' / 'cache'} (Not a directory); expected a directory"),
             ("train_lm.py", f"--init_from={tmp_path / 'hf_no_tokenizer'}"): "has neither tokenizer.json nor "
                                                                               "tokenizer.model; pass --tokenizer=",
             ("train_lm.py", "--tokenizer=/nonexistent.json"): "--tokenizer=/nonexistent.json: no such file",
@@ -818,6 +821,20 @@ def _scalars(logdir):
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def test_a_rerun_loads_the_step_from_the_compilation_cache(tmp_path):
+    """--compilation_cache_dir keeps what the first run compiled: the same command on a new workdir loads the train
+    step (and the other programs slow enough to be kept) from it instead of compiling, and trains alike."""
+    cache = tmp_path / "cache"
+    run = ["--max_steps=2", "--prompts=", f"--compilation_cache_dir={cache}", *TINY_LM]
+    first = _run("train_lm.py", f"--workdir={tmp_path / 'a'}", *run)
+    assert re.search(r"train step \(step=\w+\) compiled in [0-9.]+ s", first.stderr), first.stderr[-2000:]
+    assert any(name.endswith("-cache") for name in os.listdir(cache)), os.listdir(cache)
+    again = _run("train_lm.py", f"--workdir={tmp_path / 'b'}", *run)
+    assert re.search(r"train step \(step=\w+\) loaded from the compilation cache in [0-9.]+ s",
+                     again.stderr), again.stderr[-2000:]
+    assert _eval_losses(again.stdout) == _eval_losses(first.stdout)
 
 
 @pytest.mark.slow  # CI time; TensorBoard files: the main job's test

@@ -276,6 +276,11 @@ def run(main):
         _console_logging()
         compiler.configure()  # the overlap flags, before anything in `main` starts JAX's backend
         try:
+            if "compilation_cache_dir" in FLAGS:  # before the first compile
+                try:
+                    compiler.use_compilation_cache(FLAGS.compilation_cache_dir)
+                except ValueError as e:
+                    raise ValueError(f"--compilation_cache_dir={FLAGS.compilation_cache_dir}: {e}") from None
             return main(argv)
         except Exception as e:  # noqa: BLE001 - sorted below; anything else re-raised with its traceback
             if _disk_full(e):

@@ -105,6 +105,10 @@ def define_flags():
     flags.DEFINE_float("peer_timeout", 100, "Seconds without a heartbeat after which a running multi-process job "
                        "counts a process as lost (killed, its host gone) and ends every process.")
     flags.DEFINE_integer("seed", 0, "Fixes initialisation, shuffling and dropout.")
+    flags.DEFINE_string("compilation_cache_dir", None, "Where compiled programs are kept (JAX's persistent "
+                        "compilation cache), so that a restarted or re-run script loads them instead of compiling "
+                        "again (on a GPU, its autotuning too): a directory or a gs:// URL; '' compiles afresh. "
+                        "Unset: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/redline/jax (~/.cache/redline/jax).")
 
 
 def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, log_every, save_every, evals=True):
