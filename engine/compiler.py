@@ -16,7 +16,9 @@ next process that compiles it, a restarted or re-run script included. The script
 a library user calls it, or sets `jax_compilation_cache_dir`, before the first compile. `cache_hits()` counts the
 programs loaded from it in this process.
 """
+import collections
 import os
+import threading
 
 import jax
 from absl import logging
@@ -107,20 +109,20 @@ def backend_started():
 
 # JAX's persistent compilation cache.
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_cache_hits = [0]
+_cache_hits = collections.Counter()  # per thread: JAX records the event in the thread that compiles
 
 
 def _count_cache_hit(event, **_):
     if event == _CACHE_HIT_EVENT:
-        _cache_hits[0] += 1
+        _cache_hits[threading.get_ident()] += 1
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 def cache_hits():
-    """Programs this process loaded from the persistent compilation cache instead of compiling them."""
-    return _cache_hits[0]
+    """Programs the calling thread loaded from the persistent compilation cache instead of compiling them."""
+    return _cache_hits[threading.get_ident()]
 
 
 def default_cache_dir():

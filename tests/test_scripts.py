@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, XLA_FLAGS=cpu_devices(8), JAX_PLATFORMS="cpu")
 
 
-def _run(script, *args, ok=True):
-    out = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=ROOT, env=ENV, capture_output=True,
+def _run(script, *args, ok=True, env=ENV):
+    out = subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     if ok:
         assert out.returncode == 0, out.stderr[-3000:]
@@ -828,10 +828,12 @@ def test_a_rerun_loads_the_step_from_the_compilation_cache(tmp_path):
     step (and the other programs slow enough to be kept) from it instead of compiling, and trains alike."""
     cache = tmp_path / "cache"
     run = ["--max_steps=2", "--prompts=", f"--compilation_cache_dir={cache}", *TINY_LM]
-    first = _run("train_lm.py", f"--workdir={tmp_path / 'a'}", *run)
+    # JAX keeps programs that took a second or more to compile; this tiny step may take less on a fast machine.
+    env = dict(ENV, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    first = _run("train_lm.py", f"--workdir={tmp_path / 'a'}", *run, env=env)
     assert re.search(r"train step \(step=\w+\) compiled in [0-9.]+ s", first.stderr), first.stderr[-2000:]
     assert any(name.endswith("-cache") for name in os.listdir(cache)), os.listdir(cache)
-    again = _run("train_lm.py", f"--workdir={tmp_path / 'b'}", *run)
+    again = _run("train_lm.py", f"--workdir={tmp_path / 'b'}", *run, env=env)
     assert re.search(r"train step \(step=\w+\) loaded from the compilation cache in [0-9.]+ s",
                      again.stderr), again.stderr[-2000:]
     assert _eval_losses(again.stdout) == _eval_losses(first.stdout)
