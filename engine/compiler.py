@@ -10,9 +10,9 @@ Every script calls it (`engine.tasks.cli.run`, before the script's `main`); a li
 `engine.compiler.configure()` first thing, before anything asks JAX for a device. Called after the backend is up
 it changes nothing and logs a warning saying so.
 
-`use_compilation_cache(path)` turns on JAX's persistent compilation cache: a program compiled once (the train step,
-eval, generation; on a GPU with its autotuning, whose per-fusion results XLA keeps there too) loads from disk in the
-next process that compiles it, a restarted or re-run script included. The scripts call it (`--compilation_cache_dir`);
+`use_compilation_cache(path)` turns on JAX's persistent compilation cache: a program that took a second or more to
+compile (the train step, evals; on a GPU with its autotuning, whose per-fusion results XLA keeps there too) loads
+from disk in the next process that compiles it, a restarted or re-run script included. The scripts call it (`--compilation_cache_dir`);
 a library user calls it, or sets `jax_compilation_cache_dir`, before the first compile. `cache_hits()` counts the
 programs loaded from it in this process.
 """
@@ -143,6 +143,8 @@ def use_compilation_cache(path=None):
     if path == "":
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    if path is None and not jax.config.jax_enable_compilation_cache:
+        return None  # the user turned JAX's cache off (JAX_ENABLE_COMPILATION_CACHE=false)
     given = path is not None
     path = path or jax.config.jax_compilation_cache_dir or default_cache_dir()
     if "://" not in path:

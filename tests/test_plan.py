@@ -198,6 +198,8 @@ def test_compilation_cache_directory_default_and_off(monkeypatch, tmp_path):
     assert compiler.use_compilation_cache(str(tmp_path / "given")) == str(tmp_path / "given")
     assert compiler.use_compilation_cache("gs://bucket/cache") == "gs://bucket/cache"  # a URL: JAX's to open
     assert compiler.use_compilation_cache("") is None and not config.jax_enable_compilation_cache
+    assert compiler.use_compilation_cache() is None  # off stays off (JAX_ENABLE_COMPILATION_CACHE=false) unless given
+    assert compiler.use_compilation_cache(str(tmp_path / "given")) and config.jax_enable_compilation_cache
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"cannot create .*file/cache \(Not a directory\); expected a directory"):
         compiler.use_compilation_cache(str(tmp_path / "file" / "cache"))
