@@ -137,6 +137,28 @@ def test_the_step_compiles_with_the_mosaic_gpu_attention_in_it():
 
 
 @pytest.mark.gpu_compile
+def test_the_zero3_layer_loops_carry_gathered_weights_and_gradients_without_copies():
+    """ZeRO-3 over eight H100s with remat='full' (the hand-pipelined layer stack, `engine.step.layer_scan`; six
+    layers, so both loops iterate): no loop body copies an array of a gathered weight's shape. Carrying one layer's
+    gathered weights (and, backward, its full-size gradient) into the next iteration while the next layer's were
+    made, XLA copied them into and out of the loop state every iteration (llama2-7b's step: 26 GB a device)."""
+    from engine.traffic import _Module
+
+    _, compiled = _compiled_plan("gpu:h100-8", "1,8,1", remat="full", config_overrides={"num_layers": 6})
+    module = _Module(compiled.as_text())
+    shapes = lambda line: set(re.findall(r"\w+\[[\d,]*\]", line.split("=", 1)[1].split("(%", 1)[0]))  # noqa: E731
+    loops = [b for lines in module.comps.values() for line in lines if " while(" in line
+             for b in re.findall(r"\bbody=%([\w.\-]+)", line)]
+    bodies = [module.comps[b] for b in loops if any("all-gather" in line for line in module.comps[b])]
+    assert len(bodies) == 2, loops
+    for lines in bodies:  # the gathered shapes: what each (combined, asynchronous) all-gather yields
+        weights = set().union(*[shapes(line) for line in lines if re.search(r" all-gather(-done)?\(", line)])
+        copied = [line.strip()[:100] for line in lines
+                  if re.search(r" copy(-start)?\(", line) and shapes(line) & weights]
+        assert weights and not copied, copied
+
+
+@pytest.mark.gpu_compile
 def test_two_hosts_of_eight_gpus_send_the_data_axis_between_them():
     """gpu:h100-16 is two hosts of 8: with data 2 over them (fsdp 8 inside each), the step sends bytes between the
     hosts (the gradients' reduction over `data`), far fewer than within them."""

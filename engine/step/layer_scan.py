@@ -44,8 +44,11 @@ def pipelined_scan(eqn, invals, in_remat):
                              recompute layer t from its saved input and back-propagate through it
 
     The collective of each iteration does not depend on its compute, so the scheduler can run them side by side (on
-    GPU the latency-hiding scheduler overlaps them; see engine/compiler.py). Only each layer's input is saved (what
-    remat='full' keeps); at most two layers' gathered weights and two layers' full-size gradients are alive at once.
+    GPU the latency-hiding scheduler overlaps them; see engine/compiler.py). The loops run these iterations two at a
+    time, the second's gather tied to the first's layer (`_tie`), so that the weights a loop iteration carries out
+    are made after the ones it carried in were last read, in their place (`_LayerStack.forward`). Only each layer's
+    input is saved (what remat='full' keeps); at most two layers' gathered weights and two layers' full-size
+    gradients are alive at once.
     The first and last iterations are peeled so that no collective is issued twice. Only the inputs being
     differentiated get gradients (the custom_vjp sees symbolic zeros): a frozen weight (`Trainer(trainable=...)`)
     is gathered for each layer but gets no weight gradient and no reduce-scatter."""
@@ -98,21 +101,45 @@ class _LayerStack:
         return outs[:self.n_carry], outs[self.n_carry:]
 
     def forward(self, consts, init, plain, ws):
-        """((carry, stacked outputs), residuals): each layer's input carry is saved, as bits."""
-        def step(state, t, prefetch):
-            carry, w = state
-            nxt = self.gather(ws, t + 1) if prefetch else None
-            carry_out, y = self.layer(consts, carry, [self.at(x, t) for x in plain], w)
-            return (carry_out, nxt), (y, [_as_bits(c) for c in carry])
+        """((carry, stacked outputs), residuals): each layer's input carry is saved, as bits.
 
-        n = self.n
-        state, saved, ys = (init, self.gather(ws, 0)), None, None
-        if n > 1:
-            state, (ys, saved) = jax.lax.scan(lambda s, t: step(s, t, True), state, jnp.arange(n - 1))
-        (carry, _), (y_last, saved_last) = step(state, n - 1, False)
-        ys = [y[None] if ys is None else jnp.concatenate([ys[i], y[None]]) for i, y in enumerate(y_last)]
+        The loop runs two layers an iteration and carries one layer's gathered weights (A) into the next: layer
+        2i+1's (B) are gathered while layer 2i runs on A, and layer 2i+2's, the next A, while layer 2i+1 runs on B,
+        that gather's index tied to layer 2i's output so that it starts after A's last read. The carried A then
+        dies before its successor is made, and XLA writes the successor in its place; carried one layer an
+        iteration, the next layer's weights were made while the current ones were read, and XLA copied them into
+        and out of the loop's state every iteration (weight-sized copies of every layer). The saved inputs and the
+        per-layer outputs are written into their stacks in place, whatever layer is left over after the pairs."""
+        n, pairs = self.n, (self.n - 1) // 2
+        y_avals = [v.aval for v in self.body.jaxpr.outvars[self.n_carry:]]
+        bufs = ([jnp.zeros((n - 1, *c.shape), _as_bits(c).dtype) for c in init],  # layers 0 .. n-2's inputs
+                [jnp.zeros((n, *a.shape), a.dtype) for a in y_avals])
+
+        def step(carry, w, bufs, t, prefetch, after=None):
+            nxt = self.gather(ws, t + 1 + (0 if after is None else _tie(after))) if prefetch else None
+            saved, ys = bufs
+            if not isinstance(t, int) or t < n - 1:
+                saved = [_put(b, _as_bits(c), t) for b, c in zip(saved, carry)]
+            carry_out, y = self.layer(consts, carry, [self.at(x, t) for x in plain], w)
+            return carry_out, nxt, (saved, [_put(b, v, t) for b, v in zip(ys, y)])
+
+        def pair(state, i):
+            carry, w_a, bufs = state
+            carry, w_b, bufs = step(carry, w_a, bufs, 2 * i, True)
+            carry, w_a, bufs = step(carry, w_b, bufs, 2 * i + 1, True, after=carry)
+            return (carry, w_a, bufs), None
+
+        state = (init, self.gather(ws, 0), bufs)
+        if pairs:
+            state, _ = jax.lax.scan(pair, state, jnp.arange(pairs))
+        carry, w, bufs = state
+        for t in range(2 * pairs, n):  # the one or two layers left, the last without a gather
+            if t == n - 1:
+                saved_last = [_as_bits(c) for c in carry]
+            carry, w, bufs = step(carry, w, bufs, t, t < n - 1)
+        saved, ys = bufs
         ys = [y[::-1] if self.reverse else y for y in ys]
-        return (carry, ys), (consts, plain, ws, saved, saved_last)
+        return (carry, ys), (consts, plain, ws, saved if n > 1 else None, saved_last)
 
     def forward_marked(self, consts, init, plain, ws):
         # Which inputs are differentiated, kept as the residuals' tree structure (() differentiated, None not).
@@ -180,9 +207,11 @@ class _Backward:
                               _pick(x_t, self.x_mask), _pick(w, self.w_mask))
         return pullback((ct_k, _pick([stack.at(c, t) for c in self.ct_ys], self.y_mask)))
 
-    def step(self, state, t, carry_in, prefetch, flush, shift):
+    def step(self, state, t, carry_in, prefetch, flush, shift, after=None):
         ct_k, w, pending, acc_c, buf_w, buf_x = state
         carry_in = [_from_bits(c, x.dtype) for c, x in zip(carry_in, self.stack.init)]
+        if prefetch and after is not None:
+            shift = shift + _tie(after)
         nxt = self.stack.gather(self.ws_all, t - 1 + shift) if prefetch else None
         if flush:  # layer t+1's gradient, reduce-scattered while layer t is recomputed and differentiated
             buf_w = self.put(buf_w, self.scatter(pending), t + 1)
@@ -209,10 +238,20 @@ class _Backward:
                  self.constrain(buffers(self.ws, [s.grad_dtype for s in self.grad_slots])),
                  buffers(plain, [None] * len(plain)))
         state = self.step(state, n - 1, self.saved_last, n > 1, False, shift)
-        if n > 2:
-            index = lambda x, t: jax.lax.dynamic_index_in_dim(x, t, 0, keepdims=False)  # noqa: E731
-            state, _ = jax.lax.scan(lambda s, t: (self.step(s, t, [index(x, t) for x in saved], True, True, shift),
-                                                  None), state, jnp.arange(1, n - 1), reverse=True)
+        index = lambda x, t: jax.lax.dynamic_index_in_dim(x, t, 0, keepdims=False)  # noqa: E731
+        middle = lambda s, t, after=None: self.step(s, t, [index(x, t) for x in saved], True, True, shift,  # noqa: E731
+                                                    after)
+
+        def pair(state, j):  # layers t and t - 1: as the forward's pairs, layer t - 2's gather tied after layer t
+            t = n - 2 - 2 * j
+            state = middle(state, t, after=state[0])
+            return middle(state, t - 1, after=state[0]), None
+
+        pairs = (n - 2) // 2 if n > 2 else 0  # layers n - 2 ... 1
+        if pairs:
+            state, _ = jax.lax.scan(pair, state, jnp.arange(pairs))
+        if n > 2 and (n - 2) % 2:
+            state = middle(state, 1)
         if n > 1:
             state = self.step(state, 0, [x[0] for x in saved], False, True, shift)
         ct_k, _, pending, acc_c, buf_w, buf_x = state
@@ -222,6 +261,20 @@ class _Backward:
         ct_consts = [a.astype(c.dtype) for a, c in zip(acc_c, _pick(self.consts, self.c_mask))]
         return (_merge(ct_consts, self.c_mask, none(self.consts)), _merge(ct_k, self.k_mask, none(self.stack.init)),
                 _merge(buf_x, self.x_mask, none(self.plain)), _merge(buf_w, self.w_mask, none(self.ws_all)))
+
+
+def _put(stack, value, t):
+    return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), t, 0)
+
+
+def _tie(values):
+    """A zero int32 computed from `values` (the compiler cannot fold it: a NaN makes it 1), added to an index so that
+    what the index selects waits for `values`; the NaN would poison the update anyway."""
+    leaves = [v for v in jax.tree.leaves(values) if jnp.issubdtype(v.dtype, jnp.inexact)] or jax.tree.leaves(values)
+    if not leaves:
+        return jnp.zeros((), jnp.int32)
+    x = jnp.ravel(leaves[0])[0]
+    return (x != x).astype(jnp.int32)
 
 
 def _as_bits(x):
