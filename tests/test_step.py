@@ -293,8 +293,14 @@ def _scan_task(layers, reverse):
     return loss_fn, params
 
 
-@pytest.mark.parametrize("layers,reverse", [(1, False), (2, True), (3, False), (4, True), (5, True), (6, False)])
-def test_pipelined_scan_equals_plain_autodiff(layers, reverse):
+@pytest.mark.parametrize("layers,reverse,loops", [(1, False, "pairs"), (2, True, "pairs"), (3, False, "pairs"),
+                                                  (4, True, "pairs"), (5, True, "pairs"), (6, False, "pairs"),
+                                                  (3, True, "tpu"), (4, False, "tpu")])
+def test_pipelined_scan_equals_plain_autodiff(layers, reverse, loops, monkeypatch):
+    """The hand-pipelined stack against XLA's autodiff of the plain scan, with the loops of two layers an iteration
+    (GPU, CPU) and with those of one that a TPU program takes (`layer_scan._by_platform`), at 1-6 layers."""
+    if loops == "tpu":
+        monkeypatch.setattr(layer_scan, "_by_platform", lambda *args, tpu, default: tpu(*args))
     loss_fn, params = _scan_task(layers, reverse)
     calls = []
     real = layer_scan.pipelined_scan

@@ -44,9 +44,10 @@ def pipelined_scan(eqn, invals, in_remat):
                              recompute layer t from its saved input and back-propagate through it
 
     The collective of each iteration does not depend on its compute, so the scheduler can run them side by side (on
-    GPU the latency-hiding scheduler overlaps them; see engine/compiler.py). The loops run these iterations two at a
-    time, the second's gather tied to the first's layer (`_tie`), so that the weights a loop iteration carries out
-    are made after the ones it carried in were last read, in their place (`_LayerStack.forward`). Only each layer's
+    GPU the latency-hiding scheduler overlaps them; see engine/compiler.py). Except on TPU, the loops run these
+    iterations two at a time, the second's gather tied to the first's layer (`_tie`), so that the weights a loop
+    iteration carries out are made after the ones it carried in were last read, in their place
+    (`_LayerStack.forward`). Only each layer's
     input is saved (what remat='full' keeps); at most two layers' gathered weights and two layers' full-size
     gradients are alive at once.
     The first and last iterations are peeled so that no collective is issued twice. Only the inputs being
@@ -101,9 +102,29 @@ class _LayerStack:
         return outs[:self.n_carry], outs[self.n_carry:]
 
     def forward(self, consts, init, plain, ws):
-        """((carry, stacked outputs), residuals): each layer's input carry is saved, as bits.
+        """((carry, stacked outputs), residuals): each layer's input carry is saved, as bits. Two layers an iteration
+        (`_forward_pairs`) except on TPU, whose compiler needed more memory for it (with bf16 gradients 0.9 GB a
+        v5p chip at LLaMA-7B) and copied nothing for the loop of one (`_forward_layers`)."""
+        return _by_platform(consts, init, plain, ws, tpu=self._forward_layers, default=self._forward_pairs)
 
-        The loop runs two layers an iteration and carries one layer's gathered weights (A) into the next: layer
+    def _forward_layers(self, consts, init, plain, ws):
+        def step(state, t, prefetch):
+            carry, w = state
+            nxt = self.gather(ws, t + 1) if prefetch else None
+            carry_out, y = self.layer(consts, carry, [self.at(x, t) for x in plain], w)
+            return (carry_out, nxt), (y, [_as_bits(c) for c in carry])
+
+        n = self.n
+        state, saved, ys = (init, self.gather(ws, 0)), None, None
+        if n > 1:
+            state, (ys, saved) = jax.lax.scan(lambda s, t: step(s, t, True), state, jnp.arange(n - 1))
+        (carry, _), (y_last, saved_last) = step(state, n - 1, False)
+        ys = [y[None] if ys is None else jnp.concatenate([ys[i], y[None]]) for i, y in enumerate(y_last)]
+        ys = [y[::-1] if self.reverse else y for y in ys]
+        return (carry, ys), (consts, plain, ws, saved, saved_last)
+
+    def _forward_pairs(self, consts, init, plain, ws):
+        """The loop runs two layers an iteration and carries one layer's gathered weights (A) into the next: layer
         2i+1's (B) are gathered while layer 2i runs on A, and layer 2i+2's, the next A, while layer 2i+1 runs on B,
         that gather's index tied to layer 2i's output so that it starts after A's last read. The carried A then
         dies before its successor is made, and XLA writes the successor in its place; carried one layer an
@@ -242,16 +263,20 @@ class _Backward:
         middle = lambda s, t, after=None: self.step(s, t, [index(x, t) for x in saved], True, True, shift,  # noqa: E731
                                                     after)
 
-        def pair(state, j):  # layers t and t - 1: as the forward's pairs, layer t - 2's gather tied after layer t
-            t = n - 2 - 2 * j
-            state = middle(state, t, after=state[0])
-            return middle(state, t - 1, after=state[0]), None
+        def layers(state):  # layers n - 2 ... 1, one an iteration (TPU: see `_LayerStack.forward`)
+            return jax.lax.scan(lambda s, t: (middle(s, t), None), state, jnp.arange(1, n - 1), reverse=True)[0]
 
-        pairs = (n - 2) // 2 if n > 2 else 0  # layers n - 2 ... 1
-        if pairs:
-            state, _ = jax.lax.scan(pair, state, jnp.arange(pairs))
-        if n > 2 and (n - 2) % 2:
-            state = middle(state, 1)
+        def pairs(state):  # two an iteration, as the forward's, layer t - 2's gather tied after layer t
+            def pair(state, j):
+                t = n - 2 - 2 * j
+                state = middle(state, t, after=state[0])
+                return middle(state, t - 1, after=state[0]), None
+            if n > 3:
+                state, _ = jax.lax.scan(pair, state, jnp.arange((n - 2) // 2))
+            return middle(state, 1) if (n - 2) % 2 else state
+
+        if n > 2:
+            state = _by_platform(state, tpu=layers, default=pairs)
         if n > 1:
             state = self.step(state, 0, [x[0] for x in saved], False, True, shift)
         ct_k, _, pending, acc_c, buf_w, buf_x = state
@@ -261,6 +286,11 @@ class _Backward:
         ct_consts = [a.astype(c.dtype) for a, c in zip(acc_c, _pick(self.consts, self.c_mask))]
         return (_merge(ct_consts, self.c_mask, none(self.consts)), _merge(ct_k, self.k_mask, none(self.stack.init)),
                 _merge(buf_x, self.x_mask, none(self.plain)), _merge(buf_w, self.w_mask, none(self.ws_all)))
+
+
+def _by_platform(*args, tpu, default):
+    """`tpu(*args)` in a program lowered for TPU, `default(*args)` on any other (chosen when lowered)."""
+    return jax.lax.platform_dependent(*args, tpu=tpu, default=default)
 
 
 def _put(stack, value, t):
