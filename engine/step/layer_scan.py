@@ -47,9 +47,8 @@ def pipelined_scan(eqn, invals, in_remat):
     GPU the latency-hiding scheduler overlaps them; see engine/compiler.py). Except on TPU, the loops run these
     iterations two at a time, the second's gather tied to the first's layer (`_tie`), so that the weights a loop
     iteration carries out are made after the ones it carried in were last read, in their place
-    (`_LayerStack.forward`). Only each layer's
-    input is saved (what remat='full' keeps); at most two layers' gathered weights and two layers' full-size
-    gradients are alive at once.
+    (`_LayerStack.forward`). Only each layer's input is saved (what remat='full' keeps); at most two layers'
+    gathered weights and two layers' full-size gradients are alive at once.
     The first and last iterations are peeled so that no collective is issued twice. Only the inputs being
     differentiated get gradients (the custom_vjp sees symbolic zeros): a frozen weight (`Trainer(trainable=...)`)
     is gathered for each layer but gets no weight gradient and no reduce-scatter."""
@@ -103,8 +102,8 @@ class _LayerStack:
 
     def forward(self, consts, init, plain, ws):
         """((carry, stacked outputs), residuals): each layer's input carry is saved, as bits. Two layers an iteration
-        (`_forward_pairs`) except on TPU, whose compiler needed more memory for it (with bf16 gradients 0.9 GB a
-        v5p chip at LLaMA-7B) and copied nothing for the loop of one (`_forward_layers`)."""
+        (`_forward_pairs`), except in a program lowered for TPU, whose compiler needed more memory for them than for
+        the loops of one layer (`_forward_layers`; engine/README.md's ZeRO-3 figures)."""
         return _by_platform(consts, init, plain, ws, tpu=self._forward_layers, default=self._forward_pairs)
 
     def _forward_layers(self, consts, init, plain, ws):
