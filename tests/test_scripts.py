@@ -823,6 +823,7 @@ def _scalars(logdir):
     return scalars
 
 
+@pytest.mark.slow  # CI time (two script runs, 20 s); CI keeps the cache's unit test and the Trainer's log line
 def test_a_rerun_loads_the_step_from_the_compilation_cache(tmp_path):
     """--compilation_cache_dir keeps what the first run compiled: the same command on a new workdir loads the train
     step (and the other programs slow enough to be kept) from it instead of compiling, and trains alike."""
