@@ -144,8 +144,9 @@ class StepProgram:
         if key not in self._executables:
             hits, start = compiler.cache_hits(), time.perf_counter()
             compiled = self.jitted(sync).lower(params, opt_state, batch, step).compile()
-            how = (f"loaded from the compilation cache in {time.perf_counter() - start:.1f} s"
-                   if compiler.cache_hits() > hits else f"compiled in {time.perf_counter() - start:.1f} s")
+            seconds = time.perf_counter() - start
+            how = (f"loaded from the compilation cache in {seconds:.1f} s" if compiler.cache_hits() > hits
+                   else f"compiled in {seconds:.1f} s")
             memory = plan_lib.memory_per_device(compiled)
             if memory is None:
                 logging.info("train step (step=%s) %s", self.kind, how)

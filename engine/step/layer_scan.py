@@ -211,8 +211,7 @@ class _Backward:
                 for g, w, s in zip(gs, self.ws, self.grad_slots)]
 
     def put(self, buffers, values, t):
-        return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), self.stack.position(t), 0)
-                for b, v in zip(buffers, values)]
+        return [_put(b, v, self.stack.position(t)) for b, v in zip(buffers, values)]
 
     def vjp_layer(self, t, carry_in, w, ct_k):
         """Layer t recomputed from its input carry and differentiated: (d consts, d carry, d plain, d weights)."""
@@ -293,6 +292,7 @@ def _by_platform(*args, tpu, default):
 
 
 def _put(stack, value, t):
+    """`stack` with `value` (cast to its dtype) at index t of its first dim."""
     return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), t, 0)
 
 
