@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implementation_for_platform
+from kernels._dispatch import ATTENTION_IMPLEMENTATIONS, IMPLEMENTATIONS, implementation_for_platform, target_device
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json")
 PLAIN = "plain"
@@ -48,12 +48,15 @@ _RUNS_ON = {"triton": ("gpu",), "cudnn": ("gpu",), "mosaic_gpu": ("gpu",), "mosa
 
 
 def default_implementation(op, *, device_kind=None, table=None, **shape):
-    """The implementation `op` runs by default on `device_kind` (None: the default backend's first device's, e.g.
-    'NVIDIA H200', 'NVIDIA H100 80GB HBM3', 'TPU v5 lite') for calls of `shape` (see the module docstring), read
-    from `table` (a path; None: the checked-in one). Raises ValueError for an unknown op or shape argument."""
+    """The implementation `op` runs by default on `device_kind` (None: the device the trace is for,
+    `kernels._dispatch.target_device`: the ambient abstract mesh's, so a plan compiled for another target resolves
+    as a run there would, else the default backend's first device's; e.g. 'NVIDIA H200', 'NVIDIA H100 80GB HBM3',
+    'TPU v5 lite') for calls of `shape` (see the module docstring), read from `table` (a path; None: the checked-in
+    one). Raises ValueError for an unknown op or shape argument."""
     cls = shape_class(op, **shape)
     if device_kind is None:
-        device_kind, platform = jax.devices()[0].device_kind, jax.default_backend()
+        device = target_device()
+        device_kind, platform = device.device_kind, device.platform
     else:
         platform = _platform(device_kind)
     entry = measured_entry(op, device_kind, cls, table)

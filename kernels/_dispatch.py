@@ -2,7 +2,8 @@
 
 Every public op takes `implementation=None | 'xla' | 'triton' | 'mosaic_tpu'`; `flash_attention` also takes
 `'cudnn'` (cuDNN's fused attention through `jax.nn.dot_product_attention`, NVIDIA GPUs only). `None` picks the
-backend's own kernels (`flash_attention` first reads the measured defaults table, `kernels/_defaults.py`); `'xla'`
+own kernels of the device the trace is for (`target_device`: a lowering for another target under its abstract mesh
+picks that target's; `flash_attention` first reads the measured defaults table, `kernels/_defaults.py`); `'xla'`
 is the plain-JAX reference that runs everywhere. `interpret=True` runs a Pallas implementation in Pallas's
 interpreter (on CPU), so `None` + `interpret=True` on a CPU picks the GPU-flavoured kernel.
 """
@@ -20,10 +21,11 @@ def implementation_for_platform(platform, *, interpret=False):
 
 
 def resolve_implementation(implementation, *, interpret=False, allowed=IMPLEMENTATIONS):
-    """Returns the implementation name to run (None: the default backend's, `implementation_for_platform`); raises
-    ValueError for one not in `allowed` (an op's implementations)."""
+    """Returns the implementation name to run (None: the own kernels of the platform the trace is for,
+    `implementation_for_platform` of `target_device()`'s); raises ValueError for one not in `allowed` (an op's
+    implementations)."""
     if implementation is None:
-        return implementation_for_platform(jax.default_backend(), interpret=interpret)
+        return implementation_for_platform(target_device().platform, interpret=interpret)
     if implementation not in allowed:
         only = f"; {implementation!r} is flash_attention's only" if implementation in ATTENTION_IMPLEMENTATIONS else ""
         raise ValueError(f"implementation={implementation!r}; expected None or one of {allowed}{only}")

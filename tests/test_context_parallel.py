@@ -381,7 +381,9 @@ def test_train_step_lowered_for_cuda_runs_the_mlp_kernels_on_local_tokens(step):
     device's tokens only: 2 rows (4 / data 2) x 16 tokens (32 / context 2) = 32 rows of 64 features, and 64 of the
     128 hidden columns (model 2); whole rows would be 64. In the jit step ('auto') and in the shard_map step (where
     the batch itself enters split over `context`)."""
-    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", mlp_implementation="triton")
+    # attention in plain XLA: lowered for an H200, its default would be the H200's kernel (a Triton call too)
+    model = models.create_model("llama", "tiny", scan_layers=True, remat="full", mlp_implementation="triton",
+                                attention_implementation="xla")
     params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
     trainer = engine.Trainer(mesh=engine.make_mesh(data=2, context=2, model=2), collate_fn=lm.collate_lm,
                              loss_fn=lm.lm_loss_fn(model), params=params, optimizer=optax.sgd(0.1),

@@ -136,6 +136,23 @@ def test_flash_attention_reads_the_table_for_plain_calls(monkeypatch):
     assert len(asked) == 3 and len(ran) == 1
 
 
+def test_a_trace_for_another_target_resolves_that_targets_defaults():
+    """Under an abstract mesh naming an H200 (a plan, or a lowering, for a GPU this CPU host is not), None resolves
+    as a run on the H200 does: the table's answer for the call's class (cuDNN for whole rows here), the GPU's own
+    kernels where the table has none (packed rows) and for every other op; outside it, this host's."""
+    from tests import targets
+
+    whole = dict(head_dim=128, seq_len=4096, causal=True, dtype="bfloat16")
+    with targets.for_gpu():
+        assert kernels.default_implementation("flash_attention", **whole) == "cudnn"
+        assert kernels.default_implementation("flash_attention", **whole, segments=True) == "triton"
+        assert kernels.default_implementation("linear_cross_entropy", dtype="bfloat16") == "plain"
+        assert kernels.resolve_implementation(None) == "triton"
+    assert kernels.default_implementation("flash_attention", **whole) == "xla"
+    assert kernels.default_implementation("linear_cross_entropy", dtype="bfloat16") == "xla"
+    assert kernels.resolve_implementation(None) == "xla"
+
+
 def _entry(device_kind, seq_len, times, training=True):
     cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=seq_len, causal=True, dtype="float32",
                                 training=training)
