@@ -77,11 +77,13 @@ test-tpu: $(VENV_TPU)/.installed-$(HASH)
 # The Hopper compile tier: Pallas's Triton kernels lowered by JAX 0.11.2 for an abstract H100 and compiled by the
 # triton package's NVIDIA backend to sm_90a cubins (ptxas reports registers and spills); no GPU needed. Runs the
 # tests marked `gpu_compile` under Python 3.12 (the cuda plugin: the Mosaic GPU kernels compiled by XLA for a
-# compile-only H100, kernels/mosaic_gpu_compile.py). Not part of CI.
+# compile-only H100, kernels/mosaic_gpu_compile.py; cuDNN's library, so that XLA compiles cuDNN's fused attention
+# for a compile-only GPU too). Not part of CI.
 VENV_GPU := .venv-gpu-compile
 $(VENV_GPU)/.installed-$(HASH): pyproject.toml
 	test -x $(VENV_GPU)/bin/python || $(PY312) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/python -m pip install -q "jax==0.11.2" "jax-cuda13-plugin==0.11.2" "jax-cuda13-pjrt==0.11.2" "triton==3.9.0" -e . pytest
+	$(VENV_GPU)/bin/python -m pip install -q "jax==0.11.2" "jax-cuda13-plugin==0.11.2" "jax-cuda13-pjrt==0.11.2" "triton==3.9.0" \
+		"nvidia-cudnn-cu13>=9.12.0.46,<10.0" -e . pytest
 	rm -f $(VENV_GPU)/.installed-* && touch $@
 
 test-gpu-compile: $(VENV_GPU)/.installed-$(HASH)

@@ -8,9 +8,11 @@ or GPUs (nothing allocated, no accelerator needed).
 test-tpu's .venv-tpu) compiles the same step with XLA:TPU and Mosaic for that slice's compile-only devices (the
 engine's TPU compiler flags applied, the Mosaic kernels by default) and reports real per-chip bytes; --mesh then
 defaults to FSDP over every chip. `--target=gpu:h100-8` (`gpu:h200`, `gpu:h100-16` for two hosts of 8; needs JAX's
-CUDA plugin, make test-gpu-compile's .venv-gpu-compile) compiles it with XLA:GPU and the Triton kernels for those
-GPUs' compile-only devices, without autotuning; the memory is XLA:GPU's buffer assignment, the budget the share of
-each GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default).
+CUDA plugin, make test-gpu-compile's .venv-gpu-compile) compiles it with XLA:GPU for those GPUs' compile-only
+devices, without autotuning; the memory is XLA:GPU's buffer assignment, the budget the share of each GPU's memory
+JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default). The kernels are by default those a training
+script's run on the target takes (--loss_implementation / --attention_implementation=default: the measured defaults
+of the target's device kind); `auto` names the target's own kernels.
 
 prints one JSON line (parameter count; per-device bytes of arguments, outputs, aliased, temporaries and their total;
 per-device bytes sent per collective type in one step); a GPU target's plan prints first a table of what each GPU's
@@ -60,12 +62,21 @@ flags.DEFINE_integer("accumulate", 1, "Micro-batches per update.", lower_bound=1
 flags.DEFINE_enum("train_step", "auto", ["shard_map", "jit", "auto"], "The Trainer's step implementation (auto, as "
                   "the training scripts' --train_step: the Trainer's choice for the target's devices and the mesh, "
                   "so that the plan is of the program a run compiles).")
-flags.DEFINE_enum("loss_implementation", "auto", ["plain", "auto", "xla", "triton", "mosaic_tpu"], "plain: "
-                  "materialised logits; else the fused linear + cross-entropy (no [tokens, vocab] array): xla "
-                  "(blockwise), triton, mosaic_tpu, or auto: the target's own (mosaic_tpu on TPU, triton on GPU, xla "
-                  "on CPU).")
-flags.DEFINE_enum("attention_implementation", "auto", ["auto", "xla", "triton", "cudnn", "mosaic_gpu", "mosaic_tpu"],
-                  "The flash attention's implementation (auto: the target's own, as for --loss_implementation).")
+flags.DEFINE_enum("loss_implementation", "default", ["default", "plain", "chunked", "auto", "xla", "triton",
+                                                     "mosaic_tpu"],
+                  "default: what the training scripts' --loss_implementation=default takes on the target's devices "
+                  "(plain logits on CPU; on GPU / TPU the fastest measured for the device kind, "
+                  "kernels.default_implementation), so the plan is of the program a run compiles. plain: "
+                  "materialised logits; chunked: kernels.linear_cross_entropy_sum; else the fused linear + "
+                  "cross-entropy (no [tokens, vocab] array): xla (blockwise), triton, mosaic_tpu, or auto: the "
+                  "target's own (mosaic_tpu on TPU, triton on GPU, xla on CPU).")
+flags.DEFINE_enum("attention_implementation", "default", ["default", "auto", "xla", "triton", "cudnn", "mosaic_gpu",
+                                                          "mosaic_tpu"],
+                  "The flash attention's implementation (default: each call's measured default on the target's "
+                  "devices, as in a run there; auto: the target's own kernels, as for --loss_implementation).")
+flags.DEFINE_bool("packed", True, "Rows of packed documents with segment ids (as the scripts pack text); "
+                  "--nopacked: whole rows without them (token directories, scripts/bench_gpu_step.py's rows), which "
+                  "a GPU's measured default may give another attention (cuDNN's).")
 flags.DEFINE_float("hbm_gb", None, "Per-device memory budget in GB (1e9 bytes): report whether the plan fits.")
 flags.DEFINE_integer("pipeline_stages", 1, "Pipeline stages (the mesh's `stage` axis; devices = stages x the "
                      "--mesh product).", lower_bound=1)
@@ -128,7 +139,7 @@ def main(argv):
                   quantize=None if FLAGS.quantize == "none" else FLAGS.quantize,
                   sequence_parallel=FLAGS.sequence_parallel, rlhf=None if FLAGS.rlhf == "none" else FLAGS.rlhf,
                   loss_implementation=None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation,
-                  attention_implementation=FLAGS.attention_implementation,
+                  attention_implementation=FLAGS.attention_implementation, packed=FLAGS.packed,
                   config_overrides=script_flags.parse_json("model_overrides", FLAGS.model_overrides) or None)
     if FLAGS.expert_exchange != "auto":
         if not hasattr(models.get_config(FLAGS.model, FLAGS.model_config), "expert_exchange"):

@@ -64,8 +64,8 @@ def _compiled_plan(target, mesh, **kwargs):
     why = _no_cuda_plugin()
     if why:
         pytest.skip(why)
-    return planning.compile_plan(model="llama", model_config="tiny", target=target, mesh=mesh, seq_len=128,
-                                 per_device_batch_size=2, **kwargs)
+    return planning.compile_plan(model="llama", model_config="tiny", target=target, mesh=mesh,
+                                 **{"seq_len": 128, "per_device_batch_size": 2, **kwargs})
 
 
 _TYPE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]", re.M)
@@ -102,6 +102,32 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
     dots = _dots(hlo)
     assert dots and all(d[:2] == ("bf16", "bf16") or d[2] <= 1 for d in dots), dots
     assert engine.plan.hosts_of(jax.tree.leaves(compiled.input_shardings)[0].mesh.devices.flat) == [0, 0]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_default_plan_compiles_the_kernels_a_run_on_the_target_takes(packed):
+    """plan_memory.py's 'default' kernels resolve for the target as the training scripts do on it: the loss as the
+    H200's table measured it (plain logits), each attention call the table's answer for its class: packed rows
+    (segment ids, no entry) the Triton kernel, whole rows of 2048 tokens at head dim 128 cuDNN's (the 4096 entry's
+    neighbour), compiled by XLA:GPU without the device (make test-gpu-compile installs cuDNN's library)."""
+    import importlib.util
+
+    if not packed and importlib.util.find_spec("nvidia.cudnn") is None:
+        pytest.skip("cuDNN's library (nvidia-cudnn-cu13) is not installed here: make test-gpu-compile installs it")
+    result, compiled = _compiled_plan("gpu:h200", "1,1,1", loss_implementation="default",
+                                      attention_implementation="default", packed=packed, seq_len=2048,
+                                      per_device_batch_size=1,
+                                      config_overrides={"hidden_size": 512, "num_heads": 4, "num_kv_heads": 2})
+    assert (result["loss_implementation"], result["attention_implementation"], result["packed"]) == (
+        "plain", "triton" if packed else "cudnn", packed)
+    hlo = compiled.as_text()
+    calls = set(re.findall(r'custom_call_target="([^"]+)"', hlo))
+    assert "linear_cross_entropy" not in hlo
+    if packed:
+        assert calls == {"__gpu$xla.gpu.triton"}, calls
+    else:
+        assert calls == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, calls
 
 
 @pytest.mark.gpu_compile

@@ -255,7 +255,7 @@ def test_installed_xla_knows_every_gpu_flag():
         assert ok or "Unknown flag" in out.stderr
 
 
-def test_script_prints_one_json_line_and_rejects_a_bad_mesh():
+def test_script_prints_one_json_line_of_the_run_defaults_and_rejects_a_bad_mesh():
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=FAST_COMPILE)  # the script adds the device count
     cmd = [sys.executable, "scripts/plan_memory.py", "--model=llama", "--model_config=tiny", "--num_devices=4",
            "--seq_len=32"]
@@ -266,6 +266,9 @@ def test_script_prints_one_json_line_and_rejects_a_bad_mesh():
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert result["mesh"] == [1, 2, 2] and result["bytes"]["total"] > 0
+    # by default the kernels a run on the target takes (here a CPU's, as train_lm.py's defaults: plain logits)
+    assert (result["loss_implementation"], result["attention_implementation"], result["packed"]) == (
+        "plain", "xla", True)
     bad = subprocess.run(cmd + ["--mesh=3,1,1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "mesh=3,1,1 has 3 devices; expected num_devices=4" in bad.stderr
 

@@ -486,7 +486,8 @@ def test_device_defaults_and_model_overrides_with_init_from(tmp_path, monkeypatc
         monkeypatch.setattr(script_flags.kernels, "default_implementation",
                             lambda op, **shape: choices.setdefault(op, shape) and "plain")
         assert script_flags.compute_dtype() == jnp.bfloat16 and script_flags.loss_implementation() is None
-        assert choices == {"linear_cross_entropy": {"dtype": jnp.bfloat16}}
+        kind = jax.devices()[0].device_kind
+        assert choices == {"linear_cross_entropy": {"dtype": jnp.bfloat16, "device_kind": kind}}
         monkeypatch.setattr(script_flags.kernels, "default_implementation", lambda op, **shape: "triton")
         assert script_flags.loss_implementation() == "triton" and script_flags.loss_implementation(gemma) is None
         assert model_start.model_options() == {"scan_layers": True}

@@ -51,6 +51,18 @@ def check_implementation(implementation):
                          "plain logits; otherwise kernels.linear_cross_entropy)")
 
 
+def default_loss_implementation(model=None, *, dtype, platform, device_kind, per_token=False):
+    """The loss implementation a training script takes by default on a device of `platform` and `device_kind` (a
+    run's, or a compile-only target's): None (plain logits) on a CPU and for a `model` whose final logits are
+    soft-capped (the fused kernel does not cap them); else what `kernels.default_implementation` measured fastest
+    for `linear_cross_entropy` at `dtype` on that kind (None where plain logits won; with `per_token`, DPO's and
+    PPO's per-token log-probabilities, a measured 'chunked', a summed loss, is None too)."""
+    if platform == "cpu" or getattr(getattr(model, "config", None), "final_logit_softcap", None):
+        return None
+    choice = kernels.default_implementation("linear_cross_entropy", device_kind=device_kind, dtype=dtype)
+    return None if choice == "plain" or (per_token and choice == "chunked") else choice
+
+
 def token_losses(model, params, out, labels, implementation=None, interpret=False):
     """Per-token cross-entropy [B, T] (float32, 0 where labels < 0) from the model's output `out`: logits [B, T, V]
     (implementation None) or hidden states [B, T, D] fed to kernels.linear_cross_entropy with the model's head, so

@@ -34,7 +34,7 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
                  pipeline_fsdp_gather="tick", diloco_inner_steps=0,
                  diloco_fragments=1, diloco_outer_dtype="float32",
                  context=1, zero_quantized_weights=False, zero_quantized_gradients=False, sequence_parallel=False,
-                 rlhf=None, config_overrides=None):
+                 rlhf=None, config_overrides=None, packed=True):
     """Compiles one train step of `models` family `model`, config `model_config` (scan over layers unless
     config_overrides has scan_layers false, `remat`) with
     AdamW (fp32 master weights and moments; gradients held in `grad_dtype` and reduced in `reduce_dtype`, None:
@@ -57,9 +57,14 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     axis, on top of the others; either step). zero_quantized_weights /
     zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
     sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
-    loss_implementation: None (materialised [tokens, vocab] logits) or the fused head + loss kernel's
-    implementation; attention_implementation: the flash attention's; 'auto' for either: the target's own kernels
-    (Mosaic on a TPU target, Triton on a GPU target, the blockwise 'xla' path on CPU). step: 'shard_map', 'jit' or 'auto' (the Trainer's
+    loss_implementation: None (materialised [tokens, vocab] logits), 'chunked' (`kernels.linear_cross_entropy_sum`)
+    or the fused head + loss kernel's implementation; attention_implementation: the flash attention's; 'auto' for
+    either: the target's own kernels (Mosaic on a TPU target, Triton on a GPU target, the blockwise 'xla' path on
+    CPU); 'default' for either (None too for attention): what a training script's run on the target's devices takes
+    by default (`lm.default_loss_implementation`; each attention call the measured default of the target's device
+    kind and the call's shape class, `kernels.default_implementation`; the result names the choice for the model's
+    causal calls at `seq_len`). packed: rows of packed documents with segment ids (text the scripts pack); False:
+    whole rows without them (token windows, `scripts/bench_gpu_step.py`'s rows), attention's unsegmented class. step: 'shard_map', 'jit' or 'auto' (the Trainer's
     choice for the target: shard_map on TPU, jit on CPU).
     rlhf='ppo' | 'grpo': the update step of `engine.tasks.rlhf.ppo` on experience rows instead of the language-model loss: PPO
     trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
@@ -78,10 +83,13 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
         settings["hbm_gb"] = engine.plan.device_memory_bytes(devices[0]) / 1e9
     sizes = _check_arguments(settings, devices)
     data, fsdp = sizes["data"], sizes["fsdp"]
-    settings.update(loss_implementation=_implementation(loss_implementation, devices),
-                    attention_implementation=_implementation(attention_implementation, devices))
+    settings.update(attention_implementation=_implementation(attention_implementation, devices))
     dtype = jnp.dtype(compute_dtype)
     network, abstract, n_params = _network(settings)
+    settings["loss_implementation"] = (
+        lm.default_loss_implementation(network, dtype=dtype, platform=devices[0].platform,
+                                       device_kind=devices[0].device_kind, per_token=rlhf is not None)
+        if loss_implementation == "default" else _implementation(loss_implementation, devices))
     params, loss_fn, trainable, rows_of = _training(network, abstract, settings)
     n_trained = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
                     if trainable is None or re.search(trainable, engine.sharding.path_str(p)))
@@ -104,6 +112,8 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     memory = memory_per_device(compiled)
     hlo = compiled.as_text()
     comm, outer = _communication(hlo, diloco, num_devices)
+    if settings["attention_implementation"] is None:  # each call's measured default: the causal calls' named
+        settings["attention_implementation"] = _default_attention(network.config, settings, devices[0])
     result = _result(settings, step=step, mesh=list(parse_mesh(settings["mesh"])), params=n_params,
                      trained_params=n_trained,
                      param_bytes=sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(abstract)),
@@ -131,8 +141,21 @@ def _compile(trainer, batch, settings):
 
 def _implementation(name, devices):
     """A kernel implementation for `plan`: 'auto' -> the devices' own ('mosaic_tpu' on TPU, 'triton' on GPU, else
-    'xla'); anything else as given (None: no kernel)."""
+    'xla'); 'default' -> None (attention's measured default per call); anything else as given (None: no kernel)."""
+    if name == "default":
+        return None
     return name if name != "auto" else kernels.implementation_for_platform(devices[0].platform)
+
+
+def _default_attention(config, s, device):
+    """The implementation the measured defaults give the model's causal attention calls of `s`'s rows on `device`
+    (`kernels.default_implementation`; a call with dropout, a window or a soft cap takes the device's own kernels)."""
+    head_dim = getattr(config, "dim_per_head", None)
+    if head_dim is None:  # not a decoder family's attention geometry: the device's own kernels
+        return kernels.implementation_for_platform(device.platform)
+    return kernels.default_implementation(
+        "flash_attention", device_kind=device.device_kind, head_dim=head_dim, seq_len=s["seq_len"], causal=True,
+        dtype=jnp.dtype(s["compute_dtype"]), segments=s["packed"])
 
 
 # Config fields that are also arguments of `plan` (with the argument's default): one given in config_overrides moves
@@ -217,7 +240,7 @@ def _training(network, abstract, s):
     # kernels.linear_cross_entropy path (a Pallas name compiles the same custom_vjp on CPU only in interpret mode).
     loss_fn = lm.lm_loss_fn(network, s["loss_implementation"])
     loss_fn.weight_metric = "tokens"
-    params, rows_of = abstract, dict.fromkeys(("input_ids", "labels", "segment_ids"), jnp.int32)
+    params, rows_of = abstract, dict.fromkeys(("input_ids", "labels") + ("segment_ids",) * s["packed"], jnp.int32)
     if s["rlhf"]:
         critic = models.RewardModel(network) if s["rlhf"] == "ppo" else None
         params = {"actor": abstract}
@@ -259,7 +282,8 @@ def _result(s, *, step, mesh, params, trained_params, param_bytes, memory, colle
               "zero_stage": s["zero_stage"], "step": step,
               "zero_quantized": {"weights": s["zero_quantized_weights"], "gradients": s["zero_quantized_gradients"]},
               "sequence_parallel": s["sequence_parallel"], "rlhf": s["rlhf"],
-              "per_device_batch_size": s["per_device_batch_size"], "seq_len": s["seq_len"], "remat": s["remat"],
+              "per_device_batch_size": s["per_device_batch_size"], "seq_len": s["seq_len"], "packed": s["packed"],
+              "remat": s["remat"],
               "compute_dtype": jnp.dtype(s["compute_dtype"]).name,
               **{k: None if s[k] is None else jnp.dtype(s[k]).name for k in ("grad_dtype", "reduce_dtype")},
               "loss_implementation": s["loss_implementation"] or "plain",

@@ -13,7 +13,7 @@ import engine
 import kernels
 import models
 from engine import diloco as diloco_lib
-from engine.tasks import run_record, text_data
+from engine.tasks import lm, run_record, text_data
 
 FLAGS = flags.FLAGS
 
@@ -260,10 +260,8 @@ def loss_implementation(model=None, *, per_token=False):
     'chunked' (a summed loss) resolves to plain logits."""
     if FLAGS.loss_implementation != "default":
         return None if FLAGS.loss_implementation == "plain" else FLAGS.loss_implementation
-    if jax.default_backend() == "cpu" or getattr(getattr(model, "config", None), "final_logit_softcap", None):
-        return None
-    choice = kernels.default_implementation("linear_cross_entropy", dtype=compute_dtype() or jnp.float32)
-    return None if choice == "plain" or (per_token and choice == "chunked") else choice
+    return lm.default_loss_implementation(model, dtype=compute_dtype() or jnp.float32, platform=jax.default_backend(),
+                                          device_kind=jax.devices()[0].device_kind, per_token=per_token)
 
 
 def compute_dtype():
