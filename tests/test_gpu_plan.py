@@ -91,7 +91,7 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
     """FSDP over two H200s: XLA:GPU's buffer assignment under the budget, the gradients reduce-scattered (XLA:CPU
     would run an all-reduce and a slice), the attention and the fused loss as Triton kernels, and every matmul's
     operands bf16 (an fp32 dot only where it yields one number)."""
-    result, compiled = _compiled_plan("gpu:h200-2", "1,2,1")
+    result, compiled = _compiled_plan("gpu:h200-2", "1,2,1", loss_implementation="auto")
     assert result["target"] == "gpu:h200-2" and result["step"] == "shard_map"
     assert result["attention_implementation"] == result["loss_implementation"] == "triton"
     assert result["hbm_gb"] == pytest.approx((143771 << 20) * 0.75 / 1e9) and result["fits"]
@@ -107,7 +107,8 @@ def test_the_step_compiles_for_two_h200s_with_the_triton_kernels_and_bf16_matmul
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize("packed", [True, False])
 def test_a_default_plan_compiles_the_kernels_a_run_on_the_target_takes(packed):
-    """plan_memory.py's 'default' kernels resolve for the target as the training scripts do on it: the loss as the
+    """A plan's default kernels ('default', plan_memory.py's too) resolve for the target as the training scripts do
+    on it: the loss as the
     H200's table measured it (plain logits), each attention call the table's answer for its class: packed rows
     (segment ids, no entry) the Triton kernel, whole rows of 2048 tokens at head dim 128 cuDNN's (the 4096 entry's
     neighbour), compiled by XLA:GPU without the device (make test-gpu-compile installs cuDNN's library)."""
@@ -115,8 +116,7 @@ def test_a_default_plan_compiles_the_kernels_a_run_on_the_target_takes(packed):
 
     if not packed and importlib.util.find_spec("nvidia.cudnn") is None:
         pytest.skip("cuDNN's library (nvidia-cudnn-cu13) is not installed here: make test-gpu-compile installs it")
-    result, compiled = _compiled_plan("gpu:h200", "1,1,1", loss_implementation="default",
-                                      attention_implementation="default", packed=packed, seq_len=2048,
+    result, compiled = _compiled_plan("gpu:h200", "1,1,1", packed=packed, seq_len=2048,
                                       per_device_batch_size=1,
                                       config_overrides={"hidden_size": 512, "num_heads": 4, "num_kv_heads": 2})
     assert (result["loss_implementation"], result["attention_implementation"], result["packed"]) == (

@@ -18,8 +18,9 @@ TINY = dict(model="llama", model_config="tiny", num_devices=8, per_device_batch_
 def test_zero3_plan_matches_the_formulas():
     """1x8x1, bf16 compute: state is 16 bytes per sharded parameter; ZeRO-3 traffic is bf16 gathers (forward, and
     again for the remat'd layers in the backward pass) plus fp32 reduce-scatters, each x (N-1)/N. The embedding table
-    is never gathered: its lookup moves the group's ids and looked-up vectors instead."""
-    r = planning.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, **{**TINY, "seq_len": 16})
+    is never gathered: its lookup moves the group's ids and looked-up vectors instead, nor is the head with the fused
+    head + loss ('auto': its vocabulary-parallel form)."""
+    r = planning.plan(mesh="1,8,1", zero_stage=0, hbm_gb=1.0, loss_implementation="auto", **{**TINY, "seq_len": 16})
     n, psi = 8, r["params"]
     assert psi == 90432
     b = r["bytes"]

@@ -28,8 +28,8 @@ def plan(**kwargs):
 
 def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, zero_stage=0, per_device_batch_size=1,
                  seq_len=2048, remat="full", compute_dtype="bfloat16", grad_dtype=None, reduce_dtype=None,
-                 accumulate=1, step="shard_map", hbm_gb=None, loss_implementation="auto",
-                 attention_implementation="auto", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
+                 accumulate=1, step="shard_map", hbm_gb=None, loss_implementation="default",
+                 attention_implementation="default", lora_rank=0, param_dtype="float32", quantize=None, stages=1,
                  pipeline_microbatches=0, pipeline_virtual_stages=1, pipeline_schedule="gpipe",
                  pipeline_fsdp_gather="tick", diloco_inner_steps=0,
                  diloco_fragments=1, diloco_outer_dtype="float32",
@@ -58,14 +58,14 @@ def compile_plan(*, model, model_config, mesh, num_devices=None, target=None, ze
     zero_quantized_gradients: ZeRO++'s int8 collectives of the shard_map step (`engine.Trainer`'s options).
     sequence_parallel: the model's residual stream split by tokens over `model` between blocks (`ModelOptions`).
     loss_implementation: None (materialised [tokens, vocab] logits), 'chunked' (`kernels.linear_cross_entropy_sum`)
-    or the fused head + loss kernel's implementation; attention_implementation: the flash attention's; 'auto' for
-    either: the target's own kernels (Mosaic on a TPU target, Triton on a GPU target, the blockwise 'xla' path on
-    CPU); 'default' for either (None too for attention): what a training script's run on the target's devices takes
-    by default (`lm.default_loss_implementation`; each attention call the measured default of the target's device
-    kind and the call's shape class, `kernels.default_implementation`; the result names the choice for the model's
-    causal calls at `seq_len`). packed: rows of packed documents with segment ids (text the scripts pack); False:
-    whole rows without them (token windows, `scripts/bench_gpu_step.py`'s rows), attention's unsegmented class. step: 'shard_map', 'jit' or 'auto' (the Trainer's
-    choice for the target: shard_map on TPU, jit on CPU).
+    or the fused head + loss kernel's implementation; attention_implementation: the flash attention's; 'default'
+    for either (None too for attention): what a training script's run on the target's devices takes by default
+    (`lm.default_loss_implementation`; each attention call the measured default of the target's device kind and the
+    call's shape class, `kernels.default_implementation`; the result names the choice for the model's causal calls
+    at `seq_len`); 'auto' for either: the target's own kernels (Mosaic on a TPU target, Triton on a GPU target, the
+    blockwise 'xla' path on CPU). packed: rows of packed documents with segment ids (text the scripts pack); False:
+    whole rows without them (token windows, `scripts/bench_gpu_step.py`'s rows), attention's unsegmented class.
+    step: 'shard_map', 'jit' or 'auto' (the Trainer's choice for the target: shard_map on TPU, jit on CPU).
     rlhf='ppo' | 'grpo': the update step of `engine.tasks.rlhf.ppo` on experience rows instead of the language-model loss: PPO
     trains {'actor', 'critic'} (the critic a `RewardModel` of the same backbone, with its score head also trained
     under LoRA), GRPO {'actor'} alone. The frozen reference and reward model are not in that step: their weights
@@ -162,7 +162,7 @@ def _default_attention(config, s, device):
 # to its argument (the plan's idle share, kernels and result follow them).
 _ARGUMENT_FIELDS = {"pipeline_microbatches": 0, "pipeline_virtual_stages": 1, "pipeline_schedule": "gpipe",
                     "pipeline_fsdp_gather": "tick", "remat": "full", "lora_rank": 0,
-                    "attention_implementation": "auto", "param_dtype": "float32", "quantize": None,
+                    "attention_implementation": "default", "param_dtype": "float32", "quantize": None,
                     "sequence_parallel": False}
 
 
