@@ -49,7 +49,7 @@ SLOW_FOR_CI_TIME = {
     "test_gemma.py::test_scanned_remat_stack_keeps_logits_and_gradients[gemma2]",
     "test_lora.py::test_peft_adapter_round_trip_and_transformers_reads_it[llama-targets0]",
     "test_moe.py::test_trainer_step_on_2x2x2_equals_one_device",
-    "test_plan.py::test_script_prints_one_json_line_and_rejects_a_bad_mesh",
+    "test_plan.py::test_script_prints_one_json_line_of_the_run_defaults_and_rejects_a_bad_mesh",
     "test_gemma.py::test_sharded_checkpoint_streams_onto_a_mesh_and_lora_on_an_int8_base[gemma3]",
     "test_moe.py::test_quantized_experts_are_close_to_float_and_load_quantised_as_read[nf4-0.25]",
     "test_pipeline.py::test_pipelined_stack_equals_the_plain_one[llama-mesh0-options0]",

@@ -44,8 +44,10 @@ def test_zero3_plan_matches_the_formulas():
 
 
 def test_embedding_table_is_gathered_when_the_lookups_outnumber_its_rows():
-    """64 tokens per device against 16 table rows per device: gathering the table moves less than the vectors."""
+    """64 tokens per device against 16 table rows per device: gathering the table moves less than the vectors. The
+    plan's default kernels are a CPU run's (plain logits, whose head is gathered too, and the 'xla' attention)."""
     r = planning.plan(mesh="1,8,1", zero_stage=0, **TINY)
+    assert (r["loss_implementation"], r["attention_implementation"]) == ("plain", "xla")
     split, layers, n = 90432 - (64 + 2 * 2 * 64), 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128), 8
     want = (split + layers) * 2 * (n - 1) // n
     # JAX 0.10's CPU compiler gathers each layer weight twice (forward, remat'd backward); 0.11's gathers one MLP
