@@ -36,6 +36,11 @@ GPU_FLAGS = {
     "xla_gpu_enable_pipelined_all_reduce": "true",
     # Unroll loops by two so the pipelined collective of the next iteration has its own (double) buffer.
     "xla_gpu_enable_while_loop_double_buffering": "true",
+    # A scanned stack's [layers, ...] buffers (its saved activations, its weights' gradients) start uninitialised
+    # instead of zero-filled where XLA proves every slot is written before anything reads it (each iteration's only
+    # use of the buffer a dynamic-update-slice, the iterations covering it): an AllocateBuffer, no launch, instead of a
+    # memset of the whole stack a step. Off in XLA by default; what it saves: engine/README.md#figures.
+    "xla_gpu_enable_dus_accumulator_zero_init_elimination": "true",
     # Collectives on the highest-priority stream: a ready collective is not starved by a long compute kernel.
     "xla_gpu_enable_highest_priority_async_stream": "true",
     # Combine small collectives (norm scales, biases, per-parameter reductions) into one up to these sizes: NCCL

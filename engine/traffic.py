@@ -6,7 +6,8 @@ Every launch of the program's top level and of its loops' bodies, times the loop
 costliest branch: a step's update rather than its skip of a non-finite one), in one of these kinds: 'matmul' (XLA's GEMM
 fusions, cuBLAS calls), 'kernel' (other custom calls: cuDNN's attention, Pallas kernels through Triton or Mosaic GPU),
 'collective', 'fill' (a fusion of no operand: a buffer set to a constant, such as the zeros a scanned stack's saved
-activations start from), 'stack write' (a dynamic-update-slice into a larger buffer, in place: a scan writing one
+activations start from; an `AllocateBuffer`, the uninitialised buffer XLA puts in their place where every slot is
+written before it is read, launches nothing), 'stack write' (a dynamic-update-slice into a larger buffer, in place: a scan writing one
 layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one), 'copy' and 'elementwise' (every
 other fusion: elementwise work, reductions, transposes). Its bytes: every operand read once and the result written once,
 except that an operand a fusion only slices (through bitcasts too) is read as its slices, an in-place update reads its
@@ -141,6 +142,8 @@ def _launch(module, comp, line):
     if _COLLECTIVE.match(op):
         return "collective", _bytes(result)
     if op == "custom-call":
+        if 'custom_call_target="AllocateBuffer"' in rest:  # an uninitialised buffer: no thunk, nothing moved
+            return None
         if _is_cublas(m):
             return "matmul", _bytes(result) - _workspace(result) + sum(map(_bytes, operands))
         return "kernel", _bytes(result) + sum(map(_bytes, operands))

@@ -55,11 +55,15 @@ DEFAULT_PEER = next((p for p in (os.path.join(ROOT, ".peers", PEER_FILE),
                     os.path.join(ROOT, ".peers", PEER_FILE))
 TARGET_RATIO, TARGET_MFU = 1.15, 0.50  # issue 44: over torch.compile's tokens/s; MFU at the LLaMA-3-8B shape
 TARGET_FP8 = 1.3  # issue 47: the FP8 step's tokens/s over the bf16 step's at the LLaMA-3-8B shape
-ENGINE_RUNS = {"bf16": "engine", "unrolled": "engine unrolled", "cublas": "engine cuBLAS", "fp8": "engine fp8"}
+ENGINE_RUNS = {"bf16": "engine", "unrolled": "engine unrolled", "cublas": "engine cuBLAS", "fills": "engine zero fills",
+               "fp8": "engine fp8"}
 # The XLA flags a run adds to its subprocess's XLA_FLAGS: 'cublas' turns XLA's Triton GEMM fusions off, so that every
 # matmul is a cuBLAS call, which XLA can fuse with a scanned stack's slices (its operands read and its result written
 # in place there: engine/README.md's traffic figures); the autotuner, which times each GEMM alone, cannot weigh that.
-RUN_XLA_FLAGS = {"cublas": "--xla_gpu_enable_triton_gemm=false"}
+# 'fills' turns off what engine.compiler turns on, XLA's elimination of a scanned stack's zero fills: the same
+# program with its stacks zeroed first, whose loss must equal the engine's (`agreement_lines`).
+RUN_XLA_FLAGS = {"cublas": "--xla_gpu_enable_triton_gemm=false",
+                 "fills": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"}
 
 flags.DEFINE_list("shapes", ["tinyllama", "llama3_8b"], f"Model shapes, of {sorted(SHAPES)}.")
 flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")
@@ -83,7 +87,8 @@ flags.DEFINE_enum("loss_implementation", "plain", ["plain", "chunked", "auto", *
                   "loss kernel (kernels.linear_cross_entropy).")
 flags.DEFINE_list("engine_runs", ["bf16"], "The engine's runs, in this order, of: bf16 (every matmul in bf16), "
                   "unrolled (the same with the layers unrolled), cublas (the same with XLA's Triton GEMMs off: every "
-                  "matmul through cuBLAS) and fp8 (the attention and MLP projections' matmuls in FP8, "
+                  "matmul through cuBLAS), fills (the same with the scanned stacks zero-filled first, as XLA does by "
+                  "default: its loss must equal bf16's) and fp8 (the attention and MLP projections' matmuls in FP8, "
                   "models.ModelOptions.fp8).")
 flags.DEFINE_list("peers", ["compile", "eager"], "PyTorch peers to run after the engine, in this order. Skipped "
                   "with a note when torch has no CUDA, unless this flag is given explicitly (a CPU smoke test).")
@@ -319,6 +324,25 @@ def target_lines(records):
     return lines
 
 
+def agreement_lines(records):
+    """One line per shape and row length where both ran: the loss of the engine's step beside the same program with
+    its scanned stacks zero-filled first ('fills'). XLA's elimination of the fills is sound only if every slot is
+    written before it is read, so the two must agree (bit for bit, unless a kernel's reductions are
+    nondeterministic)."""
+    engine = {(r["shape"], r["seq"]): r["loss"] for r in records
+              if r["run"] == ENGINE_RUNS["bf16"] and r.get("loss") is not None}
+    lines = []
+    for r in records:
+        key = (r["shape"], r["seq"])
+        if r["run"] != ENGINE_RUNS["fills"] or r.get("loss") is None or key not in engine:
+            continue
+        diff = abs(engine[key] - r["loss"]) / max(abs(r["loss"]), 1e-30)
+        verdict = "equal" if diff == 0 else ("agree" if diff < 1e-3 else "DIFFER")
+        lines.append(f"stacks unfilled against zero-filled, {r['shape']} seq {r['seq']}: loss {engine[key]:.6f} "
+                     f"against {r['loss']:.6f}, relative difference {diff:.1e} ({verdict})")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ main
 def _check_flags():
     for shape in FLAGS.shapes:
@@ -431,7 +455,7 @@ def main(argv):
         interrupted = True
     peak = next((r["peak_tflops"] for r in records if r.get("peak_tflops")), None)
     records = add_figures(records, flops, peak)
-    for line in target_lines(records):
+    for line in target_lines(records) + agreement_lines(records):
         print(line)
     print()
     print(format_table(records), flush=True)

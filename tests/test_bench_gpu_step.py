@@ -96,6 +96,18 @@ def test_target_lines():
                      "target 1.3x the bf16 step with FP8, llama3_8b seq 2048: 1.40x (met)"], lines
 
 
+def test_agreement_lines_compare_the_unfilled_stacks_loss_with_the_zero_filled_one():
+    bench = _load_script()
+    at = lambda run, loss, seq=2048: dict(shape="tinyllama", seq=seq, run=run, loss=loss)  # noqa: E731
+    lines = bench.agreement_lines([at("engine", 2.5), at("engine zero fills", 2.5), at("engine", 2.5, 8192),
+                                   at("engine zero fills", float("nan"), 8192), at("engine cuBLAS", 2.6),
+                                   at("engine zero fills", 3.0, 4096)])
+    assert lines == ["stacks unfilled against zero-filled, tinyllama seq 2048: loss 2.500000 against 2.500000, "
+                     "relative difference 0.0e+00 (equal)",
+                     "stacks unfilled against zero-filled, tinyllama seq 8192: loss 2.500000 against nan, "
+                     "relative difference nan (DIFFER)"], lines
+
+
 def test_an_engine_run_adds_its_xla_flags_to_its_subprocess_only():
     """'cublas' appends XLA's Triton-GEMM switch to the XLA_FLAGS its worker inherits (keeping the user's); the other
     runs and the peers get the environment as it was."""
@@ -104,6 +116,7 @@ def test_an_engine_run_adds_its_xla_flags_to_its_subprocess_only():
     assert bench.run_env(env, "cublas") == {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false",
                                             "HOME": "/h"}
     assert bench.run_env({}, "cublas") == {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
+    assert bench.run_env({}, "fills") == {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"}
     assert bench.run_env(env, "bf16") is env and bench.run_env(env, "unrolled") is env
     assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
 

@@ -106,6 +106,19 @@ def test_each_launch_counted_by_its_kind_and_bytes_times_its_loop():
     assert "| collective |" not in table  # kinds with no launch are left out
 
 
+def test_an_uninitialised_buffer_launches_nothing():
+    """XLA's AllocateBuffer in place of a scanned stack's zero fill (engine.compiler's flags) moves no byte: the same
+    module without its fill, everything else counted as before."""
+    unfilled = MODULE.replace("fusion(), kind=kLoop, calls=%fused_fill",
+                              'custom-call(), custom_call_target="AllocateBuffer"')
+    assert unfilled != MODULE
+    before, after = kernel_traffic(MODULE), kernel_traffic(unfilled)
+    assert after["kinds"]["fill"] == {"launches": 0, "bytes": 0}
+    assert after["kinds"]["kernel"] == before["kinds"]["kernel"]
+    assert after["launches"] == before["launches"] - 1
+    assert after["bytes"] == before["bytes"] - before["kinds"]["fill"]["bytes"]
+
+
 # A fused q, k, v projection's output [8, 48] whose k part [8, 16] a fusion slices and writes into its stack in place.
 SLICED_UPDATE = """HloModule s
 
@@ -150,6 +163,39 @@ def test_a_scanned_step_fills_and_copies_stacks_an_unrolled_one_does_not():
     assert unrolled["stack write"]["launches"] == unrolled["stack read"]["launches"] == 0
     assert scanned["matmul"]["launches"] == unrolled["matmul"]["launches"]
     assert plans[False]["bytes"] < plans[True]["bytes"]
+
+
+@pytest.mark.gpu_compile
+def test_the_gpu_flags_leave_a_scanned_stack_unfilled():
+    """plan_memory.py compiles with engine.compiler's GPU flags, as a run on the GPU does: a scanned LLaMA step's
+    [layers, ...] stacks start uninitialised (AllocateBuffer), so the plan moves exactly their zero fills less than
+    with XLA's default, which a user's XLA_FLAGS entry restores (configure never overrides one); every other launch
+    is the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_gpu_plan import _no_cuda_plugin
+
+    why = _no_cuda_plugin()
+    if why:
+        pytest.skip(why)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "scripts/plan_memory.py", "--target=gpu:h100", "--model=llama", "--model_config=tiny",
+           "--seq_len=128", "--per_device_batch_size=2", "--remat=none"]
+    plans = {}
+    for flag in ("", "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flag, PYTHONPATH=root)
+        out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        plans[flag] = json.loads(out.stdout.strip().splitlines()[-1])["traffic"]
+    unfilled, filled = plans[""], plans["--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"]
+    saved = filled["kinds"]["fill"]["bytes"] - unfilled["kinds"]["fill"]["bytes"]
+    assert saved > filled["kinds"]["fill"]["bytes"] / 2 and unfilled["kinds"]["stack write"]["launches"] > 0
+    assert unfilled["bytes"] == filled["bytes"] - saved
+    for kind in ("matmul", "kernel", "stack write", "stack read", "copy", "elementwise"):
+        assert unfilled["kinds"][kind] == filled["kinds"][kind], kind
 
 
 # cuBLAS as XLA:GPU runs it with its Triton GEMMs off: a top-level call (its result beside a scratch workspace) and, in
