@@ -67,31 +67,36 @@ class _Module:
                         self.roots[name] = m.group(3)
                         self.instrs[(name, None)] = m
 
-    def _users(self, callee, name):
-        """The instructions of `callee` that use `name`, through bitcasts (which move nothing): (instruction,
-        whether `name`, or the bitcast of it, is its first operand)."""
+    def _users(self, callee, name, through=("bitcast",)):
+        """The instructions of `callee` that use `name`, through the ops in `through` (bitcasts move nothing; an
+        element's convert reads that element alone): (instruction, whether `name`, or what it passed through, is its
+        first operand)."""
         found = []
         for line in self.comps.get(callee, ()):
             m = _INSTR.match(line)
             if not m or m.group(1) == name or name not in _operands(m.group(4)):
                 continue
-            if m.group(3) == "bitcast":
-                found += self._users(callee, m.group(1))
+            if m.group(3) in through:
+                found += self._users(callee, m.group(1), through)
             else:
                 found.append((m, _operands(m.group(4))[0] == name))
         return found
 
     def operand_read(self, callee, index, full):
-        """Bytes a fused computation reads of its parameter `index` (`full` bytes): its slices where it only slices
-        it (dynamic or static slices), none where it is only the buffer an update writes in place (either through
-        bitcasts)."""
+        """Bytes a fused computation reads of its parameter `index` (`full` bytes): the elements it selects where it
+        only slices it (dynamic or static slices) or gathers from it (a label's logit), through bitcasts and converts,
+        none where it is only the buffer an update writes in place (through bitcasts)."""
         lines = self.comps.get(callee, ())
         name = next((m.group(1) for m in map(_PARAM.match, lines) if m and int(m.group(2)) == index), None)
         if name is None:
             return full
+        users = self._users(callee, name, ("bitcast", "convert"))
+        if users and all(u.group(3) in ("dynamic-slice", "slice", "gather") and first for u, first in users):
+            shapes = _shapes(self.types[(callee, name)])
+            size = _BYTES[shapes[0][0]] if len(shapes) == 1 else None
+            if size is not None:
+                return sum(size * n for u, _ in users for _, n in _shapes(u.group(2)))
         users = self._users(callee, name)
-        if users and all(u.group(3) in ("dynamic-slice", "slice") and first for u, first in users):
-            return sum(_bytes(u.group(2)) for u, _ in users)
         if users and all(u.group(3) == "dynamic-update-slice" and first for u, first in users):
             return 0
         return full
