@@ -39,7 +39,8 @@ FLAGS = flags.FLAGS
 # for the matmuls 5.6 GB. Activations: without remat (the default, as the peers) PyTorch eager keeps every
 # activation in bf16, about 4.4 GB a layer (the engine less: scripts/README.md plans it), and 25 GB around the loss
 # (the fp32 logits [16384, 128256] and their gradient): about 110 GB. 12 layers would add some 31 GB (141 GB, at the
-# card's edge), so 8 leave room for allocator slack. --remat=dots keeps only the weight-matmul outputs (q, k, v, o, gate, up, down: 43008 values a
+# card's edge), so 8 leave room for allocator slack. On a smaller card (an 80 GB H100) `peer_layers` takes the most
+# layers that this arithmetic fits in 85 % of its memory (3 there), so that both peers still run beside the engine. --remat=dots keeps only the weight-matmul outputs (q, k, v, o, gate, up, down: 43008 values a
 # token) for less memory and more time.
 SHAPES = {
     "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -70,8 +71,9 @@ flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")
 flags.DEFINE_integer("tokens_per_step", 16384, "Tokens a step; rows = tokens_per_step // seq_len (at least 1).")
 flags.DEFINE_integer("steps", 10, "Timed steps of each run.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps before them (the first compiles).")
-flags.DEFINE_integer("llama3_layers", 8, "Layers of the llama3_8b shape (of LLaMA-3-8B's 32; the comment at SHAPES "
-                     "says why 8 fit one H200).")
+flags.DEFINE_integer("llama3_layers", 0, "Layers of the llama3_8b shape (of LLaMA-3-8B's 32; the comment at SHAPES "
+                     "says why 8 fit one H200). 0: by the first GPU's memory (nvidia-smi): 8 on an H200, fewer on "
+                     "a card where the PyTorch peers would not fit them (3 on an 80 GB H100); 8 without nvidia-smi.")
 flags.DEFINE_bool("scan_layers", True, "Scan the engine's layers (one compiled layer, its saved activations stacked "
                   "[layers, ...]); false: unrolled, each layer its own code and buffers (longer compile, no stacks to "
                   "fill and copy in and out).")
@@ -249,6 +251,33 @@ def run_case(cmd, timeout, env=None):
     return None, f"exit {proc.returncode}: {(lines[-1] if lines else 'no output')[:160]}"
 
 
+# The peers' memory at the llama3_8b shape (the comment at SHAPES), in GB: the embedding's and head's fp32 state and
+# bf16 copies, and per layer its state; then, per 16384 tokens a step, the loss's fp32 logits and gradient and each
+# layer's activations.
+PEER_GB = dict(fixed=18.9, layer=3.9, loss_per_16k=25.0, layer_per_16k=4.4)
+MAX_LLAMA3_LAYERS = 8
+
+
+def peer_layers(memory_gb, tokens_per_step):
+    """The llama3_8b shape's layers for a GPU of `memory_gb` (None: unknown, 8): the most, up to 8, whose PyTorch
+    peers' estimate (`PEER_GB`) fits 85 % of the card at `tokens_per_step`, at least 1."""
+    if memory_gb is None:
+        return MAX_LLAMA3_LAYERS
+    t = tokens_per_step / 16384
+    room = 0.85 * memory_gb - PEER_GB["fixed"] - PEER_GB["loss_per_16k"] * t
+    return max(1, min(MAX_LLAMA3_LAYERS, int(room // (PEER_GB["layer"] + PEER_GB["layer_per_16k"] * t))))
+
+
+def gpu_memory_gb():
+    """The first GPU's memory in GB (1e9 bytes) as nvidia-smi reports it, or None (no nvidia-smi, no GPU)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60)
+        return int(out.stdout.split()[0]) * 2**20 / 1e9 if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
 def torch_has_cuda(python):
     """Whether `python` imports a torch that sees a CUDA device."""
     try:
@@ -291,7 +320,8 @@ def format_table(records):
         if r.get("attention"):  # the engine's: the attention it ran, and on which rows
             run += (f" [attention {r['attention']}{', packed rows' if r.get('packed') else ''}"
                     f"{', layers unrolled' if r.get('scan_layers') is False and 'unrolled' not in r['run'] else ''}]")
-        cells = [r["shape"], str(r["seq"]), str(r["rows"]), run, _fmt(r.get("step_ms"), ".1f"),
+        shape = r["shape"] + (f" ({r['layers']} layers)" if r["shape"] == "llama3_8b" and r.get("layers") else "")
+        cells = [shape, str(r["seq"]), str(r["rows"]), run, _fmt(r.get("step_ms"), ".1f"),
                  _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(None if r["mfu"] is None else 100 * r["mfu"], ".1f", " %"),
                  _fmt(r.get("peak_gb"), ".2f"), _fmt(r.get("warmup_s"), ".1f"), _fmt(r["vs_compile"], ".2f", "x")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -360,9 +390,11 @@ def _check_flags():
     unknown = sorted(set(FLAGS.engine_runs) - set(ENGINE_RUNS))
     if unknown or not FLAGS.engine_runs:
         raise ValueError(f"--engine_runs={','.join(FLAGS.engine_runs)}; expected one or more of {sorted(ENGINE_RUNS)}")
-    for name in ("tokens_per_step", "steps", "warmup", "llama3_layers", "per_run_timeout"):
+    for name in ("tokens_per_step", "steps", "warmup", "per_run_timeout"):
         if getattr(FLAGS, name) < 1:
             raise ValueError(f"--{name}={getattr(FLAGS, name)}; expected an integer >= 1")
+    if FLAGS.llama3_layers < 0:
+        raise ValueError(f"--llama3_layers={FLAGS.llama3_layers}; expected an integer >= 1, or 0 (by the GPU's memory)")
     return seq_lens
 
 
@@ -408,7 +440,7 @@ def _run_shape(shape, seq, peers, child_env, flops, records):
     for run, cmd, env in runs:
         start = time.perf_counter()
         result, why = run_case(cmd, FLAGS.per_run_timeout, env)
-        record = dict(result or {}, shape=shape, seq=seq, rows=rows, run=run,
+        record = dict(result or {}, shape=shape, seq=seq, rows=rows, run=run, layers=model.config.num_layers,
                       wall_s=round(time.perf_counter() - start, 1))
         if result is None:
             record.update(note=why, tokens_per_s=None)
@@ -430,6 +462,12 @@ def main(argv):
         print("RESULT " + json.dumps(result), flush=True)
         return
     seq_lens = _check_flags()
+    if FLAGS.llama3_layers == 0:  # by the GPU's memory, for this process and every run's
+        memory = gpu_memory_gb()
+        FLAGS.llama3_layers = peer_layers(memory, FLAGS.tokens_per_step)
+        if "llama3_8b" in FLAGS.shapes:
+            print(f"llama3_8b: {FLAGS.llama3_layers} of LLaMA-3-8B's 32 layers (--llama3_layers=0: "
+                  f"{f'a GPU of {memory:.1f} GB' if memory else 'no GPU memory reported'})", flush=True)
     child_env = dict(os.environ)
     # JAX takes 75 % of a GPU's memory by default; the llama3_8b shape wants more (the comment at SHAPES).
     child_env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

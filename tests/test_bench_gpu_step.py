@@ -96,6 +96,21 @@ def test_target_lines():
                      "target 1.3x the bf16 step with FP8, llama3_8b seq 2048: 1.40x (met)"], lines
 
 
+def test_the_llama3_shapes_layers_follow_the_gpus_memory():
+    """8 layers on an H200 (nvidia-smi's 143771 MiB) or where the memory is unknown, 3 on an 80 GB H100 (81559 MiB),
+    fewer at more tokens a step, never fewer than 1; each count's peers' estimate within 85 % of the card."""
+    bench = _load_script()
+    h200, h100 = 143771 * 2**20 / 1e9, 81559 * 2**20 / 1e9
+    assert bench.peer_layers(h200, 16384) == 8 and bench.peer_layers(None, 16384) == 8
+    assert bench.peer_layers(h100, 16384) == 3 and bench.peer_layers(h100, 32768) == 1
+    assert bench.peer_layers(16.0, 16384) == 1
+    g = bench.PEER_GB
+    for memory in (h100, 100.0, 120.0):
+        layers = bench.peer_layers(memory, 16384)
+        need = g["fixed"] + g["loss_per_16k"] + layers * (g["layer"] + g["layer_per_16k"])
+        assert need <= 0.85 * memory < need + g["layer"] + g["layer_per_16k"], (memory, layers)
+
+
 def test_agreement_lines_compare_the_unfilled_stacks_loss_with_the_zero_filled_one():
     bench = _load_script()
     at = lambda run, loss, seq=2048: dict(shape="tinyllama", seq=seq, run=run, loss=loss)  # noqa: E731
