@@ -26,6 +26,7 @@ time spent waiting for the next batch: the input wait of a run on an accelerator
   .venv/bin/python scripts/bench_data.py                                        # 256 MB corpus, seq 2048
   .venv/bin/python scripts/bench_data.py --corpus_mb=16 --seq_len=256 --batches=20 --train_steps=30   # a smoke run
 """
+import importlib.util
 import itertools
 import json
 import os
@@ -276,6 +277,9 @@ def main(argv):
     workers = [int(w) for w in FLAGS.workers]
     if any(w < 0 for w in workers):
         raise ValueError(f"--workers={','.join(FLAGS.workers)}; expected integers >= 0")
+    if importlib.util.find_spec("grain") is None:
+        raise ValueError("bench_data.py measures Grain's pipeline beside the engine's, and grain is not installed: "
+                         "pip install -e '.[data]'")
     mesh = engine.make_mesh(data=jax.local_device_count())
     if FLAGS.batch_rows % jax.local_device_count():
         raise ValueError(f"--batch_rows={FLAGS.batch_rows}; expected a multiple of the {jax.local_device_count()} "

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,6 +23,7 @@ def _rows(stdout, header):
 
 
 def test_bench_data_prints_rates_and_the_paced_wait(tmp_path):
+    pytest.importorskip("grain")  # the `data` extra (make test installs it; a bare JAX 0.11 tier may not)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: batches of any row count
     pace = 20_000
     out = subprocess.run(
@@ -40,3 +43,18 @@ def test_bench_data_prints_rates_and_the_paced_wait(tmp_path):
         # Held 256 tokens / 20k tokens/s = 12.8 ms a batch: the rate is the pace less the waits, never above it.
         assert 0.5 * pace < consumed <= pace * 1.01, row
         assert 0 <= share < 0.5, row
+
+
+def test_bench_data_without_grain_says_so_in_one_line(tmp_path):
+    """Where grain is not installed (here: hidden from the script's lookup), one error line naming the extra."""
+    script = os.path.join(ROOT, "scripts", "bench_data.py")
+    code = ("import importlib.util as u, runpy, sys\n"
+            "find = u.find_spec\n"
+            "u.find_spec = lambda name, *a: None if name == 'grain' else find(name, *a)\n"
+            f"sys.argv = [{script!r}, '--workdir={tmp_path}']\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == ("error: bench_data.py measures Grain's pipeline beside the "
+                                                   "engine's, and grain is not installed: pip install -e '.[data]'")
