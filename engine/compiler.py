@@ -12,9 +12,9 @@ it changes nothing and logs a warning saying so.
 
 `use_compilation_cache(path)` turns on JAX's persistent compilation cache: a program that took a second or more to
 compile (the train step, evals; on a GPU with its autotuning, whose per-fusion results XLA keeps there too) loads
-from disk in the next process that compiles it, a restarted or re-run script included. The scripts call it (`--compilation_cache_dir`);
-a library user calls it, or sets `jax_compilation_cache_dir`, before the first compile. `cache_hits()` counts the
-programs loaded from it in this process.
+from disk in the next process that compiles it, a restarted or re-run script included. The scripts call it
+(`--compilation_cache_dir`); a library user calls it, or sets `jax_compilation_cache_dir`, before the first compile.
+`cache_hits()` counts the programs loaded from it in this process.
 """
 import collections
 import os

@@ -7,15 +7,16 @@ costliest branch: a step's update rather than its skip of a non-finite one), in 
 fusions, cuBLAS calls), 'kernel' (other custom calls: cuDNN's attention, Pallas kernels through Triton or Mosaic GPU),
 'collective', 'fill' (a fusion of no operand: a buffer set to a constant, such as the zeros a scanned stack's saved
 activations start from; an `AllocateBuffer`, the uninitialised buffer XLA puts in their place where every slot is
-written before it is read, launches nothing), 'stack write' (a dynamic-update-slice into a larger buffer, in place: a scan writing one
-layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one), 'copy' and 'elementwise' (every
-other fusion: elementwise work, reductions, transposes). Its bytes: every operand read once and the result written once,
-except that an operand a fusion only slices (through bitcasts too) is read as its slices, an in-place update reads its
-inputs (not the buffer) and writes the update alone and a cuBLAS call's scratch workspace is not counted; with XLA's
-Triton GEMMs off, cuBLAS calls fused with a stack's slices (XLA's dynamic-slice fusion) are 'matmul' launches reading
-their operands' slices and writing their update in place. An estimate, not a profile: caches, a GEMM's re-reads of its
-tiles and what overlaps are not modelled. Time at the device's bandwidth is a floor for the memory-bound kinds
-(everything but 'matmul' and 'kernel', whose FLOPs usually bound them)."""
+written before it is read, launches nothing), 'stack write' (a dynamic-update-slice into a larger buffer, in place: a
+scan writing one layer's value into its [layers, ...] stack), 'stack read' (a dynamic slice out of one), 'copy' and
+'elementwise' (every other fusion: elementwise work, reductions, transposes). Its bytes: every operand read once and the
+result written once, except that an operand a fusion only slices or gathers from (through bitcasts and converts) is read
+as the elements it selects, an in-place update reads its inputs (not the buffer) and writes the update alone and a
+cuBLAS call's scratch workspace is not counted; with XLA's Triton GEMMs off, cuBLAS calls fused with a stack's slices
+(XLA's dynamic-slice fusion) are 'matmul' launches reading their operands' slices and writing their update in place. An
+estimate, not a profile: caches, a GEMM's re-reads of its tiles and what overlaps are not modelled. Time at the device's
+bandwidth is a floor for the memory-bound kinds (everything but 'matmul' and 'kernel', whose FLOPs usually bound
+them)."""
 import re
 
 from engine.plan import _BYTES, _INSTR, _computations, _shapes, branches_of, loop_trips

@@ -33,15 +33,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 
 # Shapes: a named LLaMA config and the fields that differ from it. TinyLlama-1.1B is LLaMA-2's layout at d 2048.
-# LLaMA-3-8B keeps its width and vocabulary but runs --llama3_layers of its 32 layers, so that it and both peers fit
-# one H200 (139 GiB) at 16384 tokens a step. 8 layers: 8 x 218.1M + 2 x 525.3M (embedding, untied head) = 2.80B
-# parameters; fp32 master weights, fp32 gradients and AdamW's two fp32 moments are 16 B each (44.7 GB), a bf16 copy
-# for the matmuls 5.6 GB. Activations: without remat (the default, as the peers) PyTorch eager keeps every
-# activation in bf16, about 4.4 GB a layer (the engine less: scripts/README.md plans it), and 25 GB around the loss
-# (the fp32 logits [16384, 128256] and their gradient): about 110 GB. 12 layers would add some 31 GB (141 GB, at the
-# card's edge), so 8 leave room for allocator slack. On a smaller card (an 80 GB H100) `peer_layers` takes the most
-# layers that this arithmetic fits in 85 % of its memory (3 there), so that both peers still run beside the engine. --remat=dots keeps only the weight-matmul outputs (q, k, v, o, gate, up, down: 43008 values a
-# token) for less memory and more time.
+# LLaMA-3-8B keeps its width and vocabulary but runs --llama3_layers of its 32 layers, so that it and both peers fit one
+# H200 (139 GiB) at 16384 tokens a step. 8 layers: 8 x 218.1M + 2 x 525.3M (embedding, untied head) = 2.80B parameters;
+# fp32 master weights, fp32 gradients and AdamW's two fp32 moments are 16 B each (44.7 GB), a bf16 copy for the matmuls
+# 5.6 GB. Activations: without remat (the default, as the peers) PyTorch eager keeps every activation in bf16, about 4.4
+# GB a layer (the engine less: scripts/README.md plans it), and 25 GB around the loss (the fp32 logits [16384, 128256]
+# and their gradient): about 110 GB. 12 layers would add some 31 GB (141 GB, at the card's edge), so 8 leave room for
+# allocator slack. On a smaller card (an 80 GB H100) `peer_layers` takes the most layers that this arithmetic fits in
+# 85% of its memory (3 there), so that both peers still run beside the engine. --remat=dots keeps only the weight-matmul
+# outputs (q, k, v, o, gate, up, down: 43008 values a token) for less memory and more time.
 SHAPES = {
     "tiny": ("tiny", dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                           vocab_size=256)),
@@ -106,8 +106,8 @@ flags.DEFINE_string("worker", None, "Internal: measure the engine at SHAPE:SEQ_L
 def make_model(shape, seq_len, *, llama3_layers=8, remat="none", attention_implementation=None, fp8=False,
                scan_layers=True):
     """The native LLaMA (`models.create_model('llama', ...)`) of a shape at rows of `seq_len` tokens, scanned (unless
-    not `scan_layers`), with the given remat and attention kernel (and FP8 projections with `fp8`). The model's dtype is left at its default:
-    the step's compute dtype comes from `engine.Precision`, as a user's does."""
+    not `scan_layers`), with the given remat and attention kernel (and FP8 projections with `fp8`). The model's dtype
+    is left at its default: the step's compute dtype comes from `engine.Precision`, as a user's does."""
     import models
     if shape not in SHAPES:
         raise ValueError(f"shape={shape!r}; expected one of {sorted(SHAPES)}")

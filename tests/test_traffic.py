@@ -127,7 +127,7 @@ GATHERED = """HloModule g
   %l0 = bf16[16,1000]{1,0} parameter(0)
   %l1 = s32[16,2]{1,0} parameter(1)
   %w = f32[16,1000]{1,0} convert(%l0)
-  ROOT %g = f32[16,1]{1,0} gather(%w, %l1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1}
+  ROOT %g = f32[16,1]{1,0} gather(%w, %l1), offset_dims={1}, start_index_map={0,1}, slice_sizes={1,1}
 }
 
 %total (t0: bf16[16,1000]) -> f32[16] {
