@@ -111,6 +111,24 @@ def test_the_llama3_shapes_layers_follow_the_gpus_memory():
         assert need <= 0.85 * memory < need + g["layer"] + g["layer_per_16k"], (memory, layers)
 
 
+def test_gpu_memory_is_nvidia_smis_first_card_or_none(monkeypatch):
+    bench = _load_script()
+    reply = {"out": "81559\n81559\n", "rc": 0}
+
+    def fake_run(cmd, **_):
+        assert cmd[0] == "nvidia-smi" and "--query-gpu=memory.total" in cmd
+        if reply["out"] is None:
+            raise FileNotFoundError("nvidia-smi")
+        return subprocess.CompletedProcess(cmd, reply["rc"], stdout=reply["out"], stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench.gpu_memory_gb() == pytest.approx(81559 * 2**20 / 1e9)
+    reply.update(rc=9)
+    assert bench.gpu_memory_gb() is None
+    reply.update(out=None)
+    assert bench.gpu_memory_gb() is None
+
+
 def test_agreement_lines_compare_the_unfilled_stacks_loss_with_the_zero_filled_one():
     bench = _load_script()
     at = lambda run, loss, seq=2048: dict(shape="tinyllama", seq=seq, run=run, loss=loss)  # noqa: E731
