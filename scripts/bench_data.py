@@ -14,17 +14,20 @@ ByteTokenizer), through `engine.data.iterate_batches` into batches of --batch_ro
   sample), each span tokenised into one row (`sources.pack`'s first row: any tokens past it cut, a short row padded);
   random access, so shuffled like a list, with --workers worker processes each (0: in this process).
 
-Tokens per second count the tokens in rows (padding excluded), over --batches batches after the first (the first
-waits for the workers to start, reported apart as start s). With --train_steps, a tiny LLaMA (--hidden, --layers)
-trains on the MapDataset's batches through `Trainer.fit` for each --workers value, and the table gives the share of
-its step time spent waiting for the next batch (the Trainer's data timer; the first log interval, which compiles,
-left out). With --consume_tokens_per_s, a consumer takes each batch from the prefetch thread `fit` runs
-(`engine.data.Prefetcher` over `iterate_batches`) and holds it for the time a device training at that rate spends on
-it (sleeping: a GPU's step is asynchronous, so the host is idle meanwhile), and the table gives the share of that
-time spent waiting for the next batch: the input wait of a run on an accelerator this machine lacks.
+Tokens per second count the tokens in rows (padding excluded), over --batches batches after the first (the first waits
+for the workers to start, reported apart as start s). With --train_steps, a LLaMA (--hidden, --layers, --heads, ...;
+tiny by default) trains on the MapDataset's batches through `Trainer.fit` for each --workers value, and the table gives
+the share of its step time spent waiting for the next batch (the Trainer's data timer; the first log interval, which
+compiles, left out). With --consume_tokens_per_s, a consumer takes each batch from the prefetch thread `fit` runs
+(`engine.data.Prefetcher` over `iterate_batches`) and holds it for the time a device training at that rate spends on it
+(sleeping: a GPU's step is asynchronous, so the host is idle meanwhile), and the table gives the share of that time
+spent waiting for the next batch: the input wait of a run on an accelerator this machine lacks. On a GPU, --train_steps
+with TinyLlama's shape measures the wait under the real step (`device_check.sh data` runs it).
 
   .venv/bin/python scripts/bench_data.py                                        # 256 MB corpus, seq 2048
   .venv/bin/python scripts/bench_data.py --corpus_mb=16 --seq_len=256 --batches=20 --train_steps=30   # a smoke run
+  python3 scripts/bench_data.py --corpus_mb=64 --bpe_train_mb=8 --batch_rows=4 --batches=10 --workers=0,2 \
+      --tokenizers=bpe --train_steps=25 --hidden=2048 --layers=22 --heads=32 --kv_heads=4 --intermediate=5632  # GPU
 """
 import importlib.util
 import itertools
@@ -40,7 +43,7 @@ from absl import flags
 import engine
 import models
 from engine import data as data_lib
-from engine.tasks import cli, lm, sources, text_data
+from engine.tasks import cli, lm, run_record, script_flags, sources, text_data
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "/tmp/redline_bench_data", "Where the generated corpus and tokenizer are kept (reused "
@@ -60,8 +63,13 @@ flags.DEFINE_integer("train_steps", 40, "Training steps per --workers value for 
 flags.DEFINE_float("consume_tokens_per_s", 0, "A paced consumer's rate (0: none): it holds each batch for its tokens "
                    "at this rate, and the table gives the share of time it waited for input.", lower_bound=0)
 flags.DEFINE_integer("consume_batches", 100, "Batches the paced consumer takes, after the first.", lower_bound=1)
-flags.DEFINE_integer("hidden", 64, "The tiny LLaMA's hidden size.", lower_bound=8)
-flags.DEFINE_integer("layers", 2, "The tiny LLaMA's layers.", lower_bound=1)
+flags.DEFINE_integer("hidden", 64, "The trained LLaMA's hidden size.", lower_bound=8)
+flags.DEFINE_integer("layers", 2, "The trained LLaMA's layers.", lower_bound=1)
+flags.DEFINE_integer("heads", 4, "The trained LLaMA's attention heads (dividing --hidden).", lower_bound=1)
+flags.DEFINE_integer("kv_heads", 2, "Its key / value heads (dividing --heads).", lower_bound=1)
+flags.DEFINE_integer("intermediate", 0, "Its MLP's width (0: 4 x --hidden).", lower_bound=0)
+flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Its forward / backward dtype (engine.Precision); "
+                  "unset: bfloat16 on GPU and TPU, float32 on CPU, as the training scripts.")
 flags.DEFINE_integer("seed", 0, "Seed of the corpus and the shuffle.")
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -229,14 +237,16 @@ def measure(mesh, examples, workers):
 
 
 def wait_share(mesh, examples, tokenizer, workers):
-    """The share of step time `fit` waited for input over --train_steps steps of a tiny LLaMA on `examples`'
-    batches built with `workers` processes, the first log interval (compiling) left out."""
+    """The share of step time `fit` waited for input over --train_steps steps of a LLaMA (--hidden, --layers, ...) on
+    `examples`' batches built with `workers` processes, the first log interval (compiling) left out."""
     model = models.create_model("llama", "tiny", vocab_size=tokenizer.vocab_size, hidden_size=FLAGS.hidden,
-                                intermediate_size=4 * FLAGS.hidden, num_layers=FLAGS.layers, num_heads=4,
-                                num_kv_heads=2, max_position_embeddings=FLAGS.seq_len)
+                                intermediate_size=FLAGS.intermediate or 4 * FLAGS.hidden, num_layers=FLAGS.layers,
+                                num_heads=FLAGS.heads, num_kv_heads=FLAGS.kv_heads,
+                                max_position_embeddings=FLAGS.seq_len)
     trainer = engine.Trainer(mesh=mesh, collate_fn=lm.collate_lm, loss_fn=lm.lm_loss_fn(model),
                              params=models.init_params(model, jax.random.PRNGKey(FLAGS.seed)),
-                             optimizer=optax.adamw(1e-3), seed=FLAGS.seed)
+                             optimizer=optax.adamw(1e-3), seed=FLAGS.seed,
+                             precision=engine.Precision(compute_dtype=script_flags.compute_dtype()))
     log, flush = [], trainer._flush
 
     def timed_flush(rows, batch):  # the data seconds since the previous log line, read before the line resets them
@@ -277,6 +287,9 @@ def main(argv):
     workers = [int(w) for w in FLAGS.workers]
     if any(w < 0 for w in workers):
         raise ValueError(f"--workers={','.join(FLAGS.workers)}; expected integers >= 0")
+    if FLAGS.hidden % FLAGS.heads or FLAGS.heads % FLAGS.kv_heads:
+        raise ValueError(f"--hidden={FLAGS.hidden}, --heads={FLAGS.heads}, --kv_heads={FLAGS.kv_heads}; expected "
+                         "heads dividing hidden and kv_heads dividing heads")
     if importlib.util.find_spec("grain") is None:
         raise ValueError("bench_data.py measures Grain's pipeline beside the engine's, and grain is not installed: "
                          "pip install -e '.[data]'")
@@ -329,11 +342,12 @@ def main(argv):
         print(f"| {shown} | {examples} | {w} | {start:.1f} | {rate:,.0f} |")
     if waits:
         print()
-        print(f"| workers | s/step (tiny LLaMA, hidden {FLAGS.hidden}, {FLAGS.layers} layers) | input wait, share of "
-              "step |")
-        print("|---|---|---|")
+        shape = (f"LLaMA, hidden {FLAGS.hidden}, {FLAGS.layers} layers, {FLAGS.heads} / {FLAGS.kv_heads} heads, "
+                 f"{run_record.compute_dtype_name()}")
+        print(f"| workers | s/step ({shape}) | tokens/s | input wait, share of step |")
+        print("|---|---|---|---|")
         for w, share, step in waits:
-            print(f"| {w} | {step:.3f} | {share:.1%} |")
+            print(f"| {w} | {step:.3f} | {FLAGS.batch_rows * FLAGS.seq_len / step:,.0f} | {share:.1%} |")
     if paced:
         print()
         print(f"| tokenizer | examples | workers | consumed tokens/s (paced at {FLAGS.consume_tokens_per_s:,.0f}) | "

@@ -27,12 +27,15 @@
 # .peers/ && echo /.peers/ >> .git/info/exclude`). `defaults` measures every attention / loss / MLP implementation per shape
 # class (attention: head dims 128, 64, 256 at 4k and 16k tokens, causal and not, packed and not) and writes the merged
 # table to $OUT/defaults.json (bench_kernels.py --write_defaults; copy it over kernels/defaults.json after reading it).
-# On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX, which the
-# training script needs: its wheel is carried in .whl/ (ignored by git; WORKSPACE.md says how to fetch it).
+# `data` measures issue 45's input wait under TinyLlama's real step (scripts/bench_data.py; carry=[".whl"] with Grain's
+# wheels). On the device image the packages are the image's own (python3 holds jax with CUDA). It lacks tensorboardX,
+# which the training script needs, and Grain, which bench_data.py needs: their wheels are carried in .whl/ (ignored by
+# git; WORKSPACE.md says how to fetch them) and installed first, in every mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-all}
-case "$MODE" in all|tune|step|defaults) ;; *) echo "error: mode=$MODE; expected all, tune, step or defaults" >&2; exit 2;; esac
+case "$MODE" in all|tune|step|defaults|data) ;; *) echo "error: mode=$MODE; expected all, tune, step, defaults or data" >&2
+  exit 2;; esac
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -43,6 +46,13 @@ left() { local s=$((BUDGET - ($(date +%s) - start))); echo $((s > 1 ? s : 1)); }
 cap() { local t; t=$(left); echo $((t < $1 ? t : $1)); }  # what is left, at most $1 seconds
 quiet() { grep --line-buffered -v -E "^[IWE][0-9]{4} "; }  # the console without absl's log lines
 
+# Packages the device image lacks (tensorboardX for the training script; grain, array_record and portpicker for
+# bench_data.py), carried as wheels in .whl/ (WORKSPACE.md says how to fetch them), installed without their
+# dependencies, which the image holds, into /tmp/site.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/devices.log"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv 2>&1 | tee -a "$OUT/devices.log"
 check=0 train=0 bench=0 step=0
@@ -75,6 +85,16 @@ if [ "$MODE" = step ]; then
   fi
   exit "$status"
 fi
+if [ "$MODE" = data ]; then
+  # Issue 45's input wait under a real GPU step: TinyLlama's shape (d 2048, ff 5632, 22 layers, 32 / 4 heads, bf16
+  # compute) trained by Trainer.fit on the generated corpus's MapDataset rows through its trained 32000-word BPE, 4 rows
+  # of 2048 a step (issue 44's 8192 tokens), the rows built in this process and in 2 workers: the share of each step
+  # spent waiting for input (the target: under 2 %), after the pipeline's own tokens/s (4x the step's rate wanted).
+  timeout -s INT "$(left)" $PY scripts/bench_data.py --workdir=/tmp/bench_data --corpus_mb=64 --bpe_train_mb=8 \
+    --seq_len=2048 --batch_rows=4 --batches=10 --workers=0,2 --tokenizers=bpe --train_steps=25 --hidden=2048 \
+    --layers=22 --heads=32 --kv_heads=4 --intermediate=5632 2>&1 | tee "$OUT/bench_data.log" | quiet
+  exit "${PIPESTATUS[0]}"
+fi
 if [ "$MODE" = defaults ]; then
   cp kernels/defaults.json "$OUT/defaults.json"
   # Issue 44's head dims (128 first) and GQA at 4k and 16k (their neighbours cover 2k-32k), 5 samples a candidate:
@@ -98,10 +118,6 @@ if [ "$MODE" = all ]; then
   step=${PIPESTATUS[0]}
   echo "bench_gpu_step exit $step at $(( $(date +%s) - start )) s"
 
-  if ! $PY -c "import tensorboardX" 2>/dev/null && ls .whl/tensorboardx-*.whl > /dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tensorboardx-*.whl \
-      && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-  fi
   timeout -s INT "$(cap 90)" $PY scripts/train_lm.py --workdir=/tmp/device_train --loss_implementation=auto \
     --model_overrides='{"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "mlp_implementation": "triton"}' \
     > "$OUT/train_lm.log" 2>&1

@@ -1,5 +1,6 @@
-"""scripts/bench_data.py end to end on a tiny generated corpus (a few seconds): the rates table, the paced consumer's
-rate held to its pace and its wait a share of the time."""
+"""scripts/bench_data.py end to end on a tiny generated corpus (seconds): the rates table, a small LLaMA's step and its
+input wait (the model flags `device_check.sh data` sets at TinyLlama's shape), the paced consumer's rate held to its
+pace and its wait a share of the time."""
 import os
 import re
 import subprocess
@@ -22,20 +23,24 @@ def _rows(stdout, header):
     return rows
 
 
-def test_bench_data_prints_rates_and_the_paced_wait(tmp_path):
+def test_bench_data_prints_rates_the_step_wait_and_the_paced_wait(tmp_path):
     pytest.importorskip("grain")  # the `data` extra (make test installs it; a bare JAX 0.11 tier may not)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device: batches of any row count
     pace = 20_000
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_data.py"), f"--workdir={tmp_path}", "--corpus_mb=1",
          "--min_words=50", "--max_words=200", "--bpe_vocab=400", "--bpe_train_mb=1", "--tokenizers=bpe",
-         "--seq_len=64", "--batch_rows=4", "--batches=3", "--workers=0", "--train_steps=0",
+         "--seq_len=64", "--batch_rows=4", "--batches=3", "--workers=0", "--train_steps=6", "--hidden=32",
+         "--heads=4", "--kv_heads=1", "--intermediate=48", "--compute_dtype=bfloat16",
          f"--consume_tokens_per_s={pace}", "--consume_batches=10"],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rates = _rows(out.stdout, "| tokenizer | examples | workers | start s |")
     assert [r[1] for r in rates] == ["Mixture (packed, streamed)", "MapDataset (text spans)"]
     assert all(float(r[4].replace(",", "")) > 0 for r in rates)
+    (wait,) = _rows(out.stdout, "| workers | s/step (LLaMA, hidden 32, 2 layers, 4 / 1 heads, bfloat16) |")
+    step, tokens, share = float(wait[1]), float(wait[2].replace(",", "")), float(wait[3].rstrip("%")) / 100
+    assert wait[0] == "0" and step > 0 and abs(tokens - 4 * 64 / step) < 0.01 * tokens + 1 and 0 <= share < 1, wait
     paced = _rows(out.stdout, "| tokenizer | examples | workers | consumed tokens/s")
     assert len(paced) == 2
     for row in paced:
