@@ -90,7 +90,7 @@ if [ "$MODE" = data ]; then
   # compute) trained by Trainer.fit on the generated corpus's MapDataset rows through its trained 32000-word BPE, 4 rows
   # of 2048 a step (issue 44's 8192 tokens), the rows built in this process and in 2 workers: the share of each step
   # spent waiting for input (the target: under 2 %), after the pipeline's own tokens/s (4x the step's rate wanted).
-  timeout -s INT "$(left)" $PY scripts/bench_data.py --workdir=/tmp/bench_data --corpus_mb=64 --bpe_train_mb=8 \
+  timeout -s INT "$(left)" $PY scripts/bench_data.py --corpus_mb=64 --bpe_train_mb=8 \
     --seq_len=2048 --batch_rows=4 --batches=10 --workers=0,2 --tokenizers=bpe --train_steps=25 --hidden=2048 \
     --layers=22 --heads=32 --kv_heads=4 --intermediate=5632 2>&1 | tee "$OUT/bench_data.log" | quiet
   exit "${PIPESTATUS[0]}"
