@@ -20,7 +20,9 @@ GPU of the same architecture (an H100 takes an H200's measurement: the same SMs 
 kernel is faster), then, for attention, a class one step away in length bucket or head dim or both (a length or a
 head dim half or twice its own; fewer steps first, a length step before a head-dim one, the smaller first; the kind
 itself before its architecture's others): 2048 and 16384 tokens take what 4096 and 8192 measured, head dim 64 or
-256 what 128 did. Causal and not, dtypes, segments and passes never stand in for each other.
+256 what 128 did; last, the same steps in the other masking (causal for full attention and back: the same kernels
+with and without the causal tiles skipped, each implementation skipping them). Dtypes, segments (cuDNN's path for them
+is another kernel, its mask read as a bias) and passes never stand in for each other.
 """
 import datetime
 import functools
@@ -112,14 +114,16 @@ _STEPS = sorted(((dl, dh) for dl in (-1, 0, 1) for dh in (-1, 0, 1)), key=lambda
 
 
 def _near_classes(op, cls):
-    """`cls`, then (attention) the classes one length bucket and / or one head-dim doubling away, nearest first."""
+    """`cls`, then (attention) the classes one length bucket and / or one head-dim doubling away, nearest first;
+    then the same with causal flipped."""
     if op != "flash_attention":
         yield cls
         return
-    for dl, dh in _STEPS:
-        seq_len, head_dim = cls["seq_len"] * 2.0 ** dl, cls["head_dim"] * 2.0 ** dh
-        if seq_len >= 1 and head_dim == int(head_dim) >= 1:
-            yield {**cls, "seq_len": int(seq_len), "head_dim": int(head_dim)}
+    for causal in (cls["causal"], not cls["causal"]):
+        for dl, dh in _STEPS:
+            seq_len, head_dim = cls["seq_len"] * 2.0 ** dl, cls["head_dim"] * 2.0 ** dh
+            if seq_len >= 1 and head_dim == int(head_dim) >= 1:
+                yield {**cls, "causal": causal, "seq_len": int(seq_len), "head_dim": int(head_dim)}
 
 
 def shape_class(op, *, training=True, **shape):

@@ -28,14 +28,14 @@ def _attention(device_kind, seq_len=4096, head_dim=128, causal=True, dtype="bflo
 
 def test_the_checked_in_table_answers_what_was_measured_and_its_neighbours():
     """cuDNN at 4k and 8k causal, head_dim 128, bf16, both passes, on an H200, and so on an H100 (the same
-    architecture), at the buckets beside them (1025 ... 16384 tokens) and head dims 64 and 256; plain XLA matmuls
-    for the gated MLP and the loss when trained on either. Everything else: the per-backend rule."""
+    architecture), at the buckets beside them (1025 ... 16384 tokens) and head dims 64 and 256, causal or not; plain
+    XLA matmuls for the gated MLP and the loss when trained on either. Everything else: the per-backend rule."""
     for kind in (H200, H100, "NVIDIA GH200 480GB"):
         for seq_len in (1025, 2048, 2049, 4096, 5000, 8192, 16384):
             for training in (True, False):
-                for head_dim in (64, 128, 256):
-                    assert _attention(kind, seq_len, head_dim, training=training) == "cudnn", (kind, seq_len)
-        for other in (dict(seq_len=1024), dict(seq_len=16385), dict(causal=False), dict(head_dim=32),
+                for head_dim, causal in ((64, True), (128, True), (256, True), (64, False), (128, False)):
+                    assert _attention(kind, seq_len, head_dim, causal, training=training) == "cudnn", (kind, seq_len)
+        for other in (dict(seq_len=1024), dict(seq_len=16385), dict(causal=False, seq_len=1024), dict(head_dim=32),
                       dict(head_dim=512), dict(head_dim=64, seq_len=1024), dict(dtype="float16"),
                       dict(dtype=jnp.float32), dict(segments=True)):
             assert _attention(kind, **other) == "triton", (kind, other)
@@ -76,6 +76,12 @@ def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path, 
         "flash_attention", head_dim=16, seq_len=16384, causal=True, dtype="float32"), table=path) is None
     assert look("NVIDIA A100-SXM4-80GB", 512) == "cudnn" and look("NVIDIA A10", 256) == "triton"
     assert look("TPU v5p", 512) == "xla" and look("TPU v5 lite", 256) == "mosaic_tpu"
+    full = lambda kind, seq_len, **kw: _attention(kind, seq_len, 16, False, dtype="float32", table=path, **kw)  # noqa
+    assert full(H200, 1024) == "triton" and full(H100, 8192) == "mosaic_gpu"  # causal's answers, steps and kinds alike
+    _defaults.merge_table(path, [_entry(H100, 2048, {"triton": 1.0, "cudnn": 2.0}, causal=False)])
+    assert full(H100, 2048) == full(H100, 4096) == "triton"  # the masking's own entries before the other's
+    assert look(H100, 2048) == "cudnn"  # ... its neighbours (H100's 1024) before the other masking's own class
+    assert full(H100, 1024, segments=True) == "triton" == full(H100, 1024, training=False)  # not H100's causal cudnn
     said = [r.getMessage() for r in caplog.records if "as measured on" in r.getMessage()]
     assert any(m.startswith("kernels: flash_attention on NVIDIA H100 PCIe, class ('float32', 16, True, 1024, False, "
                             "'fwd+bwd'): 'cudnn', as measured on NVIDIA H100 80GB HBM3") for m in said), said
@@ -153,8 +159,8 @@ def test_a_trace_for_another_target_resolves_that_targets_defaults():
     assert kernels.resolve_implementation(None) == "xla"
 
 
-def _entry(device_kind, seq_len, times, training=True):
-    cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=seq_len, causal=True, dtype="float32",
+def _entry(device_kind, seq_len, times, training=True, causal=True):
+    cls = _defaults.shape_class("flash_attention", head_dim=16, seq_len=seq_len, causal=causal, dtype="float32",
                                 training=training)
     return _defaults.make_entry("flash_attention", device_kind, cls, times, command="test", jax=jax.__version__,
                                 shape="test")
