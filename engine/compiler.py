@@ -23,6 +23,8 @@ import threading
 import jax
 from absl import logging
 
+# XLA's elimination of a scanned stack's zero fills (below); named once, for the runs and tests that turn it off.
+FILL_ELIMINATION = "xla_gpu_enable_dus_accumulator_zero_init_elimination"
 # GPU (XLA_FLAGS). Why each:
 GPU_FLAGS = {
     # Schedule the async collective start/done pairs against independent compute with a cost model, instead of
@@ -40,7 +42,7 @@ GPU_FLAGS = {
     # instead of zero-filled where XLA proves every slot is written before anything reads it (each iteration's only
     # use of the buffer a dynamic-update-slice, the iterations covering it): an AllocateBuffer, no launch, instead of a
     # memset of the whole stack a step. Off in XLA by default; what it saves: engine/README.md#figures.
-    "xla_gpu_enable_dus_accumulator_zero_init_elimination": "true",
+    FILL_ELIMINATION: "true",
     # Collectives on the highest-priority stream: a ready collective is not starved by a long compute kernel.
     "xla_gpu_enable_highest_priority_async_stream": "true",
     # Combine small collectives (norm scales, biases, per-parameter reductions) into one up to these sizes: NCCL

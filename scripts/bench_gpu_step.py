@@ -27,6 +27,7 @@ import time
 from absl import flags
 
 import kernels
+from engine import compiler
 from engine.tasks import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,7 @@ ENGINE_RUNS = {"bf16": "engine", "unrolled": "engine unrolled", "cublas": "engin
 # 'fills' turns off what engine.compiler turns on, XLA's elimination of a scanned stack's zero fills: the same
 # program with its stacks zeroed first, whose loss must equal the engine's (`agreement_lines`).
 RUN_XLA_FLAGS = {"cublas": "--xla_gpu_enable_triton_gemm=false",
-                 "fills": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"}
+                 "fills": f"--{compiler.FILL_ELIMINATION}=false"}
 
 flags.DEFINE_list("shapes", ["tinyllama", "llama3_8b"], f"Model shapes, of {sorted(SHAPES)}.")
 flags.DEFINE_list("seq_lens", ["2048", "8192"], "Tokens a row.")

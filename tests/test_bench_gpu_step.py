@@ -11,6 +11,7 @@ import types
 import pytest
 from absl import flags
 
+from engine import compiler
 from tests.xla_flags import cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,7 +150,7 @@ def test_an_engine_run_adds_its_xla_flags_to_its_subprocess_only():
     assert bench.run_env(env, "cublas") == {"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false",
                                             "HOME": "/h"}
     assert bench.run_env({}, "cublas") == {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
-    assert bench.run_env({}, "fills") == {"XLA_FLAGS": "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"}
+    assert bench.run_env({}, "fills") == {"XLA_FLAGS": f"--{compiler.FILL_ELIMINATION}=false"}
     assert bench.run_env(env, "bf16") is env and bench.run_env(env, "unrolled") is env
     assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
 

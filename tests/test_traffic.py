@@ -4,6 +4,7 @@ A hand-written module in XLA:GPU's printed form checks the counting rule by rule
 gpu_compile: JAX's CUDA plugin, no GPU) reads a real scanned and an unrolled step."""
 import pytest
 
+from engine import compiler
 from engine.traffic import KINDS, format_traffic, kernel_traffic
 
 # A loop of 4 trips whose body slices a weight out of a stack, multiplies by it (a GEMM fusion), writes the result
@@ -227,12 +228,13 @@ def test_the_gpu_flags_leave_a_scanned_stack_unfilled():
     cmd = [sys.executable, "scripts/plan_memory.py", "--target=gpu:h100", "--model=llama", "--model_config=tiny",
            "--seq_len=128", "--per_device_batch_size=2", "--remat=none"]
     plans = {}
-    for flag in ("", "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"):
+    filled_flag = f"--{compiler.FILL_ELIMINATION}=false"
+    for flag in ("", filled_flag):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flag, PYTHONPATH=root)
         out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         plans[flag] = json.loads(out.stdout.strip().splitlines()[-1])["traffic"]
-    unfilled, filled = plans[""], plans["--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"]
+    unfilled, filled = plans[""], plans[filled_flag]
     saved = filled["kinds"]["fill"]["bytes"] - unfilled["kinds"]["fill"]["bytes"]
     assert saved > filled["kinds"]["fill"]["bytes"] / 2 and unfilled["kinds"]["stack write"]["launches"] > 0
     assert unfilled["bytes"] == filled["bytes"] - saved
