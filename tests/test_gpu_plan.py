@@ -167,7 +167,8 @@ def test_the_zero3_layer_loops_carry_gathered_weights_and_gradients_without_copi
     """ZeRO-3 over eight H100s with remat='full' (the hand-pipelined layer stack, `engine.step.layer_scan`; six
     layers, so both loops iterate): no loop body copies an array of a gathered weight's shape. Carrying one layer's
     gathered weights (and, backward, its full-size gradient) into the next iteration while the next layer's were
-    made, XLA copied them into and out of the loop state every iteration (llama2-7b's step: 26 GB a device)."""
+    made, XLA copied them into and out of the loop state every iteration (llama2-7b's step: 26 GB a device). The
+    forward's stacks of saved layer inputs are `jax.lax.empty`'s AllocateBuffer, not a zero fill."""
     from engine.traffic import _Module
 
     _, compiled = _compiled_plan("gpu:h100-8", "1,8,1", remat="full", config_overrides={"num_layers": 6})
@@ -182,6 +183,11 @@ def test_the_zero3_layer_loops_carry_gathered_weights_and_gradients_without_copi
         copied = [line.strip()[:100] for line in lines
                   if re.search(r" copy(-start)?\(", line) and shapes(line) & weights]
         assert weights and not copied, copied
+    # The forward's stacks of layer inputs (5 of them saved) start uninitialised, not zero-filled: every slot is
+    # written before the backward reads it, and XLA's own fill elimination skips these loops (they carry shardings).
+    allocated = re.findall(r"= (\w+\[[\d,]*\])[^=]* custom-call\(\), custom_call_target=\"AllocateBuffer\"",
+                           compiled.as_text())
+    assert any(re.match(r"\w+\[5,", shape) for shape in allocated), allocated
 
 
 @pytest.mark.gpu_compile

@@ -132,8 +132,10 @@ class _LayerStack:
         per-layer outputs are written into their stacks in place, whatever layer is left over after the pairs."""
         n, pairs = self.n, (self.n - 1) // 2
         y_avals = [v.aval for v in self.body.jaxpr.outvars[self.n_carry:]]
-        bufs = ([jnp.zeros((n - 1, *c.shape), _as_bits(c).dtype) for c in init],  # layers 0 .. n-2's inputs
-                [jnp.zeros((n, *a.shape), a.dtype) for a in y_avals])
+        # Every slot is written before the backward reads it: uninitialised (an AllocateBuffer on GPU), not zeroed
+        # (XLA's own fill elimination skips loops that carry a sharding, as this one does in the shard_map step).
+        bufs = ([jax.lax.empty((n - 1, *c.shape), _as_bits(c).dtype) for c in init],  # layers 0 .. n-2's inputs
+                [jax.lax.empty((n, *a.shape), a.dtype) for a in y_avals])
 
         def step(carry, w, bufs, t, prefetch, after=None):
             nxt = self.gather(ws, t + 1 + (0 if after is None else _tie(after))) if prefetch else None
