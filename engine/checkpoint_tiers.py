@@ -185,14 +185,20 @@ class _Steps:
         shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
 
 
+def local_run_dir(local_dir, workdir):
+    """The directory under `local_dir` that holds `workdir`'s local copies (a `process_<p>` and a
+    `replica_of_process_<q>` directory of steps per process)."""
+    run = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
+    return os.path.join(os.path.abspath(local_dir), f"run-{run}")
+
+
 class LocalCheckpoints(_Steps):
     """This process's local copies of its own shards (module docstring); the newest `keep` steps are kept. With
     `replicas=1` in a multi-process run each save also hands its blocks to the previous process, and `replica`
     holds the next process's (process p keeps process (p + 1) mod n's); a run of one process has no `replica`."""
 
     def __init__(self, local_dir, workdir, *, keep=1, replicas=0):
-        run = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
-        run_dir = os.path.join(os.path.abspath(local_dir), f"run-{run}")
+        run_dir = local_run_dir(local_dir, workdir)
         super().__init__(os.path.join(run_dir, f"process_{jax.process_index()}"), keep)
         os.makedirs(self.directory, exist_ok=True)
         peer = (jax.process_index() + 1) % jax.process_count()

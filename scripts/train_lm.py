@@ -84,6 +84,9 @@ def main(argv):
     tokens, mixture = None, sources.is_mixture(FLAGS.data)
     if mixture:
         sources.parse_mixture(FLAGS.data)  # a bad weight is refused before any model is built
+        if FLAGS.data_workers:
+            raise ValueError(f"--data_workers={FLAGS.data_workers} with a mixture --data; a mixture is a stream, "
+                             "tokenised and interleaved in the training process: expected --data_workers=0")
     elif text_data.is_token_data(FLAGS.data):  # opened (ArrayRecord files indexed) before any model is built
         tokens = text_data.token_windows(FLAGS.data, FLAGS.seq_len, feature=FLAGS.text_column)
     else:
@@ -101,21 +104,25 @@ def main(argv):
         for pattern, _ in sources.parse_mixture(FLAGS.data):  # a prepare_data.py source names its tokenizer
             if text_data.is_token_dir(pattern):
                 text_data.check_token_dir(pattern, tokenizer, model.config.vocab_size)
-        train_rows, eval_rows = mixture_rows(tokenizer, max(global_batch // FLAGS.accumulate_grad_batches, 256))
-        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch)
+        n_eval = (run_record.recorded(FLAGS.workdir, "eval_rows")
+                  or max(global_batch // FLAGS.accumulate_grad_batches, 256))
+        train_rows, eval_rows = mixture_rows(tokenizer, n_eval)
+        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch, eval_rows=n_eval)
         return train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
     if tokens is None:
         rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
     else:  # a Sequence of windows (memory-mapped or ArrayRecord): only each batch's rows are read
         text_data.check_token_windows(tokens, tokenizer, model.config.vocab_size)
         rows = tokens
-    # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch.
-    n_eval = max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024))
+    # 2% of the rows, at most 1024 (a large corpus's eval stays short), at least one micro-batch; a resumed run's
+    # own (recorded: a restart on another device count, whose micro-batch differs, splits the rows as it did).
+    n_eval = (run_record.recorded(FLAGS.workdir, "eval_rows")
+              or max(global_batch // FLAGS.accumulate_grad_batches, min(len(rows) // 50, 1024)))
     if len(rows) < n_eval + global_batch:
         raise ValueError(f"the data packs into {len(rows)} rows of {FLAGS.seq_len + 1} tokens; at least "
                          f"{n_eval + global_batch} are needed for one eval and one global batch (more data, or a "
                          "smaller --seq_len or --per_device_batch_size)")
-    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch)
+    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch, eval_rows=n_eval)
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  ",".join(FLAGS.data) if tokens is not None else f"{len(docs)} documents", len(train_rows),

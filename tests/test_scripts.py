@@ -213,18 +213,23 @@ def test_fine_tuning_scripts_choose_their_mesh(tmp_path):
 @pytest.mark.slow
 def test_train_lm_restarted_on_fewer_devices_keeps_the_global_batch_and_trains_like_the_uninterrupted_run(tmp_path):
     """An elastic restart: 3 steps on 8 devices (global batch 16), then the same command on 4 devices: the run.json
-    global batch makes --accumulate_grad_batches 2, the data position is the same batch, and steps 4-6 end where
-    the 8-device run's do (to float32's reduction-order rounding); 3 devices cannot make 16 and are refused."""
+    global batch makes --accumulate_grad_batches 2, the rows held out for eval are the same, the data position is the
+    same batch, and steps 4-6 end where the 8-device run's do (to float32's reduction-order rounding); 3 devices
+    cannot make 16 and are refused."""
+    data = _stdlib_txt(tmp_path / "data" / "small.txt")  # 12 kB: 2% of its rows is less than a micro-batch
+
     def run(devices, workdir, *args, ok=True):
         env = dict(ENV, XLA_FLAGS=cpu_devices(devices))
         return subprocess.run([sys.executable, "scripts/train_lm.py", f"--workdir={workdir}", "--prompts=",
-                               f"--mesh={devices},1,1", *TINY_LM, "--log_every=1", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300, check=ok)
+                               f"--data={data}", f"--mesh={devices},1,1", *TINY_LM, "--log_every=1", *args], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300, check=ok)
 
     whole = run(8, tmp_path / "whole", "--max_steps=6")
     run(8, tmp_path / "elastic", "--max_steps=3")
     elastic = run(4, tmp_path / "elastic", "--max_steps=6")
     assert "--accumulate_grad_batches=2 keeps it" in elastic.stderr + elastic.stdout
+    split = lambda out: re.findall(r"(\d+) train rows and (\d+) eval rows", out.stderr + out.stdout)  # noqa: E731
+    assert split(elastic) == split(whole) == [split(whole)[0]], split(elastic)  # its micro-batch halved, not its eval
     assert _steps(tmp_path / "elastic")[-1] == 6
     np.testing.assert_allclose(_losses(elastic.stdout)[-3:], _losses(whole.stdout)[-3:], rtol=1e-4)
     np.testing.assert_allclose(_eval_losses(elastic.stdout)[1], _eval_losses(whole.stdout)[1], rtol=1e-4)
@@ -608,6 +613,8 @@ def _bad_inputs(tmp_path, slow):
             ("train_lm.py", "--mesh=3,1,1"): "3 devices, but 8 devices are available",
             ("train_lm.py", "--data=/nonexistent/*.txt"): "matches no file",
             ("train_lm.py", f"--data={tmp_path / 'empty.txt'}"): "holds no text",
+            ("train_lm.py", f"--data={tmp_path / 'latin1.txt'}:1,{tmp_path / 'empty.txt'}:1", "--data_workers=1"):
+                "--data_workers=1 with a mixture --data; a mixture is a stream",
             ("train_lm.py", "--model_overrides={oops"): "--model_overrides='{oops' is not JSON",
             ("finetune_seq2seq.py", "--model_config=t5-huge"): "--model_config='t5-huge' is not a config of t5",
             ("finetune_seq2seq.py", "--data=/nonexistent.jsonl"): "matches no file",
@@ -737,13 +744,18 @@ def test_finetune_seq2seq_fine_tunes_a_hugging_face_t5(tmp_path):
 
 
 def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
-    """scripts/check_kernels.py (the on-device correctness check), in Pallas's interpreter on CPU. Its absl flags
-    are removed again, so that a later test in this process can define the engine's (`--seed` is in both)."""
+    """scripts/check_kernels.py (the on-device correctness check), in Pallas's interpreter on CPU. The engine's
+    script flags an earlier test of this process defined are set aside while it defines its own (`--seed` is in
+    both), and its own removed again, so that tests before and after it may define the engine's."""
     import importlib.util
 
     import jax.numpy as jnp
     import kernels
     from absl import flags
+    parked = {f.name: f for module, defined in flags.FLAGS.flags_by_module_dict().items()
+              if module.startswith("engine.") for f in defined}
+    for name in parked:
+        delattr(flags.FLAGS, name)
     before = set(flags.FLAGS)
     spec = importlib.util.spec_from_file_location("check_kernels", os.path.join(ROOT, "scripts", "check_kernels.py"))
     check_kernels = importlib.util.module_from_spec(spec)
@@ -752,6 +764,8 @@ def test_check_kernels_passes_a_kernel_and_catches_a_one_percent_error():
     finally:
         for name in set(flags.FLAGS) - before:
             delattr(flags.FLAGS, name)
+        for name, flag in parked.items():
+            flags.FLAGS[name] = flag
     impl = {"implementation": "triton", "interpret": True}
     key = jax.random.key(0)
     gated = lambda impl, x, g, u: kernels.gated_mlp(x, g, u, **impl)  # noqa: E731

@@ -2,6 +2,7 @@
 model_start, run_record, mesh_choice: flags, models, workdirs) in process; the scripts end to end are in
 tests/test_scripts.py."""
 import json
+import os
 import pickle
 import re
 
@@ -339,7 +340,8 @@ def test_optimizer_flags_schedules_and_errors():
 def test_a_longer_max_steps_keeps_or_rewarms_the_schedule_the_run_started_with(tmp_path):
     """`make train` then `make train ARGS=--max_steps=...`: the cosine's horizon was the first run's --max_steps, so
     stretching it would jump the rate (0.1x to about 0.58x of the peak); the run keeps its schedule, or starts a
-    second warm-up and decay with --lr_extension=rewarm, and run.json records which."""
+    second warm-up and decay with --lr_extension=rewarm, and run.json records which. A start that saved no
+    checkpoint binds nothing, and a re-run with fewer steps than were trained moves no later cycle's start back."""
     from absl import flags  # noqa: PLC0415
 
     FLAGS = flags.FLAGS
@@ -358,18 +360,28 @@ def test_a_longer_max_steps_keeps_or_rewarms_the_schedule_the_run_started_with(t
         assert [float(before(i)) for i in range(40)] == [float(after(i)) for i in range(40)]
         return after
 
+    def trained(step):  # the run saved a checkpoint at `step`
+        os.makedirs(os.path.join(workdir, "checkpoints", str(step)))
+
     try:
+        run("--max_steps=5")  # stopped before its first save (a bad flag refused after run.json, a kill)
         first = run("--max_steps=10")
         assert float(first(10)) == pytest.approx(0.1) and run_record.lr_cycles(workdir) == [[0, 10]]
+        trained(10)
         kept = run("--max_steps=20")  # keep: the first run's schedule, its last rate after step 10
         assert [float(kept(i)) for i in range(11)] == [float(first(i)) for i in range(11)]
         assert float(kept(15)) == pytest.approx(0.1) and run_record.lr_cycles(workdir) == [[0, 10]]
+        trained(20)
         rewarmed = run("--max_steps=30", "--lr_extension=rewarm")  # a second cycle from the last end, step 20
         assert run_record.lr_cycles(workdir) == [[0, 10], [20, 30]]
         assert float(rewarmed(15)) == pytest.approx(0.1) and float(rewarmed(20)) == 0.0
         assert float(rewarmed(22)) == pytest.approx(1.0) and float(rewarmed(30)) == pytest.approx(0.1)
+        trained(30)
         again = run("--max_steps=30")  # the same command re-run: the recorded cycles, no new one
         assert [float(again(i)) for i in range(40)] == [float(rewarmed(i)) for i in range(40)]
+        run("--max_steps=25")  # fewer steps than trained: nothing to train, the horizon stays 30
+        run("--max_steps=40", "--lr_extension=rewarm")
+        assert run_record.lr_cycles(workdir) == [[0, 10], [20, 30], [30, 40]]
     finally:
         FLAGS.unparse_flags()
 

@@ -9,6 +9,7 @@ from absl import flags, logging
 
 import engine
 import models
+from engine import checkpoint_tiers
 from engine.tasks import lm, seq2seq, text_data
 from engine.tasks.rlhf import ppo, preference, reward
 
@@ -41,12 +42,13 @@ def _model_fields(model):
     return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
 
 
-def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
+def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, eval_rows=None):
     """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
     that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `models.RewardModel`
     (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
     ValueError: its checkpoints would not fit. global_batch: the examples per update (`engine.global_batch_size`),
-    recorded so that a restart on another device count keeps it (`keep_global_batch`)."""
+    recorded so that a restart on another device count keeps it (`keep_global_batch`); eval_rows: the rows held out
+    for eval, which a restart holds out again (`recorded`), whatever its device count."""
     run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
     if critic is not None:
         run["critic"] = {"family": family_of(critic.backbone), "config": _model_fields(critic.backbone)}
@@ -83,10 +85,14 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None):
                              f"flags of that run{hint}")
         _note_changed_training_flags(workdir, old.get("training", {}))
     run["training"] = _noted_values()
-    if global_batch is not None:
-        run["training"]["global_batch"] = global_batch
+    for name, value in (("global_batch", global_batch), ("eval_rows", eval_rows)):
+        if value is not None:
+            run["training"][name] = value
     if FLAGS.is_parsed() and "max_steps" in FLAGS and "lr_extension" in FLAGS:  # a script's, not a library call's
-        run["training"].update(max_steps=FLAGS.max_steps, lr_cycles=lr_cycles(workdir, note=True))
+        # The run's horizon: a re-run with a smaller --max_steps than the steps trained trains nothing and moves
+        # no later --lr_extension=rewarm's start back.
+        run["training"].update(max_steps=max(FLAGS.max_steps, trained_step(workdir)),
+                               lr_cycles=lr_cycles(workdir, note=True))
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
@@ -121,13 +127,33 @@ def _note_changed_training_flags(workdir, before):
                             name, value, workdir, before[name])
 
 
+def trained_step(workdir):
+    """The newest step a checkpoint in `workdir` holds (its `checkpoints` directory's, or with
+    --local_checkpoint_dir the local tier's), 0 for none: what a Trainer on `workdir` restores at most."""
+    directories = [os.path.join(workdir, "checkpoints")]
+    local = FLAGS.local_checkpoint_dir if FLAGS.is_parsed() and "local_checkpoint_dir" in FLAGS else None
+    if local:
+        run_dir = checkpoint_tiers.local_run_dir(local, workdir)
+        directories += [os.path.join(run_dir, d) for d in (os.listdir(run_dir) if os.path.isdir(run_dir) else ())]
+    return max((int(name) for d in directories if os.path.isdir(d) for name in os.listdir(d) if name.isdigit()),
+               default=0)
+
+
 def _training_record(workdir):
-    """The `training` entry of `workdir`'s run.json ({} when there is none)."""
+    """The `training` entry of `workdir`'s run.json ({} when there is none, or when no checkpoint was saved: a start
+    that stopped before its first save, a bad flag refused after the model was built among them, trained nothing,
+    and its global batch and schedule bind no later run)."""
     path = os.path.join(workdir, RUN_FILE) if workdir else None
-    if path is None or not os.path.exists(path):
+    if path is None or not os.path.exists(path) or not trained_step(workdir):
         return {}
     with open(path) as f:
         return json.load(f).get("training", {})
+
+
+def recorded(workdir, name):
+    """The value `save_run` recorded as `name` (`'eval_rows'`, `'global_batch'`) for the run `workdir` resumes; None
+    for a new run."""
+    return _training_record(workdir).get(name)
 
 
 def keep_global_batch(workdir, rows_per_step):
@@ -163,6 +189,7 @@ def lr_cycles(workdir, note=False):
     cycles, before = [list(c) for c in record["lr_cycles"]], record.get("max_steps", record["lr_cycles"][-1][1])
     if FLAGS.max_steps <= before or FLAGS.max_steps <= cycles[-1][1]:
         return cycles
+    last = cycles[-1][1]  # where the old schedule's last rate starts
     if FLAGS.lr_extension == "rewarm":
         cycles.append([before, FLAGS.max_steps])
     if note:
@@ -171,7 +198,7 @@ def lr_cycles(workdir, note=False):
                "the schedule the run started with, whose last rate holds from step {2} to step {1} "
                "(--lr_extension=keep; rewarm: a new warm-up and decay from step {0})")
         logging.warning("--max_steps=%d extends the run in %s, which had --max_steps=%d: the learning rate follows %s",
-                        FLAGS.max_steps, workdir, before, how.format(before, FLAGS.max_steps, cycles[-1][1]))
+                        FLAGS.max_steps, workdir, before, how.format(before, FLAGS.max_steps, last))
     return cycles
 
 
