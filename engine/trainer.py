@@ -198,6 +198,12 @@ class Trainer:
         return self._state.epoch
 
     @property
+    def iterator_state(self):
+        """A stateful stream's iterator state after the last trained batch (`get_state()`: what a resume sets), as
+        the checkpoints carry it; None for random-access examples and streams without one."""
+        return self._state.iterator_state
+
+    @property
     def best(self):
         """{'step', 'metric', 'mode', 'value'} of the checkpoint fit(save_best=...) keeps; None before."""
         return self._state.best

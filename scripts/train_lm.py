@@ -159,6 +159,8 @@ def train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
                 **script_flags.fit_kwargs())
     for line in cli.progress_lines(trainer, FLAGS.log_every):
         print(line)
+    if isinstance(trainer.iterator_state, dict) and "windows" in trainer.iterator_state:  # a mixture's
+        logging.info("%s (the held-out eval windows first)", sources.shares_line(trainer.iterator_state))
     end_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss after training: {end_loss:.4f} (was {start_loss:.4f}) at step {trainer.step}")
     cli.log_eval(trainer, {"loss": end_loss})

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -421,11 +422,25 @@ def test_mixture_specs_are_parsed_and_bad_weights_refused():
     for spec, found in (("a.txt:0.7,b.txt:x", "'b.txt:x' has no positive weight after its last ':'"),
                         ("a.txt:0", "'a.txt:0' has no positive weight"), ("a.txt:-1", "'a.txt:-1' has no positive"),
                         ("a.txt:nan", "'a.txt:nan' has no positive"), ("a.txt:inf", "'a.txt:inf' has no positive"),
+                        ("a.txt:1_0", "'a.txt:1_0' has no positive"),
+                        ("a.txt:1e308,b.txt:1e308", "its weights sum past a float's range"),
                         (":3", "':3' has no positive"), ("a.txt:1,b.txt", "weighs some sources but not all"),
                         ("a.txt:1,,b.txt:1", "has an empty source"), ("", "has an empty source")):
         _one_line_error(ValueError, rf"data mixture '{spec}'.*{found}.*expected .*PATH\[:WEIGHT\],PATH\[:WEIGHT\],"
                         r"\.\.\. \(e\.g\. code\.parquet:0\.7,web/\*\.jsonl:0\.3\)",
                         lambda spec=spec: sources.parse_mixture(spec))
+
+
+def test_a_mixtures_shares_line_names_each_source_beside_its_weight(tmp_path):
+    spec, _ = _mixture_corpus(tmp_path)
+    it = iter(sources.Mixture(spec, text_data.ByteTokenizer(), 16))
+    for _ in range(400):
+        next(it)
+    line = sources.shares_line(it.get_state())
+    found = re.findall(r"(\S+) ([0-9.]+) \(weight ([0-9.]+)\)", line)
+    assert line.startswith("data mixture shares of 400 windows: ") and len(found) == 3, line
+    assert [p.rsplit("/", 1)[-1] for p, _, _ in found] == ["a.parquet", "*.jsonl", "small"]
+    assert all(abs(float(share) - float(weight)) < 0.01 for _, share, weight in found), line
 
 
 def _mixture_corpus(tmp_path):

@@ -206,9 +206,30 @@ def test_a_mixture_iterator_refuses_another_mixtures_state(tmp_path):
     mixture = _mixture(tmp_path)
     state = iter(mixture).get_state()
     other = sources.Mixture(f"{tmp_path}/a.txt", text_data.ByteTokenizer(), task.SEQ)
-    with pytest.raises(ValueError, match=r"^data: state .* is not a position of this mixture; expected a "
-                                         r"MixtureIterator.get_state\(\) of"):
+    with pytest.raises(ValueError, match=r"^data: the state is a position of the mixture '.*a.txt:.*' \(text "
+                                         r"column 'text'\), not of '.*a.txt' \(text column 'text'\); expected the "
+                                         r"same sources, weights"):
         iter(other).set_state(state)
+    with pytest.raises(ValueError, match=r"^data: a list is not a position of this mixture; expected a "
+                                         r"MixtureIterator.get_state\(\), a dict of \['files'"):
+        iter(other).set_state([state])
+
+
+def test_a_mixture_resumes_under_another_spelling_of_its_sources(tmp_path, monkeypatch):
+    """The same files by a relative path, the same weights as other numbers: exactly the next window; a state saved
+    with the files' digest as listed (before absolute paths) too."""
+    mixture = _mixture(tmp_path)
+    it = iter(mixture)
+    for _ in range(9):
+        next(it)
+    state, want = it.get_state(), next(it)
+    monkeypatch.chdir(tmp_path)
+    other = sources.Mixture("a.txt:7,./b.jsonl:3", text_data.ByteTokenizer(), task.SEQ)
+    legacy = dict(state, files=[sources._files_digest(files, absolute=False) for files in mixture.files])  # noqa: SLF001
+    for saved in (state, legacy):
+        resumed = iter(other)
+        resumed.set_state(saved)
+        assert (next(resumed)["tokens"] == want["tokens"]).all()
 
 
 # ------------------------------------------------------------------------------------------ Grain

@@ -274,6 +274,9 @@ def test_train_lm_on_a_weighted_mixture_of_parquet_and_jsonl_resumes(tmp_path):
     assert "resumed from" in again.stdout and _steps(tmp_path / "work")[-1] == 6
     # the stream is set to the checkpoint's iterator state: the 3 trained batches of 16 are not read again
     assert "resuming MixtureIterator at example 48 by set_state" in (tmp_path / "work" / "log.txt").read_text()
+    shares = re.search(r"data mixture shares of (\d+) windows: .*a.parquet ([0-9.]+) \(weight 0.7500\), "
+                       r".*b.jsonl ([0-9.]+) \(weight 0.2500\)", again.stderr)
+    assert shares and int(shares[1]) == 256 + 6 * 16 and abs(float(shares[2]) - 0.75) < 0.01, again.stderr[-2000:]
     bad = _run("train_lm.py", f"--data={tmp_path / 'data' / 'a.parquet'}:x", ok=False)
     assert bad.returncode == 2 and "has no positive weight" in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
 

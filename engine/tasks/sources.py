@@ -312,7 +312,7 @@ def parse_mixture(spec):
         pattern, weight = item.rsplit(":", 1) if ":" in item else (item, None)
         if weight is not None:
             try:
-                weight = float(weight)
+                weight = float(weight) if "_" not in weight else -1.0  # float() takes '1_0'; a weight is a number
             except ValueError:
                 weight = -1.0
             if not (math.isfinite(weight) and weight > 0) or not pattern:
@@ -324,6 +324,9 @@ def parse_mixture(spec):
         raise ValueError(f"data mixture {shown!r} weighs some sources but not all; expected a weight on every "
                          f"source or on none, {MIXTURE_FORM}")
     weights = [w if w is not None else 1.0 for _, w in sources]
+    if not math.isfinite(sum(weights)):
+        raise ValueError(f"data mixture {shown!r}: its weights sum past a float's range; expected {MIXTURE_FORM} "
+                         "(weights are relative: 0.7 and 0.3, or 7 and 3)")
     return [(pattern, w / sum(weights)) for (pattern, _), w in zip(sources, weights)]
 
 
@@ -347,8 +350,20 @@ def _source_files(pattern):
     return ("records" if records else "text"), files
 
 
-def _files_digest(files):
-    return hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
+def _files_digest(files, absolute=True):
+    """A source's files as a digest: of their absolute paths (a relative spelling of the same files matches), or
+    as listed (`absolute=False`: the digest of states saved before)."""
+    paths = [os.path.abspath(f) for f in files] if absolute else list(files)
+    return hashlib.sha256("\n".join(paths).encode()).hexdigest()[:16]
+
+
+def shares_line(state):
+    """One line of a mixture's shares: the windows each source gave so far (a `MixtureIterator.get_state()`'s), as a
+    share of all of them beside its weight."""
+    windows, sources = state["windows"], parse_mixture(state["spec"])
+    total = sum(windows) or 1
+    return (f"data mixture shares of {sum(windows)} windows: " +
+            ", ".join(f"{pattern} {k / total:.4f} (weight {w:.4f})" for (pattern, w), k in zip(sources, windows)))
 
 
 class Mixture:
@@ -397,15 +412,22 @@ class Mixture:
         return mixture
 
     def _position(self, state):
-        """{'windows', 'positions'} of `state`, which must be this mixture's (its spec, text column and the same
-        files; positions count documents and tokens, so another seq_len packs on from the same token)."""
-        ours = {"spec": self.spec, "text_column": self.text_column}
-        theirs = {k: state.get(k) for k in ours} if isinstance(state, dict) else None
-        if theirs != ours or not {"files", "windows", "positions"} <= set(state):
-            raise ValueError(f"data: state {str(state)[:200]!r} is not a position of this mixture; expected a "
-                             f"MixtureIterator.get_state() of {ours}")
+        """{'windows', 'positions'} of `state`, which must be this mixture's (its sources' weights, text column and
+        files, however spelt; positions count documents and tokens, so another seq_len packs on from the same
+        token)."""
+        keys = {"spec", "text_column", "files", "windows", "positions"}
+        if not isinstance(state, dict) or not keys <= set(state):
+            raise ValueError(f"data: a {type(state).__name__} is not a position of this mixture; expected a "
+                             f"MixtureIterator.get_state(), a dict of {sorted(keys)}")
+        weights = [w for _, w in parse_mixture(state["spec"])]
+        same = (state["text_column"] == self.text_column and len(weights) == len(self.weights)
+                and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(weights, self.weights)))
+        if not same:
+            raise ValueError(f"data: the state is a position of the mixture {','.join(state['spec'])!r} (text column "
+                             f"{state['text_column']!r}), not of {','.join(self.spec)!r} (text column "
+                             f"{self.text_column!r}); expected the same sources, weights and text column to resume")
         for (pattern, _), files, digest in zip(self.sources, self.files, state["files"]):
-            if _files_digest(files) != digest:
+            if digest not in (_files_digest(files), _files_digest(files, absolute=False)):
                 raise ValueError(f"data: the files of {pattern!r} changed since the mixture's state was saved "
                                  f"(now {len(files)}: {_shown(files)}); expected the same files to resume")
         return {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]]}
