@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from engine import data as data_lib
 from engine import diloco as diloco_lib
-from engine import fit_loop
+from engine import fit_loop, workdir_lock
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_tiers import open_checkpointer
 from engine.config import Checkpointing, Logging, Parallelism, Precision, check
@@ -161,11 +161,18 @@ class Trainer:
         # Checkpoints: the workdir's latest (or its best, with Checkpointing(restore='best')) is restored here.
         if workdir and jax.process_count() > 1:
             check_shared_workdir(workdir)
-        self._checkpointer = open_checkpointer(workdir, checkpointing) if workdir else None
-        self._best_checkpointer = None  # workdir/best, opened by fit(save_best=...) or restore='best'
+        if workdir:
+            workdir_lock.hold(workdir)  # one run per workdir; released by close() (or the process's end)
+        self._locked = bool(workdir)
+        self._checkpointer = self._best_checkpointer = None  # workdir/best's: opened by fit(save_best=) or restore
         self._restored_best = checkpointing.restore == "best"
         started = time.perf_counter()
-        self._restore_from_workdir()
+        try:
+            self._checkpointer = open_checkpointer(workdir, checkpointing) if workdir else None
+            self._restore_from_workdir()
+        except BaseException:  # a Trainer never made holds no workdir
+            self.close()
+            raise
         self._restore_s = time.perf_counter() - started  # lost to a restart: the next fit's goodput counts it
         self._goodput = Goodput(None, 0)  # fit's accounting while it runs
 
@@ -672,13 +679,16 @@ class Trainer:
         self._goodput.add("checkpoint", time.perf_counter() - started)
 
     def close(self):
-        """Waits for pending checkpoint writes and closes the TensorBoard writer."""
+        """Waits for pending checkpoint writes, closes the TensorBoard writer and releases the workdir's lock."""
         if self._checkpointer is not None:
             self._checkpointer.close()
         if self._best_checkpointer is not None:
             self._best_checkpointer.close()
         if self._writer is not None:
             self._writer.close()
+        if self._locked:
+            self._locked = False
+            workdir_lock.release(self.workdir)
 
 
 def global_batch_size(mesh, per_device_batch_size, accumulate_grad_batches=1):

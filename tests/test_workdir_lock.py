@@ -1,0 +1,77 @@
+"""One run per workdir (`engine.workdir_lock`): a Trainer on a workdir another process holds is refused in one line;
+Trainers of one process share it; close() and the holder's death (kill -9 included) release it."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import optax
+import pytest
+
+import engine
+from engine import workdir_lock
+from tests import trainer_task as task
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A second run: holds the workdir's lock until its stdin closes, or it is killed.
+HOLDER = ("import sys; from engine import workdir_lock; workdir_lock.hold(sys.argv[1]); print('held', flush=True); "
+          "sys.stdin.read()")
+
+
+def _trainer(workdir):
+    return engine.Trainer(mesh=engine.make_mesh(data=1, devices=jax.devices()[:1]),
+                          params=task.init_params(), optimizer=optax.sgd(0.1), loss_fn=task.loss_fn,
+                          collate_fn=task.collate_fn, workdir=workdir)
+
+
+def _holder(workdir):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir)], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _can_take(workdir):
+    """Whether another process can take the lock now."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, fcntl; f = open(sys.argv[1], 'a'); "
+                           "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)", os.path.join(workdir, ".lock")],
+                          capture_output=True, timeout=60)
+    return proc.returncode == 0
+
+
+def test_a_workdir_another_run_holds_is_refused_until_that_run_ends(tmp_path):
+    holder = _holder(tmp_path)
+    try:
+        with pytest.raises(ValueError) as refused:
+            _trainer(str(tmp_path))
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"workdir={tmp_path} is in use by another run (process "
+                                                          f"{holder.pid} on {socket.gethostname()}, ")
+        assert message.endswith("expected one run per workdir: wait for that run to end, or use another workdir")
+    finally:
+        holder.send_signal(signal.SIGKILL)  # kill -9: the operating system drops its lock
+        holder.wait()
+    trainer = _trainer(str(tmp_path))
+    trainer.fit(task.make_examples(8), per_device_batch_size=4, max_steps=1)
+    assert trainer.step == 1 and not _can_take(tmp_path)
+    trainer.close()
+    assert _can_take(tmp_path)
+
+
+def test_trainers_of_one_process_share_the_lock_and_the_last_close_releases_it(tmp_path):
+    first, second = _trainer(str(tmp_path)), _trainer(str(tmp_path))
+    first.close()
+    first.close()  # a second close drops no other Trainer's hold
+    assert not _can_take(tmp_path)
+    second.close()
+    assert _can_take(tmp_path)
+    holder = _holder(tmp_path)  # and another process takes it, then this one is refused
+    try:
+        with pytest.raises(ValueError, match="is in use by another run"):
+            _trainer(str(tmp_path))
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert workdir_lock._held == {}  # noqa: SLF001 - the refused Trainer keeps no hold
