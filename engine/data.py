@@ -10,6 +10,7 @@ import collections.abc
 import itertools
 import json
 import queue
+import signal
 import sys
 import threading
 
@@ -193,6 +194,13 @@ def _check_workers(workers, examples, collate_fn):
 _MAX_PICKLED = 256 << 20
 
 
+def _leave_interrupts_to_the_trainer(worker_index, worker_count):
+    """A Grain worker ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the training process
+    saves its checkpoint and then ends the workers itself (each printed a KeyboardInterrupt traceback before)."""
+    del worker_index, worker_count
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _in_workers(build, start, stop, workers):
     """build(b) for b in [start, stop), in order, computed `workers` processes ahead through Grain. Each worker holds
     a slice of the batch indices and keeps two built batches ahead; one thread per worker, since the batch's work
@@ -204,7 +212,8 @@ def _in_workers(build, start, stop, workers):
         flags.FLAGS.mark_as_parsed()
     dataset = grain.MapDataset.range(start, stop).map(build).to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
-    iterator = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2)))
+    iterator = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2),
+                                        worker_init_fn=_leave_interrupts_to_the_trainer))
     try:
         yield from iterator
     finally:

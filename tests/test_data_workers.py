@@ -117,6 +117,44 @@ def test_fit_with_data_workers_trains_exactly_as_in_process():
         np.testing.assert_array_equal(a, b)
 
 
+# A process reading batches built by one Grain worker until Ctrl-C (SIGINT to its whole process group, as a terminal
+# sends it), which it catches as the Trainer's handler would.
+_INTERRUPTED = """
+import sys
+from absl import flags
+flags.FLAGS.mark_as_parsed()
+from engine import data
+try:
+    for k, item in enumerate(data._in_workers(lambda b: b, 0, 10**9, 1)):
+        if k == 20:
+            print("reading", flush=True)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+@pytest.mark.slow  # worker start-up, as above
+def test_ctrl_c_reaches_the_training_process_alone():
+    """The workers ignore SIGINT: the process that runs them stops them (each printed a KeyboardInterrupt
+    traceback before)."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    try:
+        assert proc.stdout.readline().strip() == "reading"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert out.strip() == "stopped" and "Traceback" not in err, err[-3000:]
+
+
 def test_predictor_reads_a_grain_dataset_in_order():
     import jax.numpy as jnp  # noqa: PLC0415
 
