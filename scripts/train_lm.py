@@ -137,7 +137,9 @@ def mixture_rows(tokenizer, n_eval):
     eval_rows = [next(stream) for _ in range(n_eval)]
     logging.info("data mixture %s: %d eval rows of %d tokens held out; the training rows follow them",
                  ",".join(FLAGS.data), n_eval, FLAGS.seq_len)
-    return sources.Mixture.from_state(stream.get_state(), tokenizer, decode_errors=FLAGS.decode_errors), eval_rows
+    train_rows = sources.Mixture.from_state(stream.get_state(), tokenizer, decode_errors=FLAGS.decode_errors,
+                                            hold_out=True)  # no document of the eval rows is trained on
+    return train_rows, eval_rows
 
 
 def train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile):

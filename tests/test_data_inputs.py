@@ -443,6 +443,32 @@ def test_a_mixtures_shares_line_names_each_source_beside_its_weight(tmp_path):
     assert all(abs(float(share) - float(weight)) < 0.01 for _, share, weight in found), line
 
 
+def test_windows_held_out_for_eval_are_never_trained_on(tmp_path):
+    """`Mixture.from_state(..., hold_out=True)` after the eval windows: no document of theirs comes again, in the
+    epoch they end in or in any later one (each source restarts after them), resumed from any state alike; a source
+    the eval windows hold wholly restarts from its beginning."""
+    tok = text_data.ByteTokenizer()
+    (tmp_path / "small.jsonl").write_text("".join(json.dumps({"text": chr(65 + k) * (5 + 7 * k)}) + "\n"
+                                                  for k in range(8)))  # documents A, B, ... of 5-54 letters
+    (tmp_path / "tiny.txt").write_text("z" * 9)
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": "x" * 40}) + "\n" for _ in range(50)))
+    spec = f"{tmp_path}/small.jsonl:0.3,{tmp_path}/tiny.txt:0.1,{tmp_path}/big.jsonl:0.6"
+    letters = lambda rows: {chr(t) for r in rows for t in r["tokens"].tolist() if 65 <= t < 65 + 8}  # noqa: E731
+    stream = iter(sources.Mixture(spec, tok, 16))
+    held = [next(stream) for _ in range(12)]
+    train = sources.Mixture.from_state(stream.get_state(), tok, hold_out=True)
+    it = iter(train)
+    rows = [next(it) for _ in range(300)]  # the small source's 216 tokens come round many times
+    assert letters(held) and letters(rows) and not letters(held) & letters(rows), (letters(held), letters(rows))
+    assert letters(held) | letters(rows) == set("ABCDEFGH")
+    assert any(r["tokens"][0] == ord("z") for r in rows)  # the tiny source, wholly held out, is trained on again
+    it = iter(train)
+    for _ in range(137):
+        next(it)
+    resumed = iter(sources.Mixture.from_state(json.loads(json.dumps(it.get_state())), tok))
+    assert all((next(resumed)["tokens"] == r["tokens"]).all() for r in rows[137:])
+
+
 def _mixture_corpus(tmp_path):
     """Three sources of uneven documents, one letter each (so a window names its source): Parquet of two row
     groups, JSONL with long documents, and a small saved dataset that runs out many times."""

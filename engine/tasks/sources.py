@@ -400,15 +400,29 @@ class Mixture:
         self.kinds, self.files = zip(*[_source_files(pattern) for pattern, _ in self.sources]) or ((), ())
         self.weights = [w for _, w in self.sources]
         self._start = {"windows": [0] * len(self.sources),
-                       "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources]}
+                       "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources],
+                       "restart": [[0, 0] for _ in self.sources]}
 
     @classmethod
-    def from_state(cls, state, tokenizer, *, decode_errors="strict"):
+    def from_state(cls, state, tokenizer, *, decode_errors="strict", hold_out=False):
         """The mixture `state` (a `MixtureIterator.get_state()`) was taken from, iterating on from that position;
-        the tokenizer must be the one it was taken with. A source whose files changed since is a ValueError."""
+        the tokenizer must be the one it was taken with. A source whose files changed since is a ValueError.
+        hold_out: the windows read so far were held out (an eval set): each source goes on from its next whole
+        document, and its later epochs start there instead of at its beginning, so that no document of those
+        windows is trained on (a source those windows hold wholly restarts from its beginning, logged)."""
         mixture = cls(state["spec"], tokenizer, state["seq_len"], text_column=state["text_column"],
                       decode_errors=decode_errors)
-        mixture._start = mixture._position(state)
+        start = mixture._position(state)
+        if hold_out:
+            for i, position in enumerate(start["positions"]):
+                if position["epoch"]:
+                    logging.info("data: mixture source %r: the held-out windows hold all of it; its later epochs "
+                                 "start from its beginning", mixture.sources[i][0])
+                    continue
+                if position["offset"]:  # the rest of the document the last held-out window ended in
+                    position.update(row=position["row"] + 1, offset=0)
+                start["restart"][i] = [position["file"], position["row"]]
+        mixture._start = start
         return mixture
 
     def _position(self, state):
@@ -430,7 +444,8 @@ class Mixture:
             if digest not in (_files_digest(files), _files_digest(files, absolute=False)):
                 raise ValueError(f"data: the files of {pattern!r} changed since the mixture's state was saved "
                                  f"(now {len(files)}: {_shown(files)}); expected the same files to resume")
-        return {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]]}
+        return {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]],
+                "restart": [list(r) for r in state.get("restart", [[0, 0]] * len(self.sources))]}
 
     def __iter__(self):
         return MixtureIterator(self, self._start)
@@ -447,6 +462,7 @@ class MixtureIterator:
     def _start_at(self, start):
         self.windows = list(start["windows"])
         self.positions = [dict(p) for p in start["positions"]]
+        self.restart = [list(r) for r in start["restart"]]  # where each source's next epoch starts
         self._streams = [self._source_rows(i) for i in range(len(self._mixture.sources))]
 
     def __iter__(self):
@@ -465,7 +481,7 @@ class MixtureIterator:
         m = self._mixture
         return {"spec": m.spec, "seq_len": m.seq_len, "text_column": m.text_column,
                 "files": [_files_digest(files) for files in m.files], "windows": list(self.windows),
-                "positions": [dict(p) for p in self.positions]}
+                "positions": [dict(p) for p in self.positions], "restart": [list(r) for r in self.restart]}
 
     def set_state(self, state):
         """Continues from `state` (a `get_state()` of an iterator of this mixture) with exactly the next window; a
@@ -491,9 +507,19 @@ class MixtureIterator:
                                                          vocab_size=m.tokenizer.vocab_size)
             else:
                 documents = _documents(files, m.text_column, m.decode_errors, repr(pattern), start)
+            read = False
             for (file, row), doc in documents:
+                read = True
                 yield (epoch, file, row), doc
+            restart = tuple(self.restart[i])
+            if epoch > position["epoch"] and not read and restart != (0, 0):  # the held-out windows held it all
+                logging.info("data: mixture source %r has no document after its held-out ones; it restarts from its "
+                             "beginning", pattern)
+                self.restart[i] = [0, 0]
+                restart = (0, 0)
             if epoch == position["epoch"]:
-                logging.info("data: mixture source %r (weight %.3g) ran out after epoch %d; it restarts from its "
-                             "beginning (logged once)", pattern, m.weights[i], epoch)
-            epoch, start = epoch + 1, (0, 0)
+                logging.info("data: mixture source %r (weight %.3g) ran out after epoch %d; it restarts from %s "
+                             "(logged once)", pattern, m.weights[i], epoch,
+                             "its beginning" if restart == (0, 0) else
+                             f"file {restart[0]}, row {restart[1]}, after the documents held out for eval")
+            epoch, start = epoch + 1, restart
