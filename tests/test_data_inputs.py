@@ -198,6 +198,13 @@ def test_jsonl_values_of_another_type_are_refused(tmp_path, line, found):
         text_data.read_texts(str(tmp_path / "d.jsonl"))
 
 
+def test_a_jsonl_line_that_is_not_json_is_refused_with_its_column(tmp_path):
+    (tmp_path / "d.jsonl").write_text('"ok"\n{"text": "a\tb"}\n')  # a raw tab inside a JSON string
+    with pytest.raises(ValueError, match=r"^data: .*d.jsonl:2 is not JSON \(Invalid control character at column "
+                                         r"12\)$"):
+        text_data.read_texts(str(tmp_path / "d.jsonl"))
+
+
 def test_records_of_the_wrong_type_or_with_nothing_to_train_on_are_refused(tmp_path):
     def write(name, *records):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))

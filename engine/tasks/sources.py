@@ -59,7 +59,7 @@ def _jsonl(path, decode_errors="strict"):
             try:
                 yield n, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg})") from None
+                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg} column {e.colno})") from None
 
 
 def _json_type(value):
