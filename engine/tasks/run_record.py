@@ -128,11 +128,13 @@ def _note_changed_training_flags(workdir, before):
 
 
 def trained_step(workdir):
-    """The newest step a checkpoint in `workdir` holds (its `checkpoints` directory's, or with
-    --local_checkpoint_dir the local tier's), 0 for none: what a Trainer on `workdir` restores at most."""
+    """The newest step a checkpoint in `workdir` holds (its `checkpoints` directory's, or in a one-process run with
+    --local_checkpoint_dir the local tier's too), 0 for none: what a Trainer on `workdir` restores at most. A run of
+    several processes reads the shared directory only, so that every process gives the same answer (a host's local
+    copies may be gone)."""
     directories = [os.path.join(workdir, "checkpoints")]
     local = FLAGS.local_checkpoint_dir if FLAGS.is_parsed() and "local_checkpoint_dir" in FLAGS else None
-    if local:
+    if local and jax.process_count() == 1:
         run_dir = checkpoint_tiers.local_run_dir(local, workdir)
         directories += [os.path.join(run_dir, d) for d in (os.listdir(run_dir) if os.path.isdir(run_dir) else ())]
     return max((int(name) for d in directories if os.path.isdir(d) for name in os.listdir(d) if name.isdigit()),
