@@ -426,9 +426,9 @@ class Mixture:
         return mixture
 
     def _position(self, state):
-        """{'windows', 'positions'} of `state`, which must be this mixture's (its sources' weights, text column and
-        files, however spelt; positions count documents and tokens, so another seq_len packs on from the same
-        token)."""
+        """{'windows', 'positions', 'restart'} of `state`, which must be this mixture's (its sources' weights, text
+        column and files, however spelt; positions count documents and tokens, so another seq_len packs on from the
+        same token; a state without 'restart' restarts each source at its beginning)."""
         keys = {"spec", "text_column", "files", "windows", "positions"}
         if not isinstance(state, dict) or not keys <= set(state):
             raise ValueError(f"data: a {type(state).__name__} is not a position of this mixture; expected a "
