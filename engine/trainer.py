@@ -161,9 +161,11 @@ class Trainer:
         # Checkpoints: the workdir's latest (or its best, with Checkpointing(restore='best')) is restored here.
         if workdir and jax.process_count() > 1:
             check_shared_workdir(workdir)
-        if workdir:
-            workdir_lock.hold(workdir)  # one run per workdir; released by close() (or the process's end)
-        self._locked = bool(workdir)
+        # One run per workdir, released by close() (or the process's end); a Trainer of the best checkpoint neither
+        # trains nor saves, so it may read a workdir another run is training in.
+        self._locked = bool(workdir) and checkpointing.restore != "best"
+        if self._locked:
+            workdir_lock.hold(workdir)
         self._checkpointer = self._best_checkpointer = None  # workdir/best's: opened by fit(save_best=) or restore
         self._restored_best = checkpointing.restore == "best"
         started = time.perf_counter()

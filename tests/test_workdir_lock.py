@@ -1,5 +1,6 @@
 """One run per workdir (`engine.workdir_lock`): a Trainer on a workdir another process holds is refused in one line;
-Trainers of one process share it; close() and the holder's death (kill -9 included) release it."""
+Trainers of one process share it; close() and the holder's death (kill -9 included) release it; a Trainer of the
+best checkpoint, which writes nothing, takes none."""
 import os
 import signal
 import socket
@@ -20,10 +21,10 @@ HOLDER = ("import sys; from engine import workdir_lock; workdir_lock.hold(sys.ar
           "sys.stdin.read()")
 
 
-def _trainer(workdir):
+def _trainer(workdir, **kwargs):
     return engine.Trainer(mesh=engine.make_mesh(data=1, devices=jax.devices()[:1]),
                           params=task.init_params(), optimizer=optax.sgd(0.1), loss_fn=task.loss_fn,
-                          collate_fn=task.collate_fn, workdir=workdir)
+                          collate_fn=task.collate_fn, workdir=workdir, **kwargs)
 
 
 def _holder(workdir):
@@ -54,10 +55,20 @@ def test_a_workdir_another_run_holds_is_refused_until_that_run_ends(tmp_path):
         holder.send_signal(signal.SIGKILL)  # kill -9: the operating system drops its lock
         holder.wait()
     trainer = _trainer(str(tmp_path))
-    trainer.fit(task.make_examples(8), per_device_batch_size=4, max_steps=1)
+    examples = task.make_examples(8)
+    trainer.fit(examples, per_device_batch_size=4, max_steps=1, eval_examples=examples, eval_every=1,
+                save_best=("loss", "min"))
     assert trainer.step == 1 and not _can_take(tmp_path)
     trainer.close()
     assert _can_take(tmp_path)
+    holder = _holder(tmp_path)  # a Trainer of the best checkpoint writes nothing: it may read a workdir in use
+    try:
+        best = _trainer(str(tmp_path), checkpointing=engine.Checkpointing(params_only=True, restore="best"))
+        assert best.step == 1
+        best.close()
+    finally:
+        holder.stdin.close()
+        holder.wait()
 
 
 def test_trainers_of_one_process_share_the_lock_and_the_last_close_releases_it(tmp_path):
