@@ -152,6 +152,8 @@ def train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
                                  flops_per_example=models.train_flops_per_example(model, FLAGS.seq_len)))
     if trainer.step:
         print(f"resumed from {FLAGS.workdir} at step {trainer.step}")
+    if isinstance(train_rows, sources.Mixture) and trainer.iterator_state is not None:
+        iter(train_rows).set_state(trainer.iterator_state)  # another mixture's state: refused before any eval
     start_loss = trainer.eval_loss(eval_rows, per_device_batch_size=batch)
     print(f"eval loss before training: {start_loss:.4f}")
     cli.log_eval(trainer, {"loss": start_loss})

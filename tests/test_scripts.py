@@ -277,6 +277,9 @@ def test_train_lm_on_a_weighted_mixture_of_parquet_and_jsonl_resumes(tmp_path):
     shares = re.search(r"data mixture shares of (\d+) windows: .*a.parquet ([0-9.]+) \(weight 0.7500\), "
                        r".*b.jsonl ([0-9.]+) \(weight 0.2500\)", again.stderr)
     assert shares and int(shares[1]) == 256 + 6 * 16 and abs(float(shares[2]) - 0.75) < 0.01, again.stderr[-2000:]
+    other = _run("train_lm.py", "--max_steps=9", *[a.replace(":3,", ":2,") for a in args], ok=False)
+    assert other.returncode == 2 and "eval loss" not in other.stdout, other.stdout[-2000:]
+    assert "data: the state is a position of the mixture" in other.stderr.splitlines()[-1], other.stderr[-2000:]
     bad = _run("train_lm.py", f"--data={tmp_path / 'data' / 'a.parquet'}:x", ok=False)
     assert bad.returncode == 2 and "has no positive weight" in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
 
