@@ -225,7 +225,8 @@ def test_a_mixture_resumes_under_another_spelling_of_its_sources(tmp_path, monke
     state, want = it.get_state(), next(it)
     monkeypatch.chdir(tmp_path)
     other = sources.Mixture("a.txt:7,./b.jsonl:3", text_data.ByteTokenizer(), task.SEQ)
-    legacy = dict(state, files=[sources._files_digest(files, absolute=False) for files in mixture.files])  # noqa: SLF001
+    listed = [sources._files_digest(files, absolute=False) for files in mixture.files]  # noqa: SLF001
+    legacy = dict(state, files=listed)
     for saved in (state, legacy):
         resumed = iter(other)
         resumed.set_state(saved)
