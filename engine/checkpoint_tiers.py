@@ -64,6 +64,13 @@ def open_checkpointer(workdir, checkpointing):
                               local_every=checkpointing.local_every, local_replicas=checkpointing.local_replicas)
 
 
+def steps_in(directory):
+    """The complete steps a directory of checkpoints holds (`<step>` directories: a step still being written, here or
+    by Orbax, has a suffix), newest first; [] for a missing directory."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sorted((int(n) for n in names if n.isdigit()), reverse=True)
+
+
 class _Steps:
     """A directory of complete steps, each `<step>/{blocks.bin, index.json, meta.json}` (module docstring); the
     newest `keep` are kept."""
@@ -73,8 +80,7 @@ class _Steps:
 
     def steps(self):
         """The complete steps held, newest first."""
-        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
-        return sorted((int(n) for n in names if n.isdigit()), reverse=True)
+        return steps_in(self.directory)
 
     def write(self, step, blocks, index, meta):
         """Writes `blocks` (host arrays or bytes), `index` (an entry per block; offsets and CRC-32s added here) and

@@ -137,8 +137,7 @@ def trained_step(workdir):
     if local and jax.process_count() == 1:
         run_dir = checkpoint_tiers.local_run_dir(local, workdir)
         directories += [os.path.join(run_dir, d) for d in (os.listdir(run_dir) if os.path.isdir(run_dir) else ())]
-    return max((int(name) for d in directories if os.path.isdir(d) for name in os.listdir(d) if name.isdigit()),
-               default=0)
+    return max((step for d in directories for step in checkpoint_tiers.steps_in(d)), default=0)
 
 
 def _training_record(workdir):
