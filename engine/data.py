@@ -7,12 +7,14 @@ global batch. With `workers`, that per-batch work (reading examples, where a laz
 runs in Grain's worker processes and this process only places the batches.
 """
 import collections.abc
+import contextlib
 import itertools
 import json
 import queue
 import signal
 import sys
 import threading
+from multiprocessing import resource_tracker
 
 import jax
 import numpy as np
@@ -192,6 +194,7 @@ def _check_workers(workers, examples, collate_fn):
 
 
 _MAX_PICKLED = 256 << 20
+_NONE = object()  # an exhausted iterator's next() default
 
 
 def _leave_interrupts_to_the_trainer(worker_index, worker_count):
@@ -199,6 +202,24 @@ def _leave_interrupts_to_the_trainer(worker_index, worker_count):
     saves its checkpoint and then ends the workers itself (each printed a KeyboardInterrupt traceback before)."""
     del worker_index, worker_count
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread while Grain starts its threads and worker processes, which inherit the mask: a
+    Ctrl-C during a worker's start-up (seconds of imports before `worker_init_fn` runs) printed its traceback. This
+    thread's own SIGINT is held, not lost: another thread takes it, or it arrives at the unblock. The resource
+    tracker is started first: starting it unblocks SIGINT in the thread that does (multiprocessing's own mask dance),
+    and Grain's first shared-memory batch would start it in the thread that spawns a worker."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _in_workers(build, start, stop, workers):
@@ -212,12 +233,19 @@ def _in_workers(build, start, stop, workers):
         flags.FLAGS.mark_as_parsed()
     dataset = grain.MapDataset.range(start, stop).map(build).to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
-    iterator = iter(dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2),
-                                        worker_init_fn=_leave_interrupts_to_the_trainer))
+    iterator = None
     try:
-        yield from iterator
+        with _sigint_blocked():  # the first batch starts every worker and thread of Grain's
+            iterator = iter(dataset.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2),
+                worker_init_fn=_leave_interrupts_to_the_trainer))
+            first = next(iterator, _NONE)
+        if first is not _NONE:
+            yield first
+            yield from iterator
     finally:
-        iterator.close()  # its worker processes end here, not at garbage collection
+        if iterator is not None:
+            iterator.close()  # its worker processes end here, not at garbage collection
 
 
 def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumulate=1, seed=0, epoch=0,

@@ -133,26 +133,69 @@ except KeyboardInterrupt:
 """
 
 
-@pytest.mark.slow  # worker start-up, as above
-def test_ctrl_c_reaches_the_training_process_alone():
-    """The workers ignore SIGINT: the process that runs them stops them (each printed a KeyboardInterrupt
-    traceback before)."""
+def _ctrl_c(script, when, *, pythonpath=()):
+    """Runs `script` in its own process group, sends the group SIGINT once the script prints the line `when` and
+    returns (stdout, stderr)."""
     import os  # noqa: PLC0415
     import signal  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], cwd=root, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=":".join([root, *pythonpath])))
     try:
-        assert proc.stdout.readline().strip() == "reading"
+        assert proc.stdout.readline().strip() == when
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        return proc.communicate(timeout=120)
     finally:
         proc.kill()
+
+
+@pytest.mark.slow  # worker start-up, as above
+def test_ctrl_c_reaches_the_training_process_alone():
+    """The workers ignore SIGINT: the process that runs them stops them (each printed a KeyboardInterrupt
+    traceback before)."""
+    out, err = _ctrl_c(_INTERRUPTED, "reading")
     assert out.strip() == "stopped" and "Traceback" not in err, err[-3000:]
+
+
+# A module whose import in a Grain worker announces itself and then takes seconds, as a worker re-importing the
+# script's modules does: a Ctrl-C sent then reaches a worker that has not yet run `worker_init_fn`.
+_SLOW_START = """
+import multiprocessing
+import time
+
+if multiprocessing.parent_process() is not None:
+    print("worker starting", flush=True)
+    time.sleep(3)
+
+
+def build(b):
+    return b
+"""
+
+_INTERRUPTED_AT_START = """
+from absl import flags
+flags.FLAGS.mark_as_parsed()
+import slow_start
+from engine import data
+try:
+    for item in data._in_workers(slow_start.build, 0, 10**9, 2):
+        pass
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+@pytest.mark.slow  # worker start-up, as above
+def test_ctrl_c_while_workers_start_reaches_the_training_process_alone(tmp_path):
+    """SIGINT is blocked while Grain starts its workers, so one arriving during a worker's imports, before its
+    `worker_init_fn`, prints no traceback there; the reading process still stops (a traceback per worker before)."""
+    (tmp_path / "slow_start.py").write_text(_SLOW_START)
+    out, err = _ctrl_c(_INTERRUPTED_AT_START, "worker starting", pythonpath=[str(tmp_path)])
+    assert out.split()[-1:] == ["stopped"] and "Traceback" not in err, (out, err[-3000:])
 
 
 def test_predictor_reads_a_grain_dataset_in_order():
