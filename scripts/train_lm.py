@@ -28,8 +28,9 @@ flags.DEFINE_string("model_config", "tiny", "Named config of the family (tiny, l
 flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
 flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or datasets.save_to_disk directories "
-                  "(--text_column); a weighted mixture of such sources, 'code/*.parquet:0.7,web/*.jsonl:0.3' (each "
-                  "packed on its own, rows interleaved by weight; needs --max_steps; ArrayRecord sources, "
+                  "(--text_column); a weighted mixture of such sources, 'code/*.parquet#content:0.7,web/*.jsonl:0.3' "
+                  "(each packed on its own, rows interleaved by weight; '#COLUMN': that source's text column instead "
+                  "of --text_column; needs --max_steps; ArrayRecord sources, "
                   "'tok/*.array_record:0.5,web/*.jsonl:0.5', give their ids as they are); or one directory of tokens "
                   "written by scripts/prepare_data.py (read through a memory map or by random access); or "
                   "pre-tokenised .array_record files, globs or directories of them (one document per record: int32 "
@@ -102,8 +103,9 @@ def main(argv):
     global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     if mixture:  # an endless stream: the first windows are the eval rows, the training stream starts after them
         for pattern, _ in sources.parse_mixture(FLAGS.data):  # a prepare_data.py source names its tokenizer
-            if text_data.is_token_dir(pattern):
-                text_data.check_token_dir(pattern, tokenizer, model.config.vocab_size)
+            path = sources.split_column(pattern)[0]
+            if text_data.is_token_dir(path):
+                text_data.check_token_dir(path, tokenizer, model.config.vocab_size)
         n_eval = (run_record.recorded(FLAGS.workdir, "eval_rows")
                   or max(global_batch // FLAGS.accumulate_grad_batches, 256))
         train_rows, eval_rows = mixture_rows(tokenizer, n_eval)

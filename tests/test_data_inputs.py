@@ -426,15 +426,24 @@ def test_mixture_specs_are_parsed_and_bad_weights_refused():
     assert sources.parse_mixture("dir:v2/a.txt:1") == [("dir:v2/a.txt", 1.0)]  # the last ':' holds the weight
     assert sources.is_mixture(["a.txt", "b.parquet:2"]) and sources.is_mixture("a:x") and not sources.is_mixture(
         ["a.txt", "b/*.parquet"])
+    # '#COLUMN' stays on the pattern (split_column takes it off); the last '#' holds it; a column alone is a mixture
+    assert sources.parse_mixture("code.parquet#content:0.7,web/*.jsonl:0.3") == [("code.parquet#content", 0.7),
+                                                                                ("web/*.jsonl", 0.3)]
+    assert sources.is_mixture(["a.parquet#content"]) and sources.parse_mixture("a.parquet#content") == [
+        ("a.parquet#content", 1.0)]
+    assert [sources.split_column(p) for p in ("a.parquet#content", "dir#2/a.jsonl#body", "a.txt")] == [
+        ("a.parquet", "content"), ("dir#2/a.jsonl", "body"), ("a.txt", None)]
     for spec, found in (("a.txt:0.7,b.txt:x", "'b.txt:x' has no positive weight after its last ':'"),
                         ("a.txt:0", "'a.txt:0' has no positive weight"), ("a.txt:-1", "'a.txt:-1' has no positive"),
                         ("a.txt:nan", "'a.txt:nan' has no positive"), ("a.txt:inf", "'a.txt:inf' has no positive"),
                         ("a.txt:1_0", "'a.txt:1_0' has no positive"),
                         ("a.txt:1e308,b.txt:1e308", "its weights sum past a float's range"),
                         (":3", "':3' has no positive"), ("a.txt:1,b.txt", "weighs some sources but not all"),
-                        ("a.txt:1,,b.txt:1", "has an empty source"), ("", "has an empty source")):
-        _one_line_error(ValueError, rf"data mixture '{spec}'.*{found}.*expected .*PATH\[:WEIGHT\],PATH\[:WEIGHT\],"
-                        r"\.\.\. \(e\.g\. code\.parquet:0\.7,web/\*\.jsonl:0\.3\)",
+                        ("a.txt:1,,b.txt:1", "has an empty source"), ("", "has an empty source"),
+                        ("a.parquet#:1", "'a.parquet#:1' needs a path before its last '#' and a column after it"),
+                        ("#text,b.txt", "'#text' needs a path before its last '#'")):
+        _one_line_error(ValueError, rf"data mixture '{spec}'.*{found}.*expected .*PATH\[#COLUMN\]\[:WEIGHT\],"
+                        r"PATH\[#COLUMN\]\[:WEIGHT\],\.\.\. \(e\.g\. code\.parquet#content:0\.7,web/\*\.jsonl:0\.3\)",
                         lambda spec=spec: sources.parse_mixture(spec))
 
 
@@ -614,6 +623,33 @@ def test_mixture_errors_name_the_source(tmp_path):
                     lambda: sources.Mixture(f"{tmp_path}/a.txt:1,{tmp_path}/none*.jsonl:1", tok, 8))
     _one_line_error(ValueError, r"seq_len=1; expected an integer >= 2", lambda: sources.Mixture(
         str(tmp_path / "a.txt"), tok, 1))
+
+
+def test_mixture_sources_name_their_own_text_columns(tmp_path):
+    """'PATH#COLUMN' reads that source's documents from its column (Parquet), field (JSONL) or Example feature, the
+    others from `text_column`; a source whose files lack its column is refused naming the file and the column."""
+    tok = text_data.ByteTokenizer()
+    _write_parquet(tmp_path / "code.parquet", _table(content=["c" * 40] * 8, text=["x" * 40] * 8))
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"body": "w" * 30, "text": "y"}) + "\n" for _ in range(8)))
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": "n" * 20}) + "\n" for _ in range(8)))
+    spec = f"{tmp_path}/code.parquet#content:0.5,{tmp_path}/web.jsonl#body:0.25,{tmp_path}/notes.jsonl:0.25"
+    mixture = sources.Mixture(spec, tok, 16)
+    assert mixture.columns == ["content", "body", "text"]
+    windows = [w for _, w in zip(range(40), mixture)]
+    assert [sum(_letter(w, tok) == s for w in windows) for s in "cwn"] == [20, 10, 10]
+    it = iter(mixture)
+    for _ in range(13):
+        next(it)
+    state, want = json.loads(json.dumps(it.get_state())), next(it)
+    assert (next(iter(sources.Mixture.from_state(state, tok)))["tokens"] == want["tokens"]).all()
+    # --text_column=content naming the Parquet's column for every source is the same mixture, resumed alike
+    same = sources.Mixture(f"{tmp_path}/code.parquet:0.5,{tmp_path}/web.jsonl#body:0.25,"
+                           f"{tmp_path}/notes.jsonl#text:0.25", tok, 16, text_column="content")
+    resumed = iter(same)
+    resumed.set_state(state)
+    assert (next(resumed)["tokens"] == want["tokens"]).all()
+    missing = iter(sources.Mixture(f"{tmp_path}/code.parquet#body:1,{tmp_path}/notes.jsonl:1", tok, 16))
+    _one_line_error(ValueError, r"data: .*code.parquet.*'body'", lambda: next(missing))
 
 
 # Reads a corpus in a process of its own and prints the peak resident memory (sampled every 64 documents) above

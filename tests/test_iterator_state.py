@@ -207,9 +207,13 @@ def test_a_mixture_iterator_refuses_another_mixtures_state(tmp_path):
     state = iter(mixture).get_state()
     other = sources.Mixture(f"{tmp_path}/a.txt", text_data.ByteTokenizer(), task.SEQ)
     with pytest.raises(ValueError, match=r"^data: the state is a position of the mixture '.*a.txt:.*' \(text "
-                                         r"column 'text'\), not of '.*a.txt' \(text column 'text'\); expected the "
-                                         r"same sources, weights"):
+                                         r"columns text,text\), not of '.*a.txt' \(text columns text\); expected "
+                                         r"the same sources, weights and text columns"):
         iter(other).set_state(state)
+    elsewhere = sources.Mixture(f"{tmp_path}/a.txt:0.7,{tmp_path}/b.jsonl#body:0.3", text_data.ByteTokenizer(),
+                                task.SEQ)  # the same files and weights, the JSONL's documents in another field
+    with pytest.raises(ValueError, match=r"\(text columns text,text\), not of .* \(text columns text,body\)"):
+        iter(elsewhere).set_state(state)
     with pytest.raises(ValueError, match=r"^data: a list is not a position of this mixture; expected a "
                                          r"MixtureIterator.get_state\(\), a dict of \['files'"):
         iter(other).set_state([state])

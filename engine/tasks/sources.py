@@ -27,7 +27,8 @@ from engine.tasks.files import TEXT_SUFFIXES, _shown, expand_files  # noqa: F401
 DECODE_ERRORS = ("strict", "replace")
 _BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
 _READ_BUFFER = 1 << 20  # Parquet pages read through a 1 MiB buffer rather than a whole column chunk at once
-MIXTURE_FORM = "PATH[:WEIGHT],PATH[:WEIGHT],... (e.g. code.parquet:0.7,web/*.jsonl:0.3)"
+MIXTURE_FORM = ("PATH[#COLUMN][:WEIGHT],PATH[#COLUMN][:WEIGHT],... (e.g. code.parquet#content:0.7,"
+                "web/*.jsonl:0.3)")
 
 
 def _check_decode_errors(decode_errors):
@@ -294,15 +295,24 @@ def check_not_empty(record, fields, where):
 
 
 def is_mixture(spec):
-    """Whether a --data value (a string or a list flag's items) is a weighted mixture: some item has a ':WEIGHT'
-    (`parse_mixture`'s rule, so a path holding ':' must take a weight too)."""
-    return any(":" in item for item in (spec.split(",") if isinstance(spec, str) else spec))
+    """Whether a --data value (a string or a list flag's items) is a mixture: some item has a ':WEIGHT' or a
+    '#COLUMN' (`parse_mixture`'s rule, so a path holding ':' must take a weight too, and one holding '#' a column)."""
+    return any(":" in item or "#" in item for item in (spec.split(",") if isinstance(spec, str) else spec))
+
+
+def split_column(pattern):
+    """(path, column) of a mixture source 'PATH[#COLUMN]' (`parse_mixture`'s, its weight taken off): the column
+    (Parquet, Arrow, JSONL) or Example feature (ArrayRecord) that holds that source's documents, or None (the
+    mixture's `text_column`). The last '#' holds the column."""
+    path, column = pattern.rsplit("#", 1) if "#" in pattern else (pattern, None)
+    return path, column
 
 
 def parse_mixture(spec):
-    """[(pattern, weight)] of a mixture spec: 'PATH[:WEIGHT],...' as a string or a list of its items (an absl list
-    flag's value). Weights are positive numbers, given for every source or for none (equal shares), and normalised
-    to sum to 1. A path holding ':' takes a weight so that its last ':' is the weight's."""
+    """[(pattern, weight)] of a mixture spec: 'PATH[#COLUMN][:WEIGHT],...' as a string or a list of its items (an
+    absl list flag's value); a pattern keeps its '#COLUMN' (`split_column`). Weights are positive numbers, given for
+    every source or for none (equal shares), and normalised to sum to 1. A path holding ':' takes a weight so that
+    its last ':' is the weight's; one holding '#' takes a column so that its last '#' is the column's."""
     items = [part.strip() for part in (spec.split(",") if isinstance(spec, str) else spec)]
     shown = spec if isinstance(spec, str) else ",".join(spec)
     if not items or not all(items):
@@ -318,6 +328,9 @@ def parse_mixture(spec):
             if not (math.isfinite(weight) and weight > 0) or not pattern:
                 raise ValueError(f"data mixture {shown!r}: {item!r} has no positive weight after its last ':'; "
                                  f"expected {MIXTURE_FORM}")
+        if "#" in pattern and not all(split_column(pattern)):
+            raise ValueError(f"data mixture {shown!r}: {item!r} needs a path before its last '#' and a column after "
+                             f"it; expected {MIXTURE_FORM}")
         sources.append((pattern, weight))
     given = [w is not None for _, w in sources]
     if any(given) and not all(given):
@@ -350,6 +363,11 @@ def _source_files(pattern):
     return ("records" if records else "text"), files
 
 
+def _columns(sources, text_column):
+    """The text column of each of a mixture's (pattern, weight) sources: its own '#COLUMN', else `text_column`."""
+    return [split_column(pattern)[1] or text_column for pattern, _ in sources]
+
+
 def _files_digest(files, absolute=True):
     """A source's files as a digest: of their absolute paths (a relative spelling of the same files matches), or
     as listed (`absolute=False`: the digest of states saved before)."""
@@ -367,13 +385,14 @@ def shares_line(state):
 
 
 class Mixture:
-    """Training windows from weighted sources: each source (a pattern of `parse_mixture`'s spec: files of any
-    format above) is tokenised and packed on its own into full rows of `pack`'s format ({'tokens', 'segment_ids'}
-    [seq_len + 1]), and the rows are interleaved so that each source's share of the windows, and so of the tokens,
-    follows its weight: window n comes from the source furthest behind its share (weight·(n + 1) − its windows so
-    far; ties to the earlier source), which keeps every source's count within two windows of weight·n (the tests
-    hold it there): each share is within 1% of its weight from the 200th window on. A source that runs out
-    restarts from its beginning (logged once), packing on across the epoch boundary, so the stream never ends.
+    """Training windows from weighted sources: each source (a pattern of `parse_mixture`'s spec: files of any format
+    above, their documents in the source's '#COLUMN' or else `text_column`) is tokenised and packed on its own into full
+    rows of `pack`'s format ({'tokens', 'segment_ids'} [seq_len + 1]), and the rows are interleaved so that each
+    source's share of the windows, and so of the tokens, follows its weight: window n comes from the source furthest
+    behind its share (weight·(n + 1) − its windows so far; ties to the earlier source), which keeps every source's count
+    within two windows of weight·n (the tests hold it there): each share is within 1% of its weight from the 200th
+    window on. A source that runs out restarts from its beginning (logged once), packing on across the epoch boundary,
+    so the stream never ends.
 
     A source of ArrayRecord files (`array_records`' int32 or tf.train.Example records; `text_column` names the
     Example feature) is pre-tokenised: its records' ids are packed as they are (no EOS added: prepare_data.py wrote
@@ -397,7 +416,9 @@ class Mixture:
         self.sources = parse_mixture(self.spec)
         self.tokenizer, self.seq_len, self.text_column = tokenizer, seq_len, text_column
         self.decode_errors = decode_errors
-        self.kinds, self.files = zip(*[_source_files(pattern) for pattern, _ in self.sources]) or ((), ())
+        self.columns = _columns(self.sources, text_column)
+        self.kinds, self.files = zip(*[_source_files(split_column(pattern)[0]) for pattern, _ in self.sources]) or (
+            (), ())
         self.weights = [w for _, w in self.sources]
         self._start = {"windows": [0] * len(self.sources),
                        "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources],
@@ -427,19 +448,21 @@ class Mixture:
 
     def _position(self, state):
         """{'windows', 'positions', 'restart'} of `state`, which must be this mixture's (its sources' weights, text
-        column and files, however spelt; positions count documents and tokens, so another seq_len packs on from the
+        columns and files, however spelt; positions count documents and tokens, so another seq_len packs on from the
         same token; a state without 'restart' restarts each source at its beginning)."""
         keys = {"spec", "text_column", "files", "windows", "positions"}
         if not isinstance(state, dict) or not keys <= set(state):
             raise ValueError(f"data: a {type(state).__name__} is not a position of this mixture; expected a "
                              f"MixtureIterator.get_state(), a dict of {sorted(keys)}")
-        weights = [w for _, w in parse_mixture(state["spec"])]
-        same = (state["text_column"] == self.text_column and len(weights) == len(self.weights)
-                and all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(weights, self.weights)))
+        theirs = parse_mixture(state["spec"])
+        columns = _columns(theirs, state["text_column"])
+        same = (columns == self.columns and len(theirs) == len(self.weights)
+                and all(math.isclose(w, mine, rel_tol=1e-9) for (_, w), mine in zip(theirs, self.weights)))
         if not same:
-            raise ValueError(f"data: the state is a position of the mixture {','.join(state['spec'])!r} (text column "
-                             f"{state['text_column']!r}), not of {','.join(self.spec)!r} (text column "
-                             f"{self.text_column!r}); expected the same sources, weights and text column to resume")
+            raise ValueError(f"data: the state is a position of the mixture {','.join(state['spec'])!r} (text columns "
+                             f"{','.join(columns)}), not of {','.join(self.spec)!r} (text columns "
+                             f"{','.join(self.columns)}); expected the same sources, weights and text columns to "
+                             "resume")
         for (pattern, _), files, digest in zip(self.sources, self.files, state["files"]):
             if digest not in (_files_digest(files), _files_digest(files, absolute=False)):
                 raise ValueError(f"data: the files of {pattern!r} changed since the mixture's state was saved "
@@ -503,10 +526,10 @@ class MixtureIterator:
         epoch, start = position["epoch"], (position["file"], position["row"])
         while True:
             if m.kinds[i] == "records":
-                documents = array_records.iter_documents(files, feature=m.text_column, start=start, what=repr(pattern),
+                documents = array_records.iter_documents(files, feature=m.columns[i], start=start, what=repr(pattern),
                                                          vocab_size=m.tokenizer.vocab_size)
             else:
-                documents = _documents(files, m.text_column, m.decode_errors, repr(pattern), start)
+                documents = _documents(files, m.columns[i], m.decode_errors, repr(pattern), start)
             read = False
             for (file, row), doc in documents:
                 read = True
