@@ -10,6 +10,7 @@ import collections.abc
 import contextlib
 import itertools
 import json
+import os
 import queue
 import signal
 import sys
@@ -163,37 +164,63 @@ def _collate_local(chunk, fetch, collate_fn, rows_per_batch, micro_rows, local_r
     return _stack(micro)
 
 
-def _check_workers(workers, examples, collate_fn):
-    """One-line errors for `workers` that cannot run: not an integer >= 0, streamed examples, no grain, or
-    examples / collate_fn that do not pickle (Grain's workers are spawned processes that receive both pickled)."""
+def _check_workers(workers, examples, collate_fn, name):
+    """One-line errors for `workers` (the caller's argument `name`) that cannot run: not an integer >= 0, streamed
+    examples, no grain, a main script without a `__main__` guard, or examples / collate_fn that do not pickle
+    (Grain's workers are spawned processes that receive both pickled)."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
-        raise ValueError(f"workers={workers!r}; expected an integer >= 0 (0: batches built in this process)")
+        raise ValueError(f"{name}={workers!r}; expected an integer >= 0 (0: batches built in this process)")
     if not workers:
         return
     if not is_random_access(examples):
-        raise ValueError(f"workers={workers} needs random-access examples (len and indexing: a list, TokenWindows, "
+        raise ValueError(f"{name}={workers} needs random-access examples (len and indexing: a list, TokenWindows, "
                          f"a grain.MapDataset); got {type(examples).__name__}, which streams in order and so is "
-                         "read in this process: pass workers=0")
+                         f"read in this process: pass {name}=0")
     try:
         import cloudpickle  # noqa: PLC0415 (installed with grain, which pickles with it)
         import grain  # noqa: F401, PLC0415 (optional: the `data` extra)
     except ImportError:
-        raise ValueError(f"workers={workers} needs the grain package (pip install 'redline[data]'); "
-                         "workers=0 builds batches in this process without it") from None
-    for name, value in (("examples", examples), ("collate_fn", collate_fn)):
+        raise ValueError(f"{name}={workers} needs the grain package (pip install 'redline[data]'); "
+                         f"{name}=0 builds batches in this process without it") from None
+    script = _unguarded_main()
+    if script:
+        raise ValueError(f"{name}={workers}: {script} has no `if __name__ == \"__main__\":` guard, and every worker "
+                         "process imports it again (they are spawned), running its training there too; expected its "
+                         f"top-level training code under that guard, or {name}=0")
+    for what, value in (("examples", examples), ("collate_fn", collate_fn)):
         try:
             size = len(cloudpickle.dumps(value))
         except Exception as e:  # noqa: BLE001 (pickling raises whatever the object's __reduce__ raises)
-            raise ValueError(f"workers={workers}: {name} ({type(value).__name__}) cannot be pickled for the worker "
+            raise ValueError(f"{name}={workers}: {what} ({type(value).__name__}) cannot be pickled for the worker "
                              f"processes ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); expected "
-                             "a picklable object (open files and locks in __setstate__), or workers=0") from None
+                             f"a picklable object (open files and locks in __setstate__), or {name}=0") from None
         if size > _MAX_PICKLED:
-            raise ValueError(f"workers={workers}: {name} ({type(value).__name__}) pickles to {size >> 20} MiB, "
+            raise ValueError(f"{name}={workers}: {what} ({type(value).__name__}) pickles to {size >> 20} MiB, "
                              f"copied into every worker; expected under {_MAX_PICKLED >> 20} MiB: hold file paths "
-                             "and open them lazily (a memory map pickles as a copy of its data), or workers=0")
+                             f"and open them lazily (a memory map pickles as a copy of its data), or {name}=0")
+
+
+def _unguarded_main():
+    """The path of the main script when a spawned worker would run it again: a `.py` file that never mentions
+    `__main__` (multiprocessing's spawn imports the main module in every child, and without the guard its top level,
+    the training, runs there). None for an interactive session, `python -c`, or a guarded script."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return None if "__main__" in f.read() else path
+    except OSError:
+        return None
 
 
 _MAX_PICKLED = 256 << 20
+# A worker's arrays under this size are pickled to this process rather than passed in shared-memory blocks: Grain
+# unlinks a block when its array is freed, in a thread that a process ending right after its last step does not run,
+# so every run with workers ended with the resource tracker's warning of "leaked shared_memory objects" (the tracker
+# removed them). A language model's batches (token ids: kilobytes to megabytes) now use none; larger arrays keep
+# shared memory, where a copy through a pipe would cost more.
+_MIN_SHARED_MEMORY = 64 << 20
 _NONE = object()  # an exhausted iterator's next() default
 
 
@@ -231,8 +258,10 @@ def _in_workers(build, start, stop, workers):
 
     if not flags.FLAGS.is_parsed():  # grain 0.2.18 reads its absl flags unguarded; outside an absl app: defaults
         flags.FLAGS.mark_as_parsed()
-    dataset = grain.MapDataset.range(start, stop).map(build).to_iter_dataset(
-        grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+    dataset = grain.experimental.WithOptionsIterDataset(
+        grain.MapDataset.range(start, stop).map(build).to_iter_dataset(
+            grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)),
+        grain.experimental.DatasetOptions(min_shm_size=_MIN_SHARED_MEMORY))
     iterator = None
     try:
         with _sigint_blocked():  # the first batch starts every worker and thread of Grain's
@@ -249,7 +278,8 @@ def _in_workers(build, start, stop, workers):
 
 
 def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumulate=1, seed=0, epoch=0,
-                    start_batch=0, shuffle=True, drop_remainder=True, workers=0, start_state=None, states=False):
+                    start_batch=0, shuffle=True, drop_remainder=True, workers=0, start_state=None, states=False,
+                    workers_name="workers"):
     """Yields `(batch_index, n_real, placed_batch)` for one epoch, starting at `start_batch`; with `states`,
     `(batch_index, n_real, placed_batch, iterator_state)`.
 
@@ -269,9 +299,10 @@ def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumu
     `workers` > 0: reading this process's rows (`examples[i]`, where a lazy dataset tokenises and packs) and
     `collate_fn` run in that many Grain worker processes, batches in order and identical to `workers=0`; this
     process only places them on the devices. Needs random-access, picklable examples and collate_fn (the grain
-    package); the workers start with each call (once per epoch).
+    package) and, run from a script, its `if __name__ == "__main__":` guard; the workers start with each call (once
+    per epoch). `workers_name`: the caller's name for `workers`, in its errors.
     """
-    _check_workers(workers, examples, collate_fn)
+    _check_workers(workers, examples, collate_fn, workers_name)
     micro_rows = per_device_batch_size * data_parallel_size(mesh)
     rows_per_batch = micro_rows * accumulate
     local_rows = _local_rows(mesh, micro_rows)

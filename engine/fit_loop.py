@@ -71,15 +71,16 @@ class StoppedBySignal(SystemExit):
     even when `fit` is called in the user's own loop (a `SystemExit`: `except Exception` does not catch it, and
     uncaught it ends the process with status 128 + the signal's number, 143 for SIGTERM, as a shell reports a
     signal; a scheduler then tells a preempted run from a finished one). `signum`: the signal (SIGTERM when a
-    peer process received it); `step`: the step the checkpoint holds."""
+    peer process received it); `step`: the step the checkpoint holds; `saved`: whether one was saved (False
+    without a workdir)."""
 
-    def __init__(self, signum, step):
+    def __init__(self, signum, step, saved=True):
         super().__init__(128 + signum)
-        self.signum, self.step = signum, step
+        self.signum, self.step, self.saved = signum, step, saved
 
     def __str__(self):
-        return (f"stopped by {signal.Signals(self.signum).name} at step {self.step} (checkpoint saved); exit status "
-                f"{self.code}")
+        saved = "checkpoint saved" if self.saved else "no workdir: nothing saved"
+        return f"stopped by {signal.Signals(self.signum).name} at step {self.step} ({saved}); exit status {self.code}"
 
 
 class Stop:

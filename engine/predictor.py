@@ -57,7 +57,8 @@ class Predictor:
         outputs = []
         batches = data_lib.iterate_batches(self.mesh, examples, self.collate_fn,
                                            per_device_batch_size=per_device_batch_size, shuffle=False,
-                                           drop_remainder=False, workers=data_workers)
+                                           drop_remainder=False, workers=data_workers,
+                                           workers_name="data_workers")
         for index, n_real, batch in batches:
             preds = self._compiled(params, batch, np.int32(index))
             # Replicated outputs: every process reads its local copy, no cross-host gather needed.

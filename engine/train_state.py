@@ -27,6 +27,9 @@ from engine.config import RESTORE_CHECKPOINTS, check
 from engine.sharding import add_axis, auto_shard, device_tile, log_sharding, path_str
 from engine.step import overwrite_tree, partition, split_loss
 
+# A `fit` call's target epoch when only `max_steps` bounds it (an int, as every target, for the checkpoint's JSON).
+UNBOUNDED = 2**62
+
 
 def place(x, sharding):
     """Host or device array -> global array on `sharding` (every process must pass the same host values)."""
@@ -417,19 +420,25 @@ class TrainState:
     def start_call(self, n_epochs, total_epochs, max_steps):
         """Records this `fit` call and returns the epoch index it stops before: `total_epochs`, or `n_epochs` whole
         epochs after the one the call starts in, that one included when a previous call left it unfinished (so a
-        call never finds nothing left to train). The first call after a restore starts where the checkpoint's
-        interrupted call started."""
+        call never finds nothing left to train); with `max_steps` alone, no epoch bound (`UNBOUNDED`: the updates
+        end the call, as the Hugging Face Trainer's and Lightning's `max_steps`), else one epoch. The first call
+        after a restore starts where the checkpoint's interrupted call started."""
         resumed, self.resumed_call = self.resumed_call, None
         start = ([resumed["start_epoch"], resumed["start_batch"]] if resumed
                  else [self.epoch, self.batch_in_epoch])
-        target = (total_epochs if total_epochs is not None
-                  else start[0] + (1 if n_epochs is None else n_epochs) + (1 if start[1] else 0))
+        if total_epochs is not None:
+            target = total_epochs
+        elif n_epochs is None and max_steps is not None:
+            target = UNBOUNDED
+        else:
+            target = start[0] + (1 if n_epochs is None else n_epochs) + (1 if start[1] else 0)
         self.fit_call = {"start_epoch": start[0], "start_batch": start[1], "n_epochs": n_epochs,
                          "total_epochs": total_epochs, "max_steps": max_steps, "target_epoch": target}
         if resumed and total_epochs is None:
             ended = self.epoch >= target or (max_steps is not None and self.step >= max_steps)
-            logging.info("fit continues the restored run's call, started at epoch %d%s: to epoch %d%s", start[0],
-                         f" batch {start[1]}" if start[1] else "", target,
+            logging.info("fit continues the restored run's call, started at epoch %d%s: to %s%s", start[0],
+                         f" batch {start[1]}" if start[1] else "",
+                         f"step {max_steps}" if target == UNBOUNDED else f"epoch {target}",
                          " (reached: nothing to train; a further fit call trains on)" if ended else "")
         return target
 

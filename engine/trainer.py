@@ -300,14 +300,15 @@ class Trainer:
             eval_examples=None, eval_per_device_batch_size=None, eval_predictor=None, eval_metric_fn=None,
             log_every=10, save_every=None, profile_steps=None, checkpoint_at_end=True, eval_every=None,
             save_best=None, early_stopping_patience=None, data_workers=0, hang_timeout=None):
-        """Trains `n_epochs` more epochs (default 1; an epoch that a previous call left unfinished is finished
-        first), or up to `total_epochs` epochs counted over the Trainer's life. `max_steps`: stop at that many
-        optimizer updates in total (also over the Trainer's life). So `fit(n_epochs=10)` once per round trains 10
-        epochs each time (RedCoast's loop). Every checkpoint records the running call (the epoch it started at and
-        its target), and the first `fit` of a Trainer restored from a workdir continues that call: `n_epochs` counts
-        from where the interrupted call started, so a re-run script that passes what it passed the first time ends
-        exactly where the first run would have (Keras' `epochs`, Lightning's `max_epochs`), and does nothing when
-        that run had finished. Later calls train again.
+        """Trains `n_epochs` more epochs (default 1; an epoch that a previous call left unfinished is finished first),
+        or up to `total_epochs` epochs counted over the Trainer's life. `max_steps`: stop at that many optimizer updates
+        in total (also over the Trainer's life); given alone, it bounds the call by itself, over as many epochs as that
+        takes (the Hugging Face Trainer's and Lightning's `max_steps`). So `fit(n_epochs=10)` once per round trains 10
+        epochs each time (RedCoast's loop). Every checkpoint records the running call (the epoch it started at and its
+        target), and the first `fit` of a Trainer restored from a workdir continues that call: `n_epochs` counts from
+        where the interrupted call started, so a re-run script that passes what it passed the first time ends exactly
+        where the first run would have (Keras' `epochs`, Lightning's `max_epochs`), and does nothing when that run had
+        finished. Later calls train again.
 
         The global batch of one update is `per_device_batch_size x data x fsdp x expert x accumulate_grad_batches`
         examples.
@@ -399,7 +400,8 @@ class Trainer:
         self.stop_signal = stop.signum if stopped else None
         self._finish(stopped, exhausted(), checkpoint_at_end)
         if stopped:  # the program ends, also when fit runs in the user's own loop
-            raise fit_loop.StoppedBySignal(self.stop_signal or signal.SIGTERM, self._state.step)
+            raise fit_loop.StoppedBySignal(self.stop_signal or signal.SIGTERM, self._state.step,
+                                           saved=self.workdir is not None)
         return self.history
 
     def _epochs(self, train_examples, per_device_batch_size, rows, last_epoch, profiler, done, every, evaluate):
@@ -430,7 +432,7 @@ class Trainer:
         batches = data_lib.iterate_batches(
             self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
             accumulate=self.accumulate, seed=self.seed, epoch=self._state.epoch, start_batch=self._state.batch_in_epoch,
-            workers=every["workers"], start_state=self._state.iterator_state, states=True)
+            workers=every["workers"], start_state=self._state.iterator_state, states=True, workers_name="data_workers")
         prefetch = data_lib.Prefetcher(batches)
         seen = 0
         try:

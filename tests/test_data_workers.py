@@ -2,6 +2,7 @@
 per (seed, epoch) and resumed like a list, batches built in worker processes equal those built in-process, and what
 cannot run in workers is refused in one line."""
 import multiprocessing
+import re
 import threading
 
 import numpy as np
@@ -161,6 +162,33 @@ def test_ctrl_c_reaches_the_training_process_alone():
     assert out.strip() == "stopped" and "Traceback" not in err, err[-3000:]
 
 
+# Reads every batch of two Grain workers and ends holding the last ones, as a training process ends right after its
+# last steps.
+_TO_THE_END = """
+import numpy as np
+from absl import flags
+flags.FLAGS.mark_as_parsed()
+from engine import data
+batches = list(data._in_workers(lambda b: {"tokens": np.full((8, 2049), b, np.int32)}, 0, 12, 2))
+print(len(batches), flush=True)
+"""
+
+
+@pytest.mark.slow  # worker start-up, as above
+def test_a_run_with_workers_ends_without_a_leaked_shared_memory_warning():
+    """A batch of token ids comes through a pipe, not a shared-memory block that Grain unlinks in a thread the
+    ending process never runs (the resource tracker warned of "leaked shared_memory objects" at each run's end)."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _TO_THE_END], cwd=root, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    assert done.returncode == 0 and done.stdout.split() == ["12"], done.stderr[-3000:]
+    assert "leaked" not in done.stderr, done.stderr[-3000:]
+
+
 # A module whose import in a Grain worker announces itself and then takes seconds, as a worker re-importing the
 # script's modules does: a Ctrl-C sent then reaches a worker that has not yet run `worker_init_fn`.
 _SLOW_START = """
@@ -198,6 +226,28 @@ def test_ctrl_c_while_workers_start_reaches_the_training_process_alone(tmp_path)
     assert out.split()[-1:] == ["stopped"] and "Traceback" not in err, (out, err[-3000:])
 
 
+def test_a_script_without_a_main_guard_is_refused_before_workers_start(tmp_path, monkeypatch):
+    """Spawned workers import the main script again: without `if __name__ == "__main__":` its training ran in every
+    worker, which died with pages of multiprocessing's bootstrapping error; refused in one line instead."""
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    script = tmp_path / "train.py"
+    script.write_text("import engine\ntrainer.fit(examples, per_device_batch_size=2, data_workers=2)\n")
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__=str(script)))
+    dataset = grain.MapDataset.source(_texts(40)).map(encode_row)
+    batches = data.iterate_batches(engine.make_mesh(data=4, model=2), dataset, lm.collate_lm, per_device_batch_size=2,
+                                   workers=2, workers_name="data_workers")
+    with pytest.raises(ValueError, match=rf"^data_workers=2: {re.escape(str(script))} has no `if __name__ == "
+                                         r"\"__main__\":` guard, and every worker process imports it again .*, or "
+                                         r"data_workers=0$"):
+        next(batches)
+    script.write_text("import engine\n\nif __name__ == '__main__':\n    main()\n")
+    assert data._unguarded_main() is None  # noqa: SLF001
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace())  # an interactive session: no file
+    assert data._unguarded_main() is None  # noqa: SLF001
+
+
 def test_predictor_reads_a_grain_dataset_in_order():
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -227,6 +277,8 @@ def test_bad_input_is_refused_in_one_line(monkeypatch):
     for workers in (-1, 1.5, True):
         assert refused(dataset, workers=workers).startswith(f"workers={workers!r}; expected an integer >= 0")
     assert refused(iter(texts), workers=2).startswith("workers=2 needs random-access examples (len and indexing")
+    assert refused(iter(texts), workers=2, workers_name="data_workers").startswith(  # fit's and predict's name
+        "data_workers=2 needs random-access examples")
     lock = threading.Lock()
     message = refused(dataset, lambda rows: lock and lm.collate_lm(rows), workers=2)
     assert message.startswith("workers=2: collate_fn (function) cannot be pickled for the worker processes "

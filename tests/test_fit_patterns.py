@@ -41,6 +41,11 @@ def test_each_fit_trains_n_epochs_more_and_total_epochs_is_counted_over_the_trai
     assert (trainer.step, trainer.epoch) == (32, 4)
     with pytest.raises(ValueError, match=r"^n_epochs=1 and total_epochs=2; expected one of them"):
         trainer.fit(EXAMPLES, per_device_batch_size=2, n_epochs=1, total_epochs=2)
+    fresh = _trainer()  # max_steps alone bounds the call, over as many epochs as it takes (it stopped after one)
+    fresh.fit(EXAMPLES, per_device_batch_size=2, max_steps=20)
+    assert (fresh.step, fresh.epoch) == (20, 2)
+    fresh.fit(EXAMPLES, per_device_batch_size=2, max_steps=40, n_epochs=1)  # beside an epoch bound: the first
+    assert (fresh.step, fresh.epoch) == (32, 4)  # (epoch 2's rest, then epoch 3)
 
 
 class _Crash(Exception):
@@ -65,7 +70,7 @@ class _CrashesInEpoch1(collections.abc.Sequence):
 
 
 TARGETS = {"n_epochs": dict(n_epochs=2), "total_epochs": dict(total_epochs=2),
-           "max_steps": dict(n_epochs=5, max_steps=21)}
+           "max_steps": dict(n_epochs=5, max_steps=21), "max_steps alone": dict(max_steps=21)}
 
 
 @pytest.mark.parametrize("step", ["jit", pytest.param("shard_map", marks=pytest.mark.slow)])

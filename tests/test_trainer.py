@@ -415,6 +415,15 @@ def test_sigterm_or_ctrl_c_saves_and_ends_a_users_own_fit_loop_too(tmp_path, sig
     assert resumed.step == step
 
 
+def test_the_stop_line_says_whether_a_checkpoint_was_saved():
+    from engine import fit_loop  # noqa: PLC0415
+
+    assert str(fit_loop.StoppedBySignal(signal.SIGTERM, 7)) == ("stopped by SIGTERM at step 7 (checkpoint saved); "
+                                                                 "exit status 143")
+    assert str(fit_loop.StoppedBySignal(signal.SIGINT, 7, saved=False)) == (
+        "stopped by SIGINT at step 7 (no workdir: nothing saved); exit status 130")
+
+
 @pytest.mark.slow  # CI time; one process: test_sigterm_or_ctrl_c_saves_and_exits_cleanly
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
     """A scheduler's SIGTERM reaching one process of two: the stop is agreed at the next log point, both save the
