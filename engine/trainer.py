@@ -369,6 +369,9 @@ class Trainer:
         last_epoch = self._state.start_call(n_epochs, total_epochs, max_steps)
         self._total_steps = self._state.planned_steps(train_examples, per_device_batch_size, self.accumulate,
                                                       last_epoch, max_steps)
+        if self._total_steps is None:
+            logging.info("fit: train_examples is streamed (no len): an epoch ends when its iterator does, so an "
+                         "endless stream trains until max_steps or a signal, and max_steps is not set")
         if save_best is not None:
             self._check_best_matches(tuple(save_best))
         exhausted = lambda: (early_stopping_patience is not None  # noqa: E731

@@ -48,6 +48,19 @@ def test_each_fit_trains_n_epochs_more_and_total_epochs_is_counted_over_the_trai
     assert (fresh.step, fresh.epoch) == (32, 4)  # (epoch 2's rest, then epoch 3)
 
 
+def test_a_stream_without_max_steps_says_its_epoch_ends_with_the_stream(caplog):
+    import logging  # noqa: PLC0415
+
+    with caplog.at_level(logging.INFO):
+        _trainer().fit(EXAMPLES, per_device_batch_size=2)
+        _trainer().fit(iter(EXAMPLES), per_device_batch_size=2, max_steps=4)
+        assert not [r for r in caplog.records if "is streamed" in r.getMessage()]
+        _trainer().fit(iter(EXAMPLES), per_device_batch_size=2)
+    said = [r.getMessage() for r in caplog.records if "is streamed" in r.getMessage()]
+    assert said == ["fit: train_examples is streamed (no len): an epoch ends when its iterator does, so an endless "
+                    "stream trains until max_steps or a signal, and max_steps is not set"]
+
+
 class _Crash(Exception):
     pass
 
