@@ -148,17 +148,31 @@ class _LocalBatch:
     def __call__(self, b):
         chunk = self.order()[b * self.rows_per_batch:(b + 1) * self.rows_per_batch].tolist()
         return len(chunk), _collate_local(chunk, self.examples.__getitem__, self.collate_fn, self.rows_per_batch,
-                                          self.micro_rows, self.local_rows)
+                                          self.micro_rows, self.local_rows, f"batch {b} of epoch {self.epoch}")
 
 
-def _collate_local(chunk, fetch, collate_fn, rows_per_batch, micro_rows, local_rows):
+def _same(example):
+    """A streamed example as it is (`_collate_local`'s fetch for streams)."""
+    return example
+
+
+def _collate_local(chunk, fetch, collate_fn, rows_per_batch, micro_rows, local_rows, where):
     """This process's rows of one global batch `chunk` (its examples, or their indices read by `fetch`), padded to
-    `rows_per_batch` by repeating the last, collated per micro-batch and stacked `[accumulate, local_rows, ...]`."""
+    `rows_per_batch` by repeating the last, collated per micro-batch and stacked `[accumulate, local_rows, ...]`. An
+    exception of `collate_fn` gets a note naming `where` (the batch) and, for random access, the examples' indices."""
     chunk = chunk + [chunk[-1]] * (rows_per_batch - len(chunk))
     lo, hi = local_rows
     micro = []
     for m in range(rows_per_batch // micro_rows):
-        batch = collate_fn([fetch(x) for x in chunk[m * micro_rows:(m + 1) * micro_rows][lo:hi]])
+        part = chunk[m * micro_rows:(m + 1) * micro_rows][lo:hi]
+        rows = [fetch(x) for x in part]
+        try:
+            batch = collate_fn(rows)
+        except Exception as e:
+            which = (f"{len(rows)} examples" if fetch is _same
+                     else f"examples {', '.join(map(str, part[:8]))}{', ...' * (len(part) > 8)}")
+            e.add_note(f"raised by collate_fn on {where}, micro-batch {m} ({which})")
+            raise
         check_batch(batch, hi - lo, "collate_fn")
         micro.append(batch)
     return _stack(micro)
@@ -326,7 +340,8 @@ def iterate_batches(mesh, examples, collate_fn, *, per_device_batch_size, accumu
         if not chunk or (drop_remainder and len(chunk) < rows_per_batch):
             return
         state = _iterator_state(source) if stateful else None
-        local = _collate_local(chunk, lambda example: example, collate_fn, rows_per_batch, micro_rows, local_rows)
+        local = _collate_local(chunk, _same, collate_fn, rows_per_batch, micro_rows, local_rows,
+                               f"streamed batch {index} of epoch {epoch}")
         yield (index, len(chunk), place_batch(mesh, local, micro_rows)) + ((state,) if states else ())
 
 

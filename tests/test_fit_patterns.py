@@ -2,6 +2,7 @@
 Trainer, pytree batches and epoch-dependent examples, the progress bar."""
 import collections.abc
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,21 @@ def test_any_pytree_batch_trains_evaluates_and_predicts_like_a_flat_one(step, tm
                                      {"params": p}, b["train"]["input_ids"]).argmax(-1)]})
     preds = predictor.predict(EXAMPLES[:5], per_device_batch_size=1, params=nested.params)
     assert len(preds) == 5 and preds[0]["argmax"][0].shape == (task.SEQ,)
+
+
+def test_a_collate_fn_error_keeps_its_type_and_names_the_batch_and_examples():
+    def broken(examples):
+        return {"x": np.stack([e["missing"] for e in examples])}
+
+    with pytest.raises(KeyError) as caught:
+        _trainer(collate_fn=broken).fit(EXAMPLES, per_device_batch_size=2, max_steps=1)
+    (note,) = caught.value.__notes__
+    assert re.fullmatch(r"raised by collate_fn on batch 0 of epoch 0, micro-batch 0 \(examples (\d+, ){7}\d+\)",
+                        note), note  # 2 rows a device x 4 data devices, by their shuffled indices
+    with pytest.raises(KeyError) as caught:
+        _trainer(collate_fn=broken).fit(iter(EXAMPLES), per_device_batch_size=1, max_steps=1)
+    assert caught.value.__notes__ == ["raised by collate_fn on streamed batch 0 of epoch 0, micro-batch 0 "
+                                      "(4 examples)"]
 
 
 def test_batch_leaf_errors_name_the_leaf():
