@@ -328,17 +328,18 @@ class Trainer:
         then holds its step and value; `Checkpointing(params_only=True, restore='best')` reads it.
         `early_stopping_patience=N` (with save_best): training stops after N evals in a row that did not improve on
         the best (the count is checkpointed, so re-running a stopped job does not train on).
-        `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a
-        caller that calls `fit` often and saves itself; a signal still saves) when there is a workdir.
-        `data_workers=N`: each batch (this process's rows read from random-access examples, and `collate_fn`) is
-        built in N Grain worker processes, in order, the same batches as in-process (`engine.data.iterate_batches`;
-        the examples and `collate_fn` must pickle; `pip install grain`). `profile_steps=(start, end)`: a
-        `jax.profiler` trace of those steps under `workdir/tensorboard`. SIGTERM or Ctrl-C: the current step
-        finishes, a checkpoint is saved, `stopped_by_signal` is set and `fit` raises `engine.StoppedBySignal` (a
-        SystemExit with status 128 + the signal), so that the program ends even when it calls `fit` in a loop of its
-        own; a second signal stops at once. `hang_timeout`: seconds without a finished step (compiles excluded)
-        after which the process logs every thread's stack, names what it waited for and exits with status 75
-        (`engine.watchdog`); default 10x the slowest step so far, at least 600 s; 0: off.
+        `save_every`: checkpoint every that many updates (and at the end, unless `checkpoint_at_end=False`, for a caller
+        that calls `fit` often and saves itself; a signal still saves) when there is a workdir. `data_workers=N`: each
+        batch (this process's rows read from random-access examples, and `collate_fn`) is built in N Grain worker
+        processes, in order, the same batches as in-process (`engine.data.iterate_batches`; the examples and
+        `collate_fn` must pickle, and a script's training sit under `if __name__ == "__main__":`, as every worker
+        imports the script again; `pip install grain`). `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under
+        `workdir/tensorboard`. SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved, `stopped_by_signal`
+        is set and `fit` raises `engine.StoppedBySignal` (a SystemExit with status 128 + the signal), so that the
+        program ends even when it calls `fit` in a loop of its own; a second signal stops at once. `hang_timeout`:
+        seconds without a finished step (compiles excluded) after which the process logs every thread's stack, names
+        what it waited for and exits with status 75 (`engine.watchdog`); default 10x the slowest step so far, at least
+        600 s; 0: off.
         """
         fit_loop.check_fit_arguments(
             workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
