@@ -141,17 +141,32 @@ def _ctrl_c(script, when, *, pythonpath=()):
     import signal  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # SIGUSR1 dumps the script's threads: a script still running 120 s after the SIGINT fails with its stacks.
+    script = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n" + script
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=":".join([root, *pythonpath])))
     try:
         assert proc.stdout.readline().strip() == when
         os.killpg(proc.pid, signal.SIGINT)
-        return proc.communicate(timeout=120)
+        try:
+            return proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            with open(f"/proc/{proc.pid}/status") as f:  # whether SIGINT is blocked or ignored there
+                masks = " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn")))
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)  # the dump written
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            pytest.fail(f"still running 120 s after SIGINT ({masks}); its threads:\n{err[-6000:]}")
     finally:
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its workers too, whatever happened
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.slow  # worker start-up, as above

@@ -251,8 +251,9 @@ def test_both_steps_scale_fp8_by_the_whole_batch_and_train_alike():
 @pytest.mark.slow
 def test_fp8_trains_the_tiny_llama_as_bf16_does():
     """The issue's acceptance at test scale: LLaMA tiny on a repeated-pattern task, 150 updates in bf16 compute with
-    and without FP8 projections (emulated on CPU), current and delayed scaling: the final losses agree within 2 %. (train_lm.py's 400-step run
-    is in models/README.md#fp8.)"""
+    and without FP8 projections (emulated on CPU), current and delayed scaling: the final losses, each the mean of
+    the last 48 updates (six epochs of the 8 batches; single batches near a loss of 0.03 differ by several % from one
+    compile to another), agree within 2 %. (train_lm.py's 400-step run is in models/README.md#fp8.)"""
     import optax
 
     import engine
@@ -269,7 +270,8 @@ def test_fp8_trains_the_tiny_llama_as_bf16_does():
                                  optimizer=optax.adamw(3e-3), precision=engine.Precision(compute_dtype=jnp.bfloat16))
         trainer.fit(rows, per_device_batch_size=8, max_steps=150, log_every=10)
         logged = [h["loss"] for h in trainer.history if "loss" in h]
-        losses[fp8, history] = np.mean(logged[-3:])
+        assert len(logged) == 150, len(logged)  # max_steps alone: 150 updates over 19 epochs
+        losses[fp8, history] = np.mean(logged[-48:])
         assert losses[fp8, history] < 0.95 * logged[0], logged  # it learns
     for scaling in ((True, 0), (True, 16)):
         assert abs(losses[scaling] / losses[False, 0] - 1) < 0.02, losses
