@@ -333,13 +333,13 @@ class Trainer:
         batch (this process's rows read from random-access examples, and `collate_fn`) is built in N Grain worker
         processes, in order, the same batches as in-process (`engine.data.iterate_batches`; the examples and
         `collate_fn` must pickle, and a script's training sit under `if __name__ == "__main__":`, as every worker
-        imports the script again; `pip install grain`). `profile_steps=(start, end)`: a `jax.profiler` trace of those steps under
-        `workdir/tensorboard`. SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved, `stopped_by_signal`
-        is set and `fit` raises `engine.StoppedBySignal` (a SystemExit with status 128 + the signal), so that the
-        program ends even when it calls `fit` in a loop of its own; a second signal stops at once. `hang_timeout`:
-        seconds without a finished step (compiles excluded) after which the process logs every thread's stack, names
-        what it waited for and exits with status 75 (`engine.watchdog`); default 10x the slowest step so far, at least
-        600 s; 0: off.
+        imports the script again; `pip install grain`). `profile_steps=(start, end)`: a `jax.profiler` trace of those
+        steps under `workdir/tensorboard`. SIGTERM or Ctrl-C: the current step finishes, a checkpoint is saved,
+        `stopped_by_signal` is set and `fit` raises `engine.StoppedBySignal` (a SystemExit with status 128 + the
+        signal), so that the program ends even when it calls `fit` in a loop of its own; a second signal stops at once.
+        `hang_timeout`: seconds without a finished step (compiles excluded) after which the process logs every thread's
+        stack, names what it waited for and exits with status 75 (`engine.watchdog`); default 10x the slowest step so
+        far, at least 600 s; 0: off.
         """
         fit_loop.check_fit_arguments(
             workdir=self.workdir, per_device_batch_size=per_device_batch_size, n_epochs=n_epochs,
@@ -409,14 +409,23 @@ class Trainer:
         return self.history
 
     def _epochs(self, train_examples, per_device_batch_size, rows, last_epoch, profiler, done, every, evaluate):
-        """The epochs up to `last_epoch` or `done()`, each followed by an eval (`evaluate`, or None)."""
+        """The epochs up to `last_epoch` or `done()`, each followed by an eval (`evaluate`, or None). An epoch with no
+        batch ends the call when an earlier one of it trained (a one-shot iterator that the previous epoch used up,
+        under `max_steps`: the Hugging Face Trainer stops there too), logged; the call's first epoch with none is an
+        error."""
+        trained = False
         while self._state.epoch < last_epoch and not done():
             examples = train_examples(self._state.epoch) if callable(train_examples) else train_examples
             seen = self._run_epoch(examples, per_device_batch_size, rows, profiler, done, every, evaluate)
             if done():
                 break  # mid-epoch, or at its end: the next fit finds no batch left and moves to the next epoch
             if seen == 0 and self._state.batch_in_epoch == 0:
-                raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
+                if not trained:
+                    raise ValueError(f"train_examples yielded fewer examples than one global batch of {rows}")
+                logging.warning("fit: train_examples yielded no batch in epoch %d (an iterator the previous epoch "
+                                "used up?); stopping at step %d", self._state.epoch, self._state.step)
+                break
+            trained = True
             self._state.next_epoch()
             if self._pending:
                 self._flush(rows, None)

@@ -47,6 +47,11 @@ def test_each_fit_trains_n_epochs_more_and_total_epochs_is_counted_over_the_trai
     assert (fresh.step, fresh.epoch) == (20, 2)
     fresh.fit(EXAMPLES, per_device_batch_size=2, max_steps=40, n_epochs=1)  # beside an epoch bound: the first
     assert (fresh.step, fresh.epoch) == (32, 4)  # (epoch 2's rest, then epoch 3)
+    once = _trainer()  # a one-shot iterator used up by its first epoch ends the call there (logged), not in an error
+    once.fit(iter(EXAMPLES), per_device_batch_size=2, max_steps=100)
+    assert (once.step, once.epoch) == (8, 1)
+    with pytest.raises(ValueError, match=r"^train_examples yielded fewer examples than one global batch of 8$"):
+        _trainer().fit(iter(EXAMPLES[:7]), per_device_batch_size=2, max_steps=100)  # none at all: an error
 
 
 def test_a_stream_without_max_steps_says_its_epoch_ends_with_the_stream(caplog):
