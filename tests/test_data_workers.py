@@ -144,8 +144,11 @@ def _ctrl_c(script, when, *, pythonpath=()):
     import time  # noqa: PLC0415
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # SIGUSR1 dumps the script's threads: a script still running 120 s after the SIGINT fails with its stacks.
-    script = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n" + script
+    # SIGUSR1 dumps the script's threads: a script still running 120 s after the SIGINT fails with its stacks. SIGINT
+    # raises KeyboardInterrupt as in a terminal even when pytest was started with it ignored (a background job of a
+    # non-interactive shell: the script inherited SIG_IGN and never stopped).
+    script = ("import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n" + script)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=":".join([root, *pythonpath])))
