@@ -14,9 +14,36 @@ from engine import data as data_lib
 from engine import diloco as diloco_lib
 from engine import plan as plan_lib
 from engine import step as step_lib
-from engine.config import check
+from engine.config import Checkpointing, Logging, Parallelism, Precision, check
 from engine.step import partition
 import kernels
+
+
+def check_trainer_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulate_grad_batches, precision,
+                            parallelism, checkpointing, logging, diloco, grad_fn):
+    """The Trainer's argument checks across its groups (each config checked its own fields when built). Returns
+    the step it runs: 'jit', 'shard_map' or 'diloco'."""
+    check("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
+    for name, value, kind in (("precision", precision, Precision), ("parallelism", parallelism, Parallelism),
+                              ("checkpointing", checkpointing, Checkpointing), ("logging", logging, Logging)):
+        check(name, value, isinstance(value, kind), f"an engine.{kind.__name__}")
+    check("accumulate_grad_batches", accumulate_grad_batches,
+          isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
+    check("optimizer", optimizer, hasattr(optimizer, "init") and hasattr(optimizer, "update"),
+          "an optax.GradientTransformation")
+    for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
+        check(name, fn, callable(fn), "a callable")
+    check("diloco", diloco, diloco is None or isinstance(diloco, diloco_lib.DiLoCo), "None or an engine.DiLoCo")
+    if grad_fn is not None:
+        check("grad_fn", grad_fn, callable(grad_fn), "None or a callable (params, batch, rng) -> ((loss, "
+              "metrics), grads)")
+        check("grad_fn", grad_fn, diloco is None, "None with diloco (DiLoCo's replicas differentiate loss_fn)")
+        check("grad_fn", grad_fn, precision.resolved_loss_scale() is None, "None with loss scaling (float16 "
+              "compute scales the loss before the engine differentiates it); expected Precision(loss_scale=None)")
+    if checkpointing.restore == "best":
+        check("Checkpointing.restore", checkpointing.restore, checkpointing.params_only and workdir is not None,
+              "'latest', or 'best' with Checkpointing.params_only=True and a workdir")
+    return choose_step(mesh, precision, parallelism, diloco, loss_fn, grad_fn)
 
 
 def check_zero_quantized(int8, mesh, step="auto", diloco=False):

@@ -25,7 +25,6 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from engine import data as data_lib
-from engine import diloco as diloco_lib
 from engine import fit_loop, workdir_lock
 from engine.checkpoint import Checkpointer
 from engine.checkpoint_tiers import open_checkpointer
@@ -34,7 +33,7 @@ from engine.evaluation import EvalLoss
 from engine.flops import peak_tflops
 from engine.goodput import Goodput
 from engine.sharding import path_str
-from engine.step_program import StepProgram, choose_step
+from engine.step_program import StepProgram, check_trainer_arguments
 from engine.train_state import TrainState, check_shared_workdir
 from engine.watchdog import Watchdog
 
@@ -49,33 +48,6 @@ def _fetch(tree):
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
     return jax.tree.map(get, tree)
-
-
-def _check_arguments(*, mesh, collate_fn, loss_fn, optimizer, workdir, accumulate_grad_batches, precision,
-                     parallelism, checkpointing, logging, diloco, grad_fn):
-    """The Trainer's argument checks across its groups (each config checked its own fields when built). Returns
-    the step it runs: 'jit', 'shard_map' or 'diloco'."""
-    _validate("mesh", mesh, isinstance(mesh, jax.sharding.Mesh), "a jax.sharding.Mesh, e.g. engine.make_mesh()")
-    for name, value, kind in (("precision", precision, Precision), ("parallelism", parallelism, Parallelism),
-                              ("checkpointing", checkpointing, Checkpointing), ("logging", logging, Logging)):
-        _validate(name, value, isinstance(value, kind), f"an engine.{kind.__name__}")
-    _validate("accumulate_grad_batches", accumulate_grad_batches,
-              isinstance(accumulate_grad_batches, int) and accumulate_grad_batches >= 1, "an integer >= 1")
-    _validate("optimizer", optimizer, hasattr(optimizer, "init") and hasattr(optimizer, "update"),
-              "an optax.GradientTransformation")
-    for name, fn in (("collate_fn", collate_fn), ("loss_fn", loss_fn)):
-        _validate(name, fn, callable(fn), "a callable")
-    _validate("diloco", diloco, diloco is None or isinstance(diloco, diloco_lib.DiLoCo), "None or an engine.DiLoCo")
-    if grad_fn is not None:
-        _validate("grad_fn", grad_fn, callable(grad_fn), "None or a callable (params, batch, rng) -> ((loss, "
-                  "metrics), grads)")
-        _validate("grad_fn", grad_fn, diloco is None, "None with diloco (DiLoCo's replicas differentiate loss_fn)")
-        _validate("grad_fn", grad_fn, precision.resolved_loss_scale() is None, "None with loss scaling (float16 "
-                  "compute scales the loss before the engine differentiates it); expected Precision(loss_scale=None)")
-    if checkpointing.restore == "best":
-        _validate("Checkpointing.restore", checkpointing.restore, checkpointing.params_only and workdir is not None,
-                  "'latest', or 'best' with Checkpointing.params_only=True and a workdir")
-    return choose_step(mesh, precision, parallelism, diloco, loss_fn, grad_fn)
 
 
 class Trainer:
@@ -121,11 +93,10 @@ class Trainer:
         parallelism = Parallelism() if parallelism is None else parallelism
         checkpointing = Checkpointing() if checkpointing is None else checkpointing
         logging = Logging() if logging is None else logging  # noqa: F811 - the argument; the module is _log here
-        self._step_kind = _check_arguments(mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, optimizer=optimizer,
-                                           workdir=workdir, accumulate_grad_batches=accumulate_grad_batches,
-                                           precision=precision, parallelism=parallelism,
-                                           checkpointing=checkpointing, logging=logging, diloco=diloco,
-                                           grad_fn=grad_fn)
+        self._step_kind = check_trainer_arguments(
+            mesh=mesh, collate_fn=collate_fn, loss_fn=loss_fn, optimizer=optimizer, workdir=workdir,
+            accumulate_grad_batches=accumulate_grad_batches, precision=precision, parallelism=parallelism,
+            checkpointing=checkpointing, logging=logging, diloco=diloco, grad_fn=grad_fn)
         self.precision, self.parallelism, self.checkpointing, self.logging = (precision, parallelism, checkpointing,
                                                                               logging)
         self.mesh, self.collate_fn, self.loss_fn, self.optimizer = mesh, collate_fn, loss_fn, optimizer
