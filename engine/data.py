@@ -251,7 +251,7 @@ def _sigint_blocked():
     Ctrl-C during a worker's start-up (seconds of imports before `worker_init_fn` runs) printed its traceback. This
     thread's own SIGINT is held, not lost: another thread takes it, or it arrives at the unblock. The resource
     tracker is started first: starting it unblocks SIGINT in the thread that does (multiprocessing's own mask dance),
-    and Grain's first shared-memory batch would start it in the thread that spawns a worker."""
+    and Grain's worker start-up (its queues and shared memory register there) would start it in that thread."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
