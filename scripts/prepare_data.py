@@ -16,8 +16,9 @@ from absl import flags
 from engine.tasks import cli, script_flags, text_data
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or save_to_disk directories (as "
-                  "train_lm.py's --data); empty: the embedded Python-stdlib corpus.")
+flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files (JSON Lines and text also compressed: .gz, "
+                  ".zst, .bz2, .xz), globs or save_to_disk directories (as train_lm.py's --data); empty: the "
+                  "embedded Python-stdlib corpus.")
 flags.DEFINE_string("out", None, "The directory to write (tokens.bin, or tokens-*.array_record with their "
                     "*.index.npz; meta.json; created).")
 flags.DEFINE_enum("format", "bin", ["bin", "array_record"], "bin: tokens.bin, the documents end to end (uint16 or "

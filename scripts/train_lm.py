@@ -27,8 +27,9 @@ flags.DEFINE_string("model_config", "tiny", "Named config of the family (tiny, l
                     "file of config fields (ignored with --init_from).")
 flags.DEFINE_string("init_from", None, "A Hugging Face model directory (config.json + safetensors) to fine-tune; its "
                     "tokenizer.json is used when present, else byte-level tokens.")
-flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files, globs or datasets.save_to_disk directories "
-                  "(--text_column); a weighted mixture of such sources, 'code/*.parquet#content:0.7,web/*.jsonl:0.3' "
+flags.DEFINE_list("data", [], ".txt, .jsonl, .parquet or .arrow files (JSON Lines and text also compressed: .gz, "
+                  ".zst, .bz2, .xz), globs or datasets.save_to_disk directories (--text_column); a weighted "
+                  "mixture of such sources, 'code/*.parquet#content:0.7,web/*.jsonl:0.3' "
                   "(each packed on its own, rows interleaved by weight; '#COLUMN': that source's text column instead "
                   "of --text_column; needs --max_steps; ArrayRecord sources, "
                   "'tok/*.array_record:0.5,web/*.jsonl:0.5', give their ids as they are); or one directory of tokens "

@@ -247,7 +247,8 @@ def test_records_of_the_wrong_type_or_with_nothing_to_train_on_are_refused(tmp_p
     (tmp_path / "corpus" / "sub" / "c.txt").write_text("words")
     (tmp_path / "corpus" / "notes.md").write_text("skipped")
     assert text_data.read_texts(str(tmp_path / "corpus")) == [" \n", "", "", "words"]
-    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl file"):
+    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl \(or .jsonl / .json "
+                                                r"compressed: .gz, .zst, .bz2, .xz\) file"):
         text_data.read_records(str(tmp_path / "corpus" / "sub"), ("prompt",))
 
 
@@ -400,7 +401,8 @@ def test_bad_parquet_and_arrow_inputs_are_refused_in_one_line(tmp_path):
 
     # Empty sources: a glob matching nothing, files without rows or without any text.
     _one_line_error(FileNotFoundError, r"data: .*nothing\*.parquet' matches no file; expected .txt / .jsonl / "
-                    r".parquet / .arrow paths", read("nothing*.parquet"))
+                    r".parquet / .arrow \(or .jsonl / .json / .txt compressed: .gz, .zst, .bz2, .xz\) paths",
+                    read("nothing*.parquet"))
     _write_parquet(tmp_path / "empty.parquet", _table(text=pa.array([], pa.string())))
     _write_arrow(tmp_path / "blank.arrow", _table(text=["", " \n"]), stream=True)
     _one_line_error(ValueError, r"data: .*empty.parquet, .*blank.arrow holds no text", read("empty.parquet",
@@ -415,7 +417,8 @@ def test_bad_parquet_and_arrow_inputs_are_refused_in_one_line(tmp_path):
     _one_line_error(ValueError, r"data: .*dict is a saved DatasetDict \(splits: train, test\); expected one split's "
                     r"directory, e.g. .*dict/train", read("dict"))
     (tmp_path / "notes.md").write_text("x")
-    _one_line_error(ValueError, r"data: .*notes.md' is none of .txt, .jsonl, .parquet, .arrow", read("notes.md"))
+    _one_line_error(ValueError, r"data: .*notes.md' is none of .txt / .jsonl / .parquet / .arrow \(or ",
+                    read("notes.md"))
 
 
 def test_mixture_specs_are_parsed_and_bad_weights_refused():

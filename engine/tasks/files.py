@@ -1,10 +1,21 @@
 """Where a --data value's files are: paths, globs and directories (a `datasets.save_to_disk` directory as its
-Arrow files), for `sources`' readers and `array_records`. Imports nothing of ours."""
+Arrow files), for `sources`' readers and `array_records`; and `open_file`, their bytes decompressed. Imports nothing
+of ours."""
+import bz2
 import glob
+import gzip
+import io
 import json
+import lzma
 import os
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
+# JSON Lines and text also compressed (Dolma ships .json.gz of JSON Lines, The Pile and SlimPajama .jsonl.zst); an
+# uncompressed .json is not taken: a directory's .json files are its configs more often than its documents.
+JSONL_SUFFIXES = (".jsonl",) + tuple(base + c for base in (".jsonl", ".json") for c in COMPRESSIONS)
+TEXT_SUFFIXES = ((".txt", ".jsonl", ".parquet", ".arrow") + JSONL_SUFFIXES[1:]
+                 + tuple(".txt" + c for c in COMPRESSIONS))
+_CHUNK = 1 << 16  # compressed bytes read at a time
 
 
 def expand_files(patterns, suffixes=TEXT_SUFFIXES):
@@ -16,7 +27,7 @@ def expand_files(patterns, suffixes=TEXT_SUFFIXES):
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matched:
-            raise FileNotFoundError(f"data: {pattern!r} matches no file; expected {' / '.join(suffixes)} paths, "
+            raise FileNotFoundError(f"data: {pattern!r} matches no file; expected {formats(suffixes)} paths, "
                                     "globs or directories")
         for path in matched:
             if not os.path.isdir(path):
@@ -27,7 +38,7 @@ def expand_files(patterns, suffixes=TEXT_SUFFIXES):
                 inside = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
                                 if name.endswith(suffixes) and not name.startswith("."))
                 if not inside:
-                    raise FileNotFoundError(f"data: the directory {path} holds no {' or '.join(suffixes)} file")
+                    raise FileNotFoundError(f"data: the directory {path} holds no {formats(suffixes)} file")
                 files += inside
     return files
 
@@ -61,3 +72,86 @@ def _saved_dataset_files(path):
 
 def _shown(files):
     return ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
+
+
+def formats(suffixes):
+    """`suffixes` for a message: '.txt / .jsonl / .parquet / .arrow (or .jsonl / .json / .txt compressed: .gz, .zst,
+    .bz2, .xz)'."""
+    plain = [s for s in suffixes if not s.endswith(COMPRESSIONS)]
+    packed = list(dict.fromkeys(os.path.splitext(s)[0] for s in suffixes if s.endswith(COMPRESSIONS)))
+    shown = " / ".join(plain)
+    return shown + (f" (or {' / '.join(packed)} compressed: {', '.join(COMPRESSIONS)})" if packed else "")
+
+
+def compression(path):
+    """The compression suffix of `path` ('.gz', ...), or '' for a file read as it is."""
+    return next((c for c in COMPRESSIONS if path.endswith(c)), "")
+
+
+def open_file(path):
+    """`path` opened for reading bytes, decompressed by its suffix (`COMPRESSIONS`), streamed: memory stays flat
+    however large the file. A file that is not of its compression, or ends inside a compressed frame, raises
+    OSError or EOFError (lzma.LZMAError for .xz) while it is read; `sources` names the file."""
+    kind = compression(path)
+    if kind == ".gz":
+        return gzip.open(path, "rb")
+    if kind == ".bz2":
+        return bz2.open(path, "rb")
+    if kind == ".xz":
+        return lzma.open(path, "rb")
+    if kind == ".zst":
+        return _open_zstd(path)
+    return open(path, "rb")
+
+
+def _open_zstd(path):
+    try:
+        from compression import zstd  # noqa: PLC0415 (Python 3.14's standard library)
+
+        return zstd.ZstdFile(path, "rb")
+    except ImportError:
+        pass
+    try:
+        import zstandard  # noqa: PLC0415
+    except ImportError:
+        raise ValueError(f"data: {path} is Zstandard-compressed; reading it needs the zstandard package (pip "
+                         "install zstandard)") from None
+    return io.BufferedReader(_ZstdStream(open(path, "rb"), zstandard), _CHUNK)
+
+
+class _ZstdStream(io.RawIOBase):
+    """A .zst file's frames decompressed one after another (zstandard's own stream reader ends a truncated file
+    silently; this raises EOFError, as gzip, bz2 and lzma do)."""
+
+    def __init__(self, f, zstandard):
+        self._f, self._zstandard, self._frame = f, zstandard, None
+        self._out, self._at = b"", 0  # decompressed bytes and how many of them were read
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        while self._at == len(self._out):
+            data = self._f.read(_CHUNK)
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+                return 0
+            out = []
+            while data:
+                if self._frame is None or self._frame.eof:
+                    self._frame = self._zstandard.ZstdDecompressor().decompressobj()
+                try:
+                    out.append(self._frame.decompress(data))
+                except self._zstandard.ZstdError as e:
+                    raise OSError(str(e)) from None
+                data = self._frame.unused_data if self._frame.eof else b""
+            self._out, self._at = b"".join(out), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def close(self):
+        self._f.close()
+        super().close()

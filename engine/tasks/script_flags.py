@@ -84,8 +84,8 @@ def define_flags():
                       "the rest in --compute_dtype, master weights and optimizer as they are. FP8 tensor cores on "
                       "Hopper GPUs; emulated (FP8 rounding, float32 products) on CPU.")
     flags.DEFINE_integer("fp8_history", 0, "With --fp8: 0 (scales from each tensor's own amax, current scaling) or "
-                         "the length of each projection's amax history (delayed scaling: scales from the largest of the "
-                         "last N amaxes, models.ModelOptions.fp8_history; the histories are parameters the step "
+                         "the length of each projection's amax history (delayed scaling: scales from the largest of "
+                         "the last N amaxes, models.ModelOptions.fp8_history; the histories are parameters the step "
                          "updates, saved with the checkpoints and recorded in run.json). 16 is a common length.")
     flags.DEFINE_enum("grad_dtype", "float32", ["float32", "bfloat16"], "Dtype the gradients are held in until the "
                       "optimizer update (engine.Precision.grad_dtype): bfloat16 halves their memory.")
@@ -197,7 +197,8 @@ def define_record_flags(*, what, fields, toy_size):
     """--data, --eval_data, --eval_size and --toy_size of a script that trains on jsonl records with string `fields`
     (read by `load_train_eval`); `what` names the records in the help."""
     shown = ", ".join(f'"{f}": ...' for f in fields)
-    flags.DEFINE_list("data", [], f".jsonl files or globs of {{{shown}}} lines; empty: the embedded toy task.")
+    flags.DEFINE_list("data", [], f".jsonl files (or .jsonl.gz, .jsonl.zst, ...) or globs of {{{shown}}} lines; "
+                      "empty: the embedded toy task.")
     flags.DEFINE_list("eval_data", [], f"Held-out .jsonl {what}; empty: the last --eval_size {what} of --data (or "
                       f"fresh toy {what}).")
     flags.DEFINE_integer("eval_size", 256, f"Held-out {what} when --eval_data is not given.")

@@ -2,9 +2,10 @@
 
 Formats: `.txt` (one document per file), `.jsonl` (one per line: a string or an object with a text field),
 `.parquet`, Arrow IPC `.arrow` files (file or stream format) and `datasets.save_to_disk` directories (their
-`data-*.arrow` stream files in `state.json`'s order), the last three read by a named text column. Paths, globs and
-directories mix freely. Parquet and Arrow are read a record batch at a time, so memory stays flat however large the
-corpus (scripts/README.md#data-formats has the measurement).
+`data-*.arrow` stream files in `state.json`'s order), the last three read by a named text column; JSON Lines and text
+also compressed (`.jsonl.gz`, `.json.zst`, `.txt.xz`, ...: `files.COMPRESSIONS`), decompressed as they are read.
+Paths, globs and directories mix freely. Parquet and Arrow are read a record batch at a time, so memory stays flat
+however large the corpus (scripts/README.md#data-formats has the measurement).
 
 Packing: documents are tokenised, each followed by EOS, and laid end to end into rows of `seq_len + 1` tokens. Every
 row carries `segment_ids` (1, 2, ... per document piece, 0 on padding), which the models take as `attention_mask`:
@@ -13,8 +14,10 @@ a token attends only within its own document and positions restart at each docum
 This module imports only `files` and `array_records` of ours (tokenizers are duck-typed: `encode`, `eos_id`,
 `pad_id`, `vocab_size`), so `text_data` re-exports its readers and `pack` without a cycle.
 """
+import contextlib
 import hashlib
 import json
+import lzma
 import math
 import os
 
@@ -23,6 +26,7 @@ from absl import logging
 
 from engine.tasks import array_records
 from engine.tasks.files import TEXT_SUFFIXES, _shown, expand_files  # noqa: F401 (named here, as they always were)
+from engine.tasks.files import JSONL_SUFFIXES, compression, formats, open_file
 
 DECODE_ERRORS = ("strict", "replace")
 _BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
@@ -42,17 +46,34 @@ def _decode(data, path, offset, decode_errors):
     try:
         text = data.decode("utf-8", errors=decode_errors)
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 at byte {offset + e.start} (0x{data[e.start]:02x}: {e.reason}); pass "
+        where = f"byte {offset + e.start}" + (" of its decompressed text" if compression(path) else "")
+        raise ValueError(f"{path}: not UTF-8 at {where} (0x{data[e.start]:02x}: {e.reason}); pass "
                          "--decode_errors=replace to replace invalid bytes") from None
     return text[1:] if offset == 0 and text.startswith("\ufeff") else text  # a byte-order mark is no text
 
 
-def _jsonl(path, decode_errors="strict"):
-    """(line number, object) of a .jsonl file, skipping blank lines; ValueError naming the line on bad JSON, and the
-    byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
-    with open(path, "rb") as f:
+@contextlib.contextmanager
+def _reading(path):
+    """`open_file(path)`, a file that is not of its compression or ends inside it a ValueError naming it."""
+    try:
+        with open_file(path) as f:
+            yield f
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        if not compression(path) or isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"data: {path} is not a valid {compression(path)} file ({e})") from None
+
+
+def _jsonl(path, decode_errors="strict", start=1):
+    """(line number, object) of a JSON Lines file (`JSONL_SUFFIXES`, compressed ones decompressed as they are read)
+    from line `start` on, skipping blank lines (lines before `start` are not parsed); ValueError naming the line on
+    bad JSON, and the byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
+    with _reading(path) as f:
         offset = 0
         for n, raw in enumerate(f, 1):  # b"\n" never occurs inside a UTF-8 sequence: lines split before decoding
+            if n < start:
+                offset += len(raw)
+                continue
             line = _decode(raw, path, offset, decode_errors)
             offset += len(raw)
             if not line.strip():
@@ -74,9 +95,7 @@ def _json_type(value):
 
 def _jsonl_texts(path, column, decode_errors, start):
     """(line number, document) of a .jsonl file from line `start` on: a string, or an object's `column` string."""
-    for n, item in _jsonl(path, decode_errors):
-        if n < start:
-            continue
+    for n, item in _jsonl(path, decode_errors, start):
         if isinstance(item, dict):
             if column not in item:
                 raise ValueError(f"data: {path}:{n} has no {column!r} field; expected a string or "
@@ -160,18 +179,18 @@ def _arrow_texts(path, column, start):
 def _file_texts(path, column, decode_errors, start=0):
     """(row, document) of one file from row `start` on; rows are line numbers in a .jsonl file, 0-based rows in
     Parquet and Arrow files, 0 for a .txt file."""
-    if path.endswith(".jsonl"):
+    if path.endswith(JSONL_SUFFIXES):
         yield from _jsonl_texts(path, column, decode_errors, start)
-    elif path.endswith(".txt"):
+    elif path.endswith(".txt" + compression(path)):
         if start == 0:
-            with open(path, "rb") as f:
+            with _reading(path) as f:
                 yield 0, _decode(f.read(), path, 0, decode_errors)
     elif path.endswith(".parquet"):
         yield from _parquet_texts(path, column, start)
     elif path.endswith(".arrow"):
         yield from _arrow_texts(path, column, start)
     else:
-        raise ValueError(f"data: {path!r} is none of {', '.join(TEXT_SUFFIXES)}")
+        raise ValueError(f"data: {path!r} is none of {formats(TEXT_SUFFIXES)}")
 
 
 def _documents(files, column, decode_errors, what, start=(0, 0)):
@@ -190,10 +209,11 @@ def _documents(files, column, decode_errors, what, start=(0, 0)):
 def read_texts(patterns, *, decode_errors="strict", text_column="text"):
     """Documents from files: `.txt` (one document per file), `.jsonl` (one per line: a string, or an object with a
     `text_column` string), `.parquet` and `.arrow` files and `datasets.save_to_disk` directories (their
-    `text_column` column). `patterns`: paths, globs or directories (their files of those kinds, mixed). Text files
-    must be UTF-8: a ValueError names the file and the offset of the first invalid byte, unless
-    decode_errors='replace'. A missing column (the file's columns named), a value that is not a string (file and
-    row or line) and a corpus without any text are ValueErrors."""
+    `text_column` column); JSON Lines and text also compressed (.gz, .zst, .bz2, .xz; `.json.gz` as JSON Lines).
+    `patterns`: paths, globs or directories (their files of those kinds, mixed). Text files must be UTF-8: a
+    ValueError names the file and the offset of the first invalid byte, unless decode_errors='replace'. A missing
+    column (the file's columns named), a value that is not a string (file and row or line), a compressed file that
+    is not whole and a corpus without any text are ValueErrors."""
     return list(iter_texts(patterns, decode_errors=decode_errors, text_column=text_column))
 
 
@@ -255,10 +275,10 @@ def read_records(patterns, fields, *, decode_errors="strict", nonempty=None):
     nothing to train on. Encoding as in `read_texts` (decode_errors)."""
     _check_decode_errors(decode_errors)
     records = []
-    for path in expand_files(patterns, (".jsonl",)):
-        if not path.endswith(".jsonl"):
+    for path in expand_files(patterns, JSONL_SUFFIXES):
+        if not path.endswith(JSONL_SUFFIXES):
             shown = ", ".join(f'"{f}": ...' for f in fields)
-            raise ValueError(f"data: {path!r} is not .jsonl; expected one {{{shown}}} per line")
+            raise ValueError(f"data: {path!r} is not {formats(JSONL_SUFFIXES)}; expected one {{{shown}}} per line")
         for n, item in _jsonl(path, decode_errors):
             wrong = _not_strings(item, fields)
             if wrong:
