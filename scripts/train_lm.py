@@ -45,6 +45,10 @@ flags.DEFINE_integer("seq_len", 128, "Tokens per packed training row.")
 flags.DEFINE_integer("data_workers", 0, "Worker processes that read and collate each batch (random-access data: "
                      "packed text, a prepare_data.py directory or ArrayRecord files; not a mixture's stream); 0: in "
                      "this process.")
+flags.DEFINE_enum("data_change", "refuse", ["refuse", "continue"], "A re-run on a --workdir whose checkpoints were "
+                  "trained on other data (files appended to, added or removed, another --seq_len): refuse it, or "
+                  "continue from its step on this data (a warning line: the eval rows and the epoch's order are "
+                  "drawn from the new rows, some eval rows may have been trained on).")
 FLAGS.set_default("per_device_batch_size", 8)
 flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sample generations after training.")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")
@@ -110,7 +114,12 @@ def main(argv):
         n_eval = (run_record.recorded(FLAGS.workdir, "eval_rows")
                   or max(global_batch // FLAGS.accumulate_grad_batches, 256))
         train_rows, eval_rows = mixture_rows(tokenizer, n_eval)
-        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch, eval_rows=n_eval)
+        data = run_record.data_digest(eval_rows, FLAGS.seq_len, stream="the mixture",
+                                      mixture=train_rows.weights + train_rows.columns)
+        run_record.check_data(FLAGS.workdir, data, ",".join(FLAGS.data), seq_len=FLAGS.seq_len,
+                              change=FLAGS.data_change)
+        run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch, eval_rows=n_eval,
+                            data=data)
         return train(mesh, batch, model, params, tokenizer, train_rows, eval_rows, profile)
     if tokens is None:
         rows = text_data.pack(docs, tokenizer, FLAGS.seq_len)
@@ -125,7 +134,10 @@ def main(argv):
         raise ValueError(f"the data packs into {len(rows)} rows of {FLAGS.seq_len + 1} tokens; at least "
                          f"{n_eval + global_batch} are needed for one eval and one global batch (more data, or a "
                          "smaller --seq_len or --per_device_batch_size)")
-    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch, eval_rows=n_eval)
+    data = run_record.data_digest(rows, FLAGS.seq_len)
+    run_record.check_data(FLAGS.workdir, data, ",".join(FLAGS.data) or "(the default corpus)", seq_len=FLAGS.seq_len,
+                          change=FLAGS.data_change)
+    run_record.save_run(FLAGS.workdir, "lm", model, tokenizer, global_batch=global_batch, eval_rows=n_eval, data=data)
     train_rows, eval_rows = rows[:-n_eval], rows[-n_eval:]
     logging.info("%s -> %d train rows and %d eval rows of %d tokens; global batch %d",
                  ",".join(FLAGS.data) if tokens is not None else f"{len(docs)} documents", len(train_rows),

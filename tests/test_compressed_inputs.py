@@ -123,7 +123,8 @@ print(peak)
 """
 
 
-@pytest.mark.parametrize("compression", [".zst", pytest.param(".gz", marks=pytest.mark.slow)])  # ours; the stdlib's
+@pytest.mark.slow  # CI time (10 s); tests/test_data_inputs.py measures Parquet's and Arrow's in CI
+@pytest.mark.parametrize("compression", [".zst", ".gz"])
 def test_compressed_files_stream_in_flat_memory(tmp_path, compression):
     """Four times the corpus, not four times the memory: 64 MiB of compressed JSON Lines read within a few MiB of
     what 16 MiB take (a reader that decompressed a whole file, or a frame at once, would grow by about 48 MiB)."""

@@ -277,6 +277,13 @@ def test_train_lm_on_a_weighted_mixture_of_parquet_and_jsonl_resumes(tmp_path):
     shares = re.search(r"data mixture shares of (\d+) windows: .*a.parquet ([0-9.]+) \(weight 0.7500\), "
                        r".*b.jsonl ([0-9.]+) \(weight 0.2500\)", again.stderr)
     assert shares and int(shares[1]) == 256 + 6 * 16 and abs(float(shares[2]) - 0.75) < 0.01, again.stderr[-2000:]
+    longer = _run("train_lm.py", "--max_steps=9", *args, "--seq_len=48", ok=False)  # its eval windows would differ
+    assert longer.returncode == 2 and "eval loss" not in longer.stdout, longer.stdout[-2000:]
+    assert longer.stderr.splitlines()[-1].endswith(
+        f"(--seq_len=48) is not the data the run in {tmp_path / 'work'} trained on (then the mixture's first 256 "
+        "windows of 33 tokens, now the mixture's first 256 windows of 49 tokens): its eval rows and the epoch's order "
+        "would change; expected the same files and --seq_len to resume it, --data_change=continue to train on from "
+        "step 6 on this data (eval rows drawn again), or another --workdir"), longer.stderr[-2000:]
     other = _run("train_lm.py", "--max_steps=9", *[a.replace(":3,", ":2,") for a in args], ok=False)
     assert other.returncode == 2 and "eval loss" not in other.stdout, other.stdout[-2000:]
     assert "data: the state is a position of the mixture" in other.stderr.splitlines()[-1], other.stderr[-2000:]
@@ -924,6 +931,27 @@ def test_a_full_disk_ends_with_one_line_and_status_1(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) < 30, out.stderr
     assert len(errors) == 1 and errors[0].startswith("error: disk full: writing "), errors
+
+
+@pytest.mark.slow  # CI time (three script runs, 20 s); the check itself: tests/test_text_and_scripts.py
+def test_a_resume_on_other_data_is_refused_unless_continued(tmp_path):
+    """run.json records a digest of the rows a run trains on (`run_record.data_digest`): a re-run whose files grew
+    is refused in one line before it trains (its eval rows and the epoch's order would change), and
+    --data_change=continue trains on from the checkpoint's step, saying so."""
+    workdir, data = tmp_path / "work", tmp_path / "data"
+    args = [f"--data={_stdlib_txt(data / 'a.txt').parent}/*.txt", "--tokenizer=byte", f"--workdir={workdir}",
+            "--mesh=-1,1,1", "--prompts=", *TINY_LM]
+    _run("train_lm.py", "--max_steps=2", *args)
+    assert json.loads((workdir / "run.json").read_text())["training"]["data"]["about"] == "364 rows of 33 tokens"
+    (data / "b.txt").write_text(" ".join(text_data.TOY_WORDS) * 20)
+    grown = _run("train_lm.py", "--max_steps=3", *args, ok=False)
+    assert grown.returncode == 2 and "eval loss" not in grown.stdout, grown.stdout[-2000:]
+    assert re.search(r"^error: --data=.*/\*.txt \(--seq_len=32\) is not the data the run in .*work trained on "
+                     r"\(then 364 rows of 33 tokens, now 402 rows of 33 tokens\): its eval rows", grown.stderr,
+                     re.M), grown.stderr[-2000:]
+    cont = _run("train_lm.py", "--max_steps=3", "--data_change=continue", *args)
+    assert "--data_change=continue: it trains on from step 2 on this data" in cont.stderr, cont.stderr[-2000:]
+    assert "resumed from" in cont.stdout and _steps(workdir)[-1] == 3
 
 
 @pytest.mark.slow

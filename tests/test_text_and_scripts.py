@@ -2,6 +2,7 @@
 model_start, run_record, mesh_choice: flags, models, workdirs) in process; the scripts end to end are in
 tests/test_scripts.py."""
 import json
+import logging
 import os
 import pickle
 import re
@@ -302,6 +303,45 @@ def test_create_model_and_run_json(tmp_path):
     run_record.save_run(str(tmp_path / "d"), "lm", delayed, tok)
     with pytest.raises(ValueError, match=r"fields \['fp8_history'\] differ.*: it ran with --fp8 --fp8_history=16$"):
         run_record.save_run(str(tmp_path / "d"), "lm", model, tok)
+
+
+def test_the_data_a_run_trained_on_binds_its_resume(tmp_path, caplog):
+    """`run_record.data_digest` changes with the rows (a file appended to, another --seq_len, an edited row) and
+    `check_data` refuses a resume on other rows in one line, or under change='continue' logs it; a new run, or
+    one with no checkpoint yet, binds nothing; a mixture of other weights is left to the mixture's own check."""
+    tok, workdir = text_data.ByteTokenizer(), str(tmp_path / "w")
+    docs = text_data.default_corpus(max_bytes=6_000)
+    rows = text_data.pack(docs, tok, 32)
+    data = run_record.data_digest(rows, 32)
+    assert data["about"] == f"{len(rows)} rows of 33 tokens" and run_record.data_digest(list(rows), 32) == data
+    model = model_start.create_model("llama", "tiny", families=["llama"])
+    run_record.save_run(workdir, "lm", model, tok, data=data)
+    other = run_record.data_digest(text_data.pack(docs + ["more text"], tok, 32), 32)
+    run_record.check_data(workdir, other, "a.txt", seq_len=32)  # no checkpoint yet: a new run
+    os.makedirs(os.path.join(workdir, "checkpoints", "4"))
+    run_record.check_data(workdir, data, "a.txt", seq_len=32)
+    edited = [dict(r) for r in rows]
+    edited[-1] = {**edited[-1], "tokens": edited[-1]["tokens"][::-1].copy()}
+    changed = [other, run_record.data_digest(text_data.pack(docs, tok, 48), 48), run_record.data_digest(edited, 32)]
+    for new, what in zip(changed, [f"then {len(rows)} rows of 33 tokens, now {len(rows) + 1} rows of 33 tokens",
+                                   f"then {len(rows)} rows of 33 tokens, now", f"{len(rows)} rows of 33 tokens both, "
+                                   "with other contents"]):
+        with pytest.raises(ValueError, match=rf"^--data=a.txt \(--seq_len=32\) is not the data the run in {workdir} "
+                                             rf"trained on \({what}.*\): its eval rows and the epoch's order would "
+                                             r"change; expected the same files and --seq_len to resume it, "
+                                             r"--data_change=continue to train on from step 4 on this data \(eval "
+                                             r"rows drawn again\), or another --workdir$"):
+            run_record.check_data(workdir, new, "a.txt", seq_len=32)
+    with caplog.at_level(logging.WARNING):
+        run_record.check_data(workdir, other, "a.txt", seq_len=32, change="continue")
+    assert "--data_change=continue: it trains on from step 4 on this data" in caplog.text
+    windows = rows[:16]
+    mixed = run_record.data_digest(windows, 32, stream="the mixture", mixture=[0.5, 0.5, "text", "text"])
+    run_record.save_run(workdir, "lm", model, tok, data=mixed)
+    reweighed = run_record.data_digest(rows[1:17], 32, stream="the mixture", mixture=[0.7, 0.3, "text", "text"])
+    run_record.check_data(workdir, reweighed, "a:7,b:3", seq_len=32)  # the mixture's own check names both
+    with pytest.raises(ValueError, match=r"\(the mixture's first 16 windows of 33 tokens both, with other contents"):
+        run_record.check_data(workdir, {**reweighed, "mixture": mixed["mixture"]}, "a:1,b:1", seq_len=32)
 
 
 def test_optimizer_flags_schedules_and_errors():

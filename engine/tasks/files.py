@@ -8,6 +8,7 @@ import io
 import json
 import lzma
 import os
+import re
 
 COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 # JSON Lines and text also compressed (Dolma ships .json.gz of JSON Lines, The Pile and SlimPajama .jsonl.zst); an
@@ -16,14 +17,20 @@ JSONL_SUFFIXES = (".jsonl",) + tuple(base + c for base in (".jsonl", ".json") fo
 TEXT_SUFFIXES = ((".txt", ".jsonl", ".parquet", ".arrow") + JSONL_SUFFIXES[1:]
                  + tuple(".txt" + c for c in COMPRESSIONS))
 _CHUNK = 1 << 16  # compressed bytes read at a time
+# The split names of Hugging Face layouts (data/train-00000-of-00002.parquet, default/validation/0000.parquet, a
+# builder cache's name-test.arrow): a directory whose files name two of them holds separate corpora.
+_SPLITS = ("train", "validation", "valid", "val", "test", "dev", "eval", "evaluation")
 
 
 def expand_files(patterns, suffixes=TEXT_SUFFIXES):
-    """The files of paths or globs; a directory stands for the files under it (recursively, sorted) whose names end
-    with one of `suffixes`, and a `datasets.save_to_disk` directory for its Arrow files."""
+    """The files of paths or globs; a directory stands for the files under it (recursively, sorted; hidden files and
+    directories skipped) whose names end with one of `suffixes`, and a `datasets.save_to_disk` directory for its
+    Arrow files. Refused in one line: a directory whose files belong to two or more splits (`_SPLITS`: a dataset's
+    train and test files are separate corpora) or that holds `datasets` cache files (`cache-*.arrow`, outputs of
+    `.map()`), and a file named twice."""
     if isinstance(patterns, str):
         patterns = [patterns]
-    files = []
+    files, named = [], {}
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matched:
@@ -31,21 +38,61 @@ def expand_files(patterns, suffixes=TEXT_SUFFIXES):
                                     "globs or directories")
         for path in matched:
             if not os.path.isdir(path):
-                files.append(path)
+                found = [path]
             elif ".arrow" in suffixes and _is_saved_dataset(path):
-                files += _saved_dataset_files(path)
+                found = _saved_dataset_files(path)
             else:
-                inside = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-                                if name.endswith(suffixes) and not name.startswith("."))
-                if not inside:
-                    raise FileNotFoundError(f"data: the directory {path} holds no {formats(suffixes)} file")
-                files += inside
+                found = _walk(path, suffixes)
+            for f in found:
+                real = os.path.realpath(f)
+                if real in named:
+                    raise ValueError(f"data: {f} is named twice (by {named[real]!r} and {pattern!r}); expected each "
+                                     "file once (a mixture's weights weigh sources: PATH:WEIGHT,...)")
+                named[real] = pattern
+            files += found
     return files
 
 
+def _walk(path, suffixes):
+    """The files under directory `path` that `expand_files` takes (its docstring)."""
+    inside = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .ipynb_checkpoints, .git, .cache
+        inside += [os.path.join(root, n) for n in names if n.endswith(suffixes) and not n.startswith(".")]
+    inside.sort()
+    if not inside:
+        raise FileNotFoundError(f"data: the directory {path} holds no {formats(suffixes)} file")
+    cached = [f for f in inside if os.path.basename(f).startswith("cache-") and f.endswith(".arrow")]
+    if cached:
+        raise ValueError(f"data: the directory {path} holds datasets cache files ({_shown(cached)}: outputs of "
+                         "Dataset.map, not the dataset's text); expected its split's own files, a glob of them, or "
+                         "a save_to_disk directory")
+    parts = [os.path.relpath(f, path).split(os.sep) for f in inside]
+    revisions = {p[p.index("snapshots") + 1] for p in parts if "snapshots" in p[:-1]}
+    if len(revisions) > 1:  # a huggingface_hub cache: datasets--org--name/snapshots/<revision>/...
+        raise ValueError(f"data: the directory {path} holds {len(revisions)} snapshots of a Hugging Face repository "
+                         f"({', '.join(sorted(revisions))}); expected one snapshot's files, e.g. "
+                         f"--data={os.path.join(path, 'snapshots', sorted(revisions)[0])}")
+    splits = {}
+    for f in inside:
+        names = {t for t in re.split(r"[-_./]+", os.path.relpath(f, path).lower()) if t in _SPLITS}
+        if len(names) == 1:
+            splits.setdefault(names.pop(), []).append(f)
+    if len(splits) > 1:
+        split = "train" if "train" in splits else next(iter(splits))
+        folder, name = os.path.split(splits[split][0])
+        in_folder = split in re.split(r"[-_./]+", os.path.relpath(folder, path).lower())  # default/train/0000.parquet
+        example = os.path.join(folder, "*" + os.path.splitext(name)[1] if in_folder else f"*{split}*")
+        shown = ", ".join(f"{name} ({len(fs)} file{'s' if len(fs) > 1 else ''})" for name, fs in splits.items())
+        raise ValueError(f"data: the directory {path} holds the splits {shown} of a dataset, which are separate "
+                         f"corpora; expected one split's files, e.g. --data='{example}'")
+    return inside
+
+
 def _is_saved_dataset(path):
-    return any(os.path.isfile(os.path.join(path, name))
-               for name in ("state.json", "dataset_info.json", "dataset_dict.json"))
+    """A `save_to_disk` directory: a Dataset's (state.json) or a DatasetDict's (dataset_dict.json). dataset_info.json
+    alone is also in `datasets`' builder caches and some hub repositories, whose files are walked."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json"))
 
 
 def _saved_dataset_files(path):

@@ -1,10 +1,12 @@
 """A training workdir's run.json (task, model family and config, tokenizer) and what reads it: `save_run`,
 `load_run`, `restore_run` (the parameters of its latest or best checkpoint on any mesh)."""
 import dataclasses
+import hashlib
 import json
 import os
 
 import jax
+import numpy as np
 from absl import flags, logging
 
 import engine
@@ -42,13 +44,14 @@ def _model_fields(model):
     return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
 
 
-def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, eval_rows=None):
+def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, eval_rows=None, data=None):
     """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
     that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `models.RewardModel`
     (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
     ValueError: its checkpoints would not fit. global_batch: the examples per update (`engine.global_batch_size`),
     recorded so that a restart on another device count keeps it (`keep_global_batch`); eval_rows: the rows held out
-    for eval, which a restart holds out again (`recorded`), whatever its device count."""
+    for eval, which a restart holds out again (`recorded`), whatever its device count; data: the `data_digest` of
+    what the run trains on, which a restart checks (`check_data`)."""
     run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
     if critic is not None:
         run["critic"] = {"family": family_of(critic.backbone), "config": _model_fields(critic.backbone)}
@@ -85,7 +88,7 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, ev
                              f"flags of that run{hint}")
         _note_changed_training_flags(workdir, old.get("training", {}))
     run["training"] = _noted_values()
-    for name, value in (("global_batch", global_batch), ("eval_rows", eval_rows)):
+    for name, value in (("global_batch", global_batch), ("eval_rows", eval_rows), ("data", data)):
         if value is not None:
             run["training"][name] = value
     if FLAGS.is_parsed() and "max_steps" in FLAGS and "lr_extension" in FLAGS:  # a script's, not a library call's
@@ -155,6 +158,47 @@ def recorded(workdir, name):
     """The value `save_run` recorded as `name` (`'eval_rows'`, `'global_batch'`) for the run `workdir` resumes; None
     for a new run."""
     return _training_record(workdir).get(name)
+
+
+_DATA_SAMPLE = 64  # rows a data digest reads, evenly spaced: its cost does not grow with the corpus
+
+
+def data_digest(rows, seq_len, *, stream=None, mixture=None):
+    """{'digest', 'about'} of the rows a run trains on (a sequence of `{'tokens', 'segment_ids'}` rows; a stream's
+    first windows, its eval rows, with `stream` naming it): their count, length and 64 evenly spaced rows' contents.
+    Files appended to, added or removed, another --seq_len, tokenizer or text column change it; so, most likely, do
+    edits. mixture: a mixture's weights and text columns, which its own resume check compares (naming both)."""
+    digest = hashlib.sha256(f"{len(rows)} {seq_len} {stream is not None}".encode())
+    for i in sorted(set(np.linspace(0, len(rows) - 1, min(len(rows), _DATA_SAMPLE)).astype(int).tolist())):
+        row = rows[i]
+        for key in sorted(row):
+            digest.update(key.encode() + np.ascontiguousarray(row[key]).tobytes())
+    about = f"{stream}'s first {len(rows)} windows" if stream is not None else f"{len(rows)} rows"
+    data = {"digest": digest.hexdigest()[:16], "about": f"{about} of {seq_len + 1} tokens"}
+    return data if mixture is None else {**data, "mixture": list(mixture)}
+
+
+def check_data(workdir, data, shown, *, seq_len, change="refuse"):
+    """A run resumed on `workdir` trains on the data its checkpoints were trained on (`data`: `data_digest`'s, of
+    --data `shown` at --seq_len `seq_len`): the eval rows it holds out and each epoch's order are drawn from it, so
+    other data would change the eval set (rows trained on among it) and the order mid-epoch. Other data is a
+    ValueError in one line, or with change='continue' (--data_change) a warning line, the run going on from its step
+    on the new data. A mixture of other weights or text columns is left to the mixture's own check, which names both
+    mixtures."""
+    before = _training_record(workdir).get("data")
+    if before is None or before["digest"] == data["digest"] or before.get("mixture") != data.get("mixture"):
+        return
+    what = (f"then {before['about']}, now {data['about']}" if before["about"] != data["about"] else
+            f"{data['about']} both, with other contents")
+    if change == "continue":
+        logging.warning("--data=%s is not the data the run in %s trained on (%s); --data_change=continue: it trains on "
+                        "from step %d on this data, its eval rows and the epoch's order drawn from it (some eval rows "
+                        "may have been trained on)", shown, workdir, what, trained_step(workdir))
+        return
+    raise ValueError(f"--data={shown} (--seq_len={seq_len}) is not the data the run in {workdir} trained on "
+                     f"({what}): its eval rows and the epoch's order would change; expected the same files and "
+                     f"--seq_len to resume it, --data_change=continue to train on from step {trained_step(workdir)} "
+                     "on this data (eval rows drawn again), or another --workdir")
 
 
 def keep_global_batch(workdir, rows_per_step):

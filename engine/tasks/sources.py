@@ -54,14 +54,15 @@ def _decode(data, path, offset, decode_errors):
 
 @contextlib.contextmanager
 def _reading(path):
-    """`open_file(path)`, a file that is not of its compression or ends inside it a ValueError naming it."""
-    try:
-        with open_file(path) as f:
+    """`open_file(path)`, a file that is not of its compression or ends inside it a ValueError naming it while it is
+    read (opening it, a missing file or a permission, fails as the OS says)."""
+    with open_file(path) as f:
+        try:
             yield f
-    except (OSError, EOFError, lzma.LZMAError) as e:
-        if not compression(path) or isinstance(e, FileNotFoundError):
-            raise
-        raise ValueError(f"data: {path} is not a valid {compression(path)} file ({e})") from None
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            if not compression(path):
+                raise
+            raise ValueError(f"data: {path} is not a valid {compression(path)} file ({e})") from None
 
 
 def _jsonl(path, decode_errors="strict", start=1):
@@ -123,13 +124,24 @@ def _column_texts(path, schema, batches, column, row, start):
     or a null."""
     if column not in schema.names:
         raise ValueError(f"data: {path} has no column {column!r}; its columns: {', '.join(schema.names)}")
-    kind = schema.field(column).type
-    for batch in batches:
+    import pyarrow as pa  # noqa: PLC0415
+
+    kind, batches = schema.field(column).type, iter(batches)
+    while True:
+        try:  # a damaged page or a stream cut short fails here, row groups or batches after the last good one
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as e:
+            raise ValueError(f"data: {path} cannot be read after row {row} ({str(e).splitlines()[0]})") from None
+        if batch is None:
+            return
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
         if not _is_text_type(kind):
-            raise ValueError(f"data: {path} row {max(row, start)}: {column!r} is {kind}; expected a string")
+            nested = pa.types.is_nested(kind) and " (a nested column, e.g. chat messages: render it to one string " \
+                "per row, e.g. with the tokenizer's chat template, into a column of its own)"
+            raise ValueError(f"data: {path} row {max(row, start)}: {column!r} is {kind}; expected a string"
+                             f"{nested or ''}")
         values = batch.column(column).to_pylist()
         for j in range(max(0, start - row), len(values)):
             if values[j] is None:

@@ -323,7 +323,7 @@ def is_token_data(data):
     if len(data) == 1 and is_token_dir(data[0]):
         return True
     return bool(data) and all(p.endswith(ARRAY_RECORD_SUFFIX) or (os.path.isdir(p) and any(
-        name.endswith(ARRAY_RECORD_SUFFIX) for name in os.listdir(p))) for p in data)
+        name.endswith(ARRAY_RECORD_SUFFIX) for _, _, names in os.walk(p) for name in names)) for p in data)
 
 
 def token_windows(data, seq_len, *, feature="text"):
