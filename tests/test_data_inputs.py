@@ -203,6 +203,10 @@ def test_a_jsonl_line_that_is_not_json_is_refused_with_its_column(tmp_path):
     with pytest.raises(ValueError, match=r"^data: .*d.jsonl:2 is not JSON \(Invalid control character at column "
                                          r"12\)$"):
         text_data.read_texts(str(tmp_path / "d.jsonl"))
+    (tmp_path / "a.jsonl").write_text('\n[\n  {"text": "a"},\n  {"text": "b"}\n]\n')  # a pretty-printed array
+    with pytest.raises(ValueError, match=r"^data: .*a.jsonl:2 is not JSON \(Expecting value column 1\); a JSON array "
+                                         r"or object over several lines\? expected JSON Lines, one document per line$"):
+        text_data.read_texts(str(tmp_path / "a.jsonl"))
 
 
 def test_records_of_the_wrong_type_or_with_nothing_to_train_on_are_refused(tmp_path):

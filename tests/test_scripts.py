@@ -690,6 +690,9 @@ def _bad_inputs(tmp_path, slow):
             "--verifiable_reward=lcs; expected one of them",
         ("train_ppo.py", f"--data={tmp_path / 'prompts.jsonl'}", "--verifiable_reward=exact_match"):
             "prompts.jsonl:1 is not an object with string fields 'prompt' and 'response'",
+        ("train_sft.py", f"--data={tmp_path / 'answers.jsonl'}", f"--eval_data={tmp_path}/answers.jsonl"):
+            f"--eval_data names {tmp_path / 'answers.jsonl'}, which --data trains on; expected held-out files, or no "
+            "--eval_data (the last --eval_size pairs of --data are held out)",
         ("train_ppo.py", f"--data={tmp_path / 'answers.jsonl'}", "--eval_size=1", "--verifiable_reward=lcs"):
             "pair 2: prompt 'cat owl' has two reference answers",
         ("generate.py", "--prompts=x", f"--workdir={tmp_path / 'rmrun'}"): "holds a reward run; expected one of",

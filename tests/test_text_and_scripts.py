@@ -344,6 +344,21 @@ def test_the_data_a_run_trained_on_binds_its_resume(tmp_path, caplog):
         run_record.check_data(workdir, {**reweighed, "mixture": mixed["mixture"]}, "a:1,b:1", seq_len=32)
 
 
+def test_eval_records_that_training_sees_are_refused_or_named(tmp_path, caplog):
+    pairs = [{"prompt": f"p{i}", "response": "r"} for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs[4:] + [{"prompt": "new",
+                                                                                           "response": "r"}]))
+    train, dev = str(tmp_path / "train.jsonl"), str(tmp_path / "dev.jsonl")
+    with pytest.raises(ValueError, match=rf"^--eval_data names {train}, which --data trains on; expected held-out "
+                                         r"files, or no --eval_data \(the last --eval_size pairs of --data are held "
+                                         r"out\)$"):
+        script_flags.check_held_out(pairs, pairs, "pairs", [train], [f"{tmp_path}/*ain.jsonl"])
+    with caplog.at_level(logging.WARNING):
+        script_flags.check_held_out(pairs, pairs[4:], "pairs", [train], [dev])
+    assert "2 of the 2 --eval_data pairs are also training pairs: their eval loss is not held out" in caplog.text
+
+
 def test_optimizer_flags_schedules_and_errors():
     from absl import flags  # noqa: PLC0415
 

@@ -3,6 +3,7 @@ records, checkpoint) and what they build: parsers (`parse_mesh`, `parse_json`, .
 `loss_implementation`, `trainer_kwargs`, `fit_kwargs`, `optimizer` / `lr_schedule`, the training and eval records.
 Every flag a script shares is defined here (`cli.run`'s --help lists this module's)."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import kernels
 import models
 from engine import diloco as diloco_lib
 from engine.tasks import lm, run_record, text_data
+from engine.tasks.files import JSONL_SUFFIXES, expand_files
 
 FLAGS = flags.FLAGS
 
@@ -421,6 +423,7 @@ def load_train_eval(read, toy, *, key, what):
         evals = read(FLAGS.eval_data, decode_errors=FLAGS.decode_errors)
         if not evals:
             raise ValueError(f"--eval_data={','.join(FLAGS.eval_data)} holds no {what}")
+        check_held_out(train, evals, what, FLAGS.data, FLAGS.eval_data)
     elif FLAGS.data:
         if len(train) <= FLAGS.eval_size:
             raise ValueError(f"--data holds {len(train)} {what}; more than --eval_size={FLAGS.eval_size} are needed "
@@ -430,6 +433,21 @@ def load_train_eval(read, toy, *, key, what):
         seen = {r[key] for r in train}
         evals = [r for r in toy(4 * FLAGS.eval_size, FLAGS.seed + 1) if r[key] not in seen][:FLAGS.eval_size]
     return train, evals
+
+
+def check_held_out(train, evals, what, data, eval_data):
+    """--eval_data (`eval_data`, read as `evals`) that --data (`data`, read as `train`) trains on: the same files
+    refused in one line; records also among the training ones a warning line (their eval loss is not held out)."""
+    files = lambda patterns: {os.path.realpath(f) for f in expand_files(patterns, JSONL_SUFFIXES)}  # noqa: E731
+    shared = sorted(files(eval_data) & files(data)) if data else []
+    if shared:
+        raise ValueError(f"--eval_data names {shared[0]}, which --data trains on; expected held-out files, or no "
+                         f"--eval_data (the last --eval_size {what} of --data are held out)")
+    seen = {json.dumps(r, sort_keys=True) for r in train}
+    repeated = sum(json.dumps(r, sort_keys=True) in seen for r in evals)
+    if repeated:
+        logging.warning("%d of the %d --eval_data %s are also training %s: their eval loss is not held out", repeated,
+                        len(evals), what, what)
 
 
 def encode_rows(encode, tokenizer, train_records, eval_records, mesh, *, what, per_device_batch_size=None):

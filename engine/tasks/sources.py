@@ -70,7 +70,7 @@ def _jsonl(path, decode_errors="strict", start=1):
     from line `start` on, skipping blank lines (lines before `start` are not parsed); ValueError naming the line on
     bad JSON, and the byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
     with _reading(path) as f:
-        offset = 0
+        offset, parsed = 0, start > 1
         for n, raw in enumerate(f, 1):  # b"\n" never occurs inside a UTF-8 sequence: lines split before decoding
             if n < start:
                 offset += len(raw)
@@ -80,9 +80,13 @@ def _jsonl(path, decode_errors="strict", start=1):
             if not line.strip():
                 continue
             try:
-                yield n, json.loads(line)
+                item = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg} column {e.colno})") from None
+                hint = ("; a JSON array or object over several lines? expected JSON Lines, one document per line"
+                        if not parsed and line.lstrip()[:1] in ("[", "{") else "")
+                raise ValueError(f"data: {path}:{n} is not JSON ({e.msg} column {e.colno}){hint}") from None
+            parsed = True
+            yield n, item
 
 
 def _json_type(value):
