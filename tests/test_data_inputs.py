@@ -554,6 +554,11 @@ def test_mixture_resumes_with_exactly_the_next_window(tmp_path):
     # By 650 windows the small source is epochs in and the Parquet source is past its first row group.
     assert state["positions"][2]["epoch"] > 1 and any(p["row"] >= 16 for p in [state["positions"][0]])
 
+    with open(tmp_path / "web" / "1.jsonl", "a") as f:  # a shard regenerated in place: its rows are other rows
+        f.write('"more"\n')
+    _one_line_error(ValueError, r"data: the files of '.*web/\*.jsonl' were rewritten since the mixture's state was "
+                    r"saved \(their sizes differ: .*web/0.jsonl, .*web/1.jsonl\); expected the same files to resume$",
+                    lambda: sources.Mixture.from_state(state, tok))
     (tmp_path / "web" / "2.jsonl").write_text('"new"\n')
     _one_line_error(ValueError, r"data: the files of '.*web/\*.jsonl' changed since the mixture's state was saved "
                     r"\(now 3:", lambda: sources.Mixture.from_state(state, tok))

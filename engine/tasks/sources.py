@@ -404,6 +404,11 @@ def _columns(sources, text_column):
     return [split_column(pattern)[1] or text_column for pattern, _ in sources]
 
 
+def _sizes_digest(files):
+    """A source's files' sizes as a digest: a file rewritten in place (regenerated, appended to) changes it."""
+    return hashlib.sha256(" ".join(str(os.path.getsize(f)) for f in files).encode()).hexdigest()[:16]
+
+
 def _files_digest(files, absolute=True):
     """A source's files as a digest: of their absolute paths (a relative spelling of the same files matches), or
     as listed (`absolute=False`: the digest of states saved before)."""
@@ -456,6 +461,7 @@ class Mixture:
         self.kinds, self.files = zip(*[_source_files(split_column(pattern)[0]) for pattern, _ in self.sources]) or (
             (), ())
         self.weights = [w for _, w in self.sources]
+        self.sizes = [_sizes_digest(files) for files in self.files]
         self._start = {"windows": [0] * len(self.sources),
                        "positions": [{"epoch": 0, "file": 0, "row": 0, "offset": 0} for _ in self.sources],
                        "restart": [[0, 0] for _ in self.sources]}
@@ -499,10 +505,14 @@ class Mixture:
                              f"{','.join(columns)}), not of {','.join(self.spec)!r} (text columns "
                              f"{','.join(self.columns)}); expected the same sources, weights and text columns to "
                              "resume")
-        for (pattern, _), files, digest in zip(self.sources, self.files, state["files"]):
+        sizes = state.get("sizes", [None] * len(self.files))  # states saved before sizes were recorded have none
+        for (pattern, _), files, digest, size in zip(self.sources, self.files, state["files"], sizes):
             if digest not in (_files_digest(files), _files_digest(files, absolute=False)):
                 raise ValueError(f"data: the files of {pattern!r} changed since the mixture's state was saved "
                                  f"(now {len(files)}: {_shown(files)}); expected the same files to resume")
+            if size not in (None, _sizes_digest(files)):
+                raise ValueError(f"data: the files of {pattern!r} were rewritten since the mixture's state was saved "
+                                 f"(their sizes differ: {_shown(files)}); expected the same files to resume")
         return {"windows": list(state["windows"]), "positions": [dict(p) for p in state["positions"]],
                 "restart": [list(r) for r in state.get("restart", [[0, 0]] * len(self.sources))]}
 
@@ -539,7 +549,7 @@ class MixtureIterator:
         """JSON-able: what `set_state` and `Mixture.from_state` need to continue with the next window."""
         m = self._mixture
         return {"spec": m.spec, "seq_len": m.seq_len, "text_column": m.text_column,
-                "files": [_files_digest(files) for files in m.files], "windows": list(self.windows),
+                "files": [_files_digest(files) for files in m.files], "sizes": m.sizes, "windows": list(self.windows),
                 "positions": [dict(p) for p in self.positions], "restart": [list(r) for r in self.restart]}
 
     def set_state(self, state):
