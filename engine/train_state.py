@@ -176,6 +176,8 @@ class TrainState:
         # current epoch's iterator (None at an epoch's start, and for random-access or stateless inputs).
         self.iterator_state = None
         self.rows = None              # examples per update of the running fit
+        self.examples = None          # the running epoch's examples, when they are random-access (len): checkpointed
+        self.restored_examples = None  # the restored epoch's, compared once with the resumed epoch's
         # The running `fit` call's record (where it started, its target), saved in every checkpoint; the record a
         # checkpoint restored, which the first `fit` of this Trainer continues.
         self.fit_call, self.resumed_call = None, None
@@ -332,6 +334,7 @@ class TrainState:
         self.step, self.epoch, self.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
         self.iterator_state = meta.get("iterator_state")
         self.restored_rows, self.resumed_call = meta.get("rows"), meta.get("fit_call")
+        self.restored_examples = meta.get("examples")
         self.restored_spec = self.batch_spec
         self.best = meta.get("best")
         self.evals_since_best = meta.get("evals_since_best", 0)
@@ -360,7 +363,7 @@ class TrainState:
                 "batch": data_lib.spec_to_json(self.batch_spec), "rows": self.rows,
                 "rng": np.asarray(jax.random.key_data(self.key)).tolist(), "diloco_replicas": self.diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
-                "evals_since_best": self.evals_since_best, "fit_call": self.fit_call}
+                "evals_since_best": self.evals_since_best, "fit_call": self.fit_call, "examples": self.examples}
 
     def _agreed_iterator_state(self):
         """The iterator state, the same on every process: each draws the whole stream and collates its own rows of
@@ -380,6 +383,17 @@ class TrainState:
     def next_epoch(self):
         """Moves the data position to the next epoch's start (a stream's next epoch is a fresh iterator)."""
         self.epoch, self.batch_in_epoch, self.iterator_state = self.epoch + 1, 0, None
+
+    def note_examples(self, count):
+        """Records the running epoch's number of random-access examples (None for a stream). The first epoch after a
+        resume mid-epoch over another number than the restored epoch's logs that its order is drawn anew: the
+        permutation of (seed, epoch) over other examples, so that the rest of the epoch may repeat examples trained
+        on before the restart or pass over others."""
+        old, self.examples, self.restored_examples = self.restored_examples, count, None
+        if old is not None and count is not None and old != count and self.batch_in_epoch:
+            logging.warning("resuming epoch %d at batch %d over %d examples where the checkpoint's epoch had %d: its "
+                            "order is drawn anew over these, so the rest of the epoch may repeat examples trained on "
+                            "before the restart or pass over others", self.epoch, self.batch_in_epoch, count, old)
 
     def set_rows(self, rows):
         """Records the running fit's examples per update. After a resume with another number, the data position

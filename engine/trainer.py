@@ -413,6 +413,7 @@ class Trainer:
 
     def _run_epoch(self, train_examples, per_device_batch_size, rows, profiler, done, every, evaluate):
         """Trains on the rest of the current epoch until it ends or `done()`; returns the batches it trained on."""
+        self._state.note_examples(len(train_examples) if data_lib.is_random_access(train_examples) else None)
         batches = data_lib.iterate_batches(
             self.mesh, train_examples, self.collate_fn, per_device_batch_size=per_device_batch_size,
             accumulate=self.accumulate, seed=self.seed, epoch=self._state.epoch, start_batch=self._state.batch_in_epoch,

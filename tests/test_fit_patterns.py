@@ -54,6 +54,25 @@ def test_each_fit_trains_n_epochs_more_and_total_epochs_is_counted_over_the_trai
         _trainer().fit(iter(EXAMPLES[:7]), per_device_batch_size=2, max_steps=100)  # none at all: an error
 
 
+@pytest.mark.slow  # CI time (three Trainers, 8-13 s)
+def test_a_resume_mid_epoch_over_other_examples_says_its_order_is_drawn_anew(tmp_path, caplog):
+    import logging  # noqa: PLC0415
+
+    mesh = engine.make_mesh(data=1, devices=jax.devices()[:1])  # the cheapest compile
+    first = _trainer(mesh, workdir=str(tmp_path))
+    first.fit(EXAMPLES, per_device_batch_size=2, max_steps=3, save_every=3)
+    first.close()
+    more = EXAMPLES + task.make_examples(16)
+    for steps, warned in ((4, True), (5, False)):  # the second resume finds the epoch of 80 it saved
+        caplog.clear()
+        again = _trainer(mesh, workdir=str(tmp_path))
+        with caplog.at_level(logging.WARNING):
+            again.fit(more, per_device_batch_size=2, max_steps=steps)
+        again.close()
+        line = f"resuming epoch 0 at batch {steps - 1} over 80 examples where the checkpoint's epoch had 64: its order"
+        assert (line in caplog.text) == warned and again.step == steps, caplog.text
+
+
 def test_a_stream_without_max_steps_says_its_epoch_ends_with_the_stream(caplog):
     import logging  # noqa: PLC0415
 
@@ -263,7 +282,8 @@ def test_examples_may_be_a_function_of_the_epoch():
         return task.make_examples(16, seed=epoch)
 
     trainer = _trainer()
-    trainer.fit(draw, per_device_batch_size=2, n_epochs=2, eval_examples=lambda epoch: task.make_examples(8, 100 + epoch))
+    trainer.fit(draw, per_device_batch_size=2, n_epochs=2,
+                eval_examples=lambda epoch: task.make_examples(8, 100 + epoch))
     trainer.fit(draw, per_device_batch_size=2, n_epochs=1)
     assert asked == [0, 1, 2] and trainer.step == 6
     evals = [h for h in trainer.history if "eval_loss" in h]
