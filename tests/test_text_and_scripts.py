@@ -338,6 +338,8 @@ def test_the_data_a_run_trained_on_binds_its_resume(tmp_path, caplog):
     windows = rows[:16]
     mixed = run_record.data_digest(windows, 32, stream="the mixture", mixture=[0.5, 0.5, "text", "text"])
     run_record.save_run(workdir, "lm", model, tok, data=mixed)
+    run_record.check_data(workdir, data, "a.txt", seq_len=32)  # the mixture binds only once it saved ...
+    os.makedirs(os.path.join(workdir, "checkpoints", "8"))  # ... as it has now
     reweighed = run_record.data_digest(rows[1:17], 32, stream="the mixture", mixture=[0.7, 0.3, "text", "text"])
     run_record.check_data(workdir, reweighed, "a:7,b:3", seq_len=32)  # the mixture's own check names both
     with pytest.raises(ValueError, match=r"\(the mixture's first 16 windows of 33 tokens both, with other contents"):
@@ -396,7 +398,8 @@ def test_a_longer_max_steps_keeps_or_rewarms_the_schedule_the_run_started_with(t
     """`make train` then `make train ARGS=--max_steps=...`: the cosine's horizon was the first run's --max_steps, so
     stretching it would jump the rate (0.1x to about 0.58x of the peak); the run keeps its schedule, or starts a
     second warm-up and decay with --lr_extension=rewarm, and run.json records which. A start that saved no
-    checkpoint binds nothing, and a re-run with fewer steps than were trained moves no later cycle's start back."""
+    checkpoint binds nothing (a first run's, or an extension's: the record the last checkpoint was saved under
+    binds), and a re-run with fewer steps than were trained moves no later cycle's start back."""
     from absl import flags  # noqa: PLC0415
 
     FLAGS = flags.FLAGS
@@ -437,6 +440,13 @@ def test_a_longer_max_steps_keeps_or_rewarms_the_schedule_the_run_started_with(t
         run("--max_steps=25")  # fewer steps than trained: nothing to train, the horizon stays 30
         run("--max_steps=40", "--lr_extension=rewarm")
         assert run_record.lr_cycles(workdir) == [[0, 10], [20, 30], [30, 40]]
+        trained(40)
+        run("--max_steps=50")  # an extension (keep) that stopped before its first save binds nothing either ...
+        run("--max_steps=50", "--lr_extension=rewarm")  # ... so its re-run may rewarm (it had kept the schedule)
+        assert run_record.lr_cycles(workdir) == [[0, 10], [20, 30], [30, 40], [40, 50]]
+        trained(45)
+        run("--max_steps=50")  # saved at 45 under the rewarm: its record binds the re-run
+        assert run_record.lr_cycles(workdir) == [[0, 10], [20, 30], [30, 40], [40, 50]]
     finally:
         FLAGS.unparse_flags()
 

@@ -86,7 +86,9 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, ev
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
                              f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
                              f"flags of that run{hint}")
-        _note_changed_training_flags(workdir, old.get("training", {}))
+    binding = _training_record(workdir)  # the record the newest checkpoint was saved under
+    if os.path.exists(path):
+        _note_changed_training_flags(workdir, binding)
     run["training"] = _noted_values()
     for name, value in (("global_batch", global_batch), ("eval_rows", eval_rows), ("data", data)):
         if value is not None:
@@ -96,6 +98,9 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, ev
         # no later --lr_extension=rewarm's start back.
         run["training"].update(max_steps=max(FLAGS.max_steps, trained_step(workdir)),
                                lr_cycles=lr_cycles(workdir, note=True))
+    # This start's record binds once it saves a checkpoint past `since`; until then the one bound before does (a
+    # start stopped before its first save, an extension's included, leaves the run as it was).
+    run["training"]["since"], run["bound"] = trained_step(workdir), binding
     if jax.process_index() != 0:
         return
     os.makedirs(workdir, exist_ok=True)
@@ -144,14 +149,19 @@ def trained_step(workdir):
 
 
 def _training_record(workdir):
-    """The `training` entry of `workdir`'s run.json ({} when there is none, or when no checkpoint was saved: a start
-    that stopped before its first save, a bad flag refused after the model was built among them, trained nothing,
-    and its global batch and schedule bind no later run)."""
+    """The `training` entry of `workdir`'s run.json that binds a re-run: the newest start's once it saved a
+    checkpoint (one past the step it started from, its `since`), else the one bound when it started (`bound`); {}
+    when no checkpoint was saved at all. A start that stopped before its first save (a bad flag refused after the
+    model was built, a kill, an extension's first steps) trained nothing, and its global batch, data and schedule
+    bind no later run."""
     path = os.path.join(workdir, RUN_FILE) if workdir else None
-    if path is None or not os.path.exists(path) or not trained_step(workdir):
+    step = trained_step(workdir) if path is not None and os.path.exists(path) else 0
+    if not step:
         return {}
     with open(path) as f:
-        return json.load(f).get("training", {})
+        run = json.load(f)
+    record = run.get("training", {})
+    return record if step > record.get("since", 0) or "bound" not in run else run["bound"]
 
 
 def recorded(workdir, name):
