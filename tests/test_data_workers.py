@@ -180,6 +180,78 @@ def test_ctrl_c_reaches_the_training_process_alone():
     assert out.strip() == "stopped" and "Traceback" not in err, err[-3000:]
 
 
+# A fit with two Grain workers whose process is killed (as by the kernel's out-of-memory killer: no cleanup of any
+# kind) once both workers run.
+_KILLED = """
+import os, threading, time
+import jax, optax
+import engine
+from tests import trainer_task as task
+
+def children():
+    mine = str(os.getpid())
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == mine:
+                    found.append(p)
+        except OSError:
+            pass
+    return found
+
+def kill_once_the_workers_run():
+    while len(children()) < 3:  # two workers and the resource tracker
+        time.sleep(0.2)
+    time.sleep(1)
+    print(os.getpid(), flush=True)
+    os.kill(os.getpid(), 9)
+
+if __name__ == "__main__":
+    threading.Thread(target=kill_once_the_workers_run, daemon=True).start()
+    trainer = engine.Trainer(mesh=engine.make_mesh(data=1, devices=jax.devices()[:1]), params=task.init_params(),
+                             optimizer=optax.adam(1e-2), loss_fn=task.loss_fn, collate_fn=task.collate_fn)
+    trainer.fit(task.make_examples(64), per_device_batch_size=2, max_steps=10**6, data_workers=2)
+"""
+
+
+@pytest.mark.slow  # worker start-up, as above
+def test_workers_end_when_the_training_process_is_killed():
+    """A kill -9 of the training process left its Grain workers orphaned (they kept running, a few hundred MB each,
+    for minutes, and the resource tracker with them); each ends within a second or two of its parent's death."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED], cwd=root, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    try:
+        pid = int(proc.stdout.readline())
+        proc.wait(timeout=60)
+        assert pid == proc.pid
+        group = lambda: [p for p in os.listdir("/proc") if p.isdigit() and _group_of(p) == pid]  # noqa: E731
+        deadline = time.time() + 15
+        while group() and time.time() < deadline:
+            time.sleep(0.5)
+        assert not group(), f"processes of the killed run still alive 15 s on: {group()}"
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def _group_of(pid):
+    """The process group of /proc's `pid` (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # Reads every batch of two Grain workers and ends holding the last ones, as a training process ends right after its
 # last steps.
 _TO_THE_END = """
