@@ -450,12 +450,13 @@ class TrainState:
                          "total_epochs": total_epochs, "max_steps": max_steps, "target_epoch": target}
         if resumed and total_epochs is None:
             ended = self.epoch >= target or (max_steps is not None and self.step >= max_steps)
+            bounds = ([f"epoch {target}"] if target != UNBOUNDED else []) + (
+                [f"step {max_steps}"] if max_steps is not None else [])
             logging.info("fit continues the restored run's call, started at epoch %d%s: to %s%s", start[0],
-                         f" batch {start[1]}" if start[1] else "",
-                         f"step {max_steps}" if target == UNBOUNDED else f"epoch {target}",
+                         f" batch {start[1]}" if start[1] else "", " or ".join(bounds) + (
+                             ", whichever comes first" if len(bounds) > 1 else ""),
                          " (reached: nothing to train; a further fit call trains on)" if ended else "")
         return target
-
 
     def planned_steps(self, train_examples, per_device_batch_size, accumulate, last_epoch, max_steps):
         """The step `fit` will stop at, for the progress line; None when streaming without max_steps."""
