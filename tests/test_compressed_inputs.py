@@ -7,7 +7,6 @@ import gzip
 import json
 import lzma
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 
 from engine.tasks import seq2seq, sources, text_data
 from engine.tasks.rlhf import preference
+from tests.test_data_inputs import _peak_rss_reading  # peak memory of reading a corpus, in a process of its own
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -110,19 +110,6 @@ def test_zstandard_files_without_a_zstandard_reader_are_refused_naming_the_packa
              r"zstandard\)$", path)
 
 
-# Peak resident memory of reading a corpus, in a process of its own (as tests/test_data_inputs.py measures Parquet).
-_PEAK_RSS = """
-import resource, sys
-from engine.tasks import sources
-rss = lambda: int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-base, peak = rss(), 0
-for n, text in enumerate(sources.iter_texts(sys.argv[1]), 1):
-    if n % 64 == 0:
-        peak = max(peak, rss() - base)
-print(peak)
-"""
-
-
 @pytest.mark.slow  # CI time (10 s); tests/test_data_inputs.py measures Parquet's and Arrow's in CI
 @pytest.mark.parametrize("compression", [".zst", ".gz"])
 def test_compressed_files_stream_in_flat_memory(tmp_path, compression):
@@ -136,11 +123,7 @@ def test_compressed_files_stream_in_flat_memory(tmp_path, compression):
         data = b"".join(json.dumps(text[i:i + 4096].decode()).encode() + b"\n" for i in range(0, len(text), 4096))
         path = tmp_path / f"{mib}.jsonl{compression}"
         path.write_bytes(fast[compression](data))
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(path)], capture_output=True, text=True,
-                             timeout=600, cwd=root)
-        assert out.returncode == 0, out.stderr[-2000:]
-        peaks.append(int(out.stdout))
+        peaks.append(_peak_rss_reading(path))
     assert peaks[1] - peaks[0] < 12 * 2**20, [p / 2**20 for p in peaks]
 
 
@@ -166,10 +149,8 @@ def _read_rates(mib=64):
             start = time.perf_counter()
             n = sum(len(t) for t in sources.iter_texts(path))
             seconds = time.perf_counter() - start
-            out = subprocess.run([sys.executable, "-c", _PEAK_RSS, path], capture_output=True, text=True,
-                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True)
             rows.append((suffix or "(none)", os.path.getsize(path) / 2**20, seconds, n / seconds / 1e6,
-                         int(out.stdout) / 2**20))
+                         _peak_rss_reading(path) / 2**20))
     return rows
 
 

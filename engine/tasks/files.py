@@ -74,8 +74,8 @@ def _walk(path, suffixes):
                          f"({', '.join(sorted(revisions))}); expected one snapshot's files, e.g. "
                          f"--data={os.path.join(path, 'snapshots', sorted(revisions)[0])}")
     splits = {}
-    for f in inside:
-        names = {t for t in re.split(r"[-_./]+", os.path.relpath(f, path).lower()) if t in _SPLITS}
+    for f, p in zip(inside, parts):
+        names = {t for t in re.split(r"[-_./]+", "/".join(p).lower()) if t in _SPLITS}
         if len(names) == 1:
             splits.setdefault(names.pop(), []).append(f)
     if len(splits) > 1:
