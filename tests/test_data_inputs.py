@@ -665,8 +665,8 @@ def test_mixture_sources_name_their_own_text_columns(tmp_path):
 
 
 # Reads a corpus in a process of its own and prints the peak resident memory (sampled every 64 documents) above
-# the memory before reading. sources.py is loaded by its path: it imports nothing of ours, and importing the engine
-# would bring JAX's memory and seconds into the measurement.
+# the memory before reading, which counts the imports (sources.py's own, JAX's through engine.tasks among them) in
+# neither figure.
 _PEAK_RSS = """
 import importlib.util, resource, sys
 import pyarrow.parquet
