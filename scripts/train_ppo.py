@@ -93,9 +93,9 @@ flags.DEFINE_integer("eval_answers", 64, "Held-out prompts answered greedily bef
 FLAGS.set_default("per_device_batch_size", 16)
 
 
-def _read_prompts(patterns, decode_errors="strict"):
+def _read_prompts(patterns, decode_errors="strict", record_columns=None):
     fields = ("prompt",) if FLAGS.verifiable_reward == "none" else preference.SFT_FIELDS
-    return text_data.read_records(patterns, fields, decode_errors=decode_errors)
+    return text_data.read_records(patterns, fields, decode_errors=decode_errors, record_columns=record_columns)
 
 
 def _evaluate(task, params, eval_records):

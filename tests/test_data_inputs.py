@@ -251,8 +251,8 @@ def test_records_of_the_wrong_type_or_with_nothing_to_train_on_are_refused(tmp_p
     (tmp_path / "corpus" / "sub" / "c.txt").write_text("words")
     (tmp_path / "corpus" / "notes.md").write_text("skipped")
     assert text_data.read_texts(str(tmp_path / "corpus")) == [" \n", "", "", "words"]
-    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl \(or .jsonl / .json "
-                                                r"compressed: .gz, .zst, .bz2, .xz\) file"):
+    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl / .parquet / .arrow "
+                                                r"\(or .jsonl / .json compressed: .gz, .zst, .bz2, .xz\) file"):
         text_data.read_records(str(tmp_path / "corpus" / "sub"), ("prompt",))
 
 

@@ -2,7 +2,8 @@
 engine.tasks.sources): a hub snapshot's or a refs/convert/parquet layout's splits, a `datasets` builder cache's
 `cache-*.arrow` files and a huggingface_hub cache's several snapshots refused in one line naming what to pass;
 hidden directories skipped; a file named twice refused; Parquet and Arrow files damaged after their first rows named
-with the row; a nested (chat) column's error says what to do."""
+with the row; a nested (chat) column's error says what to do. Records (SFT, preference, seq2seq) from Parquet and
+Arrow files and save_to_disk directories, their fields under other names (`record_columns`)."""
 import json
 import os
 
@@ -10,7 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.tasks import sources, text_data
+from engine.tasks import seq2seq, sources, text_data
+from engine.tasks.rlhf import preference
+from tests.test_data_inputs import _save_to_disk
 
 
 def _parquet(path, texts, **kw):
@@ -108,8 +111,69 @@ def test_a_nested_column_is_refused_saying_what_to_do(tmp_path):
     messages = pa.array([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]])
     path = tmp_path / "chat.parquet"
     pq.write_table(pa.table({"messages": messages}), path)
-    _refused(r"'messages' is list<.*>; expected a string \(a nested column, e.g. chat messages: render it to one "
-             r"string per row, e.g. with the tokenizer's chat template, into a column of its own\)$",
+    _refused(r"'messages' is list<.*>; expected a string \(a nested value, e.g. chat messages: render it to one "
+             r"string per row, e.g. with the tokenizer's chat template, into a column or key of its own\)$",
              lambda: text_data.read_texts(str(path), text_column="messages"))
     mixture = sources.Mixture(f"{path}#messages", text_data.ByteTokenizer(), 16)
     _refused(r"'messages' is list<.*chat template", lambda: next(iter(mixture)))
+
+
+def test_records_are_read_from_parquet_arrow_and_saved_datasets_under_their_own_column_names(tmp_path):
+    """trl's prompt-completion SFT layout (`completion`, beside an extra column), a preference table as a hub's
+    Parquet and as an Arrow file, seq2seq pairs in a save_to_disk directory: the same records as JSON Lines."""
+    sft = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(2500)]  # past one 1024-row batch
+    table = pa.table({"id": list(range(len(sft))), "prompt": [r["prompt"] for r in sft],
+                      "completion": [r["response"] for r in sft]})
+    pq.write_table(table, tmp_path / "sft.parquet", row_group_size=700)
+    columns = {"response": "completion"}
+    assert preference.read_prompt_responses(str(tmp_path / "sft.parquet"), record_columns=columns) == sft
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": r["prompt"], "completion": r["response"]}) + "\n" for r in sft[:3])
+    assert preference.read_prompt_responses(str(tmp_path / "sft.jsonl"), record_columns=columns) == sft[:3]
+
+    triples = [{"prompt": "p", "chosen": "good", "rejected": "bad"}, {"prompt": "", "chosen": "a", "rejected": ""}]
+    pq.write_table(pa.Table.from_pylist(triples), tmp_path / "dpo.parquet")
+    _arrow_stream(tmp_path / "dpo.arrow", pa.Table.from_pylist(triples))
+    for name in ("dpo.parquet", "dpo.arrow"):
+        assert preference.read_preferences(str(tmp_path / name)) == triples
+    pairs = [{"input": f"in {i}", "target": f"out {i}", "lang": "en"} for i in range(5)]
+    _save_to_disk(tmp_path / "saved", pa.Table.from_pylist(pairs))
+    assert seq2seq.read_pairs(str(tmp_path / "saved")) == [{"input": p["input"], "target": p["target"]} for p in pairs]
+
+
+def test_records_in_tables_are_refused_naming_file_row_and_what_to_pass(tmp_path):
+    def parquet(name, rows):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+        return str(tmp_path / name)
+
+    path = parquet("alpaca.parquet", [{"instruction": "i", "output": "o"}])
+    _refused(r"alpaca.parquet has no column 'prompt'; its columns: instruction, output; --record_columns=FIELD:NAME,"
+             r"\.\.\. reads fields from keys or columns of other names$",
+             lambda: preference.read_prompt_responses(path))
+    assert preference.read_prompt_responses(path, record_columns={"prompt": "instruction", "response": "output"}) \
+        == [{"prompt": "i", "response": "o"}]
+    path = parquet("empty.parquet", [{"prompt": "p", "response": "r"}, {"prompt": " ", "response": ""}])
+    _refused(r"data: .*empty.parquet row 1: 'prompt' and 'response' are both empty",
+             lambda: preference.read_prompt_responses(path))
+    path = parquet("null.parquet", [{"prompt": "p", "response": "r"}, {"prompt": "p", "response": None}])
+    _refused(r"null.parquet row 1: 'response' is null; expected a string$",
+             lambda: preference.read_prompt_responses(path))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    path = parquet("chat.parquet", [{"prompt": "hi", "chosen": chat, "rejected": chat}])
+    _refused(r"chat.parquet row 0: 'chosen' is list<.*>; expected a string \(a nested value, e.g. chat messages: "
+             r"render it", lambda: preference.read_preferences(path))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "hi", "chosen": chat, "rejected": "no"}) + "\n")
+    _refused(r"chat.jsonl:1 is not an object with string fields 'prompt', 'chosen' and 'rejected' \('chosen' is an "
+             r"array\) \(a nested value, e.g. chat messages", lambda: preference.read_preferences(
+                 str(tmp_path / "chat.jsonl")))
+    (tmp_path / "x.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
+    _refused(r"x.jsonl:1 is not an object with string fields 'prompt' and 'response' \('response' is missing\); "
+             r"--record_columns=FIELD", lambda: preference.read_prompt_responses(str(tmp_path / "x.jsonl")))
+    _refused(r"^record_columns names 'reply', which is not a field of these records; expected some of 'prompt' and "
+             r"'response'$", lambda: preference.read_prompt_responses(path, record_columns={"reply": "output"}))
+    _refused(r"^record_columns reads two fields from 'text'; expected a key or column per field$",
+             lambda: preference.read_prompt_responses(path, record_columns={"prompt": "text", "response": "text"}))
+    (tmp_path / "notes.txt").write_text("a")
+    _refused(r"notes.txt' is none of .jsonl / .parquet / .arrow \(or .jsonl / .json compressed: .*\); expected "
+             r"records with the string fields 'input' and 'target'$",
+             lambda: seq2seq.read_pairs(str(tmp_path / "notes.txt")))

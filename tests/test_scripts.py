@@ -9,6 +9,8 @@ import sys
 
 import jax
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import engine
@@ -611,6 +613,7 @@ def _bad_inputs(tmp_path, slow):
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in (
         ("cat owl", "cat owl"), ("dog", "dog"), ("cat owl", "owl cat"))))
     (tmp_path / "rmrun" / "run.json").write_text('{"task": "reward", "family": "llama", "config": {}}')
+    pq.write_table(pa.table({"question": ["cat owl"] * 3, "completion": ["owl cat"] * 3}), tmp_path / "qa.parquet")
     (tmp_path / "latin1.txt").write_bytes("def café():\n".encode("latin-1"))
     _tiny_hf("llama", tmp_path / "hf_no_tokenizer")
     if not slow:
@@ -645,6 +648,13 @@ def _bad_inputs(tmp_path, slow):
             ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
             ("train_lm.py", "--save_best=loss"): "--save_best=loss; expected METRIC:min or METRIC:max",
             ("train_sft.py", "--eval_every=-2"): "--eval_every=-2; expected an integer >= 0",
+            # The Parquet records read, their fields from the named columns: the error is the prompt's length.
+            ("train_sft.py", f"--data={tmp_path / 'qa.parquet'}", "--eval_size=1", "--seq_len=4",
+             "--record_columns=prompt:question,response:completion"): "seq_len=4: pair 0's prompt takes",
+            ("train_sft.py", f"--data={tmp_path / 'qa.parquet'}", "--record_columns=prompt:question",
+             "--eval_size=1"): "qa.parquet has no column 'response'; its columns: question, completion; "
+                               "--record_columns=FIELD:NAME,... reads",
+            ("train_dpo.py", "--record_columns=chosen"): "--record_columns=chosen: 'chosen' is not FIELD:NAME",
             ("train_dpo.py", "--early_stopping_patience=3"): "--early_stopping_patience=3; expected 0, or an "
                                                              "integer >= 1 with --save_best",
             ("train_reward.py", "--adam_b2=1"): "--adam_b2=1.0; expected in [0, 1)",
@@ -672,6 +682,11 @@ def _bad_inputs(tmp_path, slow):
         ("generate.py", "--prompts_file=/nonexistent.txt"): "--prompts_file=/nonexistent.txt: no such file",
         ("generate.py", "--prompts=x", "stray"): "unexpected arguments ['stray']",
         ("train_dpo.py", "--beta=0"): "--beta=0: 0.0 is not number >= 1e-06",
+        ("train_dpo.py", "--record_columns=chosen:better"): "--record_columns names the columns of --data / "
+                                                            "--eval_data files, and neither is given",
+        ("finetune_seq2seq.py", f"--data={tmp_path / 'qa.parquet'}", "--record_columns=question:input"):
+            "record_columns names 'question', which is not a field of these records; expected some of 'input' and "
+            "'target'",
         ("train_dpo.py", "--seq_len=4"): "seq_len=4: triple 0's prompt takes",
         ("train_sft.py", "--seq_len=4"): "seq_len=4: pair 0's prompt takes",
         ("train_sft.py", f"--init_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['lm', 'sft']",

@@ -16,6 +16,7 @@ COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 JSONL_SUFFIXES = (".jsonl",) + tuple(base + c for base in (".jsonl", ".json") for c in COMPRESSIONS)
 TEXT_SUFFIXES = ((".txt", ".jsonl", ".parquet", ".arrow") + JSONL_SUFFIXES[1:]
                  + tuple(".txt" + c for c in COMPRESSIONS))
+RECORD_SUFFIXES = JSONL_SUFFIXES + (".parquet", ".arrow")  # records: objects per line, or rows of named columns
 _CHUNK = 1 << 16  # compressed bytes read at a time
 # The split names of Hugging Face layouts (data/train-00000-of-00002.parquet, default/validation/0000.parquet, a
 # builder cache's name-test.arrow): a directory whose files name two of them holds separate corpora.

@@ -15,7 +15,7 @@ import kernels
 import models
 from engine import diloco as diloco_lib
 from engine.tasks import lm, run_record, text_data
-from engine.tasks.files import JSONL_SUFFIXES, expand_files
+from engine.tasks.files import RECORD_SUFFIXES, expand_files
 
 FLAGS = flags.FLAGS
 
@@ -196,15 +196,32 @@ def define_training_flags(*, workdir, max_steps, learning_rate, warmup_steps, lo
 
 
 def define_record_flags(*, what, fields, toy_size):
-    """--data, --eval_data, --eval_size and --toy_size of a script that trains on jsonl records with string `fields`
-    (read by `load_train_eval`); `what` names the records in the help."""
+    """--data, --eval_data, --record_columns, --eval_size and --toy_size of a script that trains on records with
+    string `fields` (read by `load_train_eval`); `what` names the records in the help."""
     shown = ", ".join(f'"{f}": ...' for f in fields)
-    flags.DEFINE_list("data", [], f".jsonl files (or .jsonl.gz, .jsonl.zst, ...) or globs of {{{shown}}} lines; "
+    flags.DEFINE_list("data", [], f".jsonl files (or .jsonl.gz, .jsonl.zst, ...) of {{{shown}}} lines, or .parquet / "
+                      ".arrow files or save_to_disk directories with those columns; paths, globs or directories; "
                       "empty: the embedded toy task.")
-    flags.DEFINE_list("eval_data", [], f"Held-out .jsonl {what}; empty: the last --eval_size {what} of --data (or "
-                      f"fresh toy {what}).")
+    flags.DEFINE_list("eval_data", [], f"Held-out {what}, as --data; empty: the last --eval_size {what} of --data "
+                      f"(or fresh toy {what}).")
+    flags.DEFINE_list("record_columns", [], f"FIELD:NAME,...: read a field of the {what} from a key or column of "
+                      f"another name (e.g. {fields[-1]}:completion).")
     flags.DEFINE_integer("eval_size", 256, f"Held-out {what} when --eval_data is not given.")
     flags.DEFINE_integer("toy_size", toy_size, f"Training {what} of the embedded toy task.")
+
+
+def record_columns():
+    """--record_columns as {field: name}; a ValueError naming an entry that is not FIELD:NAME."""
+    columns = {}
+    for entry in FLAGS.record_columns:
+        field, colon, name = entry.partition(":")
+        if not (colon and field.strip() and name.strip()) or ":" in name:
+            raise ValueError(f"--record_columns={','.join(FLAGS.record_columns)}: {entry!r} is not FIELD:NAME; "
+                             "expected e.g. --record_columns=response:completion,prompt:question")
+        if field.strip() in columns:
+            raise ValueError(f"--record_columns names the field {field.strip()!r} twice; expected one NAME per field")
+        columns[field.strip()] = name.strip()
+    return columns
 
 
 def define_auto_mesh_flag():
@@ -410,17 +427,21 @@ def optimizer(learning_rate=None):
 
 
 def load_train_eval(read, toy, *, key, what):
-    """(train records, eval records) from --data / --eval_data / --eval_size / --toy_size / --seed: `read(patterns)`
-    reads files; without --data, `toy(n, seed)` makes the embedded task, and its eval records are fresh ones
-    (another seed) whose `key` field no training record has. `what` names the records in errors."""
+    """(train records, eval records) from --data / --eval_data / --record_columns / --eval_size / --toy_size /
+    --seed: `read(patterns, decode_errors=, record_columns=)` reads files; without --data, `toy(n, seed)` makes the
+    embedded task, and its eval records are fresh ones (another seed) whose `key` field no training record has.
+    `what` names the records in errors."""
+    columns = record_columns()
+    if columns and not (FLAGS.data or FLAGS.eval_data):
+        raise ValueError("--record_columns names the columns of --data / --eval_data files, and neither is given")
     if FLAGS.data:
-        train = read(FLAGS.data, decode_errors=FLAGS.decode_errors)
+        train = read(FLAGS.data, decode_errors=FLAGS.decode_errors, record_columns=columns)
         if not train:
             raise ValueError(f"--data={','.join(FLAGS.data)} holds no {what}")
     else:
         train = toy(FLAGS.toy_size, FLAGS.seed)
     if FLAGS.eval_data:
-        evals = read(FLAGS.eval_data, decode_errors=FLAGS.decode_errors)
+        evals = read(FLAGS.eval_data, decode_errors=FLAGS.decode_errors, record_columns=columns)
         if not evals:
             raise ValueError(f"--eval_data={','.join(FLAGS.eval_data)} holds no {what}")
         check_held_out(train, evals, what, FLAGS.data, FLAGS.eval_data)
@@ -438,7 +459,7 @@ def load_train_eval(read, toy, *, key, what):
 def check_held_out(train, evals, what, data, eval_data):
     """--eval_data (`eval_data`, read as `evals`) that --data (`data`, read as `train`) trains on: the same files
     refused in one line; records also among the training ones a warning line (their eval loss is not held out)."""
-    files = lambda patterns: {os.path.realpath(f) for f in expand_files(patterns, JSONL_SUFFIXES)}  # noqa: E731
+    files = lambda patterns: {os.path.realpath(f) for f in expand_files(patterns, RECORD_SUFFIXES)}  # noqa: E731
     shared = sorted(files(eval_data) & files(data)) if data else []
     if shared:
         raise ValueError(f"--eval_data names {shared[0]}, which --data trains on; expected held-out files, or no "

@@ -11,10 +11,11 @@ from engine.tasks.text_data import TOY_WORDS, check_not_empty, read_records
 FIELDS = ("input", "target")
 
 
-def read_pairs(patterns, *, decode_errors="strict"):
-    """`{"input": str, "target": str}` objects from `.jsonl` files (paths, globs or directories), one per line; a
-    pair whose input and target are both empty is refused naming its line (`text_data.read_records`)."""
-    return read_records(patterns, FIELDS, decode_errors=decode_errors)
+def read_pairs(patterns, *, decode_errors="strict", record_columns=None):
+    """`{"input": str, "target": str}` pairs from `.jsonl` lines or `.parquet` / `.arrow` rows (paths, globs or
+    directories; `text_data.read_records`, its record_columns for other names); a pair whose input and target are
+    both empty is refused naming its line or row."""
+    return read_records(patterns, FIELDS, decode_errors=decode_errors, record_columns=record_columns)
 
 
 def toy_pairs(n, seed, *, min_words=3, max_words=6):

@@ -26,11 +26,13 @@ from absl import logging
 
 from engine.tasks import array_records
 from engine.tasks.files import TEXT_SUFFIXES, _shown, expand_files  # noqa: F401 (named here, as they always were)
-from engine.tasks.files import JSONL_SUFFIXES, compression, formats, open_file
+from engine.tasks.files import JSONL_SUFFIXES, RECORD_SUFFIXES, compression, formats, open_file
 
 DECODE_ERRORS = ("strict", "replace")
 _BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
 _READ_BUFFER = 1 << 20  # Parquet pages read through a 1 MiB buffer rather than a whole column chunk at once
+_NESTED = (" (a nested value, e.g. chat messages: render it to one string per row, e.g. with the tokenizer's chat "
+           "template, into a column or key of its own)")
 MIXTURE_FORM = ("PATH[#COLUMN][:WEIGHT],PATH[#COLUMN][:WEIGHT],... (e.g. code.parquet#content:0.7,"
                 "web/*.jsonl:0.3)")
 
@@ -122,15 +124,16 @@ def _is_text_type(kind):
     return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
-def _column_texts(path, schema, batches, column, row, start):
-    """(row, document) of record `batches` whose first row is `row`, from row `start` on: `column`'s strings,
-    converted a batch at a time. ValueError naming the file and row for a missing column, a column of another type
-    or a null."""
-    if column not in schema.names:
-        raise ValueError(f"data: {path} has no column {column!r}; its columns: {', '.join(schema.names)}")
+def _column_rows(path, schema, batches, columns, row, start, hint):
+    """(row, values) of record `batches` whose first row is `row`, from row `start` on: a tuple of the strings of
+    `columns` per row, converted a batch at a time. ValueError naming the file and row for a missing column (`hint`
+    appended), a column of another type or a null."""
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise ValueError(f"data: {path} has no column {missing[0]!r}; its columns: {', '.join(schema.names)}{hint}")
     import pyarrow as pa  # noqa: PLC0415
 
-    kind, batches = schema.field(column).type, iter(batches)
+    batches = iter(batches)
     while True:
         try:  # a damaged page or a stream cut short fails here, row groups or batches after the last good one
             batch = next(batches, None)
@@ -141,20 +144,22 @@ def _column_texts(path, schema, batches, column, row, start):
         if row + batch.num_rows <= start:
             row += batch.num_rows
             continue
-        if not _is_text_type(kind):
-            nested = pa.types.is_nested(kind) and " (a nested column, e.g. chat messages: render it to one string " \
-                "per row, e.g. with the tokenizer's chat template, into a column of its own)"
-            raise ValueError(f"data: {path} row {max(row, start)}: {column!r} is {kind}; expected a string"
-                             f"{nested or ''}")
-        values = batch.column(column).to_pylist()
-        for j in range(max(0, start - row), len(values)):
-            if values[j] is None:
-                raise ValueError(f"data: {path} row {row + j}: {column!r} is null; expected a string")
-            yield row + j, values[j]
+        for column in columns:
+            kind = schema.field(column).type
+            if not _is_text_type(kind):
+                raise ValueError(f"data: {path} row {max(row, start)}: {column!r} is {kind}; expected a string"
+                                 + (_NESTED if pa.types.is_nested(kind) else ""))
+        values = [batch.column(column).to_pylist() for column in columns]
+        for j in range(max(0, start - row), batch.num_rows):
+            strings = tuple(v[j] for v in values)
+            if None in strings:
+                raise ValueError(f"data: {path} row {row + j}: {columns[strings.index(None)]!r} is null; expected "
+                                 "a string")
+            yield row + j, strings
         row += batch.num_rows
 
 
-def _parquet_texts(path, column, start):
+def _parquet_rows(path, columns, start, hint):
     import pyarrow as pa  # noqa: PLC0415
     import pyarrow.parquet as pq  # noqa: PLC0415
 
@@ -169,12 +174,12 @@ def _parquet_texts(path, column, start):
             groups.append(g)
         else:
             row += rows
-    columns = [column] if column in parquet.schema_arrow.names else None
-    batches = parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=groups, columns=columns) if groups else []
-    yield from _column_texts(path, parquet.schema_arrow, batches, column, row, start)
+    read = list(columns) if set(columns) <= set(parquet.schema_arrow.names) else None
+    batches = parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=groups, columns=read) if groups else []
+    yield from _column_rows(path, parquet.schema_arrow, batches, columns, row, start, hint)
 
 
-def _arrow_texts(path, column, start):
+def _arrow_rows(path, columns, start, hint):
     """An Arrow IPC file (random-access format: 'ARROW1' magic) or stream (`datasets`' data-*.arrow). Read from an
     OSFile, not a memory map, whose touched pages would count in the process's resident memory."""
     import pyarrow as pa  # noqa: PLC0415
@@ -189,7 +194,13 @@ def _arrow_texts(path, column, start):
             reader = batches = pa.ipc.open_stream(pa.OSFile(path))
     except (pa.ArrowInvalid, OSError) as e:
         raise ValueError(f"data: {path} is not an Arrow IPC file or stream ({str(e).splitlines()[0]})") from None
-    yield from _column_texts(path, reader.schema, batches, column, 0, start)
+    yield from _column_rows(path, reader.schema, batches, columns, 0, start, hint)
+
+
+def _table_rows(path, columns, start=0, hint=""):
+    """(row, strings of `columns`) of a Parquet or Arrow file from row `start` on; `hint` ends a missing column's
+    error."""
+    return (_parquet_rows if path.endswith(".parquet") else _arrow_rows)(path, columns, start, hint)
 
 
 def _file_texts(path, column, decode_errors, start=0):
@@ -201,10 +212,9 @@ def _file_texts(path, column, decode_errors, start=0):
         if start == 0:
             with _reading(path) as f:
                 yield 0, _decode(f.read(), path, 0, decode_errors)
-    elif path.endswith(".parquet"):
-        yield from _parquet_texts(path, column, start)
-    elif path.endswith(".arrow"):
-        yield from _arrow_texts(path, column, start)
+    elif path.endswith((".parquet", ".arrow")):
+        for row, (text,) in _table_rows(path, (column,), start):
+            yield row, text
     else:
         raise ValueError(f"data: {path!r} is none of {formats(TEXT_SUFFIXES)}")
 
@@ -284,25 +294,55 @@ def _packed_row(pieces, width, pad_id):
     return {"tokens": tokens, "segment_ids": segments}
 
 
-def read_records(patterns, fields, *, decode_errors="strict", nonempty=None):
-    """Objects with the string `fields` from `.jsonl` files (paths, globs or directories of them), one per line
-    (other keys dropped). ValueError naming the file and line for a line that is not such an object (and the type
-    found), or whose `nonempty` fields (default: all of `fields`) are all empty or white space: a record with
-    nothing to train on. Encoding as in `read_texts` (decode_errors)."""
+def read_records(patterns, fields, *, decode_errors="strict", nonempty=None, record_columns=None):
+    """Objects with the string `fields` from files (paths, globs or directories): `.jsonl` files, compressed or not,
+    one object per line (other keys dropped), and the rows of `.parquet` and `.arrow` files and `save_to_disk`
+    directories (other columns unread). `record_columns`: {field: the key or column the files hold it under} for
+    fields named otherwise (e.g. {'response': 'completion'}). ValueError naming the file and line (or row) for a
+    record that is not such an object (and the type found), or whose `nonempty` fields (default: all of `fields`)
+    are all empty or white space: a record with nothing to train on. Encoding as in `read_texts`
+    (decode_errors)."""
     _check_decode_errors(decode_errors)
+    names = _record_names(fields, record_columns or {})
+    hint = "; --record_columns=FIELD:NAME,... reads fields from keys or columns of other names"
     records = []
-    for path in expand_files(patterns, JSONL_SUFFIXES):
-        if not path.endswith(JSONL_SUFFIXES):
-            shown = ", ".join(f'"{f}": ...' for f in fields)
-            raise ValueError(f"data: {path!r} is not {formats(JSONL_SUFFIXES)}; expected one {{{shown}}} per line")
-        for n, item in _jsonl(path, decode_errors):
-            wrong = _not_strings(item, fields)
-            if wrong:
-                raise ValueError(f"data: {path}:{n} is not an object with string fields {_names(fields)} ({wrong})")
-            record = {f: item[f] for f in fields}
-            check_not_empty(record, nonempty or fields, f"data: {path}:{n}")
+    for path in expand_files(patterns, RECORD_SUFFIXES):
+        if path.endswith(JSONL_SUFFIXES):
+            rows = _jsonl_records(path, fields, names, decode_errors, hint)
+        elif path.endswith((".parquet", ".arrow")):
+            rows = ((f"{path} row {n}", dict(zip(fields, strings)))
+                    for n, strings in _table_rows(path, names, hint=hint))
+        else:
+            raise ValueError(f"data: {path!r} is none of {formats(RECORD_SUFFIXES)}; expected records with the "
+                             f"string fields {_names(names)}")
+        for where, record in rows:
+            check_not_empty(record, nonempty or fields, f"data: {where}")
             records.append(record)
     return records
+
+
+def _record_names(fields, record_columns):
+    """The key or column of each of `fields` in the files, in their order (`read_records`' record_columns)."""
+    unknown = sorted(set(record_columns) - set(fields))
+    if unknown:
+        raise ValueError(f"record_columns names {unknown[0]!r}, which is not a field of these records; expected "
+                         f"some of {_names(fields)}")
+    names = tuple(record_columns.get(f, f) for f in fields)
+    twice = [n for n in names if names.count(n) > 1]
+    if twice:
+        raise ValueError(f"record_columns reads two fields from {twice[0]!r}; expected a key or column per field")
+    return names
+
+
+def _jsonl_records(path, fields, names, decode_errors, hint):
+    """(where, record) of a JSON Lines file's objects: `fields` read from the keys `names`."""
+    for n, item in _jsonl(path, decode_errors):
+        wrong = _not_strings(item, names)
+        if wrong:
+            nested = isinstance(item, dict) and any(isinstance(item.get(name), (list, dict)) for name in names)
+            raise ValueError(f"data: {path}:{n} is not an object with string fields {_names(names)} ({wrong})"
+                             + (hint if "missing" in wrong else _NESTED if nested else ""))
+        yield f"{path}:{n}", {f: item[name] for f, name in zip(fields, names)}
 
 
 def _not_strings(item, fields):

@@ -23,11 +23,12 @@ FIELDS = ("prompt", "chosen", "rejected")
 RESPONSES = ("chosen", "rejected")
 
 
-def read_preferences(patterns, *, decode_errors="strict"):
-    """`{"prompt", "chosen", "rejected"}` string triples from `.jsonl` files (paths, globs or directories), one per
-    line; a triple whose chosen and rejected responses are both empty (no preference to learn) is refused naming
-    its line (`text_data.read_records`)."""
-    return text_data.read_records(patterns, FIELDS, decode_errors=decode_errors, nonempty=RESPONSES)
+def read_preferences(patterns, *, decode_errors="strict", record_columns=None):
+    """`{"prompt", "chosen", "rejected"}` string triples from `.jsonl` lines or `.parquet` / `.arrow` rows (paths,
+    globs or directories; `text_data.read_records`, its record_columns for other names); a triple whose chosen and
+    rejected responses are both empty (no preference to learn) is refused naming its line or row."""
+    return text_data.read_records(patterns, FIELDS, decode_errors=decode_errors, nonempty=RESPONSES,
+                                  record_columns=record_columns)
 
 
 NEGATIVES = ("order", "dropped", "added", "replaced")
@@ -106,10 +107,11 @@ def verifiable_reward(rule, pairs):
 SFT_FIELDS = ("prompt", "response")
 
 
-def read_prompt_responses(patterns, *, decode_errors="strict"):
-    """`{"prompt", "response"}` string pairs from `.jsonl` files (paths, globs or directories), one per line; a pair
-    whose prompt and response are both empty is refused naming its line (`text_data.read_records`)."""
-    return text_data.read_records(patterns, SFT_FIELDS, decode_errors=decode_errors)
+def read_prompt_responses(patterns, *, decode_errors="strict", record_columns=None):
+    """`{"prompt", "response"}` string pairs from `.jsonl` lines or `.parquet` / `.arrow` rows (paths, globs or
+    directories; `text_data.read_records`, its record_columns for other names); a pair whose prompt and response are
+    both empty is refused naming its line or row."""
+    return text_data.read_records(patterns, SFT_FIELDS, decode_errors=decode_errors, record_columns=record_columns)
 
 
 def toy_prompt_responses(n, seed):
