@@ -15,6 +15,7 @@ import pytest
 from engine.tasks import seq2seq, sources, text_data
 from engine.tasks.rlhf import preference
 from tests.test_data_inputs import _peak_rss_reading  # peak memory of reading a corpus, in a process of its own
+from tests.test_data_inputs import check_mixture_resumes
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -62,16 +63,8 @@ def test_a_mixture_of_compressed_sources_resumes_with_exactly_the_next_window(tm
     _write(tmp_path / "web.jsonl", _jsonl(web))
     mixture = sources.Mixture(f"{tmp_path}/code.jsonl.zst#content:0.6,{tmp_path}/web.json.gz:0.4", tok, 24)
     plain = sources.Mixture(f"{tmp_path}/code.jsonl#content:0.6,{tmp_path}/web.jsonl:0.4", tok, 24)
-    whole = [w for _, w in zip(range(300), mixture)]  # both sources epochs in by then
+    whole = check_mixture_resumes(mixture, tok, 300, (1, 57, 250), 30)  # both sources epochs in by then
     assert all((a["tokens"] == b["tokens"]).all() for a, b in zip(whole, plain))
-    for taken in (1, 57, 250):
-        it = iter(mixture)
-        for _ in range(taken):
-            next(it)
-        resumed = iter(sources.Mixture.from_state(json.loads(json.dumps(it.get_state())), tok))
-        for want in whole[taken:taken + 30]:
-            got = next(resumed)
-            assert (got["tokens"] == want["tokens"]).all() and (got["segment_ids"] == want["segment_ids"]).all()
 
 
 def _refused(pattern, path, **kw):

@@ -251,8 +251,9 @@ def test_records_of_the_wrong_type_or_with_nothing_to_train_on_are_refused(tmp_p
     (tmp_path / "corpus" / "sub" / "c.txt").write_text("words")
     (tmp_path / "corpus" / "notes.md").write_text("skipped")
     assert text_data.read_texts(str(tmp_path / "corpus")) == [" \n", "", "", "words"]
-    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl / .parquet / .arrow "
-                                                r"\(or .jsonl / .json compressed: .gz, .zst, .bz2, .xz\) file"):
+    with pytest.raises(FileNotFoundError, match=r"the directory .*sub holds no .jsonl / .ndjson / .parquet / "
+                                                r".arrow \(or .jsonl / .ndjson / .json compressed: .gz, .zst, .bz2, "
+                                                r".xz\) file"):
         text_data.read_records(str(tmp_path / "corpus" / "sub"), ("prompt",))
 
 
@@ -405,7 +406,8 @@ def test_bad_parquet_and_arrow_inputs_are_refused_in_one_line(tmp_path):
 
     # Empty sources: a glob matching nothing, files without rows or without any text.
     _one_line_error(FileNotFoundError, r"data: .*nothing\*.parquet' matches no file; expected .txt / .jsonl / "
-                    r".parquet / .arrow \(or .jsonl / .json / .txt compressed: .gz, .zst, .bz2, .xz\) paths",
+                    r".ndjson / .parquet / .arrow \(or .jsonl / .ndjson / .json / .txt compressed: .gz, .zst, .bz2, "
+                    r".xz\) paths",
                     read("nothing*.parquet"))
     _write_parquet(tmp_path / "empty.parquet", _table(text=pa.array([], pa.string())))
     _write_arrow(tmp_path / "blank.arrow", _table(text=["", " \n"]), stream=True)
@@ -421,7 +423,7 @@ def test_bad_parquet_and_arrow_inputs_are_refused_in_one_line(tmp_path):
     _one_line_error(ValueError, r"data: .*dict is a saved DatasetDict \(splits: train, test\); expected one split's "
                     r"directory, e.g. .*dict/train", read("dict"))
     (tmp_path / "notes.md").write_text("x")
-    _one_line_error(ValueError, r"data: .*notes.md' is none of .txt / .jsonl / .parquet / .arrow \(or ",
+    _one_line_error(ValueError, r"data: .*notes.md' is none of .txt / .jsonl / .ndjson / .parquet / .arrow \(or ",
                     read("notes.md"))
 
 
@@ -490,6 +492,21 @@ def test_windows_held_out_for_eval_are_never_trained_on(tmp_path):
         next(it)
     resumed = iter(sources.Mixture.from_state(json.loads(json.dumps(it.get_state())), tok))
     assert all((next(resumed)["tokens"] == r["tokens"]).all() for r in rows[137:])
+
+
+def check_mixture_resumes(mixture, tok, windows, taken, follow):
+    """`mixture` resumed from its state (through JSON) after each of `taken` windows yields the next `follow`
+    windows of an uninterrupted pass of `windows`."""
+    whole = [w for _, w in zip(range(windows), mixture)]
+    for n in taken:
+        it = iter(mixture)
+        for _ in range(n):
+            next(it)
+        resumed = iter(sources.Mixture.from_state(json.loads(json.dumps(it.get_state())), tok))
+        for want in whole[n:n + follow]:
+            got = next(resumed)
+            assert (got["tokens"] == want["tokens"]).all() and (got["segment_ids"] == want["segment_ids"]).all()
+    return whole
 
 
 def _mixture_corpus(tmp_path):

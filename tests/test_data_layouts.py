@@ -3,7 +3,8 @@ engine.tasks.sources): a hub snapshot's or a refs/convert/parquet layout's split
 `cache-*.arrow` files and a huggingface_hub cache's several snapshots refused in one line naming what to pass;
 hidden directories skipped; a file named twice refused; Parquet and Arrow files damaged after their first rows named
 with the row; a nested (chat) column's error says what to do. Records (SFT, preference, seq2seq) from Parquet and
-Arrow files and save_to_disk directories, their fields under other names (`record_columns`)."""
+Arrow files and save_to_disk directories, their fields under other names (`record_columns`); `.ndjson` files, and a
+`.json` file named as such, of JSON Lines or one JSON array (Alpaca's `alpaca_data.json`)."""
 import json
 import os
 
@@ -13,7 +14,7 @@ import pytest
 
 from engine.tasks import seq2seq, sources, text_data
 from engine.tasks.rlhf import preference
-from tests.test_data_inputs import _save_to_disk
+from tests.test_data_inputs import _save_to_disk, check_mixture_resumes
 
 
 def _parquet(path, texts, **kw):
@@ -174,6 +175,37 @@ def test_records_in_tables_are_refused_naming_file_row_and_what_to_pass(tmp_path
     _refused(r"^record_columns reads two fields from 'text'; expected a key or column per field$",
              lambda: preference.read_prompt_responses(path, record_columns={"prompt": "text", "response": "text"}))
     (tmp_path / "notes.txt").write_text("a")
-    _refused(r"notes.txt' is none of .jsonl / .parquet / .arrow \(or .jsonl / .json compressed: .*\); expected "
+    _refused(r"notes.txt' is none of .jsonl / .ndjson / .parquet / .arrow \(or .jsonl / .ndjson / .json compressed: "
+             r".*\); expected "
              r"records with the string fields 'input' and 'target'$",
              lambda: seq2seq.read_pairs(str(tmp_path / "notes.txt")))
+
+
+def test_ndjson_files_and_a_named_json_file_of_lines_or_one_array_are_read(tmp_path):
+    docs = [f"document {i} " + "word " * (i % 7) for i in range(80)]
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    (tmp_path / "d.ndjson").write_text(lines)
+    (tmp_path / "lines.json").write_text(lines)  # datasets' Dataset.to_json writes JSON Lines
+    (tmp_path / "array.json").write_text("\ufeff\n  " + json.dumps([{"text": d} for d in docs], indent=2))
+    for name in ("d.ndjson", "lines.json", "array.json"):
+        assert text_data.read_texts(str(tmp_path / name)) == docs
+    (tmp_path / "dir").mkdir()  # a directory takes .ndjson files, not its .json configs
+    (tmp_path / "dir" / "d.ndjson").write_text(lines)
+    (tmp_path / "dir" / "config.json").write_text('{"vocab_size": 10}')
+    assert text_data.read_texts(str(tmp_path / "dir")) == docs
+
+    alpaca = [{"instruction": f"question {i}", "input": "", "output": f"answer {i}"} for i in range(3)]
+    (tmp_path / "alpaca_data.json").write_text(json.dumps(alpaca, indent=4))
+    assert preference.read_prompt_responses(str(tmp_path / "alpaca_data.json"), record_columns={
+        "prompt": "instruction", "response": "output"}) == [{"prompt": r["instruction"], "response": r["output"]}
+                                                            for r in alpaca]
+    (tmp_path / "mixed.json").write_text(json.dumps([{"text": "a"}, 3]))
+    _refused(r"^data: .*mixed.json item 1 is a number; expected a string or \{\"text\": \"...\"\}$",
+             lambda: text_data.read_texts(str(tmp_path / "mixed.json")))
+    (tmp_path / "cut.json").write_text('[{"text": "a"},\n {"text": ')
+    _refused(r"^data: .*cut.json is not JSON \(Expecting value at line 2 column 11\); expected JSON Lines or one "
+             r"JSON array$", lambda: text_data.read_texts(str(tmp_path / "cut.json")))
+
+    tok = text_data.ByteTokenizer()  # a mixture of an array and a JSON Lines source resumes exactly
+    mixture = sources.Mixture(f"{tmp_path / 'array.json'}:0.5,{tmp_path / 'd.ndjson'}:0.5", tok, 16)
+    check_mixture_resumes(mixture, tok, 320, (1, 37, 290), 20)  # both sources an epoch in by then

@@ -12,9 +12,11 @@ import re
 
 COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 # JSON Lines and text also compressed (Dolma ships .json.gz of JSON Lines, The Pile and SlimPajama .jsonl.zst); an
-# uncompressed .json is not taken: a directory's .json files are its configs more often than its documents.
-JSONL_SUFFIXES = (".jsonl",) + tuple(base + c for base in (".jsonl", ".json") for c in COMPRESSIONS)
-TEXT_SUFFIXES = ((".txt", ".jsonl", ".parquet", ".arrow") + JSONL_SUFFIXES[1:]
+# uncompressed .json is read only when named as a file (JSON Lines, or one JSON array): a directory's .json files are
+# its configs more often than its documents.
+JSONL_SUFFIXES = ((".jsonl", ".ndjson")
+                  + tuple(base + c for base in (".jsonl", ".ndjson", ".json") for c in COMPRESSIONS))
+TEXT_SUFFIXES = ((".txt", ".jsonl", ".ndjson", ".parquet", ".arrow") + JSONL_SUFFIXES[2:]
                  + tuple(".txt" + c for c in COMPRESSIONS))
 RECORD_SUFFIXES = JSONL_SUFFIXES + (".parquet", ".arrow")  # records: objects per line, or rows of named columns
 _CHUNK = 1 << 16  # compressed bytes read at a time

@@ -199,13 +199,13 @@ def define_record_flags(*, what, fields, toy_size):
     """--data, --eval_data, --record_columns, --eval_size and --toy_size of a script that trains on records with
     string `fields` (read by `load_train_eval`); `what` names the records in the help."""
     shown = ", ".join(f'"{f}": ...' for f in fields)
-    flags.DEFINE_list("data", [], f".jsonl files (or .jsonl.gz, .jsonl.zst, ...) of {{{shown}}} lines, or .parquet / "
-                      ".arrow files or save_to_disk directories with those columns; paths, globs or directories; "
-                      "empty: the embedded toy task.")
+    flags.DEFINE_list("data", [], f".jsonl files (or .jsonl.gz, .jsonl.zst, ...) of {{{shown}}} lines (or a .json "
+                      "file of them or of one array of them), or .parquet / .arrow files or save_to_disk directories "
+                      "with those columns; paths, globs or directories; empty: the embedded toy task.")
     flags.DEFINE_list("eval_data", [], f"Held-out {what}, as --data; empty: the last --eval_size {what} of --data "
                       f"(or fresh toy {what}).")
     flags.DEFINE_list("record_columns", [], f"FIELD:NAME,...: read a field of the {what} from a key or column of "
-                      f"another name (e.g. {fields[-1]}:completion).")
+                      f"another name (e.g. {fields[0]}:question).")
     flags.DEFINE_integer("eval_size", 256, f"Held-out {what} when --eval_data is not given.")
     flags.DEFINE_integer("toy_size", toy_size, f"Training {what} of the embedded toy task.")
 

@@ -1,10 +1,11 @@
 """Documents from files as users bring them, packed into training rows, and weighted mixtures of such sources.
 
-Formats: `.txt` (one document per file), `.jsonl` (one per line: a string or an object with a text field),
-`.parquet`, Arrow IPC `.arrow` files (file or stream format) and `datasets.save_to_disk` directories (their
-`data-*.arrow` stream files in `state.json`'s order), the last three read by a named text column; JSON Lines and text
-also compressed (`.jsonl.gz`, `.json.zst`, `.txt.xz`, ...: `files.COMPRESSIONS`), decompressed as they are read.
-Paths, globs and directories mix freely. Parquet and Arrow are read a record batch at a time, so memory stays flat
+Formats: `.txt` (one document per file), `.jsonl` / `.ndjson` (one per line: a string or an object with a text
+field; a `.json` file named as such also, or one JSON array of them, read whole), `.parquet`, Arrow IPC `.arrow`
+files (file or stream format) and `datasets.save_to_disk` directories (their `data-*.arrow` stream files in
+`state.json`'s order), the last three read by a named text column; JSON Lines and text also compressed
+(`.jsonl.gz`, `.json.zst`, `.txt.xz`, ...: `files.COMPRESSIONS`), decompressed as they are read. Paths, globs and
+directories mix freely. Parquet and Arrow are read a record batch at a time, so memory stays flat
 however large the corpus (scripts/README.md#data-formats has the measurement).
 
 Packing: documents are tokenised, each followed by EOS, and laid end to end into rows of `seq_len + 1` tokens. Every
@@ -30,6 +31,7 @@ from engine.tasks.files import JSONL_SUFFIXES, RECORD_SUFFIXES, compression, for
 
 DECODE_ERRORS = ("strict", "replace")
 _BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
+_CHUNK = 1 << 16  # bytes read at a time looking for a file's first character
 _READ_BUFFER = 1 << 20  # Parquet pages read through a 1 MiB buffer rather than a whole column chunk at once
 _NESTED = (" (a nested value, e.g. chat messages: render it to one string per row, e.g. with the tokenizer's chat "
            "template, into a column or key of its own)")
@@ -67,10 +69,15 @@ def _reading(path):
             raise ValueError(f"data: {path} is not a valid {compression(path)} file ({e})") from None
 
 
-def _jsonl(path, decode_errors="strict", start=1):
-    """(line number, object) of a JSON Lines file (`JSONL_SUFFIXES`, compressed ones decompressed as they are read)
-    from line `start` on, skipping blank lines (lines before `start` are not parsed); ValueError naming the line on
-    bad JSON, and the byte offset on bytes that are not UTF-8 (unless decode_errors='replace')."""
+def _jsonl(path, decode_errors="strict", start=0):
+    """(n, object, where) of a JSON Lines file (`JSONL_SUFFIXES`, compressed ones decompressed as they are read)
+    from line `start` on (n the line number; `where` 'path:n' for messages), skipping blank lines (lines before
+    `start` are not parsed); ValueError naming the line on bad JSON, and the byte offset on bytes that are not UTF-8
+    (unless decode_errors='replace'). A plain `.json` file may also be one JSON array: its items from index `start`
+    on (n the index, `where` 'path item n'), the file read whole."""
+    if path.endswith(".json") and _first_character(path) == "[":
+        yield from _json_array(path, decode_errors, start)
+        return
     with _reading(path) as f:
         offset, parsed = 0, start > 1
         for n, raw in enumerate(f, 1):  # b"\n" never occurs inside a UTF-8 sequence: lines split before decoding
@@ -88,7 +95,32 @@ def _jsonl(path, decode_errors="strict", start=1):
                         if not parsed and line.lstrip()[:1] in ("[", "{") else "")
                 raise ValueError(f"data: {path}:{n} is not JSON ({e.msg} column {e.colno}){hint}") from None
             parsed = True
-            yield n, item
+            yield n, item, f"{path}:{n}"
+
+
+def _first_character(path):
+    """The first character of a file that is not white space or a byte-order mark ('' for none)."""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return ""
+            chunk = chunk.removeprefix(b"\xef\xbb\xbf") if f.tell() == len(chunk) else chunk
+            if chunk.strip():
+                return chr(chunk.strip()[0])
+
+
+def _json_array(path, decode_errors, start):
+    """(index, item, where) of a `.json` file holding one JSON array (Alpaca's `alpaca_data.json`), from `start`."""
+    with _reading(path) as f:
+        text = _decode(f.read(), path, 0, decode_errors)
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"data: {path} is not JSON ({e.msg} at line {e.lineno} column {e.colno}); expected JSON "
+                         "Lines or one JSON array") from None
+    for i in range(start, len(items)):
+        yield i, items[i], f"{path} item {i}"
 
 
 def _json_type(value):
@@ -102,16 +134,16 @@ def _json_type(value):
 
 def _jsonl_texts(path, column, decode_errors, start):
     """(line number, document) of a .jsonl file from line `start` on: a string, or an object's `column` string."""
-    for n, item in _jsonl(path, decode_errors, start):
+    for n, item, where in _jsonl(path, decode_errors, start):
         if isinstance(item, dict):
             if column not in item:
-                raise ValueError(f"data: {path}:{n} has no {column!r} field; expected a string or "
+                raise ValueError(f"data: {where} has no {column!r} field; expected a string or "
                                  f"{{{json.dumps(column)}: ...}}")
             item = item[column]
             if not isinstance(item, str):
-                raise ValueError(f"data: {path}:{n}: {column!r} is {_json_type(item)}; expected a string")
+                raise ValueError(f"data: {where}: {column!r} is {_json_type(item)}; expected a string")
         elif not isinstance(item, str):
-            raise ValueError(f"data: {path}:{n} is {_json_type(item)}; expected a string or "
+            raise ValueError(f"data: {where} is {_json_type(item)}; expected a string or "
                              f"{{{json.dumps(column)}: \"...\"}}")
         yield n, item
 
@@ -206,7 +238,7 @@ def _table_rows(path, columns, start=0, hint=""):
 def _file_texts(path, column, decode_errors, start=0):
     """(row, document) of one file from row `start` on; rows are line numbers in a .jsonl file, 0-based rows in
     Parquet and Arrow files, 0 for a .txt file."""
-    if path.endswith(JSONL_SUFFIXES):
+    if path.endswith(JSONL_SUFFIXES + (".json",)):
         yield from _jsonl_texts(path, column, decode_errors, start)
     elif path.endswith(".txt" + compression(path)):
         if start == 0:
@@ -307,7 +339,7 @@ def read_records(patterns, fields, *, decode_errors="strict", nonempty=None, rec
     hint = "; --record_columns=FIELD:NAME,... reads fields from keys or columns of other names"
     records = []
     for path in expand_files(patterns, RECORD_SUFFIXES):
-        if path.endswith(JSONL_SUFFIXES):
+        if path.endswith(JSONL_SUFFIXES + (".json",)):
             rows = _jsonl_records(path, fields, names, decode_errors, hint)
         elif path.endswith((".parquet", ".arrow")):
             rows = ((f"{path} row {n}", dict(zip(fields, strings)))
@@ -336,13 +368,13 @@ def _record_names(fields, record_columns):
 
 def _jsonl_records(path, fields, names, decode_errors, hint):
     """(where, record) of a JSON Lines file's objects: `fields` read from the keys `names`."""
-    for n, item in _jsonl(path, decode_errors):
+    for _, item, where in _jsonl(path, decode_errors):
         wrong = _not_strings(item, names)
         if wrong:
             nested = isinstance(item, dict) and any(isinstance(item.get(name), (list, dict)) for name in names)
-            raise ValueError(f"data: {path}:{n} is not an object with string fields {_names(names)} ({wrong})"
+            raise ValueError(f"data: {where} is not an object with string fields {_names(names)} ({wrong})"
                              + (hint if "missing" in wrong else _NESTED if nested else ""))
-        yield f"{path}:{n}", {f: item[name] for f, name in zip(fields, names)}
+        yield where, {f: item[name] for f, name in zip(fields, names)}
 
 
 def _not_strings(item, fields):
