@@ -45,10 +45,7 @@ flags.DEFINE_integer("seq_len", 128, "Tokens per packed training row.")
 flags.DEFINE_integer("data_workers", 0, "Worker processes that read and collate each batch (random-access data: "
                      "packed text, a prepare_data.py directory or ArrayRecord files; not a mixture's stream); 0: in "
                      "this process.")
-flags.DEFINE_enum("data_change", "refuse", ["refuse", "continue"], "A re-run on a --workdir whose checkpoints were "
-                  "trained on other data (files appended to, added or removed, another --seq_len): refuse it, or "
-                  "continue from its step on this data (a warning line: the eval rows and the epoch's order are "
-                  "drawn from the new rows, some eval rows may have been trained on).")
+script_flags.define_data_change_flag()
 FLAGS.set_default("per_device_batch_size", 8)
 flags.DEFINE_list("prompts", ["def ", "import ", "class "], "Prompts for the sample generations after training.")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens per sample generation.")

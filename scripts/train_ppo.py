@@ -216,8 +216,12 @@ def _critic_and_rewards(mesh, actor, actor_params, tokenizer, records):
         {"score": critic_params["score"]} if FLAGS.lora_rank else critic_params)}
 
 
+def rows_per_update(mesh):
+    return engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+
+
 def _rollout_batch_size(mesh, samples):
-    rows = engine.global_batch_size(mesh, FLAGS.per_device_batch_size, FLAGS.accumulate_grad_batches)
+    rows = rows_per_update(mesh)
     rollout_batch_size = FLAGS.rollout_batch_size or math.lcm(4 * rows, samples)
     if rollout_batch_size % rows or rollout_batch_size % samples:
         raise ValueError(f"--rollout_batch_size={FLAGS.rollout_batch_size}; expected a positive multiple of the "
@@ -246,7 +250,12 @@ def main(argv):
                    tokenizer=tokenizer, mesh=mesh, seq_len=seq_len, config=_ppo_config(samples),
                    implementation=script_flags.loss_implementation(actor, per_token=True), **rewards)
     rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
-    run_record.save_run(FLAGS.workdir, "ppo", actor, tokenizer, critic=critic)
+    iteration = {"rollout_batch_size": rollout_batch_size, "ppo_epochs": FLAGS.ppo_epochs,
+                 "samples_per_prompt": samples}
+    run_record.check_kept(FLAGS.workdir, iteration, "an iteration's rollouts and updates, and which iteration a "
+                          "step is in, would change mid-run")
+    script_flags.save_records_run("ppo", actor, tokenizer, critic=critic, examples=train_records + eval_records,
+                                  global_batch=rows_per_update(mesh), kept=iteration)
     flops = models.train_flops_per_example(actor, seq_len) + (
         models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),

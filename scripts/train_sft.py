@@ -18,7 +18,7 @@ from absl import flags
 
 import engine
 import models
-from engine.tasks import cli, lm, mesh_choice, model_start, run_record, script_flags
+from engine.tasks import cli, lm, mesh_choice, model_start, script_flags
 from engine.tasks.rlhf import preference
 
 FLAGS = flags.FLAGS
@@ -56,7 +56,8 @@ def main(argv):
     model, params = model_start.with_flags(model, params)
     train, evals = script_flags.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs,
                                             mesh, what="pairs", per_device_batch_size=batch)
-    run_record.save_run(FLAGS.workdir, "sft", model, tokenizer)
+    script_flags.save_records_run("sft", model, tokenizer, examples=[*train, *evals], seq_len=FLAGS.seq_len,
+                                  global_batch=engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches))
     print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
           f"{train_pairs[0]['response']!r}")
     trainer = make_trainer(mesh, model, params, workdir=FLAGS.workdir,

@@ -987,3 +987,39 @@ def test_a_resumed_run_says_that_its_compute_dtype_or_fp8_changed(tmp_path):
     assert f"--compute_dtype=bfloat16 where the run in {workdir} had float32" in again.stderr, again.stderr
     assert f"--fp8=True where the run in {workdir} had False" in again.stderr
     assert _steps(workdir)[-1] == 4
+
+
+@pytest.mark.slow  # CI time (six script runs, about 60 s); train_lm's own resume checks run by default
+def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resume(tmp_path):
+    """What train_lm's run.json records, the record scripts' record too: the global batch (a restart on another
+    device count accumulates micro-batches to keep it), a digest of the records (a re-run on grown data refused in
+    one line, --data_change=continue trains on), and PPO / GRPO's iteration (another --rollout_batch_size refused:
+    the iteration a step is in would change)."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in preference.toy_prompt_responses(80, 0)))
+    sft = tmp_path / "sft"
+    args = [f"--workdir={sft}", f"--data={data}", "--tokenizer=word", "--eval_size=16", "--seq_len=24",
+            "--eval_answers=0", "--log_every=2", "--save_every=2", "--per_device_batch_size=1", "--mesh=-1,1,1"]
+    _run("train_sft.py", "--max_steps=2", *args)
+    record = json.loads((sft / "run.json").read_text())["training"]
+    assert record["global_batch"] == 8 and record["data"]["about"] == "80 rows of 25 tokens", record
+    four = _run("train_sft.py", "--max_steps=4", *args, env={**ENV, "XLA_FLAGS": cpu_devices(4)})
+    assert "--accumulate_grad_batches=2 keeps it on this mesh (4 rows a step)" in four.stderr, four.stderr[-2000:]
+    with open(data, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in preference.toy_prompt_responses(8, 1))
+    grown = _run("train_sft.py", "--max_steps=6", *args, ok=False)
+    assert grown.returncode == 2 and re.search(
+        r"^error: --data=.*pairs.jsonl \(--seq_len=24\) is not the data the run in .*sft trained on \(then 80 rows "
+        r"of 25 tokens, now 88 rows of 25 tokens\)", grown.stderr, re.M), grown.stderr[-2000:]
+    cont = _run("train_sft.py", "--max_steps=6", "--data_change=continue", *args)
+    assert "--data_change=continue: it trains on from step 4 on this data" in cont.stderr and _steps(sft)[-1] == 6
+
+    grpo = [f"--init_from={sft}", "--advantage_estimator=grpo", "--samples_per_prompt=2",
+            "--verifiable_reward=exact_match", f"--data={data}", "--eval_size=16", "--max_new_tokens=4",
+            "--eval_answers=0", "--per_device_batch_size=1", "--mesh=-1,1,1", f"--workdir={tmp_path / 'grpo'}"]
+    _run("train_ppo.py", "--max_steps=2", "--ppo_epochs=1", "--rollout_batch_size=16", *grpo)
+    other = _run("train_ppo.py", "--max_steps=4", "--ppo_epochs=1", "--rollout_batch_size=32", *grpo, ok=False)
+    assert other.returncode == 2 and re.search(
+        r"^error: --rollout_batch_size=32 where the run in .*grpo had 16: an iteration's rollouts and updates, and "
+        r"which iteration a step is in, would change mid-run; expected --rollout_batch_size=16", other.stderr,
+        re.M), other.stderr[-2000:]

@@ -44,14 +44,15 @@ def _model_fields(model):
     return {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
 
 
-def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, eval_rows=None, data=None):
+def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, eval_rows=None, data=None, kept=None):
     """Writes workdir/run.json (task, family, config fields, tokenizer; an HF tokenizer.json is copied beside it) so
     that scripts/generate.py can rebuild the model of a workdir. critic: a PPO run's `models.RewardModel`
     (its backbone's family and config are recorded too). If the workdir already holds a run of a different model,
     ValueError: its checkpoints would not fit. global_batch: the examples per update (`engine.global_batch_size`),
     recorded so that a restart on another device count keeps it (`keep_global_batch`); eval_rows: the rows held out
     for eval, which a restart holds out again (`recorded`), whatever its device count; data: the `data_digest` of
-    what the run trains on, which a restart checks (`check_data`)."""
+    what the run trains on, which a restart checks (`check_data`); kept: {flag: value} a resume must keep
+    (`check_kept`)."""
     run = {"task": task, "family": family_of(model), "config": _model_fields(model)}
     if critic is not None:
         run["critic"] = {"family": family_of(critic.backbone), "config": _model_fields(critic.backbone)}
@@ -93,6 +94,7 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, ev
     for name, value in (("global_batch", global_batch), ("eval_rows", eval_rows), ("data", data)):
         if value is not None:
             run["training"][name] = value
+    run["training"].update(kept or {})
     if FLAGS.is_parsed() and "max_steps" in FLAGS and "lr_extension" in FLAGS:  # a script's, not a library call's
         # The run's horizon: a re-run with a smaller --max_steps than the steps trained trains nothing and moves
         # no later --lr_extension=rewarm's start back.
@@ -175,7 +177,8 @@ _DATA_SAMPLE = 64  # rows a data digest reads, evenly spaced: its cost does not 
 
 def data_digest(rows, seq_len, *, stream=None, mixture=None):
     """{'digest', 'about'} of the rows a run trains on (a sequence of `{'tokens', 'segment_ids'}` rows; a stream's
-    first windows, its eval rows, with `stream` naming it): their count, length and 64 evenly spaced rows' contents.
+    first windows, its eval rows, with `stream` naming it; or records, dicts of strings): their count, length
+    (`seq_len`, None where rows have none) and 64 evenly spaced rows' contents.
     Files appended to, added or removed, another --seq_len, tokenizer or text column change it; so, most likely, do
     edits. mixture: a mixture's weights and text columns, which its own resume check compares (naming both)."""
     digest = hashlib.sha256(f"{len(rows)} {seq_len} {stream is not None}".encode())
@@ -184,7 +187,8 @@ def data_digest(rows, seq_len, *, stream=None, mixture=None):
         for key in sorted(row):
             digest.update(key.encode() + np.ascontiguousarray(row[key]).tobytes())
     about = f"{stream}'s first {len(rows)} windows" if stream is not None else f"{len(rows)} rows"
-    data = {"digest": digest.hexdigest()[:16], "about": f"{about} of {seq_len + 1} tokens"}
+    about += f" of {seq_len + 1} tokens" if seq_len is not None else ""
+    data = {"digest": digest.hexdigest()[:16], "about": about}
     return data if mixture is None else {**data, "mixture": list(mixture)}
 
 
@@ -205,10 +209,21 @@ def check_data(workdir, data, shown, *, seq_len, change="refuse"):
                         "from step %d on this data, its eval rows and the epoch's order drawn from it (some eval rows "
                         "may have been trained on)", shown, workdir, what, trained_step(workdir))
         return
-    raise ValueError(f"--data={shown} (--seq_len={seq_len}) is not the data the run in {workdir} trained on "
-                     f"({what}): its eval rows and the epoch's order would change; expected the same files and "
-                     f"--seq_len to resume it, --data_change=continue to train on from step {trained_step(workdir)} "
-                     "on this data (eval rows drawn again), or another --workdir")
+    length, same = (f" (--seq_len={seq_len})", " and --seq_len") if seq_len is not None else ("", "")
+    raise ValueError(f"--data={shown}{length} is not the data the run in {workdir} trained on ({what}): its eval "
+                     f"rows and the epoch's order would change; expected the same files{same} to resume it, "
+                     f"--data_change=continue to train on from step {trained_step(workdir)} on this data (eval rows "
+                     "drawn again), or another --workdir")
+
+
+def check_kept(workdir, values, why):
+    """A resumed run's `values` ({flag: value}) that `save_run` recorded as `kept`: another value is a ValueError in
+    one line naming the flag, both values and `why` it must stay."""
+    record = _training_record(workdir)
+    for name, value in values.items():
+        if name in record and record[name] != value:
+            raise ValueError(f"--{name}={value} where the run in {workdir} had {record[name]}: {why}; expected "
+                             f"--{name}={record[name]} to resume it, or another --workdir")
 
 
 def keep_global_batch(workdir, rows_per_step):

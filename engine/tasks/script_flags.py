@@ -208,6 +208,25 @@ def define_record_flags(*, what, fields, toy_size):
                       f"another name (e.g. {fields[0]}:question).")
     flags.DEFINE_integer("eval_size", 256, f"Held-out {what} when --eval_data is not given.")
     flags.DEFINE_integer("toy_size", toy_size, f"Training {what} of the embedded toy task.")
+    define_data_change_flag()
+
+
+def define_data_change_flag():
+    """--data_change, of a script whose run.json records a digest of its data (`run_record.check_data`)."""
+    flags.DEFINE_enum("data_change", "refuse", ["refuse", "continue"], "A re-run on a --workdir whose checkpoints "
+                      "were trained on other data (files appended to, added, removed or edited, another --seq_len): "
+                      "refuse it, or continue from its step on this data (a warning line: the eval rows and the "
+                      "epoch's order are drawn from the new rows, some eval rows may have been trained on).")
+
+
+def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=None, **kwargs):
+    """`run_record.save_run` of a script that trains on records, with the run's global batch (a restart on another
+    device count keeps it) and a digest of its training and eval `examples` (encoded rows, or records), which a
+    resume on other data refuses unless --data_change=continue (`run_record.check_data`). kwargs: save_run's."""
+    data = run_record.data_digest(examples, seq_len)
+    run_record.check_data(FLAGS.workdir, data, ",".join(FLAGS.data + FLAGS.eval_data) or "(the toy task)",
+                          seq_len=seq_len, change=FLAGS.data_change)
+    run_record.save_run(FLAGS.workdir, task, model, tokenizer, global_batch=global_batch, data=data, **kwargs)
 
 
 def record_columns():
