@@ -667,6 +667,11 @@ class Trainer:
         self._timers["checkpoint"] += time.perf_counter() - started
         self._goodput.add("checkpoint", time.perf_counter() - started)
 
+    def checkpoint_steps(self):
+        """The steps of the finished checkpoints a restart may restore (both tiers with a local one; with several
+        processes every one calls it); [] without a workdir."""
+        return [] if self._checkpointer is None else list(self._checkpointer.all_steps())
+
     def close(self):
         """Waits for pending checkpoint writes, closes the TensorBoard writer and releases the workdir's lock."""
         if self._checkpointer is not None:

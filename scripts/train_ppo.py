@@ -255,7 +255,8 @@ def main(argv):
     run_record.check_kept(FLAGS.workdir, iteration, "an iteration's rollouts and updates, and which iteration a "
                           "step is in, would change mid-run")
     script_flags.save_records_run("ppo", actor, tokenizer, critic=critic, examples=train_records + eval_records,
-                                  global_batch=rows_per_update(mesh), kept=iteration)
+                                  global_batch=rows_per_update(mesh), kept=iteration,
+                                  frozen_from=("init_from", "reward_from"))
     flops = models.train_flops_per_example(actor, seq_len) + (
         models.train_flops_per_example(critic.backbone, seq_len) if critic is not None else 0)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),

@@ -2,6 +2,9 @@
 and engine.tasks.rlhf.ppo (GAE, the clipped losses, rollouts, learning, exact resume), with short runs from a briefly
 supervised-fine-tuned tiny LLaMA."""
 import dataclasses
+import os
+import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -488,7 +491,7 @@ def test_grpo_trains_the_actor_alone_and_its_workdir_restores(sft_params, tmp_pa
     trainer.close()
     assert len(stats) == 2 and [len(s) for s in seen] == [4, 4] and seen[0] != seen[1]
     assert set(trainer.params) == {"actor"} and stats[1]["kl"] != 0.0
-    with np.load(tmp_path / ppo.EXPERIENCE_FILE) as z:
+    with np.load(tmp_path / ppo.EXPERIENCE_FILE.format(1)) as z:
         assert "ref_log_probs" in z.files and "old_values" not in z.files and z["input_ids"].shape[0] == 16
     task_name, model, restored, _ = run_record.restore_run(str(tmp_path), mesh)
     assert task_name == "ppo" and model.config == task.actor.config
@@ -664,3 +667,60 @@ def test_rollouts_in_the_trainers_compute_dtype_score_what_its_step_computes(sft
         batch = preference.collate_preferences(examples)
         kls.append(float(jax.jit(lambda p, b: loss_fn(p, b, None, True)[1]["approx_kl"])(half, batch)))
     assert kls[0] < 1e-7 < 1e-5 < kls[1], kls
+
+
+def _fit_grpo(sft_params, workdir, max_steps, stop_in_rollout=None):
+    """(trainer, the steps it rolled out at) of fit_ppo on `workdir` with GRPO on a 2x1x2 mesh (iterations of two
+    updates), sending this process a SIGTERM after its `stop_in_rollout`-th rollout."""
+    mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    task, params = _grpo(sft_params, mesh)
+    trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
+                             params=params, optimizer=optax.adam(1e-3), workdir=str(workdir))
+    rollouts, original = [], task.rollout
+
+    def rollout(*args, **kw):
+        rollouts.append(trainer.step)
+        out = original(*args, **kw)
+        if len(rollouts) == stop_in_rollout:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    task.rollout = rollout
+    prompts = [p["prompt"] for p in preference.toy_prompt_responses(64, seed=0)]
+    try:
+        ppo.fit_ppo(trainer, task, prompts, max_steps=max_steps, rollout_batch_size=16, per_device_batch_size=4)
+    finally:
+        trainer.close()
+    return trainer, rollouts
+
+
+def _assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_signal_during_a_rollout_saves_and_the_resume_ends_where_the_uninterrupted_run_ends(sft_params, tmp_path):
+    """A SIGTERM during a rollout (outside `fit`, whose handler is not installed there) saves the step and the
+    rollout's experience and ends with StoppedBySignal; the resume trains on that experience without rolling out
+    again and ends bit for bit where the uninterrupted run ends."""
+    whole, _ = _fit_grpo(sft_params, tmp_path / "whole", 4)
+    with pytest.raises(engine.StoppedBySignal) as stopped:
+        _fit_grpo(sft_params, tmp_path / "term", 4, stop_in_rollout=2)
+    assert stopped.value.step == 2 and stopped.value.saved and (tmp_path / "term" / "ppo_experience-1.npz").exists()
+    resumed, rollouts = _fit_grpo(sft_params, tmp_path / "term", 4)
+    assert rollouts == []  # iteration 1's experience was saved
+    _assert_same_params(whole, resumed)
+
+
+@pytest.mark.slow  # CI time (four fit_ppo runs); the signal test keeps the experience files in CI
+def test_a_checkpoint_older_than_the_newest_rollout_still_finds_its_experience(sft_params, tmp_path):
+    """A checkpoint inside an iteration older than the newest rollout (a run killed after rolling out the next
+    iteration, before its next checkpoint) resumes on its iteration's saved experience, exactly; the experience of
+    iterations no checkpoint lies in is removed."""
+    whole, _ = _fit_grpo(sft_params, tmp_path / "whole", 6)
+    killed = tmp_path / "killed"
+    _fit_grpo(sft_params, killed, 3)  # a checkpoint at step 3, inside iteration 1
+    _fit_grpo(sft_params, killed, 5)  # rolls out iteration 2; then its checkpoint at 5 is lost (killed before it)
+    shutil.rmtree(killed / "checkpoints" / "5")
+    resumed, rollouts = _fit_grpo(sft_params, killed, 6)
+    assert rollouts == [4] and not (killed / "ppo_experience-0.npz").exists()  # iteration 1's experience read
+    _assert_same_params(whole, resumed)

@@ -471,7 +471,7 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
                 "--max_new_tokens=6", "--eval_answers=4", *toy]
     out = _run("train_ppo.py", "--max_steps=3", *ppo_args)  # iterations of 2 updates: stops mid-iteration 1
     assert re.findall(r"^iteration +(\d+) +step +(\d+) +reward", out.stdout, re.M) == [("1", "2")], out.stdout
-    assert (ppo / "ppo_experience.npz").exists() and _steps(ppo)[-1] == 3
+    assert (ppo / "ppo_experience-1.npz").exists() and _steps(ppo)[-1] == 3
     out = _run("train_ppo.py", "--max_steps=6", *ppo_args)
     assert "resumed from" in out.stdout and _steps(ppo)[-1] == 6
     assert re.findall(r"^iteration +(\d+) +step +(\d+) +reward", out.stdout, re.M) == [("2", "4"), ("3", "6")]
@@ -989,12 +989,13 @@ def test_a_resumed_run_says_that_its_compute_dtype_or_fp8_changed(tmp_path):
     assert _steps(workdir)[-1] == 4
 
 
-@pytest.mark.slow  # CI time (six script runs, about 60 s); train_lm's own resume checks run by default
+@pytest.mark.slow  # CI time (eight script runs, about 60 s); train_lm's own resume checks run by default
 def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resume(tmp_path):
     """What train_lm's run.json records, the record scripts' record too: the global batch (a restart on another
     device count accumulates micro-batches to keep it), a digest of the records (a re-run on grown data refused in
-    one line, --data_change=continue trains on), and PPO / GRPO's iteration (another --rollout_batch_size refused:
-    the iteration a step is in would change)."""
+    one line, --data_change=continue trains on), the step of the --init_from run DPO's reference came from (a resume
+    after it trained further refused), and PPO / GRPO's iteration (another --rollout_batch_size refused: the
+    iteration a step is in would change)."""
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in preference.toy_prompt_responses(80, 0)))
     sft = tmp_path / "sft"
@@ -1005,6 +1006,9 @@ def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resum
     assert record["global_batch"] == 8 and record["data"]["about"] == "80 rows of 25 tokens", record
     four = _run("train_sft.py", "--max_steps=4", *args, env={**ENV, "XLA_FLAGS": cpu_devices(4)})
     assert "--accumulate_grad_batches=2 keeps it on this mesh (4 rows a step)" in four.stderr, four.stderr[-2000:]
+    dpo = [f"--init_from={sft}", f"--workdir={tmp_path / 'dpo'}", "--toy_size=64", "--eval_size=16", "--seq_len=24",
+           "--per_device_batch_size=1", "--mesh=-1,1,1"]
+    _run("train_dpo.py", "--max_steps=2", *dpo)  # its reference: the SFT run's step 4
     with open(data, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in preference.toy_prompt_responses(8, 1))
     grown = _run("train_sft.py", "--max_steps=6", *args, ok=False)
@@ -1013,6 +1017,10 @@ def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resum
         r"of 25 tokens, now 88 rows of 25 tokens\)", grown.stderr, re.M), grown.stderr[-2000:]
     cont = _run("train_sft.py", "--max_steps=6", "--data_change=continue", *args)
     assert "--data_change=continue: it trains on from step 4 on this data" in cont.stderr and _steps(sft)[-1] == 6
+    moved = _run("train_dpo.py", "--max_steps=4", *dpo, ok=False)
+    assert moved.returncode == 2 and re.search(
+        r"^error: --init_from=.*sft holds step 6, but the run in .*dpo took its frozen models \(the reference, the "
+        r"reward model\) from its step 4", moved.stderr, re.M), moved.stderr[-2000:]
 
     grpo = [f"--init_from={sft}", "--advantage_estimator=grpo", "--samples_per_prompt=2",
             "--verifiable_reward=exact_match", f"--data={data}", "--eval_size=16", "--max_new_tokens=4",

@@ -219,14 +219,30 @@ def define_data_change_flag():
                       "epoch's order are drawn from the new rows, some eval rows may have been trained on).")
 
 
-def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=None, **kwargs):
+def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=None, frozen_from=(), kept=None,
+                     **kwargs):
     """`run_record.save_run` of a script that trains on records, with the run's global batch (a restart on another
     device count keeps it) and a digest of its training and eval `examples` (encoded rows, or records), which a
-    resume on other data refuses unless --data_change=continue (`run_record.check_data`). kwargs: save_run's."""
+    resume on other data refuses unless --data_change=continue (`run_record.check_data`). frozen_from: the flags
+    (`'init_from'`, `'reward_from'`) whose workdirs give the run frozen models (a reference, a reward model): the
+    step each holds is recorded, and a resume after one trained further is refused (its frozen model moved).
+    kwargs: save_run's."""
     data = run_record.data_digest(examples, seq_len)
     run_record.check_data(FLAGS.workdir, data, ",".join(FLAGS.data + FLAGS.eval_data) or "(the toy task)",
                           seq_len=seq_len, change=FLAGS.data_change)
-    run_record.save_run(FLAGS.workdir, task, model, tokenizer, global_batch=global_batch, data=data, **kwargs)
+    steps = {}
+    for name in frozen_from:
+        path = FLAGS[name].value
+        if path and os.path.exists(os.path.join(path, run_record.RUN_FILE)):
+            steps[f"{name}_step"] = now = run_record.trained_step(path)
+            then = run_record.recorded(FLAGS.workdir, f"{name}_step")
+            if then is not None and then != now:
+                raise ValueError(f"--{name}={path} holds step {now}, but the run in {FLAGS.workdir} took its frozen "
+                                 f"models (the reference, the reward model) from its step {then}: they would differ "
+                                 f"from here on; expected the run resumed on the models it started from, or another "
+                                 "--workdir")
+    run_record.save_run(FLAGS.workdir, task, model, tokenizer, global_batch=global_batch, data=data,
+                        kept={**steps, **(kept or {})}, **kwargs)
 
 
 def record_columns():

@@ -37,6 +37,7 @@ instead of two, the memory the paper drops the value model for.
 import dataclasses
 import os
 import re
+import signal
 from typing import Optional
 
 import jax
@@ -47,12 +48,13 @@ from absl import logging
 import models
 from engine.tasks import lm
 from engine.tasks.rlhf import preference, reward
+from engine import fit_loop
 from engine.predictor import Predictor
 from engine.step import cast_floating
 from engine.trainer import global_batch_size
 from models.generate import KV_CACHE_DTYPES
 
-EXPERIENCE_FILE = "ppo_experience.npz"
+EXPERIENCE_FILE = "ppo_experience-{}.npz"  # an iteration's rollouts, kept while a checkpoint inside it may restore
 ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 ROLLOUT_ENGINES = ("static", "paged")
 _PAGE_SIZE = 16  # tokens per page of the paged rollouts (the engine's default)
@@ -434,16 +436,26 @@ def iteration_prompts(prompts, iteration, n, seed):
     return out
 
 
-def _save_experience(path, iteration, examples, stats):
-    if jax.process_index() == 0:
+def _save_experience(workdir, iteration, examples, stats, keep_from, drop_after=None):
+    """Writes `iteration`'s experience beside the checkpoints (None: none) and removes that of iterations before
+    `keep_from` (no checkpoint a restart may restore lies inside them) and after `drop_after`."""
+    if jax.process_index() != 0:
+        return
+    if iteration is not None:
+        path = os.path.join(workdir, EXPERIENCE_FILE.format(iteration))
         arrays = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
         with open(path + ".tmp", "wb") as f:
             np.savez(f, iteration=iteration, stats=np.array([stats[k] for k in sorted(stats)]), **arrays)
         os.replace(path + ".tmp", path)
+    for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
+        match = re.fullmatch(re.escape(EXPERIENCE_FILE).replace(r"\{\}", r"(\d+)"), name)
+        if match and not keep_from <= int(match.group(1)) <= (drop_after if drop_after is not None else 1 << 62):
+            os.remove(os.path.join(workdir, name))
 
 
-def _load_experience(path, iteration, stat_names):
+def _load_experience(workdir, iteration, stat_names):
     """The examples and stats `_save_experience` wrote for `iteration`, else None."""
+    path = os.path.join(workdir, EXPERIENCE_FILE.format(iteration))
     if not os.path.exists(path):
         return None
     with np.load(path) as z:
@@ -452,6 +464,27 @@ def _load_experience(path, iteration, stat_names):
         arrays = {k: z[k] for k in z.files if k not in ("iteration", "stats")}
         stats = dict(zip(sorted(stat_names), z["stats"].tolist()))
     return [{k: v[i] for k, v in arrays.items()} for i in range(len(arrays["input_ids"]))], stats
+
+
+def _iteration_done(trainer, it, stats, history, on_iteration):
+    history.append(stats)
+    trainer.write_scalars("rollout", stats)
+    if on_iteration is not None:
+        on_iteration(it, stats)
+
+
+def _stop_between_fits(trainer, stop):
+    """After a rollout: a SIGTERM / SIGINT that arrived outside `fit` (agreed across processes) saves the Trainer's
+    step, waits for the write and ends the run as `fit` would (`engine.StoppedBySignal`)."""
+    stop.agree()
+    if not stop():
+        return
+    saved = trainer.workdir is not None and trainer.step > 0
+    logging.warning("signal received during a rollout: stopping at step %d", trainer.step)
+    if saved and trainer.step not in trainer.checkpoint_steps():  # a resumed step is saved (and maybe not placed)
+        trainer.save_checkpoint()
+    trainer.close()
+    raise fit_loop.StoppedBySignal(stop.signum or signal.SIGTERM, trainer.step, saved=saved)
 
 
 def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
@@ -489,35 +522,40 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                              "reward model shares with it (ref_params=None / reward_params without 'backbone'); "
                              "expected trainable=models.LORA_TRAINABLE (plus the critic's score head)")
     steps_per_iteration = ppo_epochs * rollout_batch_size // rows
-    path = os.path.join(trainer.workdir, EXPERIENCE_FILE) if trainer.workdir else None
     history = []
-    while trainer.step < max_steps:
-        it = trainer.step // steps_per_iteration
-        loaded = None
-        if trainer.step > it * steps_per_iteration:  # resumed mid-iteration: its experience is on disk
-            loaded = _load_experience(path, it, _STATS) if path else None
-            if loaded is None:
+    if trainer.workdir:  # rollouts past the restored step were another run's (a fresh one is exact)
+        _save_experience(trainer.workdir, None, None, None, keep_from=0, drop_after=trainer.step // steps_per_iteration)
+    with fit_loop.stop_on_signal() as stop:  # a signal outside `fit` (a rollout's): the run stops after the rollout
+        while trainer.step < max_steps:
+            it = trainer.step // steps_per_iteration
+            loaded = _load_experience(trainer.workdir, it, _STATS) if trainer.workdir else None
+            if loaded is None and trainer.step > it * steps_per_iteration:  # resumed mid-iteration
                 logging.warning("no saved experience of iteration %d: a fresh rollout from step %d, so this resume "
                                 "is not exact", it, trainer.step)
-        if loaded is None:
-            examples, stats = ppo.rollout(trainer.params, iteration_prompts(prompts, it, rollout_batch_size // group,
-                                                                            seed),
-                                          seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size,
-                                          compute_dtype=trainer.compute_dtype)
-            if path:
-                _save_experience(path, it, examples, stats)
-        else:
-            examples, stats = loaded
-        trainer.fit(examples, per_device_batch_size=per_device_batch_size, total_epochs=(it + 1) * ppo_epochs,
-                    max_steps=max_steps, log_every=log_every, checkpoint_at_end=False, hang_timeout=hang_timeout)
-        if trainer.step < (it + 1) * steps_per_iteration:
-            break
-        history.append(stats)
-        trainer.write_scalars("rollout", stats)
-        if on_iteration is not None:
-            on_iteration(it, stats)
-        if trainer.workdir and save_every and (it + 1) % save_every == 0:
-            trainer.save_checkpoint()
+            if loaded is None:
+                examples, stats = ppo.rollout(
+                    trainer.params, iteration_prompts(prompts, it, rollout_batch_size // group, seed),
+                    seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size,
+                    compute_dtype=trainer.compute_dtype)
+                if trainer.workdir:
+                    newest = max(trainer.checkpoint_steps(), default=0)
+                    _save_experience(trainer.workdir, it, examples, stats, min(it, newest // steps_per_iteration))
+            else:
+                examples, stats = loaded
+            _stop_between_fits(trainer, stop)
+            try:
+                trainer.fit(examples, per_device_batch_size=per_device_batch_size,
+                            total_epochs=(it + 1) * ppo_epochs, max_steps=max_steps, log_every=log_every,
+                            checkpoint_at_end=False, hang_timeout=hang_timeout)
+            except fit_loop.StoppedBySignal:
+                if trainer.step == (it + 1) * steps_per_iteration:  # stopped at the iteration's end: it is done
+                    _iteration_done(trainer, it, stats, history, on_iteration)
+                raise
+            if trainer.step < (it + 1) * steps_per_iteration:
+                break
+            _iteration_done(trainer, it, stats, history, on_iteration)
+            if trainer.workdir and save_every and (it + 1) % save_every == 0:
+                trainer.save_checkpoint()
     if trainer.workdir and trainer.opt_state is not None:
         trainer.save_checkpoint()
     return history
