@@ -989,7 +989,7 @@ def test_a_resumed_run_says_that_its_compute_dtype_or_fp8_changed(tmp_path):
     assert _steps(workdir)[-1] == 4
 
 
-@pytest.mark.slow  # CI time (eight script runs, about 60 s); train_lm's own resume checks run by default
+@pytest.mark.slow  # CI time (nine script runs, about 70 s); train_lm's own resume checks run by default
 def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resume(tmp_path):
     """What train_lm's run.json records, the record scripts' record too: the global batch (a restart on another
     device count accumulates micro-batches to keep it), a digest of the records (a re-run on grown data refused in
@@ -1009,6 +1009,9 @@ def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resum
     dpo = [f"--init_from={sft}", f"--workdir={tmp_path / 'dpo'}", "--toy_size=64", "--eval_size=16", "--seq_len=24",
            "--per_device_batch_size=1", "--mesh=-1,1,1"]
     _run("train_dpo.py", "--max_steps=2", *dpo)  # its reference: the SFT run's step 4
+    beta = _run("train_dpo.py", "--max_steps=3", "--beta=0.25", *dpo)
+    assert re.search(r"--beta=0.25 where the run in .*dpo had 0.1: the resumed run continues under the new value",
+                     beta.stderr), beta.stderr[-2000:]
     with open(data, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in preference.toy_prompt_responses(8, 1))
     grown = _run("train_sft.py", "--max_steps=6", *args, ok=False)

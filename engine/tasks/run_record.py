@@ -114,8 +114,11 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, ev
 
 # The flags a resumed run may change (it continues, under the new values) but should say it did: the optimisation's
 # and the numerics' (compute_dtype as it resolves on the platform).
-_NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "max_grad_norm", "seed",
-                "compute_dtype", "fp8")
+_NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "min_learning_rate_ratio", "weight_decay", "adam_b1",
+                "adam_b2", "adam_eps", "max_grad_norm", "seed", "compute_dtype", "fp8", "dropout_rate",
+                "attention_dropout_rate", "beta", "dpo_loss", "label_smoothing", "kl_coef", "clip_ratio", "value_coef",
+                "critic_learning_rate", "temperature", "max_new_tokens", "unfinished_reward", "scale_rewards",
+                "rollout_engine", "kv_cache_dtype", "verifiable_reward")
 
 
 def compute_dtype_name():
