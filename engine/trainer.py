@@ -375,6 +375,7 @@ class Trainer:
         self.stop_signal = stop.signum if stopped else None
         self._finish(stopped, exhausted(), checkpoint_at_end)
         if stopped:  # the program ends, also when fit runs in the user's own loop
+            self._close_tensorboard()  # its queue written out (a script ends with os._exit)
             raise fit_loop.StoppedBySignal(self.stop_signal or signal.SIGTERM, self._state.step,
                                            saved=self.workdir is not None)
         return self.history
@@ -667,6 +668,11 @@ class Trainer:
         self._timers["checkpoint"] += time.perf_counter() - started
         self._goodput.add("checkpoint", time.perf_counter() - started)
 
+    def _close_tensorboard(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None  # a later write opens another event file
+
     def checkpoint_steps(self):
         """The steps of the finished checkpoints a restart may restore (both tiers with a local one; with several
         processes every one calls it); [] without a workdir."""
@@ -678,8 +684,7 @@ class Trainer:
             self._checkpointer.close()
         if self._best_checkpointer is not None:
             self._best_checkpointer.close()
-        if self._writer is not None:
-            self._writer.close()
+        self._close_tensorboard()
         if self._locked:
             self._locked = False
             workdir_lock.release(self.workdir)

@@ -908,7 +908,8 @@ def test_console_shows_the_project_lines_and_tensorboard_every_eval(tmp_path):
 
 def test_a_run_stopped_by_a_signal_exits_128_plus_it_with_its_checkpoint(tmp_path):
     """SIGTERM during training: the checkpoint of the step it stopped at is saved and the exit status is 143, so a
-    scheduler tells a preempted run from a finished one (the resume itself: tests/test_trainer.py)."""
+    scheduler tells a preempted run from a finished one (the resume itself: tests/test_trainer.py); the goodput
+    scalars written as it stopped are in its TensorBoard file."""
     import signal
     args = ["scripts/train_lm.py", "--max_steps=1000", f"--workdir={tmp_path}", *TINY_LM[:-2], "--save_every=1000",
             "--prompts=", TINY_LM[-1]]
@@ -922,6 +923,8 @@ def test_a_run_stopped_by_a_signal_exits_128_plus_it_with_its_checkpoint(tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM, stdout
     step = int(re.search(r"stopped by a signal at step (\d+)", stdout).group(1))
     assert _steps(tmp_path) == [step]
+    # the scalars written as it stopped reach the event file (the script ends with os._exit)
+    assert [s for s, _ in _scalars(tmp_path / "tensorboard")["goodput/fraction"]] == [step]
 
 
 def test_a_diverged_run_ends_with_one_line_and_status_1_before_any_poisoned_checkpoint(tmp_path):

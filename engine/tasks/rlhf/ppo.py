@@ -550,6 +550,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
             except fit_loop.StoppedBySignal:
                 if trainer.step == (it + 1) * steps_per_iteration:  # stopped at the iteration's end: it is done
                     _iteration_done(trainer, it, stats, history, on_iteration)
+                    trainer.close()  # its scalars written out before the program ends
                 raise
             if trainer.step < (it + 1) * steps_per_iteration:
                 break
