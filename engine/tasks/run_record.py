@@ -136,8 +136,10 @@ def _noted_values():
 def _note_changed_training_flags(workdir, before):
     for name, value in _noted_values().items():
         if name in before and before[name] != value:
-            logging.warning("--%s=%s where the run in %s had %s: the resumed run continues under the new value",
-                            name, value, workdir, before[name])
+            now = f"--{name} unset (its default)" if value is None else f"--{name}={value}"
+            then = "it unset (its default)" if before[name] is None else before[name]
+            logging.warning("%s where the run in %s had %s: the resumed run continues under the new value", now,
+                            workdir, then)
 
 
 def trained_step(workdir):
