@@ -79,7 +79,7 @@ class StoppedBySignal(SystemExit):
         self.signum, self.step, self.saved = signum, step, saved
 
     def __str__(self):
-        saved = "checkpoint saved" if self.saved else "no workdir: nothing saved"
+        saved = "checkpoint saved" if self.saved else "nothing saved: no workdir, or no step trained"
         return f"stopped by {signal.Signals(self.signum).name} at step {self.step} ({saved}); exit status {self.code}"
 
 

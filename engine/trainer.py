@@ -377,7 +377,7 @@ class Trainer:
         if stopped:  # the program ends, also when fit runs in the user's own loop
             self._close_tensorboard()  # its queue written out (a script ends with os._exit)
             raise fit_loop.StoppedBySignal(self.stop_signal or signal.SIGTERM, self._state.step,
-                                           saved=self.workdir is not None)
+                                           saved=self.workdir is not None and self._state.arrays is not None)
         return self.history
 
     def _epochs(self, train_examples, per_device_batch_size, rows, last_epoch, profiler, done, every, evaluate):
@@ -674,8 +674,8 @@ class Trainer:
             self._writer = None  # a later write opens another event file
 
     def checkpoint_steps(self):
-        """The steps of the finished checkpoints a restart may restore (both tiers with a local one; with several
-        processes every one calls it); [] without a workdir."""
+        """The steps of the workdir's checkpoints, which a restart may restore (both tiers with a local one; with
+        several processes every one calls it); [] without a workdir."""
         return [] if self._checkpointer is None else list(self._checkpointer.all_steps())
 
     def close(self):

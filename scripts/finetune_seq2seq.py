@@ -118,7 +118,7 @@ def main(argv):
     global_batch = engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches)
     if len(train) < global_batch:
         raise ValueError(f"{len(train)} training rows are fewer than one global batch of {global_batch}")
-    script_flags.save_records_run("seq2seq", model, tokenizer, examples=[*train, *evals], global_batch=global_batch)
+    script_flags.save_records_run("seq2seq", model, tokenizer, examples=(train, evals), global_batch=global_batch)
     packed = f" (packed into {len(train)} rows)" if FLAGS.pack_pairs else ""
     print(f"{n_pairs} training{packed} and {len(evals)} held-out pairs, {in_len} input and {out_len} target tokens at "
           f"most; e.g. {train_pairs[0]['input']!r} -> {train_pairs[0]['target']!r}")

@@ -252,9 +252,15 @@ def main(argv):
     rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
     iteration = {"rollout_batch_size": rollout_batch_size, "ppo_epochs": FLAGS.ppo_epochs,
                  "samples_per_prompt": samples}
-    run_record.check_kept(FLAGS.workdir, iteration, "an iteration's rollouts and updates, and which iteration a "
-                          "step is in, would change mid-run")
-    script_flags.save_records_run("ppo", actor, tokenizer, critic=critic, examples=train_records + eval_records,
+    why = "an iteration's rollouts and updates, and which iteration a step is in, would change mid-run"
+    recorded = run_record.recorded(FLAGS.workdir, "global_batch")
+    if recorded is not None and recorded != rows_per_update(mesh):  # --accumulate_grad_batches given
+        raise ValueError(f"--accumulate_grad_batches={FLAGS.accumulate_grad_batches} makes a global batch of "
+                         f"{rows_per_update(mesh)} rows where the run in {FLAGS.workdir} had {recorded}: {why}; "
+                         "expected the run's global batch (leave --accumulate_grad_batches unset: the restart keeps "
+                         "it), or another --workdir")
+    run_record.check_kept(FLAGS.workdir, iteration, why)
+    script_flags.save_records_run("ppo", actor, tokenizer, critic=critic, examples=(train_records, eval_records),
                                   global_batch=rows_per_update(mesh), kept=iteration,
                                   frozen_from=("init_from", "reward_from"))
     flops = models.train_flops_per_example(actor, seq_len) + (

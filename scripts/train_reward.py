@@ -60,7 +60,7 @@ def main(argv):
     model = models.RewardModel(backbone)
     train, evals = script_flags.encode_rows(preference.encode_preferences, tokenizer, train_triples, eval_triples, mesh,
                                             what="triples", per_device_batch_size=batch)
-    script_flags.save_records_run("reward", backbone, tokenizer, examples=[*train, *evals], seq_len=FLAGS.seq_len,
+    script_flags.save_records_run("reward", backbone, tokenizer, examples=(train, evals), seq_len=FLAGS.seq_len,
                                   global_batch=engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches))
     print(f"{len(train)} training and {len(evals)} held-out triples; e.g. {train_triples[0]['prompt']!r}: "
           f"{train_triples[0]['chosen']!r} over {train_triples[0]['rejected']!r}")

@@ -56,7 +56,7 @@ def main(argv):
     model, params = model_start.with_flags(model, params)
     train, evals = script_flags.encode_rows(preference.encode_prompt_responses, tokenizer, train_pairs, eval_pairs,
                                             mesh, what="pairs", per_device_batch_size=batch)
-    script_flags.save_records_run("sft", model, tokenizer, examples=[*train, *evals], seq_len=FLAGS.seq_len,
+    script_flags.save_records_run("sft", model, tokenizer, examples=(train, evals), seq_len=FLAGS.seq_len,
                                   global_batch=engine.global_batch_size(mesh, batch, FLAGS.accumulate_grad_batches))
     print(f"{len(train)} training and {len(evals)} held-out pairs; e.g. {train_pairs[0]['prompt']!r} -> "
           f"{train_pairs[0]['response']!r}")

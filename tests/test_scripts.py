@@ -1006,7 +1006,7 @@ def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resum
             "--eval_answers=0", "--log_every=2", "--save_every=2", "--per_device_batch_size=1", "--mesh=-1,1,1"]
     _run("train_sft.py", "--max_steps=2", *args)
     record = json.loads((sft / "run.json").read_text())["training"]
-    assert record["global_batch"] == 8 and record["data"]["about"] == "80 rows of 25 tokens", record
+    assert record["global_batch"] == 8 and record["data"]["about"] == "64 rows of 25 tokens and 16 held out", record
     four = _run("train_sft.py", "--max_steps=4", *args, env={**ENV, "XLA_FLAGS": cpu_devices(4)})
     assert "--accumulate_grad_batches=2 keeps it on this mesh (4 rows a step)" in four.stderr, four.stderr[-2000:]
     dpo = [f"--init_from={sft}", f"--workdir={tmp_path / 'dpo'}", "--toy_size=64", "--eval_size=16", "--seq_len=24",
@@ -1019,14 +1019,15 @@ def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resum
         f.writelines(json.dumps(r) + "\n" for r in preference.toy_prompt_responses(8, 1))
     grown = _run("train_sft.py", "--max_steps=6", *args, ok=False)
     assert grown.returncode == 2 and re.search(
-        r"^error: --data=.*pairs.jsonl \(--seq_len=24\) is not the data the run in .*sft trained on \(then 80 rows "
-        r"of 25 tokens, now 88 rows of 25 tokens\)", grown.stderr, re.M), grown.stderr[-2000:]
+        r"^error: --data=.*pairs.jsonl \(--seq_len=24\) is not the data the run in .*sft trained on \(then 64 rows "
+        r"of 25 tokens and 16 held out, now 72 rows of 25 tokens and 16 held out\)", grown.stderr, re.M), \
+        grown.stderr[-2000:]
     cont = _run("train_sft.py", "--max_steps=6", "--data_change=continue", *args)
     assert "--data_change=continue: it trains on from step 4 on this data" in cont.stderr and _steps(sft)[-1] == 6
     moved = _run("train_dpo.py", "--max_steps=4", *dpo, ok=False)
     assert moved.returncode == 2 and re.search(
-        r"^error: --init_from=.*sft holds step 6, but the run in .*dpo took its frozen models \(the reference, the "
-        r"reward model\) from its step 4", moved.stderr, re.M), moved.stderr[-2000:]
+        r"^error: --init_from=.*sft holds step 6, but the run in .*dpo took its reference from its step 4: the "
+        r"reference would differ", moved.stderr, re.M), moved.stderr[-2000:]
 
     grpo = [f"--init_from={sft}", "--advantage_estimator=grpo", "--samples_per_prompt=2",
             "--verifiable_reward=exact_match", f"--data={data}", "--eval_size=16", "--max_new_tokens=4",
@@ -1034,6 +1035,7 @@ def test_record_scripts_keep_their_global_batch_data_and_ppo_iterations_on_resum
     _run("train_ppo.py", "--max_steps=2", "--ppo_epochs=1", "--rollout_batch_size=16", *grpo)
     other = _run("train_ppo.py", "--max_steps=4", "--ppo_epochs=1", "--rollout_batch_size=32", *grpo, ok=False)
     assert other.returncode == 2 and re.search(
-        r"^error: --rollout_batch_size=32 where the run in .*grpo had 16: an iteration's rollouts and updates, and "
+        r"^error: --rollout_batch_size=32 \(as this run resolves it\) where the run in .*grpo had 16: an iteration's "
+        r"rollouts and updates, and "
         r"which iteration a step is in, would change mid-run; expected --rollout_batch_size=16", other.stderr,
         re.M), other.stderr[-2000:]

@@ -421,7 +421,7 @@ def test_the_stop_line_says_whether_a_checkpoint_was_saved():
     assert str(fit_loop.StoppedBySignal(signal.SIGTERM, 7)) == ("stopped by SIGTERM at step 7 (checkpoint saved); "
                                                                  "exit status 143")
     assert str(fit_loop.StoppedBySignal(signal.SIGINT, 7, saved=False)) == (
-        "stopped by SIGINT at step 7 (no workdir: nothing saved); exit status 130")
+        "stopped by SIGINT at step 7 (nothing saved: no workdir, or no step trained); exit status 130")
 
 
 @pytest.mark.slow  # CI time; one process: test_sigterm_or_ctrl_c_saves_and_exits_cleanly

@@ -294,7 +294,8 @@ def run(main):
             raise
         except fit_loop.StoppedBySignal as e:  # fit saved; 143 for SIGTERM, 130 for Ctrl-C, as a shell reports
             workdir = FLAGS["workdir"].value if "workdir" in FLAGS else None
-            saved = f"checkpoint saved in {workdir}; re-run to resume" if e.saved else "nothing trained yet"
+            saved = (f"checkpoint saved in {workdir}; re-run to resume" if e.saved else
+                     f"its checkpoint in {workdir} stays; re-run to resume" if e.step else "nothing trained yet")
             print(f"stopped by a signal at step {e.step}; {saved}", flush=True)
             _exit(e.code)
         except fit_loop.SecondSignal as e:

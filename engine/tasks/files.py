@@ -18,6 +18,7 @@ JSONL_SUFFIXES = ((".jsonl", ".ndjson")
                   + tuple(base + c for base in (".jsonl", ".ndjson", ".json") for c in COMPRESSIONS))
 TEXT_SUFFIXES = ((".txt", ".jsonl", ".ndjson", ".parquet", ".arrow") + JSONL_SUFFIXES[2:]
                  + tuple(".txt" + c for c in COMPRESSIONS))
+JSON_SUFFIXES = JSONL_SUFFIXES + (".json",)  # read as JSON: a plain .json only when named (or globbed) as a file
 RECORD_SUFFIXES = JSONL_SUFFIXES + (".parquet", ".arrow")  # records: objects per line, or rows of named columns
 _CHUNK = 1 << 16  # compressed bytes read at a time
 # The split names of Hugging Face layouts (data/train-00000-of-00002.parquet, default/validation/0000.parquet, a

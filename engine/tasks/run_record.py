@@ -126,8 +126,12 @@ def compute_dtype_name():
     return FLAGS.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
 
 
+_ROLLOUT_FLAGS = ("temperature", "max_new_tokens")  # PPO's rollouts; elsewhere they shape only sample answers
+
+
 def _noted_values():
-    values = {name: FLAGS[name].value for name in _NOTED_FLAGS if name in FLAGS}
+    values = {name: FLAGS[name].value for name in _NOTED_FLAGS
+              if name in FLAGS and (name not in _ROLLOUT_FLAGS or "rollout_batch_size" in FLAGS)}
     if "compute_dtype" in values:
         values["compute_dtype"] = compute_dtype_name()
     return values
@@ -227,8 +231,9 @@ def check_kept(workdir, values, why):
     record = _training_record(workdir)
     for name, value in values.items():
         if name in record and record[name] != value:
-            raise ValueError(f"--{name}={value} where the run in {workdir} had {record[name]}: {why}; expected "
-                             f"--{name}={record[name]} to resume it, or another --workdir")
+            raise ValueError(f"--{name}={value} (as this run resolves it) where the run in {workdir} had "
+                             f"{record[name]}: {why}; expected --{name}={record[name]} to resume it, or another "
+                             "--workdir")
 
 
 def keep_global_batch(workdir, rows_per_step):

@@ -2,6 +2,7 @@
 records, checkpoint) and what they build: parsers (`parse_mesh`, `parse_json`, ...), `compute_dtype`,
 `loss_implementation`, `trainer_kwargs`, `fit_kwargs`, `optimizer` / `lr_schedule`, the training and eval records.
 Every flag a script shares is defined here (`cli.run`'s --help lists this module's)."""
+import hashlib
 import json
 import os
 
@@ -222,14 +223,17 @@ def define_data_change_flag():
 def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=None, frozen_from=(), kept=None,
                      **kwargs):
     """`run_record.save_run` of a script that trains on records, with the run's global batch (a restart on another
-    device count keeps it) and a digest of its training and eval `examples` (encoded rows, or records), which a
-    resume on other data refuses unless --data_change=continue (`run_record.check_data`). frozen_from: the flags
-    (`'init_from'`, `'reward_from'`) whose workdirs give the run frozen models (a reference, a reward model): the
-    step each holds is recorded, and a resume after one trained further is refused (its frozen model moved).
-    kwargs: save_run's."""
-    data = run_record.data_digest(examples, seq_len)
-    run_record.check_data(FLAGS.workdir, data, ",".join(FLAGS.data + FLAGS.eval_data) or "(the toy task)",
-                          seq_len=seq_len, change=FLAGS.data_change)
+    device count keeps it) and a digest of its `examples` (train, eval): encoded rows, or records, which a resume on
+    other data or another split refuses unless --data_change=continue (`run_record.check_data`). frozen_from: the
+    flags (`'init_from'`: the reference; `'reward_from'`: the reward model) whose workdirs give the run frozen
+    models: the step each holds is recorded, and a resume after one trained further is refused. kwargs: save_run's."""
+    train, evals = examples
+    parts = [run_record.data_digest(rows, seq_len) for rows in (train, evals)]
+    data = {"digest": hashlib.sha256("".join(p["digest"] for p in parts).encode()).hexdigest()[:16],
+            "about": f"{parts[0]['about']} and {len(evals)} held out"}
+    shown = (",".join(FLAGS.data) + (f" --eval_data={','.join(FLAGS.eval_data)}" if FLAGS.eval_data else "")
+             if FLAGS.data or FLAGS.eval_data else "(none: the toy task of --toy_size and --seed)")
+    run_record.check_data(FLAGS.workdir, data, shown, seq_len=seq_len, change=FLAGS.data_change)
     steps = {}
     for name in frozen_from:
         path = FLAGS[name].value
@@ -237,10 +241,10 @@ def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=
             steps[f"{name}_step"] = now = run_record.trained_step(path)
             then = run_record.recorded(FLAGS.workdir, f"{name}_step")
             if then is not None and then != now:
-                raise ValueError(f"--{name}={path} holds step {now}, but the run in {FLAGS.workdir} took its frozen "
-                                 f"models (the reference, the reward model) from its step {then}: they would differ "
-                                 f"from here on; expected the run resumed on the models it started from, or another "
-                                 "--workdir")
+                frozen = "reference" if name == "init_from" else "reward model"
+                raise ValueError(f"--{name}={path} holds step {now}, but the run in {FLAGS.workdir} took its {frozen} "
+                                 f"from its step {then}: the {frozen} would differ from here on; expected the run "
+                                 "resumed on the models it started from, or another --workdir")
     run_record.save_run(FLAGS.workdir, task, model, tokenizer, global_batch=global_batch, data=data,
                         kept={**steps, **(kept or {})}, **kwargs)
 

@@ -12,9 +12,9 @@ FIELDS = ("input", "target")
 
 
 def read_pairs(patterns, *, decode_errors="strict", record_columns=None):
-    """`{"input": str, "target": str}` pairs from `.jsonl` lines or `.parquet` / `.arrow` rows (paths, globs or
-    directories; `text_data.read_records`, its record_columns for other names); a pair whose input and target are
-    both empty is refused naming its line or row."""
+    """`{"input": str, "target": str}` pairs from JSON Lines (`.jsonl`, `.ndjson`, a named `.json`) or `.parquet` /
+    `.arrow` rows (paths, globs or directories; `text_data.read_records`, its record_columns for other names); a pair
+    whose input and target are both empty is refused naming its line or row."""
     return read_records(patterns, FIELDS, decode_errors=decode_errors, record_columns=record_columns)
 
 

@@ -27,7 +27,7 @@ from absl import logging
 
 from engine.tasks import array_records
 from engine.tasks.files import TEXT_SUFFIXES, _shown, expand_files  # noqa: F401 (named here, as they always were)
-from engine.tasks.files import JSONL_SUFFIXES, RECORD_SUFFIXES, compression, formats, open_file
+from engine.tasks.files import JSON_SUFFIXES, RECORD_SUFFIXES, compression, formats, open_file
 
 DECODE_ERRORS = ("strict", "replace")
 _BATCH_ROWS = 1024  # rows converted to Python strings at a time: a few MB of text, whatever the file's row groups
@@ -236,9 +236,9 @@ def _table_rows(path, columns, start=0, hint=""):
 
 
 def _file_texts(path, column, decode_errors, start=0):
-    """(row, document) of one file from row `start` on; rows are line numbers in a .jsonl file, 0-based rows in
-    Parquet and Arrow files, 0 for a .txt file."""
-    if path.endswith(JSONL_SUFFIXES + (".json",)):
+    """(row, document) of one file from row `start` on; rows are line numbers in a .jsonl file (item indices in a
+    .json file of one array), 0-based rows in Parquet and Arrow files, 0 for a .txt file."""
+    if path.endswith(JSON_SUFFIXES):
         yield from _jsonl_texts(path, column, decode_errors, start)
     elif path.endswith(".txt" + compression(path)):
         if start == 0:
@@ -327,26 +327,26 @@ def _packed_row(pieces, width, pad_id):
 
 
 def read_records(patterns, fields, *, decode_errors="strict", nonempty=None, record_columns=None):
-    """Objects with the string `fields` from files (paths, globs or directories): `.jsonl` files, compressed or not,
-    one object per line (other keys dropped), and the rows of `.parquet` and `.arrow` files and `save_to_disk`
-    directories (other columns unread). `record_columns`: {field: the key or column the files hold it under} for
-    fields named otherwise (e.g. {'response': 'completion'}). ValueError naming the file and line (or row) for a
-    record that is not such an object (and the type found), or whose `nonempty` fields (default: all of `fields`)
-    are all empty or white space: a record with nothing to train on. Encoding as in `read_texts`
-    (decode_errors)."""
+    """Objects with the string `fields` from files (paths, globs or directories): `.jsonl` / `.ndjson` files,
+    compressed or not, one object per line (other keys dropped), a `.json` file named as such (JSON Lines or one
+    array), and the rows of `.parquet` and `.arrow` files and `save_to_disk` directories (other columns unread).
+    `record_columns`: {field: the key or column the files hold it under} for fields named otherwise (e.g.
+    {'response': 'completion'}). ValueError naming the file and line (or row) for a record that is not such an
+    object (and the type found), or whose `nonempty` fields (default: all of `fields`) are all empty or white space:
+    a record with nothing to train on. Encoding as in `read_texts` (decode_errors)."""
     _check_decode_errors(decode_errors)
     names = _record_names(fields, record_columns or {})
     hint = "; --record_columns=FIELD:NAME,... reads fields from keys or columns of other names"
     records = []
     for path in expand_files(patterns, RECORD_SUFFIXES):
-        if path.endswith(JSONL_SUFFIXES + (".json",)):
+        if path.endswith(JSON_SUFFIXES):
             rows = _jsonl_records(path, fields, names, decode_errors, hint)
         elif path.endswith((".parquet", ".arrow")):
             rows = ((f"{path} row {n}", dict(zip(fields, strings)))
                     for n, strings in _table_rows(path, names, hint=hint))
         else:
-            raise ValueError(f"data: {path!r} is none of {formats(RECORD_SUFFIXES)}; expected records with the "
-                             f"string fields {_names(names)}")
+            raise ValueError(f"data: {path!r} is none of {formats(RECORD_SUFFIXES)} (or a .json file); expected "
+                             f"records with the string fields {_names(names)}")
         for where, record in rows:
             check_not_empty(record, nonempty or fields, f"data: {where}")
             records.append(record)
@@ -371,9 +371,10 @@ def _jsonl_records(path, fields, names, decode_errors, hint):
     for _, item, where in _jsonl(path, decode_errors):
         wrong = _not_strings(item, names)
         if wrong:
+            missing = isinstance(item, dict) and any(name not in item for name in names)
             nested = isinstance(item, dict) and any(isinstance(item.get(name), (list, dict)) for name in names)
             raise ValueError(f"data: {where} is not an object with string fields {_names(names)} ({wrong})"
-                             + (hint if "missing" in wrong else _NESTED if nested else ""))
+                             + (hint if missing else _NESTED if nested else ""))
         yield where, {f: item[name] for f, name in zip(fields, names)}
 
 

@@ -436,9 +436,9 @@ def iteration_prompts(prompts, iteration, n, seed):
     return out
 
 
-def _save_experience(workdir, iteration, examples, stats, keep_from, drop_after=None):
-    """Writes `iteration`'s experience beside the checkpoints (None: none) and removes that of iterations before
-    `keep_from` (no checkpoint a restart may restore lies inside them) and after `drop_after`."""
+def _save_experience(workdir, iteration, examples, stats, keep):
+    """Writes `iteration`'s experience beside the checkpoints (None: none) and removes that of the iterations not in
+    `keep` (those no checkpoint a restart may restore lies in)."""
     if jax.process_index() != 0:
         return
     if iteration is not None:
@@ -449,7 +449,7 @@ def _save_experience(workdir, iteration, examples, stats, keep_from, drop_after=
         os.replace(path + ".tmp", path)
     for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
         match = re.fullmatch(re.escape(EXPERIENCE_FILE).replace(r"\{\}", r"(\d+)"), name)
-        if match and not keep_from <= int(match.group(1)) <= (drop_after if drop_after is not None else 1 << 62):
+        if match and int(match.group(1)) not in keep:
             os.remove(os.path.join(workdir, name))
 
 
@@ -474,13 +474,14 @@ def _iteration_done(trainer, it, stats, history, on_iteration):
 
 
 def _stop_between_fits(trainer, stop):
-    """After a rollout: a SIGTERM / SIGINT that arrived outside `fit` (agreed across processes) saves the Trainer's
-    step, waits for the write and ends the run as `fit` would (`engine.StoppedBySignal`)."""
+    """Between fits (before and after a rollout): a SIGTERM / SIGINT that arrived outside `fit` (agreed across
+    processes) saves the Trainer's step, waits for the write and ends the run as `fit` would
+    (`engine.StoppedBySignal`)."""
     stop.agree()
     if not stop():
         return
     saved = trainer.workdir is not None and trainer.step > 0
-    logging.warning("signal received during a rollout: stopping at step %d", trainer.step)
+    logging.warning("signal received between PPO's fits (a rollout's time): stopping at step %d", trainer.step)
     if saved and trainer.step not in trainer.checkpoint_steps():  # a resumed step is saved (and maybe not placed)
         trainer.save_checkpoint()
     trainer.close()
@@ -499,7 +500,10 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     checkpoints (and one at the end). After each whole iteration its rollout's stats go to TensorBoard
     (`rollout/score`, `rollout/kl`, ...) and to on_iteration(iteration, stats). Rollouts sample and score in the
     Trainer's compute dtype (`PPO.rollout(compute_dtype=)`). hang_timeout: each iteration's `fit` runs under the hang
-    watchdog with it (`Trainer.fit`). Returns the stats of the whole iterations run."""
+    watchdog with it (`Trainer.fit`). Each rollout's experience is saved in the workdir (`EXPERIENCE_FILE`, kept
+    while a checkpoint lies in its iteration), so a resume trains on the same rows. A SIGTERM / SIGINT between fits
+    (during a rollout) stops the run after the rollout, its step saved: `engine.StoppedBySignal`, as `fit` raises.
+    Returns the stats of the whole iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
     group = ppo.config.samples_per_prompt
     checks = {"max_steps": isinstance(max_steps, int) and max_steps >= 0,
@@ -523,10 +527,13 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                              "expected trainable=models.LORA_TRAINABLE (plus the critic's score head)")
     steps_per_iteration = ppo_epochs * rollout_batch_size // rows
     history = []
+    # The iterations whose experience a restart may read: the current one and those checkpoints lie in.
+    needed = lambda it: {it} | {s // steps_per_iteration for s in trainer.checkpoint_steps()}  # noqa: E731
     if trainer.workdir:  # rollouts past the restored step were another run's (a fresh one is exact)
-        _save_experience(trainer.workdir, None, None, None, keep_from=0, drop_after=trainer.step // steps_per_iteration)
+        _save_experience(trainer.workdir, None, None, None, needed(trainer.step // steps_per_iteration))
     with fit_loop.stop_on_signal() as stop:  # a signal outside `fit` (a rollout's): the run stops after the rollout
         while trainer.step < max_steps:
+            _stop_between_fits(trainer, stop)
             it = trainer.step // steps_per_iteration
             loaded = _load_experience(trainer.workdir, it, _STATS) if trainer.workdir else None
             if loaded is None and trainer.step > it * steps_per_iteration:  # resumed mid-iteration
@@ -538,8 +545,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                     seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size,
                     compute_dtype=trainer.compute_dtype)
                 if trainer.workdir:
-                    newest = max(trainer.checkpoint_steps(), default=0)
-                    _save_experience(trainer.workdir, it, examples, stats, min(it, newest // steps_per_iteration))
+                    _save_experience(trainer.workdir, it, examples, stats, needed(it))
             else:
                 examples, stats = loaded
             _stop_between_fits(trainer, stop)

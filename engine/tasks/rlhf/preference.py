@@ -24,9 +24,10 @@ RESPONSES = ("chosen", "rejected")
 
 
 def read_preferences(patterns, *, decode_errors="strict", record_columns=None):
-    """`{"prompt", "chosen", "rejected"}` string triples from `.jsonl` lines or `.parquet` / `.arrow` rows (paths,
-    globs or directories; `text_data.read_records`, its record_columns for other names); a triple whose chosen and
-    rejected responses are both empty (no preference to learn) is refused naming its line or row."""
+    """`{"prompt", "chosen", "rejected"}` string triples from JSON Lines (`.jsonl`, `.ndjson`, a named `.json`) or
+    `.parquet` / `.arrow` rows (paths, globs or directories; `text_data.read_records`, its record_columns for other
+    names); a triple whose chosen and rejected responses are both empty (no preference to learn) is refused naming its
+    line or row."""
     return text_data.read_records(patterns, FIELDS, decode_errors=decode_errors, nonempty=RESPONSES,
                                   record_columns=record_columns)
 
@@ -108,9 +109,9 @@ SFT_FIELDS = ("prompt", "response")
 
 
 def read_prompt_responses(patterns, *, decode_errors="strict", record_columns=None):
-    """`{"prompt", "response"}` string pairs from `.jsonl` lines or `.parquet` / `.arrow` rows (paths, globs or
-    directories; `text_data.read_records`, its record_columns for other names); a pair whose prompt and response are
-    both empty is refused naming its line or row."""
+    """`{"prompt", "response"}` string pairs from JSON Lines (`.jsonl`, `.ndjson`, a named `.json`) or `.parquet` /
+    `.arrow` rows (paths, globs or directories; `text_data.read_records`, its record_columns for other names); a pair
+    whose prompt and response are both empty is refused naming its line or row."""
     return text_data.read_records(patterns, SFT_FIELDS, decode_errors=decode_errors, record_columns=record_columns)
 
 
