@@ -437,17 +437,21 @@ def iteration_prompts(prompts, iteration, n, seed):
 
 
 def _save_experience(workdir, iteration, examples, stats, keep):
-    """Writes `iteration`'s experience beside the checkpoints (None: none) and removes that of the iterations not in
-    `keep` (those no checkpoint a restart may restore lies in)."""
-    if jax.process_index() != 0:
-        return
-    if iteration is not None:
+    """Writes `iteration`'s experience beside the checkpoints, then `_prune_experience(workdir, keep)`."""
+    if jax.process_index() == 0:
         path = os.path.join(workdir, EXPERIENCE_FILE.format(iteration))
         arrays = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
         with open(path + ".tmp", "wb") as f:
             np.savez(f, iteration=iteration, stats=np.array([stats[k] for k in sorted(stats)]), **arrays)
         os.replace(path + ".tmp", path)
-    for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
+    _prune_experience(workdir, keep)
+
+
+def _prune_experience(workdir, keep):
+    """Removes the experience of the iterations not in `keep` (those no checkpoint a restart may restore lies in)."""
+    if jax.process_index() != 0 or not os.path.isdir(workdir):
+        return
+    for name in os.listdir(workdir):
         match = re.fullmatch(re.escape(EXPERIENCE_FILE).replace(r"\{\}", r"(\d+)"), name)
         if match and int(match.group(1)) not in keep:
             os.remove(os.path.join(workdir, name))
@@ -530,7 +534,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     # The iterations whose experience a restart may read: the current one and those checkpoints lie in.
     needed = lambda it: {it} | {s // steps_per_iteration for s in trainer.checkpoint_steps()}  # noqa: E731
     if trainer.workdir:  # rollouts past the restored step were another run's (a fresh one is exact)
-        _save_experience(trainer.workdir, None, None, None, needed(trainer.step // steps_per_iteration))
+        _prune_experience(trainer.workdir, needed(trainer.step // steps_per_iteration))
     with fit_loop.stop_on_signal() as stop:  # a signal outside `fit` (a rollout's): the run stops after the rollout
         while trainer.step < max_steps:
             _stop_between_fits(trainer, stop)
