@@ -45,6 +45,27 @@ class CorruptCheckpointError(ValueError):
         self.step, self.reason = step, reason
 
 
+class StateMismatchError(ValueError):
+    """A step whose saved state holds other leaves than the state restored into: the run's settings changed (another
+    optimizer, trainable set or model), not the step. Older steps are not tried, nor is any step moved aside."""
+
+
+def check_leaves(step, directory, saved, abstract_state):
+    """Raises StateMismatchError in one line when `saved` (the leaf names, `jax.tree_util.keystr`, of `step`'s state
+    in `directory`) are not those of `abstract_state`."""
+    wanted = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    absent, unsaved = sorted(set(saved) - wanted), sorted(wanted - set(saved))
+    if not absent and not unsaved:
+        return
+    parts = [f"{len(names)} {what}, e.g. {names[0]}" for names, what in (
+        (absent, "of its leaves not in this run's state"), (unsaved, "of this run's leaves not saved")) if names]
+    raise StateMismatchError(
+        f"step {step} of {directory} holds another training state than this run's ({'; '.join(parts)}): another "
+        "optimizer (a learning rate of its own for some parameters), other trainable parameters or another model "
+        "than the run that saved it; expected its settings to resume it, Checkpointing(params_only=True) to take "
+        "its parameters with a fresh optimizer state, or another workdir")
+
+
 class Checkpointer:
     """`workdir/<name>/<step>/{state, meta}`: `state` is a pytree of arrays, `meta` a JSON dict. The Trainer keeps
     its last `keep` states under 'checkpoints' and, with `fit(save_best=...)`, the best evaluated one under 'best'."""
@@ -90,8 +111,10 @@ class Checkpointer:
     def restore(self, step, abstract_state):
         """Restores `step` onto the shardings of `abstract_state` (a pytree of `jax.ShapeDtypeStruct` with
         `sharding`), whatever mesh it was saved from, and verifies every leaf's checksum. Returns `(state, meta)`;
-        raises CorruptCheckpointError."""
+        raises CorruptCheckpointError, or StateMismatchError for a state of other leaves."""
         meta = self.read_meta(step)
+        if _CHECKSUMS in meta:  # a checksum per leaf: their names are the saved state's
+            check_leaves(step, self.directory, meta[_CHECKSUMS], abstract_state)
 
         def read():
             with contextlib.closing(ocp.StandardCheckpointHandler()) as handler:

@@ -51,7 +51,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from engine.checkpoint import _META_DIGEST, Checkpointer, CorruptCheckpointError, _agreed, _meta_digest
+from engine.checkpoint import (_META_DIGEST, Checkpointer, CorruptCheckpointError, _agreed, _meta_digest,
+                               check_leaves)
 
 _INDEX_DIGEST = "index_sha256"  # the local meta's key of its index file's digest
 
@@ -124,6 +125,15 @@ class _Steps:
         except (OSError, ValueError):
             return True  # unreadable: left to `restore`, which reports it as corrupt
         return all(key in index for key in _needed(abstract_state))
+
+    def check_leaves(self, step, abstract_state):
+        """StateMismatchError when `step` holds other leaves than `abstract_state` (`checkpoint.check_leaves`; every
+        process holds a block of every leaf); an unreadable index is left to `restore`."""
+        try:
+            index = self._index(step)
+        except (OSError, ValueError):
+            return
+        check_leaves(step, self.directory, {leaf for leaf, _ in index}, abstract_state)
 
     def _index(self, step):
         """{(leaf, block): its entry} of `step`, the file checked against the meta's digest of it."""
@@ -321,6 +331,7 @@ class TieredCheckpointer:
         if self._reading is self.persistent:
             return self.persistent.restore(step, abstract_state)
         meta = self.read_meta(step)
+        self.local.check_leaves(step, abstract_state)
         covered = np.int32(self.local.covers(step, abstract_state))
         if jax.process_count() > 1:
             covered = np.asarray(multihost_utils.process_allgather(covered)).min()

@@ -4,6 +4,7 @@ step in a warning; the checksums stored with each step catch the damage that wou
 import glob
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -15,7 +16,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import engine
-from engine.checkpoint import Checkpointer, checksums
+from engine.checkpoint import Checkpointer, StateMismatchError, checksums
 from tests import trainer_task as task
 
 EXAMPLES = task.make_examples(64)
@@ -23,9 +24,10 @@ EXAMPLES = task.make_examples(64)
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def _trainer(workdir, **kwargs):
+def _trainer(workdir, optimizer=None, **kwargs):
     return engine.Trainer(mesh=engine.make_mesh(data=4, model=2), collate_fn=task.collate_fn, loss_fn=task.loss_fn,
-                          params=task.init_params(), optimizer=optax.adam(1e-2), workdir=str(workdir), **kwargs)
+                          params=task.init_params(), optimizer=optimizer or optax.adam(1e-2), workdir=str(workdir),
+                          **kwargs)
 
 
 def _host(trainer):
@@ -184,6 +186,26 @@ def test_no_step_restores_is_one_line_naming_the_workdir_and_the_newest_problem(
     assert "\n" not in message and message.startswith(f"workdir={workdir}: none of the 2 checkpoints in ")
     assert "restores; the newest, step 4: its state does not read: FileNotFoundError" in message
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]  # nothing moved when nothing restores
+
+
+def test_a_state_of_other_leaves_is_refused_in_one_line_and_no_step_is_skipped(trained, tmp_path, warnings):
+    """A resume under another optimizer (its state of other leaves) is not damage: one line naming the step, the
+    leaves on either side and the ways on, no older step tried, nothing moved aside; params_only restores."""
+    workdir = _copy(trained, tmp_path)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    with pytest.raises(StateMismatchError) as error:
+        _trainer(workdir, optimizer=clipped)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"step 4 of {workdir / 'checkpoints'} holds another training "
+                                                      "state than this run's (") and re.search(
+        r"\d+ of its leaves not in this run's state, e\.g\. \['opt_state'\]\[0\]\.count; \d+ of this run's leaves "
+        r"not saved, e\.g\. \['opt_state'\]\[1\]\[0\]\.count\)", message), message
+    assert "Checkpointing(params_only=True)" in message
+    assert warnings == [] and sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    fresh = _trainer(workdir, optimizer=clipped, checkpointing=engine.Checkpointing(params_only=True))
+    assert fresh.step == 4
+    _assert_same(jax.device_get(fresh.params), trained[1][4]["params"])
+    fresh.close()
 
 
 def test_saves_after_a_fallback_write_the_same_steps_again_and_keep_k_prunes(trained, tmp_path, warnings):

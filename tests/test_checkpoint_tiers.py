@@ -12,6 +12,7 @@ import pytest
 
 import engine
 from engine import checkpoint_tiers
+from engine.checkpoint import StateMismatchError
 from engine.checkpoint_tiers import LocalCheckpoints
 from tests import trainer_task as task
 
@@ -126,6 +127,21 @@ def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path, crashed):
     other.close()
     assert LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work")).steps() == [6]
     again = _trainer(tmp_path)  # back on the mesh that wrote it
+    assert again.step == 6
+    again.close()
+
+
+def test_a_state_of_other_leaves_is_refused_and_every_copy_kept(tmp_path, crashed):
+    """A restart under another optimizer is refused in one line (checkpoint.StateMismatchError) without deleting
+    the local copy it cannot read into that state, nor moving the persistent step aside."""
+    _crashed_run(tmp_path, crashed)
+    with pytest.raises(StateMismatchError, match=r"^step 6 of .* holds another training state than this run's"):
+        engine.Trainer(mesh=engine.make_mesh(data=4, model=2), params=task.init_params(),
+                       optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+                       loss_fn=task.loss_fn, collate_fn=task.collate_fn, workdir=str(tmp_path / "work"),
+                       checkpointing=engine.Checkpointing(local_dir=str(tmp_path / "local"), local_every=2))
+    assert LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work")).steps() == [6]
+    again = _trainer(tmp_path)
     assert again.step == 6
     again.close()
 
