@@ -229,12 +229,39 @@ def _rollout_batch_size(mesh, samples):
     return rollout_batch_size, FLAGS.ppo_epochs * rollout_batch_size // rows
 
 
+def _check_resume(mesh, iteration, examples):
+    """A resume's refusals, before the models load: another global batch, rollout shape, critic optimizer, data or
+    frozen model than the run in --workdir had."""
+    why = "an iteration's rollouts and updates, and which iteration a step is in, would change mid-run"
+    recorded = run_record.recorded(FLAGS.workdir, "global_batch")
+    if recorded is not None and recorded != rows_per_update(mesh):  # --accumulate_grad_batches given
+        raise ValueError(f"--accumulate_grad_batches={FLAGS.accumulate_grad_batches} makes a global batch of "
+                         f"{rows_per_update(mesh)} rows where the run in {FLAGS.workdir} had {recorded}: {why}; "
+                         "expected the run's global batch (leave --accumulate_grad_batches unset: the restart keeps "
+                         "it), or another --workdir")
+    run_record.check_kept(FLAGS.workdir, iteration, why)
+    then = run_record.recorded(FLAGS.workdir, "critic_learning_rate", default=FLAGS.critic_learning_rate)
+    if then is None and FLAGS.critic_learning_rate is not None:
+        raise ValueError(f"--critic_learning_rate={FLAGS.critic_learning_rate} where the run in {FLAGS.workdir} had "
+                         "it unset: the critic would get an optimizer of its own, whose state its checkpoints do not "
+                         "hold; expected --critic_learning_rate unset to resume it, or another --workdir")
+    if then is not None and FLAGS.critic_learning_rate is None:
+        raise ValueError(f"--critic_learning_rate unset where the run in {FLAGS.workdir} had {then}: its "
+                         "checkpoints hold the critic's optimizer state apart from the actor's; expected "
+                         "--critic_learning_rate set (to any value) to resume it, or another --workdir")
+    script_flags.check_records_run(examples=examples, frozen_from=("init_from", "reward_from"))
+
+
 def main(argv):
     del argv
     samples = _check_flags()
     train_records, eval_records = script_flags.load_train_eval(_read_prompts, preference.toy_prompt_responses,
                                                                key="prompt", what="prompts")
     mesh = cli.start()
+    rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
+    iteration = {"rollout_batch_size": rollout_batch_size, "ppo_epochs": FLAGS.ppo_epochs,
+                 "samples_per_prompt": samples}
+    _check_resume(mesh, iteration, (train_records, eval_records))
     _, actor, actor_params, tokenizer = model_start.start_decoder(mesh, tasks=("lm", "sft"), seq_len=128)
     actor, actor_params = model_start.with_pipeline(actor, actor_params)
     longest = max(len(preference.prompt_tokens(tokenizer, r["prompt"], 1 << 30, f"prompt {n}"))
@@ -249,17 +276,6 @@ def main(argv):
     task = ppo.PPO(actor=actor, critic=critic, ref_params=None if FLAGS.lora_rank else actor_params,
                    tokenizer=tokenizer, mesh=mesh, seq_len=seq_len, config=_ppo_config(samples),
                    implementation=script_flags.loss_implementation(actor, per_token=True), **rewards)
-    rollout_batch_size, steps_per_iteration = _rollout_batch_size(mesh, samples)
-    iteration = {"rollout_batch_size": rollout_batch_size, "ppo_epochs": FLAGS.ppo_epochs,
-                 "samples_per_prompt": samples}
-    why = "an iteration's rollouts and updates, and which iteration a step is in, would change mid-run"
-    recorded = run_record.recorded(FLAGS.workdir, "global_batch")
-    if recorded is not None and recorded != rows_per_update(mesh):  # --accumulate_grad_batches given
-        raise ValueError(f"--accumulate_grad_batches={FLAGS.accumulate_grad_batches} makes a global batch of "
-                         f"{rows_per_update(mesh)} rows where the run in {FLAGS.workdir} had {recorded}: {why}; "
-                         "expected the run's global batch (leave --accumulate_grad_batches unset: the restart keeps "
-                         "it), or another --workdir")
-    run_record.check_kept(FLAGS.workdir, iteration, why)
     script_flags.save_records_run("ppo", actor, tokenizer, critic=critic, examples=(train_records, eval_records),
                                   global_batch=rows_per_update(mesh), kept=iteration,
                                   frozen_from=("init_from", "reward_from"))

@@ -616,8 +616,17 @@ def _bad_inputs(tmp_path, slow):
     pq.write_table(pa.table({"question": ["cat owl"] * 3, "completion": ["owl cat"] * 3}), tmp_path / "qa.parquet")
     (tmp_path / "latin1.txt").write_bytes("def café():\n".encode("latin-1"))
     _tiny_hf("llama", tmp_path / "hf_no_tokenizer")
+    for name, rate in (("ppo_shared", None), ("ppo_apart", 1e-3)):  # PPO runs that saved step 2, one optimizer or two
+        (tmp_path / name / "checkpoints" / "2").mkdir(parents=True)
+        (tmp_path / name / "run.json").write_text(json.dumps({"task": "ppo", "training": {
+            "critic_learning_rate": rate, "since": 0}}))
     if not slow:
         return {
+            # Refused before the models load (a fresh model here would build).
+            ("train_ppo.py", f"--workdir={tmp_path / 'ppo_shared'}", "--critic_learning_rate=1e-3"):
+                f"--critic_learning_rate=0.001 where the run in {tmp_path / 'ppo_shared'} had it unset: the critic "
+                "would get an optimizer of its own, whose state its checkpoints do not hold; expected "
+                "--critic_learning_rate unset to resume it",
             ("train_lm.py", f"--data={tmp_path / 'latin1.txt'}"): "latin1.txt: not UTF-8 at byte 7",
             ("train_lm.py", f"--compilation_cache_dir={tmp_path / 'empty.txt' / 'cache'}"): (
                 f"--compilation_cache_dir={tmp_path / 'empty.txt' / 'cache'}: cannot create "
@@ -696,6 +705,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_ppo.py", "--advantage_estimator=grpo", "--samples_per_prompt=3", "--rollout_batch_size=128"):
             "--rollout_batch_size=128; expected a positive multiple of the global batch (128 rows) and of "
             "--samples_per_prompt (3)",
+        ("train_ppo.py", f"--workdir={tmp_path / 'ppo_apart'}"): f"--critic_learning_rate unset where the run in "
+            f"{tmp_path / 'ppo_apart'} had 0.001: its checkpoints hold the critic's optimizer state apart",
         ("train_ppo.py", "--advantage_estimator=grpo", "--critic_learning_rate=1e-3"): "--critic_learning_rate with "
             "--advantage_estimator=grpo; expected neither (GRPO has no critic)",
         ("train_ppo.py", "--advantage_estimator=grpo", "--samples_per_prompt=1"): "--samples_per_prompt=1 with "

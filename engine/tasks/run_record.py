@@ -175,10 +175,10 @@ def _training_record(workdir):
     return record if step > record.get("since", 0) or "bound" not in run else run["bound"]
 
 
-def recorded(workdir, name):
-    """The value `save_run` recorded as `name` (`'eval_rows'`, `'global_batch'`) for the run `workdir` resumes; None
-    for a new run."""
-    return _training_record(workdir).get(name)
+def recorded(workdir, name, default=None):
+    """The value `save_run` recorded as `name` (`'eval_rows'`, `'global_batch'`) for the run `workdir` resumes;
+    `default` for a new run or a value not recorded."""
+    return _training_record(workdir).get(name, default)
 
 
 _DATA_SAMPLE = 64  # rows a data digest reads, evenly spaced: its cost does not grow with the corpus

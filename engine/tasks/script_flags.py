@@ -220,13 +220,9 @@ def define_data_change_flag():
                       "epoch's order are drawn from the new rows, some eval rows may have been trained on).")
 
 
-def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=None, frozen_from=(), kept=None,
-                     **kwargs):
-    """`run_record.save_run` of a script that trains on records, with the run's global batch (a restart on another
-    device count keeps it) and a digest of its `examples` (train, eval): encoded rows, or records, which a resume on
-    other data or another split refuses unless --data_change=continue (`run_record.check_data`). frozen_from: the
-    flags (`'init_from'`: the reference; `'reward_from'`: the reward model) whose workdirs give the run frozen
-    models: the step each holds is recorded, and a resume after one trained further is refused. kwargs: save_run's."""
+def check_records_run(*, examples, seq_len=None, frozen_from=()):
+    """The resume checks of `save_records_run`, which a script may run before it loads its models; returns what it
+    records of them: (the data digest, {'<flag>_step': step} of the frozen models' workdirs)."""
     train, evals = examples
     parts = [run_record.data_digest(rows, seq_len) for rows in (train, evals)]
     data = {"digest": hashlib.sha256("".join(p["digest"] for p in parts).encode()).hexdigest()[:16],
@@ -245,6 +241,18 @@ def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=
                 raise ValueError(f"--{name}={path} holds step {now}, but the run in {FLAGS.workdir} took its {frozen} "
                                  f"from its step {then}: the {frozen} would differ from here on; expected the run "
                                  "resumed on the models it started from, or another --workdir")
+    return data, steps
+
+
+def save_records_run(task, model, tokenizer, *, global_batch, examples, seq_len=None, frozen_from=(), kept=None,
+                     **kwargs):
+    """`run_record.save_run` of a script that trains on records, with the run's global batch (a restart on another
+    device count keeps it) and a digest of its `examples` (train, eval): encoded rows, or records, which a resume on
+    other data or another split refuses unless --data_change=continue (`run_record.check_data`). frozen_from: the
+    flags (`'init_from'`: the reference; `'reward_from'`: the reward model) whose workdirs give the run frozen
+    models: the step each holds is recorded, and a resume after one trained further is refused
+    (`check_records_run`). kwargs: save_run's."""
+    data, steps = check_records_run(examples=examples, seq_len=seq_len, frozen_from=frozen_from)
     run_record.save_run(FLAGS.workdir, task, model, tokenizer, global_batch=global_batch, data=data,
                         kept={**steps, **(kept or {})}, **kwargs)
 

@@ -550,7 +550,8 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                     compute_dtype=trainer.compute_dtype)
                 if trainer.workdir:
                     _save_experience(trainer.workdir, it, examples, stats, needed(it))
-            else:
+            else:  # rollout settings changed since apply from the next rollout
+                logging.info("iteration %d trains on its rollout saved before the restart, as sampled then", it)
                 examples, stats = loaded
             _stop_between_fits(trainer, stop)
             try:
