@@ -669,11 +669,11 @@ def test_rollouts_in_the_trainers_compute_dtype_score_what_its_step_computes(sft
     assert kls[0] < 1e-7 < 1e-5 < kls[1], kls
 
 
-def _fit_grpo(sft_params, workdir, max_steps, stop_in_rollout=None):
+def _fit_grpo(sft_params, workdir, max_steps, stop_in_rollout=None, **config):
     """(trainer, the steps it rolled out at) of fit_ppo on `workdir` with GRPO on a 2x1x2 mesh (iterations of two
-    updates), sending this process a SIGTERM after its `stop_in_rollout`-th rollout."""
+    updates), sending this process a SIGTERM after its `stop_in_rollout`-th rollout. config: PPOConfig's."""
     mesh = engine.make_mesh(data=2, model=2, devices=jax.devices()[:4])
-    task, params = _grpo(sft_params, mesh)
+    task, params = _grpo(sft_params, mesh, **config)
     trainer = engine.Trainer(mesh=mesh, collate_fn=preference.collate_preferences, loss_fn=task.loss_fn(),
                              params=params, optimizer=optax.adam(1e-3), workdir=str(workdir))
     rollouts, original = [], task.rollout
@@ -708,6 +708,36 @@ def test_a_signal_during_a_rollout_saves_and_the_resume_ends_where_the_uninterru
     assert stopped.value.step == 2 and stopped.value.saved and (tmp_path / "term" / "ppo_experience-1.npz").exists()
     resumed, rollouts = _fit_grpo(sft_params, tmp_path / "term", 4)
     assert rollouts == []  # iteration 1's experience was saved
+    _assert_same_params(whole, resumed)
+
+
+def test_a_signal_amid_a_paged_rollout_drops_it_and_the_resume_samples_it_again(sft_params, tmp_path, monkeypatch):
+    """A SIGTERM while the paged engine decodes the second rollout stops the run at its next step: the rollout is
+    dropped (no experience file), the step saved, StoppedBySignal; the resume rolls out that iteration again and
+    ends bit for bit where the uninterrupted run ends."""
+    steps, term = [], []  # engine steps per rollout; (rollout, step) to send a SIGTERM at
+    generate, step = ppo.PPO._paged_generate, models.PagedEngine.step
+
+    def rollout(*args, **kwargs):
+        steps.append(0)
+        return generate(*args, **kwargs)
+
+    def counted(engine_, *args):
+        steps[-1] += 1
+        if term == [len(steps), steps[-1]]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(engine_, *args)
+    monkeypatch.setattr(ppo.PPO, "_paged_generate", rollout)
+    monkeypatch.setattr(models.PagedEngine, "step", counted)
+    whole, _ = _fit_grpo(sft_params, tmp_path / "whole", 4, rollout_engine="paged")
+    assert len(steps) == 2 and steps[1] > 2, steps
+    whole_steps, steps[:], term[:] = list(steps), [], [2, 1]  # at the second rollout's first step
+    with pytest.raises(engine.StoppedBySignal) as stopped:
+        _fit_grpo(sft_params, tmp_path / "term", 4, rollout_engine="paged")
+    assert steps == [whole_steps[0], 1]  # dropped before its second step
+    assert stopped.value.step == 2 and stopped.value.saved and not (tmp_path / "term" / "ppo_experience-1.npz").exists()
+    resumed, rollouts = _fit_grpo(sft_params, tmp_path / "term", 4, rollout_engine="paged")
+    assert rollouts == [2]
     _assert_same_params(whole, resumed)
 
 

@@ -59,6 +59,11 @@ ADVANTAGE_ESTIMATORS = ("gae", "grpo")
 ROLLOUT_ENGINES = ("static", "paged")
 _PAGE_SIZE = 16  # tokens per page of the paged rollouts (the engine's default)
 _STATS = ("score", "kl", "response_tokens", "ended")
+_AGREE_EVERY = 16  # a paged rollout's engine steps between the processes' agreements on a signal
+
+
+class RolloutStopped(Exception):
+    """A rollout's `should_stop` said to stop: the rollout is dropped, nothing of it kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,25 +320,28 @@ class PPO:
 
     # ------------------------------------------------------------------------------------------------ rollouts
     def generate_and_score(self, params, prompts, *, seed, temperature=None, per_device_batch_size=8,
-                           compute_dtype=None):
+                           compute_dtype=None, should_stop=None):
         """The actor's (`params['actor']`) responses to the string `prompts`, sampled at `temperature` (default the
         config's; 0: greedy), and their scoring: (responses: token lists up to EOS, rows: `preference.token_row`
         examples, scored: one dict per row of log_probs, ref_log_probs, values (with a critic) [seq_len] and score []
         (the reward, or config.unfinished_reward for a response cut off before its EOS)). compute_dtype (the
         Trainer's `Precision.compute_dtype`; None: as they are): every model's floating parameters are cast to it
         for sampling and scoring, as the train step casts them, so the old log-probabilities are the step's own
-        (the first update's ratio is 1) and the models compute in it."""
+        (the first update's ratio is 1) and the models compute in it. should_stop: a callable polled between the
+        paged engine's steps and before the scoring; once it returns True, `RolloutStopped` (nothing is returned)."""
         params = cast_floating(params, compute_dtype)
         temperature = self.config.temperature if temperature is None else temperature
         tokens = [preference.prompt_tokens(self.tokenizer, p, self.seq_len, f"prompt {n}")
                   for n, p in enumerate(prompts)]
         if self.config.rollout_engine == "paged":
-            responses, capped = self._paged_generate(params["actor"], tokens, temperature, seed)
+            responses, capped = self._paged_generate(params["actor"], tokens, temperature, seed, should_stop)
         else:
             responses = lm.generate_tokens(self.actor, params["actor"], self.tokenizer, tokens,
                                            max_new_tokens=self.config.max_new_tokens, temperature=temperature,
                                            seed=seed, kv_cache_dtype=self.config.kv_cache_dtype)
             capped = [False] * len(responses)
+        if should_stop is not None and should_stop():
+            raise RolloutStopped()
         rows = []
         for n, (prompt, response) in enumerate(zip(tokens, responses)):
             ids, labels, segments, cut = preference.token_row(prompt, response, self.seq_len)
@@ -359,7 +367,7 @@ class PPO:
             s["score"] = np.float32(s["score"])
         return responses, rows, scored
 
-    def _paged_generate(self, actor_params, prompts, temperature, seed):
+    def _paged_generate(self, actor_params, prompts, temperature, seed, should_stop=None):
         """(responses, capped) of token-id `prompts` through `self.paged_engine`: each row a request of its own seed
         (distinct in a rollout, drawn from `seed`), the rows of one prompt (GRPO's group) sharing its pages. A row's
         request is capped at the seq_len + 1 tokens a row holds (so the decode step's page table has one width for
@@ -381,22 +389,28 @@ class PPO:
         limits = [min(c.max_new_tokens, max_len - len(p)) for p in prompts]
         ids = [engine.add_request(p, limit, eos_id=self.tokenizer.eos_id, temperature=temperature,
                                   seed=(base + n) % 2 ** 32) for n, (p, limit) in enumerate(zip(prompts, limits))]
-        out = engine.run()
+        out = {}
+        while engine.busy:
+            if should_stop is not None and should_stop():
+                self.paged_engine = None  # its pages hold the dropped requests: the next rollout makes another
+                raise RolloutStopped()
+            out.update(engine.step())
         responses = [out[i] for i in ids]
         eos = self.tokenizer.eos_id
         capped = [len(r) == limit < c.max_new_tokens and r[-1] != eos for r, limit in zip(responses, limits)]
         return responses, capped
 
-    def rollout(self, params, prompts, *, seed, per_device_batch_size=8, compute_dtype=None):
+    def rollout(self, params, prompts, *, seed, per_device_batch_size=8, compute_dtype=None, should_stop=None):
         """Experience for one iteration from string `prompts`, each answered config.samples_per_prompt times (in
         consecutive rows): (examples, stats). Each example holds the row's input_ids, labels, segment_ids,
         old_log_probs and advantages [seq_len], and old_values and returns (GAE) or ref_log_probs (GRPO); stats: the
         mean score, the mean KL to the reference per response (sum over its tokens), the mean response length and
-        the fraction of responses that ended with EOS. compute_dtype: as in `generate_and_score`."""
+        the fraction of responses that ended with EOS. compute_dtype, should_stop: as in `generate_and_score`."""
         c = self.config
         prompts = [p for p in prompts for _ in range(c.samples_per_prompt)]
         responses, rows, scored = self.generate_and_score(params, prompts, seed=seed, compute_dtype=compute_dtype,
-                                                          per_device_batch_size=per_device_batch_size)
+                                                          per_device_batch_size=per_device_batch_size,
+                                                          should_stop=should_stop)
         stack = lambda key: np.stack([s[key] for s in scored]).astype(np.float32)  # noqa: E731
         log_probs, ref_log_probs, score = (stack(k) for k in ("log_probs", "ref_log_probs", "score"))
         mask = np.stack([r["labels"] for r in rows]) >= 0
@@ -477,19 +491,33 @@ def _iteration_done(trainer, it, stats, history, on_iteration):
         on_iteration(it, stats)
 
 
-def _stop_between_fits(trainer, stop):
-    """Between fits (before and after a rollout): a SIGTERM / SIGINT that arrived outside `fit` (agreed across
-    processes) saves the Trainer's step, waits for the write and ends the run as `fit` would
-    (`engine.StoppedBySignal`)."""
+def _stop_between_fits(trainer, stop, where="between PPO's fits"):
+    """Between fits (before and after a rollout) and during a rollout (`RolloutStopped`): a SIGTERM / SIGINT that
+    arrived outside `fit` (agreed across processes) saves the Trainer's step, waits for the write and ends the run as
+    `fit` would (`engine.StoppedBySignal`)."""
     stop.agree()
     if not stop():
         return
     saved = trainer.workdir is not None and trainer.step > 0
-    logging.warning("signal received between PPO's fits (a rollout's time): stopping at step %d", trainer.step)
+    logging.warning("signal received %s: stopping at step %d", where, trainer.step)
     if saved and trainer.step not in trainer.checkpoint_steps():  # a resumed step is saved (and maybe not placed)
         trainer.save_checkpoint()
     trainer.close()
     raise fit_loop.StoppedBySignal(stop.signum or signal.SIGTERM, trainer.step, saved=saved)
+
+
+def _rollout_poll(stop):
+    """`should_stop` of fit_ppo's rollouts: the signal, agreed across processes every `_AGREE_EVERY`-th poll (every
+    process polls alike: the engine's steps are the same on each)."""
+    polls = [0]
+
+    def should_stop():
+        polls[0] += 1
+        if stop.processes > 1 and (polls[0] - 1) % _AGREE_EVERY:  # the first poll agrees (the static path's only)
+            return False
+        stop.agree()
+        return stop()
+    return should_stop
 
 
 def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_batch_size, ppo_epochs=1, seed=0,
@@ -506,7 +534,9 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     Trainer's compute dtype (`PPO.rollout(compute_dtype=)`). hang_timeout: each iteration's `fit` runs under the hang
     watchdog with it (`Trainer.fit`). Each rollout's experience is saved in the workdir (`EXPERIENCE_FILE`, kept
     while a checkpoint lies in its iteration), so a resume trains on the same rows. A SIGTERM / SIGINT between fits
-    (during a rollout) stops the run after the rollout, its step saved: `engine.StoppedBySignal`, as `fit` raises.
+    stops the run, its step saved: `engine.StoppedBySignal`, as `fit` raises. One during a rollout drops the
+    rollout (between two steps of the paged engine, or after the static one's generation) and stops so; the resume
+    samples it again, the same.
     Returns the stats of the whole iterations run."""
     rows = global_batch_size(trainer.mesh, per_device_batch_size, trainer.accumulate)
     group = ppo.config.samples_per_prompt
@@ -544,10 +574,15 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                 logging.warning("no saved experience of iteration %d: a fresh rollout from step %d, so this resume "
                                 "is not exact", it, trainer.step)
             if loaded is None:
-                examples, stats = ppo.rollout(
-                    trainer.params, iteration_prompts(prompts, it, rollout_batch_size // group, seed),
-                    seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size,
-                    compute_dtype=trainer.compute_dtype)
+                try:
+                    examples, stats = ppo.rollout(
+                        trainer.params, iteration_prompts(prompts, it, rollout_batch_size // group, seed),
+                        seed=seed * 1_000_003 + it, per_device_batch_size=per_device_batch_size,
+                        compute_dtype=trainer.compute_dtype, should_stop=_rollout_poll(stop))
+                except RolloutStopped:
+                    _stop_between_fits(trainer, stop, f"during iteration {it}'s rollout (dropped: the resume samples "
+                                                      "it again)")
+                    raise  # a poll said stop: the agreed signal is set
                 if trainer.workdir:
                     _save_experience(trainer.workdir, it, examples, stats, needed(it))
             else:  # rollout settings changed since apply from the next rollout
