@@ -342,19 +342,29 @@ class TrainState:
                      self.batch_in_epoch, checkpointer.directory)
 
     def _check_diloco_matches(self, meta, workdir):
-        """A whole-state restore needs the checkpoint's DiLoCo replicas and fragments."""
+        """A whole-state restore needs the checkpoint's DiLoCo replicas, fragments and overlap."""
         saved, mine = meta.get("diloco_replicas"), self.diloco_replicas()
+        only = ("or Checkpointing(params_only=True) to take its parameters only (the scripts: --init_from=<that "
+                "workdir> in another --workdir)")
         if saved != mine:
             have = f"DiLoCo with {saved} replicas" if saved else "no DiLoCo"
-            want = f"diloco on a mesh with data={saved}" if saved else "diloco=None"
+            want = (f"diloco on a mesh with data={saved} (--diloco_inner_steps > 0, a --mesh of data={saved})"
+                    if saved else "diloco=None (--diloco_inner_steps=0)")
             raise ValueError(f"workdir={workdir} holds a checkpoint of a run with {have}; expected {want} to "
-                             "resume it, or Checkpointing(params_only=True) to take its parameters only")
+                             f"resume it, {only}")
         saved = meta.get("diloco_fragments") or (1 if meta.get("diloco_replicas") else None)
         mine = None if self.diloco is None else self.diloco.fragments
         if saved != mine and mine is not None:
             raise ValueError(f"workdir={workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
-                             f"expected DiLoCo(fragments={saved}) to resume it (each part has its own outer "
-                             "optimizer state), or Checkpointing(params_only=True) to take its parameters only")
+                             f"expected DiLoCo(fragments={saved}) (--diloco_fragments={saved}) to resume it (each "
+                             f"part has its own outer optimizer state), {only}")
+        saved = meta.get("diloco_overlap", False) if meta.get("diloco_replicas") else None
+        mine = None if self.diloco is None else self.diloco.overlap
+        if saved != mine and mine is not None:
+            raise ValueError(f"workdir={workdir} holds a checkpoint of a DiLoCo run with overlap={saved}; expected "
+                             f"DiLoCo(overlap={saved}) (--diloco_overlap={str(saved).lower()}) to resume it (an outer "
+                             "step falling due at the checkpoint's step is taken in that step without overlap, in "
+                             f"the next one with it: a switch would take it twice or never), {only}")
 
     def meta(self):
         """What a checkpoint records besides the arrays: the data position, the seed and rng, the batch spec."""
@@ -363,6 +373,7 @@ class TrainState:
                 "batch": data_lib.spec_to_json(self.batch_spec), "rows": self.rows,
                 "rng": np.asarray(jax.random.key_data(self.key)).tolist(), "diloco_replicas": self.diloco_replicas(),
                 "diloco_fragments": None if self.diloco is None else self.diloco.fragments,
+                "diloco_overlap": None if self.diloco is None else self.diloco.overlap,
                 "evals_since_best": self.evals_since_best, "fit_call": self.fit_call, "examples": self.examples}
 
     def _agreed_iterator_state(self):

@@ -28,13 +28,13 @@ def is_quantized_kernel(path):
 
 
 def _map_projections(params, fn, path=()):
-    """params with fn(node, name) applied to every dict holding a quantisable weight `name` (a projection's
-    'kernel', an expert stack's 'gate' / 'up' / 'down')."""
+    """params with fn(node, name, path to the weight) applied to every dict holding a quantisable weight `name` (a
+    projection's 'kernel', an expert stack's 'gate' / 'up' / 'down')."""
     if not isinstance(params, dict):
         return params
     names = [k for k in params if is_quantized_kernel(path + (k,))]
     for name in names:
-        params = fn(params, name)
+        params = fn(params, name, path + (name,))
     return {k: v if k in names or k.endswith("_scale") and k[:-len("_scale")] in names
             else _map_projections(v, fn, path + (k,)) for k, v in params.items()}
 
@@ -48,8 +48,11 @@ def quantize(model, params, fmt="int8"):
         return model, params
     model, params = dequantize(model, params)
 
-    def one(node, name):
-        q, scale = jax.jit(QUANTIZERS[fmt])(node[name])
+    def one(node, name, path):
+        try:
+            q, scale = jax.jit(QUANTIZERS[fmt])(node[name])
+        except ValueError as e:  # a weight the format cannot store (nf4: rows not a multiple of its block)
+            raise ValueError(f"{'/'.join(path)}: {e}") from None
         return {**node, name: q, f"{name}_scale": scale}
 
     return model.clone(config=dataclasses.replace(model.config, quantize=fmt)), _map_projections(params, one)
@@ -62,7 +65,7 @@ def dequantize(model, params):
         return model, params
     dtype = jnp.dtype(model.config.param_dtype)
 
-    def one(node, name):
+    def one(node, name, path):
         weight = DEQUANTIZERS[model.config.quantize](node[name], node[f"{name}_scale"], dtype)
         return {**{k: v for k, v in node.items() if k != f"{name}_scale"}, name: weight}
 

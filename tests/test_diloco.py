@@ -131,9 +131,14 @@ def test_resumes_exactly_between_outer_steps(tmp_path):
                      checkpointing=engine.Checkpointing(params_only=True))
     assert plain.step == 10 and _max_diff(plain.params, whole.params) == 0.0
     with pytest.raises(ValueError, match=r"holds a checkpoint of a DiLoCo run with fragments=1; expected "
-                                         r"DiLoCo\(fragments=1\) to resume it"):
+                                         r"DiLoCo\(fragments=1\) \(--diloco_fragments=1\) to resume it"):
         _trainer(engine.make_mesh(data=4, model=2), optimizer=optax.adam(1e-2), workdir=str(tmp_path),
                  diloco=engine.DiLoCo(inner_steps=4, fragments=2))
+    # Another overlap would take an outer step due at a checkpoint twice (or never): refused.
+    with pytest.raises(ValueError, match=r"holds a checkpoint of a DiLoCo run with overlap=False; expected "
+                                         r"DiLoCo\(overlap=False\) \(--diloco_overlap=false\) to resume it"):
+        _trainer(engine.make_mesh(data=4, model=2), optimizer=optax.adam(1e-2), workdir=str(tmp_path),
+                 diloco=engine.DiLoCo(inner_steps=4, overlap=True))
 
 
 def test_overlapped_exchange_does_not_wait_for_the_inner_step():

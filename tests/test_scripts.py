@@ -725,6 +725,9 @@ def _bad_inputs(tmp_path, slow):
         ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
                                                                     "lora_targets=('q', 'qkv'); expected",
         ("train_dpo.py", "--quantize=int8"): "--quantize=int8 with --lora_rank=0; expected --lora_rank > 0",
+        ("train_sft.py", "--lora_rank=2", "--quantize=nf4", '--model_overrides={"hidden_size": 32}'):
+            "--quantize=nf4: layers_0/attn/k/kernel: weight.shape=(32, 16); nf4 needs its rows K a multiple of 64; "
+            "expected --quantize=int8",
         ("train_lm.py", "--pipeline_stages=0"): "--pipeline_stages=0; expected an integer >= 1",
         ("train_lm.py", "--zero_quantized_weights"): "zero_quantized_weights=True; expected False on a mesh with "
                                                      "fsdp=1",

@@ -394,6 +394,48 @@ def test_optimizer_flags_schedules_and_errors():
         FLAGS.unparse_flags()
 
 
+def test_diloco_runs_say_when_they_end_between_outer_steps_and_note_changed_diloco_flags(tmp_path, caplog):
+    """A DiLoCo run whose --max_steps falls between two outer steps (or whose last one, overlapped, would be taken
+    in the step after) ends with the global model of its last outer step: one warning line names it. A resume under
+    another --diloco_inner_steps, outer learning rate or wire format gets the changed-flag warning line."""
+    from absl import flags  # noqa: PLC0415
+
+    FLAGS = flags.FLAGS
+    if "lr_schedule" not in FLAGS:
+        script_flags.define_training_flags(workdir="w", max_steps=10, learning_rate=1.0, warmup_steps=2, log_every=1,
+                                           save_every=1)
+    cases = {("--max_steps=6",): "--max_steps=6 is not a multiple of --diloco_inner_steps=4: the model the run ends "
+                                 "with (its checkpoint's parameters, the eval after training, generate.py and "
+                                 "export_hf.py) is its global model of step 4, its last outer step; the replicas' 2 "
+                                 "steps since reach it at the next outer step",
+             ("--max_steps=8", "--diloco_overlap"): "with --diloco_overlap an outer step is taken in the step after "
+                                                    "it falls due, so step 8's is not: the model the run ends with",
+             ("--max_steps=8",): None, ("--max_steps=6", "--diloco_fragments=2"): None}
+    workdir = str(tmp_path / "w")
+    try:
+        for args, warning in cases.items():
+            FLAGS.unparse_flags()
+            FLAGS(["prog", "--diloco_inner_steps=4", *args])
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                script_flags.check_diloco_flags()
+            assert (warning in caplog.text) if warning else "outer step" not in caplog.text, (args, caplog.text)
+        model = model_start.create_model("llama", "tiny", {"hidden_size": 32}, families=["llama"])
+        FLAGS.unparse_flags()
+        FLAGS(["prog", f"--workdir={workdir}", "--diloco_inner_steps=4"])
+        run_record.save_run(workdir, "lm", model, text_data.WordTokenizer(["a"]))
+        os.makedirs(os.path.join(workdir, "checkpoints", "4"))  # a checkpoint binds the record
+        FLAGS.unparse_flags()
+        FLAGS(["prog", f"--workdir={workdir}", "--diloco_inner_steps=8", "--diloco_outer_learning_rate=0.5"])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            run_record.save_run(workdir, "lm", model, text_data.WordTokenizer(["a"]))
+        for changed in ("--diloco_inner_steps=8 where the run in", "--diloco_outer_learning_rate=0.5 where the run in"):
+            assert changed in caplog.text, caplog.text
+    finally:
+        FLAGS.unparse_flags()
+
+
 def test_a_longer_max_steps_keeps_or_rewarms_the_schedule_the_run_started_with(tmp_path):
     """`make train` then `make train ARGS=--max_steps=...`: the cosine's horizon was the first run's --max_steps, so
     stretching it would jump the rate (0.1x to about 0.58x of the peak); the run keeps its schedule, or starts a

@@ -199,7 +199,11 @@ def with_lora(model, params, mesh):
     if not FLAGS.lora_rank:
         return model, params
     if FLAGS.quantize != "none":
-        model, params = models.quantize(model, params, FLAGS.quantize)
+        try:
+            model, params = models.quantize(model, params, FLAGS.quantize)
+        except ValueError as e:
+            raise ValueError(f"--quantize={FLAGS.quantize}: {e}; expected --quantize=int8 (or a model whose "
+                             "widths the format's blocks divide)") from None
     try:
         config = dataclasses.replace(model.config, lora_rank=FLAGS.lora_rank, lora_alpha=FLAGS.lora_alpha,
                                      lora_targets=tuple(FLAGS.lora_targets), lora_dropout=FLAGS.lora_dropout)

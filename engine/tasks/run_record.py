@@ -84,9 +84,10 @@ def save_run(workdir, task, model, tokenizer, critic=None, global_batch=None, ev
                 was = (old_config or {}).get("fp8_history") or 0
                 hint += (f"{'; ' if hint else ': '}it ran with " + (f"--fp8 --fp8_history={was}" if was else
                                                                      "--fp8_history=0 (no FP8 amax histories)"))
+            values = ", ".join(f"{k} {(old_config or {}).get(k)} there, {new_config.get(k)} here" for k in changed)
             raise ValueError(f"--workdir={workdir} holds a {old.get('task')} run of another model ({old.get('family')}"
-                             f"{', fields ' + str(changed) if changed else ''} differ); use another --workdir or the "
-                             f"flags of that run{hint}")
+                             f"{', fields ' + str(changed) if changed else ''} differ{': ' + values if values else ''}"
+                             f"); use another --workdir or the flags of that run{hint}")
     binding = _training_record(workdir)  # the record the newest checkpoint was saved under
     if os.path.exists(path):
         _note_changed_training_flags(workdir, binding)
@@ -118,7 +119,8 @@ _NOTED_FLAGS = ("learning_rate", "lr_schedule", "warmup_steps", "min_learning_ra
                 "adam_b2", "adam_eps", "max_grad_norm", "seed", "compute_dtype", "fp8", "dropout_rate",
                 "attention_dropout_rate", "beta", "dpo_loss", "label_smoothing", "kl_coef", "clip_ratio", "value_coef",
                 "critic_learning_rate", "temperature", "max_new_tokens", "unfinished_reward", "scale_rewards",
-                "rollout_engine", "kv_cache_dtype", "verifiable_reward")
+                "rollout_engine", "kv_cache_dtype", "verifiable_reward", "lora_dropout", "diloco_inner_steps",
+                "diloco_outer_learning_rate", "diloco_outer_dtype")
 
 
 def compute_dtype_name():

@@ -386,6 +386,18 @@ def check_diloco_flags():
     if FLAGS.diloco_fragments > max(1, FLAGS.diloco_inner_steps):
         raise ValueError(f"--diloco_fragments={FLAGS.diloco_fragments}; expected at most --diloco_inner_steps="
                          f"{FLAGS.diloco_inner_steps} (each part takes its outer step at its own inner step)")
+    inner, end = FLAGS.diloco_inner_steps, FLAGS.max_steps if "max_steps" in FLAGS else 0
+    if inner and FLAGS.diloco_fragments == 1 and end > 0:
+        # An outer step falls due after every `inner` steps; with overlap it is taken in the step after that.
+        last = (end - FLAGS.diloco_overlap) // inner * inner
+        if last < end:
+            why = (f"with --diloco_overlap an outer step is taken in the step after it falls due, so step {end}'s "
+                   "is not" if end % inner == 0 else f"--max_steps={end} is not a multiple of --diloco_inner_steps="
+                   f"{inner}")
+            logging.warning("%s: the model the run ends with (its checkpoint's parameters, the eval after training, "
+                            "generate.py and export_hf.py) is its global model of step %d, its last outer step; the "
+                            "replicas' %d steps since reach it at the next outer step, which a resume to a larger "
+                            "--max_steps takes", why, last, end - last)
 
 
 def trainer_kwargs():
