@@ -70,11 +70,14 @@ class Checkpointer:
     """`workdir/<name>/<step>/{state, meta}`: `state` is a pytree of arrays, `meta` a JSON dict. The Trainer keeps
     its last `keep` states under 'checkpoints' and, with `fit(save_best=...)`, the best evaluated one under 'best'."""
 
-    def __init__(self, workdir, *, keep=3, async_save=True, name="checkpoints"):
+    def __init__(self, workdir, *, keep=3, async_save=True, name="checkpoints", read_only=False):
+        """read_only: a reader of a workdir another run may be writing (it neither creates the directory nor, as a
+        writer does at its start, deletes the unfinished saves there: those may be that run's save in progress)."""
         self.workdir = workdir
         self.directory = os.path.abspath(os.path.join(workdir, name))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               cleanup_tmp_directories=True, create=True)
+                                               cleanup_tmp_directories=not read_only, create=not read_only,
+                                               read_only=read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def latest_step(self):

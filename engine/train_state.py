@@ -525,7 +525,7 @@ def restore_params(workdir, *, mesh, params, loss_fn, checkpoint="latest"):
     `jax.ShapeDtypeStruct`s: only shapes and dtypes are read). Returns (params, the checkpoint's step)."""
     check("checkpoint", checkpoint, checkpoint in RESTORE_CHECKPOINTS, f"one of {RESTORE_CHECKPOINTS}")
     name = "best" if checkpoint == "best" else "checkpoints"
-    source = Checkpointer(workdir, name=name) if os.path.isdir(os.path.join(workdir, name)) else None
+    source = Checkpointer(workdir, name=name, read_only=True) if os.path.isdir(os.path.join(workdir, name)) else None
     step = None if source is None else source.latest_step()
     if step is None:
         raise FileNotFoundError(f"checkpoint={checkpoint!r}: workdir={workdir} has no {checkpoint} checkpoint "

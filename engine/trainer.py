@@ -141,7 +141,9 @@ class Trainer:
         self._restored_best = checkpointing.restore == "best"
         started = time.perf_counter()
         try:
-            self._checkpointer = open_checkpointer(workdir, checkpointing) if workdir else None
+            # A Trainer of the best checkpoint reads (another run may be saving here): its steps, never a cleanup.
+            self._checkpointer = None if not workdir else Checkpointer(workdir, read_only=True) if (
+                self._restored_best) else open_checkpointer(workdir, checkpointing)
             self._restore_from_workdir()
         except BaseException:  # a Trainer never made holds no workdir
             self.close()
@@ -619,7 +621,7 @@ class Trainer:
 
     def _open_best(self):
         if self._best_checkpointer is None:
-            self._best_checkpointer = Checkpointer(self.workdir, keep=1, name="best")
+            self._best_checkpointer = Checkpointer(self.workdir, keep=1, name="best", read_only=self._restored_best)
         return self._best_checkpointer
 
     def _check_best_matches(self, save_best):

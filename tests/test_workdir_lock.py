@@ -71,6 +71,30 @@ def test_a_workdir_another_run_holds_is_refused_until_that_run_ends(tmp_path):
         holder.wait()
 
 
+def test_readers_leave_the_save_another_run_has_in_progress(tmp_path):
+    """engine.restore_params (generate.py, export_hf.py, --init_from) and a Trainer of the best checkpoint read a
+    workdir another run may be saving to: its unfinished saves (Orbax's `<step>.orbax-checkpoint-tmp-*`
+    directories) stay. A reader cleaning them up, as a writer does at its start, deleted the live run's save in
+    progress and that run died."""
+    trainer = _trainer(str(tmp_path))
+    examples = task.make_examples(8)
+    trainer.fit(examples, per_device_batch_size=4, max_steps=1, eval_examples=examples, eval_every=1,
+                save_best=("loss", "min"))
+    trainer.close()
+    pending = [tmp_path / name / "7.orbax-checkpoint-tmp-1765000000000000" for name in ("checkpoints", "best")]
+    for path in pending:
+        (path / "state").mkdir(parents=True)
+    mesh = engine.make_mesh(data=1, devices=jax.devices()[:1])
+    for checkpoint in ("latest", "best"):
+        _, step = engine.restore_params(str(tmp_path), mesh=mesh, params=task.init_params(), loss_fn=task.loss_fn,
+                                        checkpoint=checkpoint)
+        assert step == 1
+    best = _trainer(str(tmp_path), checkpointing=engine.Checkpointing(params_only=True, restore="best"))
+    assert best.step == 1
+    best.close()
+    assert all(path.is_dir() for path in pending)
+
+
 def test_trainers_of_one_process_share_the_lock_and_the_last_close_releases_it(tmp_path):
     first, second = _trainer(str(tmp_path)), _trainer(str(tmp_path))
     first.close()
