@@ -83,8 +83,7 @@ def main(argv):
     task = None
     if FLAGS.init_from:
         model, params, tokenizer = model_start.load_hf(
-            FLAGS.init_from, families=["llama", "gptj", "opt", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text",
-                                       "t5"], mesh=mesh)
+            FLAGS.init_from, families=[*script_flags.DECODER_FAMILIES, "t5"], mesh=mesh)
     else:
         tasks = ("lm", "seq2seq", "sft", "dpo", "ppo")
         task, model, params, tokenizer = run_record.restore_run(FLAGS.workdir, mesh, tasks=tasks,

@@ -64,7 +64,9 @@ def named_model():
 def build_model(mesh):
     """(model, params, tokenizer) from the flags."""
     if FLAGS.init_from:
-        return model_start.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
+        model, params, tokenizer = model_start.load_hf(FLAGS.init_from, families=FAMILIES, mesh=mesh)
+        model_start.check_positions(model, FLAGS.seq_len)
+        return model, params, tokenizer
     model, tokenizer = named_model()
     return model, models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=engine.auto_layout(mesh)), tokenizer
 

@@ -616,6 +616,7 @@ def _bad_inputs(tmp_path, slow):
     pq.write_table(pa.table({"question": ["cat owl"] * 3, "completion": ["owl cat"] * 3}), tmp_path / "qa.parquet")
     (tmp_path / "latin1.txt").write_bytes("def café():\n".encode("latin-1"))
     _tiny_hf("llama", tmp_path / "hf_no_tokenizer")
+    _tiny_hf("opt", tmp_path / "hf_opt")  # 128 learned positions
     for name, rate in (("ppo_shared", None), ("ppo_apart", 1e-3)):  # PPO runs that saved step 2, one optimizer or two
         (tmp_path / name / "checkpoints" / "2").mkdir(parents=True)
         (tmp_path / name / "run.json").write_text(json.dumps({"task": "ppo", "training": {
@@ -725,6 +726,12 @@ def _bad_inputs(tmp_path, slow):
         ("train_sft.py", "--lora_rank=4", "--lora_targets=q,qkv"): "--lora_rank/--lora_alpha/--lora_targets: "
                                                                     "lora_targets=('q', 'qkv'); expected",
         ("train_dpo.py", "--quantize=int8"): "--quantize=int8 with --lora_rank=0; expected --lora_rank > 0",
+        ("train_lm.py", f"--init_from={tmp_path / 'hf_opt'}", "--tokenizer=byte", "--seq_len=256"):
+            "--seq_len=256 with a model of 128 learned positions (its max_position_embeddings); expected --seq_len <= "
+            "128",
+        ("generate.py", f"--init_from={tmp_path / 'hf_opt'}", "--tokenizer=byte", "--prompts=" + "x" * 120,
+         "--max_new_tokens=16"): "prompt 0 (120 tokens) and max_new_tokens=16 reach position 135, past the model's "
+                                 "128 learned positions",
         ("train_sft.py", "--lora_rank=2", "--quantize=nf4", '--model_overrides={"hidden_size": 32}'):
             "--quantize=nf4: layers_0/attn/k/kernel: weight.shape=(32, 16); nf4 needs its rows K a multiple of 64; "
             "expected --quantize=int8",

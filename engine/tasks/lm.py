@@ -228,6 +228,12 @@ def generate_tokens(model, params, tokenizer, prompts, *, max_new_tokens, temper
     if not prompts:
         raise ValueError("prompts: none given; expected at least one prompt")
     encoder_decoder = getattr(model, "is_encoder_decoder", False)
+    positions = model.config.max_position_embeddings if getattr(model, "position_offset", None) is not None else None
+    for n, prompt in enumerate(prompts):  # learned positions (OPT's) end: a position past them reads no embedding
+        if positions is not None and len(prompt) + max_new_tokens - 1 > positions:
+            raise ValueError(f"prompt {n} ({len(prompt)} tokens) and max_new_tokens={max_new_tokens} reach position "
+                             f"{len(prompt) + max_new_tokens - 1}, past the model's {positions} learned positions (its "
+                             "max_position_embeddings); expected a shorter prompt or fewer new tokens")
     ids, mask = left_pad(prompts, tokenizer, right=encoder_decoder)
     out = models.generate(model, params, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p, rng=jax.random.PRNGKey(seed),

@@ -48,12 +48,25 @@ def merge_adapter(model, params, adapter, mesh):
                                                          layout=_layout(mesh)))
 
 
+def check_positions(model, length, what="--seq_len"):
+    """ValueError in one line when rows of `length` tokens reach past the learned position table of `model` (OPT's;
+    a position past it reads no embedding and the loss turns NaN). Rotary models take any position."""
+    backbone = getattr(model, "backbone", model)
+    positions = backbone.config.max_position_embeddings
+    if getattr(backbone, "position_offset", None) is not None and length > positions:
+        raise ValueError(f"{what}={length} with a model of {positions} learned positions (its "
+                         f"max_position_embeddings); expected {what} <= {positions}")
+
+
 def _start_decoder(mesh, tasks, seq_len):
     if FLAGS.init_from:
         if os.path.exists(os.path.join(FLAGS.init_from, RUN_FILE)):
             check_no_tokenizer_flag(FLAGS.init_from)
-            return restore_run(FLAGS.init_from, mesh, tasks=tasks, **model_options(runtime_only=True))
-        return (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
+            started = restore_run(FLAGS.init_from, mesh, tasks=tasks, **model_options(runtime_only=True))
+        else:
+            started = (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
+        check_positions(started[1], seq_len)
+        return started
     model, tokenizer = fresh_decoder(seq_len)
     params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=_layout(mesh))
     return None, model, params, tokenizer
