@@ -6,12 +6,15 @@ A language model (train_lm.py, train_sft.py, train_dpo.py; a PPO run's policy) b
 with one label; LoRA adapters are merged into the weights. The tokenizer file the run used (tokenizer.json or
 tokenizer.model) is copied beside it. `--adapter_only` writes a LoRA run's adapters alone as a PEFT adapter
 directory (adapter_config.json, adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, out)` reads it onto
-the base model it was trained on).
+the base model it was trained on). --out is a new or empty directory; --overwrite writes into one that is not,
+removing first the files an export writes (so none of an earlier export is read beside this one). config.json
+gets the run's EOS and padding ids where the model's config had none (transformers' `generate` then stops at EOS).
 
   python scripts/export_hf.py --workdir=workdir --out=hf_model
   python scripts/export_hf.py --workdir=workdir_reward --out=hf_reward_model
   python scripts/export_hf.py --workdir=workdir_sft_lora --out=adapter --adapter_only
 """
+import json
 import os
 import shutil
 
@@ -26,14 +29,51 @@ FLAGS = flags.FLAGS
 script_flags.define_flags()
 flags.DEFINE_string("workdir", "workdir", "A training script's workdir (its run.json and latest checkpoint).")
 script_flags.define_checkpoint_flag()
-flags.DEFINE_string("out", None, "The directory to write (created; its safetensors files are replaced).")
+flags.DEFINE_string("out", None, "The directory to write (created): new or empty, or with --overwrite.")
 flags.DEFINE_bool("adapter_only", False, "Write only the run's LoRA adapters, as a PEFT adapter directory.")
+flags.DEFINE_bool("overwrite", False, "Write into a non-empty --out: the files an export writes there (config, "
+                  "weights, tokenizer, adapter files) are removed first; others stay.")
+
+# What an export may write: removed from a non-empty --out by --overwrite, so that no file of an earlier export (a
+# tokenizer this run lacks, the other kind of directory's weights) is read as this one's.
+_EXPORTED = ("config.json", "generation_config.json", "adapter_config.json", *text_data.TOKENIZER_FILES)
+_EXPORTED_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def _check_out():
+    """--out is a new or empty directory, or --overwrite clears what an export writes there; ValueError in one line
+    (before any checkpoint is read)."""
+    if not FLAGS.out:
+        raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
+    if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
+        raise ValueError(f"--out={FLAGS.out} is a file; expected a directory to write the checkpoint to")
+    present = sorted(os.listdir(FLAGS.out)) if os.path.isdir(FLAGS.out) else []
+    if present and not FLAGS.overwrite:
+        shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
+        raise ValueError(f"--out={FLAGS.out} is not empty ({shown}); expected a new or empty directory, or "
+                         "--overwrite to replace the files an export writes there")
+    if jax.process_index() == 0:
+        for name in present:
+            if name in _EXPORTED or name.endswith(_EXPORTED_SUFFIXES):
+                os.remove(os.path.join(FLAGS.out, name))
+
+
+def _note_token_ids(tokenizer):
+    """config.json's eos / pad ids from the run's tokenizer where the model's config had none, so that transformers'
+    `generate` stops at EOS."""
+    path = os.path.join(FLAGS.out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    for key, value in (("eos_token_id", tokenizer.eos_id), ("pad_token_id", tokenizer.pad_id)):
+        if config.get(key) is None and value is not None:
+            config[key] = int(value)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def main(argv):
     del argv
-    if not FLAGS.out:
-        raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
+    _check_out()
     mesh = cli.start()
     task, model, params, tokenizer = run_record.restore_run(FLAGS.workdir, mesh, checkpoint=FLAGS.checkpoint)
     if FLAGS.adapter_only:
@@ -50,6 +90,7 @@ def main(argv):
             models.save_reward_model(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)
         else:
             models.save_pretrained(model, params, FLAGS.out)
+        _note_token_ids(tokenizer)
         copied = [name for name in text_data.TOKENIZER_FILES if os.path.exists(os.path.join(FLAGS.workdir, name))]
         for name in copied:
             shutil.copy(os.path.join(FLAGS.workdir, name), os.path.join(FLAGS.out, name))

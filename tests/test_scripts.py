@@ -518,9 +518,16 @@ def test_sft_reward_model_ppo_and_generate(tmp_path):
     assert run["config"]["lora_rank"] == 2 and run["critic"]["config"]["lora_rank"] == 2
     gen = _run("generate.py", f"--workdir={ppo}", "--prompts=owl cat", "--max_new_tokens=3")
     assert "--- 'owl cat':" in gen.stdout
-    out = _run("export_hf.py", f"--workdir={ppo}", f"--out={tmp_path / 'ppo_hf'}")
+    refused = _run("export_hf.py", f"--workdir={ppo}", f"--out={tmp_path / 'ppo_hf'}", ok=False)  # a workdir
+    assert refused.returncode == 2 and f"--out={tmp_path / 'ppo_hf'} is not empty (" in refused.stderr
+    (tmp_path / "ppo_export").mkdir()  # an earlier export's files, which this run's would be read beside
+    for stale in ("tokenizer.model", "adapter_config.json", "model-00001-of-00002.safetensors", "notes.txt"):
+        (tmp_path / "ppo_export" / stale).write_text("stale")
+    out = _run("export_hf.py", f"--workdir={ppo}", f"--out={tmp_path / 'ppo_export'}", "--overwrite")
     assert "as a Hugging Face causal language model" in out.stdout
-    model, params = models.load_pretrained(str(tmp_path / "ppo_hf"))
+    assert sorted(os.listdir(tmp_path / "ppo_export")) == ["config.json", "model.safetensors", "notes.txt"]
+    assert json.loads((tmp_path / "ppo_export" / "config.json").read_text())["eos_token_id"] == 2  # the word tokens'
+    model, params = models.load_pretrained(str(tmp_path / "ppo_export"))
     _, _, actor, _ = run_record.restore_run(str(ppo), engine.make_mesh())
     for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -623,6 +630,7 @@ def _bad_inputs(tmp_path, slow):
             "critic_learning_rate": rate, "since": 0}}))
     if not slow:
         return {
+            ("export_hf.py", f"--out={tmp_path}"): f"--out={tmp_path} is not empty (",
             # Refused before the models load (a fresh model here would build).
             ("train_ppo.py", f"--workdir={tmp_path / 'ppo_shared'}", "--critic_learning_rate=1e-3"):
                 f"--critic_learning_rate=0.001 where the run in {tmp_path / 'ppo_shared'} had it unset: the critic "
@@ -656,6 +664,8 @@ def _bad_inputs(tmp_path, slow):
                                                                     "fields 'prompt', 'chosen' and 'rejected'",
             ("train_ppo.py", f"--data={tmp_path / 'bad.jsonl'}"): "--reward_from is empty",
             ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
+            ("export_hf.py", f"--out={tmp_path / 'empty.txt'}"): f"--out={tmp_path / 'empty.txt'} is a file; expected "
+                                                                 "a directory",
             ("train_lm.py", "--save_best=loss"): "--save_best=loss; expected METRIC:min or METRIC:max",
             ("train_sft.py", "--eval_every=-2"): "--eval_every=-2; expected an integer >= 0",
             # The Parquet records read, their fields from the named columns: the error is the prompt's length.
