@@ -710,6 +710,8 @@ def _bad_inputs(tmp_path, slow):
         ("train_dpo.py", "--seq_len=4"): "seq_len=4: triple 0's prompt takes",
         ("train_sft.py", "--seq_len=4"): "seq_len=4: pair 0's prompt takes",
         ("train_sft.py", f"--init_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['lm', 'sft']",
+        ("train_lm.py", f"--init_from={tmp_path / 'rmrun'}"): f"--init_from={tmp_path / 'rmrun'} is a training "
+            "script's workdir, which this script does not start from; expected a Hugging Face model directory",
         ("train_ppo.py", f"--reward_from={tmp_path / 't5run'}"): "holds a seq2seq run; expected one of ['reward']",
         ("train_ppo.py", "--rollout_batch_size=12"): "--rollout_batch_size=12; expected a positive multiple of the "
                                                      "global batch (128 rows)",

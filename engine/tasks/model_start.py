@@ -177,6 +177,11 @@ def load_hf_model(path, *, families):
     --init_from otherwise."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init_from={path} is not a directory; expected a Hugging Face model directory")
+    if os.path.exists(os.path.join(path, RUN_FILE)) and not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"--init_from={path} is a training script's workdir, which this script does not start "
+                         "from; expected a Hugging Face model directory (scripts/export_hf.py writes one from the "
+                         "workdir; generate.py reads a workdir as --workdir, train_sft.py and the RLHF scripts as "
+                         "--init_from)")
     model = models.load_model(path, **model_options())
     if family_of(model) not in families:
         raise ValueError(f"--init_from={path} holds a {family_of(model)} model; this script takes {list(families)}")
