@@ -358,9 +358,9 @@ class TrainState:
             raise ValueError(f"workdir={workdir} holds a checkpoint of a DiLoCo run with fragments={saved}; "
                              f"expected DiLoCo(fragments={saved}) (--diloco_fragments={saved}) to resume it (each "
                              f"part has its own outer optimizer state), {only}")
-        saved = meta.get("diloco_overlap", False) if meta.get("diloco_replicas") else None
+        saved = meta.get("diloco_overlap")  # None: no DiLoCo, or a checkpoint saved before it was recorded
         mine = None if self.diloco is None else self.diloco.overlap
-        if saved != mine and mine is not None:
+        if saved is not None and mine is not None and saved != mine:
             raise ValueError(f"workdir={workdir} holds a checkpoint of a DiLoCo run with overlap={saved}; expected "
                              f"DiLoCo(overlap={saved}) (--diloco_overlap={str(saved).lower()}) to resume it (an outer "
                              "step falling due at the checkpoint's step is taken in that step without overlap, in "

@@ -41,8 +41,8 @@ _EXPORTED_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def _check_out():
-    """--out is a new or empty directory, or --overwrite clears what an export writes there; ValueError in one line
-    (before any checkpoint is read)."""
+    """--out is a new or empty directory, or --overwrite is given; ValueError in one line (before any checkpoint is
+    read). Returns the names in --out."""
     if not FLAGS.out:
         raise ValueError("--out is empty; expected the directory to write the Hugging Face checkpoint to")
     if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
@@ -52,10 +52,14 @@ def _check_out():
         shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
         raise ValueError(f"--out={FLAGS.out} is not empty ({shown}); expected a new or empty directory, or "
                          "--overwrite to replace the files an export writes there")
-    if jax.process_index() == 0:
-        for name in present:
-            if name in _EXPORTED or name.endswith(_EXPORTED_SUFFIXES):
-                os.remove(os.path.join(FLAGS.out, name))
+    return present
+
+
+def _clear_exported(present):
+    """--overwrite: removes from --out the files an export writes (once the checkpoint restored)."""
+    for name in present:
+        if name in _EXPORTED or name.endswith(_EXPORTED_SUFFIXES):
+            os.remove(os.path.join(FLAGS.out, name))
 
 
 def _note_token_ids(tokenizer):
@@ -73,13 +77,15 @@ def _note_token_ids(tokenizer):
 
 def main(argv):
     del argv
-    _check_out()
+    present = _check_out()
     mesh = cli.start()
     task, model, params, tokenizer = run_record.restore_run(FLAGS.workdir, mesh, checkpoint=FLAGS.checkpoint)
+    if FLAGS.adapter_only and (task == "reward" or not models.has_lora(params)):
+        raise ValueError(f"--adapter_only: {FLAGS.workdir} holds a {task} run without LoRA adapters; expected "
+                         "a language-model run trained with --lora_rank")
+    if jax.process_index() == 0:
+        _clear_exported(present)
     if FLAGS.adapter_only:
-        if task == "reward" or not models.has_lora(params):
-            raise ValueError(f"--adapter_only: {FLAGS.workdir} holds a {task} run without LoRA adapters; expected "
-                             "a language-model run trained with --lora_rank")
         if jax.process_index() == 0:
             models.save_lora_adapter(model, params, FLAGS.out)
             print(f"wrote the {task} run's LoRA adapters (rank {model.config.lora_rank}) as a PEFT adapter to "
