@@ -23,6 +23,10 @@ _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 
 
+# config.json's key for the training task an export came from (scripts/export_hf.py writes it; a later export of a
+# model read from there writes its own run's, never this one carried over).
+EXPORTED_TASK = "redline_task"
+
 def config_from_hf(hf, **options):
     """A transformers config dict -> our config for its family (options: ModelOptions fields such as dtype)."""
     return _config_from_hf(hf, "config", options)
@@ -90,6 +94,13 @@ class _MissingTensorsError(ValueError, KeyError):
 # read is refused: it is most often a trained layer the config does not count.
 _REDUNDANT = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.(masked_)?bias|^lm_head\.weight"
                         r"|^(encoder|decoder)\.embed_tokens\.weight)$")
+
+
+def exported_task(path):
+    """The training task (`'sft'`, `'dpo'`, ...) scripts/export_hf.py recorded in a directory's config.json; None for
+    other directories."""
+    task = _read_json(os.path.join(path, "config.json")).get(EXPORTED_TASK)
+    return task if isinstance(task, str) else None
 
 
 def _read_json(file):
@@ -287,7 +298,7 @@ def save_pretrained(model, params, path, *, max_shard_bytes=5 * 2**30, score=Non
     os.makedirs(path, exist_ok=True)
     hf = json.loads(config.hf_config) if config.hf_config else {}
     for stale in ("rope_scaling", "rope_theta", "torch_dtype", "architectures", "num_labels", "id2label",
-                  "label2id"):
+                  "label2id", EXPORTED_TASK):
         hf.pop(stale, None)
     hf.update(fam.config_to_hf(config))
     tensors = {}

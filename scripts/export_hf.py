@@ -8,7 +8,9 @@ tokenizer.model) is copied beside it. `--adapter_only` writes a LoRA run's adapt
 directory (adapter_config.json, adapter_model.safetensors: `peft.PeftModel.from_pretrained(base, out)` reads it onto
 the base model it was trained on). --out is a new or empty directory; --overwrite writes into one that is not,
 removing first the files an export writes (so none of an earlier export is read beside this one). config.json
-gets the run's EOS and padding ids where the model's config had none (transformers' `generate` then stops at EOS).
+gets the run's EOS and padding ids where the model's config had none (transformers' `generate` then stops at EOS),
+and the run's task (generate.py --init_from then answers an SFT, DPO or PPO model after its separator, as from the
+workdir).
 
   python scripts/export_hf.py --workdir=workdir --out=hf_model
   python scripts/export_hf.py --workdir=workdir_reward --out=hf_reward_model
@@ -62,15 +64,17 @@ def _clear_exported(present):
             os.remove(os.path.join(FLAGS.out, name))
 
 
-def _note_token_ids(tokenizer):
+def _note_run(task, tokenizer):
     """config.json's eos / pad ids from the run's tokenizer where the model's config had none, so that transformers'
-    `generate` stops at EOS."""
+    `generate` stops at EOS; and the run's task (`models.hf.EXPORTED_TASK`), by which generate.py --init_from answers
+    a model tuned on prompt / response rows after the separator it was trained with."""
     path = os.path.join(FLAGS.out, "config.json")
     with open(path) as f:
         config = json.load(f)
     for key, value in (("eos_token_id", tokenizer.eos_id), ("pad_token_id", tokenizer.pad_id)):
         if config.get(key) is None and value is not None:
             config[key] = int(value)
+    config[models.hf.EXPORTED_TASK] = task
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
@@ -96,7 +100,7 @@ def main(argv):
             models.save_reward_model(model, params, FLAGS.out, pad_token_id=tokenizer.pad_id)
         else:
             models.save_pretrained(model, params, FLAGS.out)
-        _note_token_ids(tokenizer)
+        _note_run(task, tokenizer)
         copied = [name for name in text_data.TOKENIZER_FILES if os.path.exists(os.path.join(FLAGS.workdir, name))]
         for name in copied:
             shutil.copy(os.path.join(FLAGS.workdir, name), os.path.join(FLAGS.out, name))

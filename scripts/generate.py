@@ -84,6 +84,7 @@ def main(argv):
     if FLAGS.init_from:
         model, params, tokenizer = model_start.load_hf(
             FLAGS.init_from, families=[*script_flags.DECODER_FAMILIES, "t5"], mesh=mesh)
+        task = models.hf.exported_task(FLAGS.init_from)  # an export_hf.py directory's run: its separator below
     else:
         tasks = ("lm", "seq2seq", "sft", "dpo", "ppo")
         task, model, params, tokenizer = run_record.restore_run(FLAGS.workdir, mesh, tasks=tasks,

@@ -88,7 +88,7 @@ def _check_generate_and_export(family, hf_model, workdir, generated, exported, g
 @pytest.mark.slow  # CI time (22 s); Gemma 2 itself: tests/test_gemma.py, the scripts: the chains below
 def test_gemma2_sft_generate_and_export(hf_checkpoint, tmp_path):
     """The default suite's chain: SFT from a transformers Gemma 2 directory, then generate.py and export_hf.py of the
-    SFT workdir side by side."""
+    SFT workdir side by side, and generate.py on the export."""
     hf_model, path = hf_checkpoint("gemma2")
     sft = tmp_path / "sft"
     out, = _run_all(("train_sft.py", f"--init_from={path}", "--tokenizer=word", f"--workdir={sft}", "--max_steps=2",
@@ -98,6 +98,10 @@ def test_gemma2_sft_generate_and_export(hf_checkpoint, tmp_path):
         ("generate.py", f"--workdir={sft}", f"--prompts={','.join(_PROMPTS)}", "--max_new_tokens=6", "--mesh=2,2,2"),
         ("export_hf.py", f"--workdir={sft}", f"--out={tmp_path / 'hf'}"))
     _check_generate_and_export("gemma2", hf_model, sft, generated, tmp_path / "hf", greedy=False)
+    # The export records its SFT run: generate.py answers from it after the separator, as from the workdir.
+    exported, = _run_all(("generate.py", f"--init_from={tmp_path / 'hf'}", "--tokenizer=word",
+                          f"--prompts={','.join(_PROMPTS)}", "--max_new_tokens=6", "--mesh=2,2,2"))
+    assert exported.split("--- ")[1:] == generated.split("--- ")[1:], (exported, generated)
 
 
 @pytest.mark.slow
