@@ -22,7 +22,7 @@ import shutil
 
 
 import jax
-from absl import flags
+from absl import flags, logging
 
 import models
 from engine.tasks import cli, run_record, script_flags, text_data
@@ -90,6 +90,10 @@ def main(argv):
     if jax.process_index() == 0:
         _clear_exported(present)
     if FLAGS.adapter_only:
+        if model.config.quantize is not None:  # QLoRA: the adapters learnt the quantized base's weights
+            logging.warning("--adapter_only: the adapters were trained on the %s-quantized base; onto the float base "
+                            "they answer otherwise (quantize the base as the run did, or export without "
+                            "--adapter_only: the adapters merged into the run's own base)", model.config.quantize)
         if jax.process_index() == 0:
             models.save_lora_adapter(model, params, FLAGS.out)
             print(f"wrote the {task} run's LoRA adapters (rank {model.config.lora_rank}) as a PEFT adapter to "

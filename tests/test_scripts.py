@@ -566,6 +566,9 @@ def test_lora_sft_on_a_hugging_face_model_exports_a_peft_adapter_that_the_next_r
     _run("export_hf.py", f"--workdir={tmp_path / 'c'}", f"--out={tmp_path / 'c_hf'}")
     model, params = models.load_pretrained(str(tmp_path / "c_hf"))
     assert model.config.quantize is None and params["layers_0"]["attn"]["q"]["kernel"].dtype == np.float32
+    # Its adapters alone learnt the nf4 base's weights: the export says so.
+    out = _run("export_hf.py", f"--workdir={tmp_path / 'c'}", f"--out={tmp_path / 'c_adapter'}", "--adapter_only")
+    assert "--adapter_only: the adapters were trained on the nf4-quantized base" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.slow
