@@ -51,8 +51,8 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from engine.checkpoint import (_META_DIGEST, Checkpointer, CorruptCheckpointError, _agreed, _meta_digest,
-                               check_leaves)
+from engine.checkpoint import (_META_DIGEST, Checkpointer, CorruptCheckpointError, StateMismatchError, _agreed,
+                               _meta_digest, check_leaves)
 
 _INDEX_DIGEST = "index_sha256"  # the local meta's key of its index file's digest
 
@@ -327,15 +327,26 @@ class TieredCheckpointer:
             return self.persistent.read_meta(step)
         return _agreed(step, "local meta", lambda: self.local.read_meta(step))
 
-    def restore(self, step, abstract_state):
+    def restore(self, step, abstract_state, *, whole=True):
+        """whole=False: `abstract_state` is part of the saved state (`restore_params`'s), its leaves not checked
+        against the saved ones."""
         if self._reading is self.persistent:
             return self.persistent.restore(step, abstract_state)
         meta = self.read_meta(step)
-        self.local.check_leaves(step, abstract_state)
-        covered = np.int32(self.local.covers(step, abstract_state))
-        if jax.process_count() > 1:
-            covered = np.asarray(multihost_utils.process_allgather(covered)).min()
-        if not covered:
+        mismatch = None
+        try:
+            if whole:
+                self.local.check_leaves(step, abstract_state)
+        except StateMismatchError as e:
+            mismatch = e
+        found = np.array([self.local.covers(step, abstract_state), mismatch is not None], np.int32)
+        if jax.process_count() > 1:  # decided together: a process going on alone would wait in the next collective
+            every = np.asarray(multihost_utils.process_allgather(found))
+            found = np.array([every[:, 0].min(), every[:, 1].max()], np.int32)
+        if found[1]:
+            raise mismatch or StateMismatchError(f"step {step} of {self.local.directory} holds another training "
+                                                 "state than this run's on another process")
+        if not found[0]:
             raise _OtherLayout(step, "its local copy holds the blocks of another mesh or process count")
         state = _agreed(step, "local state", lambda: self.local.restore(step, abstract_state))
         return state, meta
@@ -343,7 +354,7 @@ class TieredCheckpointer:
     def restore_params(self, step, abstract_params):
         if self._reading is self.persistent:
             return self.persistent.restore_params(step, abstract_params)
-        return self.restore(step, {"params": abstract_params})[0]["params"]
+        return self.restore(step, {"params": abstract_params}, whole=False)[0]["params"]
 
     def restore_newest(self, attempt, *, set_aside):
         """`Checkpointer.restore_newest` over both tiers: each step's local copy (when every process holds it)

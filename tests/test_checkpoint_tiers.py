@@ -133,7 +133,8 @@ def test_a_local_copy_of_another_mesh_is_skipped_and_kept(tmp_path, crashed):
 
 def test_a_state_of_other_leaves_is_refused_and_every_copy_kept(tmp_path, crashed):
     """A restart under another optimizer is refused in one line (checkpoint.StateMismatchError) without deleting
-    the local copy it cannot read into that state, nor moving the persistent step aside."""
+    the local copy it cannot read into that state, nor moving the persistent step aside; with params_only the local
+    copy gives it the parameters."""
     _crashed_run(tmp_path, crashed)
     with pytest.raises(StateMismatchError, match=r"^step 6 of .* holds another training state than this run's"):
         engine.Trainer(mesh=engine.make_mesh(data=4, model=2), params=task.init_params(),
@@ -141,6 +142,13 @@ def test_a_state_of_other_leaves_is_refused_and_every_copy_kept(tmp_path, crashe
                        loss_fn=task.loss_fn, collate_fn=task.collate_fn, workdir=str(tmp_path / "work"),
                        checkpointing=engine.Checkpointing(local_dir=str(tmp_path / "local"), local_every=2))
     assert LocalCheckpoints(str(tmp_path / "local"), str(tmp_path / "work")).steps() == [6]
+    fresh = engine.Trainer(mesh=engine.make_mesh(data=4, model=2), params=task.init_params(),
+                           optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+                           loss_fn=task.loss_fn, collate_fn=task.collate_fn, workdir=str(tmp_path / "work"),
+                           checkpointing=engine.Checkpointing(local_dir=str(tmp_path / "local"), local_every=2,
+                                                              params_only=True))
+    assert fresh.step == 6  # its parameters only, from the local copy, with the new optimizer's fresh state
+    fresh.close()
     again = _trainer(tmp_path)
     assert again.step == 6
     again.close()
