@@ -50,6 +50,9 @@ def _check_out():
     if os.path.exists(FLAGS.out) and not os.path.isdir(FLAGS.out):
         raise ValueError(f"--out={FLAGS.out} is a file; expected a directory to write the checkpoint to")
     present = sorted(os.listdir(FLAGS.out)) if os.path.isdir(FLAGS.out) else []
+    if run_record.RUN_FILE in present:  # --overwrite would remove the tokenizer file its run.json reads
+        raise ValueError(f"--out={FLAGS.out} is a training workdir (it holds {run_record.RUN_FILE}); expected "
+                         "another directory for the export")
     if present and not FLAGS.overwrite:
         shown = ", ".join(present[:4]) + (f" and {len(present) - 4} more" if len(present) > 4 else "")
         raise ValueError(f"--out={FLAGS.out} is not empty ({shown}); expected a new or empty directory, or "

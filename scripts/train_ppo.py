@@ -262,11 +262,14 @@ def main(argv):
     iteration = {"rollout_batch_size": rollout_batch_size, "ppo_epochs": FLAGS.ppo_epochs,
                  "samples_per_prompt": samples}
     _check_resume(mesh, iteration, (train_records, eval_records))
-    _, actor, actor_params, tokenizer = model_start.start_decoder(mesh, tasks=("lm", "sft"), seq_len=128)
+    _, actor, actor_params, tokenizer = model_start.start_decoder(mesh, tasks=("lm", "sft"), seq_len=None)
     actor, actor_params = model_start.with_pipeline(actor, actor_params)
     longest = max(len(preference.prompt_tokens(tokenizer, r["prompt"], 1 << 30, f"prompt {n}"))
                   for n, r in enumerate(train_records + eval_records))
     seq_len = longest + FLAGS.max_new_tokens - 1
+    model_start.check_positions(actor, seq_len, what=f"rows of {seq_len} tokens (the longest prompt's {longest} with "
+                                f"the separator, then --max_new_tokens={FLAGS.max_new_tokens} - 1)",
+                                expected="shorter prompts or a smaller --max_new_tokens")
     critic, critic_params, rewards = _critic_and_rewards(mesh, actor, actor_params, tokenizer,
                                                          train_records + eval_records)
     # The Trainer places its own copies (it donates those), so the reference and the reward model may be the very

@@ -634,7 +634,7 @@ def _bad_inputs(tmp_path, slow):
     if not slow:
         return {
             ("export_hf.py", f"--out={tmp_path}"): f"--out={tmp_path} is not empty (",
-            # Refused before the models load (a fresh model here would build).
+            # Refused in one line (before the models load, as it happens; a fresh model here would build).
             ("train_ppo.py", f"--workdir={tmp_path / 'ppo_shared'}", "--critic_learning_rate=1e-3"):
                 f"--critic_learning_rate=0.001 where the run in {tmp_path / 'ppo_shared'} had it unset: the critic "
                 "would get an optimizer of its own, whose state its checkpoints do not hold; expected "
@@ -669,6 +669,11 @@ def _bad_inputs(tmp_path, slow):
             ("export_hf.py", f"--workdir={tmp_path}", f"--out={tmp_path / 'x'}"): "has no run.json",
             ("export_hf.py", f"--out={tmp_path / 'empty.txt'}"): f"--out={tmp_path / 'empty.txt'} is a file; expected "
                                                                  "a directory",
+            ("export_hf.py", f"--out={tmp_path / 'rmrun'}", "--overwrite"): f"--out={tmp_path / 'rmrun'} is a "
+                                                                           "training workdir (it holds run.json)",
+            ("train_ppo.py", "--model=opt", '--model_overrides={"max_position_embeddings": 8}'):
+                "with a model of 8 learned positions (its max_position_embeddings); expected shorter prompts or a "
+                "smaller --max_new_tokens",
             ("train_lm.py", "--save_best=loss"): "--save_best=loss; expected METRIC:min or METRIC:max",
             ("train_sft.py", "--eval_every=-2"): "--eval_every=-2; expected an integer >= 0",
             # The Parquet records read, their fields from the named columns: the error is the prompt's length.

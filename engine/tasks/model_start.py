@@ -22,7 +22,8 @@ def start_decoder(mesh, *, tasks, seq_len):
     --model_overrides: the latest checkpoint of a training script's workdir whose task is one of `tasks` (task is
     then that run's), a Hugging Face directory (task None) or a fresh model (task None) with byte-level tokens when
     --data is given and the toy tasks' word tokens otherwise; then the --lora_* flags (`with_lora`). Parameters are
-    placed on `mesh`."""
+    placed on `mesh`. seq_len: the tokens of a training row (a fresh model's positions, at least 128; checked against
+    an --init_from model's learned positions), None when the script learns it later (and checks it then)."""
     task, model, params, tokenizer = _start_decoder(mesh, tasks, seq_len)
     return (task, *apply_lora_flags(model, params, mesh), tokenizer)
 
@@ -48,14 +49,15 @@ def merge_adapter(model, params, adapter, mesh):
                                                          layout=_layout(mesh)))
 
 
-def check_positions(model, length, what="--seq_len"):
+def check_positions(model, length, what=None, expected=None):
     """ValueError in one line when rows of `length` tokens reach past the learned position table of `model` (OPT's;
-    a position past it reads no embedding and the loss turns NaN). Rotary models take any position."""
+    a position past it reads no embedding and the loss turns NaN). Rotary models take any position. what / expected:
+    the rows and the remedy as the message names them (default: --seq_len's)."""
     backbone = getattr(model, "backbone", model)
     positions = backbone.config.max_position_embeddings
     if getattr(backbone, "position_offset", None) is not None and length > positions:
-        raise ValueError(f"{what}={length} with a model of {positions} learned positions (its "
-                         f"max_position_embeddings); expected {what} <= {positions}")
+        raise ValueError(f"{what or f'--seq_len={length}'} with a model of {positions} learned positions (its "
+                         f"max_position_embeddings); expected {expected or f'--seq_len <= {positions}'}")
 
 
 def _start_decoder(mesh, tasks, seq_len):
@@ -65,7 +67,8 @@ def _start_decoder(mesh, tasks, seq_len):
             started = restore_run(FLAGS.init_from, mesh, tasks=tasks, **model_options(runtime_only=True))
         else:
             started = (None, *load_hf(FLAGS.init_from, families=DECODER_FAMILIES, mesh=mesh))
-        check_positions(started[1], seq_len)
+        if seq_len is not None:  # None: the script knows its rows' length later (and checks it then)
+            check_positions(started[1], seq_len)
         return started
     model, tokenizer = fresh_decoder(seq_len)
     params = models.init_params(model, jax.random.PRNGKey(FLAGS.seed), layout=_layout(mesh))
@@ -92,7 +95,7 @@ def fresh_decoder(seq_len):
     """(model, tokenizer) of a fresh decoder: `fresh_model` of --model for `fresh_tokenizer()`, with room for
     seq_len positions (at least 128)."""
     tokenizer = fresh_tokenizer()
-    return fresh_model(tokenizer, {"max_position_embeddings": max(seq_len, 128)}, family=FLAGS.model,
+    return fresh_model(tokenizer, {"max_position_embeddings": max(seq_len or 0, 128)}, family=FLAGS.model,
                        families=DECODER_FAMILIES), tokenizer
 
 
