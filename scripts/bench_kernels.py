@@ -71,6 +71,8 @@ flags.DEFINE_float("attention_dropout", 0.0, "When > 0, also time flash_attentio
                    lower_bound=0.0, upper_bound=0.95)
 flags.DEFINE_enum("implementation", None, ["xla", "triton", "mosaic_tpu"], "Our kernels' implementation; default the "
                   "backend's fastest (with --interpret on CPU: 'triton').")
+flags.DEFINE_bool("splash_interpret", False, "Also time JAX's TPU splash attention (a TPU's baseline row) in "
+                  "Pallas's interpreter: a CPU smoke check of that row.")
 flags.DEFINE_bool("interpret", False, "Run the Pallas kernels in Pallas's interpreter (a CPU smoke check).")
 flags.DEFINE_integer("max_candidates", 0, "--tune: time at most this many candidates per table (0: all).")
 flags.DEFINE_list("tune", [], "Kernel families whose block sizes to search instead of printing the benchmark tables: "
@@ -201,11 +203,37 @@ def bench_attention():
                     ours_fn, dropout_rate=FLAGS.attention_dropout, dropout_rng=jax.random.key(0))
             paths["jax.nn[xla]"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                                      implementation="xla")
+            if jax.default_backend() == "tpu" or FLAGS.splash_interpret:
+                paths["splash (MaxText's TPU kernel)"] = _splash_attention(causal, heads, kv_heads, seq_len)
             for name, attend in paths.items():
                 rows.append(_measure(f"{name} fwd", shape, attend, (q, k, v), fwd_flops))
             for name, attend in paths.items():
                 rows.append(_measure(f"{name} fwd+bwd", shape, _attention_grads(attend), (q, k, v), 3.5 * fwd_flops))
     return rows
+
+
+def _splash_attention(causal, heads, kv_heads, seq_len):
+    """JAX's splash attention (jax.experimental.pallas.ops.tpu.splash_attention), what MaxText trains with on TPU:
+    attend(q, k, v) over [B, T, H, D] inputs as flash_attention takes them. The MQA kernel per batch row and key /
+    value head (GQA as MaxText runs it), 512-token blocks everywhere (MaxText's defaults, at most T), the queries
+    scaled first (splash does not scale); the transposes to its head-major layout are timed with it, as MaxText's."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    block = min(512, seq_len)
+    one = masks.CausalMask((seq_len, seq_len)) if causal else masks.FullMask((seq_len, seq_len))
+    kernel = splash.make_splash_mqa_single_device(
+        masks.MultiHeadMask([one] * (heads // kv_heads)), interpret=FLAGS.splash_interpret,
+        block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                      block_kv_dq=block))
+
+    def attend(q, k, v):
+        b, t, h, d = q.shape
+        q = (q * (d ** -0.5)).astype(q.dtype).reshape(b, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+        k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, KV, T, D]
+        out = jax.vmap(jax.vmap(kernel))(q, k, v)  # [B, KV, H / KV, T, D]
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return attend
 
 
 def _attention_candidates():

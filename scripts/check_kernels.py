@@ -30,6 +30,8 @@ flags.DEFINE_bool("interpret", False, "Run the Triton kernels in Pallas's interp
 flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "Input dtypes.")
 flags.DEFINE_enum("size", None, ["small", "large"], "Shapes; default large on an accelerator, small on CPU.")
 flags.DEFINE_integer("seed", 0, "First random key; every row uses a fresh one.")
+flags.DEFINE_list("only", None, "Check only the rows whose kernel name contains one of these (e.g. paged,gated); "
+                  "unset: every row.")
 flags.DEFINE_enum("reference", "host", ["host", "device"], "Where the float32 reference runs: the host's CPU (exact "
                   "float32 dots, compiled in seconds) or the accelerator at the highest matmul precision.")
 
@@ -310,13 +312,17 @@ def main(argv):
         if dtype_name not in LIMITS:
             raise ValueError(f"--dtypes has {dtype_name!r}; expected some of {sorted(LIMITS)}")
     size = FLAGS.size or ("small" if on_cpu else "large")
+    on_nvidia = not FLAGS.interpret and is_nvidia_gpu(jax.devices()[0])
+    chosen_cases = [c for c in cases(size, cudnn=on_nvidia) if not FLAGS.only or any(o in c.name for o in FLAGS.only)]
+    if not chosen_cases:
+        raise ValueError(f"--only={','.join(FLAGS.only)} matches no row; expected parts of the kernel names: "
+                         f"{', '.join(c.name for c in cases(size, cudnn=on_nvidia))}")
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  implementation: {chosen}"
           f"{' (interpret)' if FLAGS.interpret else ''}  reference: float32 on the {FLAGS.reference}", flush=True)
     _row([name for name, _ in COLUMNS])
     rows = failed = 0
     key = jax.random.key(FLAGS.seed)
-    on_nvidia = not FLAGS.interpret and is_nvidia_gpu(jax.devices()[0])
-    for name, shape, fn, shapes, backward, dtypes in cases(size, cudnn=on_nvidia):
+    for name, shape, fn, shapes, backward, dtypes in chosen_cases:
         for dtype_name in (d for d in FLAGS.dtypes if dtypes is None or d in dtypes):
             key, sub = jax.random.split(key)
             try:
