@@ -7,6 +7,9 @@ picks that target's; `flash_attention` first reads the measured defaults table, 
 is the plain-JAX reference that runs everywhere. `interpret=True` runs a Pallas implementation in Pallas's
 interpreter (on CPU), so `None` + `interpret=True` on a CPU picks the GPU-flavoured kernel.
 """
+import contextlib
+import contextvars
+
 import jax
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")  # every op's
@@ -52,6 +55,38 @@ def is_nvidia_gpu(device):
 TPU_DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
 _TPU_GENERATIONS = {**{kind: g for g, kind in TPU_DEVICE_KINDS.items()}, "TPU v5e": "v5e", "TPU v5p": "v5p",
                     "TPU v6e": "v6e"}
+
+
+# The scoped VMEM the tiled matmul kernels (fused, gated, loss, grouped) ask Mosaic for, per generation: three
+# quarters of the core's VMEM (128 MiB on v5e and v6e, 64 MiB on v5p). The default scoped limit (16 MiB; v6e 32)
+# holds their bf16 tiles but not float32 operands, int8 weights or the fused epilogue's backward, which overflowed
+# it on a real v5e (kernels/README.md). v4's core has 16 MiB in all: there such tiles are halved instead
+# (`kernels.matmul._blocks.fit_vmem`).
+MOSAIC_VMEM_LIMIT = {"v5e": 96 << 20, "v5p": 48 << 20, "v6e": 96 << 20}
+
+
+_OWN_VMEM_LIMIT = contextvars.ContextVar("own_vmem_limit", default=True)
+
+
+def mosaic_vmem_limit():
+    """`MOSAIC_VMEM_LIMIT` for the TPU generation being traced for (None: the compiler's scoped limit governs, as
+    inside `compiler_scoped_vmem`)."""
+    return MOSAIC_VMEM_LIMIT.get(tpu_generation()) if _OWN_VMEM_LIMIT.get() else None
+
+
+@contextlib.contextmanager
+def compiler_scoped_vmem():
+    """Traced within, the tiled matmul kernels ask for no VMEM limit of their own: the compiler's scoped limit
+    (`xla_tpu_scoped_vmem_limit_kib`) governs them as it does every kernel (the TPU compile tier's brackets and tile
+    searches, `kernels/tpu_compile.py`). JAX's trace caches do not key on this switch, so they are cleared on the way
+    in and out: a kernel traced on one side is traced again on the other."""
+    jax.clear_caches()
+    token = _OWN_VMEM_LIMIT.set(False)
+    try:
+        yield
+    finally:
+        _OWN_VMEM_LIMIT.reset(token)
+        jax.clear_caches()
 
 
 def tpu_generation():

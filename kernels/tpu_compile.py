@@ -12,6 +12,7 @@ compile). `overflow(error)` reads the kernel and sizes off a failed compile, `mi
 a program compiles under. `cases(generation)` is the catalogue the `tpu` tests compile and
 `scripts/tpu_compile_report.py` tabulates (kernels/README.md).
 """
+import contextlib
 import dataclasses
 import functools
 import math
@@ -24,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kernels import axes
-from kernels._dispatch import TPU_DEVICE_KINDS
+from kernels._dispatch import TPU_DEVICE_KINDS, compiler_scoped_vmem
 from kernels.attention import flash_attention
 from kernels.matmul import fused_matmul, gated_mlp, linear_cross_entropy
 
@@ -242,9 +243,12 @@ class Case:
     axis_names: tuple = (axes.DATA,)
     specs: tuple | None = dataclasses.field(default=None, repr=False)
 
-    def lower(self, generation):
-        return lower(generation, self.fn, self.shapes, num_devices=self.num_devices, axis_names=self.axis_names,
-                     specs=self.specs)
+    def lower(self, generation, own_vmem=False):
+        """Lowered for `generation`; the tiled matmuls' own VMEM limits (`_dispatch.mosaic_vmem_limit`) only with
+        `own_vmem`, so that a scoped limit given to the compiler governs every kernel."""
+        with contextlib.nullcontext() if own_vmem else compiler_scoped_vmem():
+            return lower(generation, self.fn, self.shapes, num_devices=self.num_devices, axis_names=self.axis_names,
+                         specs=self.specs)
 
 
 def _value_and_grads(fn, num_diff):
@@ -337,10 +341,11 @@ class Result:
     seconds: float
 
 
-def compile_case(generation, case, scoped_vmem=None):
-    """Compiles `case` for `generation`; a `Result` (the error raised for anything but a VMEM overflow)."""
+def compile_case(generation, case, scoped_vmem=None, own_vmem=False):
+    """Compiles `case` for `generation` (the kernels' own VMEM limits with `own_vmem`: `Case.lower`); a `Result`
+    (the error raised for anything but a VMEM overflow)."""
     start = time.perf_counter()
-    compiled, over = try_compile(case.lower(generation), scoped_vmem)
+    compiled, over = try_compile(case.lower(generation, own_vmem), scoped_vmem)
     return Result(generation, case, None if compiled is None else device_bytes(compiled), over,
                   time.perf_counter() - start)
 

@@ -370,3 +370,48 @@ def test_a_frozen_weight_gets_no_gradient_matmul(impl):
         only_x = jax.make_jaxpr(jax.grad(f, argnums=0))(x, w).jaxpr
         assert _count(only_x, names) < _count(both, names), name
         np.testing.assert_allclose(jax.grad(f)(x, w), jax.grad(f, argnums=(0, 1))(x, w)[0], rtol=1e-6, err_msg=name)
+
+
+def _vmem_limit(eqn):
+    params = eqn.params["compiler_params"]  # a dict by backend in some JAX releases
+    return (params.get("mosaic_tpu", params) if isinstance(params, dict) else params).vmem_limit_bytes
+
+
+@pytest.mark.parametrize("generation, limit", [("v5e", 96 << 20), ("v5p", 48 << 20), ("v6e", 96 << 20), ("v4", None)])
+def test_mosaic_matmuls_ask_for_the_generations_vmem_and_v4_halves_heavy_tiles(generation, limit):
+    """Float32 operands, int8 weights and the fused epilogue's backward overflowed the default scoped VMEM on a real
+    v5e (kernels/README.md): every tiled matmul kernel asks for `MOSAIC_VMEM_LIMIT` of its generation, and v4, whose
+    16 MiB cannot be raised, takes those tiles halved in rows and columns, keeping the searched bf16 forward's."""
+    from kernels import tpu_compile
+    from kernels._dispatch import compiler_scoped_vmem
+    from kernels.grouped_matmul import grouped_matmul
+
+    def traced(fn, *shapes):
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        with tpu_compile.traced_for(generation):
+            return tpu_compile.pallas_calls(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), (0, 1)), *args)
+
+    def out_tiles(calls):
+        return {e.params["grid_mapping"].block_mappings[-1].transformed_block_aval.shape for _, e in calls}
+
+    k, n = 4096, 8192
+    sizes = jnp.asarray([512, 512], jnp.int32)
+    programs = {"bf16": traced(lambda x, w: fused_matmul(x, w, implementation="mosaic_tpu"),
+                               ((4096, k), jnp.bfloat16), ((k, n), jnp.bfloat16)),
+                "f32": traced(lambda x, w: fused_matmul(x, w, activation="gelu", implementation="mosaic_tpu"),
+                              ((4096, k), jnp.float32), ((k, n), jnp.float32)),
+                "loss": traced(lambda x, w: linear_cross_entropy(x, w, jnp.zeros(4096, jnp.int32),
+                                                                 implementation="mosaic_tpu"),
+                               ((4096, k), jnp.float32), ((k, 32768), jnp.float32)),
+                "grouped": traced(lambda x, w: grouped_matmul(x, w, sizes, implementation="mosaic_tpu"),
+                                  ((1024, k), jnp.bfloat16), ((2, k, n), jnp.bfloat16))}
+    for name, calls in programs.items():
+        assert calls, name
+        for kernel, eqn in calls:
+            assert _vmem_limit(eqn) == limit, (name, kernel)
+    bf16, f32 = (max(t[0] * t[1] for t in out_tiles(programs[p])) for p in ("bf16", "f32"))
+    assert f32 == (bf16 // 4 if generation == "v4" else bf16), (bf16, f32)
+    with compiler_scoped_vmem():  # the compile tier's: the compiler's scoped limit governs, traced anew
+        calls = traced(lambda x, w: fused_matmul(x, w, implementation="mosaic_tpu"), ((4096, k), jnp.bfloat16),
+                       ((k, n), jnp.bfloat16))
+    assert {_vmem_limit(eqn) for _, eqn in calls} == {None}

@@ -42,10 +42,19 @@ def test_the_checked_in_table_answers_what_was_measured_and_its_neighbours():
         for op in ("gated_mlp", "linear_cross_entropy"):
             assert kernels.default_implementation(op, device_kind=kind, dtype=jnp.bfloat16) == "plain"
             assert kernels.default_implementation(op, device_kind=kind, dtype="bfloat16", training=False) == "triton"
-    for kind, rule in (("NVIDIA A100-SXM4-80GB", "triton"), ("NVIDIA A10", "triton"), ("TPU v5 lite", "mosaic_tpu"),
+    for kind, rule in (("NVIDIA A100-SXM4-80GB", "triton"), ("NVIDIA A10", "triton"), ("TPU v5p", "mosaic_tpu"),
                        ("cpu", "xla")):
         assert _attention(kind) == rule, kind
         assert kernels.default_implementation("linear_cross_entropy", device_kind=kind, dtype="bfloat16") == rule
+    # A real v5e (scripts/tpu_check.sh bench): the Mosaic attention at every class it timed, and their neighbours;
+    # plain XLA matmuls for the gated MLP and the trained loss, the fused loss for its forward alone.
+    v5e = "TPU v5 lite"
+    for seq_len, head_dim, causal, segments in ((4096, 128, True, True), (16384, 64, False, False),
+                                                (2048, 128, True, False), (32768, 64, True, True)):
+        assert _attention(v5e, seq_len, head_dim, causal, segments=segments) == "mosaic_tpu", (seq_len, head_dim)
+    for op, trained, inference in (("gated_mlp", "plain", "plain"), ("linear_cross_entropy", "plain", "mosaic_tpu")):
+        assert kernels.default_implementation(op, device_kind=v5e, dtype="bfloat16") == trained
+        assert kernels.default_implementation(op, device_kind=v5e, dtype="bfloat16", training=False) == inference
     assert kernels.default_implementation("gated_mlp", dtype="bfloat16") == "xla"  # this CPU: the per-backend rule
 
 
@@ -90,11 +99,11 @@ def test_a_class_without_its_own_entry_takes_the_nearest_measured_one(tmp_path, 
 def test_every_entry_states_its_measurement():
     entries = _defaults.read_table()
     assert {(e["op"], e["device_kind"]) for e in entries} == {
-        ("flash_attention", H200), ("gated_mlp", H200), ("linear_cross_entropy", H200)}
+        (op, kind) for op in ("flash_attention", "gated_mlp", "linear_cross_entropy") for kind in (H200, "TPU v5 lite")}
     for e in entries:
         assert e["choice"] == min(e["times"], key=e["times"].get) and len(e["times"]) >= 2, e
         assert all(e.get(field) for field in ("date", "jax", "command", "shape", "unit", "source")), e
-        assert "issue 44" in e["source"]
+        assert ("issue 44" if e["device_kind"] == H200 else "tpu_check.sh") in e["source"]
 
 
 @pytest.mark.parametrize("op, shape, match", [
@@ -300,3 +309,25 @@ def test_a_candidate_that_disagrees_is_never_a_default():
     summed = {"plain": ((want[0],), rows["xla"]), "chunked": ((want[0].sum(),), rows["close"])}
     assert bench["_agreeing"]({"plain": 2.0, "chunked": 1.0}, summed, "plain", jnp.bfloat16) == {
         "plain": 2.0, "chunked": 1.0}
+
+
+def test_the_splash_baseline_attends_as_jax_nn_does():
+    """bench_kernels.py's TPU baseline row (JAX's splash attention as MaxText calls it: GQA through its MQA kernel,
+    the queries scaled first, heads-major) computes the attention it is timed against, causal and not (in Pallas's
+    interpreter here)."""
+    import runpy
+
+    from absl import flags
+
+    before = set(flags.FLAGS)
+    bench = runpy.run_path(os.path.join(ROOT, "scripts", "bench_kernels.py"), run_name="bench_kernels")
+    try:
+        flags.FLAGS["splash_interpret"].parse("true")
+        for causal in (True, False):
+            (q, k, v), _, _ = bench["_attention_inputs"](jnp.float32, 128, 256, 4, 2, 64, causal)
+            got = bench["_splash_attention"](causal, 4, 2, 128)(q, k, v)
+            want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+            assert float(jnp.abs(got - want).max()) < 1e-5, causal
+    finally:
+        for name in set(flags.FLAGS) - before:
+            delattr(flags.FLAGS, name)

@@ -191,3 +191,44 @@ def test_paged_attention_compiles_on_v5p(page, dtype):
     tpu_devices("v5p")
     result = compile_case("v5p", case)
     assert result.overflow is None and result.hbm_bytes <= HBM_BYTES["v5p"], result
+
+
+# ---- the matmuls' heavier tiles: float32 operands, int8 weights, the fused epilogue's backward ----
+
+def _heavy_cases():
+    """What overflowed the default scoped VMEM on a real v5e (scripts/check_kernels.py's rows, kernels/README.md),
+    forward and backward: bias + GELU in float32 and with int8 weights, the gated MLP with int8 weights in float32,
+    the loss in float32."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels import fused_matmul, gated_mlp, linear_cross_entropy
+
+    f32, n, k, f = jnp.float32, 4096, 4096, 11008
+    q_gate, q_up = (jnp.asarray(np.random.RandomState(i).randint(-127, 128, (k, f)), jnp.int8) for i in (1, 2))
+    labels = jnp.zeros(n, jnp.int32)
+    mosaic = dict(implementation="mosaic_tpu")
+    grads = tpu_compile._value_and_grads  # noqa: SLF001
+    return [
+        tpu_compile.Case("fused_matmul", "bias+gelu f32", grads(
+            lambda x, w, b: fused_matmul(x, w, b, activation="gelu", **mosaic), 3),
+            (((n, k), f32), ((k, f), f32), ((f,), f32))),
+        tpu_compile.Case("fused_matmul", "int8 bias+gelu bf16", grads(
+            lambda x, s, b: fused_matmul(x, q_gate, b, w_scale=s, activation="gelu", **mosaic), 3),
+            (((n, k), jnp.bfloat16), ((f,), f32), ((f,), jnp.bfloat16))),
+        tpu_compile.Case("gated_mlp", "int8 f32", grads(
+            lambda x, sg, su: gated_mlp(x, q_gate, q_up, w_gate_scale=sg, w_up_scale=su, **mosaic), 3),
+            (((n, k), f32), ((f,), f32), ((f,), f32))),
+        tpu_compile.Case("linear_cross_entropy", "f32 V32000", grads(
+            lambda x, w: linear_cross_entropy(x, w, labels, **mosaic), 2), (((n, k), f32), ((k, 32000), f32))),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["bias-gelu-f32", "int8-bias-gelu", "gated-int8-f32", "loss-f32"])
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_heavy_matmul_tiles_compile(generation, index):
+    """Under the VMEM the kernels ask for (kernels._dispatch.MOSAIC_VMEM_LIMIT; v4's default with halved tiles)."""
+    tpu_devices(generation)
+    case = _heavy_cases()[index]
+    result = compile_case(generation, case, own_vmem=True)
+    assert result.overflow is None, f"{case.kernel} {case.label}: {result.overflow}"

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels._dispatch import mosaic_vmem_limit
 from kernels.grouped_matmul import _cost, _groups
 from kernels.matmul.mosaic_tpu import _interpret
 from kernels.matmul.reference import dot
@@ -68,7 +69,8 @@ def gmm(lhs, rhs, group_sizes, *, trans_rhs=False, blocks, interpret=False):
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((mp, np_), lhs.dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY)),
+            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY),
+            vmem_limit_bytes=mosaic_vmem_limit()),
         interpret=_interpret(interpret),
         name="grouped_matmul",
         cost_estimate=_cost.gmm(rows=mp, contraction=cp, cols=np_, num_visits=v.segment.shape[0], block_m=bm,
@@ -111,7 +113,8 @@ def tgmm(lhs, rhs, group_sizes, *, out_dtype, blocks, interpret=False):
             scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((g, kp, np_), out_dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)),
+            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY),
+            vmem_limit_bytes=mosaic_vmem_limit()),
         interpret=_interpret(interpret),
         name="grouped_matmul_transposed",
         cost_estimate=_cost.tgmm(rows=mp, k=kp, n=np_, num_groups=g, num_visits=v.segment.shape[0], block_m=bm,

@@ -85,6 +85,15 @@ def default_block_sizes(implementation, op):
     return _TABLE[(implementation, op)]
 
 
+def fit_vmem(blocks, implementation, *, heavy):
+    """`blocks` for a Mosaic kernel whose tiles are `heavy` (float32 operands, int8 weights converted in the kernel,
+    an epilogue's backward reading the forward's tile): halved in rows and columns on v4, whose 16 MiB of VMEM
+    cannot be raised (`kernels._dispatch.MOSAIC_VMEM_LIMIT`) and whose tiles were searched on bf16 operands."""
+    if implementation != "mosaic_tpu" or not heavy or tpu_generation() != "v4":
+        return blocks
+    return dataclasses.replace(blocks, block_m=max(128, blocks.block_m // 2), block_n=max(128, blocks.block_n // 2))
+
+
 def _round_up(n, multiple):
     return -(-n // multiple) * multiple
 
@@ -149,6 +158,9 @@ def pad_operands(lhs, rhs, extras, extra_kinds, *, trans_lhs, trans_rhs, blocks,
     """
     m, k = lhs[0].shape[::-1] if trans_lhs else lhs[0].shape
     n = rhs[0].shape[0] if trans_rhs else rhs[0].shape[1]
+    heavy = (jnp.dtype(lhs[0].dtype).itemsize > 2 or any(b.dtype != lhs[0].dtype for b in rhs)
+             or "tile" in extra_kinds)
+    blocks = fit_vmem(blocks, implementation, heavy=heavy)
     bm, bn, bk = (fit(b, dim, implementation)
                   for b, dim in ((blocks.block_m, m), (blocks.block_n, n), (blocks.block_k, k)))
     mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)

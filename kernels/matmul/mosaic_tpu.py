@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels._dispatch import mosaic_vmem_limit
 from kernels.matmul import _blocks, _cost, reference
 
 
@@ -69,7 +70,8 @@ def matmul(lhs, rhs, extras=(), *, terms, epilogue, extra_kinds=(), out_dtypes, 
         out_shape=[jax.ShapeDtypeStruct((mp, np_), d) for d in out_dtypes],
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32) for _ in terms],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY)),
+            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY),
+            vmem_limit_bytes=mosaic_vmem_limit()),
         interpret=_interpret(interpret),
         input_output_aliases={len(lhs) + len(rhs) + e: o for e, o in aliases},
         name="fused_matmul",
@@ -122,7 +124,8 @@ def lce_forward(x, w, labels, *, blocks, interpret=False):
         out_shape=[jax.ShapeDtypeStruct((np_, 1), jnp.float32)] * 2,
         scratch_shapes=[pltpu.VMEM((bm, bv), jnp.float32)] + [pltpu.VMEM((bm, 1), jnp.float32)] * 3,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY)),
+            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY, pltpu.ARBITRARY),
+            vmem_limit_bytes=mosaic_vmem_limit()),
         interpret=_interpret(interpret),
         name="linear_cross_entropy_fwd",
         cost_estimate=_cost.lce_forward(x, w, vocab=vocab, tiles=(bm, bv, bd)),
