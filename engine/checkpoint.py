@@ -75,7 +75,9 @@ class Checkpointer:
         writer does at its start, deletes the unfinished saves there: those may be that run's save in progress)."""
         self.workdir = workdir
         self.directory = os.path.abspath(os.path.join(workdir, name))
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,  # (Orbax warns otherwise)
+                                               save_interval_steps=0 if read_only else 1,
+                                               enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=not read_only, create=not read_only,
                                                read_only=read_only)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))

@@ -410,6 +410,7 @@ def test_diloco_runs_say_when_they_end_between_outer_steps_and_note_changed_dilo
                                  "steps since reach it at the next outer step",
              ("--max_steps=8", "--diloco_overlap"): "with --diloco_overlap an outer step is taken in the step after "
                                                     "it falls due, so step 8's is not: the model the run ends with",
+             ("--max_steps=3",): "is the initial model (no outer step yet); the replicas' 3 steps since",
              ("--max_steps=8",): None, ("--max_steps=6", "--diloco_fragments=2"): None}
     workdir = str(tmp_path / "w")
     try:

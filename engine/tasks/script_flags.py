@@ -394,10 +394,11 @@ def check_diloco_flags():
             why = (f"with --diloco_overlap an outer step is taken in the step after it falls due, so step {end}'s "
                    "is not" if end % inner == 0 else f"--max_steps={end} is not a multiple of --diloco_inner_steps="
                    f"{inner}")
+            model = (f"its global model of step {last}, its last outer step" if last else
+                     "the initial model (no outer step yet)")
             logging.warning("%s: the model the run ends with (its checkpoint's parameters, the eval after training, "
-                            "generate.py and export_hf.py) is its global model of step %d, its last outer step; the "
-                            "replicas' %d steps since reach it at the next outer step, which a resume to a larger "
-                            "--max_steps takes", why, last, end - last)
+                            "generate.py and export_hf.py) is %s; the replicas' %d steps since reach it at the next "
+                            "outer step, which a resume to a larger --max_steps takes", why, model, end - last)
 
 
 def trainer_kwargs():

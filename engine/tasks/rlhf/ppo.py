@@ -565,7 +565,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
     needed = lambda it: {it} | {s // steps_per_iteration for s in trainer.checkpoint_steps()}  # noqa: E731
     if trainer.workdir:  # rollouts past the restored step were another run's (a fresh one is exact)
         _prune_experience(trainer.workdir, needed(trainer.step // steps_per_iteration))
-    with fit_loop.stop_on_signal() as stop:  # a signal outside `fit` (a rollout's): the run stops after the rollout
+    with fit_loop.stop_on_signal() as stop:  # a signal outside `fit`: a rollout stops at its next poll, dropped
         while trainer.step < max_steps:
             _stop_between_fits(trainer, stop)
             it = trainer.step // steps_per_iteration
@@ -585,7 +585,7 @@ def fit_ppo(trainer, ppo, prompts, *, max_steps, rollout_batch_size, per_device_
                     raise  # a poll said stop: the agreed signal is set
                 if trainer.workdir:
                     _save_experience(trainer.workdir, it, examples, stats, needed(it))
-            else:  # rollout settings changed since apply from the next rollout
+            else:  # saved before the restart: trained on as sampled then (changed rollout settings apply later)
                 logging.info("iteration %d trains on its rollout saved before the restart, as sampled then", it)
                 examples, stats = loaded
             _stop_between_fits(trainer, stop)
