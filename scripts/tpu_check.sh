@@ -65,8 +65,9 @@ fi
 if [ "$MODE" = bench ]; then
   cp kernels/defaults.json "$OUT/defaults.json"
   bench=0
-  if [ -n "${BENCH_KERNELS-attention,matmul,decode,grouped,paged}" ]; then
-    timeout -s INT "$(( $(left) - 200 ))" python3 scripts/bench_kernels.py \
+  t=$(( $(left) - 200 ))  # the rest is the defaults run's
+  if [ -n "${BENCH_KERNELS-attention,matmul,decode,grouped,paged}" ] && [ "$t" -gt 30 ]; then
+    timeout -s INT "$t" python3 scripts/bench_kernels.py \
       --kernels="${BENCH_KERNELS-attention,matmul,decode,grouped,paged}" --iters=10 --warmup=2 \
       > "$OUT/bench_kernels.log" 2>&1
     bench=$?
@@ -74,7 +75,8 @@ if [ "$MODE" = bench ]; then
     took bench_kernels "$bench"
   fi
   # The defaults: head dims 128, 64 and 256, GQA 32 / 8, at 4k and 16k tokens, causal and not, packed and not.
-  timeout -s INT "$(( $(left) - 5 ))" python3 scripts/bench_kernels.py --write_defaults="$OUT/defaults.json" \
+  t=$(( $(left) - 5 ))
+  timeout -s INT "$(( t > 1 ? t : 1 ))" python3 scripts/bench_kernels.py --write_defaults="$OUT/defaults.json" \
     ${DEFAULTS_ARGS:---seq_lens=4096,16384 --defaults_head_dims=128,64,256 --heads=32 --kv_heads=8 --tokens=16384} \
     --iters=5 --warmup=1 > "$OUT/defaults.log" 2>&1
   defaults=$?
