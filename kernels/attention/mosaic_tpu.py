@@ -28,12 +28,12 @@ from kernels.attention.reference import NEG_INF, attention_mask, dropout_multipl
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 
 
-def _dot_nt(a, b):
-    return lax.dot_general(a, b, _NT, preferred_element_type=jnp.float32)
+def _dot_nt(a, b, precision=None):
+    return lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _dot(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+def _dot(a, b, precision=None):
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _heads_major(x):

@@ -18,15 +18,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention import _paged
 from kernels.attention.api import _pad
+from kernels.attention.mosaic_tpu import _dot, _dot_nt
 from kernels.attention.reference import NEG_INF
 
 
-def _dot(a, b, dims):
-    """A product with float32 accumulation; float32 operands at full precision (Mosaic's default rounds them to
-    bf16, where the 'xla' path's matrix-vector products are exact: kernels/README.md). Decoding is bound by reading
-    the pages, not by these few rows' products."""
-    exact = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=exact, preferred_element_type=jnp.float32)
+def _precision(dtype):
+    """Full precision for float32 operands (Mosaic's default rounds them to bf16, where the 'xla' path's
+    matrix-vector products are exact: kernels/README.md). Decoding is bound by reading the pages, not by these few
+    rows' products."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def _block(length, step, plan):
@@ -56,12 +56,12 @@ def _kernel(lengths_ref, table_ref, q_ref, *refs, plan, has_scales):
         # [block_keys, head_dim] tile: one q k^T and one p v per block.
         k, v = (jnp.concatenate([r[...].astype(q.dtype) for r in refs], axis=0) for refs in (k_refs, v_refs))
         pos = block * plan.block_keys + jax.lax.broadcasted_iota(jnp.int32, (1, plan.block_keys), 1)
-        s = _paged.masked_logits(_dot(q, k, ((1,), (1,))), None if ks_ref is None else ks_ref[...], pos, length,
-                                 plan)
+        s = _paged.masked_logits(_dot_nt(q, k, _precision(q.dtype)), None if ks_ref is None else ks_ref[...], pos,
+                                 length, plan)
 
         def weighted(probs):
             p = probs[0] if vs_ref is None else probs[0] * vs_ref[...]
-            return _dot(p.astype(q.dtype), v, ((1,), (0,)))
+            return _dot(p.astype(q.dtype), v, _precision(q.dtype))
 
         m_scr[...], l_scr[...], acc_scr[...] = _paged.online_softmax(m_scr[...], l_scr[...], acc_scr[...], [s],
                                                                      weighted)
